@@ -1,0 +1,3 @@
+from mmkv_cli.cli import main
+
+main()

@@ -1,0 +1,89 @@
+"""Backbone registry: a preset name, an HF id or a local path -> a loaded Backbone adapter."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mmkv_cli.backbones import llava_onevision, qwen_vl
+from mmkv_cli.backbones.base import Backbone, PromptPieces, StreamLayout
+from mmkv_cli.backbones.tiny import TINY_BUILDERS
+from mmkv_cli.errors import ModelError, UsageError
+from mmkv_cli.presets import load_model_preset, model_names
+
+__all__ = ["Backbone", "PromptPieces", "StreamLayout", "load_backbone", "resolve_device", "default_model"]
+
+ADAPTERS = {
+    "llava_onevision": (llava_onevision.LlavaOnevisionBackbone, llava_onevision.PROMPT),
+    "qwen2_vl": (qwen_vl.QwenVLBackbone, qwen_vl.PROMPT),
+    "qwen2_5_vl": (qwen_vl.Qwen25VLBackbone, qwen_vl.PROMPT),
+}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def default_model() -> str:
+    return os.environ.get("MMKV_MODEL") or "llava-ov-0.5b"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for, but no CUDA device is available")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise UsageError(f"unknown device '{device}' (auto, cpu, cuda, cuda:N)")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device, tiny: bool) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" and not tiny else torch.float32
+    if dtype not in DTYPES:
+        raise UsageError(f"unknown dtype '{dtype}' (auto, {', '.join(sorted(set(DTYPES)))})")
+    return DTYPES[dtype]
+
+
+def load_backbone(model: str | None = None, device: str = "auto", dtype: str = "auto") -> Backbone:
+    name = model or default_model()
+    preset = load_model_preset(name)
+    target = resolve_device(device)
+    if preset is not None and preset.source == "tiny":
+        if preset.family not in TINY_BUILDERS:
+            raise ModelError(f"no tiny builder for family '{preset.family}'")
+        net, tokenizer, processor = TINY_BUILDERS[preset.family](int(preset.params.get("seed", 0)))
+        net = net.to(target, resolve_dtype(dtype if dtype != "auto" else preset.dtype, target, tiny=True))
+        adapter, prompt = ADAPTERS[preset.family]
+        return adapter(net, tokenizer, processor, name=name, source="tiny", prompt=prompt)
+    source = preset.source if preset else name
+    chosen = dtype if dtype != "auto" or preset is None else preset.dtype
+    return _load_pretrained(name, source, target, resolve_dtype(chosen, target, tiny=False))
+
+
+def _load_pretrained(name: str, source: str, device: torch.device, dtype: torch.dtype) -> Backbone:
+    import transformers
+    from transformers import AutoConfig, AutoProcessor
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=offline)
+    except Exception as err:  # hub errors come as OSError, ValueError or httpx errors
+        known = ", ".join(model_names())
+        raise ModelError(
+            f"model '{source}' is not available locally and the Hugging Face hub cannot be reached: "
+            f"download it where there is network (`hf download {source}`) and pass its folder with --model, "
+            f"or pick a preset ({known})") from err
+    family = config.model_type
+    if family not in ADAPTERS:
+        raise ModelError(f"model '{source}' is a {family}; supported: {', '.join(ADAPTERS)}")
+    classes = {"llava_onevision": "LlavaOnevisionForConditionalGeneration",
+               "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+    try:
+        net = getattr(transformers, classes[family]).from_pretrained(source, dtype=dtype, local_files_only=offline)
+        processor = AutoProcessor.from_pretrained(source, local_files_only=offline)
+    except Exception as err:
+        raise ModelError(f"cannot load model '{source}': {str(err).splitlines()[0]}") from err
+    adapter, prompt = ADAPTERS[family]
+    return adapter(net.to(device), processor.tokenizer, processor.video_processor, name=name, source=source,
+                   prompt=prompt)

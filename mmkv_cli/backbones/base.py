@@ -1,0 +1,156 @@
+"""The backbone seam: the only code that knows a model's internals. Methods see tensors, never models."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import transformers
+from transformers import DynamicCache
+
+
+@dataclass
+class StreamLayout:
+    """Positions of the whole encode stream [prefix | visual | suffix], and where the question starts.
+
+    positions are [P, n] with P = 1 (1-D RoPE) or 3 (M-RoPE temporal/height/width).
+    """
+
+    prefix: torch.Tensor
+    visual: torch.Tensor
+    suffix: torch.Tensor
+    next_position: int  # the first text position after the suffix (the question's first token)
+    rope_delta: int  # next_position - physical length of the stream: 0 for 1-D RoPE
+
+
+@dataclass(frozen=True)
+class PromptPieces:
+    prefix: str  # system + user turn, up to where the visual tokens go
+    suffix_text: str  # text right after the visual tokens (may be empty)
+    question: str  # template with {question}: the rest of the user turn and the answer prefix
+
+    def as_dict(self) -> dict:
+        return {"prefix": self.prefix, "suffix_text": self.suffix_text, "question": self.question}
+
+
+class Backbone:
+    """Adapter over a transformers vision-language model. Subclasses fill in the family specifics."""
+
+    family: str = ""
+    position_dims: int = 1
+
+    def __init__(self, model, tokenizer, video_processor, name: str, source: str, prompt: PromptPieces):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.video_processor = video_processor
+        self.name = name
+        self.source = source
+        self.prompt = prompt
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.text_config = model.config.get_text_config()
+        self._lm = model.model.language_model
+        self._frame_shape: tuple[int, int] | None = None
+
+    # --- geometry, filled in by the family ---
+    frames_per_step: int = 1  # frames fused into one temporal step (Qwen: temporal_patch_size)
+
+    def tokens_per_step(self, frame_hw: tuple[int, int]) -> int:
+        raise NotImplementedError
+
+    def visual_embeds(self, frames: np.ndarray) -> torch.Tensor:
+        """uint8 [T, H, W, 3] (T a multiple of frames_per_step) -> [1, steps * tokens_per_step, hidden]."""
+        raise NotImplementedError
+
+    def suffix_embeds(self) -> torch.Tensor:
+        """What follows the last visual token, as embeddings [1, s, hidden]."""
+        return self.embed_ids(self.text_ids(self.prompt.suffix_text))
+
+    def stream_layout(self, steps: int, frame_hw: tuple[int, int]) -> StreamLayout:
+        raise NotImplementedError
+
+    # --- text ---
+    def text_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def question_ids(self, question: str, template: str | None = None) -> list[int]:
+        return self.text_ids((template or self.prompt.question).format(question=question))
+
+    def embed_ids(self, ids: list[int]) -> torch.Tensor:
+        table = self.model.get_input_embeddings()
+        return table(torch.tensor([ids], dtype=torch.long, device=self.device))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def stop_ids(self) -> set[int]:
+        stops = set()
+        for source in (self.text_config, getattr(self.model, "generation_config", None), self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if value is not None:
+                stops.update(value if isinstance(value, (list, tuple)) else [value])
+        im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
+            stops.add(im_end)
+        return {s for s in stops if isinstance(s, int) and 0 <= s < self.text_config.vocab_size}
+
+    # --- language model ---
+    def text_positions(self, start: int, count: int) -> torch.Tensor:
+        """[P, count] positions for text tokens: the same on every M-RoPE axis."""
+        pos = torch.arange(start, start + count, device=self.device)
+        return pos.unsqueeze(0).expand(self.position_dims, -1)
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.text_config)
+
+    def cache_from_layers(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
+        """A cache holding per-layer [H_kv, n, D] tensors (a batch of one)."""
+        cache = self.new_cache()
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            cache.update(k.unsqueeze(0).to(self.device, self.dtype), v.unsqueeze(0).to(self.device, self.dtype), layer)
+        return cache
+
+    def _lm_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        # Qwen's text model takes (3, B, n); a 1-D model takes (B, n).
+        return positions.unsqueeze(1) if self.position_dims == 3 else positions
+
+    @torch.inference_mode()
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        """Run the language model over embeds [1, n, hidden] at explicit positions [P, n]; returns hidden states."""
+        out = self._lm(
+            inputs_embeds=embeds.to(self.dtype),
+            position_ids=self._lm_positions(positions.to(self.device)),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return out.last_hidden_state
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden).float()
+
+    # --- identity ---
+    def fingerprint(self) -> dict:
+        config = json.dumps(self.model.config.to_dict(), sort_keys=True, default=str)
+        return {
+            "model": self.name,
+            "source": self.source,
+            "family": self.family,
+            "revision": getattr(self.model.config, "_commit_hash", None),
+            "config_sha256": hashlib.sha256(config.encode()).hexdigest()[:16],
+            "transformers": transformers.__version__,
+        }
+
+    def kv_shape(self) -> dict:
+        cfg = self.text_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return {"layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads, "head_dim": head_dim,
+                "dtype": str(self.dtype).replace("torch.", "")}
+
+    def rotary(self) -> dict:
+        """The rotary settings a context policy needs to re-rotate stored keys."""
+        params = dict(getattr(self.text_config, "rope_parameters", None) or {})
+        return {"scheme": "mrope" if self.position_dims == 3 else "rope", "keys": "post-rope", **params}

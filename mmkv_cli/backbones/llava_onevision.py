@@ -1,0 +1,73 @@
+"""LLaVA-OneVision: SigLIP frames pooled 2x2, a Qwen2 language model with 1-D RoPE, one newline after a video."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from mmkv_cli.backbones.base import Backbone, PromptPieces, StreamLayout
+
+PROMPT = PromptPieces(
+    prefix="<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n",
+    suffix_text="",
+    question="\n{question}<|im_end|>\n<|im_start|>assistant\n",
+)
+
+
+class LlavaOnevisionBackbone(Backbone):
+    family = "llava_onevision"
+    position_dims = 1
+    frames_per_step = 1
+
+    def visual_grid(self, frame_hw: tuple[int, int]) -> tuple[int, int]:
+        # Every frame is resized to the vision tower's square input, then pooled to ceil(side / 2).
+        vision = self.model.config.vision_config
+        side = math.ceil((vision.image_size // vision.patch_size) / 2)
+        return side, side
+
+    def tokens_per_step(self, frame_hw: tuple[int, int]) -> int:
+        h, w = self.visual_grid(frame_hw)
+        return h * w
+
+    @torch.inference_mode()
+    def visual_embeds(self, frames: np.ndarray) -> torch.Tensor:
+        pixels = self.video_processor(videos=[frames], return_tensors="pt")["pixel_values_videos"]
+        config = self.model.config
+        out = self.model.model.get_video_features(
+            pixels.to(self.device, self.dtype),
+            vision_feature_layer=config.vision_feature_layer,
+            vision_feature_select_strategy=config.vision_feature_select_strategy,
+            return_dict=True,
+        )
+        return out.pooler_output[:, :-1]  # the trailing newline belongs to the suffix
+
+    @torch.inference_mode()
+    def suffix_embeds(self) -> torch.Tensor:
+        newline = self.model.model.image_newline.view(1, 1, -1).to(self.dtype)
+        text = self.text_ids(self.prompt.suffix_text)
+        return torch.cat([newline, self.embed_ids(text)], dim=1) if text else newline
+
+    def stream_layout(self, steps: int, frame_hw: tuple[int, int], step_seconds: float = 1.0) -> StreamLayout:
+        n_prefix = len(self.text_ids(self.prompt.prefix))
+        n_visual = steps * self.tokens_per_step(frame_hw)
+        n_suffix = 1 + len(self.text_ids(self.prompt.suffix_text))
+        pos = torch.arange(n_prefix + n_visual + n_suffix).unsqueeze(0)
+        return StreamLayout(
+            prefix=pos[:, :n_prefix],
+            visual=pos[:, n_prefix:n_prefix + n_visual],
+            suffix=pos[:, n_prefix + n_visual:],
+            next_position=int(pos.shape[1]),
+            rope_delta=0,
+        )
+
+    def reference_inputs(self, frames: np.ndarray, question: str) -> dict:
+        """Inputs for one ordinary HF forward over [prompt + video + question] (tests compare against it)."""
+        steps = len(frames)
+        n_video = steps * self.tokens_per_step(frames.shape[1:3]) + 1
+        ids = (self.text_ids(self.prompt.prefix) + [self.model.config.video_token_id] * n_video
+               + self.text_ids(self.prompt.suffix_text) + self.question_ids(question))
+        pixels = self.video_processor(videos=[frames], return_tensors="pt")["pixel_values_videos"]
+        return {"input_ids": torch.tensor([ids], device=self.device),
+                "pixel_values_videos": pixels.to(self.device, self.dtype)}

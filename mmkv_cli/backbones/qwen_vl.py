@@ -1,0 +1,87 @@
+"""Qwen2-VL and Qwen2.5-VL: 2-frame temporal patches, 2x2 spatial merge, 3-D M-RoPE positions."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mmkv_cli.backbones.base import Backbone, PromptPieces, StreamLayout
+
+PROMPT = PromptPieces(
+    prefix="<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>",
+    suffix_text="<|vision_end|>",
+    question="{question}<|im_end|>\n<|im_start|>assistant\n",
+)
+
+
+class QwenVLBackbone(Backbone):
+    family = "qwen2_vl"
+    position_dims = 3
+
+    @property
+    def frames_per_step(self) -> int:  # type: ignore[override]
+        return int(self.video_processor.temporal_patch_size)
+
+    def _process(self, frames: np.ndarray) -> dict:
+        return self.video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False)
+
+    def visual_grid(self, frame_hw: tuple[int, int]) -> tuple[int, int]:
+        """LLM tokens (rows, cols) of one temporal step for frames of this size."""
+        probe = np.zeros((self.frames_per_step, *frame_hw, 3), dtype=np.uint8)
+        _, h, w = self._process(probe)["video_grid_thw"][0].tolist()
+        merge = self.video_processor.merge_size
+        return h // merge, w // merge
+
+    def tokens_per_step(self, frame_hw: tuple[int, int]) -> int:
+        h, w = self.visual_grid(frame_hw)
+        return h * w
+
+    @torch.inference_mode()
+    def visual_embeds(self, frames: np.ndarray) -> torch.Tensor:
+        inputs = self._process(frames)
+        out = self.model.model.get_video_features(
+            inputs["pixel_values_videos"].to(self.device, self.dtype),
+            inputs["video_grid_thw"].to(self.device),
+            return_dict=True,
+        )
+        return torch.cat(out.pooler_output, dim=0).unsqueeze(0)
+
+    def _rope_kwargs(self, step_seconds: float) -> dict:
+        if self.family == "qwen2_5_vl":  # temporal positions follow real time in 2.5-VL
+            return {"second_per_grid_ts": torch.tensor([step_seconds])}
+        return {}
+
+    def stream_layout(self, steps: int, frame_hw: tuple[int, int], step_seconds: float = 1.0) -> StreamLayout:
+        # Ask the model itself for the M-RoPE positions of [prefix | video | suffix | one text token]:
+        # the extra token gives the question's first position, which is not len + rope_deltas.
+        h, w = self.visual_grid(frame_hw)
+        merge = self.video_processor.merge_size
+        video_id = self.model.config.video_token_id
+        prefix, suffix = self.text_ids(self.prompt.prefix), self.text_ids(self.prompt.suffix_text)
+        n_visual = steps * h * w
+        ids = torch.tensor([prefix + [video_id] * n_visual + suffix + [prefix[0]]])
+        mm_types = (ids == video_id).int() * 2
+        grid = torch.tensor([[steps, h * merge, w * merge]])
+        pos, _ = self.model.model.get_rope_index(ids, mm_token_type_ids=mm_types, video_grid_thw=grid,
+                                                 **self._rope_kwargs(step_seconds))
+        pos = pos[:, 0]
+        a, b = len(prefix), len(prefix) + n_visual
+        next_position = int(pos[0, -1])
+        return StreamLayout(prefix=pos[:, :a], visual=pos[:, a:b], suffix=pos[:, b:-1],
+                            next_position=next_position, rope_delta=next_position - (pos.shape[1] - 1))
+
+    def reference_inputs(self, frames: np.ndarray, question: str) -> dict:
+        """Inputs for one ordinary HF forward over [prompt + video + question] (tests compare against it)."""
+        inputs = self._process(frames)
+        grid = inputs["video_grid_thw"]
+        n_video = int(grid.prod()) // self.video_processor.merge_size ** 2
+        video_id = self.model.config.video_token_id
+        ids = torch.tensor([self.text_ids(self.prompt.prefix) + [video_id] * n_video
+                            + self.text_ids(self.prompt.suffix_text) + self.question_ids(question)])
+        return {"input_ids": ids.to(self.device), "mm_token_type_ids": ((ids == video_id).int() * 2).to(self.device),
+                "pixel_values_videos": inputs["pixel_values_videos"].to(self.device, self.dtype),
+                "video_grid_thw": grid.to(self.device)}
+
+
+class Qwen25VLBackbone(QwenVLBackbone):
+    family = "qwen2_5_vl"

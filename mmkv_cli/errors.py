@@ -1,0 +1,37 @@
+"""One exception family for every user-facing failure; the CLI turns each into one line + exit code."""
+
+
+class MmkvError(Exception):
+    """Base class: `str(err)` is the one line the user sees."""
+
+    exit_code = 1
+
+
+class UsageError(MmkvError):
+    """A bad argument value (budget out of range, unknown method, ...)."""
+
+    exit_code = 2
+
+
+class MediaError(MmkvError):
+    """The input media is missing, unreadable or empty."""
+
+    exit_code = 3
+
+
+class PackError(MmkvError):
+    """A .kvpack is missing, truncated, corrupted or from another model."""
+
+    exit_code = 4
+
+
+class ModelError(MmkvError):
+    """A backbone cannot be found or loaded."""
+
+    exit_code = 5
+
+
+class OutputExistsError(MmkvError):
+    """Refusing to overwrite an existing file without --force."""
+
+    exit_code = 6

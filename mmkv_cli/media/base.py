@@ -1,0 +1,57 @@
+"""The Media type every loader returns: frames read lazily by index, with timestamps and a digest."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+
+@dataclass
+class Media:
+    kind: str  # video | images | pdf
+    source: str
+    digest: str  # sha256 of the source bytes
+    timestamps: list[float]  # seconds (video), index (images), page number (pdf)
+    _read: Callable[[int, int], np.ndarray]  # (start, stop) -> uint8 [n, H, W, 3]
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.timestamps)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Frames [start, stop) as uint8 [n, H, W, 3]."""
+        return self._read(start, min(stop, self.num_frames))
+
+    def describe(self) -> dict:
+        return {
+            "kind": self.kind,
+            "source": self.source,
+            "digest": self.digest,
+            "frames": self.num_frames,
+            "timestamps": [round(t, 4) for t in self.timestamps],
+        }
+
+
+def sha256_files(paths: Iterable[Path]) -> str:
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(path.name.encode())
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def sample_times(duration: float, fps: float, max_frames: int) -> list[float]:
+    """Times at `fps` over [0, duration); uniformly thinned to `max_frames` when there are more."""
+    if duration <= 0 or fps <= 0:
+        return []
+    count = max(1, int(np.floor(duration * fps + 1e-9)))
+    times = np.arange(count) / fps
+    if max_frames and count > max_frames:
+        times = np.linspace(0, duration, max_frames, endpoint=False) + duration / (2 * max_frames)
+    return [float(t) for t in times]

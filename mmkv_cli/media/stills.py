@@ -1,0 +1,65 @@
+"""Still frames: an image folder or glob as a frame sequence, and PDF pages rendered to images."""
+
+from __future__ import annotations
+
+import glob as globlib
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from mmkv_cli.errors import MediaError
+from mmkv_cli.media.base import Media, sha256_files
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
+
+
+def image_paths(spec: str) -> list[Path]:
+    path = Path(spec)
+    if path.is_dir():
+        found = [p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES]
+    else:
+        found = [Path(p) for p in globlib.glob(spec) if Path(p).suffix.lower() in IMAGE_SUFFIXES]
+    return sorted(found)
+
+
+def _same_size(images: list[Image.Image]) -> np.ndarray:
+    # A video processor wants one frame size; the first frame sets it.
+    size = images[0].size
+    return np.stack([np.asarray(im.convert("RGB").resize(size) if im.size != size else im.convert("RGB"))
+                     for im in images])
+
+
+def _thin(count: int, max_frames: int) -> list[int]:
+    if not max_frames or count <= max_frames:
+        return list(range(count))
+    return sorted({int(i) for i in np.linspace(0, count - 1, max_frames)})
+
+
+def load_images(spec: str, max_frames: int) -> Media:
+    paths = image_paths(spec)
+    if not paths:
+        raise MediaError(f"no images found at {spec}")
+    picks = _thin(len(paths), max_frames)
+    try:
+        frames = _same_size([Image.open(paths[i]) for i in picks])
+    except (OSError, ValueError) as err:
+        raise MediaError(f"cannot read image in {spec}: {err}") from err
+    return Media(kind="images", source=spec, digest=sha256_files(paths), timestamps=[float(i) for i in picks],
+                 _read=lambda start, stop: frames[start:stop])
+
+
+def load_pdf(path: Path, max_frames: int, scale: float = 1.0) -> Media:
+    import pypdfium2 as pdfium
+
+    try:
+        doc = pdfium.PdfDocument(str(path))
+        picks = _thin(len(doc), max_frames)
+        pages = [doc[i].render(scale=scale).to_pil() for i in picks]
+    except Exception as err:  # pdfium raises PdfiumError and plain OSError
+        raise MediaError(f"cannot read PDF {path}: {err}") from err
+    if not pages:
+        raise MediaError(f"no pages in {path}")
+    frames = _same_size(pages)
+    return Media(kind="pdf", source=str(path), digest=sha256_files([path]), timestamps=[float(i) for i in picks],
+                 _read=lambda start, stop: frames[start:stop])

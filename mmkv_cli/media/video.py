@@ -1,0 +1,73 @@
+"""Video files: decord (the maintained decord2 build) first, PyAV when decord cannot open the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from mmkv_cli.errors import MediaError
+from mmkv_cli.media.base import Media, sample_times, sha256_files
+
+
+def load_video(path: Path, fps: float, max_frames: int, backend: str = "auto") -> Media:
+    if backend not in ("auto", "decord", "pyav"):
+        raise MediaError(f"unknown video backend '{backend}'")
+    if backend in ("auto", "decord"):
+        try:
+            return _load_with_decord(path, fps, max_frames)
+        except MediaError:
+            raise
+        except Exception as err:  # decord raises its own error types
+            if backend == "decord":
+                raise MediaError(f"cannot read video {path}: {err}") from err
+    return _load_with_pyav(path, fps, max_frames)
+
+
+def _media(path: Path, times: list[float], read) -> Media:
+    if not times:
+        raise MediaError(f"no frames could be read from {path}")
+    return Media(kind="video", source=str(path), digest=sha256_files([path]), timestamps=times, _read=read)
+
+
+def _load_with_decord(path: Path, fps: float, max_frames: int) -> Media:
+    import decord
+
+    reader = decord.VideoReader(str(path), ctx=decord.cpu(0))
+    total = len(reader)
+    native_fps = float(reader.get_avg_fps()) or 1.0
+    times = sample_times(total / native_fps, fps, max_frames)
+    indices = [min(total - 1, int(round(t * native_fps))) for t in times]
+
+    def read(start: int, stop: int) -> np.ndarray:
+        return reader.get_batch(indices[start:stop]).asnumpy()
+
+    return _media(path, times, read)
+
+
+def _load_with_pyav(path: Path, fps: float, max_frames: int) -> Media:
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            frames, stamps = [], []
+            for frame in container.decode(stream):
+                frames.append(frame)
+                stamps.append(float(frame.time or 0.0))
+            if not frames:
+                raise MediaError(f"no frames could be read from {path}")
+            step = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1) if len(stamps) > 1 else 1.0
+            times = sample_times(stamps[-1] - stamps[0] + step, fps, max_frames)
+            picks = [int(np.argmin(np.abs(np.array(stamps) - stamps[0] - t))) for t in times]
+            # Decoded once: keep only the sampled frames, as RGB arrays.
+            images = np.stack([frames[i].to_ndarray(format="rgb24") for i in picks]) if picks else None
+    except MediaError:
+        raise
+    except Exception as err:
+        raise MediaError(f"cannot read video {path}: {err}") from err
+
+    def read(start: int, stop: int) -> np.ndarray:
+        return images[start:stop]
+
+    return _media(path, times, read)
