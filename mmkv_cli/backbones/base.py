@@ -141,8 +141,18 @@ class Backbone:
             "family": self.family,
             "revision": getattr(self.model.config, "_commit_hash", None),
             "config_sha256": hashlib.sha256(config.encode()).hexdigest()[:16],
+            "weights_sha256": self._weights_probe(),
             "transformers": transformers.__version__,
         }
+
+    def _weights_probe(self) -> str:
+        """A cheap digest of a few weights: tells two checkpoints of one architecture apart."""
+        h = hashlib.sha256()
+        probes = [self.model.get_input_embeddings().weight, self.model.lm_head.weight,
+                  self._lm.layers[0].self_attn.q_proj.weight]
+        for weight in probes:
+            h.update(weight.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
+        return h.hexdigest()[:16]
 
     def kv_shape(self) -> dict:
         cfg = self.text_config

@@ -1,0 +1,104 @@
+"""The CLI's verbs as Python functions: encode, ask, inspect (profile lives in profile.py)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Callable
+
+from mmkv_cli import __version__
+from mmkv_cli.answer import Answer, answer_from_pack
+from mmkv_cli.backbones import Backbone, load_backbone
+from mmkv_cli.encoder import Progress, encode_media
+from mmkv_cli.media import load_media
+from mmkv_cli.methods import build_method, context_policy
+from mmkv_cli.pack import PackReader, check_writable, write_pack
+from mmkv_cli.presets import load_model_preset
+
+
+def media_defaults(model: str | None, backbone: Backbone, fps: float | None, max_frames: int | None):
+    preset = load_model_preset(model or backbone.name)
+    return (fps if fps is not None else (preset.fps if preset else 1.0),
+            max_frames if max_frames is not None else (preset.max_frames if preset else 64))
+
+
+def encode(media: str, output: str | Path, model: str | None = None, method: str = "full",
+           budget: float | None = None, device: str = "auto", dtype: str = "auto", fps: float | None = None,
+           max_frames: int | None = None, force: bool = False, backbone: Backbone | None = None,
+           progress: Progress | None = None, on_start: Callable[[int], None] | None = None) -> dict:
+    """Encode `media` into a .kvpack at `output`; returns a summary (the inspect view plus timings)."""
+    output = Path(output)
+    check_writable(output, force)  # fail before any expensive work
+    preset, policy = build_method(method, budget)
+    backbone = backbone or load_backbone(model, device, dtype)
+    fps, max_frames = media_defaults(model, backbone, fps, max_frames)
+    source = load_media(media, fps=fps, max_frames=max_frames)
+    if on_start:
+        on_start(source.num_frames)
+    encoded = encode_media(backbone, source, policy, int(preset.params.get("chunk_frames", 16)), progress)
+    header = {
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "mmkv_version": __version__,
+        "fingerprint": backbone.fingerprint(),
+        "method": {"name": method, "budget": policy.budget, "params": preset.params},
+        "media": source.describe(),
+        "prompt": backbone.prompt.as_dict(),
+        "layout": encoded.layout,
+        "rotary": backbone.rotary(),
+        "kv": backbone.kv_shape(),
+        "visual_tokens_total": encoded.visual_tokens_total,
+        "stats": {k: round(v, 4) if isinstance(v, float) else v for k, v in encoded.stats.items()},
+    }
+    write_pack(output, header, encoded.prefix, encoded.blocks, encoded.suffix, force=force)
+    return {**inspect(output), **encoded.stats}
+
+
+def ask(pack: str | Path, question: str, model: str | None = None, device: str = "auto", dtype: str = "auto",
+        max_new_tokens: int = 32, backbone: Backbone | None = None,
+        on_token: Callable[[str], None] | None = None, keep_logits: bool = False) -> Answer:
+    """Answer `question` from the pack alone; the media is never read again."""
+    reader = PackReader(pack)
+    backbone = backbone or load_backbone(model or reader.header["fingerprint"]["model"], device, dtype)
+    method = reader.header["method"]
+    policy = context_policy(method["name"], method.get("params") or {})
+    return answer_from_pack(backbone, reader, policy, question, max_new_tokens, on_token, keep_logits)
+
+
+def inspect(pack: str | Path) -> dict:
+    """What a pack holds, from its header alone (no tensor is read)."""
+    reader = PackReader(pack)
+    h = reader.header
+    kv = h["kv"]
+    per_token = 2 * kv["kv_heads"] * kv["head_dim"] * _dtype_size(kv["dtype"])
+    layers = [{"index": i, "tokens_kept": sum(b["layer_counts"][i] for b in reader.blocks)}
+              for i in range(kv["layers"])]
+    granularities: dict[str, dict] = {}
+    for b in reader.blocks:
+        g = granularities.setdefault(b["granularity"], {"blocks": 0, "tokens": 0, "bytes": 0})
+        g["blocks"] += 1
+        g["tokens"] += max(b["layer_counts"], default=0)
+        g["bytes"] += sum(b["layer_counts"]) * per_token
+    return {
+        "path": str(reader.path),
+        "format_version": h["format_version"],
+        "model": h["fingerprint"]["model"],
+        "family": h["fingerprint"]["family"],
+        "method": h["method"]["name"],
+        "budget": h["method"]["budget"],
+        "media": {k: h["media"][k] for k in ("kind", "source", "digest", "frames")},
+        "blocks": len(reader.blocks),
+        "visual_tokens_total": h["visual_tokens_total"],
+        "visual_tokens_kept": max((layer["tokens_kept"] for layer in layers), default=0),
+        "prompt_tokens": h["segments"]["prefix"]["layer_counts"][0] + h["segments"]["suffix"]["layer_counts"][0],
+        "bytes": reader.size,
+        "kv_bytes": sum(sum(b["layer_counts"]) for b in reader.blocks) * per_token,
+        "layers": layers,
+        "granularities": granularities,
+        "positions": {"dims": h["layout"]["position_dims"], "next_position": h["layout"]["next_position"],
+                      "rope_deltas": h["layout"]["rope_deltas"]},
+        "created": h["created"],
+    }
+
+
+def _dtype_size(name: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}.get(name, 4)

@@ -1,0 +1,101 @@
+"""media -> backbone -> memory policy: stream frames through one running cache, then cut it into segments."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from mmkv_cli.backbones import Backbone
+from mmkv_cli.errors import MediaError
+from mmkv_cli.media import Media
+from mmkv_cli.methods import MemoryPolicy, StreamState
+from mmkv_cli.pack import Segment
+
+Progress = Callable[[int, int], None]  # (frames done, visual tokens done)
+
+
+@dataclass
+class Encoded:
+    prefix: Segment
+    blocks: list[Segment]
+    suffix: Segment
+    layout: dict
+    visual_tokens_total: int
+    stats: dict = field(default_factory=dict)
+
+
+def _segment(name: str, cache, start: int, stop: int | None, positions: torch.Tensor) -> Segment:
+    keys = [e.keys[0, :, start:stop].cpu() for e in cache.layers]
+    values = [e.values[0, :, start:stop].cpu() for e in cache.layers]
+    return Segment(name=name, keys=keys, values=values, positions=[positions.cpu()] * len(keys))
+
+
+def _step_times(media: Media, steps: int, per_step: int) -> list[tuple[float, float]]:
+    times = media.timestamps
+    return [(times[min(s * per_step, len(times) - 1)], times[min((s + 1) * per_step, len(times)) - 1])
+            for s in range(steps)]
+
+
+def _padded(frames: np.ndarray, multiple: int) -> np.ndarray:
+    """Repeat the last frame so a chunk fills whole temporal steps (as the HF video processors do)."""
+    extra = (-len(frames)) % multiple
+    return np.concatenate([frames, np.repeat(frames[-1:], extra, axis=0)]) if extra else frames
+
+
+def encode_media(backbone: Backbone, media: Media, policy: MemoryPolicy, chunk_frames: int,
+                 progress: Progress | None = None) -> Encoded:
+    if media.num_frames == 0:
+        raise MediaError(f"no frames in {media.source}")
+    start_time = time.perf_counter()
+    per_step = backbone.frames_per_step
+    steps = -(-media.num_frames // per_step)
+    frame_hw = tuple(media.read(0, 1).shape[1:3])
+    step_seconds = (media.timestamps[-1] - media.timestamps[0]) / max(1, media.num_frames - 1) * per_step
+    layout = backbone.stream_layout(steps, frame_hw, step_seconds=step_seconds or 1.0)
+    tokens_per_step = backbone.tokens_per_step(frame_hw)
+    total = steps * tokens_per_step
+
+    cache = backbone.new_cache()
+    prefix_ids = backbone.text_ids(backbone.prompt.prefix)
+    backbone.forward(backbone.embed_ids(prefix_ids), layout.prefix, cache)
+    state = StreamState(cache=cache, prefix_len=len(prefix_ids), positions=layout.visual.cpu(),
+                        token_step=torch.arange(total) // tokens_per_step,
+                        kept=[torch.empty(0, dtype=torch.long) for _ in cache.layers], seen=0, total=total)
+    chunk = max(per_step, chunk_frames - chunk_frames % per_step)
+    peak_kv = 0
+    for first in range(0, media.num_frames, chunk):
+        frames = _padded(media.read(first, first + chunk), per_step)
+        embeds = backbone.visual_embeds(frames)
+        n = embeds.shape[1]
+        backbone.forward(embeds, layout.visual[:, state.seen:state.seen + n], cache)
+        new = torch.arange(state.seen, state.seen + n)
+        state.kept = [torch.cat([k, new]) for k in state.kept]
+        state.seen += n
+        peak_kv = max(peak_kv, state.kv_bytes())
+        policy.after_chunk(state)
+        if progress:
+            progress(min(first + chunk, media.num_frames), state.seen)
+    if state.seen != total:
+        raise MediaError(f"{media.source}: expected {total} visual tokens, the backbone gave {state.seen}")
+    policy.finish(state)
+
+    blocks = policy.make_blocks(state, _step_times(media, steps, per_step))
+    prefix = _segment("prefix", cache, 0, state.prefix_len, layout.prefix)
+    visual_end = [state.prefix_len + len(k) for k in state.kept]
+    backbone.forward(backbone.suffix_embeds(), layout.suffix, cache)
+    suffix_keys = [e.keys[0, :, end:].cpu() for e, end in zip(cache.layers, visual_end)]
+    suffix_values = [e.values[0, :, end:].cpu() for e, end in zip(cache.layers, visual_end)]
+    suffix = Segment(name="suffix", keys=suffix_keys, values=suffix_values,
+                     positions=[layout.suffix.cpu()] * len(suffix_keys))
+    grid = backbone.visual_grid(frame_hw)
+    return Encoded(
+        prefix=prefix, blocks=blocks, suffix=suffix, visual_tokens_total=total,
+        layout={"position_dims": backbone.position_dims, "next_position": layout.next_position,
+                "rope_deltas": layout.rope_delta, "frames_per_step": per_step, "steps": steps,
+                "tokens_per_step": tokens_per_step, "grid": list(grid), "frame_size": list(frame_hw)},
+        stats={"encode_s": time.perf_counter() - start_time, "peak_kv_bytes": max(peak_kv, state.kv_bytes())},
+    )

@@ -1,0 +1,108 @@
+"""The two-policy seam. A memory policy decides at encode (question unknown) which KV enters the pack and
+in which blocks; a context policy decides at ask (question known) which stored blocks enter the context."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from mmkv_cli.pack.format import Segment, block_name
+
+
+@dataclass
+class StreamState:
+    """The running encode cache as a memory policy sees it.
+
+    The cache holds, per layer, [prefix | kept visual tokens]; `kept[l]` names those visual tokens by
+    their index in the whole visual stream, in cache order, so policies can evict per layer.
+    """
+
+    cache: DynamicCache
+    prefix_len: int
+    positions: torch.Tensor  # [P, total] original positions of every visual token
+    token_step: torch.Tensor  # [total] temporal step of every visual token
+    kept: list[torch.Tensor]
+    seen: int  # visual tokens streamed so far
+    total: int  # visual tokens the whole media will give
+
+    @property
+    def layers(self) -> int:
+        return len(self.kept)
+
+    def visual_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's cached visual K, V as [H_kv, n, D]."""
+        entry = self.cache.layers[layer]
+        end = self.prefix_len + len(self.kept[layer])
+        return entry.keys[0, :, self.prefix_len:end], entry.values[0, :, self.prefix_len:end]
+
+    def retain(self, layer: int, local: torch.Tensor) -> None:
+        """Keep only the visual entries at `local` (indices into this layer's visual part, ascending)."""
+        entry = self.cache.layers[layer]
+        cut = self.prefix_len
+        local = local.to(entry.keys.device)
+        entry.keys = torch.cat([entry.keys[:, :, :cut], entry.keys[:, :, cut:][:, :, local]], dim=2)
+        entry.values = torch.cat([entry.values[:, :, :cut], entry.values[:, :, cut:][:, :, local]], dim=2)
+        self.kept[layer] = self.kept[layer][local.cpu()]
+
+    def kv_bytes(self) -> int:
+        return sum(e.keys.numel() * e.keys.element_size() * 2 for e in self.cache.layers if e.keys is not None)
+
+
+class MemoryPolicy:
+    """Default behaviour: keep everything, one block per temporal step."""
+
+    name = "base"
+    granularity = "frame"
+
+    def __init__(self, budget: float, params: dict[str, Any]):
+        self.budget = budget
+        self.params = params
+
+    def after_chunk(self, state: StreamState) -> None:
+        """Called after every streamed chunk; may evict from the running cache."""
+
+    def finish(self, state: StreamState) -> None:
+        """Called once after the last chunk, before the suffix is prefilled."""
+
+    def make_blocks(self, state: StreamState, step_times: list[tuple[float, float]]) -> list[Segment]:
+        """Group what the cache kept into one block per temporal step."""
+        per_layer = [state.visual_kv(layer) for layer in range(state.layers)]
+        blocks = []
+        for step, time in enumerate(step_times):
+            keys, values, positions = [], [], []
+            for layer, (k, v) in enumerate(per_layer):
+                mask = state.token_step[state.kept[layer]] == step
+                local = mask.nonzero().squeeze(1)
+                keys.append(k[:, local.to(k.device)].cpu())
+                values.append(v[:, local.to(v.device)].cpu())
+                positions.append(state.positions[:, state.kept[layer][local]])
+            if not any(k.shape[1] for k in keys):
+                continue  # evicted from every layer
+            blocks.append(Segment(name=block_name(len(blocks)), keys=keys, values=values, positions=positions,
+                                  granularity=self.granularity, steps=(step, step + 1), time=time,
+                                  representative=mean_key(keys[-1])))
+        return blocks
+
+
+def mean_key(keys: torch.Tensor) -> torch.Tensor | None:
+    """A block's retrieval key: the mean of its kept last-layer keys, heads concatenated (H_kv * D)."""
+    if keys.shape[1] == 0:
+        return None
+    return keys.float().mean(dim=1).reshape(-1)
+
+
+class ContextPolicy:
+    """Default: every stored block, in time order, at its original positions."""
+
+    name = "all"
+    position_mode = "keep"
+
+    def __init__(self, params: dict[str, Any]):
+        self.params = params
+
+    def select(self, blocks: list[dict], question: str) -> list[str]:
+        ordered = sorted(blocks, key=lambda b: (b["steps"] or [0])[0])
+        return [b["name"] for b in ordered]
