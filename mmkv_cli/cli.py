@@ -1,0 +1,228 @@
+"""Typer app: encode, ask, inspect, profile, methods, models. A thin shell over api.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from typing import Callable, Optional
+
+import typer
+
+from mmkv_cli.errors import MmkvError, UsageError
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+                  help="Encode video, image sets and documents into compressed KV caches; answer from them later.")
+
+JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else.")
+ModelOpt = typer.Option(None, "--model", "-m", help="Preset name, HF id or local path (default: $MMKV_MODEL or "
+                        "llava-ov-0.5b).")
+DeviceOpt = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
+DtypeOpt = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16.")
+
+
+def _quiet() -> None:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+def _run(body: Callable[[], None]) -> None:
+    """Every failure becomes one line on stderr and a non-zero exit; MMKV_DEBUG=1 re-raises."""
+    from mmkv_cli.display import err_console
+
+    try:
+        _quiet()
+        body()
+    except MmkvError as err:
+        if os.environ.get("MMKV_DEBUG"):
+            raise
+        err_console.print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True)
+        raise typer.Exit(err.exit_code)
+    except KeyboardInterrupt:
+        err_console.print("interrupted", highlight=False)
+        raise typer.Exit(130)
+    except typer.Exit:
+        raise
+    except Exception as err:  # a bug: still one line, with a way to see more
+        if os.environ.get("MMKV_DEBUG"):
+            raise
+        first = str(err).splitlines()[0] if str(err) else ""
+        err_console.print(f"[red]error:[/red] internal error: {type(err).__name__}: {first} "
+                          "(run with MMKV_DEBUG=1 for a traceback)", highlight=False, soft_wrap=True)
+        raise typer.Exit(70)
+
+
+def _emit_json(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj, default=str) + "\n")
+    sys.stdout.flush()
+
+
+@app.command()
+def encode(
+    media: str = typer.Argument(..., help="Video file, PDF, image, image folder or glob."),
+    output: str = typer.Option(..., "--output", "-o", help="The .kvpack to write."),
+    method: str = typer.Option("full", "--method", help="Memory policy (see `mmkv methods`)."),
+    budget: Optional[float] = typer.Option(None, "--budget", help="Fraction of visual tokens kept, in (0, 1]."),
+    fps: Optional[float] = typer.Option(None, "--fps", help="Frames sampled per second (default: model preset)."),
+    max_frames: Optional[int] = typer.Option(None, "--max-frames", help="At most this many frames."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output."),
+    model: Optional[str] = ModelOpt, device: str = DeviceOpt, dtype: str = DtypeOpt, as_json: bool = JsonOpt,
+) -> None:
+    """Turn media into the model's KV cache, compress it with METHOD and save it as a .kvpack."""
+
+    def body() -> None:
+        from mmkv_cli import api
+        from mmkv_cli.display import encode_progress, human_bytes, out_console
+
+        if as_json:
+            info = api.encode(media, output, model, method, budget, device, dtype, fps, max_frames, force)
+            _emit_json(info)
+            return
+        with encode_progress() as bar:
+            task = bar.add_task("encode", total=None, rate="")
+            started = {}
+
+            def on_start(frames: int) -> None:
+                import time
+
+                started["t"] = time.perf_counter()
+                bar.update(task, total=frames)
+
+            def on_progress(frames: int, tokens: int) -> None:
+                import time
+
+                rate = tokens / max(1e-6, time.perf_counter() - started["t"])
+                bar.update(task, completed=frames, rate=f"{rate:,.0f} tok/s")
+
+            info = api.encode(media, output, model, method, budget, device, dtype, fps, max_frames, force,
+                              progress=on_progress, on_start=on_start)
+        out_console.print(f"wrote {info['path']}: {info['method']} (budget {info['budget']:g}), "
+                          f"{info['visual_tokens_kept']}/{info['visual_tokens_total']} visual tokens, "
+                          f"{info['blocks']} blocks, {human_bytes(info['bytes'])}, {info['encode_s']:.2f}s",
+                          highlight=False)
+
+    _run(body)
+
+
+@app.command()
+def ask(
+    pack: str = typer.Argument(..., help="A .kvpack written by `mmkv encode`."),
+    question: str = typer.Argument(..., help="The question; '-' reads it from stdin."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Longest answer, in tokens."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the pack names."),
+    device: str = DeviceOpt, dtype: str = DtypeOpt, as_json: bool = JsonOpt,
+) -> None:
+    """Answer QUESTION from a saved pack, without the media."""
+
+    def body() -> None:
+        from mmkv_cli import api
+
+        text = sys.stdin.read().strip() if question == "-" else question.strip()
+        if not text:
+            raise UsageError("the question is empty")
+        if max_new_tokens < 1:
+            raise UsageError("--max-new-tokens must be at least 1")
+        if as_json:
+            answer = api.ask(pack, text, model, device, dtype, max_new_tokens)
+            _emit_json({"question": text, "answer": answer.answer, "context_tokens": answer.context_tokens,
+                        "ttft_s": answer.ttft_s, "total_s": answer.total_s,
+                        "decode_s_per_token": answer.decode_s_per_token, "blocks": len(answer.blocks_used)})
+            return
+
+        def stream(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        api.ask(pack, text, model, device, dtype, max_new_tokens, on_token=stream)
+        sys.stdout.write("\n")
+
+    _run(body)
+
+
+@app.command()
+def inspect(pack: str = typer.Argument(..., help="A .kvpack."), as_json: bool = JsonOpt) -> None:
+    """Show what a pack holds: model, method, blocks, tokens and bytes per layer."""
+
+    def body() -> None:
+        from mmkv_cli import api
+        from mmkv_cli.display import show_inspect
+
+        info = api.inspect(pack)
+        _emit_json(info) if as_json else show_inspect(info)
+
+    _run(body)
+
+
+@app.command()
+def profile(
+    media: str = typer.Argument(..., help="Media to encode once per method."),
+    methods: str = typer.Option("full,recency", "--methods", help="Comma-separated methods."),
+    budget: Optional[float] = typer.Option(None, "--budget", help="Budget for every method (default: presets)."),
+    question: str = typer.Option("what happened first?", "--question", help="Question asked from each pack."),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens"),
+    fps: Optional[float] = typer.Option(None, "--fps"),
+    max_frames: Optional[int] = typer.Option(None, "--max-frames"),
+    plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG of the ratios to full."),
+    model: Optional[str] = ModelOpt, device: str = DeviceOpt, dtype: str = DtypeOpt, as_json: bool = JsonOpt,
+) -> None:
+    """Measure encode time, pack size, memory and ask latency, method against method."""
+
+    def body() -> None:
+        from mmkv_cli import profile as prof
+        from mmkv_cli.display import show_profile
+
+        names = [m.strip() for m in methods.split(",") if m.strip()]
+        result = prof.profile(media, names, model, budget, question, max_new_tokens, device, dtype, fps, max_frames)
+        if plot:
+            prof.plot(result, plot)
+            result["plot"] = plot
+        _emit_json(result) if as_json else show_profile(result)
+
+    _run(body)
+
+
+@app.command()
+def methods(as_json: bool = JsonOpt) -> None:
+    """List the compression methods and their preset defaults."""
+
+    def body() -> None:
+        from mmkv_cli.display import show_listing
+        from mmkv_cli.methods import METHODS
+        from mmkv_cli.presets import load_method_preset
+
+        rows = []
+        for name in sorted(METHODS):
+            preset = load_method_preset(name)
+            rows.append({"name": name, "budget": preset.budget, "description": preset.description,
+                         "paper": preset.paper, "params": preset.params})
+        _emit_json({"methods": rows}) if as_json else show_listing("methods", rows, ["name", "budget", "description"])
+
+    _run(body)
+
+
+@app.command()
+def models(as_json: bool = JsonOpt) -> None:
+    """List the model presets (any HF id or local path of a supported family works too)."""
+
+    def body() -> None:
+        from mmkv_cli.backbones import default_model
+        from mmkv_cli.display import show_listing
+        from mmkv_cli.presets import load_model_preset, model_names
+
+        rows = []
+        for name in model_names():
+            p = load_model_preset(name)
+            rows.append({"name": name, "family": p.family, "source": p.source, "description": p.description,
+                         "default": name == default_model()})
+        _emit_json({"models": rows, "default": default_model()}) if as_json else show_listing(
+            f"models (default: {default_model()})", rows, ["name", "family", "source", "description"])
+
+    _run(body)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,108 @@
+"""profile: encode time, pack bytes, tokens kept, peak memory, ask TTFT and decode time, method against method."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from mmkv_cli import api
+from mmkv_cli.backbones import load_backbone
+from mmkv_cli.errors import UsageError
+
+METRICS = ["encode_s", "bytes", "visual_tokens_kept", "peak_mem_bytes", "peak_kv_bytes", "ttft_s",
+           "decode_s_per_token"]
+
+
+class PeakMemory:
+    """Peak memory over a block: CUDA allocator peak on GPU, sampled process RSS growth on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = 0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def _rss() -> int:
+        try:
+            with open("/proc/self/statm") as fh:
+                return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            return 0
+
+    def _sample(self, base: int) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._rss() - base)
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            self._thread = threading.Thread(target=self._sample, args=(self._rss(),), daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+        else:
+            self._stop.set()
+            self._thread.join()
+        return False
+
+
+def profile(media: str, methods: list[str], model: str | None = None, budget: float | None = None,
+            question: str = "what happened first?", max_new_tokens: int = 16, device: str = "auto",
+            dtype: str = "auto", fps: float | None = None, max_frames: int | None = None,
+            progress=None) -> dict:
+    if not methods:
+        raise UsageError("--methods needs at least one method")
+    backbone = load_backbone(model, device, dtype)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mmkv-profile-") as tmp:
+        for name in methods:
+            pack = Path(tmp) / f"{name}.kvpack"
+            with PeakMemory(backbone.device) as mem:
+                summary = api.encode(media, pack, method=name, budget=budget, backbone=backbone, fps=fps,
+                                     max_frames=max_frames, model=model)
+            answer = api.ask(pack, question, backbone=backbone, max_new_tokens=max_new_tokens)
+            rows.append({"method": name, "budget": summary["budget"], "encode_s": summary["encode_s"],
+                         "bytes": summary["bytes"], "visual_tokens_kept": summary["visual_tokens_kept"],
+                         "visual_tokens_total": summary["visual_tokens_total"], "peak_mem_bytes": mem.peak,
+                         "peak_kv_bytes": summary["peak_kv_bytes"], "ttft_s": answer.ttft_s,
+                         "decode_s_per_token": answer.decode_s_per_token, "answer": answer.answer})
+            if progress:
+                progress(name)
+    reference = next((r for r in rows if r["method"] == "full"), rows[0])
+    for row in rows:
+        row["ratio"] = {m: (row[m] / reference[m] if reference[m] else None) for m in METRICS}
+    return {"model": backbone.name, "device": str(backbone.device), "media": media, "question": question,
+            "reference": reference["method"], "methods": rows, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def plot(result: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["method"] for r in result["methods"]]
+    shown = ["encode_s", "bytes", "peak_mem_bytes", "ttft_s", "decode_s_per_token"]
+    fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 3.2))
+    for ax, metric in zip(axes, shown):
+        values = [r["ratio"][metric] or 0.0 for r in result["methods"]]
+        ax.bar(names, values, color="#4c72b0")
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_title(f"{metric} / {result['reference']}", fontsize=9)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    fig.suptitle(f"mmkv profile: {result['model']} on {Path(result['media']).name}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
