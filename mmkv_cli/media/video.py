@@ -38,6 +38,8 @@ def _load_with_decord(path: Path, fps: float, max_frames: int) -> Media:
     native_fps = float(reader.get_avg_fps()) or 1.0
     times = sample_times(total / native_fps, fps, max_frames)
     indices = [min(total - 1, int(round(t * native_fps))) for t in times]
+    if indices:
+        reader.get_batch(indices[:1])  # some builds open a file they cannot decode: find out now, not mid-encode
 
     def read(start: int, stop: int) -> np.ndarray:
         return reader.get_batch(indices[start:stop]).asnumpy()

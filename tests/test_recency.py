@@ -1,0 +1,34 @@
+"""recency (StreamingLLM): sinks + newest tokens, never more than the budget."""
+
+import torch
+
+from mmkv_cli import api
+from mmkv_cli.methods.recency import newest
+from mmkv_cli.pack import PackReader
+
+
+def test_newest_picks_the_tail_in_order():
+    assert newest(10, 3).tolist() == [7, 8, 9]
+    assert newest(2, 5).tolist() == [0, 1]
+    assert newest(4, 0).tolist() == []
+
+
+def test_recency_quarter_budget_keeps_newest_quarter(tmp_path, backbones, clip):
+    for name, backbone in backbones.items():
+        pack = tmp_path / f"{name}.kvpack"
+        info = api.encode(clip, pack, method="recency", budget=0.25, backbone=backbone, fps=4.0, max_frames=16)
+        total = info["visual_tokens_total"]
+        assert all(layer["tokens_kept"] <= 0.25 * total for layer in info["layers"])
+        assert info["visual_tokens_kept"] == int(0.25 * total)
+        reader = PackReader(pack)
+        # What survives is the end of the stream: its positions are the largest ones.
+        full = tmp_path / f"{name}-full.kvpack"
+        api.encode(clip, full, method="full", backbone=backbone, fps=4.0, max_frames=16)
+        all_pos = torch.cat([PackReader(full).segment(b["name"]).positions[0] for b in PackReader(full).blocks], 1)
+        kept_pos = torch.cat([reader.segment(b["name"]).positions[0] for b in reader.blocks], 1)
+        assert torch.equal(kept_pos, all_pos[:, -kept_pos.shape[1]:])
+        assert PackReader(pack).size < 0.5 * PackReader(full).size
+        answer = api.ask(pack, "what happened first ?", backbone=backbone, max_new_tokens=4)
+        assert answer.context_tokens < api.ask(full, "what happened first ?", backbone=backbone,
+                                               max_new_tokens=1).context_tokens
+        assert answer.ttft_s > 0

@@ -1,0 +1,69 @@
+"""A full pack written and read back reproduces one live forward over [prompt + media + question]."""
+
+import pytest
+import torch
+
+from mmkv_cli import api
+from mmkv_cli.media import load_media
+from tests.conftest import SAMPLES, TINY
+
+QUESTION = "what color is the circle ?"
+
+
+def live_logits(backbone, media: str, max_frames: int) -> torch.Tensor:
+    frames = load_media(media, fps=2.0, max_frames=max_frames)
+    pixels = frames.read(0, frames.num_frames)
+    with torch.inference_mode():
+        return backbone.model(**backbone.reference_inputs(pixels, QUESTION)).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("media", ["clip.mp4", "images", "doc.pdf"])
+def test_full_pack_gives_live_logits(tmp_path, backbones, name, media):
+    backbone = backbones[name]
+    source = str(SAMPLES / media)
+    frames = 4 if media != "doc.pdf" else 2  # an even count: Qwen fuses frame pairs
+    pack = tmp_path / "full.kvpack"
+    api.encode(source, pack, method="full", backbone=backbone, fps=2.0, max_frames=frames)
+    answer = api.ask(pack, QUESTION, backbone=backbone, keep_logits=True, max_new_tokens=2)
+    diff = (answer.first_logits - live_logits(backbone, source, frames)).abs().max().item()
+    assert diff <= 1e-4
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_chunked_encode_matches_single_forward(tmp_path, backbones, name, clip, monkeypatch):
+    """16 frames streamed in chunks of 4 give the same answer logits as one forward over all of them."""
+    from mmkv_cli import presets
+
+    original = presets.load_method_preset
+
+    def small_chunks(method):
+        preset = original(method)
+        return presets.MethodPreset(**{**preset.__dict__, "params": {**preset.params, "chunk_frames": 4}})
+
+    monkeypatch.setattr("mmkv_cli.methods.load_method_preset", small_chunks)
+    backbone = backbones[name]
+    pack = tmp_path / "chunked.kvpack"
+    api.encode(clip, pack, method="full", backbone=backbone, fps=4.0, max_frames=16)
+    answer = api.ask(pack, QUESTION, backbone=backbone, keep_logits=True, max_new_tokens=1)
+    frames = load_media(clip, fps=4.0, max_frames=16)
+    with torch.inference_mode():
+        live = backbone.model(**backbone.reference_inputs(frames.read(0, 16), QUESTION)).logits[0, -1].float()
+    assert (answer.first_logits - live).abs().max().item() <= 1e-4
+
+
+def test_pack_stores_mrope_positions_for_qwen(tmp_path, backbones, clip):
+    from mmkv_cli.pack import PackReader
+
+    pack = tmp_path / "q.kvpack"
+    api.encode(clip, pack, method="full", backbone=backbones["tiny-qwen2-vl"], max_frames=4)
+    reader = PackReader(pack)
+    layout = reader.header["layout"]
+    block = reader.segment(reader.blocks[1]["name"])
+    assert layout["position_dims"] == 3 and block.positions[0].shape[0] == 3
+    # The second temporal step sits one step later on the temporal axis; rows/cols span the grid.
+    first = reader.segment(reader.blocks[0]["name"]).positions[0]
+    assert int(block.positions[0][0, 0]) == int(first[0, 0]) + 1
+    assert layout["next_position"] < reader.header["segments"]["prefix"]["layer_counts"][0] + \
+        reader.header["visual_tokens_total"] + 1  # M-RoPE compresses positions: not the physical length
+    assert layout["rope_deltas"] < 0
