@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import warnings
 from typing import Callable, Optional
 
@@ -82,24 +83,25 @@ def encode(
             info = api.encode(media, output, model, method, budget, device, dtype, fps, max_frames, force)
             _emit_json(info)
             return
-        with encode_progress() as bar:
-            task = bar.add_task("encode", total=None, rate="")
-            started = {}
+        bar = encode_progress()
+        task = bar.add_task("encode", total=None, rate="")
+        started = {}
 
-            def on_start(frames: int) -> None:
-                import time
+        def on_start(frames: int) -> None:  # the bar appears once media and model are loaded
+            started["t"] = time.perf_counter()
+            bar.update(task, total=frames)
+            bar.start()
 
-                started["t"] = time.perf_counter()
-                bar.update(task, total=frames)
+        def on_progress(frames: int, tokens: int) -> None:
+            rate = tokens / max(1e-6, time.perf_counter() - started["t"])
+            bar.update(task, completed=frames, rate=f"{rate:,.0f} tok/s")
 
-            def on_progress(frames: int, tokens: int) -> None:
-                import time
-
-                rate = tokens / max(1e-6, time.perf_counter() - started["t"])
-                bar.update(task, completed=frames, rate=f"{rate:,.0f} tok/s")
-
+        try:
             info = api.encode(media, output, model, method, budget, device, dtype, fps, max_frames, force,
                               progress=on_progress, on_start=on_start)
+        finally:
+            if started:
+                bar.stop()
         out_console.print(f"wrote {info['path']}: {info['method']} (budget {info['budget']:g}), "
                           f"{info['visual_tokens_kept']}/{info['visual_tokens_total']} visual tokens, "
                           f"{info['blocks']} blocks, {human_bytes(info['bytes'])}, {info['encode_s']:.2f}s",

@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from mmkv_cli.errors import MediaError
 from mmkv_cli.media.base import Media, sample_times, sha256_files
+
+
+@contextlib.contextmanager
+def native_stderr_silenced():
+    """FFmpeg and decord print their own complaints straight to fd 2; ours is the one line the user sees."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real fd 2 (embedded, some test runners)
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def load_video(path: Path, fps: float, max_frames: int, backend: str = "auto") -> Media:
@@ -33,13 +55,15 @@ def _media(path: Path, times: list[float], read) -> Media:
 def _load_with_decord(path: Path, fps: float, max_frames: int) -> Media:
     import decord
 
-    reader = decord.VideoReader(str(path), ctx=decord.cpu(0))
+    with native_stderr_silenced():
+        reader = decord.VideoReader(str(path), ctx=decord.cpu(0))
     total = len(reader)
     native_fps = float(reader.get_avg_fps()) or 1.0
     times = sample_times(total / native_fps, fps, max_frames)
     indices = [min(total - 1, int(round(t * native_fps))) for t in times]
     if indices:
-        reader.get_batch(indices[:1])  # some builds open a file they cannot decode: find out now, not mid-encode
+        with native_stderr_silenced():  # some builds open a file they cannot decode: find out now, not mid-encode
+            reader.get_batch(indices[:1])
 
     def read(start: int, stop: int) -> np.ndarray:
         return reader.get_batch(indices[start:stop]).asnumpy()
@@ -51,7 +75,9 @@ def _load_with_pyav(path: Path, fps: float, max_frames: int) -> Media:
     import av
 
     try:
-        with av.open(str(path)) as container:
+        with native_stderr_silenced(), av.open(str(path)) as container:
+            if not container.streams.video:
+                raise MediaError(f"no frames could be read from {path}: it holds no video stream")
             stream = container.streams.video[0]
             frames, stamps = [], []
             for frame in container.decode(stream):

@@ -1,0 +1,124 @@
+"""The CLI as users and shell pipelines see it: new-process ask, --json, and one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import av
+import pytest
+from typer.testing import CliRunner
+
+from mmkv_cli.cli import app
+from tests.conftest import ROOT, SAMPLES
+
+runner = CliRunner()
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def mmkv(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "mmkv_cli", *args], capture_output=True, text=True, input=stdin,
+                          env=ENV, cwd=ROOT, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def qwen_pack(tmp_path_factory):
+    path = tmp_path_factory.mktemp("packs") / "clip.kvpack"
+    result = runner.invoke(app, ["encode", str(SAMPLES / "clip.mp4"), "--model", "tiny-qwen2-vl", "--method", "full",
+                                 "-o", str(path), "--max-frames", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    return path
+
+
+def test_encode_json_is_one_object(qwen_pack, tmp_path):
+    result = runner.invoke(app, ["encode", str(SAMPLES / "images"), "-m", "tiny-llava-ov", "--method", "recency",
+                                 "--budget", "0.5", "-o", str(tmp_path / "i.kvpack"), "--json"])
+    assert result.exit_code == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["method"] == "recency" and info["budget"] == 0.5
+    assert info["visual_tokens_kept"] == info["visual_tokens_total"] // 2
+
+
+def test_ask_in_a_new_process_and_from_stdin(qwen_pack):
+    plain = mmkv("ask", str(qwen_pack), "what color is the circle ?", "--max-new-tokens", "3")
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.strip()
+    piped = mmkv("ask", str(qwen_pack), "-", "--json", stdin="what happened first ?\n")
+    assert piped.returncode == 0, piped.stderr
+    out = json.loads(piped.stdout)  # the whole stdout is one JSON object
+    assert set(out) >= {"answer", "context_tokens", "ttft_s", "total_s"}
+    assert out["question"] == "what happened first ?" and out["ttft_s"] <= out["total_s"]
+
+
+def test_inspect_json_fields(qwen_pack):
+    result = runner.invoke(app, ["inspect", str(qwen_pack), "--json"])
+    info = json.loads(result.stdout)
+    assert info["format_version"] == 1 and info["model"] == "tiny-qwen2-vl" and info["method"] == "full"
+    assert info["blocks"] == 4 and info["visual_tokens_total"] == info["visual_tokens_kept"] == 4 * 16
+    assert len(info["layers"]) == 4 and all(layer["tokens_kept"] == 64 for layer in info["layers"])
+    assert info["bytes"] == os.path.getsize(qwen_pack)
+    assert runner.invoke(app, ["inspect", str(qwen_pack)]).exit_code == 0
+
+
+def test_methods_and_models_list(qwen_pack):
+    methods = json.loads(runner.invoke(app, ["methods", "--json"]).stdout)
+    assert {m["name"] for m in methods["methods"]} >= {"full", "recency"}
+    models = json.loads(runner.invoke(app, ["models", "--json"]).stdout)
+    assert {"tiny-llava-ov", "tiny-qwen2-vl", "llava-ov-0.5b", "qwen2.5-vl-7b"} <= {m["name"] for m in models["models"]}
+
+
+def zero_frame_video(path):
+    container = av.open(str(path), "w")
+    stream = container.add_stream("mpeg4", rate=8)
+    stream.width = stream.height = 64
+    container.start_encoding()
+    container.close()
+    return path
+
+
+def error_cases(tmp_path, qwen_pack):
+    existing = tmp_path / "existing.kvpack"
+    existing.write_bytes(b"keep me")
+    truncated = tmp_path / "truncated.kvpack"
+    truncated.write_bytes(qwen_pack.read_bytes()[:-64])
+    corrupted = tmp_path / "corrupted.kvpack"
+    data = bytearray(qwen_pack.read_bytes())
+    data[-200] ^= 0xFF
+    corrupted.write_bytes(bytes(data))
+    junk = tmp_path / "junk.mp4"
+    junk.write_bytes(b"\x00garbage" * 100)
+    clip, out = str(SAMPLES / "clip.mp4"), str(tmp_path / "out.kvpack")
+    tiny = ["-m", "tiny-qwen2-vl"]
+    return [
+        (["encode", str(tmp_path / "nope.mp4"), *tiny, "-o", out], 3, "no such file"),
+        (["encode", str(junk), *tiny, "-o", out], 3, "cannot read video"),
+        (["encode", str(zero_frame_video(tmp_path / "zero.mp4")), *tiny, "-o", out], 3, "no frames"),
+        (["encode", clip, *tiny, "--method", "magic", "-o", out], 2, "unknown method 'magic'"),
+        (["encode", clip, "-m", "no-such/model", "-o", out], 5, "not available locally"),
+        (["encode", clip, *tiny, "--method", "recency", "--budget", "1.5", "-o", out], 2, "budget must be in (0, 1]"),
+        (["encode", clip, *tiny, "--method", "recency", "--budget", "0", "-o", out], 2, "budget must be in (0, 1]"),
+        (["encode", clip, *tiny, "-o", str(existing)], 6, "already exists; pass --force"),
+        (["ask", str(qwen_pack), "what ?", "-m", "tiny-llava-ov"], 4, "was made with model 'tiny-qwen2-vl'"),
+        (["ask", str(truncated), "what ?"], 4, "truncated"),
+        (["ask", str(corrupted), "what ?"], 4, "corrupted"),
+        (["ask", str(tmp_path / "missing.kvpack"), "what ?"], 4, "no such pack"),
+        (["ask", str(qwen_pack), "   "], 2, "question is empty"),
+        (["inspect", str(junk)], 4, "not a kvpack"),
+    ]
+
+
+def test_errors_are_one_line_with_exit_codes(tmp_path, qwen_pack):
+    for args, code, message in error_cases(tmp_path, qwen_pack):
+        result = runner.invoke(app, args)
+        assert result.exit_code == code, (args, result.exit_code, result.stderr, result.stdout)
+        assert message in result.stderr, (args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert (tmp_path / "existing.kvpack").read_bytes() == b"keep me"
+    assert not (tmp_path / "out.kvpack").exists()
+
+
+def test_error_in_a_real_process_has_no_traceback(tmp_path):
+    result = mmkv("ask", str(tmp_path / "missing.kvpack"), "what ?")
+    assert result.returncode == 4
+    assert result.stderr.strip().splitlines() == [f"error: no such pack: {tmp_path / 'missing.kvpack'}"]
+    assert result.stdout == ""

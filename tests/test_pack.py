@@ -1,0 +1,108 @@
+"""The pack on disk: exact round trip, atomic writes, truncation and corruption caught."""
+
+import json
+import struct
+
+import pytest
+import torch
+
+from mmkv_cli.errors import OutputExistsError, PackError
+from mmkv_cli.pack import PackReader, Segment, write_pack
+
+
+def segment(name, counts, seed, dims=1, granularity=None):
+    g = torch.Generator().manual_seed(seed)
+    return Segment(name=name, keys=[torch.randn(2, n, 8, generator=g) for n in counts],
+                   values=[torch.randn(2, n, 8, generator=g) for n in counts],
+                   positions=[torch.arange(n).expand(dims, -1).clone() for n in counts],
+                   granularity=granularity, steps=(seed, seed + 1) if granularity else None,
+                   time=(float(seed), float(seed) + 0.5) if granularity else None,
+                   representative=torch.randn(16, generator=g) if granularity else None)
+
+
+HEADER = {"fingerprint": {"model": "m"}, "method": {"name": "full", "budget": 1.0}, "kv": {}}
+
+
+def write(path, force=False):
+    blocks = [segment("b0", [3, 2, 1], 1, 3, "frame"), segment("b1", [4, 4, 0], 2, 3, "patch")]
+    write_pack(path, HEADER, segment("prefix", [5, 5, 5], 0, 3), blocks, segment("suffix", [1, 1, 1], 9, 3),
+               force=force)
+    return blocks
+
+
+def test_round_trip_is_exact_with_per_layer_counts(tmp_path):
+    path = tmp_path / "a.kvpack"
+    blocks = write(path)
+    reader = PackReader(path)
+    assert [b["layer_counts"] for b in reader.blocks] == [[3, 2, 1], [4, 4, 0]]
+    for original in blocks:
+        loaded = reader.segment(original.name)
+        for a, b in zip(original.keys + original.values + original.positions,
+                        loaded.keys + loaded.values + loaded.positions):
+            assert torch.equal(a, b)
+        assert loaded.granularity == original.granularity and loaded.time == original.time
+    assert torch.equal(reader.representatives(), torch.stack([b.representative for b in blocks]))
+
+
+def test_reader_is_lazy(tmp_path):
+    path = tmp_path / "a.kvpack"
+    write(path)
+    reader = PackReader(path)
+    reader.representatives()
+    assert reader.bytes_read == 2 * 16 * 4  # the representatives only
+    reader.segment("b1")
+    assert reader.bytes_read == 2 * 16 * 4 + 2 * (8 * 2 * 8 * 4) + 8 * 3 * 8
+
+
+def test_existing_output_is_kept_without_force(tmp_path):
+    path = tmp_path / "a.kvpack"
+    path.write_bytes(b"precious")
+    with pytest.raises(OutputExistsError, match="--force"):
+        write(path)
+    assert path.read_bytes() == b"precious"
+    write(path, force=True)
+    assert PackReader(path).blocks
+    assert [p.name for p in tmp_path.iterdir()] == ["a.kvpack"]  # no temporary file left behind
+
+
+def test_truncated_pack_is_refused(tmp_path):
+    path = tmp_path / "a.kvpack"
+    write(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    with pytest.raises(PackError, match="truncated"):
+        PackReader(path)
+    path.write_bytes(data[:5])
+    with pytest.raises(PackError):
+        PackReader(path)
+
+
+def test_corrupted_tensor_fails_its_checksum(tmp_path):
+    path = tmp_path / "a.kvpack"
+    write(path)
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    offsets = json.loads(data[8:8 + length])["b1.k"]["data_offsets"]
+    data[8 + length + offsets[0] + 3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    reader = PackReader(path)
+    reader.segment("b0")  # untouched blocks still load
+    with pytest.raises(PackError, match="checksum mismatch in b1"):
+        reader.segment("b1")
+
+
+def test_tampered_header_and_foreign_files_are_refused(tmp_path):
+    path = tmp_path / "a.kvpack"
+    write(path)
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b'\\"budget\\": 1.0', b'\\"budget\\": 0.5'))
+    with pytest.raises(PackError, match="header checksum"):
+        PackReader(path)
+    other = tmp_path / "plain.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(other))
+    with pytest.raises(PackError, match="not a kvpack"):
+        PackReader(other)
+    with pytest.raises(PackError, match="no such pack"):
+        PackReader(tmp_path / "missing.kvpack")
