@@ -1,0 +1,24 @@
+"""profile: every method measured, ratios to full, a PNG plot."""
+
+import json
+
+from typer.testing import CliRunner
+
+from mmkv_cli.cli import app
+from tests.conftest import SAMPLES
+
+
+def test_profile_json_and_plot(tmp_path):
+    png = tmp_path / "p.png"
+    result = CliRunner().invoke(app, ["profile", str(SAMPLES / "clip.mp4"), "-m", "tiny-llava-ov",
+                                      "--methods", "full,recency", "--budget", "0.25", "--max-frames", "8",
+                                      "--max-new-tokens", "4", "--plot", str(png), "--json"])
+    assert result.exit_code == 0, result.stderr
+    out = json.loads(result.stdout)
+    full, recency = out["methods"]
+    assert out["reference"] == "full" and full["ratio"]["bytes"] == 1.0
+    assert recency["visual_tokens_kept"] == full["visual_tokens_kept"] // 4
+    assert recency["ratio"]["bytes"] < 0.5 and recency["ratio"]["peak_kv_bytes"] < 1.0
+    for row in out["methods"]:
+        assert row["encode_s"] > 0 and row["ttft_s"] > 0 and row["peak_mem_bytes"] >= 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
