@@ -54,24 +54,24 @@ def encode_media(backbone: Backbone, media: Media, policy: MemoryPolicy, chunk_f
     per_step = backbone.frames_per_step
     steps = -(-media.num_frames // per_step)
     frame_hw = tuple(media.read(0, 1).shape[1:3])
-    step_seconds = (media.timestamps[-1] - media.timestamps[0]) / max(1, media.num_frames - 1) * per_step
-    layout = backbone.stream_layout(steps, frame_hw, step_seconds=step_seconds or 1.0)
-    tokens_per_step = backbone.tokens_per_step(frame_hw)
-    total = steps * tokens_per_step
+    step_times = _step_times(media, steps, per_step)
+    layout = backbone.stream_layout(frame_hw, step_times)
+    lengths = torch.tensor(layout.step_lengths)
+    total = int(lengths.sum())
 
     cache = backbone.new_cache()
     prefix_ids = backbone.text_ids(backbone.prompt.prefix)
     backbone.forward(backbone.embed_ids(prefix_ids), layout.prefix, cache)
     state = StreamState(cache=cache, prefix_len=len(prefix_ids), positions=layout.visual.cpu(),
-                        token_step=torch.arange(total) // tokens_per_step,
+                        token_step=torch.repeat_interleave(torch.arange(steps), lengths),
                         kept=[torch.empty(0, dtype=torch.long) for _ in cache.layers], seen=0, total=total)
     chunk = max(per_step, chunk_frames - chunk_frames % per_step)
     peak_kv = 0
     for first in range(0, media.num_frames, chunk):
         frames = _padded(media.read(first, first + chunk), per_step)
-        embeds = backbone.visual_embeds(frames)
+        embeds, extra = backbone.visual_chunk(frames, step_times[first // per_step:(first + chunk) // per_step])
         n = embeds.shape[1]
-        backbone.forward(embeds, layout.visual[:, state.seen:state.seen + n], cache)
+        backbone.forward(embeds, layout.visual[:, state.seen:state.seen + n], cache, **extra)
         new = torch.arange(state.seen, state.seen + n)
         state.kept = [torch.cat([k, new]) for k in state.kept]
         state.seen += n
@@ -83,10 +83,12 @@ def encode_media(backbone: Backbone, media: Media, policy: MemoryPolicy, chunk_f
         raise MediaError(f"{media.source}: expected {total} visual tokens, the backbone gave {state.seen}")
     policy.finish(state)
 
-    blocks = policy.make_blocks(state, _step_times(media, steps, per_step))
+    blocks = policy.make_blocks(state, step_times)
     prefix = _segment("prefix", cache, 0, state.prefix_len, layout.prefix)
     visual_end = [state.prefix_len + len(k) for k in state.kept]
-    backbone.forward(backbone.suffix_embeds(), layout.suffix, cache)
+    suffix_embeds = backbone.suffix_embeds()
+    if suffix_embeds.shape[1]:
+        backbone.forward(suffix_embeds, layout.suffix, cache)
     suffix_keys = [e.keys[0, :, end:].cpu() for e, end in zip(cache.layers, visual_end)]
     suffix_values = [e.values[0, :, end:].cpu() for e, end in zip(cache.layers, visual_end)]
     suffix = Segment(name="suffix", keys=suffix_keys, values=suffix_values,
@@ -96,6 +98,7 @@ def encode_media(backbone: Backbone, media: Media, policy: MemoryPolicy, chunk_f
         prefix=prefix, blocks=blocks, suffix=suffix, visual_tokens_total=total,
         layout={"position_dims": backbone.position_dims, "next_position": layout.next_position,
                 "rope_deltas": layout.rope_delta, "frames_per_step": per_step, "steps": steps,
-                "tokens_per_step": tokens_per_step, "grid": list(grid), "frame_size": list(frame_hw)},
+                "tokens_per_step": backbone.tokens_per_step(frame_hw), "step_lengths": layout.step_lengths,
+                "grid": list(grid), "frame_size": list(frame_hw)},
         stats={"encode_s": time.perf_counter() - start_time, "peak_kv_bytes": max(peak_kv, state.kv_bytes())},
     )

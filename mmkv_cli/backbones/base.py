@@ -24,6 +24,7 @@ class StreamLayout:
     suffix: torch.Tensor
     next_position: int  # the first text position after the suffix (the question's first token)
     rope_delta: int  # next_position - physical length of the stream: 0 for 1-D RoPE
+    step_lengths: list[int]  # tokens each temporal step adds to the stream (its visual tokens + any markers)
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,16 @@ class Backbone:
         """uint8 [T, H, W, 3] (T a multiple of frames_per_step) -> [1, steps * tokens_per_step, hidden]."""
         raise NotImplementedError
 
+    def visual_chunk(self, frames: np.ndarray, step_times: list[tuple[float, float]]) -> tuple[torch.Tensor, dict]:
+        """The stream tokens of these frames' steps, and any extra inputs the language model needs for them."""
+        return self.visual_embeds(frames), {}
+
     def suffix_embeds(self) -> torch.Tensor:
         """What follows the last visual token, as embeddings [1, s, hidden]."""
         return self.embed_ids(self.text_ids(self.prompt.suffix_text))
 
-    def stream_layout(self, steps: int, frame_hw: tuple[int, int]) -> StreamLayout:
+    def stream_layout(self, frame_hw: tuple[int, int], step_times: list[tuple[float, float]]) -> StreamLayout:
+        """Positions of [prefix | one entry per temporal step | suffix] for frames of this size."""
         raise NotImplementedError
 
     # --- text ---
@@ -118,13 +124,14 @@ class Backbone:
         return positions.unsqueeze(1) if self.position_dims == 3 else positions
 
     @torch.inference_mode()
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: DynamicCache, **extra) -> torch.Tensor:
         """Run the language model over embeds [1, n, hidden] at explicit positions [P, n]; returns hidden states."""
         out = self._lm(
             inputs_embeds=embeds.to(self.dtype),
             position_ids=self._lm_positions(positions.to(self.device)),
             past_key_values=cache,
             use_cache=True,
+            **extra,
         )
         return out.last_hidden_state
 

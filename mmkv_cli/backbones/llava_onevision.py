@@ -49,7 +49,8 @@ class LlavaOnevisionBackbone(Backbone):
         text = self.text_ids(self.prompt.suffix_text)
         return torch.cat([newline, self.embed_ids(text)], dim=1) if text else newline
 
-    def stream_layout(self, steps: int, frame_hw: tuple[int, int], step_seconds: float = 1.0) -> StreamLayout:
+    def stream_layout(self, frame_hw: tuple[int, int], step_times: list[tuple[float, float]]) -> StreamLayout:
+        steps = len(step_times)
         n_prefix = len(self.text_ids(self.prompt.prefix))
         n_visual = steps * self.tokens_per_step(frame_hw)
         n_suffix = 1 + len(self.text_ids(self.prompt.suffix_text))
@@ -60,6 +61,7 @@ class LlavaOnevisionBackbone(Backbone):
             suffix=pos[:, n_prefix + n_visual:],
             next_position=int(pos.shape[1]),
             rope_delta=0,
+            step_lengths=[self.tokens_per_step(frame_hw)] * steps,
         )
 
     def reference_inputs(self, frames: np.ndarray, question: str) -> dict:

@@ -46,14 +46,17 @@ class QwenVLBackbone(Backbone):
         )
         return torch.cat(out.pooler_output, dim=0).unsqueeze(0)
 
-    def _rope_kwargs(self, step_seconds: float) -> dict:
+    def _rope_kwargs(self, step_times: list[tuple[float, float]]) -> dict:
         if self.family == "qwen2_5_vl":  # temporal positions follow real time in 2.5-VL
-            return {"second_per_grid_ts": torch.tensor([step_seconds])}
+            starts = [t[0] for t in step_times]
+            seconds = (starts[-1] - starts[0]) / (len(starts) - 1) if len(starts) > 1 else 1.0
+            return {"second_per_grid_ts": torch.tensor([seconds or 1.0])}
         return {}
 
-    def stream_layout(self, steps: int, frame_hw: tuple[int, int], step_seconds: float = 1.0) -> StreamLayout:
+    def stream_layout(self, frame_hw: tuple[int, int], step_times: list[tuple[float, float]]) -> StreamLayout:
         # Ask the model itself for the M-RoPE positions of [prefix | video | suffix | one text token]:
         # the extra token gives the question's first position, which is not len + rope_deltas.
+        steps = len(step_times)
         h, w = self.visual_grid(frame_hw)
         merge = self.video_processor.merge_size
         video_id = self.model.config.video_token_id
@@ -63,12 +66,13 @@ class QwenVLBackbone(Backbone):
         mm_types = (ids == video_id).int() * 2
         grid = torch.tensor([[steps, h * merge, w * merge]])
         pos, _ = self.model.model.get_rope_index(ids, mm_token_type_ids=mm_types, video_grid_thw=grid,
-                                                 **self._rope_kwargs(step_seconds))
+                                                 **self._rope_kwargs(step_times))
         pos = pos[:, 0]
         a, b = len(prefix), len(prefix) + n_visual
         next_position = int(pos[0, -1])
         return StreamLayout(prefix=pos[:, :a], visual=pos[:, a:b], suffix=pos[:, b:-1],
-                            next_position=next_position, rope_delta=next_position - (pos.shape[1] - 1))
+                            next_position=next_position, rope_delta=next_position - (pos.shape[1] - 1),
+                            step_lengths=[h * w] * steps)
 
     def reference_inputs(self, frames: np.ndarray, question: str) -> dict:
         """Inputs for one ordinary HF forward over [prompt + video + question] (tests compare against it)."""
