@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from mmkv_cli.errors import OutputExistsError, PackError
@@ -27,10 +29,6 @@ def check_writable(path: Path, force: bool) -> None:
 def write_pack(path: Path, header: dict, prefix: Segment, blocks: list[Segment], suffix: Segment,
                force: bool = False) -> int:
     """Write header + segments to `path`; returns the file size in bytes."""
-    import hashlib
-
-    import torch
-
     check_writable(path, force)
     tensors: dict = {}
     segments_meta = {}
