@@ -13,7 +13,7 @@ out_console = Console()
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            return f"{n:.0f}B" if unit == "B" else f"{n:.1f}{unit}"
         n /= 1024
     return f"{n:.1f} GiB"
 
@@ -58,24 +58,23 @@ def show_inspect(info: dict) -> None:
 
 
 def show_profile(result: dict) -> None:
-    ref = result["reference"]
-    table = Table(title=f"profile: {result['model']} on {result['device']} (ratios to {ref})", title_justify="left")
-    for col in ("method", "budget", "encode", "pack", "tokens kept", "peak mem", "peak KV", "TTFT", "decode/tok"):
-        table.add_column(col, justify="left" if col == "method" else "right")
+    """Two narrow tables, measurements then ratios, so both fit an 80-column terminal."""
+    columns = [("encode", "encode_s", lambda v: f"{v:.2f}s"), ("pack", "bytes", human_bytes),
+               ("kept", "visual_tokens_kept", str), ("peak mem", "peak_mem_bytes", human_bytes),
+               ("peak KV", "peak_kv_bytes", human_bytes), ("TTFT", "ttft_s", lambda v: f"{1000 * v:.1f}ms"),
+               ("decode/tok", "decode_s_per_token", lambda v: f"{1000 * v:.1f}ms")]
+    measured = Table(title=f"profile: {result['model']} on {result['device']}", title_justify="left")
+    ratios = Table(title=f"ratio to {result['reference']}", title_justify="left")
+    for table in (measured, ratios):
+        table.add_column("method")
+        for title, _, _ in columns:
+            table.add_column(title, justify="right")
     for r in result["methods"]:
-        ratio = r["ratio"]
-
-        def cell(value: str, metric: str) -> str:
-            return value if ratio[metric] is None else f"{value} ({ratio[metric]:.2f}x)"
-
-        table.add_row(r["method"], f"{r['budget']:g}", cell(f"{r['encode_s']:.2f}s", "encode_s"),
-                      cell(human_bytes(r["bytes"]), "bytes"),
-                      cell(f"{r['visual_tokens_kept']}/{r['visual_tokens_total']}", "visual_tokens_kept"),
-                      cell(human_bytes(r["peak_mem_bytes"]), "peak_mem_bytes"),
-                      cell(human_bytes(r["peak_kv_bytes"]), "peak_kv_bytes"),
-                      cell(f"{1000 * r['ttft_s']:.1f}ms", "ttft_s"),
-                      cell(f"{1000 * r['decode_s_per_token']:.1f}ms", "decode_s_per_token"))
-    out_console.print(table)
+        label = f"{r['method']}@{r['budget']:g}"
+        measured.add_row(label, *(fmt(r[key]) for _, key, fmt in columns))
+        ratios.add_row(label, *("-" if r["ratio"][key] is None else f"{r['ratio'][key]:.2f}" for _, key, _ in columns))
+    out_console.print(measured)
+    out_console.print(ratios)
 
 
 def show_listing(title: str, rows: list[dict], columns: list[str]) -> None:

@@ -27,6 +27,13 @@ class QwenVLBackbone(Backbone):
 
     def visual_grid(self, frame_hw: tuple[int, int]) -> tuple[int, int]:
         """LLM tokens (rows, cols) of one temporal step for frames of this size."""
+        cached = getattr(self, "_grids", {})
+        if frame_hw not in cached:
+            self._grids = {**cached, frame_hw: self._probe_grid(frame_hw)}
+        return self._grids[frame_hw]
+
+    def _probe_grid(self, frame_hw: tuple[int, int]) -> tuple[int, int]:
+        # The processor decides the resize; ask it rather than re-deriving its rounding rules.
         probe = np.zeros((self.frames_per_step, *frame_hw, 3), dtype=np.uint8)
         _, h, w = self._process(probe)["video_grid_thw"][0].tolist()
         merge = self.video_processor.merge_size
