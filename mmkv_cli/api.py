@@ -6,6 +6,8 @@ import datetime as dt
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from mmkv_cli import __version__
 from mmkv_cli.answer import Answer, answer_from_pack
 from mmkv_cli.backbones import Backbone, load_backbone
@@ -69,7 +71,7 @@ def inspect(pack: str | Path) -> dict:
     reader = PackReader(pack)
     h = reader.header
     kv = h["kv"]
-    per_token = 2 * kv["kv_heads"] * kv["head_dim"] * _dtype_size(kv["dtype"])
+    per_token = 2 * kv["kv_heads"] * kv["head_dim"] * torch.empty(0, dtype=getattr(torch, kv["dtype"])).element_size()
     layers = [{"index": i, "tokens_kept": sum(b["layer_counts"][i] for b in reader.blocks)}
               for i in range(kv["layers"])]
     granularities: dict[str, dict] = {}
@@ -99,6 +101,3 @@ def inspect(pack: str | Path) -> dict:
         "created": h["created"],
     }
 
-
-def _dtype_size(name: str) -> int:
-    return {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}.get(name, 4)

@@ -28,9 +28,10 @@ class Encoded:
     stats: dict = field(default_factory=dict)
 
 
-def _segment(name: str, cache, start: int, stop: int | None, positions: torch.Tensor) -> Segment:
-    keys = [e.keys[0, :, start:stop].cpu() for e in cache.layers]
-    values = [e.values[0, :, start:stop].cpu() for e in cache.layers]
+def _segment(name: str, cache, starts: list[int], stop: int | None, positions: torch.Tensor) -> Segment:
+    """Cache entries [starts[layer], stop) of every layer (layers may hold different counts before them)."""
+    keys = [e.keys[0, :, start:stop].cpu() for e, start in zip(cache.layers, starts)]
+    values = [e.values[0, :, start:stop].cpu() for e, start in zip(cache.layers, starts)]
     return Segment(name=name, keys=keys, values=values, positions=[positions.cpu()] * len(keys))
 
 
@@ -84,15 +85,12 @@ def encode_media(backbone: Backbone, media: Media, policy: MemoryPolicy, chunk_f
     policy.finish(state)
 
     blocks = policy.make_blocks(state, step_times)
-    prefix = _segment("prefix", cache, 0, state.prefix_len, layout.prefix)
+    prefix = _segment("prefix", cache, [0] * state.layers, state.prefix_len, layout.prefix)
     visual_end = [state.prefix_len + len(k) for k in state.kept]
     suffix_embeds = backbone.suffix_embeds()
     if suffix_embeds.shape[1]:
         backbone.forward(suffix_embeds, layout.suffix, cache)
-    suffix_keys = [e.keys[0, :, end:].cpu() for e, end in zip(cache.layers, visual_end)]
-    suffix_values = [e.values[0, :, end:].cpu() for e, end in zip(cache.layers, visual_end)]
-    suffix = Segment(name="suffix", keys=suffix_keys, values=suffix_values,
-                     positions=[layout.suffix.cpu()] * len(suffix_keys))
+    suffix = _segment("suffix", cache, visual_end, None, layout.suffix)
     grid = backbone.visual_grid(frame_hw)
     return Encoded(
         prefix=prefix, blocks=blocks, suffix=suffix, visual_tokens_total=total,

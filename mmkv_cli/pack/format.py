@@ -38,9 +38,6 @@ class Segment:
     def layer_counts(self) -> list[int]:
         return [int(k.shape[1]) for k in self.keys]
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
     def packed(self) -> dict[str, torch.Tensor]:
         return {
             f"{self.name}.k": torch.cat(self.keys, dim=1).contiguous(),
