@@ -70,7 +70,7 @@ def encode_media(backbone: Backbone, media: Media, policy: MemoryPolicy, chunk_f
     peak_kv = 0
     for first in range(0, media.num_frames, chunk):
         frames = _padded(media.read(first, first + chunk), per_step)
-        embeds, extra = backbone.visual_chunk(frames, step_times[first // per_step:(first + chunk) // per_step])
+        embeds, extra = backbone.visual_chunk(frames, step_times[first // per_step:(first + chunk) // per_step], layout)
         n = embeds.shape[1]
         backbone.forward(embeds, layout.visual[:, state.seen:state.seen + n], cache, **extra)
         new = torch.arange(state.seen, state.seen + n)
@@ -91,12 +91,11 @@ def encode_media(backbone: Backbone, media: Media, policy: MemoryPolicy, chunk_f
     if suffix_embeds.shape[1]:
         backbone.forward(suffix_embeds, layout.suffix, cache)
     suffix = _segment("suffix", cache, visual_end, None, layout.suffix)
-    grid = backbone.visual_grid(frame_hw)
     return Encoded(
         prefix=prefix, blocks=blocks, suffix=suffix, visual_tokens_total=total,
         layout={"position_dims": backbone.position_dims, "next_position": layout.next_position,
                 "rope_deltas": layout.rope_delta, "frames_per_step": per_step, "steps": steps,
-                "tokens_per_step": backbone.tokens_per_step(frame_hw), "step_lengths": layout.step_lengths,
-                "grid": list(grid), "frame_size": list(frame_hw)},
+                "tokens_per_step": layout.grid[0] * layout.grid[1], "step_lengths": layout.step_lengths,
+                "grid": list(layout.grid), "frame_size": list(frame_hw)},
         stats={"encode_s": time.perf_counter() - start_time, "peak_kv_bytes": max(peak_kv, state.kv_bytes())},
     )

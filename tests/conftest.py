@@ -8,7 +8,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "samples"
-TINY = ["tiny-llava-ov", "tiny-qwen2-vl"]
+TINY = ["tiny-llava-ov", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 
 
 @pytest.fixture(scope="session")

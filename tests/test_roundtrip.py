@@ -14,7 +14,7 @@ def live_logits(backbone, media: str, max_frames: int) -> torch.Tensor:
     frames = load_media(media, fps=2.0, max_frames=max_frames)
     pixels = frames.read(0, frames.num_frames)
     with torch.inference_mode():
-        return backbone.model(**backbone.reference_inputs(pixels, QUESTION)).logits[0, -1].float()
+        return backbone.model(**backbone.reference_inputs(pixels, QUESTION, frames.timestamps)).logits[0, -1].float()
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -48,7 +48,7 @@ def test_chunked_encode_matches_single_forward(tmp_path, backbones, name, clip, 
     answer = api.ask(pack, QUESTION, backbone=backbone, keep_logits=True, max_new_tokens=1)
     frames = load_media(clip, fps=4.0, max_frames=16)
     with torch.inference_mode():
-        live = backbone.model(**backbone.reference_inputs(frames.read(0, 16), QUESTION)).logits[0, -1].float()
+        live = backbone.model(**backbone.reference_inputs(frames.read(0, 16), QUESTION, frames.timestamps)).logits[0, -1].float()
     assert (answer.first_logits - live).abs().max().item() <= 1e-4
 
 

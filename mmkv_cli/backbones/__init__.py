@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from mmkv_cli.backbones import llava_onevision, qwen_vl
+from mmkv_cli.backbones import llava_onevision, qwen3_vl, qwen_vl
 from mmkv_cli.backbones.base import Backbone, PromptPieces, StreamLayout
 from mmkv_cli.backbones.tiny import TINY_BUILDERS
 from mmkv_cli.errors import ModelError, UsageError
@@ -18,6 +18,7 @@ ADAPTERS = {
     "llava_onevision": (llava_onevision.LlavaOnevisionBackbone, llava_onevision.PROMPT),
     "qwen2_vl": (qwen_vl.QwenVLBackbone, qwen_vl.PROMPT),
     "qwen2_5_vl": (qwen_vl.Qwen25VLBackbone, qwen_vl.PROMPT),
+    "qwen3_vl": (qwen3_vl.Qwen3VLBackbone, qwen3_vl.PROMPT),
 }
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -78,7 +79,8 @@ def _load_pretrained(name: str, source: str, device: torch.device, dtype: torch.
     if family not in ADAPTERS:
         raise ModelError(f"model '{source}' is a {family}; supported: {', '.join(ADAPTERS)}")
     classes = {"llava_onevision": "LlavaOnevisionForConditionalGeneration",
-               "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+               "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+               "qwen3_vl": "Qwen3VLForConditionalGeneration"}
     try:
         net = getattr(transformers, classes[family]).from_pretrained(source, dtype=dtype, local_files_only=offline)
         processor = AutoProcessor.from_pretrained(source, local_files_only=offline)

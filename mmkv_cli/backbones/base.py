@@ -25,6 +25,8 @@ class StreamLayout:
     next_position: int  # the first text position after the suffix (the question's first token)
     rope_delta: int  # next_position - physical length of the stream: 0 for 1-D RoPE
     step_lengths: list[int]  # tokens each temporal step adds to the stream (its visual tokens + any markers)
+    grid: tuple[int, int]  # visual tokens of one temporal step as (rows, cols)
+    resize_to: tuple[int, int] | None = None  # one pixel size for every chunk of the clip, when the family needs it
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,8 @@ class Backbone:
         """uint8 [T, H, W, 3] (T a multiple of frames_per_step) -> [1, steps * tokens_per_step, hidden]."""
         raise NotImplementedError
 
-    def visual_chunk(self, frames: np.ndarray, step_times: list[tuple[float, float]]) -> tuple[torch.Tensor, dict]:
+    def visual_chunk(self, frames: np.ndarray, step_times: list[tuple[float, float]],
+                     layout: StreamLayout) -> tuple[torch.Tensor, dict]:
         """The stream tokens of these frames' steps, and any extra inputs the language model needs for them."""
         return self.visual_embeds(frames), {}
 

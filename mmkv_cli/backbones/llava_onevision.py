@@ -62,9 +62,10 @@ class LlavaOnevisionBackbone(Backbone):
             next_position=int(pos.shape[1]),
             rope_delta=0,
             step_lengths=[self.tokens_per_step(frame_hw)] * steps,
+            grid=self.visual_grid(frame_hw),
         )
 
-    def reference_inputs(self, frames: np.ndarray, question: str) -> dict:
+    def reference_inputs(self, frames: np.ndarray, question: str, times: list[float] | None = None) -> dict:
         """Inputs for one ordinary HF forward over [prompt + video + question] (tests compare against it)."""
         steps = len(frames)
         n_video = steps * self.tokens_per_step(frames.shape[1:3]) + 1

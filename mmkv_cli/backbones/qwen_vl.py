@@ -79,9 +79,14 @@ class QwenVLBackbone(Backbone):
         next_position = int(pos[0, -1])
         return StreamLayout(prefix=pos[:, :a], visual=pos[:, a:b], suffix=pos[:, b:-1],
                             next_position=next_position, rope_delta=next_position - (pos.shape[1] - 1),
-                            step_lengths=[h * w] * steps)
+                            step_lengths=[h * w] * steps, grid=(h, w))
 
-    def reference_inputs(self, frames: np.ndarray, question: str) -> dict:
+    def steps_of(self, times: list[float]) -> list[tuple[float, float]]:
+        """(first, last) frame time of every temporal step of frames sampled at these times."""
+        per = self.frames_per_step
+        return [(times[first], times[min(first + per, len(times)) - 1]) for first in range(0, len(times), per)]
+
+    def reference_inputs(self, frames: np.ndarray, question: str, times: list[float] | None = None) -> dict:
         """Inputs for one ordinary HF forward over [prompt + video + question] (tests compare against it)."""
         inputs = self._process(frames)
         grid = inputs["video_grid_thw"]
@@ -91,7 +96,7 @@ class QwenVLBackbone(Backbone):
                             + self.text_ids(self.prompt.suffix_text) + self.question_ids(question)])
         return {"input_ids": ids.to(self.device), "mm_token_type_ids": ((ids == video_id).int() * 2).to(self.device),
                 "pixel_values_videos": inputs["pixel_values_videos"].to(self.device, self.dtype),
-                "video_grid_thw": grid.to(self.device)}
+                "video_grid_thw": grid.to(self.device), **self._rope_kwargs(self.steps_of(times or [0.0]))}
 
 
 class Qwen25VLBackbone(QwenVLBackbone):
