@@ -11,6 +11,8 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from mmkv_cli import attention
+
 
 @dataclass
 class StreamLayout:
@@ -47,6 +49,7 @@ class Backbone:
 
     def __init__(self, model, tokenizer, video_processor, name: str, source: str, prompt: PromptPieces):
         self.model = model.eval()
+        attention.install(model)
         self.tokenizer = tokenizer
         self.video_processor = video_processor
         self.name = name
@@ -169,6 +172,17 @@ class Backbone:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return {"layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads, "head_dim": head_dim,
                 "dtype": str(self.dtype).replace("torch.", "")}
+
+    def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inv_freq [D/2], position axis of each frequency [D/2]) for delta-rotating stored keys."""
+        rotary = self._lm.rotary_emb
+        inv_freq = rotary.inv_freq.detach().float().cpu()
+        if not hasattr(rotary, "recomposition_frequencies"):  # 1-D RoPE
+            return inv_freq, torch.zeros_like(inv_freq, dtype=torch.long)
+        # Ask the model's own M-RoPE layout which axis each frequency reads: feed each axis its index.
+        probe = torch.arange(3, dtype=torch.float32)[:, None].repeat(1, inv_freq.numel())
+        axes = rotary.recomposition_frequencies(probe)[..., :inv_freq.numel()].reshape(-1).long()
+        return inv_freq, axes
 
     def rotary(self) -> dict:
         """The rotary settings a context policy needs to re-rotate stored keys."""

@@ -31,7 +31,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 def _text_config(vocab: int, **extra) -> dict:
     return dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=32768,
                 tie_word_embeddings=False, **extra)
 
 

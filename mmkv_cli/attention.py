@@ -1,0 +1,83 @@
+"""Attention scores without eager attention maps.
+
+The language model runs on SDPA through an attention function registered as "mmkv". While a `Recorder`
+is active, that function also keeps, for the layers asked for, what a method needs: the post-RoPE
+queries, or the column sums of softmax(QK^T/sqrt(d)) over the query rows — computed a few query rows at
+a time, so memory never holds heads x n x n for the whole sequence.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "mmkv"
+QUERY_ROWS_PER_STEP = 256  # rows of QK^T computed at once when scoring: bounds peak memory
+
+_active: contextvars.ContextVar["Recorder | None"] = contextvars.ContextVar("mmkv_recorder", default=None)
+
+
+@dataclass
+class Recorder:
+    """What to keep from which layers during one or more forwards (a batch may hold several blocks)."""
+
+    layers: set[int]
+    column_sums: bool = False
+    queries: bool = False
+    column_sum: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, kv_len] float32
+    query: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, H, q_len, D]
+
+
+def causal_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Sum over query rows of the head-mean softmax(QK^T * scaling), causal with the queries last.
+
+    query [B, H, q, D], key [B, H_kv, k, D] (k >= q: earlier keys are cached context) -> [B, k].
+    """
+    batch, heads, q_len, _ = query.shape
+    k_len = key.shape[2]
+    key = key.repeat_interleave(heads // key.shape[1], dim=1).float()
+    sums = torch.zeros(batch, k_len, dtype=torch.float32, device=query.device)
+    keys_at = torch.arange(k_len, device=query.device)
+    for start in range(0, q_len, QUERY_ROWS_PER_STEP):
+        rows = query[:, :, start:start + QUERY_ROWS_PER_STEP].float()
+        scores = rows @ key.transpose(-1, -2) * scaling
+        row_at = torch.arange(start, start + rows.shape[2], device=query.device) + (k_len - q_len)
+        scores = scores.masked_fill(keys_at[None, :] > row_at[:, None], float("-inf"))
+        sums += scores.softmax(dim=-1).mean(dim=1).sum(dim=1)
+    return sums
+
+
+def _attention(module, query, key, value, attention_mask, **kwargs):
+    recorder = _active.get()
+    layer = getattr(module, "layer_idx", None)
+    if recorder is not None and layer in recorder.layers:
+        if recorder.queries:
+            recorder.query[layer] = query.detach()
+        if recorder.column_sums:
+            scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+            recorder.column_sum[layer] = causal_column_sums(query.detach(), key.detach(), scaling)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(NAME, _attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def install(model) -> None:
+    """Route the language model's attention (not the vision tower's) through the recording function."""
+    model.config.get_text_config()._attn_implementation = NAME
+
+
+@contextmanager
+def recording(recorder: Recorder):
+    token = _active.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _active.reset(token)
