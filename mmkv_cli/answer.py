@@ -9,9 +9,11 @@ from typing import Callable
 import torch
 
 from mmkv_cli.backbones import Backbone
-from mmkv_cli.errors import PackError
+from mmkv_cli.attention import Recorder, recording
+from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.methods import ContextPolicy
 from mmkv_cli.pack import PackReader
+from mmkv_cli.rope import compact_positions, rotate_keys
 
 
 @dataclass
@@ -23,6 +25,8 @@ class Answer:
     total_s: float
     decode_s_per_token: float
     blocks_used: list[str]
+    retrieved: list[dict] = field(default_factory=list)
+    bytes_read: int = 0
     first_logits: torch.Tensor | None = field(default=None, repr=False)
 
 
@@ -35,27 +39,73 @@ def check_compatible(reader: PackReader, backbone: Backbone) -> None:
                             f"config {made.get('config_sha256')}), not '{here['model']}': re-encode it with this model")
 
 
-def build_cache(backbone: Backbone, reader: PackReader, names: list[str]):
-    """Concatenate prefix + chosen blocks + suffix per layer into a fresh cache; returns (cache, tokens)."""
+def build_cache(backbone: Backbone, reader: PackReader, names: list[str], positions: str = "keep"):
+    """Concatenate prefix + chosen blocks + suffix per layer into a fresh cache.
+
+    positions "keep": stored positions, the question at the stored next position. "reindex": every layer's
+    context compacted to consecutive slots, keys re-rotated by the change, the question right after.
+    Returns (cache, context tokens, the question's first position).
+    """
     segments = [reader.segment("prefix"), *(reader.segment(n) for n in names), reader.segment("suffix")]
     layers = len(segments[0].keys)
     keys = [torch.cat([s.keys[layer] for s in segments], dim=1) for layer in range(layers)]
     values = [torch.cat([s.values[layer] for s in segments], dim=1) for layer in range(layers)]
-    return backbone.cache_from_layers(keys, values), max(int(k.shape[1]) for k in keys)
+    next_position = int(reader.header["layout"]["next_position"])  # stored: never derived from the cache length
+    if positions == "reindex":
+        inv_freq, axes = backbone.rope_tables()
+        next_position = 0
+        for layer in range(layers):
+            old = torch.cat([s.positions[layer] for s in segments], dim=1)
+            new = compact_positions(old, 0)
+            keys[layer] = rotate_keys(keys[layer], new - old, inv_freq, axes)
+            next_position = max(next_position, int(new.max()) + 1 if new.numel() else 0)
+    elif positions != "keep":
+        raise UsageError(f"unknown position mode '{positions}' (keep, reindex)")
+    return backbone.cache_from_layers(keys, values), max(int(k.shape[1]) for k in keys), next_position
+
+
+def question_vector(backbone: Backbone, reader: PackReader, ids: list[int], mode: str) -> torch.Tensor:
+    """The question as one retrieval vector, from a forward over [init prompt + question] (no video).
+
+    query_mean: the last layer's post-RoPE queries averaged over the question's tokens and over the query
+    heads sharing a KV head (so it lives where block representatives do, H_kv * D); last_key: the last
+    layer's key of the question's last token.
+    """
+    prefix = reader.segment("prefix")
+    cache = backbone.cache_from_layers(prefix.keys, prefix.values)
+    last = len(prefix.keys) - 1
+    recorder = Recorder(layers={last}, queries=True)
+    with recording(recorder):
+        backbone.forward(backbone.embed_ids(ids), backbone.text_positions(prefix.layer_counts[0], len(ids)), cache)
+    if mode == "last_key":
+        return cache.layers[last].keys[0, :, -1].float().reshape(-1).cpu()
+    if mode != "query_mean":
+        raise UsageError(f"unknown query mode '{mode}' (query_mean, last_key)")
+    query = recorder.query[last][0].float().mean(dim=1)  # [H, D]
+    kv_heads = prefix.keys[last].shape[0]
+    return query.reshape(kv_heads, -1, query.shape[-1]).mean(dim=1).reshape(-1).cpu()
+
+
+def _representatives(reader: PackReader) -> torch.Tensor:
+    reps = reader.representatives()
+    if reps is None:
+        raise PackError(f"{reader.path} stores no block representatives, so its blocks cannot be retrieved")
+    return reps
 
 
 @torch.inference_mode()
 def answer_from_pack(backbone: Backbone, reader: PackReader, policy: ContextPolicy, question: str,
                      max_new_tokens: int = 32, on_token: Callable[[str], None] | None = None,
-                     keep_logits: bool = False) -> Answer:
+                     keep_logits: bool = False, before: float | None = None) -> Answer:
     check_compatible(reader, backbone)
     start = time.perf_counter()
-    names = policy.select(reader.blocks, question)
-    cache, context = build_cache(backbone, reader, names)
     ids = backbone.question_ids(question, reader.header["prompt"]["question"])
     if not ids:
         raise PackError("the question is empty after tokenisation")
-    position = int(reader.header["layout"]["next_position"])  # stored: never derived from the cache length
+    selection = policy.select(reader.blocks, lambda: _representatives(reader),
+                              lambda mode: question_vector(backbone, reader, ids, mode), before)
+    names = selection.names
+    cache, context, position = build_cache(backbone, reader, names, policy.position_mode)
     hidden = backbone.forward(backbone.embed_ids(ids), backbone.text_positions(position, len(ids)), cache)
     position += len(ids)
     logits = backbone.logits(hidden[:, -1])
@@ -87,4 +137,5 @@ def answer_from_pack(backbone: Backbone, reader: PackReader, policy: ContextPoli
     return Answer(answer=shown.strip(), token_ids=out, context_tokens=context + len(ids),
                   ttft_s=ttft or total, total_s=total,
                   decode_s_per_token=(time.perf_counter() - decode_start) / steps if len(out) > 1 else 0.0,
-                  blocks_used=names, first_logits=first_logits)
+                  blocks_used=names, retrieved=selection.explain, bytes_read=reader.bytes_read,
+                  first_logits=first_logits)

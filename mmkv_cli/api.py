@@ -57,13 +57,22 @@ def encode(media: str, output: str | Path, model: str | None = None, method: str
 
 def ask(pack: str | Path, question: str, model: str | None = None, device: str = "auto", dtype: str = "auto",
         max_new_tokens: int = 32, backbone: Backbone | None = None,
-        on_token: Callable[[str], None] | None = None, keep_logits: bool = False) -> Answer:
-    """Answer `question` from the pack alone; the media is never read again."""
+        on_token: Callable[[str], None] | None = None, keep_logits: bool = False, at: float | None = None,
+        positions: str | None = None) -> Answer:
+    """Answer `question` from the pack alone; the media is never read again.
+
+    at: the question's moment (seconds, or frame index for stills): only blocks that start by then count.
+    positions: keep | reindex, overriding the method's preset.
+    """
     reader = PackReader(pack)
     backbone = backbone or load_backbone(model or reader.header["fingerprint"]["model"], device, dtype)
     method = reader.header["method"]
-    policy = context_policy(method["name"], method.get("params") or {})
-    return answer_from_pack(backbone, reader, policy, question, max_new_tokens, on_token, keep_logits)
+    params = dict(method.get("params") or {})
+    if positions is not None:
+        params["positions"] = positions
+    policy = context_policy(method["name"], params)
+    policy.position_mode = params.get("positions", policy.position_mode)
+    return answer_from_pack(backbone, reader, policy, question, max_new_tokens, on_token, keep_logits, at)
 
 
 def inspect(pack: str | Path) -> dict:

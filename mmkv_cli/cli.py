@@ -116,6 +116,9 @@ def ask(
     question: str = typer.Argument(..., help="The question; '-' reads it from stdin."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Longest answer, in tokens."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the pack names."),
+    explain: bool = typer.Option(False, "--explain", help="List the retrieved blocks and their scores."),
+    at: Optional[float] = typer.Option(None, "--at", help="The question's moment (s): only earlier blocks count."),
+    positions: Optional[str] = typer.Option(None, "--positions", help="keep | reindex (default: the method's)."),
     device: str = DeviceOpt, dtype: str = DtypeOpt, as_json: bool = JsonOpt,
 ) -> None:
     """Answer QUESTION from a saved pack, without the media."""
@@ -128,19 +131,27 @@ def ask(
             raise UsageError("the question is empty")
         if max_new_tokens < 1:
             raise UsageError("--max-new-tokens must be at least 1")
+        if positions not in (None, "keep", "reindex"):
+            raise UsageError(f"unknown --positions '{positions}' (keep, reindex)")
+        options = dict(at=at, positions=positions)
         if as_json:
-            answer = api.ask(pack, text, model, device, dtype, max_new_tokens)
+            answer = api.ask(pack, text, model, device, dtype, max_new_tokens, **options)
             _emit_json({"question": text, "answer": answer.answer, "context_tokens": answer.context_tokens,
                         "ttft_s": answer.ttft_s, "total_s": answer.total_s,
-                        "decode_s_per_token": answer.decode_s_per_token, "blocks": len(answer.blocks_used)})
+                        "decode_s_per_token": answer.decode_s_per_token, "blocks": len(answer.blocks_used),
+                        "bytes_read": answer.bytes_read, "retrieved": answer.retrieved})
             return
 
         def stream(piece: str) -> None:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        api.ask(pack, text, model, device, dtype, max_new_tokens, on_token=stream)
+        answer = api.ask(pack, text, model, device, dtype, max_new_tokens, on_token=stream, **options)
         sys.stdout.write("\n")
+        if explain:
+            from mmkv_cli.display import show_retrieved
+
+            show_retrieved(answer.retrieved, answer.blocks_used)
 
     _run(body)
 

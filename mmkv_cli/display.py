@@ -84,3 +84,17 @@ def show_listing(title: str, rows: list[dict], columns: list[str]) -> None:
     for row in rows:
         table.add_row(*(str(row.get(c, "")) for c in columns))
     out_console.print(table)
+
+
+def show_retrieved(retrieved: list[dict], used: list[str]) -> None:
+    """Why the context holds what it holds: each retrieved block, its span and its scores."""
+    if not retrieved:
+        err_console.print(f"[dim]no retrieval: the context holds all {len(used)} stored blocks[/dim]")
+        return
+    table = Table(title="retrieved blocks (context order)")
+    for column in ("block", "granularity", "time (s)", "score", "reranked"):
+        table.add_column(column, justify="right" if column in ("score", "reranked") else "left")
+    for r in retrieved:
+        span = f"{r['time'][0]:.1f}-{r['time'][1]:.1f}" if r.get("time") else "-"
+        table.add_row(r["block"], r["granularity"], span, f"{r['score']:.3f}", f"{r['reranked']:.3f}")
+    err_console.print(table)

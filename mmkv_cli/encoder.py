@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from mmkv_cli.backbones import Backbone
+from mmkv_cli.blockwise import chunk_plans, order_blocks, prefill_blocks
 from mmkv_cli.errors import MediaError
 from mmkv_cli.media import Media
 from mmkv_cli.methods import MemoryPolicy, StreamState
@@ -57,16 +58,42 @@ def encode_media(backbone: Backbone, media: Media, policy: MemoryPolicy, chunk_f
     frame_hw = tuple(media.read(0, 1).shape[1:3])
     step_times = _step_times(media, steps, per_step)
     layout = backbone.stream_layout(frame_hw, step_times)
-    lengths = torch.tensor(layout.step_lengths)
-    total = int(lengths.sum())
+    total = sum(layout.step_lengths)
 
     cache = backbone.new_cache()
     prefix_ids = backbone.text_ids(backbone.prompt.prefix)
     backbone.forward(backbone.embed_ids(prefix_ids), layout.prefix, cache)
-    state = StreamState(cache=cache, prefix_len=len(prefix_ids), positions=layout.visual.cpu(),
-                        token_step=torch.repeat_interleave(torch.arange(steps), lengths),
+    prefix = _segment("prefix", cache, [0] * len(cache.layers), len(prefix_ids), layout.prefix)
+    run = _encode_blockwise if getattr(policy, "blockwise", False) else _encode_stream
+    blocks, cache, visual_end, peak_kv = run(backbone, media, policy, chunk_frames, progress, layout, step_times,
+                                             cache, prefix)
+    suffix_embeds = backbone.suffix_embeds()
+    if suffix_embeds.shape[1]:
+        backbone.forward(suffix_embeds, layout.suffix, cache)
+    suffix = _segment("suffix", cache, visual_end, None, layout.suffix)
+    return Encoded(
+        prefix=prefix, blocks=blocks, suffix=suffix, visual_tokens_total=total,
+        layout={"position_dims": backbone.position_dims, "next_position": layout.next_position,
+                "rope_deltas": layout.rope_delta, "frames_per_step": per_step, "steps": steps,
+                "tokens_per_step": layout.grid[0] * layout.grid[1], "step_lengths": layout.step_lengths,
+                "grid": list(layout.grid), "frame_size": list(frame_hw)},
+        stats={"encode_s": time.perf_counter() - start_time, "peak_kv_bytes": peak_kv},
+    )
+
+
+def _chunk_size(chunk_frames: int, unit: int) -> int:
+    return max(unit, chunk_frames - chunk_frames % unit)
+
+
+def _encode_stream(backbone, media, policy, chunk_frames, progress, layout, step_times, cache, prefix):
+    """One running cache over the whole stream; the policy may evict after every chunk."""
+    per_step = backbone.frames_per_step
+    lengths = torch.tensor(layout.step_lengths)
+    total = int(lengths.sum())
+    state = StreamState(cache=cache, prefix_len=prefix.layer_counts[0], positions=layout.visual.cpu(),
+                        token_step=torch.repeat_interleave(torch.arange(len(step_times)), lengths),
                         kept=[torch.empty(0, dtype=torch.long) for _ in cache.layers], seen=0, total=total)
-    chunk = max(per_step, chunk_frames - chunk_frames % per_step)
+    chunk = _chunk_size(chunk_frames, per_step)
     peak_kv = 0
     for first in range(0, media.num_frames, chunk):
         frames = _padded(media.read(first, first + chunk), per_step)
@@ -80,22 +107,36 @@ def encode_media(backbone: Backbone, media: Media, policy: MemoryPolicy, chunk_f
         policy.after_chunk(state)
         if progress:
             progress(min(first + chunk, media.num_frames), state.seen)
-    if state.seen != total:
-        raise MediaError(f"{media.source}: expected {total} visual tokens, the backbone gave {state.seen}")
+    _check_count(media, state.seen, total)
     policy.finish(state)
-
     blocks = policy.make_blocks(state, step_times)
-    prefix = _segment("prefix", cache, [0] * state.layers, state.prefix_len, layout.prefix)
     visual_end = [state.prefix_len + len(k) for k in state.kept]
-    suffix_embeds = backbone.suffix_embeds()
-    if suffix_embeds.shape[1]:
-        backbone.forward(suffix_embeds, layout.suffix, cache)
-    suffix = _segment("suffix", cache, visual_end, None, layout.suffix)
-    return Encoded(
-        prefix=prefix, blocks=blocks, suffix=suffix, visual_tokens_total=total,
-        layout={"position_dims": backbone.position_dims, "next_position": layout.next_position,
-                "rope_deltas": layout.rope_delta, "frames_per_step": per_step, "steps": steps,
-                "tokens_per_step": layout.grid[0] * layout.grid[1], "step_lengths": layout.step_lengths,
-                "grid": list(layout.grid), "frame_size": list(frame_hw)},
-        stats={"encode_s": time.perf_counter() - start_time, "peak_kv_bytes": max(peak_kv, state.kv_bytes())},
-    )
+    return blocks, cache, visual_end, max(peak_kv, state.kv_bytes())
+
+
+def _encode_blockwise(backbone, media, policy, chunk_frames, progress, layout, step_times, cache, prefix):
+    """Independent blocks after the init prompt, whole segments per chunk; the suffix follows the init prompt."""
+    per_step = backbone.frames_per_step
+    chunk = _chunk_size(chunk_frames, per_step * policy.segment_steps(per_step))
+    blocks, seen, peak_kv = [], 0, 0
+    for first in range(0, media.num_frames, chunk):
+        frames = _padded(media.read(first, first + chunk), per_step)
+        first_step = first // per_step
+        times = step_times[first_step:first_step + len(frames) // per_step]
+        embeds, extra = backbone.visual_chunk(frames, times, layout)
+        n = embeds.shape[1]
+        plans = chunk_plans(policy, layout, first_step, len(times), per_step)
+        made, peak = prefill_blocks(backbone, policy, prefix, embeds, extra, layout.visual[:, seen:seen + n].cpu(),
+                                    plans, step_times, int(policy.params.get("batch_tokens", 4096)))
+        blocks += made
+        seen += n
+        peak_kv = max(peak_kv, peak)
+        if progress:
+            progress(min(first + chunk, media.num_frames), seen)
+    _check_count(media, seen, sum(layout.step_lengths))
+    return order_blocks(blocks), cache, prefix.layer_counts, peak_kv
+
+
+def _check_count(media: Media, seen: int, total: int) -> None:
+    if seen != total:
+        raise MediaError(f"{media.source}: expected {total} visual tokens, the backbone gave {seen}")

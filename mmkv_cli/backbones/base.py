@@ -29,6 +29,10 @@ class StreamLayout:
     step_lengths: list[int]  # tokens each temporal step adds to the stream (its visual tokens + any markers)
     grid: tuple[int, int]  # visual tokens of one temporal step as (rows, cols)
     resize_to: tuple[int, int] | None = None  # one pixel size for every chunk of the clip, when the family needs it
+    grid_offsets: list[int] | None = None  # per step, marker tokens before its grid (None: the grid starts the step)
+
+    def offsets(self) -> list[int]:
+        return self.grid_offsets or [0] * len(self.step_lengths)
 
 
 @dataclass(frozen=True)
@@ -118,20 +122,27 @@ class Backbone:
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.text_config)
 
-    def cache_from_layers(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
-        """A cache holding per-layer [H_kv, n, D] tensors (a batch of one)."""
+    def cache_from_layers(self, keys: list[torch.Tensor], values: list[torch.Tensor], batch: int = 1) -> DynamicCache:
+        """A cache holding per-layer [H_kv, n, D] tensors, the same for each of `batch` rows."""
         cache = self.new_cache()
         for layer, (k, v) in enumerate(zip(keys, values)):
-            cache.update(k.unsqueeze(0).to(self.device, self.dtype), v.unsqueeze(0).to(self.device, self.dtype), layer)
+            k, v = (t.to(self.device, self.dtype).unsqueeze(0).expand(batch, -1, -1, -1) for t in (k, v))
+            cache.update(k, v, layer)
         return cache
 
+    def select_extra(self, extra: dict, index: torch.Tensor) -> dict:
+        """The extra LM inputs of a chunk, for a batch of token subsets index [B, N] of that chunk."""
+        return {}
+
     def _lm_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        # Qwen's text model takes (3, B, n); a 1-D model takes (B, n).
-        return positions.unsqueeze(1) if self.position_dims == 3 else positions
+        # positions [P, n] or [P, B, n]; Qwen's text model takes (3, B, n), a 1-D model (B, n).
+        if positions.dim() == 2:
+            positions = positions.unsqueeze(1)
+        return positions if self.position_dims == 3 else positions[0]
 
     @torch.inference_mode()
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: DynamicCache, **extra) -> torch.Tensor:
-        """Run the language model over embeds [1, n, hidden] at explicit positions [P, n]; returns hidden states."""
+        """Run the language model over embeds [B, n, hidden] at explicit positions [P, n] or [P, B, n]."""
         out = self._lm(
             inputs_embeds=embeds.to(self.dtype),
             position_ids=self._lm_positions(positions.to(self.device)),

@@ -65,12 +65,13 @@ class Qwen3VLBackbone(QwenVLBackbone):
         size = self.clip_size(frame_hw, len(step_times) * self.frames_per_step)
         h, w = self._grid_at(size)
         video_id = self._token("video_token_id")
-        ids, lengths = self.text_ids(self.prompt.prefix), []
+        ids, lengths, offsets = self.text_ids(self.prompt.prefix), [], []
         n_prefix = len(ids)
         for time in step_times:
             before, after = self.step_markers(time)
             ids += before + [video_id] * (h * w) + after
             lengths.append(len(before) + h * w + len(after))
+            offsets.append(len(before))
         suffix = self.text_ids(self.prompt.suffix_text)
         ids = torch.tensor([ids + suffix + ids[:1]])
         merge = self.video_processor.merge_size
@@ -82,7 +83,8 @@ class Qwen3VLBackbone(QwenVLBackbone):
         next_position = int(pos[0, -1])
         return StreamLayout(prefix=pos[:, :n_prefix], visual=pos[:, n_prefix:end], suffix=pos[:, end:-1],
                             next_position=next_position, rope_delta=next_position - (pos.shape[1] - 1),
-                            step_lengths=lengths, grid=(h, w), resize_to=size)
+                            step_lengths=lengths, grid=(h, w), resize_to=size,
+                            grid_offsets=offsets)
 
     @torch.inference_mode()
     def visual_chunk(self, frames: np.ndarray, step_times: list[tuple[float, float]],
@@ -101,6 +103,17 @@ class Qwen3VLBackbone(QwenVLBackbone):
         mask = torch.tensor([is_visual], device=self.device)
         embeds = torch.cat(pieces, dim=0).unsqueeze(0).to(self.dtype)
         return embeds, {"visual_pos_masks": mask, "deepstack_visual_embeds": deep}
+
+    def select_extra(self, extra: dict, index: torch.Tensor) -> dict:
+        # DeepStack rows follow the visual tokens in order; a batch reads them row-major, as the model does.
+        mask = extra["visual_pos_masks"][0]
+        rank = torch.cumsum(mask.long(), 0) - 1
+        index = index.to(mask.device)
+        chosen = mask[index]
+        if not bool(chosen.any()):
+            return {}
+        rows = rank[index][chosen]
+        return {"visual_pos_masks": chosen, "deepstack_visual_embeds": [d[rows] for d in extra["deepstack_visual_embeds"]]}
 
     def visual_embeds(self, frames: np.ndarray) -> torch.Tensor:
         raise NotImplementedError("Qwen3-VL interleaves markers with frames: use visual_chunk")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from mmkv_cli.errors import UsageError
-from mmkv_cli.methods import full, recency
-from mmkv_cli.methods.base import ContextPolicy, MemoryPolicy, StreamState
+from mmkv_cli.methods import full, mukv, recency, rekv
+from mmkv_cli.methods.base import ContextPolicy, MemoryPolicy, Selection, StreamState
 from mmkv_cli.presets import MethodPreset, check_budget, load_method_preset
 
-__all__ = ["ContextPolicy", "MemoryPolicy", "StreamState", "METHODS", "build_method", "context_policy"]
+__all__ = ["ContextPolicy", "MemoryPolicy", "Selection", "StreamState", "METHODS", "build_method", "context_policy"]
 
-METHODS = {module.MEMORY.name: module for module in (full, recency)}
+METHODS = {module.MEMORY.name: module for module in (full, recency, rekv, mukv)}
 
 
 def _module(name: str):
@@ -23,8 +23,8 @@ def build_method(name: str, budget: float | None = None) -> tuple[MethodPreset, 
     module = _module(name)
     preset = load_method_preset(name)
     chosen = preset.budget if budget is None else check_budget(float(budget))
-    if name == "full":
-        chosen = 1.0  # full keeps everything whatever budget was asked for
+    if name in ("full", "rekv"):
+        chosen = 1.0  # these keep everything whatever budget was asked for
     return preset, module.MEMORY(chosen, preset.params)
 
 

@@ -4,7 +4,7 @@ in which blocks; a context policy decides at ask (question known) which stored b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import DynamicCache
@@ -94,6 +94,12 @@ def mean_key(keys: torch.Tensor) -> torch.Tensor | None:
     return keys.float().mean(dim=1).reshape(-1)
 
 
+@dataclass
+class Selection:
+    names: list[str]  # blocks entering the context, in context order
+    explain: list[dict]  # per retrieved block: why it was chosen (empty when nothing was scored)
+
+
 class ContextPolicy:
     """Default: every stored block, in time order, at its original positions."""
 
@@ -103,6 +109,10 @@ class ContextPolicy:
     def __init__(self, params: dict[str, Any]):
         self.params = params
 
-    def select(self, blocks: list[dict], question: str) -> list[str]:
-        ordered = sorted(blocks, key=lambda b: (b["steps"] or [0])[0])
-        return [b["name"] for b in ordered]
+    def select(self, blocks: list[dict], reps: Callable[[], torch.Tensor], question_vector: Callable[[str], torch.Tensor],
+               before: float | None = None) -> Selection:
+        """Blocks for the context. reps() loads the representatives and question_vector(mode) runs the
+        question; both are lazy so a policy that needs neither costs nothing."""
+        ordered = [b for b in blocks if before is None or (b["time"] or [0.0])[0] <= before]
+        ordered.sort(key=lambda b: (b["steps"] or [0])[0])
+        return Selection([b["name"] for b in ordered], [])

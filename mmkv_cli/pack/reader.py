@@ -53,6 +53,7 @@ class PackReader:
         if version != FORMAT_VERSION:
             raise PackError(f"{self.path} is kvpack format v{version}; this mmkv reads v{FORMAT_VERSION}")
         self.bytes_read = 0
+        self._segments: dict[str, Segment] = {}  # the prefix is read for the question vector and the cache
         try:
             self._file = safe_open(str(self.path), framework="pt", device="cpu")
         except Exception as err:  # SafetensorError
@@ -79,6 +80,11 @@ class PackReader:
 
     def segment(self, name: str) -> Segment:
         """Load one segment ("prefix", "suffix" or a block name), verifying its checksum."""
+        if name not in self._segments:
+            self._segments[name] = self._load_segment(name)
+        return self._segments[name]
+
+    def _load_segment(self, name: str) -> Segment:
         meta = self.header["segments"].get(name) or next((b for b in self.blocks if b["name"] == name), None)
         if meta is None:
             raise PackError(f"{self.path} has no segment {name}")

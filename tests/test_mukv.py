@@ -1,0 +1,145 @@
+"""MuKV and ReKV: scoring and retrieval on hand-made tensors, then end to end on every tiny family."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mmkv_cli import api
+from mmkv_cli.methods.mukv import (fused_score, frequency_signal, keep_count, plan_blocks, quarter_grid,
+                                   top_in_order)
+from mmkv_cli.methods.retrieval import retrieve
+from mmkv_cli.pack import PackReader
+from tests.conftest import TINY
+
+
+@pytest.mark.parametrize("mode", ["fft", "diff"])
+def test_frequency_signal_ranks_a_jump_above_a_flat_run(mode):
+    keys = torch.ones(16, 8)
+    keys[9] = -3.0  # one token that breaks the run
+    signal = frequency_signal(keys, mode)
+    assert int(signal.argmax()) == 9 or (mode == "diff" and int(signal.argmax()) in (9, 10))
+    assert signal[9] > signal[2:6].max()
+
+
+def test_fusion_and_top_k_keep_temporal_order_and_exact_count():
+    attention = torch.tensor([0.1, 0.9, 0.2, 0.8, 0.05, 0.7])
+    frequency = torch.tensor([0.0, 0.1, 0.0, 0.0, 1.0, 0.0])
+    score = fused_score(attention, frequency, alpha=0.5)
+    kept = top_in_order(score, 3)
+    assert kept.tolist() == sorted(kept.tolist()) and len(kept) == 3
+    assert set(kept.tolist()) == {1, 3, 4}  # attention winners 1 and 3, and the frequency spike 4
+    assert keep_count(49, 0.1) == 4 and keep_count(784, 0.8) == 627 and keep_count(4, 0.1) == 1
+
+
+def test_blocks_cover_every_token_once_per_granularity():
+    grid = (4, 6)
+    lengths = [2 + 24 + 1] * 5  # markers before (2) and after (1) every grid, as on Qwen3
+    starts = [i * lengths[0] for i in range(5)]
+    plans = plan_blocks(starts, lengths, [2] * 5, grid, segment_steps=2)
+    total = sum(lengths)
+    for granularity in ("patch", "frame", "segment"):
+        tokens = torch.cat([p.tokens for p in plans if p.granularity == granularity])
+        assert sorted(tokens.tolist()) == list(range(total)), granularity
+    assert sum(p.granularity == "segment" for p in plans) == 3  # 2 + 2 + 1 steps
+    quarters = quarter_grid(4, 6)
+    assert quarters[0].tolist() == [0, 1, 2, 6, 7, 8, 12, 13, 14][:6] or quarters[0].tolist() == [0, 1, 2, 6, 7, 8]
+
+
+def test_rerank_lifts_the_candidate_that_agrees_with_top_segments():
+    segment = torch.tensor([[1.0, 0.0, 0.0]])
+    agrees, disagrees = torch.tensor([0.9, 0.1, 0.0]), torch.tensor([0.0, 0.0, 1.0])
+    reps = torch.stack([segment[0], agrees, disagrees])
+    scores = torch.tensor([0.5, 0.30, 0.32])  # the disagreeing patch scores a little higher on its own
+    picks = retrieve(scores, reps, ["segment", "patch", "patch"], k={"patch": 1, "segment": 1},
+                     rerank={"patch": 0.3}, top_segments=5)
+    patch = [p for p in picks if p.granularity == "patch"]
+    assert [p.index for p in patch] == [1]
+    without = retrieve(scores, reps, ["segment", "patch", "patch"], k={"patch": 1}, rerank={}, top_segments=5)
+    assert [p.index for p in without] == [2]
+
+
+def test_retrieval_picks_the_block_holding_a_planted_needle(tmp_path, backbones, clip):
+    """Plant a needle: overwrite one block's representative with the question's own vector."""
+    from mmkv_cli.answer import question_vector
+    from mmkv_cli.methods import context_policy
+    from mmkv_cli.pack import write_pack
+
+    backbone = backbones["tiny-llava-ov"]
+    pack = tmp_path / "r.kvpack"
+    api.encode(clip, pack, method="rekv", backbone=backbone, max_frames=8)
+    reader = PackReader(pack)
+    question = "what color is the circle ?"
+    ids = backbone.question_ids(question, reader.header["prompt"]["question"])
+    needle = question_vector(backbone, reader, ids, "query_mean")
+    segments = [reader.segment(b["name"]) for b in reader.blocks]
+    for seg, meta in zip(segments, reader.blocks):
+        seg.representative = reader.representatives()[reader.blocks.index(meta)]
+    segments[5].representative = needle
+    planted = tmp_path / "planted.kvpack"
+    write_pack(planted, reader.header, reader.segment("prefix"), segments, reader.segment("suffix"))
+    params = {**reader.header["method"]["params"], "k": {"frame": 1}}
+    policy = context_policy("rekv", params)
+    again = PackReader(planted)
+    chosen = policy.select(again.blocks, again.representatives,
+                           lambda mode: question_vector(backbone, again, ids, mode))
+    assert chosen.names == [again.blocks[5]["name"]]
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_mukv_pack_counts_follow_rho_and_granularities(tmp_path, backbones, name, clip):
+    backbone = backbones[name]
+    pack = tmp_path / "mu.kvpack"
+    api.encode(clip, pack, method="mukv", backbone=backbone, max_frames=8)
+    info = api.inspect(pack)
+    reader = PackReader(pack)
+    assert set(info["granularities"]) == {"patch", "frame", "segment"}
+    layout = reader.header["layout"]
+    lengths = layout["step_lengths"]
+    per_step = layout["frames_per_step"]
+    seg_steps = max(1, 4 // per_step)
+    segments = [b for b in reader.blocks if b["granularity"] == "segment"]
+    assert len(segments) == -(-len(lengths) // seg_steps)
+    for block in segments:
+        full = sum(lengths[block["steps"][0]:block["steps"][1]])
+        assert block["layer_counts"] == [keep_count(full, 0.8)] * 4
+    for block in (b for b in reader.blocks if b["granularity"] == "frame"):
+        assert block["layer_counts"][0] == keep_count(lengths[block["steps"][0]], 0.1)
+    assert sum(b["granularity"] == "patch" for b in reader.blocks) == 4 * len(lengths)
+    for g in info["granularities"].values():
+        assert g["bytes"] > 0 and g["tokens"] > 0
+
+
+@pytest.mark.parametrize("method", ["mukv", "rekv"])
+def test_retrieval_methods_answer_in_a_new_process(tmp_path, backbones, clip, method):
+    pack = tmp_path / f"{method}.kvpack"
+    api.encode(clip, pack, method=method, backbone=backbones["tiny-qwen2-vl"], max_frames=8)
+    out = subprocess.run([sys.executable, "-m", "mmkv_cli", "ask", str(pack), "what happened first ?", "--json",
+                          "--max-new-tokens", "2", "--positions", "reindex"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["retrieved"] and all({"granularity", "time", "score", "reranked"} <= set(r) for r in result["retrieved"])
+    assert 0 < result["bytes_read"] <= PackReader(pack).size  # nothing is read twice
+
+
+def test_question_moment_limits_retrieval_to_earlier_blocks(tmp_path, backbones, clip):
+    pack = tmp_path / "mu.kvpack"
+    api.encode(clip, pack, method="mukv", backbone=backbones["tiny-llava-ov"], max_frames=8)
+    answer = api.ask(pack, "what happened first ?", backbone=backbones["tiny-llava-ov"], at=1.0, max_new_tokens=1)
+    assert answer.retrieved and all(r["time"][0] <= 1.0 for r in answer.retrieved)
+
+
+@pytest.mark.parametrize("name", ["tiny-llava-ov", "tiny-qwen2-vl"])
+def test_reindex_with_every_block_equals_keep_when_nothing_was_dropped(tmp_path, backbones, name, clip):
+    """A full pack compacted and re-rotated gives the same first logits as kept positions (1-D exactly;
+    on M-RoPE, whose video positions are already compact in time, reindex changes only gaps)."""
+    backbone = backbones[name]
+    pack = tmp_path / "full.kvpack"
+    api.encode(clip, pack, method="full", backbone=backbone, max_frames=4)
+    keep = api.ask(pack, "what color ?", backbone=backbone, keep_logits=True, max_new_tokens=1, positions="keep")
+    reindex = api.ask(pack, "what color ?", backbone=backbone, keep_logits=True, max_new_tokens=1,
+                      positions="reindex")
+    assert (keep.first_logits - reindex.first_logits).abs().max().item() < 1e-4
