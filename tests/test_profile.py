@@ -18,7 +18,8 @@ def test_profile_json_and_plot(tmp_path):
     full, recency = out["methods"]
     assert out["reference"] == "full" and full["ratio"]["bytes"] == 1.0
     assert recency["visual_tokens_kept"] == full["visual_tokens_kept"] // 4
-    assert recency["ratio"]["bytes"] < 0.5 and recency["ratio"]["peak_kv_bytes"] < 1.0
+    # one chunk holds all 8 frames, so the running cache peaks as high as full before recency evicts
+    assert recency["ratio"]["bytes"] < 0.5 and recency["ratio"]["peak_kv_bytes"] <= 1.0
     for row in out["methods"]:
         assert row["encode_s"] > 0 and row["ttft_s"] > 0 and row["peak_mem_bytes"] >= 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
