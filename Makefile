@@ -28,6 +28,9 @@ demo: setup
 test: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests
 
+bench: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/ask_cost.py
+
 samples: setup
 	$(BIN)/python samples/make_samples.py
 

@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mmkv_cli.cli import app
+from mmkv_cli.pack.format import FORMAT_VERSION
 from tests.conftest import ROOT, SAMPLES
 
 runner = CliRunner()
@@ -53,7 +54,7 @@ def test_ask_in_a_new_process_and_from_stdin(qwen_pack):
 def test_inspect_json_fields(qwen_pack):
     result = runner.invoke(app, ["inspect", str(qwen_pack), "--json"])
     info = json.loads(result.stdout)
-    assert info["format_version"] == 1 and info["model"] == "tiny-qwen2-vl" and info["method"] == "full"
+    assert info["format_version"] == FORMAT_VERSION and info["model"] == "tiny-qwen2-vl" and info["method"] == "full"
     assert info["blocks"] == 4 and info["visual_tokens_total"] == info["visual_tokens_kept"] == 4 * 16
     assert len(info["layers"]) == 4 and all(layer["tokens_kept"] == 64 for layer in info["layers"])
     assert info["bytes"] == os.path.getsize(qwen_pack)

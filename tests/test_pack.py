@@ -82,8 +82,9 @@ def test_corrupted_tensor_fails_its_checksum(tmp_path):
     write(path)
     data = bytearray(path.read_bytes())
     (length,) = struct.unpack("<Q", data[:8])
-    offsets = json.loads(data[8:8 + length])["b1.k"]["data_offsets"]
-    data[8 + length + offsets[0] + 3] ^= 0xFF
+    entry = json.loads(data[8:8 + length])["blocks.k"]  # [H, tokens, D]: b1's tokens start after b0's 6
+    head_dim, item = entry["shape"][2], 4 if entry["dtype"] == "F32" else 2
+    data[8 + length + entry["data_offsets"][0] + 6 * head_dim * item + 3] ^= 0xFF
     path.write_bytes(bytes(data))
     reader = PackReader(path)
     reader.segment("b0")  # untouched blocks still load

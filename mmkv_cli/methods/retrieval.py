@@ -33,20 +33,21 @@ def retrieve(scores: torch.Tensor, reps: torch.Tensor, granularity: list[str], k
     Granularities missing from k are never retrieved. Returns the picks, best first within each granularity.
     """
     labels = list(granularity)
+    value = scores.tolist()  # plain floats: thousands of blocks sort in microseconds
     centre = None
     seg = [i for i, g in enumerate(labels) if g == "segment"]
     if seg and top_segments > 0:
-        best = sorted(seg, key=lambda i: -float(scores[i]))[:top_segments]
+        best = sorted(seg, key=lambda i: -value[i])[:top_segments]
         centre = reps[best].float().mean(dim=0)
     picks = []
     for g, keep in k.items():
         members = [i for i, label in enumerate(labels) if label == g]
-        candidates = sorted(members, key=lambda i: -float(scores[i]))[:2 * keep]
+        candidates = sorted(members, key=lambda i: -value[i])[:2 * keep]
         lam = float(rerank.get(g, 0.0))
         rescored = []
         for i in candidates:
             agreement = float(cosine_scores(centre, reps[i:i + 1])[0]) if centre is not None and lam else 0.0
-            rescored.append(Retrieved(i, g, float(scores[i]), (1 - lam) * float(scores[i]) + lam * agreement))
+            rescored.append(Retrieved(i, g, value[i], (1 - lam) * value[i] + lam * agreement))
         picks += sorted(rescored, key=lambda r: -r.reranked)[:keep]
     return picks
 

@@ -1,9 +1,10 @@
 """The .kvpack format v1: one safetensors file, a JSON header in its metadata, tensors by segment.
 
-Segments are the prefix (init prompt), one per visual block, and the suffix. Each segment stores its
-per-layer K, V and original positions concatenated along the token axis ("{name}.k" [H_kv, sum n_l, D],
-"{name}.v", "{name}.pos" [P, sum n_l]); the header keeps the per-layer counts to split them again, so
-layers may keep different numbers of tokens. Block representatives sit together in "reps" [blocks, dim]
+Segments are the prefix (init prompt), one per visual block, and the suffix. Each segment holds its
+per-layer K, V and original positions concatenated along the token axis ([H_kv, sum n_l, D], [P, sum n_l]);
+the header keeps the per-layer counts to split them again, so layers may keep different numbers of tokens.
+Prefix and suffix are tensors of their own ("prefix.k", ...); the blocks sit one after another in
+"blocks.k/.v/.pos", each at its header offset, so the tensor directory stays small however many blocks. Block representatives sit together in "reps" [blocks, dim]
 so retrieval reads them without touching any block. See docs/kvpack.md.
 """
 
@@ -15,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 FORMAT_NAME = "mmkv.kvpack"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+BLOCKS = "blocks"  # tensors "blocks.k/.v/.pos": every block's tokens, one range each
 META_HEADER = "mmkv"
 META_HEADER_SHA = "mmkv_sha256"
 

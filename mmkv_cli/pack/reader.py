@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from mmkv_cli.errors import PackError
-from mmkv_cli.pack.format import (FORMAT_NAME, FORMAT_VERSION, META_HEADER, META_HEADER_SHA, Segment, split_layers,
+from mmkv_cli.pack.format import (BLOCKS, FORMAT_NAME, FORMAT_VERSION, META_HEADER, META_HEADER_SHA, Segment, split_layers,
                                   tensors_sha256)
 
 
@@ -53,7 +53,8 @@ class PackReader:
         if version != FORMAT_VERSION:
             raise PackError(f"{self.path} is kvpack format v{version}; this mmkv reads v{FORMAT_VERSION}")
         self.bytes_read = 0
-        self._segments: dict[str, Segment] = {}  # the prefix is read for the question vector and the cache
+        self._segments: dict[str, Segment] = {}
+        self._block_meta = {b["name"]: b for b in self.header["blocks"]}  # the prefix is read for the question vector and the cache
         try:
             self._file = safe_open(str(self.path), framework="pt", device="cpu")
         except Exception as err:  # SafetensorError
@@ -75,6 +76,14 @@ class PackReader:
         self.bytes_read += t.numel() * t.element_size()
         return t
 
+    def _slice(self, name: str, span: slice) -> torch.Tensor:
+        try:
+            t = self._file.get_slice(name)[:, span]
+        except Exception as err:
+            raise PackError(f"{self.path} is corrupted: tensor {name} unreadable ({err})") from err
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
     def representatives(self) -> torch.Tensor | None:
         return self._tensor("reps") if self.header.get("representatives") else None
 
@@ -85,10 +94,14 @@ class PackReader:
         return self._segments[name]
 
     def _load_segment(self, name: str) -> Segment:
-        meta = self.header["segments"].get(name) or next((b for b in self.blocks if b["name"] == name), None)
+        meta = self.header["segments"].get(name) or self._block_meta.get(name)
         if meta is None:
             raise PackError(f"{self.path} has no segment {name}")
-        k, v, pos = (self._tensor(f"{name}.{part}") for part in ("k", "v", "pos"))
+        if "offset" in meta:  # a block: its token range of the shared block tensors
+            span = slice(meta["offset"], meta["offset"] + sum(meta["layer_counts"]))
+            k, v, pos = (self._slice(f"{BLOCKS}.{part}", span) for part in ("k", "v", "pos"))
+        else:
+            k, v, pos = (self._tensor(f"{name}.{part}") for part in ("k", "v", "pos"))
         if tensors_sha256([k, v, pos]) != meta["sha256"]:
             raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
         counts = meta["layer_counts"]

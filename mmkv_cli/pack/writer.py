@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from mmkv_cli.errors import OutputExistsError, PackError
-from mmkv_cli.pack.format import (FORMAT_NAME, FORMAT_VERSION, META_HEADER, META_HEADER_SHA, Segment,
+from mmkv_cli.pack.format import (BLOCKS, FORMAT_NAME, FORMAT_VERSION, META_HEADER, META_HEADER_SHA, Segment,
                                   tensors_sha256)
 
 
@@ -36,17 +36,23 @@ def write_pack(path: Path, header: dict, prefix: Segment, blocks: list[Segment],
         packed = seg.packed()
         tensors.update(packed)
         segments_meta[seg.name] = {"layer_counts": seg.layer_counts, "sha256": tensors_sha256(list(packed.values()))}
-    blocks_meta = []
+    # All blocks share three tensors (a few safetensors entries, whatever the video length); each block is a
+    # token range of them, read by slicing the memory map.
+    blocks_meta, parts, offset = [], {"k": [], "v": [], "pos": []}, 0
     for index, block in enumerate(blocks):
         packed = block.packed()
-        tensors.update(packed)
+        for part in parts:
+            parts[part].append(packed[f"{block.name}.{part}"])
+        count = int(packed[f"{block.name}.k"].shape[1])
         blocks_meta.append({
             "index": index, "name": block.name, "granularity": block.granularity,
             "steps": list(block.steps) if block.steps else None,
             "time": [round(float(t), 4) for t in block.time] if block.time else None,
-            "layer_counts": block.layer_counts, "sha256": tensors_sha256(list(packed.values())),
-            **block.extra,
+            "layer_counts": block.layer_counts, "offset": offset, "sha256": tensors_sha256(list(packed.values())),
         })
+        offset += count
+    if blocks:
+        tensors.update({f"{BLOCKS}.{part}": torch.cat(chunks, dim=1).contiguous() for part, chunks in parts.items()})
     reps = [b.representative for b in blocks if b.representative is not None]
     if reps and len(reps) == len(blocks):
         tensors["reps"] = torch.stack(reps).float().contiguous()

@@ -1,0 +1,118 @@
+"""Ask cost against video length: ask time and pack bytes read for a short and a long clip.
+
+Retrieval methods (mukv, rekv) read the header, the representatives and the retrieved blocks only, so
+their ask cost should stay nearly flat from 16 to 1024 frames; full reads everything and grows.
+Writes JSON and a PNG to bench/results/ (or --out). Run: make bench, or python bench/ask_cost.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import av
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "samples"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from make_samples import SIZE, frame_at  # noqa: E402
+
+from mmkv_cli import api  # noqa: E402
+from mmkv_cli.backbones import load_backbone  # noqa: E402
+
+FPS = 8
+
+
+def write_long_clip(path: Path, frames: int) -> None:
+    """A clip of `frames` frames of the sample world (shapes moving on a plain background)."""
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=FPS)
+        stream.width = stream.height = SIZE
+        stream.pix_fmt = "yuv420p"
+        for i in range(frames):
+            image = av.VideoFrame.from_ndarray(np.asarray(frame_at(i / FPS)), format="rgb24")
+            for packet in stream.encode(image):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def measure(pack: Path, backbone, repeats: int) -> dict:
+    times, reads = [], []
+    api.ask(pack, "what color is the circle ?", backbone=backbone, max_new_tokens=1)  # warm-up
+    for _ in range(repeats):
+        start = time.perf_counter()
+        answer = api.ask(pack, "what color is the circle ?", backbone=backbone, max_new_tokens=1)
+        times.append(time.perf_counter() - start)
+        reads.append(answer.bytes_read)
+    return {"ask_s": statistics.median(times), "bytes_read": reads[-1], "context_tokens": answer.context_tokens,
+            "pack_bytes": pack.stat().st_size}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llava-ov")
+    parser.add_argument("--frames", default="16,1024")
+    parser.add_argument("--methods", default="mukv,rekv,full")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    backbone = load_backbone(args.model, args.device)
+    lengths = [int(f) for f in args.frames.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for frames in lengths:
+            clip = Path(tmp) / f"clip{frames}.mp4"
+            write_long_clip(clip, frames)
+            for method in args.methods.split(","):
+                pack = Path(tmp) / f"{method}{frames}.kvpack"
+                summary = api.encode(str(clip), pack, method=method, backbone=backbone, fps=FPS, max_frames=frames)
+                row = {"method": method, "frames": frames, "encode_s": summary["encode_s"], **measure(pack, backbone, args.repeats)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    growth = {}
+    for method in args.methods.split(","):
+        by = {r["frames"]: r for r in rows if r["method"] == method}
+        growth[method] = {"ask_time": by[lengths[-1]]["ask_s"] / by[lengths[0]]["ask_s"],
+                          "bytes_read": by[lengths[-1]]["bytes_read"] / by[lengths[0]]["bytes_read"]}
+    result = {"model": args.model, "device": str(backbone.device), "frames": lengths, "rows": rows,
+              "growth_long_over_short": growth}
+    (out / "ask_cost.json").write_text(json.dumps(result, indent=2))
+    plot(rows, args.methods.split(","), out / "ask_cost.png")
+    print(json.dumps({"growth_long_over_short": growth}, indent=2))
+
+
+def plot(rows: list[dict], methods: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for method in methods:
+        mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["frames"])
+        frames = [r["frames"] for r in mine]
+        axes[0].plot(frames, [r["ask_s"] * 1000 for r in mine], marker="o", label=method)
+        axes[1].plot(frames, [r["bytes_read"] / 2 ** 20 for r in mine], marker="o", label=method)
+    for ax, label in zip(axes, ("ask time (ms)", "pack bytes read (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("frames")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
