@@ -23,7 +23,9 @@ demo: setup
 	$(BIN)/mmkv ask $(OUT)/clip.kvpack "what color is the circle?"
 	$(BIN)/mmkv encode samples/clip.mp4 --model tiny-llava-ov --method recency --budget 0.25 -o $(OUT)/clip-recency.kvpack --force
 	$(BIN)/mmkv inspect $(OUT)/clip-recency.kvpack
-	$(BIN)/mmkv profile samples/clip.mp4 --model tiny-llava-ov --methods full,recency --plot $(OUT)/profile.png
+	$(BIN)/mmkv encode samples/clip.mp4 --model tiny-llava-ov --method mukv -o $(OUT)/clip-mukv.kvpack --force
+	$(BIN)/mmkv ask $(OUT)/clip-mukv.kvpack "what happened first?" --explain --max-new-tokens 4
+	$(BIN)/mmkv profile samples/clip.mp4 --model tiny-llava-ov --methods full,recency,rekv,mukv --plot $(OUT)/profile.png
 
 test: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests
