@@ -71,7 +71,6 @@ def ask(pack: str | Path, question: str, model: str | None = None, device: str =
     if positions is not None:
         params["positions"] = positions
     policy = context_policy(method["name"], params)
-    policy.position_mode = params.get("positions", policy.position_mode)
     return answer_from_pack(backbone, reader, policy, question, max_new_tokens, on_token, keep_logits, at)
 
 

@@ -80,23 +80,28 @@ QWEN_VISION = dict(patch_size=8, spatial_merge_size=2, temporal_patch_size=2)
 QWEN_FRAMES = dict(patch_size=8, temporal_patch_size=2, merge_size=2)
 
 
+def _qwen2_frames():
+    """The Qwen2 / Qwen2.5 video processor: every frame resized to 64x64."""
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    return Qwen2VLVideoProcessor(**QWEN_FRAMES, size={"shortest_edge": 64 * 64, "longest_edge": 64 * 64},
+                                 cap_pixels_per_frame=False)
+
+
 def build_tiny_qwen2_vl(seed: int = 0):
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
     tokenizer = tiny_tokenizer()
     config = Qwen2VLConfig(
         text_config=_qwen_text(tokenizer),
         vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, **QWEN_VISION),
         **_qwen_special_ids(tokenizer))
-    processor = Qwen2VLVideoProcessor(**QWEN_FRAMES, size={"shortest_edge": 64 * 64, "longest_edge": 64 * 64},
-                                      cap_pixels_per_frame=False)
+    processor = _qwen2_frames()
     return _seeded(Qwen2VLForConditionalGeneration, config, seed), tokenizer, processor
 
 
 def build_tiny_qwen2_5_vl(seed: int = 0):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
     tokenizer = tiny_tokenizer()
     # window_size 32 px = 2x2 merged units: windowed and full-attention blocks are both exercised
@@ -105,8 +110,7 @@ def build_tiny_qwen2_5_vl(seed: int = 0):
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            window_size=32, fullatt_block_indexes=[1], tokens_per_second=2, **QWEN_VISION),
         **_qwen_special_ids(tokenizer))
-    processor = Qwen2VLVideoProcessor(**QWEN_FRAMES, size={"shortest_edge": 64 * 64, "longest_edge": 64 * 64},
-                                      cap_pixels_per_frame=False)
+    processor = _qwen2_frames()
     return _seeded(Qwen2_5_VLForConditionalGeneration, config, seed), tokenizer, processor
 
 

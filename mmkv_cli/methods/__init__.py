@@ -23,8 +23,8 @@ def build_method(name: str, budget: float | None = None) -> tuple[MethodPreset, 
     module = _module(name)
     preset = load_method_preset(name)
     chosen = preset.budget if budget is None else check_budget(float(budget))
-    if name in ("full", "rekv"):
-        chosen = 1.0  # these keep everything whatever budget was asked for
+    if module.MEMORY.keeps_all:
+        chosen = 1.0
     return preset, module.MEMORY(chosen, preset.params)
 
 

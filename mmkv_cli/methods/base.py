@@ -56,6 +56,7 @@ class MemoryPolicy:
 
     name = "base"
     granularity = "frame"
+    keeps_all = False  # True: the budget does not apply (the policy stores every token)
 
     def __init__(self, budget: float, params: dict[str, Any]):
         self.budget = budget
@@ -104,10 +105,10 @@ class ContextPolicy:
     """Default: every stored block, in time order, at its original positions."""
 
     name = "all"
-    position_mode = "keep"
 
     def __init__(self, params: dict[str, Any]):
         self.params = params
+        self.position_mode = params.get("positions", "keep")
 
     def select(self, blocks: list[dict], reps: Callable[[], torch.Tensor], question_vector: Callable[[str], torch.Tensor],
                before: float | None = None) -> Selection:

@@ -5,6 +5,7 @@ from mmkv_cli.methods.base import ContextPolicy, MemoryPolicy
 
 class FullMemory(MemoryPolicy):
     name = "full"
+    keeps_all = True
 
 
 MEMORY, CONTEXT = FullMemory, ContextPolicy

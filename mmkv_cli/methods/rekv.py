@@ -9,6 +9,7 @@ from mmkv_cli.methods.retrieval import RetrievalContext
 
 class ReKVMemory(MemoryPolicy):
     name = "rekv"
+    keeps_all = True
 
 
 MEMORY, CONTEXT = ReKVMemory, RetrievalContext

@@ -4,7 +4,7 @@ per granularity over-retrieve 2k, rerank patch/frame candidates against the top 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +34,11 @@ def retrieve(scores: torch.Tensor, reps: torch.Tensor, granularity: list[str], k
     """
     labels = list(granularity)
     value = scores.tolist()  # plain floats: thousands of blocks sort in microseconds
-    centre = None
+    agreement = [0.0] * len(labels)
     seg = [i for i, g in enumerate(labels) if g == "segment"]
     if seg and top_segments > 0:
         best = sorted(seg, key=lambda i: -value[i])[:top_segments]
-        centre = reps[best].float().mean(dim=0)
+        agreement = cosine_scores(reps[best].float().mean(dim=0), reps).tolist()
     picks = []
     for g, keep in k.items():
         members = [i for i, label in enumerate(labels) if label == g]
@@ -46,8 +46,7 @@ def retrieve(scores: torch.Tensor, reps: torch.Tensor, granularity: list[str], k
         lam = float(rerank.get(g, 0.0))
         rescored = []
         for i in candidates:
-            agreement = float(cosine_scores(centre, reps[i:i + 1])[0]) if centre is not None and lam else 0.0
-            rescored.append(Retrieved(i, g, value[i], (1 - lam) * value[i] + lam * agreement))
+            rescored.append(Retrieved(i, g, value[i], (1 - lam) * value[i] + lam * agreement[i]))
         picks += sorted(rescored, key=lambda r: -r.reranked)[:keep]
     return picks
 
@@ -59,10 +58,6 @@ class RetrievalContext(ContextPolicy):
     """Top-k blocks per granularity by the question, in time order; positions kept or compacted."""
 
     name = "retrieval"
-
-    def __init__(self, params: dict[str, Any]):
-        super().__init__(params)
-        self.position_mode = params.get("positions", "keep")
 
     def select(self, blocks: list[dict], reps: Callable[[], torch.Tensor], question_vector: QuestionVector,
                before: float | None = None) -> Selection:
