@@ -237,5 +237,95 @@ def models(as_json: bool = JsonOpt) -> None:
     _run(body)
 
 
+@app.command("eval")
+def eval_(
+    qa_file: str = typer.Argument(..., help="Questions: JSONL {video, question, options?, answer, timestamp?} "
+                                  "or ReKV/MLVU JSON."),
+    methods: str = typer.Option("full,recency", "--methods", help="Comma-separated methods."),
+    budgets: str = typer.Option("0.5,0.1", "--budgets", help="Comma-separated budgets (methods that keep "
+                                "everything run once, at 1)."),
+    out: str = typer.Option("eval", "--out", "-o", help="Results folder: OUT/<model>/<method>-b<budget>/."),
+    positions: Optional[str] = typer.Option(None, "--positions", help="keep | reindex (default: each method's)."),
+    max_new_tokens: int = typer.Option(8, "--max-new-tokens"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N questions."),
+    fps: Optional[float] = typer.Option(None, "--fps"),
+    max_frames: Optional[int] = typer.Option(None, "--max-frames"),
+    model: Optional[str] = ModelOpt, device: str = DeviceOpt, dtype: str = DtypeOpt, as_json: bool = JsonOpt,
+) -> None:
+    """Score methods and budgets on a question set: each clip encoded once per run, answers from the pack."""
+
+    def body() -> None:
+        from pathlib import Path
+
+        from mmkv_cli import evaluate as ev
+        from mmkv_cli.backbones import default_model, load_backbone
+        from mmkv_cli.display import eval_progress, show_eval
+        from mmkv_cli.methods import build_method
+        from mmkv_cli.presets import check_budget
+
+        if positions not in (None, "keep", "reindex"):
+            raise UsageError(f"unknown --positions '{positions}' (keep, reindex)")
+        names = [m.strip() for m in methods.split(",") if m.strip()]
+        try:
+            levels = [check_budget(float(b)) for b in budgets.split(",") if b.strip()]
+        except ValueError:
+            raise UsageError(f"--budgets must be numbers in (0, 1], not '{budgets}'") from None
+        plan = []
+        for name in names:
+            _, policy = build_method(name, levels[0] if levels else None)  # unknown names fail here, early
+            plan += [(name, 1.0)] if policy.keeps_all else [(name, b) for b in levels]
+        items = ev.load_items(qa_file)[:limit]
+        if not items:
+            raise UsageError(f"{qa_file} holds no questions")
+        chosen = model or default_model()
+        backbone = load_backbone(chosen, device, dtype)
+        root = Path(out)
+        runs = []
+        clips = len({i.video for i in items})
+        with eval_progress() as bar:
+            for name, budget in plan:
+                task = bar.add_task(f"{name} b{budget:g}", total=clips)
+                runs.append(ev.evaluate_run(
+                    items, ev.run_folder(root, chosen, name, budget), backbone, chosen, name, budget, fps=fps,
+                    max_frames=max_frames, positions=positions, max_new_tokens=max_new_tokens,
+                    on_clip=lambda n, task=task: bar.update(task, completed=n)))
+        figure = ev.run_folder(root, chosen, "x", 1).parent / "accuracy_vs_budget.png"
+        ev.plot(runs, figure)
+        if as_json:
+            _emit_json({"runs": [{k: r[k] for k in ("method", "budget", "accuracy", "by_type", "n")} for r in runs],
+                        "plot": str(figure)})
+        else:
+            show_eval(runs, str(figure))
+
+    _run(body)
+
+
+@app.command()
+def synth(
+    out_dir: str = typer.Argument(..., help="Folder for clips/ and qa.jsonl (created)."),
+    clips: int = typer.Option(8, "--clips", help="How many clips."),
+    frames: int = typer.Option(64, "--frames", help="Frames per clip."),
+    seed: int = typer.Option(0, "--seed", help="Same seed, same clips and questions."),
+    fps: float = typer.Option(2.0, "--fps", help="Frame rate of the written videos."),
+    kind: str = typer.Option("mixed", "--kind", help="mixed | normal | needle (mixed: every other clip a needle)."),
+    force: bool = typer.Option(False, "--force", help="Replace a set already in OUT_DIR."),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Write synthetic shape clips and their questions (qa.jsonl, the `mmkv eval` format)."""
+
+    def body() -> None:
+        from mmkv_cli.display import out_console
+        from mmkv_cli.synth import write_dataset
+
+        info = write_dataset(out_dir, clips, frames, seed, fps, kind=kind, force=force)
+        if as_json:
+            _emit_json(info)
+        else:
+            out_console.print(f"wrote {info['clips']} clips of {frames} frames and {info['questions']} questions "
+                              f"to {info['folder']}", highlight=False)
+
+    _run(body)
+
+
 def main() -> None:
     app()

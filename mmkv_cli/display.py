@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -21,6 +22,30 @@ def human_bytes(n: float) -> str:
 def encode_progress() -> Progress:
     return Progress(TextColumn("[bold]encode"), BarColumn(), MofNCompleteColumn(), TextColumn("frames"),
                     TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err_console, transient=True)
+
+
+def eval_progress() -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("clips"),
+                    TimeElapsedColumn(), console=err_console, transient=True)
+
+
+def show_eval(runs: list[dict], figure: str) -> None:
+    """Accuracy per run and per question type; the last row is chance level for each column."""
+    types = list(dict.fromkeys(t for r in runs for t in r["by_type"]))
+    table = Table(title="eval: accuracy", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0))
+    for column in ("method", "budget", "n", "all", *types):
+        table.add_column(column, justify="left" if column == "method" else "right", no_wrap=True)
+    for r in runs:
+        table.add_row(r["method"], f"{r['budget']:g}", str(r["n"]), f"{r['accuracy']:.2f}",
+                      *(f"{r['by_type'][t]['accuracy']:.2f}" if t in r["by_type"] else "-" for t in types))
+    first = runs[0]["by_type"] if runs else {}
+    chances = [first.get(t, {}).get("chance") for t in types]
+    overall = (sum(c * first[t]["n"] for c, t in zip(chances, types)) / runs[0]["n"]
+               if runs and all(c is not None for c in chances) else None)
+    table.add_row("[dim]chance[/dim]", "", "", *(f"[dim]{c:.2f}[/dim]" if c is not None else "-"
+                                                  for c in (overall, *chances)))
+    out_console.print(table)
+    out_console.print(f"plot: {figure}", highlight=False)
 
 
 def show_inspect(info: dict) -> None:

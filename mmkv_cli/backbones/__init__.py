@@ -8,6 +8,7 @@ import torch
 
 from mmkv_cli.backbones import llava_onevision, qwen3_vl, qwen_vl
 from mmkv_cli.backbones.base import Backbone, PromptPieces, StreamLayout
+from mmkv_cli.backbones.demo import build_demo
 from mmkv_cli.backbones.tiny import TINY_BUILDERS
 from mmkv_cli.errors import ModelError, UsageError
 from mmkv_cli.presets import load_model_preset, model_names
@@ -50,13 +51,16 @@ def load_backbone(model: str | None = None, device: str = "auto", dtype: str = "
     name = model or default_model()
     preset = load_model_preset(name)
     target = resolve_device(device)
-    if preset is not None and preset.source == "tiny":
-        if preset.family not in TINY_BUILDERS:
+    if preset is not None and preset.source in ("tiny", "demo"):  # built in code, no hub
+        if preset.source == "demo":
+            net, tokenizer, processor = build_demo()
+        elif preset.family in TINY_BUILDERS:
+            net, tokenizer, processor = TINY_BUILDERS[preset.family](int(preset.params.get("seed", 0)))
+        else:
             raise ModelError(f"no tiny builder for family '{preset.family}'")
-        net, tokenizer, processor = TINY_BUILDERS[preset.family](int(preset.params.get("seed", 0)))
         net = net.to(target, resolve_dtype(dtype if dtype != "auto" else preset.dtype, target, tiny=True))
         adapter, prompt = ADAPTERS[preset.family]
-        return adapter(net, tokenizer, processor, name=name, source="tiny", prompt=prompt)
+        return adapter(net, tokenizer, processor, name=name, source=preset.source, prompt=prompt)
     source = preset.source if preset else name
     chosen = dtype if dtype != "auto" or preset is None else preset.dtype
     return _load_pretrained(name, source, target, resolve_dtype(chosen, target, tiny=False))

@@ -14,7 +14,7 @@ is are was were the of in on at to and or it its this that there here do does di
 circle square triangle star ring cross red green blue yellow orange purple white black gray first last
 before after next happened appeared shown moving left right up down top bottom middle one two three four
 five six seven eight nine ten zero yes no frame second seconds time clip video image page document
-answer question letter option with without""".split()
+answer question letter option with without shapes now""".split()
 WORDS += [str(i) for i in range(64)] + list("abcdefghij")
 
 

@@ -1,0 +1,216 @@
+"""`mmkv eval`: encode each clip once per method and budget, answer its questions from the pack, score.
+
+Runs land in OUT/<model>/<method>-b<budget>/ (predictions.jsonl, metrics.json, config.json); a run that stops
+part-way resumes from its predictions, clip by clip. Scoring is deterministic: exact match on the normalised
+answer, or the option letter for multiple choice.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from mmkv_cli.errors import UsageError
+
+LETTERS = "ABCDEFGHIJ"
+
+
+@dataclass(frozen=True)
+class Item:
+    video: str  # absolute path
+    question: str
+    answer: str  # normalised text, or an option letter when options are given
+    options: tuple[str, ...] = ()
+    timestamp: float | None = None
+    type: str = "all"
+
+    @property
+    def key(self) -> str:
+        return json.dumps([self.video, self.question, self.timestamp])
+
+
+def normalise(text: str) -> str:
+    text = re.sub(r"[^a-z0-9 ]+", " ", str(text).lower())
+    words = [w for w in text.split() if w not in ("a", "an", "the")]
+    return " ".join(words)
+
+
+def _option_letter(answer, options: list[str]) -> str:
+    """The gold option as a letter: given as a letter, an index or the option's text."""
+    if isinstance(answer, int) and 0 <= answer < len(options):
+        return LETTERS[answer]
+    text = str(answer).strip()
+    if len(text) == 1 and text.upper() in LETTERS[:len(options)]:
+        return text.upper()
+    matches = [i for i, o in enumerate(options) if normalise(o) == normalise(text)]
+    if not matches:
+        raise UsageError(f"answer '{answer}' is none of the options {options}")
+    return LETTERS[matches[0]]
+
+
+def _item(video: Path, question: str, answer, options, timestamp, kind) -> Item:
+    options = [str(o) for o in (options or [])]
+    gold = _option_letter(answer, options) if options else normalise(answer)
+    return Item(str(video), str(question), gold, tuple(options),
+                None if timestamp is None else float(timestamp), str(kind or "all"))
+
+
+def load_items(path: str | Path) -> list[Item]:
+    """JSONL {video, question, options?, answer, timestamp?, type?} or the ReKV/MLVU JSON
+    [{video_id, video_path, conversations: [{question, choices, answer}]}]; video paths relative to the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"no question file at {path}")
+    base = path.parent
+    text = path.read_text()
+    try:
+        if path.suffix == ".jsonl":
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+            return [_item(base / r["video"], r["question"], r["answer"], r.get("options"), r.get("timestamp"),
+                          r.get("type")) for r in rows]
+        data = json.loads(text)
+        items = []
+        for entry in data if isinstance(data, list) else [data]:
+            video = base / entry.get("video_path", entry.get("video_id", ""))
+            for turn in entry["conversations"]:
+                items.append(_item(video, turn["question"], turn["answer"], turn.get("choices"),
+                                   turn.get("timestamp"), turn.get("question_type", entry.get("question_type"))))
+        return items
+    except (KeyError, TypeError, json.JSONDecodeError) as err:
+        raise UsageError(f"{path} is not in an eval format ({type(err).__name__}: {err})") from err
+
+
+def prompt_for(item: Item) -> str:
+    if not item.options:
+        return item.question
+    listed = " ".join(f"{LETTERS[i]} . {o}" for i, o in enumerate(item.options))
+    return f"{item.question} options : {listed} . answer with the option letter ."
+
+
+def predicted(item: Item, text: str) -> str:
+    """The model's answer in the gold answer's terms: a letter for multiple choice, else normalised text."""
+    if not item.options:
+        return normalise(text)
+    head = re.match(r"\s*\(?([A-Ja-j])\b", text)
+    if head and head.group(1).upper() in LETTERS[:len(item.options)]:
+        return head.group(1).upper()
+    for i, option in enumerate(item.options):
+        if normalise(option) and normalise(option) == normalise(text):
+            return LETTERS[i]
+    return normalise(text)
+
+
+def metrics(rows: list[dict], chance: Callable[[str, int], float | None]) -> dict:
+    by_type: dict[str, dict] = {}
+    for r in rows:
+        t = by_type.setdefault(r["type"], {"n": 0, "correct": 0, "chance": chance(r["type"], r["options"])})
+        t["n"] += 1
+        t["correct"] += int(r["correct"])
+    for t in by_type.values():
+        t["accuracy"] = t["correct"] / t["n"]
+    n = len(rows)
+    return {"n": n, "accuracy": sum(int(r["correct"]) for r in rows) / n if n else 0.0, "by_type": by_type}
+
+
+def chance_level(kind: str, options: int) -> float | None:
+    """Uniform guessing: 1/options for multiple choice, the synthetic world's answer space for its types."""
+    from mmkv_cli.synth.world import QUESTION_TYPES, chance
+
+    if options:
+        return 1 / options
+    return chance(kind) if kind in QUESTION_TYPES else None
+
+
+def run_folder(out: Path, model: str, method: str, budget: float) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model)
+    return out / safe / f"{method}-b{budget:g}"
+
+
+def _done(predictions: Path) -> dict[str, dict]:
+    """Answers already given. A line cut short by an interrupted run is dropped (the file rewritten without
+    it, atomically, so new answers never glue onto it): that question is asked again."""
+    if not predictions.exists():
+        return {}
+    rows, clean = {}, True
+    for line in predictions.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            rows[row["key"]] = row
+        except (json.JSONDecodeError, KeyError, TypeError):
+            clean = False
+    if not clean or not predictions.read_text().endswith("\n"):
+        tmp = predictions.with_name(predictions.name + ".part")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows.values()))
+        tmp.replace(predictions)
+    return rows
+
+
+def evaluate_run(items: list[Item], folder: Path, backbone, model: str, method: str, budget: float, *,
+                 fps: float | None, max_frames: int | None, positions: str | None, max_new_tokens: int,
+                 on_clip: Callable[[int], None] | None = None) -> dict:
+    """One method at one budget over every item; resumes from folder/predictions.jsonl."""
+    from mmkv_cli import api
+
+    folder.mkdir(parents=True, exist_ok=True)
+    predictions = folder / "predictions.jsonl"
+    done = _done(predictions)
+    config = {"model": model, "method": method, "budget": budget, "fps": fps, "max_frames": max_frames,
+              "positions": positions, "max_new_tokens": max_new_tokens}
+    (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    clips: dict[str, list[Item]] = {}
+    for item in items:
+        clips.setdefault(item.video, []).append(item)
+    with predictions.open("a") as sink, tempfile.TemporaryDirectory(prefix="mmkv-eval-") as tmp:
+        for n, (video, asked) in enumerate(clips.items()):
+            todo = [i for i in asked if i.key not in done]
+            if todo:
+                pack = Path(tmp) / "clip.kvpack"
+                api.encode(video, pack, model, method, budget, fps=fps, max_frames=max_frames, force=True,
+                           backbone=backbone)
+                for item in todo:
+                    answer = api.ask(pack, prompt_for(item), backbone=backbone, max_new_tokens=max_new_tokens,
+                                     at=item.timestamp, positions=positions)
+                    guess = predicted(item, answer.answer)
+                    row = {"key": item.key, "video": video, "question": item.question, "type": item.type,
+                           "options": len(item.options), "answer": item.answer, "prediction": guess,
+                           "raw": answer.answer, "correct": guess == item.answer,
+                           "context_tokens": answer.context_tokens, "ttft_s": round(answer.ttft_s, 4)}
+                    sink.write(json.dumps(row) + "\n")
+                    sink.flush()
+                    done[item.key] = row
+            if on_clip:
+                on_clip(n + 1)
+    rows = [done[i.key] for i in items if i.key in done]
+    result = {"method": method, "budget": budget, **metrics(rows, chance_level)}
+    (folder / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in dict.fromkeys(r["method"] for r in runs):
+        points = sorted((r["budget"], r["accuracy"]) for r in runs if r["method"] == method)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=method)
+    chances = [t["chance"] * t["n"] for t in runs[0]["by_type"].values() if t["chance"] is not None]
+    if runs and len(chances) == len(runs[0]["by_type"]):
+        ax.axhline(sum(chances) / runs[0]["n"], color="gray", linestyle="--", label="chance")
+    ax.set_xscale("log")
+    ax.set_xlabel("budget (fraction of visual tokens kept)")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1.02)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".part.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)

@@ -1,0 +1,188 @@
+"""Train the demo backbone on the synthetic world (`make demo-model`).
+
+    python scripts/train_demo_model.py --steps 4000 --out mmkv_cli/assets/demo.safetensors
+
+Clips are rendered in memory from seeded generators (the same world `mmkv synth` writes to disk), fed in the
+exact prompt layout the LLaVA-OV adapter uses at encode/ask time, and the loss is on the answer word and the
+end-of-turn token. A held-out set (other seeds, 64-frame clips) is scored every --eval-every steps; the best
+weights are kept. Deterministic for a given --seed and thread count. Resumes from --out + ".ckpt".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mmkv_cli.backbones.demo import demo_architecture  # noqa: E402
+from mmkv_cli.backbones.llava_onevision import PROMPT  # noqa: E402
+from mmkv_cli.synth import make_clip  # noqa: E402
+from mmkv_cli.synth.world import render_clip, truncated  # noqa: E402
+
+TOKENS_PER_FRAME = 16
+
+
+class Batches:
+    """Prompt ids, pixels and answer ids for clips drawn from a seeded stream."""
+
+    def __init__(self, tokenizer, processor, video_id: int):
+        self.tokenizer, self.processor, self.video_id = tokenizer, processor, video_id
+        self.prefix = self.ids(PROMPT.prefix)
+        self.end = self.ids("<|im_end|>")
+
+    def ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def make(self, specs: list[tuple[int, int, int, str]], rng: np.random.Generator):
+        """specs: (seed, index, frames, kind); all the same frame count. One random question per clip.
+
+        A moment question sees the clip up to its moment, so the clip is cut there (and moved later by blank
+        frames, so every clip of the batch still has `frames` frames).
+        """
+        frames = specs[0][2]
+        videos, rows, answers, types = [], [], [], []
+        for seed, index, count, kind in specs:
+            clip, qa = make_clip(seed, index, count, kind)
+            q = qa[int(rng.integers(len(qa)))]
+            if q["type"] == "moment":  # cut at the moment, blank frames first to keep the batch length
+                clip = truncated(clip, q["frame"] + 1)
+                clip = shifted(clip, count - clip.frames)
+            videos.append(render_clip(clip))
+            answer = self.ids(q["answer"])
+            assert len(answer) == 1, q["answer"]
+            rows.append(self.prefix + [self.video_id] * (frames * TOKENS_PER_FRAME + 1)
+                        + self.ids(PROMPT.question.format(question=q["question"])) + answer + self.end)
+            answers.append(answer + self.end)
+            types.append(q["type"])
+        pixels = self.processor(videos=videos, return_tensors="pt")["pixel_values_videos"]
+        # Questions differ in length: pad after the end token (causal attention never looks right), and
+        # remember where each row's answer is predicted from.
+        width = max(len(r) for r in rows)
+        pad = self.tokenizer.pad_token_id
+        where = torch.tensor([len(r) - 3 for r in rows])
+        ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+        return ids, pixels, torch.tensor(answers), types, where
+
+
+def shifted(clip, frames: int):
+    """The clip with `frames` empty frames before it."""
+    from mmkv_cli.synth.world import Clip, Event
+
+    events = tuple(Event(e.shape, e.colour, e.start + frames, e.stop + frames, e.x0, e.y0, e.vx, e.vy)
+                   for e in clip.events)
+    return Clip(clip.kind, clip.frames + frames, events)
+
+
+def answer_logits(model, ids: torch.Tensor, pixels: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """Logits at the two positions that predict [answer, end] in each row: [B, 2, vocab]."""
+    hidden = model.model(input_ids=ids, pixel_values_videos=pixels).last_hidden_state
+    rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
+    picked = hidden[rows, where.to(ids.device)[:, None] + torch.arange(2, device=ids.device)]
+    return model.lm_head(picked).float()
+
+
+@torch.no_grad()
+def evaluate(model, batches: Batches, seed: int, clips: int, frames: int) -> dict:
+    model.eval()
+    rng = np.random.default_rng(seed)
+    right: dict[str, list[int]] = {}
+    for start in range(0, clips, 8):
+        specs = [(seed, i, frames, "mixed") for i in range(start, min(clips, start + 8))]
+        ids, pixels, answers, types, where = batches.make(specs, rng)
+        guess = answer_logits(model, ids, pixels, where)[:, 0].argmax(-1)
+        for t, ok in zip(types, (guess == answers[:, 0]).tolist()):
+            right.setdefault(t, []).append(int(ok))
+    model.train()
+    scores = {t: sum(v) / len(v) for t, v in sorted(right.items())}
+    scores["overall"] = sum(sum(v) for v in right.values()) / sum(len(v) for v in right.values())
+    return scores
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="mmkv_cli/assets/demo.safetensors")
+    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--frames", default="8,16,24,32,48", help="clip lengths drawn for training batches")
+    ap.add_argument("--needle-share", type=float, default=0.35)
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--eval-clips", type=int, default=96)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    ckpt = out.with_name(out.name + ".ckpt")
+    log = out.with_name(out.stem + ".train.jsonl")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    model, tokenizer, processor = demo_architecture()
+    model.to(args.device).train()
+    batches = Batches(tokenizer, processor, model.config.video_token_id)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    step, best = 0, -1.0
+    if ckpt.is_file():
+        state = torch.load(ckpt, map_location=args.device, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step, best = int(state["step"]), float(state["best"])
+        print(f"resumed at step {step} (best held-out {best:.3f})", flush=True)
+    lengths = [int(x) for x in args.frames.split(",")]
+    started = time.time()
+    while step < args.steps:
+        rng = np.random.default_rng([args.seed, step])  # a step's batch depends on the step only: resumable
+        frames = int(rng.choice(lengths))
+        specs = [(args.seed * 1_000_003 + step, b, frames,
+                  "needle" if frames >= 16 and rng.random() < args.needle_share else "normal")
+                 for b in range(args.batch)]
+        ids, pixels, answers, _, where = batches.make(specs, rng)
+        warm = min(1.0, (step + 1) / 200)
+        lr = args.lr * warm * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        logits = answer_logits(model, ids.to(args.device), pixels.to(args.device), where)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), answers.to(args.device).reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 25 == 0:
+            print(f"step {step} loss {loss.item():.4f} lr {lr:.2e} frames {frames} "
+                  f"{(time.time() - started) / 60:.1f} min", flush=True)
+        if step % args.eval_every == 0 or step == args.steps:
+            scores = evaluate(model, batches, seed=424242, clips=args.eval_clips, frames=64)
+            with log.open("a") as fh:
+                fh.write(json.dumps({"step": step, "loss": round(loss.item(), 4), **scores}) + "\n")
+            print(f"step {step} held-out 64 frames: {json.dumps({k: round(v, 3) for k, v in scores.items()})}",
+                  flush=True)
+            if scores["overall"] > best:
+                best = scores["overall"]
+                save_weights(model, out)
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "best": best}, ckpt)
+    print(f"done: best held-out overall {best:.3f}, weights in {out}", flush=True)
+
+
+def save_weights(model, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(out.name + ".part")
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp))
+    tmp.replace(out)
+
+
+if __name__ == "__main__":
+    main()
