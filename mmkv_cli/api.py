@@ -27,11 +27,12 @@ def media_defaults(model: str | None, backbone: Backbone, fps: float | None, max
 def encode(media: str, output: str | Path, model: str | None = None, method: str = "full",
            budget: float | None = None, device: str = "auto", dtype: str = "auto", fps: float | None = None,
            max_frames: int | None = None, force: bool = False, backbone: Backbone | None = None,
-           progress: Progress | None = None, on_start: Callable[[int], None] | None = None) -> dict:
+           progress: Progress | None = None, on_start: Callable[[int], None] | None = None,
+           budget_tokens: int | None = None) -> dict:
     """Encode `media` into a .kvpack at `output`; returns a summary (the inspect view plus timings)."""
     output = Path(output)
     check_writable(output, force)  # fail before any expensive work
-    preset, policy = build_method(method, budget)
+    preset, policy = build_method(method, budget, budget_tokens)
     backbone = backbone or load_backbone(model, device, dtype)
     fps, max_frames = media_defaults(model, backbone, fps, max_frames)
     source = load_media(media, fps=fps, max_frames=max_frames)
@@ -42,7 +43,8 @@ def encode(media: str, output: str | Path, model: str | None = None, method: str
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "mmkv_version": __version__,
         "fingerprint": backbone.fingerprint(),
-        "method": {"name": method, "budget": policy.budget, "params": preset.params},
+        "method": {"name": method, "implements": preset.implements, "budget": policy.budget,
+                   "params": preset.params},
         "media": source.describe(),
         "prompt": backbone.prompt.as_dict(),
         "layout": encoded.layout,
@@ -70,7 +72,7 @@ def ask(pack: str | Path, question: str, model: str | None = None, device: str =
     params = dict(method.get("params") or {})
     if positions is not None:
         params["positions"] = positions
-    policy = context_policy(method["name"], params)
+    policy = context_policy(method.get("implements") or method["name"], params)
     return answer_from_pack(backbone, reader, policy, question, max_new_tokens, on_token, keep_logits, at)
 
 
@@ -95,6 +97,7 @@ def inspect(pack: str | Path) -> dict:
         "family": h["fingerprint"]["family"],
         "method": h["method"]["name"],
         "budget": h["method"]["budget"],
+        "budget_tokens": (h["method"].get("params") or {}).get("budget_tokens"),
         "media": {k: h["media"][k] for k in ("kind", "source", "digest", "frames")},
         "blocks": len(reader.blocks),
         "visual_tokens_total": h["visual_tokens_total"],

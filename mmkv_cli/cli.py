@@ -68,6 +68,8 @@ def encode(
     output: str = typer.Option(..., "--output", "-o", help="The .kvpack to write."),
     method: str = typer.Option("full", "--method", help="Memory policy (see `mmkv methods`)."),
     budget: Optional[float] = typer.Option(None, "--budget", help="Fraction of visual tokens kept, in (0, 1]."),
+    budget_tokens: Optional[int] = typer.Option(None, "--budget-tokens", help="Visual tokens kept per layer, for "
+                                                "methods with a fixed token budget (hermes)."),
     fps: Optional[float] = typer.Option(None, "--fps", help="Frames sampled per second (default: model preset)."),
     max_frames: Optional[int] = typer.Option(None, "--max-frames", help="At most this many frames."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
@@ -77,10 +79,11 @@ def encode(
 
     def body() -> None:
         from mmkv_cli import api
-        from mmkv_cli.display import encode_progress, human_bytes, out_console
+        from mmkv_cli.display import budget_label, encode_progress, human_bytes, out_console
 
         if as_json:
-            info = api.encode(media, output, model, method, budget, device, dtype, fps, max_frames, force)
+            info = api.encode(media, output, model, method, budget, device, dtype, fps, max_frames, force,
+                              budget_tokens=budget_tokens)
             _emit_json(info)
             return
         bar = encode_progress()
@@ -98,11 +101,11 @@ def encode(
 
         try:
             info = api.encode(media, output, model, method, budget, device, dtype, fps, max_frames, force,
-                              progress=on_progress, on_start=on_start)
+                              progress=on_progress, on_start=on_start, budget_tokens=budget_tokens)
         finally:
             if started:
                 bar.stop()
-        out_console.print(f"wrote {info['path']}: {info['method']} (budget {info['budget']:g}), "
+        out_console.print(f"wrote {info['path']}: {info['method']} ({budget_label(info)}), "
                           f"{info['visual_tokens_kept']}/{info['visual_tokens_total']} visual tokens, "
                           f"{info['blocks']} blocks, {human_bytes(info['bytes'])}, {info['encode_s']:.2f}s",
                           highlight=False)
@@ -204,11 +207,10 @@ def methods(as_json: bool = JsonOpt) -> None:
 
     def body() -> None:
         from mmkv_cli.display import show_listing
-        from mmkv_cli.methods import METHODS
-        from mmkv_cli.presets import load_method_preset
+        from mmkv_cli.presets import load_method_preset, method_names
 
         rows = []
-        for name in sorted(METHODS):
+        for name in method_names():
             preset = load_method_preset(name)
             rows.append({"name": name, "budget": preset.budget, "description": preset.description,
                          "paper": preset.paper, "params": preset.params})

@@ -48,6 +48,12 @@ def show_eval(runs: list[dict], figure: str) -> None:
     out_console.print(f"plot: {figure}", highlight=False)
 
 
+def budget_label(info: dict) -> str:
+    if info.get("budget_tokens"):
+        return f"budget {info['budget_tokens']} tokens"
+    return f"budget {info['budget']:g}"
+
+
 def show_inspect(info: dict) -> None:
     table = Table(title=f"{info['path']}", show_header=False, title_justify="left")
     table.add_column("field", style="bold")
@@ -56,7 +62,7 @@ def show_inspect(info: dict) -> None:
     rows = [
         ("format", f"kvpack v{info['format_version']}"),
         ("model", f"{info['model']} ({info['family']})"),
-        ("method", f"{info['method']} (budget {info['budget']:g})"),
+        ("method", f"{info['method']} ({budget_label(info)})"),
         ("media", f"{info['media']['kind']} {info['media']['source']} ({info['media']['frames']} frames)"),
         ("blocks", str(info["blocks"])),
         ("visual tokens", f"{kept} kept of {total} ({100 * kept / max(total, 1):.1f}%)"),

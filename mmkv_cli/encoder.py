@@ -9,6 +9,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from mmkv_cli.attention import Recorder, recording
 from mmkv_cli.backbones import Backbone
 from mmkv_cli.blockwise import chunk_plans, order_blocks, prefill_blocks
 from mmkv_cli.errors import MediaError
@@ -65,16 +66,17 @@ def encode_media(backbone: Backbone, media: Media, policy: MemoryPolicy, chunk_f
     backbone.forward(backbone.embed_ids(prefix_ids), layout.prefix, cache)
     prefix = _segment("prefix", cache, [0] * len(cache.layers), len(prefix_ids), layout.prefix)
     run = _encode_blockwise if getattr(policy, "blockwise", False) else _encode_stream
-    blocks, cache, visual_end, peak_kv = run(backbone, media, policy, chunk_frames, progress, layout, step_times,
-                                             cache, prefix)
+    blocks, cache, visual_end, peak_kv, shift = run(backbone, media, policy, chunk_frames, progress, layout,
+                                                    step_times, cache, prefix)
     suffix_embeds = backbone.suffix_embeds()
+    suffix_positions = layout.suffix - shift  # a policy that compacted positions moved the rest up
     if suffix_embeds.shape[1]:
-        backbone.forward(suffix_embeds, layout.suffix, cache)
-    suffix = _segment("suffix", cache, visual_end, None, layout.suffix)
+        backbone.forward(suffix_embeds, suffix_positions, cache)
+    suffix = _segment("suffix", cache, visual_end, None, suffix_positions)
     return Encoded(
         prefix=prefix, blocks=blocks, suffix=suffix, visual_tokens_total=total,
-        layout={"position_dims": backbone.position_dims, "next_position": layout.next_position,
-                "rope_deltas": layout.rope_delta, "frames_per_step": per_step, "steps": steps,
+        layout={"position_dims": backbone.position_dims, "next_position": layout.next_position - shift,
+                "rope_deltas": layout.rope_delta - shift, "position_shift": shift, "frames_per_step": per_step, "steps": steps,
                 "tokens_per_step": layout.grid[0] * layout.grid[1], "step_lengths": layout.step_lengths,
                 "grid": list(layout.grid), "frame_size": list(frame_hw)},
         stats={"encode_s": time.perf_counter() - start_time, "peak_kv_bytes": peak_kv},
@@ -90,16 +92,24 @@ def _encode_stream(backbone, media, policy, chunk_frames, progress, layout, step
     per_step = backbone.frames_per_step
     lengths = torch.tensor(layout.step_lengths)
     total = int(lengths.sum())
-    state = StreamState(cache=cache, prefix_len=prefix.layer_counts[0], positions=layout.visual.cpu(),
+    after = layout.suffix[:, :1] if layout.suffix.shape[1] else torch.full_like(layout.visual[:, :1],
+                                                                                   layout.next_position)
+    state = StreamState(cache=cache, prefix_len=prefix.layer_counts[0], positions=layout.visual.cpu().clone(),
                         token_step=torch.repeat_interleave(torch.arange(len(step_times)), lengths),
-                        kept=[torch.empty(0, dtype=torch.long) for _ in cache.layers], seen=0, total=total)
+                        kept=[torch.empty(0, dtype=torch.long) for _ in cache.layers], seen=0, total=total,
+                        layout_positions=torch.cat([layout.visual, after], dim=1).cpu(),
+                        position_limit=int(getattr(backbone.text_config, "max_position_embeddings", 1 << 30)),
+                        rope=backbone.rope_tables())
+    state.attend = lambda text: text_attention(backbone, state, text)
     chunk = _chunk_size(chunk_frames, per_step)
     peak_kv = 0
     for first in range(0, media.num_frames, chunk):
         frames = _padded(media.read(first, first + chunk), per_step)
         embeds, extra = backbone.visual_chunk(frames, step_times[first // per_step:(first + chunk) // per_step], layout)
         n = embeds.shape[1]
-        backbone.forward(embeds, layout.visual[:, state.seen:state.seen + n], cache, **extra)
+        placed = state.layout_positions[:, state.seen:state.seen + n] - state.shift
+        state.positions[:, state.seen:state.seen + n] = placed
+        backbone.forward(embeds, placed, cache, **extra)
         new = torch.arange(state.seen, state.seen + n)
         state.kept = [torch.cat([k, new]) for k in state.kept]
         state.seen += n
@@ -111,7 +121,23 @@ def _encode_stream(backbone, media, policy, chunk_frames, progress, layout, step
     policy.finish(state)
     blocks = policy.make_blocks(state, step_times)
     visual_end = [state.prefix_len + len(k) for k in state.kept]
-    return blocks, cache, visual_end, max(peak_kv, state.kv_bytes())
+    return blocks, cache, visual_end, max(peak_kv, state.kv_bytes()), state.shift
+
+
+def text_attention(backbone: Backbone, state: StreamState, text: str) -> list[torch.Tensor]:
+    """Per layer, the attention the rows of `text` (as a question turn after the stream so far) pay each cached
+    visual token, mean over heads and rows; scored rows only, then the text is cut off the cache again."""
+    ids = backbone.question_ids(text)
+    lengths = [int(e.keys.shape[2]) for e in state.cache.layers]
+    last_step = state.token_step[:state.seen] == state.token_step[state.seen - 1]
+    start = int(state.positions[:, :state.seen][:, last_step].max()) + 1  # right after the newest step
+    recorder = Recorder(layers=set(range(state.layers)), column_sums=True)
+    with recording(recorder):
+        backbone.forward(backbone.embed_ids(ids), backbone.text_positions(start, len(ids)), state.cache)
+    for entry, n in zip(state.cache.layers, lengths):
+        entry.keys, entry.values = entry.keys[:, :, :n], entry.values[:, :, :n]
+    return [recorder.column_sum[layer][0, state.prefix_len:lengths[layer]].cpu() / len(ids)
+            for layer in range(state.layers)]
 
 
 def _encode_blockwise(backbone, media, policy, chunk_frames, progress, layout, step_times, cache, prefix):
@@ -134,7 +160,7 @@ def _encode_blockwise(backbone, media, policy, chunk_frames, progress, layout, s
         if progress:
             progress(min(first + chunk, media.num_frames), seen)
     _check_count(media, seen, sum(layout.step_lengths))
-    return order_blocks(blocks), cache, prefix.layer_counts, peak_kv
+    return order_blocks(blocks), cache, prefix.layer_counts, peak_kv, 0
 
 
 def _check_count(media: Media, seen: int, total: int) -> None:

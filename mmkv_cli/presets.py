@@ -25,6 +25,7 @@ class MethodPreset:
     paper: str
     budget: float  # default fraction of visual tokens kept
     params: dict[str, Any] = field(default_factory=dict)
+    implements: str = ""  # the method module that runs it: its own name, or the preset it extends
 
 
 @dataclass(frozen=True)
@@ -74,14 +75,22 @@ def load_method_preset(name: str) -> MethodPreset:
         known = ", ".join(method_names()) or "none"
         raise UsageError(f"unknown method '{name}' (known: {known})")
     data = _read_yaml(path)
-    budget = float(data.get("budget", 1.0))
+    params = dict(data.get("params") or {})
+    base = None
+    if data.get("extends"):  # a variant: the base preset's fields and params, these on top
+        if data["extends"] == name:
+            raise UsageError(f"preset {path} extends itself")
+        base = load_method_preset(str(data["extends"]))
+        params = {**base.params, **params}
+    budget = float(data.get("budget", base.budget if base else 1.0))
     check_budget(budget)
     return MethodPreset(
         name=name,
-        description=str(data.get("description", "")),
-        paper=str(data.get("paper", "")),
+        description=str(data.get("description", base.description if base else "")),
+        paper=str(data.get("paper", base.paper if base else "")),
         budget=budget,
-        params=dict(data.get("params") or {}),
+        params=params,
+        implements=base.implements if base else name,
     )
 
 

@@ -3,7 +3,7 @@ in which blocks; a context policy decides at ask (question known) which stored b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -22,11 +22,17 @@ class StreamState:
 
     cache: DynamicCache
     prefix_len: int
-    positions: torch.Tensor  # [P, total] original positions of every visual token
+    positions: torch.Tensor  # [P, total] position every visual token was placed at (layout - shift at the time)
     token_step: torch.Tensor  # [total] temporal step of every visual token
     kept: list[torch.Tensor]
     seen: int  # visual tokens streamed so far
     total: int  # visual tokens the whole media will give
+    layout_positions: torch.Tensor | None = None  # [P, total + 1] the layout's positions, then the suffix's first
+    shift: int = 0  # subtracted from layout positions of tokens still to come (a policy that compacts sets it)
+    position_limit: int = 1 << 30  # the model's max_position_embeddings
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (inv_freq, axes) for delta-rotating cached keys
+    # text -> per layer [cached visual tokens]: the attention that text's rows pay them (mean over heads, rows)
+    attend: Callable[[str], list[torch.Tensor]] | None = field(default=None, repr=False)
 
     @property
     def layers(self) -> int:
@@ -68,9 +74,14 @@ class MemoryPolicy:
     def finish(self, state: StreamState) -> None:
         """Called once after the last chunk, before the suffix is prefilled."""
 
+    def positions_of(self, state: StreamState, layer: int) -> torch.Tensor:
+        """[P, kept] positions of this layer's cached visual tokens (a policy that re-indexes overrides it)."""
+        return state.positions[:, state.kept[layer]]
+
     def make_blocks(self, state: StreamState, step_times: list[tuple[float, float]]) -> list[Segment]:
         """Group what the cache kept into one block per temporal step."""
         per_layer = [state.visual_kv(layer) for layer in range(state.layers)]
+        placed = [self.positions_of(state, layer) for layer in range(state.layers)]
         blocks = []
         for step, time in enumerate(step_times):
             keys, values, positions = [], [], []
@@ -79,7 +90,7 @@ class MemoryPolicy:
                 local = mask.nonzero().squeeze(1)
                 keys.append(k[:, local.to(k.device)].cpu())
                 values.append(v[:, local.to(v.device)].cpu())
-                positions.append(state.positions[:, state.kept[layer][local]])
+                positions.append(placed[layer][:, local])
             if not any(k.shape[1] for k in keys):
                 continue  # evicted from every layer
             blocks.append(Segment(name=block_name(len(blocks)), keys=keys, values=values, positions=positions,
