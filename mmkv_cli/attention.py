@@ -62,7 +62,20 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         if recorder.column_sums:
             scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
             recorder.column_sum[layer] = causal_column_sums(query.detach(), key.detach(), scaling)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, own_length_mask(query, key, attention_mask), **kwargs)
+
+
+def own_length_mask(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The causal mask for this layer's own key length.
+
+    The model builds one mask from layer 0's cache length; a compressed cache may hold a different number of
+    keys in each layer (the queries are always the newest entries), so such a layer gets its own mask.
+    """
+    q_len, k_len = query.shape[2], key.shape[2]
+    if (mask is None and (q_len == 1 or q_len == k_len)) or (mask is not None and mask.shape[-1] == k_len):
+        return mask
+    rows = torch.arange(q_len, device=query.device)[:, None] + (k_len - q_len)
+    return (torch.arange(k_len, device=query.device)[None, :] <= rows)[None, None]
 
 
 AttentionInterface.register(NAME, _attention)

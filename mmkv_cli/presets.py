@@ -90,7 +90,7 @@ def load_method_preset(name: str) -> MethodPreset:
         paper=str(data.get("paper", base.paper if base else "")),
         budget=budget,
         params=params,
-        implements=base.implements if base else name,
+        implements=str(data.get("implements") or (base.implements if base else name)),
     )
 
 

@@ -28,7 +28,7 @@ from mmkv_cli.backbones.llava_onevision import PROMPT  # noqa: E402
 from mmkv_cli.synth import make_clip  # noqa: E402
 from mmkv_cli.synth.world import render_clip, truncated  # noqa: E402
 
-TOKENS_PER_FRAME = 16
+TOKENS_PER_FRAME = 4
 
 
 class Batches:
@@ -110,12 +110,14 @@ def evaluate(model, batches: Batches, seed: int, clips: int, frames: int) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="mmkv_cli/assets/demo.safetensors")
-    ap.add_argument("--steps", type=int, default=4000)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--frames", default="8,16,24,32,48", help="clip lengths drawn for training batches")
+    ap.add_argument("--steps", type=int, default=10000)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--frames", default="4,8,16,24,32,48,64", help="clip lengths drawn for training batches")
+    ap.add_argument("--curriculum", type=float, default=0.5,
+                    help="share of the steps over which the longest clip drawn grows from the shortest to all")
     ap.add_argument("--needle-share", type=float, default=0.35)
-    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--eval-clips", type=int, default=96)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -144,7 +146,10 @@ def main() -> None:
     started = time.time()
     while step < args.steps:
         rng = np.random.default_rng([args.seed, step])  # a step's batch depends on the step only: resumable
-        frames = int(rng.choice(lengths))
+        # Curriculum: short clips first (visual features and lookups are learnt cheaply), then longer ones.
+        grown = min(1.0, step / max(1, args.curriculum * args.steps))
+        allowed = lengths[:max(1, math.ceil(grown * len(lengths)))]
+        frames = int(rng.choice(allowed))
         specs = [(args.seed * 1_000_003 + step, b, frames,
                   "needle" if frames >= 16 and rng.random() < args.needle_share else "normal")
                  for b in range(args.batch)]

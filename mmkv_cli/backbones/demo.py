@@ -14,7 +14,7 @@ from mmkv_cli.backbones.tiny import tiny_tokenizer
 from mmkv_cli.errors import ModelError
 
 WEIGHTS = Path(__file__).resolve().parent.parent / "assets" / "demo.safetensors"
-FRAME_SIDE = 64  # the vision tower's input; 8 px patches pooled 2x2 -> 16 tokens per frame
+FRAME_SIDE = 32  # the vision tower's input; 8 px patches pooled 2x2 -> 4 tokens per frame
 
 
 def demo_architecture():

@@ -1,0 +1,24 @@
+"""PyramidKV (Cai et al., 2024), visual tokens only: SnapKV's scores, budgets falling linearly with depth
+(more in shallow layers, where attention is spread; fewer in deep ones, where it is concentrated)."""
+
+from __future__ import annotations
+
+import math
+
+from mmkv_cli.methods.base import ContextPolicy, StreamState
+from mmkv_cli.methods.pruning import PrunedAtEnd, pyramid_budgets
+from mmkv_cli.methods.snapkv import window_scores
+
+
+class PyramidKVMemory(PrunedAtEnd):
+    name = "pyramidkv"
+
+    def budgets(self, state: StreamState) -> list[int]:
+        per_layer = max(1, math.floor(self.budget * state.total))
+        return pyramid_budgets(state.layers, per_layer, float(self.params["beta"]))
+
+    def layer_scores(self, state: StreamState):
+        return window_scores(state, self.params)
+
+
+MEMORY, CONTEXT = PyramidKVMemory, ContextPolicy

@@ -1,0 +1,76 @@
+"""SnapKV, H2O, PyramidKV at encode (visual tokens only), and attention over per-layer key lengths."""
+
+import pytest
+import torch
+
+from mmkv_cli import api
+from mmkv_cli.attention import own_length_mask
+from mmkv_cli.encoder import encode_media
+from mmkv_cli.media import load_media
+from mmkv_cli.methods import build_method
+from mmkv_cli.methods.h2o import accumulate
+from mmkv_cli.methods.pruning import pooled, pyramid_budgets
+
+
+def test_pooling_spreads_a_peak_to_its_neighbours_only():
+    scores = torch.zeros(12)
+    scores[5] = 1.0
+    out = pooled(scores, 7)
+    assert out.shape == scores.shape
+    assert out[2:9].tolist() == [1.0] * 7 and out[:2].sum() == 0 and out[9:].sum() == 0
+
+
+def test_pyramid_budgets_fall_with_depth_and_average_the_budget():
+    budgets = pyramid_budgets(28, 400, beta=20)
+    assert budgets[0] > budgets[14] > budgets[-1]
+    assert budgets[-1] == 20 and budgets[0] == 780
+    assert abs(sum(budgets) - 28 * 400) <= 28
+
+
+def test_h2o_accumulates_attention_into_stream_slots_after_eviction():
+    total = torch.zeros(6)
+    accumulate(total, torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 1, 2]))
+    accumulate(total, torch.tensor([0.5, 0.5, 1.0]), torch.tensor([0, 2, 5]))  # token 1 was evicted meanwhile
+    assert total.tolist() == [1.5, 2.0, 3.5, 0.0, 0.0, 1.0]
+
+
+def test_a_layer_with_fewer_keys_gets_its_own_causal_mask():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    model_mask = torch.ones(1, 1, 3, 9, dtype=torch.bool).tril(6)  # built for a longer layer 0
+    mask = own_length_mask(q, k, model_mask)
+    assert mask.shape[-1] == 5
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    for row in range(3):  # row i is the (5 - 3 + i)-th key: it sees keys 0 .. 2 + i
+        seen = 3 + row
+        weights = (q[:, :, row:row + 1] @ k[:, :, :seen].transpose(-1, -2) / 8 ** 0.5).softmax(-1)
+        assert torch.allclose(out[:, :, row:row + 1], weights @ v[:, :, :seen], atol=1e-6)
+    assert own_length_mask(q[:, :, :1], k, None) is None  # one query row sees everything: no mask needed
+
+
+def test_h2o_scores_do_not_depend_on_the_chunking(backbones):
+    backbone = backbones["tiny-llava-ov"]
+    media = load_media("samples/clip.mp4", fps=8, max_frames=16)
+    kept = []
+    for chunk in (4, 16):
+        _, policy = build_method("h2o", budget=0.25)
+        out = encode_media(backbone, media, policy, chunk)
+        kept.append([torch.cat([b.positions[layer] for b in out.blocks], dim=1) for layer in range(4)])
+    assert all(torch.equal(a, b) for a, b in zip(*kept))
+
+
+@pytest.mark.parametrize("model", ["tiny-llava-ov", "tiny-qwen2-vl"])
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "pyramidkv"])
+def test_baselines_keep_their_per_layer_budgets_and_answer(tmp_path, backbones, model, method):
+    backbone = backbones[model]
+    full = api.encode("samples/clip.mp4", tmp_path / "full.kvpack", model, "full", backbone=backbone)
+    info = api.encode("samples/clip.mp4", tmp_path / "m.kvpack", model, method, budget=0.25, backbone=backbone)
+    total = info["visual_tokens_total"]
+    kept = [layer["tokens_kept"] for layer in info["layers"]]
+    expected = pyramid_budgets(4, total // 4, 20) if method == "pyramidkv" else [total // 4] * 4
+    assert kept == expected
+    assert info["prompt_tokens"] == full["prompt_tokens"]  # text is never pruned
+    answer = api.ask(tmp_path / "m.kvpack", "what color is the circle ?", backbone=backbone, max_new_tokens=2,
+                     keep_logits=True)
+    assert answer.context_tokens < full["prompt_tokens"] + total
+    assert torch.isfinite(answer.first_logits).all()
