@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from mmkv_cli.backbones import Backbone
+from mmkv_cli.ask_prune import AskPrune, prune_context
 from mmkv_cli.attention import Recorder, recording
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.methods import ContextPolicy
@@ -27,6 +29,7 @@ class Answer:
     blocks_used: list[str]
     retrieved: list[dict] = field(default_factory=list)
     bytes_read: int = 0
+    kv_tokens: list[int] | None = None  # per layer, after pruning at ask (None: not pruned)
     first_logits: torch.Tensor | None = field(default=None, repr=False)
 
 
@@ -96,7 +99,8 @@ def _representatives(reader: PackReader) -> torch.Tensor:
 @torch.inference_mode()
 def answer_from_pack(backbone: Backbone, reader: PackReader, policy: ContextPolicy, question: str,
                      max_new_tokens: int = 32, on_token: Callable[[str], None] | None = None,
-                     keep_logits: bool = False, before: float | None = None) -> Answer:
+                     keep_logits: bool = False, before: float | None = None,
+                     prune: AskPrune | None = None) -> Answer:
     check_compatible(reader, backbone)
     start = time.perf_counter()
     ids = backbone.question_ids(question, reader.header["prompt"]["question"])
@@ -106,8 +110,16 @@ def answer_from_pack(backbone: Backbone, reader: PackReader, policy: ContextPoli
                               lambda mode: question_vector(backbone, reader, ids, mode), before)
     names = selection.names
     cache, context, position = build_cache(backbone, reader, names, policy.position_mode)
-    hidden = backbone.forward(backbone.embed_ids(ids), backbone.text_positions(position, len(ids)), cache)
+    recorder = Recorder(layers=set(range(len(cache.layers))), rows=True) if prune else None
+    with recording(recorder) if recorder else nullcontext():
+        hidden = backbone.forward(backbone.embed_ids(ids), backbone.text_positions(position, len(ids)), cache)
     position += len(ids)
+    kv_tokens = None
+    if prune:
+        layers = len(cache.layers)
+        visual = [sum(reader.segment(n).layer_counts[l] for n in names) for l in range(layers)]
+        kv_tokens = prune_context(cache, recorder.row, reader.segment("prefix").layer_counts, visual, len(ids),
+                                  prune)
     logits = backbone.logits(hidden[:, -1])
     first_logits = logits[0].cpu().clone() if keep_logits else None
     stops = backbone.stop_ids()
@@ -138,4 +150,4 @@ def answer_from_pack(backbone: Backbone, reader: PackReader, policy: ContextPoli
                   ttft_s=ttft or total, total_s=total,
                   decode_s_per_token=(time.perf_counter() - decode_start) / steps if len(out) > 1 else 0.0,
                   blocks_used=names, retrieved=selection.explain, bytes_read=reader.bytes_read,
-                  first_logits=first_logits)
+                  first_logits=first_logits, kv_tokens=kv_tokens)

@@ -10,6 +10,8 @@ import torch
 
 from mmkv_cli import __version__
 from mmkv_cli.answer import Answer, answer_from_pack
+from mmkv_cli.ask_prune import ask_pruner
+from mmkv_cli.errors import UsageError
 from mmkv_cli.backbones import Backbone, load_backbone
 from mmkv_cli.encoder import Progress, encode_media
 from mmkv_cli.media import load_media
@@ -60,12 +62,17 @@ def encode(media: str, output: str | Path, model: str | None = None, method: str
 def ask(pack: str | Path, question: str, model: str | None = None, device: str = "auto", dtype: str = "auto",
         max_new_tokens: int = 32, backbone: Backbone | None = None,
         on_token: Callable[[str], None] | None = None, keep_logits: bool = False, at: float | None = None,
-        positions: str | None = None) -> Answer:
+        positions: str | None = None, prune: str | None = None, budget: float | None = None) -> Answer:
     """Answer `question` from the pack alone; the media is never read again.
 
     at: the question's moment (seconds, or frame index for stills): only blocks that start by then count.
     positions: keep | reindex, overriding the method's preset.
+    prune: a method that prunes the context's visual KV by the question's attention before decoding, keeping
+    `budget` of it (default: that method's preset budget).
     """
+    pruner = ask_pruner(prune, budget) if prune else None
+    if budget is not None and not prune:
+        raise UsageError("--budget at ask only applies with --prune METHOD")
     reader = PackReader(pack)
     backbone = backbone or load_backbone(model or reader.header["fingerprint"]["model"], device, dtype)
     method = reader.header["method"]
@@ -73,7 +80,7 @@ def ask(pack: str | Path, question: str, model: str | None = None, device: str =
     if positions is not None:
         params["positions"] = positions
     policy = context_policy(method.get("implements") or method["name"], params)
-    return answer_from_pack(backbone, reader, policy, question, max_new_tokens, on_token, keep_logits, at)
+    return answer_from_pack(backbone, reader, policy, question, max_new_tokens, on_token, keep_logits, at, pruner)
 
 
 def inspect(pack: str | Path) -> dict:

@@ -30,27 +30,39 @@ class Recorder:
     layers: set[int]
     column_sums: bool = False
     queries: bool = False
+    rows: bool = False
     column_sum: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, kv_len] float32
+    row: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, q_len, kv_len] float32
     query: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, H, q_len, D]
 
 
-def causal_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Sum over query rows of the head-mean softmax(QK^T * scaling), causal with the queries last.
+def _row_blocks(query: torch.Tensor, key: torch.Tensor, scaling: float):
+    """Head-mean softmax(QK^T * scaling) rows, causal with the queries last, QUERY_ROWS_PER_STEP at a time.
 
-    query [B, H, q, D], key [B, H_kv, k, D] (k >= q: earlier keys are cached context) -> [B, k].
+    query [B, H, q, D], key [B, H_kv, k, D] (k >= q: earlier keys are cached context) -> yields [B, rows, k].
     """
-    batch, heads, q_len, _ = query.shape
-    k_len = key.shape[2]
-    key = key.repeat_interleave(heads // key.shape[1], dim=1).float()
-    sums = torch.zeros(batch, k_len, dtype=torch.float32, device=query.device)
+    q_len, k_len = query.shape[2], key.shape[2]
+    key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1).float()
     keys_at = torch.arange(k_len, device=query.device)
     for start in range(0, q_len, QUERY_ROWS_PER_STEP):
         rows = query[:, :, start:start + QUERY_ROWS_PER_STEP].float()
         scores = rows @ key.transpose(-1, -2) * scaling
         row_at = torch.arange(start, start + rows.shape[2], device=query.device) + (k_len - q_len)
         scores = scores.masked_fill(keys_at[None, :] > row_at[:, None], float("-inf"))
-        sums += scores.softmax(dim=-1).mean(dim=1).sum(dim=1)
+        yield scores.softmax(dim=-1).mean(dim=1)
+
+
+def causal_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Sum over query rows of the head-mean attention each key receives -> [B, k]."""
+    sums = torch.zeros(query.shape[0], key.shape[2], dtype=torch.float32, device=query.device)
+    for block in _row_blocks(query, key, scaling):
+        sums += block.sum(dim=1)
     return sums
+
+
+def causal_rows(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Every query row's head-mean attention over the keys -> [B, q, k] (for a few rows: a question)."""
+    return torch.cat(list(_row_blocks(query, key, scaling)), dim=1)
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
@@ -59,9 +71,11 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
     if recorder is not None and layer in recorder.layers:
         if recorder.queries:
             recorder.query[layer] = query.detach()
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         if recorder.column_sums:
-            scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
             recorder.column_sum[layer] = causal_column_sums(query.detach(), key.detach(), scaling)
+        if recorder.rows:
+            recorder.row[layer] = causal_rows(query.detach(), key.detach(), scaling)
     return sdpa_attention_forward(module, query, key, value, own_length_mask(query, key, attention_mask), **kwargs)
 
 

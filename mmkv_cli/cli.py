@@ -122,6 +122,9 @@ def ask(
     explain: bool = typer.Option(False, "--explain", help="List the retrieved blocks and their scores."),
     at: Optional[float] = typer.Option(None, "--at", help="The question's moment (s): only earlier blocks count."),
     positions: Optional[str] = typer.Option(None, "--positions", help="keep | reindex (default: the method's)."),
+    prune: Optional[str] = typer.Option(None, "--prune", help="Prune the context's visual KV by the question's "
+                                        "attention before decoding: aircache, snapkv or pyramidkv."),
+    budget: Optional[float] = typer.Option(None, "--budget", help="With --prune: fraction of visual KV kept."),
     device: str = DeviceOpt, dtype: str = DtypeOpt, as_json: bool = JsonOpt,
 ) -> None:
     """Answer QUESTION from a saved pack, without the media."""
@@ -136,13 +139,14 @@ def ask(
             raise UsageError("--max-new-tokens must be at least 1")
         if positions not in (None, "keep", "reindex"):
             raise UsageError(f"unknown --positions '{positions}' (keep, reindex)")
-        options = dict(at=at, positions=positions)
+        options = dict(at=at, positions=positions, prune=prune, budget=budget)
         if as_json:
             answer = api.ask(pack, text, model, device, dtype, max_new_tokens, **options)
             _emit_json({"question": text, "answer": answer.answer, "context_tokens": answer.context_tokens,
                         "ttft_s": answer.ttft_s, "total_s": answer.total_s,
                         "decode_s_per_token": answer.decode_s_per_token, "blocks": len(answer.blocks_used),
-                        "bytes_read": answer.bytes_read, "retrieved": answer.retrieved})
+                        "bytes_read": answer.bytes_read, "retrieved": answer.retrieved,
+                        "kv_tokens_after_prune": answer.kv_tokens})
             return
 
         def stream(piece: str) -> None:

@@ -100,7 +100,7 @@ def _encode_stream(backbone, media, policy, chunk_frames, progress, layout, step
                         layout_positions=torch.cat([layout.visual, after], dim=1).cpu(),
                         position_limit=int(getattr(backbone.text_config, "max_position_embeddings", 1 << 30)),
                         rope=backbone.rope_tables())
-    state.attend = lambda text: text_attention(backbone, state, text)
+    state.attend = lambda text, rows=False: text_attention(backbone, state, text, rows)
     chunk = _chunk_size(chunk_frames, per_step)
     peak_kv = 0
     for first in range(0, media.num_frames, chunk):
@@ -131,18 +131,25 @@ def _encode_stream(backbone, media, policy, chunk_frames, progress, layout, step
     return blocks, cache, visual_end, max(peak_kv, state.kv_bytes()), state.shift
 
 
-def text_attention(backbone: Backbone, state: StreamState, text: str) -> list[torch.Tensor]:
+def text_attention(backbone: Backbone, state: StreamState, text: str, rows: bool = False):
     """Per layer, the attention the rows of `text` (as a question turn after the stream so far) pay each cached
-    visual token, mean over heads and rows; scored rows only, then the text is cut off the cache again."""
+    visual token, mean over heads and rows; scored rows only, then the text is cut off the cache again.
+
+    rows=True: per layer the text rows' attention over all keys [q, k], with the key columns of the cached
+    visual tokens and of the text, as (rows, visual slices, text slices).
+    """
     ids = backbone.question_ids(text)
     lengths = [int(e.keys.shape[2]) for e in state.cache.layers]
     last_step = state.token_step[:state.seen] == state.token_step[state.seen - 1]
     start = int(state.positions[:, :state.seen][:, last_step].max()) + 1  # right after the newest step
-    recorder = Recorder(layers=set(range(state.layers)), column_sums=True)
+    recorder = Recorder(layers=set(range(state.layers)), column_sums=not rows, rows=rows)
     with recording(recorder):
         backbone.forward(backbone.embed_ids(ids), backbone.text_positions(start, len(ids)), state.cache)
     for entry, n in zip(state.cache.layers, lengths):
         entry.keys, entry.values = entry.keys[:, :, :n], entry.values[:, :, :n]
+    if rows:
+        return ([recorder.row[layer][0].cpu() for layer in range(state.layers)],
+                [slice(state.prefix_len, n) for n in lengths], [slice(n, n + len(ids)) for n in lengths])
     return [recorder.column_sum[layer][0, state.prefix_len:lengths[layer]].cpu() / len(ids)
             for layer in range(state.layers)]
 

@@ -6,8 +6,16 @@ from __future__ import annotations
 import math
 
 from mmkv_cli.methods.base import ContextPolicy, StreamState
+from mmkv_cli.methods.mukv import top_in_order
 from mmkv_cli.methods.pruning import PrunedAtEnd, pyramid_budgets
-from mmkv_cli.methods.snapkv import window_scores
+from mmkv_cli.methods.snapkv import question_scores, window_scores
+
+
+def prune_at_ask(rows, visual: list[slice], question: list[slice], budget: float, params: dict):
+    scores = question_scores(rows, visual, params)
+    mean = sum(s.numel() for s in scores) / len(scores)
+    budgets = pyramid_budgets(len(scores), max(1, math.floor(budget * mean)), float(params["beta"]))
+    return [top_in_order(s, min(s.numel(), b)) for s, b in zip(scores, budgets)]
 
 
 class PyramidKVMemory(PrunedAtEnd):

@@ -1,0 +1,113 @@
+"""AirCache (seed 003): visual KV pruned by what the instruction's most relevant tokens look at.
+
+An elite observation window (instruction tokens the last instruction token attends to with at least tau x its
+maximum) scores every visual token by the elite rows' mean attention (softmax over [visual; elite] keys);
+each layer's share of the budget follows the strength and the skewness of those scores. Text KV is never
+touched. At encode the instruction is the preset's guidance prompt; at ask (`--prune aircache`) the question.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mmkv_cli.methods.base import ContextPolicy, StreamState
+from mmkv_cli.methods.mukv import top_in_order
+from mmkv_cli.methods.pruning import PrunedAtEnd
+
+# --- scoring: pure functions over tensors ---
+
+
+def elite_window(last_row: torch.Tensor, tau: float) -> torch.Tensor:
+    """Indices of the instruction tokens whose attention from the last one is >= tau x the largest."""
+    return (last_row >= tau * last_row.max()).nonzero().squeeze(1)
+
+
+def visual_importance(rows: torch.Tensor, visual: slice, instruction: slice, tau: float) -> torch.Tensor:
+    """rows [q, k]: attention of the instruction's rows (the last q keys are theirs) -> [n_visual] importance.
+
+    instruction: the key columns of the instruction's tokens, which are also its rows (in the same order).
+    """
+    n_instruction = instruction.stop - instruction.start
+    own = rows[-n_instruction:]  # the instruction's rows
+    elite = elite_window(own[-1, instruction], tau)
+    picked = own[elite]
+    columns = torch.cat([picked[:, visual], picked[:, instruction][:, elite]], dim=1)
+    columns = columns / columns.sum(dim=1, keepdim=True).clamp_min(1e-12)  # softmax over [visual; elite]
+    return columns[:, : visual.stop - visual.start].mean(dim=0)
+
+
+def skewness(x: torch.Tensor) -> float:
+    x = x.float()
+    spread = x.std(unbiased=False)
+    return float(((x - x.mean()) ** 3).mean() / spread ** 3) if spread > 0 else 0.0
+
+
+def fit_shares(weights: list[float], mean: float, low: float, high: float) -> list[float]:
+    """Per-layer ratios proportional to `weights`, each in [low, high], averaging `mean` (water filling)."""
+    n = len(weights)
+    out = [None] * n
+    free = list(range(n))
+    target = mean * n
+    while free:
+        total = sum(max(weights[i], 1e-12) for i in free)
+        scale = target / total
+        clipped = [i for i in free if not low <= max(weights[i], 1e-12) * scale <= high]
+        if not clipped:
+            for i in free:
+                out[i] = max(weights[i], 1e-12) * scale
+            break
+        for i in clipped:
+            out[i] = high if max(weights[i], 1e-12) * scale > high else low
+            target -= out[i]
+            free.remove(i)
+    return out
+
+
+def layer_ratios(importance: list[torch.Tensor], ratio: float, low: float) -> list[float]:
+    """r_l = 0.5 (s' + k') r: s the strength (sum), k the skewness of a layer's importance, each normalised
+    across layers (min-max), fitted so the layers average r."""
+    strength = torch.tensor([float(i.sum()) for i in importance])
+    skew = torch.tensor([skewness(i) for i in importance])
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        span = x.max() - x.min()
+        return (x - x.min()) / span if span > 0 else torch.ones_like(x)
+
+    weights = (0.5 * (norm(strength) + norm(skew))).tolist()
+    return fit_shares(weights, ratio, low, 1.0)
+
+
+def keep_per_layer(importance: list[torch.Tensor], ratio: float, low: float) -> list[torch.Tensor]:
+    """Local indices (temporal order) each layer keeps of its visual tokens."""
+    kept = []
+    for scores, r in zip(importance, layer_ratios(importance, ratio, low)):
+        kept.append(top_in_order(scores, max(1, min(scores.numel(), math.floor(r * scores.numel())))))
+    return kept
+
+
+def prune_at_ask(rows: list[torch.Tensor], visual: list[slice], question: list[slice], budget: float,
+                 params: dict) -> list[torch.Tensor]:
+    """Per layer: rows [q, k], the question's attention over [context | question] after its forward; the
+    key columns of the visual tokens and of the question."""
+    tau = float(params["tau"])
+    importance = [visual_importance(r, v, q, tau) for r, v, q in zip(rows, visual, question)]
+    return keep_per_layer(importance, budget, float(params["min_layer_ratio"]))
+
+
+class AirCacheMemory(PrunedAtEnd):
+    """At encode: the guidance prompt is the instruction."""
+
+    name = "aircache"
+
+    def finish(self, state: StreamState) -> None:
+        rows, visual, instruction = state.attend(str(self.params["guidance_prompt"]), rows=True)
+        tau = float(self.params["tau"])
+        importance = [visual_importance(r, v, i, tau) for r, v, i in zip(rows, visual, instruction)]
+        for layer, local in enumerate(keep_per_layer(importance, self.budget, float(self.params["min_layer_ratio"]))):
+            if len(local) < len(state.kept[layer]):
+                state.retain(layer, local)
+
+
+MEMORY, CONTEXT = AirCacheMemory, ContextPolicy
