@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mmkv_cli.backbones.demo import demo_architecture  # noqa: E402
 from mmkv_cli.backbones.llava_onevision import PROMPT  # noqa: E402
 from mmkv_cli.synth import make_clip  # noqa: E402
-from mmkv_cli.synth.world import render_clip, truncated  # noqa: E402
+from mmkv_cli.synth.world import render, render_clip, truncated  # noqa: E402
 
 TOKENS_PER_FRAME = 4
 
@@ -71,6 +71,48 @@ class Batches:
         where = torch.tensor([len(r) - 3 for r in rows])
         ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
         return ids, pixels, torch.tensor(answers), types, where
+
+
+def pretrain_vision(model, processor, steps: int, batch: int, lr: float, seed: int, device: str) -> None:
+    """Stage 1: teach the vision tower + projector what a frame shows (shape, colour, or nothing), with two
+    linear heads on the mean of a frame's tokens, discarded afterwards. Stage 2 then only has to learn to
+    look things up, instead of learning to see through the answer loss alone."""
+    from mmkv_cli.synth.world import COLOURS, SHAPES, Clip, Event
+
+    shapes, colours = SHAPES + ["none"], list(COLOURS) + ["none"]
+    hidden = model.config.text_config.hidden_size
+    heads = torch.nn.ModuleDict({"shape": torch.nn.Linear(hidden, len(shapes)),
+                                 "colour": torch.nn.Linear(hidden, len(colours))}).to(device)
+    tower = [p for n, p in model.named_parameters() if "language_model" not in n and "lm_head" not in n]
+    opt = torch.optim.AdamW(tower + list(heads.parameters()), lr=lr, weight_decay=0.01)
+    rng = np.random.default_rng([seed, 99])
+    for step in range(steps):
+        images, labels = [], []
+        for _ in range(batch):
+            empty = rng.random() < 0.1
+            s, c = (len(SHAPES), len(COLOURS)) if empty else (int(rng.integers(len(SHAPES))),
+                                                              int(rng.integers(len(COLOURS))))
+            events = () if empty else (Event(SHAPES[s], colours[c], 0, 1, float(rng.uniform(0.35, 0.65)),
+                                             float(rng.uniform(0.35, 0.65)), 0.0, 0.0),)
+            images.append(render(Clip("normal", 1, events), 0))
+            labels.append((s, c))
+        pixels = processor(videos=[np.stack(images)], return_tensors="pt")["pixel_values_videos"][0][:, None]
+        config = model.config
+        feats = model.model.get_video_features(pixels.to(device), vision_feature_layer=config.vision_feature_layer,
+                                               vision_feature_select_strategy=config.vision_feature_select_strategy,
+                                               return_dict=True).pooler_output  # [batch, tokens + newline, hidden]
+        pooled = feats[:, :-1].mean(dim=1)
+        target = torch.tensor(labels, device=device)
+        logits_s, logits_c = heads["shape"](pooled), heads["colour"](pooled)
+        loss = F.cross_entropy(logits_s, target[:, 0]) + F.cross_entropy(logits_c, target[:, 1])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if (step + 1) % 100 == 0:
+            acc_s = (logits_s.argmax(-1) == target[:, 0]).float().mean().item()
+            acc_c = (logits_c.argmax(-1) == target[:, 1]).float().mean().item()
+            print(f"vision step {step + 1} loss {loss.item():.3f} shape acc {acc_s:.2f} colour acc {acc_c:.2f}",
+                  flush=True)
 
 
 def shifted(clip, frames: int):
@@ -118,6 +160,8 @@ def main() -> None:
                     help="share of the steps over which the longest clip drawn grows from the shortest to all")
     ap.add_argument("--needle-share", type=float, default=0.35)
     ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--vision-steps", type=int, default=1500, help="stage 1: frame classification steps")
+    ap.add_argument("--vision-batch", type=int, default=128)
     ap.add_argument("--eval-clips", type=int, default=96)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -142,6 +186,8 @@ def main() -> None:
         opt.load_state_dict(state["opt"])
         step, best = int(state["step"]), float(state["best"])
         print(f"resumed at step {step} (best held-out {best:.3f})", flush=True)
+    if step == 0 and args.vision_steps:
+        pretrain_vision(model, processor, args.vision_steps, args.vision_batch, args.lr, args.seed, args.device)
     lengths = [int(x) for x in args.frames.split(",")]
     started = time.time()
     while step < args.steps:

@@ -38,6 +38,7 @@ def test_layer_budgets_follow_strength_and_skew_and_keep_the_total():
     assert skewness(peaked) > skewness(flat) == 0.0
     shares = fit_shares([10.0, 1.0, 1.0, 0.0], mean=0.4, low=0.05, high=1.0)
     assert shares[0] == 1.0 and min(shares) == 0.05 and sum(shares) / 4 == pytest.approx(0.4)
+    assert fit_shares([5.0, 1.0, 0.0], mean=1.0, low=0.01, high=1.0) == [1.0, 1.0, 1.0]  # everything kept
 
 
 @pytest.mark.parametrize("model", ["tiny-llava-ov", "tiny-qwen2-vl"])

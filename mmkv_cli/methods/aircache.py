@@ -45,37 +45,32 @@ def skewness(x: torch.Tensor) -> float:
 
 
 def fit_shares(weights: list[float], mean: float, low: float, high: float) -> list[float]:
-    """Per-layer ratios proportional to `weights`, each in [low, high], averaging `mean` (water filling)."""
-    n = len(weights)
-    out = [None] * n
-    free = list(range(n))
-    target = mean * n
+    """Per-layer ratios proportional to `weights`, each in [low, high], averaging `mean` (water filling:
+    layers over `high` are capped first and their excess goes to the others; then layers under `low`)."""
+    out: dict[int, float] = {}
+    free = list(range(len(weights)))
+    target = mean * len(weights)
     while free:
-        total = sum(max(weights[i], 1e-12) for i in free)
-        scale = target / total
-        clipped = [i for i in free if not low <= max(weights[i], 1e-12) * scale <= high]
-        if not clipped:
-            for i in free:
-                out[i] = max(weights[i], 1e-12) * scale
+        w = {i: max(weights[i], 1e-12) for i in free}
+        scale = target / sum(w.values())
+        over = [i for i in free if w[i] * scale > high]
+        under = [i for i in free if w[i] * scale < low] if not over else []
+        if not over and not under:
+            out.update({i: w[i] * scale for i in free})
             break
-        for i in clipped:
-            out[i] = high if max(weights[i], 1e-12) * scale > high else low
+        for i in over or under:
+            out[i] = high if over else low
             target -= out[i]
             free.remove(i)
-    return out
+    return [out[i] for i in range(len(weights))]
 
 
 def layer_ratios(importance: list[torch.Tensor], ratio: float, low: float) -> list[float]:
     """r_l = 0.5 (s' + k') r: s the strength (sum), k the skewness of a layer's importance, each normalised
-    across layers (min-max), fitted so the layers average r."""
-    strength = torch.tensor([float(i.sum()) for i in importance])
-    skew = torch.tensor([skewness(i) for i in importance])
-
-    def norm(x: torch.Tensor) -> torch.Tensor:
-        span = x.max() - x.min()
-        return (x - x.min()) / span if span > 0 else torch.ones_like(x)
-
-    weights = (0.5 * (norm(strength) + norm(skew))).tolist()
+    to sum to one across layers (skewness floored just above zero), fitted so the layers average r."""
+    strength = torch.tensor([float(i.sum()) for i in importance]).clamp_min(1e-12)
+    skew = torch.tensor([skewness(i) for i in importance]).clamp_min(1e-6)
+    weights = (0.5 * (strength / strength.sum() + skew / skew.sum())).tolist()
     return fit_shares(weights, ratio, low, 1.0)
 
 

@@ -1,0 +1,71 @@
+"""Decode time per token and KV bytes after question-aware pruning at ask (issue 6), against the full context.
+
+    python bench/decode_cost.py [--frames 1024] [--budgets 1.0,0.5,0.1] [--methods aircache,snapkv,pyramidkv]
+
+One full pack of a long synthetic clip (tiny backbone), then `ask --prune METHOD --budget B` for each budget:
+decode seconds per token (median of --repeats asks, 32 new tokens) and the KV bytes the decode attends over.
+Goal: at 0.1, decode time <= 0.5x the unpruned ask. Results: bench/results/decode_cost.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--frames", type=int, default=1024)
+    ap.add_argument("--budgets", default="1.0,0.5,0.1")
+    ap.add_argument("--methods", default="aircache,snapkv,pyramidkv")
+    ap.add_argument("--model", default="tiny-llava-ov")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32)
+    args = ap.parse_args()
+    from mmkv_cli import api
+    from mmkv_cli.backbones import load_backbone
+    from mmkv_cli.synth import write_dataset
+
+    backbone = load_backbone(args.model, "auto")
+    kv = backbone.kv_shape()
+    per_token = 2 * kv["kv_heads"] * kv["head_dim"] * (2 if kv["dtype"] in ("bfloat16", "float16") else 4)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        write_dataset(Path(tmp) / "set", clips=1, frames=args.frames, seed=3, kind="normal")
+        pack = Path(tmp) / "full.kvpack"
+        api.encode(str(Path(tmp) / "set" / "clips" / "clip_0000.mp4"), pack, args.model, "full",
+                   max_frames=args.frames, backbone=backbone)
+
+        def run(prune: str | None, budget: float | None) -> dict:
+            times, kept = [], None
+            for _ in range(args.repeats):
+                answer = api.ask(pack, "which shape appeared first ?", backbone=backbone, max_new_tokens=args.tokens,
+                                 prune=prune, budget=budget)
+                times.append(answer.decode_s_per_token)
+                kept = answer.kv_tokens or [answer.context_tokens] * kv["layers"]
+            return {"decode_s_per_token": statistics.median(times), "kv_bytes": sum(kept) * per_token,
+                    "tokens_generated": len(answer.token_ids)}
+
+        base = run(None, None)
+        rows.append({"method": "none", "budget": 1.0, **base})
+        print(f"unpruned: {1000 * base['decode_s_per_token']:.2f} ms/token, KV {base['kv_bytes'] / 2**20:.2f} MiB")
+        for method in args.methods.split(","):
+            for budget in [float(b) for b in args.budgets.split(",")]:
+                r = run(method, budget)
+                r["ratio"] = r["decode_s_per_token"] / base["decode_s_per_token"]
+                rows.append({"method": method, "budget": budget, **r})
+                print(f"{method:10s} {budget:4.2f}: {1000 * r['decode_s_per_token']:.2f} ms/token "
+                      f"({r['ratio']:.2f}x), KV {r['kv_bytes'] / 2**20:.2f} MiB", flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "decode_cost.json").write_text(json.dumps({"model": args.model, "frames": args.frames,
+                                                          "device": str(backbone.device), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
