@@ -31,7 +31,10 @@ class Recorder:
     column_sums: bool = False
     queries: bool = False
     rows: bool = False
+    # name -> fn(block [B, rows, kv_len] head-mean attention) -> tensor; summed over row blocks per layer
+    reducers: dict = field(default_factory=dict)
     column_sum: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, kv_len] float32
+    reduced: dict[int, dict] = field(default_factory=dict)  # layer -> name -> summed reducer output
     row: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, q_len, kv_len] float32
     query: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, H, q_len, D]
 
@@ -76,6 +79,12 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
             recorder.column_sum[layer] = causal_column_sums(query.detach(), key.detach(), scaling)
         if recorder.rows:
             recorder.row[layer] = causal_rows(query.detach(), key.detach(), scaling)
+        if recorder.reducers:
+            totals = recorder.reduced.setdefault(layer, {})
+            for block in _row_blocks(query.detach(), key.detach(), scaling):
+                for name, fn in recorder.reducers.items():
+                    out = fn(block)
+                    totals[name] = totals[name] + out if name in totals else out
     return sdpa_attention_forward(module, query, key, value, own_length_mask(query, key, attention_mask), **kwargs)
 
 

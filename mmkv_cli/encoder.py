@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -109,17 +110,14 @@ def _encode_stream(backbone, media, policy, chunk_frames, progress, layout, step
         n = embeds.shape[1]
         placed = state.layout_positions[:, state.seen:state.seen + n] - state.shift
         state.positions[:, state.seen:state.seen + n] = placed
-        recorder = Recorder(layers=set(range(state.layers)), column_sums=True)
-        if getattr(policy, "records_attention", False):  # H2O: every query row's attention, chunk by chunk
-            with recording(recorder):
-                backbone.forward(embeds, placed, cache, **extra)
-        else:
+        recorder = policy.recorder(state)  # H2O, MEDA: what every query row of the chunk attends to
+        with recording(recorder) if recorder else nullcontext():
             backbone.forward(embeds, placed, cache, **extra)
         new = torch.arange(state.seen, state.seen + n)
         state.kept = [torch.cat([k, new]) for k in state.kept]
         state.seen += n
-        if recorder.column_sum:
-            policy.observe(state, recorder.column_sum)
+        if recorder:
+            policy.observe(state, recorder)
         peak_kv = max(peak_kv, state.kv_bytes())
         policy.after_chunk(state)
         if progress:

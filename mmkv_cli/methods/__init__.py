@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mmkv_cli.errors import UsageError
-from mmkv_cli.methods import aircache, full, h2o, hermes, mukv, pyramidkv, recency, rekv, snapkv
+from mmkv_cli.methods import aircache, full, h2o, hermes, meda, mukv, pyramidkv, recency, rekv, snapkv
 from mmkv_cli.methods.base import ContextPolicy, MemoryPolicy, Selection, StreamState
 from mmkv_cli.presets import MethodPreset, check_budget, load_method_preset
 
 __all__ = ["ContextPolicy", "MemoryPolicy", "Selection", "StreamState", "METHODS", "build_method", "context_policy"]
 
-METHODS = {module.MEMORY.name: module for module in (full, recency, rekv, mukv, hermes, snapkv, h2o, pyramidkv, aircache)}
+METHODS = {module.MEMORY.name: module for module in (full, recency, rekv, mukv, hermes, snapkv, h2o, pyramidkv, aircache, meda)}
 
 
 def _module(name: str):

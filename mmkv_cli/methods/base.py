@@ -53,6 +53,14 @@ class StreamState:
         entry.values = torch.cat([entry.values[:, :, :cut], entry.values[:, :, cut:][:, :, local]], dim=2)
         self.kept[layer] = self.kept[layer][local.cpu()]
 
+    def replace_visual(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Overwrite this layer's cached visual K, V ([H_kv, n, D], n = its kept count), e.g. after merging."""
+        entry = self.cache.layers[layer]
+        cut, end = self.prefix_len, self.prefix_len + len(self.kept[layer])
+        keys, values = keys.to(entry.keys), values.to(entry.values)
+        entry.keys = torch.cat([entry.keys[:, :, :cut], keys.unsqueeze(0), entry.keys[:, :, end:]], dim=2)
+        entry.values = torch.cat([entry.values[:, :, :cut], values.unsqueeze(0), entry.values[:, :, end:]], dim=2)
+
     def kv_bytes(self) -> int:
         return sum(e.keys.numel() * e.keys.element_size() * 2 for e in self.cache.layers if e.keys is not None)
 
@@ -67,6 +75,13 @@ class MemoryPolicy:
     def __init__(self, budget: float, params: dict[str, Any]):
         self.budget = budget
         self.params = params
+
+    def recorder(self, state: StreamState):
+        """An attention.Recorder to run while each chunk is prefilled (None: nothing to record)."""
+        return None
+
+    def observe(self, state: StreamState, recorder) -> None:
+        """Called after each chunk with the recorder returned by recorder()."""
 
     def after_chunk(self, state: StreamState) -> None:
         """Called after every streamed chunk; may evict from the running cache."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from mmkv_cli.attention import Recorder
 from mmkv_cli.methods.base import ContextPolicy, StreamState
 from mmkv_cli.methods.pruning import PrunedAtEnd
 
@@ -16,17 +17,20 @@ def accumulate(total: torch.Tensor, sums: torch.Tensor, kept: torch.Tensor) -> N
 
 class H2OMemory(PrunedAtEnd):
     name = "h2o"
-    records_attention = True  # the encoder hands every chunk's column sums to observe()
 
     def __init__(self, budget: float, params: dict):
         super().__init__(budget, params)
         self.cumulative: list[torch.Tensor] = []
 
-    def observe(self, state: StreamState, column_sums: dict[int, torch.Tensor]) -> None:
+    def recorder(self, state: StreamState) -> Recorder:
+        return Recorder(layers=set(range(state.layers)), column_sums=True)
+
+    def observe(self, state: StreamState, recorder: Recorder) -> None:
         if not self.cumulative:
             self.cumulative = [torch.zeros(state.total) for _ in range(state.layers)]
         for layer in range(state.layers):
-            visual = column_sums[layer][0, state.prefix_len:state.prefix_len + len(state.kept[layer])].cpu()
+            sums = recorder.column_sum[layer]
+            visual = sums[0, state.prefix_len:state.prefix_len + len(state.kept[layer])].cpu()
             accumulate(self.cumulative[layer], visual, state.kept[layer])
 
     def layer_scores(self, state: StreamState) -> list[torch.Tensor]:

@@ -1,0 +1,126 @@
+"""MEDA (seed 001): per-layer budgets from cross-modal attention entropy; evicted KV merged, not dropped.
+
+E_l = E_TV + E_VT: the entropy of text rows over visual keys (the guidance prompt's rows at encode) plus that
+of visual rows over text keys (recorded chunk by chunk while streaming), heads averaged. ratio_l =
+softmax_l(E) * L * rho, clamped to [0.01, 1]: layers whose attention is spread keep more. In a layer, a recent
+window and the top tokens by cumulative attention (3:1) are kept; every evicted token is merged into its most
+cosine-similar kept key of the same head, kept K and V becoming the mean of themselves and what merged in.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mmkv_cli.attention import Recorder
+from mmkv_cli.methods.base import ContextPolicy, StreamState
+from mmkv_cli.methods.h2o import accumulate
+from mmkv_cli.methods.pruning import PrunedAtEnd
+
+# --- scoring: pure functions over tensors ---
+
+
+def row_entropy(rows: torch.Tensor, columns: slice) -> torch.Tensor:
+    """rows [..., r, k] attention -> [..., r] entropy of each row renormalised over `columns`."""
+    sub = rows[..., columns].float()
+    sub = sub / sub.sum(dim=-1, keepdim=True).clamp_min(1e-12)
+    return -(sub * (sub + 1e-12).log()).sum(dim=-1)
+
+
+def entropy_ratios(entropy: list[float], rho: float, low: float = 0.01) -> list[float]:
+    """softmax over layers of E_l, times L * rho, clamped to [low, 1]."""
+    e = torch.tensor(entropy, dtype=torch.float64)
+    ratios = torch.softmax(e, dim=0) * len(entropy) * rho
+    return ratios.clamp(low, 1.0).tolist()
+
+
+def recent_and_heavy(cumulative: torch.Tensor, keep: int, recent_share: float) -> torch.Tensor:
+    """Local indices (ascending) of the newest round(recent_share * keep) tokens plus the others with the
+    highest cumulative attention, `keep` in all."""
+    n = cumulative.numel()
+    keep = min(keep, n)
+    recent = min(keep, round(recent_share * keep))
+    chosen = torch.zeros(n, dtype=torch.bool)
+    chosen[n - recent:] = True
+    rest = cumulative.clone().float()
+    rest[chosen] = float("-inf")
+    if keep - recent > 0:
+        chosen[rest.topk(keep - recent).indices] = True
+    return chosen.nonzero().squeeze(1)
+
+
+def merge_evicted(keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor):
+    """keys, values [H, n, D]; kept: local indices. Each evicted token joins the kept token whose key is most
+    cosine-similar in the same head; a kept K, V becomes the mean of itself and its joiners.
+
+    Returns (keys [H, k, D], values [H, k, D], target [H, n_evicted]: the kept slot each evicted token joined).
+    """
+    heads, n, _ = keys.shape
+    evicted = torch.ones(n, dtype=torch.bool)
+    evicted[kept] = False
+    gone = evicted.nonzero().squeeze(1)
+    k_keep, v_keep = keys[:, kept].float(), values[:, kept].float()
+    if gone.numel() == 0:
+        return k_keep, v_keep, torch.empty(heads, 0, dtype=torch.long)
+    k_gone, v_gone = keys[:, gone].float(), values[:, gone].float()
+    unit = torch.nn.functional.normalize
+    similarity = unit(k_gone, dim=-1) @ unit(k_keep, dim=-1).transpose(1, 2)  # [H, evicted, kept]
+    target = similarity.argmax(dim=-1)  # [H, evicted]
+    count = torch.ones(heads, kept.numel())
+    count.scatter_add_(1, target, torch.ones_like(target, dtype=torch.float32))
+    index = target.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
+    k_sum = k_keep.clone().scatter_add_(1, index, k_gone)
+    v_sum = v_keep.clone().scatter_add_(1, index, v_gone)
+    return k_sum / count.unsqueeze(-1), v_sum / count.unsqueeze(-1), target
+
+
+# --- the memory policy ---
+
+
+class MedaMemory(PrunedAtEnd):
+    name = "meda"
+
+    def __init__(self, budget: float, params: dict):
+        super().__init__(budget, params)
+        self.cumulative: list[torch.Tensor] = []
+        self.vt_entropy: list[float] = []
+        self.visual_rows = 0
+
+    def recorder(self, state: StreamState) -> Recorder:
+        # Chunk rows are visual tokens; the text they can see is the prompt before the video.
+        text = slice(0, state.prefix_len)
+        return Recorder(layers=set(range(state.layers)), column_sums=True,
+                        reducers={"vt_entropy": lambda block: row_entropy(block, text).sum(dim=-1)})
+
+    def observe(self, state: StreamState, recorder: Recorder) -> None:
+        if not self.cumulative:
+            self.cumulative = [torch.zeros(state.total) for _ in range(state.layers)]
+            self.vt_entropy = [0.0] * state.layers
+        for layer in range(state.layers):
+            sums = recorder.column_sum[layer][0, state.prefix_len:state.prefix_len + len(state.kept[layer])]
+            accumulate(self.cumulative[layer], sums.cpu(), state.kept[layer])
+            self.vt_entropy[layer] += float(recorder.reduced[layer]["vt_entropy"][0])
+        self.visual_rows = state.seen
+
+    def finish(self, state: StreamState) -> None:
+        rows, visual, _ = state.attend(str(self.params["guidance_prompt"]), rows=True)
+        tv = [float(row_entropy(r, v).mean()) for r, v in zip(rows, visual)]
+        vt = [e / max(1, self.visual_rows) for e in self.vt_entropy]
+        ratios = entropy_ratios([a + b for a, b in zip(tv, vt)], self.budget, float(self.params["min_layer_ratio"]))
+        for layer, ratio in enumerate(ratios):
+            count = len(state.kept[layer])
+            keep = max(1, math.floor(ratio * count))
+            if keep >= count:
+                continue
+            local = recent_and_heavy(self.cumulative[layer][state.kept[layer]], keep,
+                                     float(self.params["recent_share"]))
+            keys, values = state.visual_kv(layer)
+            if self.params.get("merge", True):
+                merged_k, merged_v, _ = merge_evicted(keys.cpu(), values.cpu(), local)
+            state.retain(layer, local)
+            if self.params.get("merge", True):
+                state.replace_visual(layer, merged_k, merged_v)
+
+
+MEMORY, CONTEXT = MedaMemory, ContextPolicy

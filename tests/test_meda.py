@@ -1,0 +1,75 @@
+"""MEDA: entropy allocation, recent + heavy selection, and the merge pairing, on hand-made tensors; then encode."""
+
+import math
+
+import pytest
+import torch
+
+from mmkv_cli.encoder import encode_media
+from mmkv_cli.media import load_media
+from mmkv_cli.methods import build_method
+from mmkv_cli.methods.meda import entropy_ratios, merge_evicted, recent_and_heavy, row_entropy
+
+
+def test_row_entropy_is_renormalised_over_the_chosen_columns():
+    rows = torch.tensor([[0.5, 0.25, 0.25, 0.0], [0.1, 0.9, 0.0, 0.0]])
+    h = row_entropy(rows, slice(1, 3))
+    assert h[0] == pytest.approx(math.log(2), abs=1e-5)  # 0.25 / 0.25 -> uniform over two
+    assert h[1] == pytest.approx(0.0, abs=1e-4)  # all of it on one column
+
+
+def test_entropy_allocation_gives_more_to_the_higher_entropy_layer_and_sums_to_the_budget():
+    ratios = entropy_ratios([1.0, 2.0, 1.5, 0.5], rho=0.2)
+    assert ratios[1] == max(ratios) and ratios[3] == min(ratios)
+    assert sum(ratios) == pytest.approx(4 * 0.2)
+    clamped = entropy_ratios([0.0, 30.0], rho=0.6)
+    assert clamped == [0.01, 1.0]
+
+
+def test_recent_window_and_heavy_hitters_three_to_one():
+    cumulative = torch.tensor([9.0, 0.1, 0.2, 8.0, 0.3, 0.1, 0.1, 0.2, 0.1, 0.1, 0.1, 0.1])
+    kept = recent_and_heavy(cumulative, keep=4, recent_share=0.75)
+    assert kept.tolist() == [0, 9, 10, 11]  # three newest, then the heaviest of the rest
+
+
+def test_each_evicted_key_merges_into_its_nearest_kept_key_in_the_same_head():
+    # two heads, four tokens, keep tokens 0 and 1. Token 2 resembles token 1 in head 0 but token 0 in head 1;
+    # token 3 resembles token 0 in head 0 and token 1 in head 1.
+    keys = torch.tensor([
+        [[1.0, 0.0], [0.0, 1.0], [0.1, 0.9], [0.9, -0.1]],
+        [[1.0, 0.0], [0.0, 1.0], [0.8, 0.2], [0.2, 0.9]],
+    ])
+    values = torch.arange(16, dtype=torch.float32).reshape(2, 4, 2)
+    k, v, target = merge_evicted(keys, values, torch.tensor([0, 1]))
+    assert target.tolist() == [[1, 0], [0, 1]]
+    assert torch.allclose(k[0, 1], (keys[0, 1] + keys[0, 2]) / 2)
+    assert torch.allclose(k[0, 0], (keys[0, 0] + keys[0, 3]) / 2)
+    assert torch.allclose(k[1, 0], (keys[1, 0] + keys[1, 2]) / 2)
+    assert torch.allclose(v[1, 1], (values[1, 1] + values[1, 3]) / 2)
+    assert torch.allclose(v[0, 1], (values[0, 1] + values[0, 2]) / 2)
+    # A kept key nobody joins stays as it was.
+    k2, v2, target2 = merge_evicted(keys, values, torch.tensor([0, 1, 2]))
+    assert target2.tolist() == [[0], [1]]
+    assert torch.equal(k2[0, 1], keys[0, 1]) and torch.equal(k2[0, 2], keys[0, 2])
+    assert torch.equal(k2[1, 0], keys[1, 0]) and torch.equal(v2[1, 2], values[1, 2])
+
+
+@pytest.mark.parametrize("model", ["tiny-llava-ov", "tiny-qwen2-vl"])
+def test_meda_encode_keeps_about_rho_and_merges(backbones, model):
+    media = load_media("samples/clip.mp4", fps=8, max_frames=16)
+    packs = {}
+    for merge in (True, False):
+        _, policy = build_method("meda", budget=0.25)
+        policy.params = {**policy.params, "merge": merge}
+        packs[merge] = encode_media(backbones[model], media, policy, 8)
+    merged, dropped = packs[True], packs[False]
+    total = merged.visual_tokens_total
+    kept = [sum(b.layer_counts[layer] for b in merged.blocks) for layer in range(4)]
+    assert sum(kept) == pytest.approx(0.25 * 4 * total, abs=4)
+    for layer in range(4):  # same tokens chosen; merging changed what they hold
+        pos_m = torch.cat([b.positions[layer] for b in merged.blocks], dim=1)
+        pos_d = torch.cat([b.positions[layer] for b in dropped.blocks], dim=1)
+        assert torch.equal(pos_m, pos_d)
+    keys_m = torch.cat([b.keys[2] for b in merged.blocks], dim=1)
+    keys_d = torch.cat([b.keys[2] for b in dropped.blocks], dim=1)
+    assert not torch.allclose(keys_m, keys_d)
