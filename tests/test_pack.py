@@ -48,10 +48,26 @@ def test_reader_is_lazy(tmp_path):
     path = tmp_path / "a.kvpack"
     write(path)
     reader = PackReader(path)
+    table = 2 * (4 + 3) * 8 + 2 * 2 * 8 + 2 * 32  # the block table: rows, times, checksums
+    assert reader.bytes_read == table
     reader.representatives()
-    assert reader.bytes_read == 2 * 16 * 4  # the representatives only
+    assert reader.bytes_read == table + 2 * 16 * 4  # and the representatives, nothing else
     reader.segment("b1")
-    assert reader.bytes_read == 2 * 16 * 4 + 2 * (8 * 2 * 8 * 4) + 8 * 3 * 8
+    assert reader.bytes_read == table + 2 * 16 * 4 + 2 * (8 * 2 * 8 * 4) + 8 * 3 * 8
+
+
+def test_header_does_not_grow_with_the_number_of_blocks(tmp_path):
+    sizes = {}
+    for count in (2, 2000):
+        blocks = [segment(f"b{i}", [1], i, 1, "frame") for i in range(count)]
+        path = tmp_path / f"{count}.kvpack"
+        write_pack(path, HEADER, segment("prefix", [2], 0), blocks, segment("suffix", [1], 9))
+        with open(path, "rb") as fh:
+            sizes[count] = struct.unpack("<Q", fh.read(8))[0]
+        reader = PackReader(path)
+        assert len(reader.blocks) == count and reader.blocks[-1]["time"] == [count - 1.0, count - 0.5]
+        assert torch.equal(reader.segment(f"b{count - 1}").keys[0], blocks[-1].keys[0])
+    assert sizes[2000] - sizes[2] < 512  # the block table lives in tensors, not in the JSON header
 
 
 def test_existing_output_is_kept_without_force(tmp_path):

@@ -1,10 +1,12 @@
-"""The .kvpack format v1: one safetensors file, a JSON header in its metadata, tensors by segment.
+"""The .kvpack format (v3): one safetensors file, a JSON header in its metadata, tensors by segment.
 
 Segments are the prefix (init prompt), one per visual block, and the suffix. Each segment holds its
 per-layer K, V and original positions concatenated along the token axis ([H_kv, sum n_l, D], [P, sum n_l]);
 the header keeps the per-layer counts to split them again, so layers may keep different numbers of tokens.
 Prefix and suffix are tensors of their own ("prefix.k", ...); the blocks sit one after another in
-"blocks.k/.v/.pos", each at its header offset, so the tensor directory stays small however many blocks. Block representatives sit together in "reps" [blocks, dim]
+"blocks.k/.v/.pos", each at its offset, so the tensor directory stays small however many blocks; the block
+table (granularity, steps, time, offset, counts, checksum) is three small tensors, not header JSON, so opening
+a pack of thousands of blocks parses a few KB. Block representatives sit together in "reps" [blocks, dim]
 so retrieval reads them without touching any block. See docs/kvpack.md.
 """
 
@@ -16,8 +18,12 @@ from dataclasses import dataclass, field
 import torch
 
 FORMAT_NAME = "mmkv.kvpack"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)  # v2 kept the block table as JSON in the header
 BLOCKS = "blocks"  # tensors "blocks.k/.v/.pos": every block's tokens, one range each
+# v3 block table, one row per block: "blocks.table" int64 [N, 4 + layers] = (granularity index, first step,
+# stop step, offset, layer counts...), "blocks.time" float64 [N, 2] (NaN: none), "blocks.sha256" uint8 [N, 32].
+TABLE_COLUMNS = 4
 META_HEADER = "mmkv"
 META_HEADER_SHA = "mmkv_sha256"
 

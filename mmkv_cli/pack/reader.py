@@ -11,7 +11,8 @@ import torch
 from safetensors import safe_open
 
 from mmkv_cli.errors import PackError
-from mmkv_cli.pack.format import (BLOCKS, FORMAT_NAME, FORMAT_VERSION, META_HEADER, META_HEADER_SHA, Segment, split_layers,
+from mmkv_cli.pack.format import (BLOCKS, FORMAT_NAME, FORMAT_VERSION, META_HEADER, META_HEADER_SHA,
+                                  READABLE_VERSIONS, TABLE_COLUMNS, Segment, block_name, split_layers,
                                   tensors_sha256)
 
 
@@ -50,19 +51,39 @@ class PackReader:
         if self.header.get("format") != FORMAT_NAME:
             raise PackError(f"{self.path} is not a kvpack")
         version = self.header.get("format_version")
-        if version != FORMAT_VERSION:
-            raise PackError(f"{self.path} is kvpack format v{version}; this mmkv reads v{FORMAT_VERSION}")
+        if version not in READABLE_VERSIONS:
+            raise PackError(f"{self.path} is kvpack format v{version}; this mmkv reads "
+                            f"v{', v'.join(map(str, READABLE_VERSIONS))}")
         self.bytes_read = 0
         self._segments: dict[str, Segment] = {}
-        self._block_meta = {b["name"]: b for b in self.header["blocks"]}  # the prefix is read for the question vector and the cache
         try:
             self._file = safe_open(str(self.path), framework="pt", device="cpu")
         except Exception as err:  # SafetensorError
             raise PackError(f"{self.path} is corrupted: {err}") from err
+        self._blocks = self.header["blocks"] if version == 2 else self._block_table()
+        self._block_meta = {b["name"]: b for b in self._blocks}
+
+    def _block_table(self) -> list[dict]:
+        """The v3 block table (three small tensors) as one dict per block."""
+        meta = self.header["blocks"]
+        if not meta["count"]:
+            return []
+        table = self._tensor(f"{BLOCKS}.table").tolist()
+        times = self._tensor(f"{BLOCKS}.time").tolist()
+        digests = self._tensor(f"{BLOCKS}.sha256").numpy()
+        kinds = meta["granularities"]
+        blocks = []
+        for index, (row, time) in enumerate(zip(table, times)):
+            blocks.append({
+                "index": index, "name": block_name(index), "granularity": kinds[row[0]],
+                "steps": row[1:3] if row[1] >= 0 else None, "time": None if time[0] != time[0] else time,
+                "offset": row[3], "layer_counts": row[TABLE_COLUMNS:], "sha256": digests[index].tobytes().hex(),
+            })
+        return blocks
 
     @property
     def blocks(self) -> list[dict]:
-        return self.header["blocks"]
+        return self._blocks
 
     @property
     def size(self) -> int:

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from mmkv_cli.errors import OutputExistsError, PackError
 from mmkv_cli.pack.format import (BLOCKS, FORMAT_NAME, FORMAT_VERSION, META_HEADER, META_HEADER_SHA, Segment,
-                                  tensors_sha256)
+                                  block_name, tensors_sha256)
 
 
 def check_writable(path: Path, force: bool) -> None:
@@ -38,21 +38,27 @@ def write_pack(path: Path, header: dict, prefix: Segment, blocks: list[Segment],
         segments_meta[seg.name] = {"layer_counts": seg.layer_counts, "sha256": tensors_sha256(list(packed.values()))}
     # All blocks share three tensors (a few safetensors entries, whatever the video length); each block is a
     # token range of them, read by slicing the memory map.
-    blocks_meta, parts, offset = [], {"k": [], "v": [], "pos": []}, 0
+    parts, offset, kinds = {"k": [], "v": [], "pos": []}, 0, []
+    table, times, digests = [], [], []
     for index, block in enumerate(blocks):
+        if block.name != block_name(index):  # readers name blocks by their row in the table
+            raise PackError(f"internal: block {index} is named '{block.name}', not '{block_name(index)}'")
         packed = block.packed()
         for part in parts:
             parts[part].append(packed[f"{block.name}.{part}"])
-        count = int(packed[f"{block.name}.k"].shape[1])
-        blocks_meta.append({
-            "index": index, "name": block.name, "granularity": block.granularity,
-            "steps": list(block.steps) if block.steps else None,
-            "time": [round(float(t), 4) for t in block.time] if block.time else None,
-            "layer_counts": block.layer_counts, "offset": offset, "sha256": tensors_sha256(list(packed.values())),
-        })
-        offset += count
+        if block.granularity not in kinds:
+            kinds.append(block.granularity)
+        steps = list(block.steps) if block.steps else [-1, -1]
+        table.append([kinds.index(block.granularity), *steps, offset, *block.layer_counts])
+        times.append([round(float(t), 4) for t in block.time] if block.time else [float("nan")] * 2)
+        digests.append(bytes.fromhex(tensors_sha256(list(packed.values()))))
+        offset += int(packed[f"{block.name}.k"].shape[1])
     if blocks:
         tensors.update({f"{BLOCKS}.{part}": torch.cat(chunks, dim=1).contiguous() for part, chunks in parts.items()})
+        tensors[f"{BLOCKS}.table"] = torch.tensor(table, dtype=torch.int64)
+        tensors[f"{BLOCKS}.time"] = torch.tensor(times, dtype=torch.float64)
+        tensors[f"{BLOCKS}.sha256"] = torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).reshape(-1, 32)
+    blocks_meta = {"count": len(blocks), "granularities": kinds}
     reps = [b.representative for b in blocks if b.representative is not None]
     if reps and len(reps) == len(blocks):
         tensors["reps"] = torch.stack(reps).float().contiguous()
