@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.14.1 torchvision==0.29.1
 OUT ?= out
 
-.PHONY: setup demo test samples bench clean
+.PHONY: setup demo demo-model test samples bench clean
 
 $(BIN)/mmkv: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,13 +19,19 @@ setup: $(BIN)/mmkv
 
 demo: setup
 	mkdir -p $(OUT)
-	$(BIN)/mmkv encode samples/clip.mp4 --model tiny-qwen2-vl --method full -o $(OUT)/clip.kvpack --force
-	$(BIN)/mmkv ask $(OUT)/clip.kvpack "what color is the circle?"
-	$(BIN)/mmkv encode samples/clip.mp4 --model tiny-llava-ov --method recency --budget 0.25 -o $(OUT)/clip-recency.kvpack --force
-	$(BIN)/mmkv inspect $(OUT)/clip-recency.kvpack
-	$(BIN)/mmkv encode samples/clip.mp4 --model tiny-llava-ov --method mukv -o $(OUT)/clip-mukv.kvpack --force
-	$(BIN)/mmkv ask $(OUT)/clip-mukv.kvpack "what happened first?" --explain --max-new-tokens 4
-	$(BIN)/mmkv profile samples/clip.mp4 --model tiny-llava-ov --methods full,recency,rekv,mukv --plot $(OUT)/profile.png
+	$(BIN)/mmkv encode samples/clip.mp4 --model demo --method full -o $(OUT)/clip.kvpack --force
+	$(BIN)/mmkv ask $(OUT)/clip.kvpack "what color is the circle ?"
+	$(BIN)/mmkv ask $(OUT)/clip.kvpack "which shape appeared first ?"
+	$(BIN)/mmkv encode samples/clip.mp4 --model demo --method mukv -o $(OUT)/clip-mukv.kvpack --force
+	$(BIN)/mmkv ask $(OUT)/clip-mukv.kvpack "which shape appeared last ?" --explain
+	$(BIN)/mmkv encode samples/clip.mp4 --model demo --method hermes --budget-tokens 24 -o $(OUT)/clip-hermes.kvpack --force
+	$(BIN)/mmkv inspect $(OUT)/clip-hermes.kvpack
+	$(BIN)/mmkv ask $(OUT)/clip-hermes.kvpack "how many shapes appeared ?" --json
+	$(BIN)/mmkv profile samples/clip.mp4 --model demo --methods full,recency,rekv,mukv,hermes --question "which shape appeared first ?" --plot $(OUT)/profile.png
+
+# Retrain the demo backbone (mmkv_cli/assets/demo.safetensors): about an hour on 2 CPU cores; resumes.
+demo-model: setup
+	$(BIN)/python scripts/train_demo_model.py --out mmkv_cli/assets/demo.safetensors
 
 test: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests

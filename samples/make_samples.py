@@ -14,7 +14,6 @@ from PIL import Image, ImageDraw
 HERE = Path(__file__).resolve().parent
 SIZE = 128
 FPS = 8
-SECONDS = 4
 SHAPES = [  # (shape, colour, start xy, velocity xy per second)
     ("circle", (220, 40, 40), (10, 20), (14, 6)),
     ("square", (40, 90, 230), (60, 60), (-10, -8)),
@@ -44,20 +43,19 @@ def frame_at(t: float, visible: list[str] | None = None) -> Image.Image:
     return image
 
 
+# The clip is a scene of the synthetic world the demo backbone was trained on (mmkv_cli/synth): a red circle,
+# then a blue square, then a yellow triangle, 16 frames at 2 fps, each written 4 times (an 8 fps file).
+CLIP_EVENTS = (("circle", "red", 0, 6), ("square", "blue", 6, 11), ("triangle", "yellow", 11, 16))
+
+
 def write_clip(path: Path) -> None:
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("mpeg4", rate=FPS)
-        stream.width = stream.height = SIZE
-        stream.pix_fmt = "yuv420p"
-        for i in range(FPS * SECONDS):
-            t = i / FPS
-            # Shapes enter one by one: circle first, square at 1 s, triangle at 2 s.
-            visible = [k for k, start in (("circle", 0), ("square", 1), ("triangle", 2)) if t >= start]
-            frame = av.VideoFrame.from_ndarray(np.asarray(frame_at(t, visible)), format="rgb24")
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
+    from mmkv_cli.synth import write_video
+    from mmkv_cli.synth.world import Clip, Event, render
+
+    events = tuple(Event(shape, colour, a, b, 0.45, 0.5, 0.012, -0.006) for shape, colour, a, b in CLIP_EVENTS)
+    clip = Clip("normal", 16, events)
+    frames = np.stack([render(clip, f) for f in range(clip.frames) for _ in range(FPS // 2)])
+    write_video(path, frames, FPS)
 
 
 def write_images(folder: Path) -> None:
