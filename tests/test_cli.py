@@ -104,6 +104,10 @@ def error_cases(tmp_path, qwen_pack):
         (["ask", str(corrupted), "what ?"], 4, "corrupted"),
         (["ask", str(tmp_path / "missing.kvpack"), "what ?"], 4, "no such pack"),
         (["ask", str(qwen_pack), "   "], 2, "question is empty"),
+        (["ask", str(qwen_pack), "what ?", "--positions", "sideways"], 2, "unknown --positions 'sideways'"),
+        (["ask", str(qwen_pack), "what ?", "--prune", "hermes"], 2, "does not prune at ask"),
+        (["ask", str(qwen_pack), "what ?", "--budget", "0.5"], 2, "only applies with --prune"),
+        (["encode", clip, *tiny, "--method", "recency", "--budget-tokens", "9", "-o", out], 2, "no fixed token budget"),
         (["inspect", str(junk)], 4, "not a kvpack"),
     ]
 

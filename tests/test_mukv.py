@@ -143,3 +143,23 @@ def test_reindex_with_every_block_equals_keep_when_nothing_was_dropped(tmp_path,
     reindex = api.ask(pack, "what color ?", backbone=backbone, keep_logits=True, max_new_tokens=1,
                       positions="reindex")
     assert (keep.first_logits - reindex.first_logits).abs().max().item() < 1e-4
+
+
+def test_retrieval_needs_representatives_and_a_known_query_mode(tmp_path, backbones):
+    from mmkv_cli.answer import answer_from_pack
+    from mmkv_cli.errors import PackError, UsageError
+    from mmkv_cli.methods.retrieval import RetrievalContext
+    from mmkv_cli.pack import PackReader
+    from mmkv_cli.presets import load_method_preset
+
+    backbone = backbones["tiny-llava-ov"]
+    params = load_method_preset("rekv").params
+    # A hermes pack holds a summary block with no retrieval key: it stores no representatives at all.
+    api.encode("samples/clip.mp4", tmp_path / "h.kvpack", "tiny-llava-ov", "hermes", budget_tokens=40,
+               backbone=backbone)
+    with pytest.raises(PackError, match="no block representatives"):
+        answer_from_pack(backbone, PackReader(tmp_path / "h.kvpack"), RetrievalContext(params), "what ?")
+    api.encode("samples/clip.mp4", tmp_path / "r.kvpack", "tiny-llava-ov", "rekv", backbone=backbone)
+    with pytest.raises(UsageError, match="unknown query mode 'nope'"):
+        answer_from_pack(backbone, PackReader(tmp_path / "r.kvpack"), RetrievalContext({**params, "query": "nope"}),
+                         "what ?")
