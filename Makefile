@@ -29,7 +29,7 @@ demo: setup
 	$(BIN)/mmkv ask $(OUT)/clip-hermes.kvpack "how many shapes appeared ?" --json
 	$(BIN)/mmkv profile samples/clip.mp4 --model demo --methods full,recency,rekv,mukv,hermes --question "which shape appeared first ?" --plot $(OUT)/profile.png
 
-# Retrain the demo backbone (mmkv_cli/assets/demo.safetensors): about an hour on 2 CPU cores; resumes.
+# Retrain the demo backbone (mmkv_cli/assets/demo.safetensors): about 45 minutes on 2 CPU cores; resumes.
 demo-model: setup
 	$(BIN)/python scripts/train_demo_model.py --out mmkv_cli/assets/demo.safetensors
 

@@ -1,10 +1,12 @@
 """Train the demo backbone on the synthetic world (`make demo-model`).
 
-    python scripts/train_demo_model.py --steps 4000 --out mmkv_cli/assets/demo.safetensors
+    python scripts/train_demo_model.py --out mmkv_cli/assets/demo.safetensors
 
-Clips are rendered in memory from seeded generators (the same world `mmkv synth` writes to disk), fed in the
-exact prompt layout the LLaVA-OV adapter uses at encode/ask time, and the loss is on the answer word and the
-end-of-turn token. A held-out set (other seeds, 64-frame clips) is scored every --eval-every steps; the best
+Stage 1 (--vision-steps): the vision tower and projector learn to tell a frame's shape and colour from each of
+its tokens (linear heads, discarded). Stage 2: clips rendered in memory from seeded generators (the same world
+`mmkv synth` writes to disk), 4 to 64 frames with a curriculum, fed in the exact prompt layout the LLaVA-OV
+adapter uses at encode/ask time, every question of a clip in one row (a 4-D mask lets each see only the video
+and itself); the loss is on the answer words and end-of-turn tokens. A held-out set (other seeds, 64-frame clips) is scored every --eval-every steps; the best
 weights are kept. Deterministic for a given --seed and thread count. Resumes from --out + ".ckpt".
 """
 
@@ -73,9 +75,64 @@ class Batches:
         return ids, pixels, torch.tensor(answers), types, where
 
 
+    def make_multi(self, specs: list[tuple[int, int, int, str]], rng: np.random.Generator):
+        """Every question of each clip in one row: [prompt | video | q1 a1 | q2 a2 | ...], each question seeing
+        the video and itself only (a 4-D mask) and starting at the same position, as if asked alone. One
+        forward supervises all of a clip's answers. Moment questions need a cut clip: a clip drawn for one
+        of those carries only it."""
+        frames = specs[0][2]
+        video_len = len(self.prefix) + frames * TOKENS_PER_FRAME + 1
+        videos, rows, blocks, targets, types = [], [], [], [], []
+        for seed, index, count, kind in specs:
+            clip, qa = make_clip(seed, index, count, kind)
+            if kind == "normal" and rng.random() < 1 / 6:
+                q = next(x for x in qa if x["type"] == "moment")
+                clip = shifted(truncated(clip, q["frame"] + 1), count - q["frame"] - 1)
+                asked = [q]
+            else:
+                asked = [x for x in qa if x["type"] != "moment"]
+            videos.append(render_clip(clip))
+            row = self.prefix + [self.video_id] * (frames * TOKENS_PER_FRAME + 1)
+            spans = []
+            for q in asked:
+                answer = self.ids(q["answer"])
+                turn = self.ids(PROMPT.question.format(question=q["question"])) + answer + self.end
+                spans.append((len(row), len(row) + len(turn)))
+                targets.append((len(rows), len(row) + len(turn) - 3, answer[0], self.end[0]))
+                types.append(q["type"])
+                row = row + turn
+            rows.append(row)
+            blocks.append(spans)
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.tokenizer.pad_token_id)
+        mask = torch.zeros(len(rows), 1, width, width, dtype=torch.bool)
+        positions = torch.zeros(len(rows), width, dtype=torch.long)
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        for r, (row, spans) in enumerate(zip(rows, blocks)):
+            ids[r, :len(row)] = torch.tensor(row)
+            mask[r, 0, :video_len, :video_len] = causal[:video_len, :video_len]
+            positions[r, :video_len] = torch.arange(video_len)
+            for a, b in spans:
+                mask[r, 0, a:b, :video_len] = True
+                mask[r, 0, a:b, a:b] = causal[:b - a, :b - a]
+                positions[r, a:b] = torch.arange(video_len, video_len + b - a)
+            mask[r, 0, len(row):, :] = causal[len(row):, :]  # padding rows: anything valid
+        pixels = self.processor(videos=videos, return_tensors="pt")["pixel_values_videos"]
+        return ids, pixels, mask, positions, torch.tensor(targets), types
+
+
+def multi_loss(model, ids, pixels, mask, positions, targets) -> torch.Tensor:
+    hidden = model.model(input_ids=ids, pixel_values_videos=pixels, attention_mask=mask,
+                         position_ids=positions).last_hidden_state
+    rows, where = targets[:, 0], targets[:, 1]
+    picked = torch.stack([hidden[rows, where], hidden[rows, where + 1]], dim=1)
+    logits = model.lm_head(picked).float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, 2:].reshape(-1))
+
+
 def pretrain_vision(model, processor, steps: int, batch: int, lr: float, seed: int, device: str) -> None:
     """Stage 1: teach the vision tower + projector what a frame shows (shape, colour, or nothing), with two
-    linear heads on the mean of a frame's tokens, discarded afterwards. Stage 2 then only has to learn to
+    linear heads on each of a frame's tokens, discarded afterwards. Stage 2 then only has to learn to
     look things up, instead of learning to see through the answer loss alone."""
     from mmkv_cli.synth.world import COLOURS, SHAPES, Clip, Event
 
@@ -101,9 +158,13 @@ def pretrain_vision(model, processor, steps: int, batch: int, lr: float, seed: i
         feats = model.model.get_video_features(pixels.to(device), vision_feature_layer=config.vision_feature_layer,
                                                vision_feature_select_strategy=config.vision_feature_select_strategy,
                                                return_dict=True).pooler_output  # [batch, tokens + newline, hidden]
-        pooled = feats[:, :-1].mean(dim=1)
-        target = torch.tensor(labels, device=device)
-        logits_s, logits_c = heads["shape"](pooled), heads["colour"](pooled)
+        # Every token of the frame on its own must tell what the frame shows: the language model then finds
+        # a shape by matching any one token, not a sum of four.
+        tokens = feats[:, :-1]
+        per_token = tokens.shape[1]
+        target = torch.tensor(labels, device=device).repeat_interleave(per_token, dim=0)
+        flat = tokens.reshape(-1, tokens.shape[-1])
+        logits_s, logits_c = heads["shape"](flat), heads["colour"](flat)
         loss = F.cross_entropy(logits_s, target[:, 0]) + F.cross_entropy(logits_c, target[:, 1])
         opt.zero_grad()
         loss.backward()
@@ -152,16 +213,18 @@ def evaluate(model, batches: Batches, seed: int, clips: int, frames: int) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="mmkv_cli/assets/demo.safetensors")
-    ap.add_argument("--steps", type=int, default=10000)
+    ap.add_argument("--steps", type=int, default=5000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--frames", default="4,8,16,24,32,48,64", help="clip lengths drawn for training batches")
-    ap.add_argument("--curriculum", type=float, default=0.5,
+    ap.add_argument("--curriculum", type=float, default=0.3,
                     help="share of the steps over which the longest clip drawn grows from the shortest to all")
     ap.add_argument("--needle-share", type=float, default=0.35)
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--vision-steps", type=int, default=1500, help="stage 1: frame classification steps")
     ap.add_argument("--vision-batch", type=int, default=128)
+    ap.add_argument("--init", default=None, help="start from these weights (no vision pretraining)")
+    ap.add_argument("--one-question", action="store_true", help="one question per clip per row (slower)")
     ap.add_argument("--eval-clips", type=int, default=96)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -186,6 +249,10 @@ def main() -> None:
         opt.load_state_dict(state["opt"])
         step, best = int(state["step"]), float(state["best"])
         print(f"resumed at step {step} (best held-out {best:.3f})", flush=True)
+    if step == 0 and args.init:
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(args.init))
     if step == 0 and args.vision_steps:
         pretrain_vision(model, processor, args.vision_steps, args.vision_batch, args.lr, args.seed, args.device)
     lengths = [int(x) for x in args.frames.split(",")]
@@ -199,13 +266,17 @@ def main() -> None:
         specs = [(args.seed * 1_000_003 + step, b, frames,
                   "needle" if frames >= 16 and rng.random() < args.needle_share else "normal")
                  for b in range(args.batch)]
-        ids, pixels, answers, _, where = batches.make(specs, rng)
         warm = min(1.0, (step + 1) / 200)
         lr = args.lr * warm * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in opt.param_groups:
             group["lr"] = lr
-        logits = answer_logits(model, ids.to(args.device), pixels.to(args.device), where)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), answers.to(args.device).reshape(-1))
+        if args.one_question:
+            ids, pixels, answers, _, where = batches.make(specs, rng)
+            logits = answer_logits(model, ids.to(args.device), pixels.to(args.device), where)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), answers.to(args.device).reshape(-1))
+        else:
+            ids, pixels, mask, positions, targets, _ = batches.make_multi(specs, rng)
+            loss = multi_loss(model, *(t.to(args.device) for t in (ids, pixels, mask, positions, targets)))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
