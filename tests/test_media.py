@@ -22,8 +22,8 @@ def test_sample_times_follow_fps_and_cap():
 def test_decord_and_pyav_read_the_same_frames(clip):
     a = load_video(Path(clip), 2.0, 0, backend="decord")
     b = load_video(Path(clip), 2.0, 0, backend="pyav")
-    assert a.timestamps == b.timestamps == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]
-    assert np.array_equal(a.read(0, 8), b.read(0, 8))
+    assert a.timestamps == b.timestamps == [i / 2 for i in range(16)]  # the 8 s sample at 2 fps
+    assert np.array_equal(a.read(0, 16), b.read(0, 16))
     assert a.digest == b.digest and len(a.digest) == 64
 
 
