@@ -253,7 +253,7 @@ def main() -> None:
         from safetensors.torch import load_file
 
         model.load_state_dict(load_file(args.init))
-    if step == 0 and args.vision_steps:
+    if step == 0 and args.vision_steps and not args.init:
         pretrain_vision(model, processor, args.vision_steps, args.vision_batch, args.lr, args.seed, args.device)
     lengths = [int(x) for x in args.frames.split(",")]
     started = time.time()
