@@ -84,19 +84,19 @@ def ask(pack: str | Path, question: str, model: str | None = None, device: str =
 
 
 def inspect(pack: str | Path) -> dict:
-    """What a pack holds, from its header alone (no tensor is read)."""
+    """What a pack holds, from its header and block table (no KV tensor is read)."""
     reader = PackReader(pack)
     h = reader.header
     kv = h["kv"]
     per_token = 2 * kv["kv_heads"] * kv["head_dim"] * torch.empty(0, dtype=getattr(torch, kv["dtype"])).element_size()
-    layers = [{"index": i, "tokens_kept": sum(b["layer_counts"][i] for b in reader.blocks)}
-              for i in range(kv["layers"])]
+    counts = reader.blocks.layer_totals()  # [blocks, layers]
+    layers = [{"index": i, "tokens_kept": int(n)} for i, n in enumerate(counts.sum(dim=0).tolist())]
+    labels = reader.blocks.labels()
     granularities: dict[str, dict] = {}
-    for b in reader.blocks:
-        g = granularities.setdefault(b["granularity"], {"blocks": 0, "tokens": 0, "bytes": 0})
-        g["blocks"] += 1
-        g["tokens"] += max(b["layer_counts"], default=0)
-        g["bytes"] += sum(b["layer_counts"]) * per_token
+    for kind in dict.fromkeys(labels):
+        mine = counts[torch.tensor([label == kind for label in labels])]
+        granularities[kind] = {"blocks": int(mine.shape[0]), "tokens": int(mine.max(dim=1).values.sum()),
+                               "bytes": int(mine.sum()) * per_token}
     return {
         "path": str(reader.path),
         "format_version": h["format_version"],
@@ -111,7 +111,7 @@ def inspect(pack: str | Path) -> dict:
         "visual_tokens_kept": max((layer["tokens_kept"] for layer in layers), default=0),
         "prompt_tokens": h["segments"]["prefix"]["layer_counts"][0] + h["segments"]["suffix"]["layer_counts"][0],
         "bytes": reader.size,
-        "kv_bytes": sum(sum(b["layer_counts"]) for b in reader.blocks) * per_token,
+        "kv_bytes": int(counts.sum()) * per_token,
         "layers": layers,
         "granularities": granularities,
         "positions": {"dims": h["layout"]["position_dims"], "next_position": h["layout"]["next_position"],

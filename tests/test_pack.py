@@ -123,3 +123,19 @@ def test_tampered_header_and_foreign_files_are_refused(tmp_path):
         PackReader(other)
     with pytest.raises(PackError, match="no such pack"):
         PackReader(tmp_path / "missing.kvpack")
+
+
+def test_block_table_columns_agree_with_its_rows_and_with_a_v2_json_table(tmp_path):
+    from mmkv_cli.pack.table import BlockTable, eligible_before
+
+    path = tmp_path / "a.kvpack"
+    write(path)
+    table = PackReader(path).blocks
+    rows = [table[i] for i in range(len(table))]
+    assert table.labels() == ["frame", "patch"] and [r["name"] for r in rows] == ["b0", "b1"]
+    assert table.start_times().tolist() == [1.0, 2.0] and table.layer_totals().tolist() == [[3, 2, 1], [4, 4, 0]]
+    assert eligible_before(table, 1.5).tolist() == [0] and eligible_before(table, None).tolist() == [0, 1]
+    # a v2 pack kept the same rows as JSON in its header, under names of its own
+    v2 = BlockTable.from_dicts([{**r, "name": f"old{i}"} for i, r in enumerate(rows)])
+    assert [{**v2[i], "name": None} for i in range(2)] == [{**r, "name": None} for r in rows]
+    assert v2.index_of("old1") == 1 and v2.index_of("b1") is None and table.index_of("b7") is None

@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from mmkv_cli.pack.format import Segment, block_name
+from mmkv_cli.pack.table import BlockTable, eligible_before
 
 
 @dataclass
@@ -136,10 +137,8 @@ class ContextPolicy:
         self.params = params
         self.position_mode = params.get("positions", "keep")
 
-    def select(self, blocks: list[dict], reps: Callable[[], torch.Tensor], question_vector: Callable[[str], torch.Tensor],
-               before: float | None = None) -> Selection:
+    def select(self, blocks: BlockTable, reps: Callable[[], torch.Tensor],
+               question_vector: Callable[[str], torch.Tensor], before: float | None = None) -> Selection:
         """Blocks for the context. reps() loads the representatives and question_vector(mode) runs the
         question; both are lazy so a policy that needs neither costs nothing."""
-        ordered = [b for b in blocks if before is None or (b["time"] or [0.0])[0] <= before]
-        ordered.sort(key=lambda b: (b["steps"] or [0])[0])
-        return Selection([b["name"] for b in ordered], [])
+        return Selection([blocks.name(i) for i in eligible_before(blocks, before).tolist()], [])

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mmkv_cli.methods.base import ContextPolicy, Selection
+from mmkv_cli.pack.table import BlockTable, eligible_before
 
 
 @dataclass
@@ -31,23 +32,29 @@ def retrieve(scores: torch.Tensor, reps: torch.Tensor, granularity: list[str], k
 
     rerank[g] = lambda_g: s' = (1 - lambda) s + lambda cos(rep, c), c = mean of the top segments' reps.
     Granularities missing from k are never retrieved. Returns the picks, best first within each granularity.
+    Whole-table work is vectorised: thousands of blocks cost a few tensor ops, not Python loops.
     """
-    labels = list(granularity)
-    value = scores.tolist()  # plain floats: thousands of blocks sort in microseconds
-    agreement = [0.0] * len(labels)
-    seg = [i for i, g in enumerate(labels) if g == "segment"]
-    if seg and top_segments > 0:
-        best = sorted(seg, key=lambda i: -value[i])[:top_segments]
-        agreement = cosine_scores(reps[best].float().mean(dim=0), reps).tolist()
+    kinds = list(dict.fromkeys(granularity))
+    codes = torch.tensor([kinds.index(g) for g in granularity], dtype=torch.int64)
+    scores = scores.float()
+    agreement = None
+    segments = torch.nonzero(codes == kinds.index("segment")).flatten() if "segment" in kinds else None
+    if segments is not None and top_segments > 0:
+        best = segments[torch.topk(scores[segments], min(top_segments, len(segments))).indices]
+        centre = reps[best].float().mean(dim=0)
     picks = []
     for g, keep in k.items():
-        members = [i for i, label in enumerate(labels) if label == g]
-        candidates = sorted(members, key=lambda i: -value[i])[:2 * keep]
+        if g not in kinds or keep <= 0:
+            continue
+        members = torch.nonzero(codes == kinds.index(g)).flatten()
+        candidates = members[torch.topk(scores[members], min(2 * keep, len(members))).indices]
         lam = float(rerank.get(g, 0.0))
-        rescored = []
-        for i in candidates:
-            rescored.append(Retrieved(i, g, value[i], (1 - lam) * value[i] + lam * agreement[i]))
-        picks += sorted(rescored, key=lambda r: -r.reranked)[:keep]
+        before = scores[candidates]
+        after = before
+        if segments is not None and top_segments > 0 and lam:
+            after = (1 - lam) * before + lam * cosine_scores(centre, reps[candidates])
+        order = torch.argsort(-after, stable=True)[:keep]
+        picks += [Retrieved(int(candidates[j]), g, float(before[j]), float(after[j])) for j in order.tolist()]
     return picks
 
 
@@ -59,21 +66,20 @@ class RetrievalContext(ContextPolicy):
 
     name = "retrieval"
 
-    def select(self, blocks: list[dict], reps: Callable[[], torch.Tensor], question_vector: QuestionVector,
+    def select(self, blocks: BlockTable, reps: Callable[[], torch.Tensor], question_vector: QuestionVector,
                before: float | None = None) -> Selection:
         p = self.params
-        eligible = [i for i, b in enumerate(blocks) if before is None or (b["time"] or [0.0])[0] <= before]
-        if not eligible:
+        eligible = eligible_before(blocks, before)
+        if not len(eligible):
             return Selection([], [])
         table = reps()[eligible]
         scores = cosine_scores(question_vector(p.get("query", "query_mean")), table)
-        picks = retrieve(scores, table, [blocks[i]["granularity"] for i in eligible], dict(p["k"]),
+        labels = blocks.labels()
+        picks = retrieve(scores, table, [labels[i] for i in eligible.tolist()], dict(p["k"]),
                          dict(p.get("rerank", {})), int(p.get("top_segments", 0)))
         rank = {g: r for r, g in enumerate(("segment", "frame", "patch"))}
-        chosen = sorted(picks, key=lambda r: ((blocks[eligible[r.index]]["steps"] or [0])[0],
-                                              rank.get(r.granularity, 3), r.index))
-        names = [blocks[eligible[r.index]]["name"] for r in chosen]
-        explain = [{"block": blocks[eligible[r.index]]["name"], "granularity": r.granularity,
-                    "time": blocks[eligible[r.index]]["time"], "score": round(r.score, 4),
-                    "reranked": round(r.reranked, 4)} for r in chosen]
-        return Selection(names, explain)
+        chosen = [(blocks[int(eligible[r.index])], r) for r in picks]
+        chosen.sort(key=lambda pair: ((pair[0]["steps"] or [0])[0], rank.get(pair[1].granularity, 3), pair[0]["index"]))
+        explain = [{"block": b["name"], "granularity": r.granularity, "time": b["time"], "score": round(r.score, 4),
+                    "reranked": round(r.reranked, 4)} for b, r in chosen]
+        return Selection([b["name"] for b, _ in chosen], explain)

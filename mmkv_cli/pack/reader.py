@@ -12,8 +12,9 @@ from safetensors import safe_open
 
 from mmkv_cli.errors import PackError
 from mmkv_cli.pack.format import (BLOCKS, FORMAT_NAME, FORMAT_VERSION, META_HEADER, META_HEADER_SHA,
-                                  READABLE_VERSIONS, TABLE_COLUMNS, Segment, block_name, split_layers,
+                                  READABLE_VERSIONS, TABLE_COLUMNS, Segment, split_layers,
                                   tensors_sha256)
+from mmkv_cli.pack.table import BlockTable
 
 
 def _read_safetensors_header(path: Path) -> dict:
@@ -60,30 +61,26 @@ class PackReader:
             self._file = safe_open(str(self.path), framework="pt", device="cpu")
         except Exception as err:  # SafetensorError
             raise PackError(f"{self.path} is corrupted: {err}") from err
-        self._blocks = self.header["blocks"] if version == 2 else self._block_table()
-        self._block_meta = {b["name"]: b for b in self._blocks}
+        # v2 kept the table as JSON in the header
+        self._blocks = BlockTable.from_dicts(self.header["blocks"]) if version == 2 else self._block_table()
 
-    def _block_table(self) -> list[dict]:
-        """The v3 block table (three small tensors) as one dict per block."""
+    def _block_table(self) -> BlockTable:
+        """The v3 block table: three small tensors, read whole (a few dozen bytes per block)."""
         meta = self.header["blocks"]
+        layers = len(self.header["segments"]["prefix"]["layer_counts"])
         if not meta["count"]:
-            return []
-        table = self._tensor(f"{BLOCKS}.table").tolist()
-        times = self._tensor(f"{BLOCKS}.time").tolist()
-        digests = self._tensor(f"{BLOCKS}.sha256").numpy()
-        kinds = meta["granularities"]
-        blocks = []
-        for index, (row, time) in enumerate(zip(table, times)):
-            blocks.append({
-                "index": index, "name": block_name(index), "granularity": kinds[row[0]],
-                "steps": row[1:3] if row[1] >= 0 else None, "time": None if time[0] != time[0] else time,
-                "offset": row[3], "layer_counts": row[TABLE_COLUMNS:], "sha256": digests[index].tobytes().hex(),
-            })
-        return blocks
+            return BlockTable(meta["granularities"], torch.zeros(0, TABLE_COLUMNS + layers, dtype=torch.int64),
+                              torch.zeros(0, 2, dtype=torch.float64), torch.zeros(0, 32, dtype=torch.uint8))
+        return BlockTable(meta["granularities"], self._tensor(f"{BLOCKS}.table"), self._tensor(f"{BLOCKS}.time"),
+                          self._tensor(f"{BLOCKS}.sha256"))
 
     @property
-    def blocks(self) -> list[dict]:
+    def blocks(self) -> BlockTable:
         return self._blocks
+
+    def _block_meta(self, name: str) -> dict | None:
+        index = self._blocks.index_of(name)
+        return None if index is None else self._blocks[index]
 
     @property
     def size(self) -> int:
@@ -115,7 +112,7 @@ class PackReader:
         return self._segments[name]
 
     def _load_segment(self, name: str) -> Segment:
-        meta = self.header["segments"].get(name) or self._block_meta.get(name)
+        meta = self.header["segments"].get(name) or self._block_meta(name)
         if meta is None:
             raise PackError(f"{self.path} has no segment {name}")
         if "offset" in meta:  # a block: its token range of the shared block tensors
