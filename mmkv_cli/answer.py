@@ -15,6 +15,7 @@ from mmkv_cli.attention import Recorder, recording
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.methods import ContextPolicy
 from mmkv_cli.pack import PackReader
+from mmkv_cli.pack.table import eligible_before
 from mmkv_cli.rope import compact_positions, rotate_keys
 
 
@@ -42,29 +43,47 @@ def check_compatible(reader: PackReader, backbone: Backbone) -> None:
                             f"config {made.get('config_sha256')}), not '{here['model']}': re-encode it with this model")
 
 
-def build_cache(backbone: Backbone, reader: PackReader, names: list[str], positions: str = "keep"):
+def build_cache(backbone: Backbone, reader: PackReader, names: list[str], positions: str = "keep",
+                asked_after: str | None = None):
     """Concatenate prefix + chosen blocks + suffix per layer into a fresh cache.
 
     positions "keep": stored positions, the question at the stored next position. "reindex": every layer's
     context compacted to consecutive slots, keys re-rotated by the change, the question right after.
-    Returns (cache, context tokens, the question's first position).
+    asked_after: the last block shown by the question's moment. The stream ends there for this question, so
+    the stored suffix (which attended to the whole stream) is left out and re-run, with the question, just
+    after the context: `lead` holds its embeddings and positions.
+    Returns (cache, context tokens, the question's first position, lead or None).
     """
-    segments = [reader.segment("prefix"), *(reader.segment(n) for n in names), reader.segment("suffix")]
+    segments = [reader.segment("prefix"), *(reader.segment(n) for n in names)]
+    if asked_after is None:
+        segments.append(reader.segment("suffix"))
     layers = len(segments[0].keys)
     keys = [torch.cat([s.keys[layer] for s in segments], dim=1) for layer in range(layers)]
     values = [torch.cat([s.values[layer] for s in segments], dim=1) for layer in range(layers)]
-    next_position = int(reader.header["layout"]["next_position"])  # stored: never derived from the cache length
+    stored_next = int(reader.header["layout"]["next_position"])  # stored: never derived from the cache length
+    next_position = stored_next
+    end = None  # where the context ends (keep: the last position shown by the moment, + 1)
     if positions == "reindex":
         inv_freq, axes = backbone.rope_tables()
-        next_position = 0
+        end = 0
         for layer in range(layers):
             old = torch.cat([s.positions[layer] for s in segments], dim=1)
             new = compact_positions(old, 0)
             keys[layer] = rotate_keys(keys[layer], new - old, inv_freq, axes)
-            next_position = max(next_position, int(new.max()) + 1 if new.numel() else 0)
+            end = max(end, int(new.max()) + 1 if new.numel() else 0)
+        next_position = end
     elif positions != "keep":
         raise UsageError(f"unknown position mode '{positions}' (keep, reindex)")
-    return backbone.cache_from_layers(keys, values), max(int(k.shape[1]) for k in keys), next_position
+    elif asked_after is not None:
+        shown = [*segments, reader.segment(asked_after)]
+        end = max(int(p.max()) for s in shown for p in s.positions if p.numel()) + 1
+    lead = None
+    if asked_after is not None:
+        stored = reader.segment("suffix").positions[0]
+        start = int(stored.min()) if stored.numel() else stored_next
+        lead = (backbone.suffix_embeds(), stored - start + end)
+        next_position = stored_next - start + end
+    return backbone.cache_from_layers(keys, values), max(int(k.shape[1]) for k in keys), next_position, lead
 
 
 def question_vector(backbone: Backbone, reader: PackReader, ids: list[int], mode: str) -> torch.Tensor:
@@ -109,17 +128,22 @@ def answer_from_pack(backbone: Backbone, reader: PackReader, policy: ContextPoli
     selection = policy.select(reader.blocks, lambda: _representatives(reader),
                               lambda mode: question_vector(backbone, reader, ids, mode), before)
     names = selection.names
-    cache, context, position = build_cache(backbone, reader, names, policy.position_mode)
+    by_then = eligible_before(reader.blocks, before) if before is not None else None
+    asked_after = reader.blocks.name(int(by_then[-1])) if by_then is not None and len(by_then) else None
+    cache, context, position, lead = build_cache(backbone, reader, names, policy.position_mode, asked_after)
+    embeds, positions = backbone.embed_ids(ids), backbone.text_positions(position, len(ids))
+    if lead is not None:
+        embeds, positions = torch.cat([lead[0], embeds], dim=1), torch.cat([lead[1], positions], dim=1)
     recorder = Recorder(layers=set(range(len(cache.layers))), rows=True) if prune else None
     with recording(recorder) if recorder else nullcontext():
-        hidden = backbone.forward(backbone.embed_ids(ids), backbone.text_positions(position, len(ids)), cache)
+        hidden = backbone.forward(embeds, positions, cache)
     position += len(ids)
     kv_tokens = None
     if prune:
         layers = len(cache.layers)
         visual = [sum(reader.segment(n).layer_counts[l] for n in names) for l in range(layers)]
-        kv_tokens = prune_context(cache, recorder.row, reader.segment("prefix").layer_counts, visual, len(ids),
-                                  prune)
+        kv_tokens = prune_context(cache, recorder.row, reader.segment("prefix").layer_counts, visual,
+                                  embeds.shape[1], prune)
     logits = backbone.logits(hidden[:, -1])
     first_logits = logits[0].cpu().clone() if keep_logits else None
     stops = backbone.stop_ids()
@@ -146,7 +170,7 @@ def answer_from_pack(backbone: Backbone, reader: PackReader, policy: ContextPoli
         logits = backbone.logits(hidden[:, -1])
     total = time.perf_counter() - start
     steps = max(1, len(out) - 1)
-    return Answer(answer=shown.strip(), token_ids=out, context_tokens=context + len(ids),
+    return Answer(answer=shown.strip(), token_ids=out, context_tokens=context + embeds.shape[1],
                   ttft_s=ttft or total, total_s=total,
                   decode_s_per_token=(time.perf_counter() - decode_start) / steps if len(out) > 1 else 0.0,
                   blocks_used=names, retrieved=selection.explain, bytes_read=reader.bytes_read,

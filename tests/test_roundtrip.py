@@ -67,3 +67,20 @@ def test_pack_stores_mrope_positions_for_qwen(tmp_path, backbones, clip):
     assert layout["next_position"] < reader.header["segments"]["prefix"]["layer_counts"][0] + \
         reader.header["visual_tokens_total"] + 1  # M-RoPE compresses positions: not the physical length
     assert layout["rope_deltas"] < 0
+
+
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("positions", ["keep", "reindex"])
+def test_question_at_a_moment_sees_the_stream_up_to_it(tmp_path, backbones, name, positions):
+    """Asked at image 1 of 4, a full pack answers as a live forward over images 0-1 alone: the question follows
+    the last image shown by then, in both position modes."""
+    backbone = backbones[name]
+    source = str(SAMPLES / "images")
+    pack = tmp_path / "full.kvpack"
+    api.encode(source, pack, method="full", backbone=backbone)
+    answer = api.ask(pack, QUESTION, backbone=backbone, keep_logits=True, max_new_tokens=1, at=1.0,
+                     positions=positions)
+    frames = load_media(source)
+    with torch.inference_mode():
+        live = backbone.model(**backbone.reference_inputs(frames.read(0, 2), QUESTION, frames.timestamps[:2]))
+    assert (answer.first_logits - live.logits[0, -1].float()).abs().max().item() <= 1e-4
