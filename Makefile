@@ -36,8 +36,11 @@ demo-model: setup
 test: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests
 
+# Speed and memory goals (issues 3, 5, 6): results in bench/results/. A few minutes on 2 CPU cores.
 bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/ask_cost.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/hermes_memory.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/decode_cost.py
 
 samples: setup
 	$(BIN)/python samples/make_samples.py
