@@ -23,3 +23,20 @@ def test_demo_loads_offline_from_the_package():
     backbone = load_backbone("demo", "cpu")
     assert backbone.family == "llava_onevision" and backbone.tokens_per_step((128, 128)) == 4
     assert backbone.fingerprint()["source"] == "demo"
+
+
+def test_demo_answers_the_sample_clip_from_its_pack(tmp_path):
+    """samples/clip.mp4: a red circle, then a blue square, then a yellow triangle (2 fps, 8 s)."""
+    from mmkv_cli import api
+
+    backbone = load_backbone("demo", "cpu")
+    pack = tmp_path / "clip.kvpack"
+    api.encode("samples/clip.mp4", pack, method="full", backbone=backbone)
+    expected = {"what color is the circle ?": "red", "what color is the triangle ?": "yellow",
+                "which shape appeared first ?": "circle", "which shape appeared last ?": "triangle",
+                "how many shapes appeared ?": "three"}
+    answers = {q: api.ask(pack, q, backbone=backbone, max_new_tokens=4).answer for q in expected}
+    assert answers == expected
+    # asked at 3.5 s, only the circle and the square have been shown
+    assert api.ask(pack, "how many shapes appeared ?", backbone=backbone, at=3.5).answer == "two"
+    assert api.ask(pack, "what shape is shown now ?", backbone=backbone, at=3.5).answer == "square"
