@@ -29,9 +29,14 @@ demo: setup
 	$(BIN)/mmkv ask $(OUT)/clip-hermes.kvpack "how many shapes appeared ?" --json
 	$(BIN)/mmkv profile samples/clip.mp4 --model demo --methods full,recency,rekv,mukv,hermes --question "which shape appeared first ?" --plot $(OUT)/profile.png
 
-# Retrain the demo backbone (mmkv_cli/assets/demo.safetensors): about 45 minutes on 2 CPU cores; resumes.
+# Retrain the demo backbone (mmkv_cli/assets/demo.safetensors): about 70 minutes on 2 CPU cores; resumes.
+# Two runs: 5000 steps from scratch, then 2000 steps at a lower rate on full-length clips (shape questions).
 demo-model: setup
-	$(BIN)/python scripts/train_demo_model.py --out mmkv_cli/assets/demo.safetensors
+	mkdir -p $(OUT)
+	$(BIN)/python scripts/train_demo_model.py --out $(OUT)/demo-base.safetensors
+	$(BIN)/python scripts/train_demo_model.py --init $(OUT)/demo-base.safetensors --out $(OUT)/demo.safetensors \
+		--steps 2000 --lr 3e-4 --curriculum 0 --seed 11
+	cp $(OUT)/demo.safetensors mmkv_cli/assets/demo.safetensors
 
 test: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests

@@ -223,7 +223,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--vision-steps", type=int, default=1500, help="stage 1: frame classification steps")
     ap.add_argument("--vision-batch", type=int, default=128)
-    ap.add_argument("--init", default=None, help="start from these weights (no vision pretraining)")
+    ap.add_argument("--init", default=None, help="start from these weights (--vision-steps 0 skips stage 1)")
     ap.add_argument("--one-question", action="store_true", help="one question per clip per row (slower)")
     ap.add_argument("--eval-clips", type=int, default=96)
     ap.add_argument("--seed", type=int, default=7)
@@ -253,7 +253,7 @@ def main() -> None:
         from safetensors.torch import load_file
 
         model.load_state_dict(load_file(args.init))
-    if step == 0 and args.vision_steps and not args.init:
+    if step == 0 and args.vision_steps:
         pretrain_vision(model, processor, args.vision_steps, args.vision_batch, args.lr, args.seed, args.device)
     lengths = [int(x) for x in args.frames.split(",")]
     started = time.time()
