@@ -197,9 +197,12 @@ def plot(runs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for method in dict.fromkeys(r["method"] for r in runs):
+    for i, method in enumerate(dict.fromkeys(r["method"] for r in runs)):
         points = sorted((r["budget"], r["accuracy"]) for r in runs if r["method"] == method)
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=method)
+        if len(points) == 1 and points[0][0] == 1:  # keeps everything: a level to compare the others with
+            ax.axhline(points[0][1], linestyle=":", color=f"C{i % 10}", label=f"{method} (keeps all)")
+        else:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=f"C{i % 10}", label=method)
     chances = [t["chance"] * t["n"] for t in runs[0]["by_type"].values() if t["chance"] is not None]
     if runs and len(chances) == len(runs[0]["by_type"]):
         ax.axhline(sum(chances) / runs[0]["n"], color="gray", linestyle="--", label="chance")
@@ -207,7 +210,7 @@ def plot(runs: list[dict], path: Path) -> None:
     ax.set_xlabel("budget (fraction of visual tokens kept)")
     ax.set_ylabel("accuracy")
     ax.set_ylim(0, 1.02)
-    ax.legend()
+    ax.legend(fontsize="small", ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     tmp = path.with_name(path.stem + ".part.png")
