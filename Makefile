@@ -26,7 +26,7 @@ demo: setup
 	$(BIN)/mmkv ask $(OUT)/clip-mukv.kvpack "which shape appeared last ?" --explain
 	$(BIN)/mmkv encode samples/clip.mp4 --model demo --method hermes --budget-tokens 24 -o $(OUT)/clip-hermes.kvpack --force
 	$(BIN)/mmkv inspect $(OUT)/clip-hermes.kvpack
-	$(BIN)/mmkv ask $(OUT)/clip-hermes.kvpack "how many shapes appeared ?" --json
+	$(BIN)/mmkv ask $(OUT)/clip-hermes.kvpack "which shape appeared last ?" --json
 	$(BIN)/mmkv profile samples/clip.mp4 --model demo --methods full,recency,rekv,mukv,hermes --question "which shape appeared first ?" --plot $(OUT)/profile.png
 
 # Retrain the demo backbone (mmkv_cli/assets/demo.safetensors): about 70 minutes on 2 CPU cores; resumes.
