@@ -29,6 +29,7 @@ from mmkv_cli import api  # noqa: E402
 from mmkv_cli.backbones import load_backbone  # noqa: E402
 
 FPS = 8
+QUESTION = "what color is the circle ?"
 
 
 def write_long_clip(path: Path, frames: int) -> None:
@@ -45,16 +46,19 @@ def write_long_clip(path: Path, frames: int) -> None:
             container.mux(packet)
 
 
-def measure(pack: Path, backbone, repeats: int) -> dict:
-    times, reads = [], []
-    api.ask(pack, "what color is the circle ?", backbone=backbone, max_new_tokens=1)  # warm-up
+def measure(packs: dict, backbone, repeats: int) -> dict:
+    """Median ask time per pack, the packs timed in turn each round so that drift in the machine's load
+    falls on all of them alike."""
+    times = {key: [] for key in packs}
+    answers = {key: api.ask(pack, QUESTION, backbone=backbone, max_new_tokens=1) for key, pack in packs.items()}
     for _ in range(repeats):
-        start = time.perf_counter()
-        answer = api.ask(pack, "what color is the circle ?", backbone=backbone, max_new_tokens=1)
-        times.append(time.perf_counter() - start)
-        reads.append(answer.bytes_read)
-    return {"ask_s": statistics.median(times), "bytes_read": reads[-1], "context_tokens": answer.context_tokens,
-            "pack_bytes": pack.stat().st_size}
+        for key, pack in packs.items():
+            start = time.perf_counter()
+            answers[key] = api.ask(pack, QUESTION, backbone=backbone, max_new_tokens=1)
+            times[key].append(time.perf_counter() - start)
+    return {key: {"ask_s": statistics.median(times[key]), "ask_s_min": min(times[key]),
+                  "bytes_read": answers[key].bytes_read, "context_tokens": answers[key].context_tokens,
+                  "pack_bytes": packs[key].stat().st_size} for key in packs}
 
 
 def main() -> None:
@@ -62,7 +66,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny-llava-ov")
     parser.add_argument("--frames", default="16,128,1024")
     parser.add_argument("--methods", default="mukv,rekv,full")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
@@ -72,15 +76,18 @@ def main() -> None:
     lengths = [int(f) for f in args.frames.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        packs, encode_s = {}, {}
         for frames in lengths:
             clip = Path(tmp) / f"clip{frames}.mp4"
             write_long_clip(clip, frames)
             for method in args.methods.split(","):
-                pack = Path(tmp) / f"{method}{frames}.kvpack"
+                pack = packs[(method, frames)] = Path(tmp) / f"{method}{frames}.kvpack"
                 summary = api.encode(str(clip), pack, method=method, backbone=backbone, fps=FPS, max_frames=frames)
-                row = {"method": method, "frames": frames, "encode_s": summary["encode_s"], **measure(pack, backbone, args.repeats)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                encode_s[(method, frames)] = summary["encode_s"]
+        measured = measure(packs, backbone, args.repeats)
+        for (method, frames), m in measured.items():
+            rows.append({"method": method, "frames": frames, "encode_s": encode_s[(method, frames)], **m})
+            print(json.dumps(rows[-1]), flush=True)
     # Growth of the longest clip over each shorter one. From 16 frames the retrieved context itself grows (16
     # frame blocks < k = 64); from 128 frames on it is full-sized, so what grows is the cost of the pack's size.
     growth = {}

@@ -54,12 +54,16 @@ def build_cache(backbone: Backbone, reader: PackReader, names: list[str], positi
     after the context: `lead` holds its embeddings and positions.
     Returns (cache, context tokens, the question's first position, lead or None).
     """
-    segments = [reader.segment("prefix"), *(reader.segment(n) for n in names)]
+    prefix = reader.segment("prefix")
+    layers = len(prefix.keys)
+    parts = [(prefix.keys, prefix.values, prefix.positions)]
+    if names:
+        parts.append(reader.gather(names))  # the chosen blocks, joined per layer in context order
     if asked_after is None:
-        segments.append(reader.segment("suffix"))
-    layers = len(segments[0].keys)
-    keys = [torch.cat([s.keys[layer] for s in segments], dim=1) for layer in range(layers)]
-    values = [torch.cat([s.values[layer] for s in segments], dim=1) for layer in range(layers)]
+        suffix = reader.segment("suffix")
+        parts.append((suffix.keys, suffix.values, suffix.positions))
+    keys, values, kept_positions = ([torch.cat([p[i][layer] for p in parts], dim=1) for layer in range(layers)]
+                                    for i in range(3))
     stored_next = int(reader.header["layout"]["next_position"])  # stored: never derived from the cache length
     next_position = stored_next
     end = None  # where the context ends (keep: the last position shown by the moment, + 1)
@@ -67,7 +71,7 @@ def build_cache(backbone: Backbone, reader: PackReader, names: list[str], positi
         inv_freq, axes = backbone.rope_tables()
         end = 0
         for layer in range(layers):
-            old = torch.cat([s.positions[layer] for s in segments], dim=1)
+            old = kept_positions[layer]
             new = compact_positions(old, 0)
             keys[layer] = rotate_keys(keys[layer], new - old, inv_freq, axes)
             end = max(end, int(new.max()) + 1 if new.numel() else 0)
@@ -75,8 +79,8 @@ def build_cache(backbone: Backbone, reader: PackReader, names: list[str], positi
     elif positions != "keep":
         raise UsageError(f"unknown position mode '{positions}' (keep, reindex)")
     elif asked_after is not None:
-        shown = [*segments, reader.segment(asked_after)]
-        end = max(int(p.max()) for s in shown for p in s.positions if p.numel()) + 1
+        shown = [*kept_positions, *reader.segment(asked_after).positions]
+        end = max(int(p.max()) for p in shown if p.numel()) + 1
     lead = None
     if asked_after is not None:
         stored = reader.segment("suffix").positions[0]
@@ -141,7 +145,8 @@ def answer_from_pack(backbone: Backbone, reader: PackReader, policy: ContextPoli
     kv_tokens = None
     if prune:
         layers = len(cache.layers)
-        visual = [sum(reader.segment(n).layer_counts[l] for n in names) for l in range(layers)]
+        counts = [reader.layer_counts(n) for n in names]
+        visual = [sum(c[l] for c in counts) for l in range(layers)]
         kv_tokens = prune_context(cache, recorder.row, reader.segment("prefix").layer_counts, visual,
                                   embeds.shape[1], prune)
     logits = backbone.logits(hidden[:, -1])

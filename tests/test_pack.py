@@ -104,8 +104,24 @@ def test_corrupted_tensor_fails_its_checksum(tmp_path):
     path.write_bytes(bytes(data))
     reader = PackReader(path)
     reader.segment("b0")  # untouched blocks still load
+    assert len(reader.gather(["b0"])[0]) == 3
     with pytest.raises(PackError, match="checksum mismatch in b1"):
         reader.segment("b1")
+    with pytest.raises(PackError, match="checksum mismatch in b1"):
+        PackReader(path).gather(["b0", "b1"])
+
+
+def test_gathered_blocks_equal_their_segments_joined_per_layer(tmp_path):
+    path = tmp_path / "a.kvpack"
+    write(path)
+    reader = PackReader(path)
+    keys, values, positions = reader.gather(["b1", "b0"])  # context order, not table order
+    for layer in range(3):
+        for got, part in ((keys, "keys"), (values, "values"), (positions, "positions")):
+            want = torch.cat([getattr(reader.segment(n), part)[layer] for n in ("b1", "b0")], dim=1)
+            assert torch.equal(got[layer], want)
+    with pytest.raises(PackError, match="no segment b9"):
+        reader.gather(["b9"])
 
 
 def test_tampered_header_and_foreign_files_are_refused(tmp_path):

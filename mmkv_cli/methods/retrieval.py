@@ -26,20 +26,24 @@ def cosine_scores(query: torch.Tensor, reps: torch.Tensor) -> torch.Tensor:
     return F.cosine_similarity(reps.float(), query.float().unsqueeze(0), dim=1)
 
 
-def retrieve(scores: torch.Tensor, reps: torch.Tensor, granularity: list[str], k: dict[str, int],
-             rerank: dict[str, float], top_segments: int) -> list[Retrieved]:
+def retrieve(scores: torch.Tensor, reps: torch.Tensor, granularity: list[str] | tuple[torch.Tensor, list[str]],
+             k: dict[str, int], rerank: dict[str, float], top_segments: int) -> list[Retrieved]:
     """Pick blocks per granularity: top 2k by score, rerank by agreement with the top segments, keep k.
 
     rerank[g] = lambda_g: s' = (1 - lambda) s + lambda cos(rep, c), c = mean of the top segments' reps.
     Granularities missing from k are never retrieved. Returns the picks, best first within each granularity.
+    granularity: one label per block, or (codes [blocks], kinds) with kinds[code] the label.
     Whole-table work is vectorised: thousands of blocks cost a few tensor ops, not Python loops.
     """
-    kinds = list(dict.fromkeys(granularity))
-    codes = torch.tensor([kinds.index(g) for g in granularity], dtype=torch.int64)
+    if isinstance(granularity, tuple):
+        codes, kinds = granularity
+    else:
+        kinds = list(dict.fromkeys(granularity))
+        codes = torch.tensor([kinds.index(g) for g in granularity], dtype=torch.int64)
     scores = scores.float()
-    agreement = None
+    centre = None  # mean representative of the best segments
     segments = torch.nonzero(codes == kinds.index("segment")).flatten() if "segment" in kinds else None
-    if segments is not None and top_segments > 0:
+    if segments is not None and len(segments) and top_segments > 0:
         best = segments[torch.topk(scores[segments], min(top_segments, len(segments))).indices]
         centre = reps[best].float().mean(dim=0)
     picks = []
@@ -51,7 +55,7 @@ def retrieve(scores: torch.Tensor, reps: torch.Tensor, granularity: list[str], k
         lam = float(rerank.get(g, 0.0))
         before = scores[candidates]
         after = before
-        if segments is not None and top_segments > 0 and lam:
+        if centre is not None and lam:
             after = (1 - lam) * before + lam * cosine_scores(centre, reps[candidates])
         order = torch.argsort(-after, stable=True)[:keep]
         picks += [Retrieved(int(candidates[j]), g, float(before[j]), float(after[j])) for j in order.tolist()]
@@ -74,8 +78,7 @@ class RetrievalContext(ContextPolicy):
             return Selection([], [])
         table = reps()[eligible]
         scores = cosine_scores(question_vector(p.get("query", "query_mean")), table)
-        labels = blocks.labels()
-        picks = retrieve(scores, table, [labels[i] for i in eligible.tolist()], dict(p["k"]),
+        picks = retrieve(scores, table, (blocks.codes()[eligible], blocks.kinds), dict(p["k"]),
                          dict(p.get("rerank", {})), int(p.get("top_segments", 0)))
         rank = {g: r for r, g in enumerate(("segment", "frame", "patch"))}
         chosen = [(blocks[int(eligible[r.index])], r) for r in picks]

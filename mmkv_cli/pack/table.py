@@ -52,9 +52,13 @@ class BlockTable(Sequence):
                 "sha256": self._digests[index].numpy().tobytes().hex()}
         return self._cache[index]
 
+    def codes(self) -> torch.Tensor:
+        """[N] each block's granularity as an index into `kinds`."""
+        return self._rows[:, 0]
+
     def labels(self) -> list[str]:
         """Every block's granularity."""
-        return [self.kinds[c] for c in self._rows[:, 0].tolist()]
+        return [self.kinds[c] for c in self.codes().tolist()]
 
     def start_times(self) -> torch.Tensor:
         """[N] time of each block's first frame; NaN where a block has none."""
