@@ -30,19 +30,21 @@ def eval_progress() -> Progress:
 
 
 def show_eval(runs: list[dict], figure: str) -> None:
-    """Accuracy per run and per question type; the last row is chance level for each column."""
+    """Accuracy per run and per question type; the last row is chance level for each column. `kept`: the
+    share of visual KV the packs held, measured."""
     types = list(dict.fromkeys(t for r in runs for t in r["by_type"]))
     table = Table(title="eval: accuracy", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0))
-    for column in ("method", "budget", "n", "all", *types):
+    for column in ("method", "budget", "kept", "n", "all", *types):
         table.add_column(column, justify="left" if column == "method" else "right", no_wrap=True)
     for r in runs:
-        table.add_row(r["method"], f"{r['budget']:g}", str(r["n"]), f"{r['accuracy']:.2f}",
+        kept = f"{r['kept']:.2f}" if r.get("kept") is not None else "-"
+        table.add_row(r["method"], f"{r['budget']:g}", kept, str(r["n"]), f"{r['accuracy']:.2f}",
                       *(f"{r['by_type'][t]['accuracy']:.2f}" if t in r["by_type"] else "-" for t in types))
     first = runs[0]["by_type"] if runs else {}
     chances = [first.get(t, {}).get("chance") for t in types]
     overall = (sum(c * first[t]["n"] for c, t in zip(chances, types)) / runs[0]["n"]
                if runs and all(c is not None for c in chances) else None)
-    table.add_row("[dim]chance[/dim]", "", "", *(f"[dim]{c:.2f}[/dim]" if c is not None else "-"
+    table.add_row("[dim]chance[/dim]", "", "", "", *(f"[dim]{c:.2f}[/dim]" if c is not None else "-"
                                                   for c in (overall, *chances)))
     out_console.print(table)
     out_console.print(f"plot: {figure}", highlight=False)

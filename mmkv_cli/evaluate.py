@@ -104,6 +104,15 @@ def predicted(item: Item, text: str) -> str:
     return normalise(text)
 
 
+def kept_share(info: dict) -> float | None:
+    """Visual KV a pack holds over the stream's, averaged over layers: the budget as measured, which can
+    differ from the one asked for (a method's floors, a token budget, views that overlap)."""
+    total, layers = info.get("visual_tokens_total"), info.get("layers") or []
+    if not total or not layers:
+        return None
+    return round(sum(layer["tokens_kept"] for layer in layers) / (len(layers) * total), 4)
+
+
 def metrics(rows: list[dict], chance: Callable[[str, int], float | None]) -> dict:
     by_type: dict[str, dict] = {}
     for r in rows:
@@ -113,7 +122,9 @@ def metrics(rows: list[dict], chance: Callable[[str, int], float | None]) -> dic
     for t in by_type.values():
         t["accuracy"] = t["correct"] / t["n"]
     n = len(rows)
-    return {"n": n, "accuracy": sum(int(r["correct"]) for r in rows) / n if n else 0.0, "by_type": by_type}
+    shares = [r["kept"] for r in rows if r.get("kept") is not None]
+    return {"n": n, "accuracy": sum(int(r["correct"]) for r in rows) / n if n else 0.0,
+            "kept": round(sum(shares) / len(shares), 4) if shares else None, "by_type": by_type}
 
 
 def chance_level(kind: str, options: int) -> float | None:
@@ -169,8 +180,9 @@ def evaluate_run(items: list[Item], folder: Path, backbone, model: str, method: 
             todo = [i for i in asked if i.key not in done]
             if todo:
                 pack = Path(tmp) / "clip.kvpack"
-                api.encode(video, pack, model, method, budget, fps=fps, max_frames=max_frames, force=True,
-                           backbone=backbone)
+                info = api.encode(video, pack, model, method, budget, fps=fps, max_frames=max_frames, force=True,
+                                  backbone=backbone)
+                kept = kept_share(info)
                 for item in todo:
                     answer = api.ask(pack, prompt_for(item), backbone=backbone, max_new_tokens=max_new_tokens,
                                      at=item.timestamp, positions=positions)
@@ -178,7 +190,8 @@ def evaluate_run(items: list[Item], folder: Path, backbone, model: str, method: 
                     row = {"key": item.key, "video": video, "question": item.question, "type": item.type,
                            "options": len(item.options), "answer": item.answer, "prediction": guess,
                            "raw": answer.answer, "correct": guess == item.answer,
-                           "context_tokens": answer.context_tokens, "ttft_s": round(answer.ttft_s, 4)}
+                           "context_tokens": answer.context_tokens, "ttft_s": round(answer.ttft_s, 4),
+                           "kept": kept}
                     sink.write(json.dumps(row) + "\n")
                     sink.flush()
                     done[item.key] = row

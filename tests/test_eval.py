@@ -56,6 +56,8 @@ def test_eval_runs_each_method_once_per_budget_and_resumes(tmp_path):
     runs = json.loads(result.stdout)["runs"]
     assert [(r["method"], r["budget"]) for r in runs] == [("full", 1.0), ("recency", 0.5), ("recency", 0.25)]
     assert all(r["n"] == 12 for r in runs)
+    # the measured share of visual KV the packs held: all of it for full, about the budget for recency
+    assert runs[0]["kept"] == 1.0 and abs(runs[1]["kept"] - 0.5) < 0.1 and abs(runs[2]["kept"] - 0.25) < 0.1
     root = tmp_path / "out" / "tiny-llava-ov"
     assert (root / "accuracy_vs_budget.png").stat().st_size > 0
     folder = root / "recency-b0.25"
