@@ -23,13 +23,18 @@ def uniform_budgets(layers: int, per_layer: int) -> list[int]:
     return [per_layer] * layers
 
 
-def pyramid_budgets(layers: int, per_layer: int, beta: float) -> list[int]:
+def pyramid_budgets(layers: int, per_layer: int, beta: float, available: int | None = None) -> list[int]:
     """Budgets falling linearly from the first layer to the last, averaging `per_layer` (PyramidKV):
-    the last layer keeps per_layer / beta, the first 2 per_layer - that."""
+    the last layer keeps per_layer / beta, the first 2 per_layer - that. When the first would need more
+    than the `available` tokens, it keeps them all and the last layers get what is left of the average,
+    as the authors' code does, so a budget near 1 keeps nearly everything instead of a truncated pyramid."""
     if layers == 1:
         return [per_layer]
     low = per_layer / beta
     high = 2 * per_layer - low
+    if available is not None and high > available:
+        high = available
+        low = 2 * per_layer - high
     return [max(1, math.floor(high - (high - low) * layer / (layers - 1))) for layer in range(layers)]
 
 
