@@ -151,31 +151,30 @@ class PackReader:
         """
         if not names:
             return [], [], []
-        layers = len(self.layer_counts("prefix"))
-        views = {part: self._view(f"{BLOCKS}.{part}") for part in ("k", "v", "pos")}
-        runs: list[list[np.ndarray]] = [[] for _ in range(layers)]
-        for name in names:
-            meta = self._block_meta(name)
-            if meta is None:
-                raise PackError(f"{self.path} has no segment {name}")
-            counts, start = meta["layer_counts"], meta["offset"]
+        indices = [self._blocks.index_of(name) for name in names]
+        if None in indices:
+            raise PackError(f"{self.path} has no segment {names[indices.index(None)]}")
+        offsets, counts, digests = self._blocks.spans(indices)
+        views = [self._view(f"{BLOCKS}.{part}") for part in ("k", "v", "pos")]
+        for name, start, total, stored in zip(names, offsets, counts.sum(axis=1), digests):
             if name not in self._verified:
-                span = slice(start, start + sum(counts))
                 digest = hashlib.sha256()
-                for view, _ in views.values():
-                    digest.update(np.ascontiguousarray(view[:, span]).tobytes())
-                if digest.hexdigest() != meta["sha256"]:
+                for view, _ in views:
+                    digest.update(np.ascontiguousarray(view[:, start:start + total]).tobytes())
+                if digest.digest() != stored.tobytes():
                     raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
                 self._verified.add(name)
-            for layer, count in enumerate(counts):
-                runs[layer].append(np.arange(start, start + count))
-                start += count
-        index = [np.concatenate(r) if r else np.zeros(0, dtype=np.int64) for r in runs]
-        out = {}
-        for part, (view, dtype) in views.items():
-            out[part] = [torch.from_numpy(view[:, i]).view(dtype) for i in index]  # fancy indexing copies
-            self.bytes_read += sum(t.numel() * t.element_size() for t in out[part])
-        return out["k"], out["v"], out["pos"]
+        # A block's tokens are stored layer after layer: layer l of block i starts at offset_i + counts_i[:l].
+        starts = offsets[:, None] + np.cumsum(counts, axis=1) - counts
+        index = []
+        for layer in range(counts.shape[1]):
+            c = counts[:, layer]
+            index.append(np.arange(c.sum()) + np.repeat(starts[:, layer] - (np.cumsum(c) - c), c))
+        out = []
+        for view, dtype in views:
+            out.append([torch.from_numpy(view[:, i]).view(dtype) for i in index])  # fancy indexing copies
+            self.bytes_read += sum(t.numel() * t.element_size() for t in out[-1])
+        return out[0], out[1], out[2]
 
     def _load_segment(self, name: str) -> Segment:
         meta = self.header["segments"].get(name) or self._block_meta(name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from mmkv_cli.pack.format import TABLE_COLUMNS, block_name
@@ -67,6 +68,11 @@ class BlockTable(Sequence):
     def start_steps(self) -> torch.Tensor:
         """[N] each block's first temporal step (0 where it has none)."""
         return self._rows[:, 1].clamp(min=0)
+
+    def spans(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For blocks `indices`: offsets [n], per-layer counts [n, layers] and sha256 digests [n, 32]."""
+        rows = self._rows[indices].numpy()
+        return rows[:, 3], rows[:, TABLE_COLUMNS:], self._digests[indices].numpy()
 
     def layer_totals(self) -> torch.Tensor:
         """[N, layers] tokens each block keeps per layer."""
