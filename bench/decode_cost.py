@@ -3,7 +3,7 @@
     python bench/decode_cost.py [--frames 1024] [--budgets 1.0,0.5,0.1] [--methods aircache,snapkv,pyramidkv]
 
 One full pack of a long synthetic clip (tiny backbone), then `ask --prune METHOD --budget B` for each budget:
-decode seconds per token (median of --repeats asks, 32 new tokens) and the KV bytes the decode attends over.
+decode seconds per token (median of --repeats interleaved rounds, 32 new tokens) and the KV bytes the decode attends over.
 Goal: at 0.1, decode time <= 0.5x the unpruned ask. Results: bench/results/decode_cost.json.
 """
 
@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="1.0,0.5,0.1")
     ap.add_argument("--methods", default="aircache,snapkv,pyramidkv")
     ap.add_argument("--model", default="tiny-llava-ov")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
     from mmkv_cli import api
@@ -42,26 +42,28 @@ def main() -> None:
         api.encode(str(Path(tmp) / "set" / "clips" / "clip_0000.mp4"), pack, args.model, "full",
                    max_frames=args.frames, backbone=backbone)
 
-        def run(prune: str | None, budget: float | None) -> dict:
-            times, kept = [], None
-            for _ in range(args.repeats):
+        configs = [("none", None, 1.0)] + [(m, m, float(b)) for m in args.methods.split(",")
+                                            for b in args.budgets.split(",")]
+        times = {c: [] for c in configs}
+        kept, generated = {}, {}
+        # Every configuration once per round, rounds repeated: drift in the machine's load falls on all alike.
+        for _ in range(args.repeats):
+            for config in configs:
+                _, prune, budget = config
                 answer = api.ask(pack, "which shape appeared first ?", backbone=backbone, max_new_tokens=args.tokens,
-                                 prune=prune, budget=budget)
-                times.append(answer.decode_s_per_token)
-                kept = answer.kv_tokens or [answer.context_tokens] * kv["layers"]
-            return {"decode_s_per_token": statistics.median(times), "kv_bytes": sum(kept) * per_token,
-                    "tokens_generated": len(answer.token_ids)}
-
-        base = run(None, None)
-        rows.append({"method": "none", "budget": 1.0, **base})
-        print(f"unpruned: {1000 * base['decode_s_per_token']:.2f} ms/token, KV {base['kv_bytes'] / 2**20:.2f} MiB")
-        for method in args.methods.split(","):
-            for budget in [float(b) for b in args.budgets.split(",")]:
-                r = run(method, budget)
-                r["ratio"] = r["decode_s_per_token"] / base["decode_s_per_token"]
-                rows.append({"method": method, "budget": budget, **r})
-                print(f"{method:10s} {budget:4.2f}: {1000 * r['decode_s_per_token']:.2f} ms/token "
-                      f"({r['ratio']:.2f}x), KV {r['kv_bytes'] / 2**20:.2f} MiB", flush=True)
+                                 prune=prune, budget=budget if prune else None)
+                times[config].append(answer.decode_s_per_token)
+                kept[config] = answer.kv_tokens or [answer.context_tokens] * kv["layers"]
+                generated[config] = len(answer.token_ids)
+        base = statistics.median(times[configs[0]])
+        for config in configs:
+            label, _, budget = config
+            t = statistics.median(times[config])
+            rows.append({"method": label, "budget": budget, "decode_s_per_token": t,
+                         "kv_bytes": sum(kept[config]) * per_token, "tokens_generated": generated[config],
+                         "ratio": t / base})
+            print(f"{label:10s} {budget:4.2f}: {1000 * t:.2f} ms/token ({t / base:.2f}x), "
+                  f"KV {sum(kept[config]) * per_token / 2**20:.2f} MiB", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "decode_cost.json").write_text(json.dumps({"model": args.model, "frames": args.frames,
                                                           "device": str(backbone.device), "rows": rows}, indent=1))
