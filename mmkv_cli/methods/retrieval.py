@@ -3,6 +3,7 @@ per granularity over-retrieve 2k, rerank patch/frame candidates against the top 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -81,8 +82,10 @@ class RetrievalContext(ContextPolicy):
         picks = retrieve(scores, table, (blocks.codes()[eligible], blocks.kinds), dict(p["k"]),
                          dict(p.get("rerank", {})), int(p.get("top_segments", 0)))
         rank = {g: r for r, g in enumerate(("segment", "frame", "patch"))}
-        chosen = [(blocks[int(eligible[r.index])], r) for r in picks]
-        chosen.sort(key=lambda pair: ((pair[0]["steps"] or [0])[0], rank.get(pair[1].granularity, 3), pair[0]["index"]))
-        explain = [{"block": b["name"], "granularity": r.granularity, "time": b["time"], "score": round(r.score, 4),
-                    "reranked": round(r.reranked, 4)} for b, r in chosen]
-        return Selection([b["name"] for b, _ in chosen], explain)
+        index = eligible[[r.index for r in picks]] if picks else eligible[:0]
+        steps, times = blocks.start_steps()[index].tolist(), blocks.times()[index].tolist()
+        order = sorted(range(len(picks)), key=lambda j: (steps[j], rank.get(picks[j].granularity, 3), int(index[j])))
+        explain = [{"block": blocks.name(int(index[j])), "granularity": picks[j].granularity,
+                    "time": None if math.isnan(times[j][0]) else times[j], "score": round(picks[j].score, 4),
+                    "reranked": round(picks[j].reranked, 4)} for j in order]
+        return Selection([e["block"] for e in explain], explain)

@@ -61,6 +61,10 @@ class BlockTable(Sequence):
         """Every block's granularity."""
         return [self.kinds[c] for c in self.codes().tolist()]
 
+    def times(self) -> torch.Tensor:
+        """[N, 2] time of each block's first and last frame; NaN where a block has none."""
+        return self._times
+
     def start_times(self) -> torch.Tensor:
         """[N] time of each block's first frame; NaN where a block has none."""
         return self._times[:, 0]
