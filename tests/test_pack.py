@@ -155,3 +155,20 @@ def test_block_table_columns_agree_with_its_rows_and_with_a_v2_json_table(tmp_pa
     v2 = BlockTable.from_dicts([{**r, "name": f"old{i}"} for i, r in enumerate(rows)])
     assert [{**v2[i], "name": None} for i in range(2)] == [{**r, "name": None} for r in rows]
     assert v2.index_of("old1") == 1 and v2.index_of("b1") is None and table.index_of("b7") is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_blocks_read_back_exactly(tmp_path, dtype):
+    def half(seg):
+        seg.keys = [k.to(dtype) for k in seg.keys]
+        seg.values = [v.to(dtype) for v in seg.values]
+        return seg
+
+    blocks = [half(segment("b0", [3, 2, 1], 1, 1, "frame")), half(segment("b1", [4, 4, 0], 2, 1, "frame"))]
+    write_pack(tmp_path / "h.kvpack", HEADER, half(segment("prefix", [5, 5, 5], 0)), blocks,
+               half(segment("suffix", [1, 1, 1], 9)))
+    keys, values, _ = PackReader(tmp_path / "h.kvpack").gather(["b0", "b1"])
+    for layer in range(3):
+        assert keys[layer].dtype == dtype
+        assert torch.equal(keys[layer], torch.cat([b.keys[layer] for b in blocks], dim=1))
+        assert torch.equal(values[layer], torch.cat([b.values[layer] for b in blocks], dim=1))
