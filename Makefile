@@ -30,7 +30,8 @@ demo: setup
 	$(BIN)/mmkv profile samples/clip.mp4 --model demo --methods full,recency,rekv,mukv,hermes --question "which shape appeared first ?" --plot $(OUT)/profile.png
 
 # Retrain the demo backbone (mmkv_cli/assets/demo.safetensors): about 70 minutes on 2 CPU cores; resumes.
-# Two runs: 5000 steps from scratch, then 2000 steps at a lower rate on full-length clips (shape questions).
+# Two runs: 5000 steps from scratch, then 2000 steps at a lower rate with every clip length from the start
+# (no curriculum), which lifted shape questions.
 demo-model: setup
 	mkdir -p $(OUT)
 	$(BIN)/python scripts/train_demo_model.py --out $(OUT)/demo-base.safetensors
