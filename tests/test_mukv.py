@@ -59,6 +59,11 @@ def test_rerank_lifts_the_candidate_that_agrees_with_top_segments():
     assert [p.index for p in patch] == [1]
     without = retrieve(scores, reps, ["segment", "patch", "patch"], k={"patch": 1}, rerank={}, top_segments=5)
     assert [p.index for p in without] == [2]
+    # the block table hands granularities over as codes; the picks are the same
+    coded = retrieve(scores, reps, (torch.tensor([1, 0, 0]), ["patch", "segment"]), k={"patch": 1, "segment": 1},
+                     rerank={"patch": 0.3}, top_segments=5)
+    assert [(p.index, p.granularity, p.reranked) for p in coded] == [(p.index, p.granularity, p.reranked)
+                                                                     for p in picks]
 
 
 def test_retrieval_picks_the_block_holding_a_planted_needle(tmp_path, backbones, clip):
