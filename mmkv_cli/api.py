@@ -91,11 +91,11 @@ def inspect(pack: str | Path) -> dict:
     per_token = 2 * kv["kv_heads"] * kv["head_dim"] * torch.empty(0, dtype=getattr(torch, kv["dtype"])).element_size()
     counts = reader.blocks.layer_totals()  # [blocks, layers]
     layers = [{"index": i, "tokens_kept": int(n)} for i, n in enumerate(counts.sum(dim=0).tolist())]
-    labels = reader.blocks.labels()
+    codes = reader.blocks.codes()
     granularities: dict[str, dict] = {}
-    for kind in dict.fromkeys(labels):
-        mine = counts[torch.tensor([label == kind for label in labels])]
-        granularities[kind] = {"blocks": int(mine.shape[0]), "tokens": int(mine.max(dim=1).values.sum()),
+    for code in dict.fromkeys(codes.tolist()):
+        mine = counts[codes == code]
+        granularities[reader.blocks.kinds[code]] = {"blocks": int(mine.shape[0]), "tokens": int(mine.max(dim=1).values.sum()),
                                "bytes": int(mine.sum()) * per_token}
     return {
         "path": str(reader.path),

@@ -119,14 +119,6 @@ class PackReader:
             self._views[name] = (flat.view(np_dtype).reshape(entry["shape"]), torch_dtype)
         return self._views[name]
 
-    def _slice(self, name: str, span: slice) -> torch.Tensor:
-        """Columns `span` of tensor `name` [rows, tokens, ...]: a block's range, read from the map. Slicing a
-        view costs microseconds, where the safetensors slice API parses its way in on every call."""
-        view, dtype = self._view(name)
-        t = torch.from_numpy(np.array(view[:, span])).view(dtype)  # a copy: the map is read-only
-        self.bytes_read += t.numel() * t.element_size()
-        return t
-
     def representatives(self) -> torch.Tensor | None:
         return self._tensor("reps") if self.header.get("representatives") else None
 
@@ -180,16 +172,14 @@ class PackReader:
         meta = self.header["segments"].get(name) or self._block_meta(name)
         if meta is None:
             raise PackError(f"{self.path} has no segment {name}")
-        if "offset" in meta:  # a block: its token range of the shared block tensors
-            span = slice(meta["offset"], meta["offset"] + sum(meta["layer_counts"]))
-            k, v, pos = (self._slice(f"{BLOCKS}.{part}", span) for part in ("k", "v", "pos"))
+        time, steps = meta.get("time"), meta.get("steps")
+        if "offset" in meta:  # a block: its token range of the shared block tensors, read and checked by gather
+            keys, values, positions = self.gather([name])
         else:
             k, v, pos = (self._tensor(f"{name}.{part}") for part in ("k", "v", "pos"))
-        if tensors_sha256([k, v, pos]) != meta["sha256"]:
-            raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
-        counts = meta["layer_counts"]
-        time = meta.get("time")
-        steps = meta.get("steps")
-        return Segment(name=name, keys=split_layers(k, counts), values=split_layers(v, counts),
-                       positions=split_layers(pos, counts), granularity=meta.get("granularity"),
+            if tensors_sha256([k, v, pos]) != meta["sha256"]:
+                raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
+            counts = meta["layer_counts"]
+            keys, values, positions = (split_layers(t, counts) for t in (k, v, pos))
+        return Segment(name=name, keys=keys, values=values, positions=positions, granularity=meta.get("granularity"),
                        steps=tuple(steps) if steps else None, time=tuple(time) if time else None)
