@@ -95,8 +95,9 @@ def inspect(pack: str | Path) -> dict:
     granularities: dict[str, dict] = {}
     for code in dict.fromkeys(codes.tolist()):
         mine = counts[codes == code]
-        granularities[reader.blocks.kinds[code]] = {"blocks": int(mine.shape[0]), "tokens": int(mine.max(dim=1).values.sum()),
-                               "bytes": int(mine.sum()) * per_token}
+        granularities[reader.blocks.kinds[code]] = {
+            "blocks": int(mine.shape[0]), "tokens": int(mine.max(dim=1).values.sum()),
+            "bytes": int(mine.sum()) * per_token}
     return {
         "path": str(reader.path),
         "format_version": h["format_version"],

@@ -298,7 +298,8 @@ def eval_(
         figure = ev.run_folder(root, chosen, "x", 1).parent / "accuracy_vs_budget.png"
         ev.plot(runs, figure)
         if as_json:
-            _emit_json({"runs": [{k: r.get(k) for k in ("method", "budget", "kept", "accuracy", "by_type", "n")} for r in runs],
+            fields = ("method", "budget", "kept", "accuracy", "by_type", "n")
+            _emit_json({"runs": [{k: r.get(k) for k in fields} for r in runs],
                         "plot": str(figure)})
         else:
             show_eval(runs, str(figure))
