@@ -102,7 +102,7 @@ def test_mukv_pack_counts_follow_rho_and_granularities(tmp_path, backbones, name
     reader = PackReader(pack)
     assert set(info["granularities"]) == {"patch", "frame", "segment"}
     layout = reader.header["layout"]
-    lengths = layout["step_lengths"]
+    lengths = reader.series("layout.step_lengths")
     per_step = layout["frames_per_step"]
     seg_steps = max(1, 4 // per_step)
     segments = [b for b in reader.blocks if b["granularity"] == "segment"]

@@ -1,6 +1,8 @@
 """The pack on disk: exact round trip, atomic writes, truncation and corruption caught."""
 
 import json
+import os
+import stat
 import struct
 
 import pytest
@@ -56,18 +58,23 @@ def test_reader_is_lazy(tmp_path):
     assert reader.bytes_read == table + 2 * 16 * 4 + 2 * (8 * 2 * 8 * 4) + 8 * 3 * 8
 
 
-def test_header_does_not_grow_with_the_number_of_blocks(tmp_path):
+def test_header_does_not_grow_with_the_video(tmp_path):
     sizes = {}
     for count in (2, 2000):
         blocks = [segment(f"b{i}", [1], i, 1, "frame") for i in range(count)]
         path = tmp_path / f"{count}.kvpack"
-        write_pack(path, HEADER, segment("prefix", [2], 0), blocks, segment("suffix", [1], 9))
+        header = {**HEADER, "media": {"frames": count, "timestamps": [i / 2 for i in range(count)]},
+                  "layout": {"steps": count, "step_lengths": [1] * count}}
+        write_pack(path, header, segment("prefix", [2], 0), blocks, segment("suffix", [1], 9))
         with open(path, "rb") as fh:
             sizes[count] = struct.unpack("<Q", fh.read(8))[0]
         reader = PackReader(path)
         assert len(reader.blocks) == count and reader.blocks[-1]["time"] == [count - 1.0, count - 0.5]
         assert torch.equal(reader.segment(f"b{count - 1}").keys[0], blocks[-1].keys[0])
-    assert sizes[2000] - sizes[2] < 512  # the block table lives in tensors, not in the JSON header
+        assert reader.series("media.timestamps") == header["media"]["timestamps"]
+        assert reader.series("layout.step_lengths") == [1] * count and reader.header["media"] == {"frames": count}
+    # the block table, timestamps and step lengths live in tensors, not in the JSON header
+    assert sizes[2000] - sizes[2] < 512
 
 
 def test_existing_output_is_kept_without_force(tmp_path):
@@ -79,6 +86,15 @@ def test_existing_output_is_kept_without_force(tmp_path):
     write(path, force=True)
     assert PackReader(path).blocks
     assert [p.name for p in tmp_path.iterdir()] == ["a.kvpack"]  # no temporary file left behind
+
+
+def test_a_pack_gets_the_mode_of_any_new_file(tmp_path):
+    old = os.umask(0o027)
+    try:
+        write(tmp_path / "a.kvpack")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a.kvpack").stat().st_mode) == 0o640  # not safetensors' 0600
 
 
 def test_truncated_pack_is_refused(tmp_path):
@@ -98,9 +114,9 @@ def test_corrupted_tensor_fails_its_checksum(tmp_path):
     write(path)
     data = bytearray(path.read_bytes())
     (length,) = struct.unpack("<Q", data[:8])
-    entry = json.loads(data[8:8 + length])["blocks.k"]  # [H, tokens, D]: b1's tokens start after b0's 6
-    head_dim, item = entry["shape"][2], 4 if entry["dtype"] == "F32" else 2
-    data[8 + length + entry["data_offsets"][0] + 6 * head_dim * item + 3] ^= 0xFF
+    entry = json.loads(data[8:8 + length])["blocks.k"]  # [tokens, H, D]: b1's rows start after b0's 6
+    row = entry["shape"][1] * entry["shape"][2] * (4 if entry["dtype"] == "F32" else 2)
+    data[8 + length + entry["data_offsets"][0] + 6 * row + 3] ^= 0xFF
     path.write_bytes(bytes(data))
     reader = PackReader(path)
     reader.segment("b0")  # untouched blocks still load

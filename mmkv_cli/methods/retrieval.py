@@ -59,7 +59,8 @@ def retrieve(scores: torch.Tensor, reps: torch.Tensor, granularity: list[str] | 
         if centre is not None and lam:
             after = (1 - lam) * before + lam * cosine_scores(centre, reps[candidates])
         order = torch.argsort(-after, stable=True)[:keep]
-        picks += [Retrieved(int(candidates[j]), g, float(before[j]), float(after[j])) for j in order.tolist()]
+        picks += [Retrieved(c, g, s, r) for c, s, r in zip(candidates[order].tolist(), before[order].tolist(),
+                                                             after[order].tolist())]
     return picks
 
 
@@ -83,9 +84,9 @@ class RetrievalContext(ContextPolicy):
                          dict(p.get("rerank", {})), int(p.get("top_segments", 0)))
         rank = {g: r for r, g in enumerate(("segment", "frame", "patch"))}
         index = eligible[[r.index for r in picks]] if picks else eligible[:0]
-        steps, times = blocks.start_steps()[index].tolist(), blocks.times()[index].tolist()
-        order = sorted(range(len(picks)), key=lambda j: (steps[j], rank.get(picks[j].granularity, 3), int(index[j])))
-        explain = [{"block": blocks.name(int(index[j])), "granularity": picks[j].granularity,
+        rows, steps, times = index.tolist(), blocks.start_steps()[index].tolist(), blocks.times()[index].tolist()
+        order = sorted(range(len(picks)), key=lambda j: (steps[j], rank.get(picks[j].granularity, 3), rows[j]))
+        explain = [{"block": blocks.name(rows[j]), "granularity": picks[j].granularity,
                     "time": None if math.isnan(times[j][0]) else times[j], "score": round(picks[j].score, 4),
                     "reranked": round(picks[j].reranked, 4)} for j in order]
         return Selection([e["block"] for e in explain], explain)

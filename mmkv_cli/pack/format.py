@@ -1,13 +1,15 @@
-"""The .kvpack format (v3): one safetensors file, a JSON header in its metadata, tensors by segment.
+"""The .kvpack format (v4): one safetensors file, a JSON header in its metadata, tensors by segment.
 
 Segments are the prefix (init prompt), one per visual block, and the suffix. Each segment holds its
-per-layer K, V and original positions concatenated along the token axis ([H_kv, sum n_l, D], [P, sum n_l]);
-the header keeps the per-layer counts to split them again, so layers may keep different numbers of tokens.
-Prefix and suffix are tensors of their own ("prefix.k", ...); the blocks sit one after another in
-"blocks.k/.v/.pos", each at its offset, so the tensor directory stays small however many blocks; the block
-table (granularity, steps, time, offset, counts, checksum) is three small tensors, not header JSON, so opening
-a pack of thousands of blocks parses a few KB. Block representatives sit together in "reps" [blocks, dim]
-so retrieval reads them without touching any block. See docs/kvpack.md.
+per-layer K, V and original positions concatenated along the token axis, token-major ([sum n_l, H_kv, D],
+[sum n_l, P]), so a segment or a block is one contiguous byte range per tensor: a reader checksums it straight
+from the memory map and copies rows, never strided head slices. The header keeps the per-layer counts to split
+them again, so layers may keep different numbers of tokens. Prefix and suffix are tensors of their own
+("prefix.k", ...); the blocks sit one after another in "blocks.k/.v/.pos", each at its offset, so the tensor
+directory stays small however many blocks. Everything that grows with the video is a tensor, not header
+JSON: the block table (granularity, steps, time, offset, counts, checksum), the frame timestamps and the
+tokens per step; so opening a pack parses a few KB whatever its length. Block representatives sit together
+in "reps" [blocks, dim] so retrieval reads them without touching any block. See docs/kvpack.md.
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ from dataclasses import dataclass, field
 import torch
 
 FORMAT_NAME = "mmkv.kvpack"
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (2, 3)  # v2 kept the block table as JSON in the header
+FORMAT_VERSION = 4
+# v2 kept the block table as JSON in the header; v2 and v3 stored K/V head-major ([H_kv, tokens, D]) and
+# positions as [P, tokens], with timestamps and step lengths in the header.
+READABLE_VERSIONS = (2, 3, 4)
 BLOCKS = "blocks"  # tensors "blocks.k/.v/.pos": every block's tokens, one range each
-# v3 block table, one row per block: "blocks.table" int64 [N, 4 + layers] = (granularity index, first step,
+# Header lists that grow with the video, stored as tensors of these names (and dtypes) from v4 on.
+SERIES = {"media.timestamps": torch.float64, "layout.step_lengths": torch.int64}
+# Block table, one row per block: "blocks.table" int64 [N, 4 + layers] = (granularity index, first step,
 # stop step, offset, layer counts...), "blocks.time" float64 [N, 2] (NaN: none), "blocks.sha256" uint8 [N, 32].
 TABLE_COLUMNS = 4
 META_HEADER = "mmkv"
@@ -47,22 +53,26 @@ class Segment:
         return [int(k.shape[1]) for k in self.keys]
 
     def packed(self) -> dict[str, torch.Tensor]:
+        """The stored, token-major tensors: K and V [sum n_l, H_kv, D], positions [sum n_l, P]."""
         return {
-            f"{self.name}.k": torch.cat(self.keys, dim=1).contiguous(),
-            f"{self.name}.v": torch.cat(self.values, dim=1).contiguous(),
-            f"{self.name}.pos": torch.cat(self.positions, dim=1).to(torch.int64).contiguous(),
+            f"{self.name}.k": torch.cat(self.keys, dim=1).transpose(0, 1).contiguous(),
+            f"{self.name}.v": torch.cat(self.values, dim=1).transpose(0, 1).contiguous(),
+            f"{self.name}.pos": torch.cat(self.positions, dim=1).to(torch.int64).T.contiguous(),
         }
 
 
 def tensors_sha256(tensors: list[torch.Tensor]) -> str:
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
-def split_layers(t: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
-    return list(torch.split(t, counts, dim=1))
+def split_layers(t: torch.Tensor, counts: list[int], token_major: bool = True) -> list[torch.Tensor]:
+    """A stored segment tensor -> per-layer [H_kv, n_l, D] (or [P, n_l]) views; v2/v3 were head-major."""
+    if not token_major:
+        return list(torch.split(t, counts, dim=1))
+    return [part.transpose(0, 1) for part in torch.split(t, counts, dim=0)]
 
 
 def block_name(index: int) -> str:

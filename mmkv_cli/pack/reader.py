@@ -12,9 +12,8 @@ import torch
 from safetensors import safe_open
 
 from mmkv_cli.errors import PackError
-from mmkv_cli.pack.format import (BLOCKS, FORMAT_NAME, FORMAT_VERSION, META_HEADER, META_HEADER_SHA,
-                                  READABLE_VERSIONS, TABLE_COLUMNS, Segment, split_layers,
-                                  tensors_sha256)
+from mmkv_cli.pack.format import (BLOCKS, FORMAT_NAME, META_HEADER, META_HEADER_SHA, READABLE_VERSIONS, SERIES,
+                                  TABLE_COLUMNS, Segment, split_layers, tensors_sha256)
 from mmkv_cli.pack.table import BlockTable
 
 
@@ -66,6 +65,7 @@ class PackReader:
         if version not in READABLE_VERSIONS:
             raise PackError(f"{self.path} is kvpack format v{version}; this mmkv reads "
                             f"v{', v'.join(map(str, READABLE_VERSIONS))}")
+        self._token_major = version >= 4  # v2/v3 stored K/V head-major, positions [P, tokens]
         self.bytes_read = 0
         self._segments: dict[str, Segment] = {}
         try:
@@ -119,6 +119,18 @@ class PackReader:
             self._views[name] = (flat.view(np_dtype).reshape(entry["shape"]), torch_dtype)
         return self._views[name]
 
+    def series(self, name: str) -> list:
+        """A per-frame or per-step list ("media.timestamps", "layout.step_lengths"): a tensor from v4 on."""
+        if name not in SERIES:
+            raise KeyError(name)
+        if name in self._entries:
+            return self._tensor(name).tolist()
+        section, key = name.split(".")
+        value = (self.header.get(section) or {}).get(key)
+        if value is None:
+            raise PackError(f"{self.path} stores no {name}")
+        return list(value)
+
     def representatives(self) -> torch.Tensor | None:
         return self._tensor("reps") if self.header.get("representatives") else None
 
@@ -136,10 +148,11 @@ class PackReader:
         return list(meta["layer_counts"])
 
     def gather(self, names: list[str]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """Blocks `names` joined per layer, in that order: (keys, values, positions), each a list over layers.
+        """Blocks `names` joined per layer, in that order: (keys, values, positions), each a list over layers
+        of [H_kv, n, D] and [P, n] views (strided; concatenating them makes them contiguous).
 
-        A context of many blocks is read with one gather per layer and tensor from the memory map, not a
-        dozen small reads per block; every block's checksum is still verified on its own bytes.
+        A context of many blocks is read with one row gather per tensor from the memory map, not a dozen
+        small reads per block; every block's checksum is still verified, on its own bytes.
         """
         if not names:
             return [], [], []
@@ -152,21 +165,33 @@ class PackReader:
             if name not in self._verified:
                 digest = hashlib.sha256()
                 for view, _ in views:
-                    digest.update(np.ascontiguousarray(view[:, start:start + total]).tobytes())
+                    digest.update(self._block_bytes(view, start, start + total))
                 if digest.digest() != stored.tobytes():
                     raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
                 self._verified.add(name)
         # A block's tokens are stored layer after layer: layer l of block i starts at offset_i + counts_i[:l].
+        # One row index for the whole context, layer-major, so each tensor is read with one gather.
         starts = offsets[:, None] + np.cumsum(counts, axis=1) - counts
-        index = []
-        for layer in range(counts.shape[1]):
-            c = counts[:, layer]
-            index.append(np.arange(c.sum()) + np.repeat(starts[:, layer] - (np.cumsum(c) - c), c))
+        flat_starts, flat_counts = starts.T.reshape(-1), counts.T.reshape(-1)
+        rows = np.arange(flat_counts.sum()) + np.repeat(flat_starts - (np.cumsum(flat_counts) - flat_counts),
+                                                        flat_counts)
+        per_layer = counts.sum(axis=0).tolist()
         out = []
         for view, dtype in views:
-            out.append([torch.from_numpy(view[:, i]).view(dtype) for i in index])  # fancy indexing copies
-            self.bytes_read += sum(t.numel() * t.element_size() for t in out[-1])
+            picked = torch.from_numpy(self._rows(view)[rows]).view(dtype)  # fancy indexing copies
+            self.bytes_read += picked.numel() * picked.element_size()
+            out.append([part.transpose(0, 1) for part in torch.split(picked, per_layer, dim=0)])
         return out[0], out[1], out[2]
+
+    def _rows(self, view: np.ndarray) -> np.ndarray:
+        """A block tensor with tokens on the first axis (v2/v3 kept them second)."""
+        return view if self._token_major else np.swapaxes(view, 0, 1)
+
+    def _block_bytes(self, view: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """The stored bytes of token range [start, stop) of a block tensor, in the order its checksum covers."""
+        if self._token_major:
+            return view[start:stop]  # contiguous: hashed straight from the memory map
+        return np.ascontiguousarray(view[:, start:stop])
 
     def _load_segment(self, name: str) -> Segment:
         meta = self.header["segments"].get(name) or self._block_meta(name)
@@ -174,12 +199,13 @@ class PackReader:
             raise PackError(f"{self.path} has no segment {name}")
         time, steps = meta.get("time"), meta.get("steps")
         if "offset" in meta:  # a block: its token range of the shared block tensors, read and checked by gather
-            keys, values, positions = self.gather([name])
+            keys, values, positions = ([t.contiguous() for t in part] for part in self.gather([name]))
         else:
             k, v, pos = (self._tensor(f"{name}.{part}") for part in ("k", "v", "pos"))
             if tensors_sha256([k, v, pos]) != meta["sha256"]:
                 raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
             counts = meta["layer_counts"]
-            keys, values, positions = (split_layers(t, counts) for t in (k, v, pos))
+            keys, values, positions = ([t.contiguous() for t in split_layers(part, counts, self._token_major)]
+                                       for part in (k, v, pos))
         return Segment(name=name, keys=keys, values=values, positions=positions, granularity=meta.get("granularity"),
                        steps=tuple(steps) if steps else None, time=tuple(time) if time else None)

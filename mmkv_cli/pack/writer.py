@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from mmkv_cli.errors import OutputExistsError, PackError
-from mmkv_cli.pack.format import (BLOCKS, FORMAT_NAME, FORMAT_VERSION, META_HEADER, META_HEADER_SHA, Segment,
-                                  block_name, tensors_sha256)
+from mmkv_cli.pack.format import (BLOCKS, FORMAT_NAME, FORMAT_VERSION, META_HEADER, META_HEADER_SHA, SERIES,
+                                  Segment, block_name, tensors_sha256)
 
 
 def check_writable(path: Path, force: bool) -> None:
@@ -26,6 +26,24 @@ def check_writable(path: Path, force: bool) -> None:
         raise PackError(f"cannot write {path}: folder {parent} does not exist")
 
 
+def _default_mode() -> int:
+    """rw for everyone, less the process umask: the mode any other new file of this process gets."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def split_series(header: dict, tensors: dict) -> tuple[dict, dict]:
+    """Move the header lists that grow with the video (timestamps, tokens per step) into tensors."""
+    header = dict(header)
+    for name, dtype in SERIES.items():
+        section, key = name.split(".")
+        if key in (header.get(section) or {}):
+            header[section] = dict(header[section])
+            tensors[name] = torch.tensor(header[section].pop(key), dtype=dtype).reshape(-1)
+    return header, tensors
+
+
 def write_pack(path: Path, header: dict, prefix: Segment, blocks: list[Segment], suffix: Segment,
                force: bool = False) -> int:
     """Write header + segments to `path`; returns the file size in bytes."""
@@ -36,8 +54,9 @@ def write_pack(path: Path, header: dict, prefix: Segment, blocks: list[Segment],
         packed = seg.packed()
         tensors.update(packed)
         segments_meta[seg.name] = {"layer_counts": seg.layer_counts, "sha256": tensors_sha256(list(packed.values()))}
+    header, tensors = split_series(header, tensors)
     # All blocks share three tensors (a few safetensors entries, whatever the video length); each block is a
-    # token range of them, read by slicing the memory map.
+    # contiguous row range of them, read by slicing the memory map.
     parts, offset, kinds = {"k": [], "v": [], "pos": []}, 0, []
     table, times, digests = [], [], []
     for index, block in enumerate(blocks):
@@ -52,9 +71,9 @@ def write_pack(path: Path, header: dict, prefix: Segment, blocks: list[Segment],
         table.append([kinds.index(block.granularity), *steps, offset, *block.layer_counts])
         times.append([round(float(t), 4) for t in block.time] if block.time else [float("nan")] * 2)
         digests.append(bytes.fromhex(tensors_sha256(list(packed.values()))))
-        offset += int(packed[f"{block.name}.k"].shape[1])
+        offset += int(packed[f"{block.name}.k"].shape[0])
     if blocks:
-        tensors.update({f"{BLOCKS}.{part}": torch.cat(chunks, dim=1).contiguous() for part, chunks in parts.items()})
+        tensors.update({f"{BLOCKS}.{part}": torch.cat(chunks, dim=0) for part, chunks in parts.items()})
         tensors[f"{BLOCKS}.table"] = torch.tensor(table, dtype=torch.int64)
         tensors[f"{BLOCKS}.time"] = torch.tensor(times, dtype=torch.float64)
         tensors[f"{BLOCKS}.sha256"] = torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).reshape(-1, 32)
@@ -71,6 +90,7 @@ def write_pack(path: Path, header: dict, prefix: Segment, blocks: list[Segment],
     tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
     try:
         save_file(tensors, str(tmp), metadata=metadata)
+        os.chmod(tmp, _default_mode())  # safetensors creates files 0600; a pack is an ordinary output file
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         if path.exists() and not force:  # appeared while we were encoding
