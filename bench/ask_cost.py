@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -47,14 +48,17 @@ def write_long_clip(path: Path, frames: int) -> None:
 
 
 def measure(packs: dict, backbone, repeats: int) -> dict:
-    """Median ask time per pack, the packs timed in turn each round so that drift in the machine's load
-    falls on all of them alike."""
+    """Median ask time per pack. Every round times each pack once, in a fresh random order, so that drift in
+    the machine's load, and whatever a big ask leaves behind for the next one, fall on all packs alike."""
     times = {key: [] for key in packs}
     answers = {key: api.ask(pack, QUESTION, backbone=backbone, max_new_tokens=1) for key, pack in packs.items()}
+    shuffle = random.Random(0).shuffle
     for _ in range(repeats):
-        for key, pack in packs.items():
+        order = list(packs)
+        shuffle(order)
+        for key in order:
             start = time.perf_counter()
-            answers[key] = api.ask(pack, QUESTION, backbone=backbone, max_new_tokens=1)
+            answers[key] = api.ask(packs[key], QUESTION, backbone=backbone, max_new_tokens=1)
             times[key].append(time.perf_counter() - start)
     return {key: {"ask_s": statistics.median(times[key]), "ask_s_min": min(times[key]),
                   "bytes_read": answers[key].bytes_read, "context_tokens": answers[key].context_tokens,
@@ -66,7 +70,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny-llava-ov")
     parser.add_argument("--frames", default="16,128,1024")
     parser.add_argument("--methods", default="mukv,rekv,full")
-    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--repeats", type=int, default=41)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
