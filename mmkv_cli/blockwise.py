@@ -42,7 +42,7 @@ def prefill_blocks(backbone: Backbone, policy, prefix: Segment, embeds: torch.Te
     init = prefix.layer_counts[0]
     blocks, peak = [], 0
     for (granularity, length), members in groups.items():
-        per_batch = max(1, batch_tokens // length)
+        per_batch = max(1, batch_tokens // (init + length))  # every row holds its own copy of the init KV
         for first in range(0, len(members), per_batch):
             batch = members[first:first + per_batch]
             index = torch.stack([plan.tokens for plan in batch])  # [B, N] within the chunk
