@@ -3,7 +3,7 @@
     python bench/decode_cost.py [--frames 1024] [--budgets 1.0,0.5,0.1] [--methods aircache,snapkv,pyramidkv]
 
 One full pack of a long synthetic clip (tiny backbone), then `ask --prune METHOD --budget B` for each budget:
-decode seconds per token (median of --repeats interleaved rounds, 32 new tokens) and the KV bytes the decode attends over.
+decode seconds per token (median of --repeats rounds in shuffled order, 32 new tokens) and the KV bytes the decode attends over.
 Goal: at 0.1, decode time <= 0.5x the unpruned ask. Results: bench/results/decode_cost.json.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import tempfile
 from pathlib import Path
@@ -46,9 +47,13 @@ def main() -> None:
                                             for b in args.budgets.split(",")]
         times = {c: [] for c in configs}
         kept, generated = {}, {}
-        # Every configuration once per round, rounds repeated: drift in the machine's load falls on all alike.
+        # Every configuration once per round, in a fresh random order, rounds repeated: drift in the machine's
+        # load, and whatever one ask leaves behind for the next, fall on all configurations alike.
+        shuffle = random.Random(0).shuffle
         for _ in range(args.repeats):
-            for config in configs:
+            order = list(configs)
+            shuffle(order)
+            for config in order:
                 _, prune, budget = config
                 answer = api.ask(pack, "which shape appeared first ?", backbone=backbone, max_new_tokens=args.tokens,
                                  prune=prune, budget=budget if prune else None)

@@ -144,9 +144,9 @@ def answer_from_pack(backbone: Backbone, reader: PackReader, policy: ContextPoli
     position += len(ids)
     kv_tokens = None
     if prune:
-        layers = len(cache.layers)
-        counts = [reader.layer_counts(n) for n in names]
-        visual = [sum(c[l] for c in counts) for l in range(layers)]
+        # the context's visual tokens per layer, from the table's columns (no per-block dicts)
+        chosen = [reader.blocks.index_of(n) for n in names]
+        visual = reader.blocks.layer_totals()[chosen].sum(dim=0).tolist() if chosen else [0] * len(cache.layers)
         kv_tokens = prune_context(cache, recorder.row, reader.segment("prefix").layer_counts, visual,
                                   embeds.shape[1], prune)
     logits = backbone.logits(hidden[:, -1])
