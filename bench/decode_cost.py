@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="1.0,0.5,0.1")
     ap.add_argument("--methods", default="aircache,snapkv,pyramidkv")
     ap.add_argument("--model", default="tiny-llava-ov")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
     from mmkv_cli import api
