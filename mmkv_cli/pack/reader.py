@@ -76,7 +76,7 @@ class PackReader:
         self._blocks = BlockTable.from_dicts(self.header["blocks"]) if version == 2 else self._block_table()
 
     def _block_table(self) -> BlockTable:
-        """The v3 block table: three small tensors, read whole (a few dozen bytes per block)."""
+        """The block table (v3 on): three small tensors, read whole (a few dozen bytes per block)."""
         meta = self.header["blocks"]
         layers = len(self.header["segments"]["prefix"]["layer_counts"])
         if not meta["count"]:

@@ -17,13 +17,13 @@ from mmkv_cli.pack.format import TABLE_COLUMNS, block_name
 
 
 class BlockTable(Sequence):
-    """v3 table tensors: rows [N, 4 + layers] int64, times [N, 2] float64 (NaN: none), digests [N, 32] uint8."""
+    """Table tensors (v3 on): rows [N, 4 + layers] int64, times [N, 2] float64 (NaN: none), digests [N, 32] uint8."""
 
     def __init__(self, kinds: list[str], rows: torch.Tensor, times: torch.Tensor, digests: torch.Tensor,
                  names: list[str] | None = None):
         self.kinds = list(kinds)
         self._rows, self._times, self._digests = rows, times, digests
-        self._names = names  # v2 packs named blocks freely; v3 names are b<row>
+        self._names = names  # v2 packs named blocks freely; later ones name them b<row>
         self._cache: dict[int, dict] = {}
 
     def name(self, index: int) -> str:
