@@ -1,7 +1,8 @@
 """MuKV (seed 000): multi-grained blocks, each prefilled on its own and compressed by a dual signal.
 
 Three granularities cut the same visual stream: patch (a spatial quarter of a step's token grid), frame
-(one temporal step) and segment (F frames). Every block is prefilled after the init prompt only, scored by
+(one temporal step) and segment (F frames); or, with views: middle_frame, patch and frame blocks come from
+each segment's middle step only. Every block is prefilled after the init prompt only, scored by
 last-layer attention column sums fused with a key-frequency signal, and keeps floor(rho_g * |block|)
 tokens in temporal order. At ask, blocks are retrieved per granularity and reranked (retrieval.py).
 """
@@ -13,10 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
+from mmkv_cli.errors import UsageError
 from mmkv_cli.methods.base import MemoryPolicy
 from mmkv_cli.methods.retrieval import RetrievalContext
 
 GRANULARITIES = ("patch", "frame", "segment")
+# preset choices, the default first
+OPTIONS = {"views": ("stream", "middle_frame"), "patch_blocks": ("spatial", "raster"), "frequency": ("fft", "diff")}
 
 
 # --- scoring: pure functions over tensors ---
@@ -83,15 +87,27 @@ def quarter_grid(rows: int, cols: int, mode: str = "spatial") -> list[torch.Tens
     return [p.reshape(-1) for p in parts if p.numel()]
 
 
+def detailed_steps(steps: int, segment_steps: int, views: str = "stream") -> list[int]:
+    """The steps that get patch and frame blocks. stream: every step, so every token sits in one block of
+    each granularity (the paper's figures and the authors' code); middle_frame: only each segment's middle
+    step (the paper's prose)."""
+    if views == "stream":
+        return list(range(steps))
+    if views == "middle_frame":
+        return [first + (min(first + segment_steps, steps) - first) // 2 for first in range(0, steps, segment_steps)]
+    raise ValueError(f"unknown MuKV views '{views}' (stream, middle_frame)")
+
+
 def plan_blocks(step_starts: list[int], step_lengths: list[int], grid_offsets: list[int], grid: tuple[int, int],
-                segment_steps: int, patch_mode: str = "spatial") -> list[BlockPlan]:
-    """Patch, frame and segment blocks over a stream of steps; every token lands in one block of each.
+                segment_steps: int, patch_mode: str = "spatial", views: str = "stream") -> list[BlockPlan]:
+    """Patch, frame and segment blocks over a stream of steps (patch and frame ones on the detailed steps).
 
     A step's marker tokens (Qwen3 timestamps, vision start/end) join its first and last patch block.
     """
     plans = []
     rows, cols = grid
-    for step, (start, length, offset) in enumerate(zip(step_starts, step_lengths, grid_offsets)):
+    for step in detailed_steps(len(step_starts), segment_steps, views):
+        start, length, offset = step_starts[step], step_lengths[step], grid_offsets[step]
         quarters = quarter_grid(rows, cols, patch_mode)
         for q, part in enumerate(quarters):
             tokens = part + start + offset
@@ -116,6 +132,9 @@ class MuKVMemory(MemoryPolicy):
 
     def __init__(self, budget: float, params: dict):
         super().__init__(budget, params)
+        for key, allowed in OPTIONS.items():  # a preset typo fails here, before any frame is read
+            if params.get(key, allowed[0]) not in allowed:
+                raise UsageError(f"MuKV preset: {key} is '{params[key]}', expected one of {', '.join(allowed)}")
         # --budget is the pack's share of one stream: the three views' rho sum to it (1.0 by default).
         rho = {g: float(r) for g, r in params["rho"].items()}
         scale = budget / sum(rho.values())
@@ -126,7 +145,7 @@ class MuKVMemory(MemoryPolicy):
 
     def plan(self, step_starts, step_lengths, grid_offsets, grid, frames_per_step) -> list[BlockPlan]:
         return plan_blocks(step_starts, step_lengths, grid_offsets, grid, self.segment_steps(frames_per_step),
-                           self.params.get("patch_blocks", "spatial"))
+                           self.params.get("patch_blocks", "spatial"), self.params.get("views", "stream"))
 
     def choose(self, granularity: str, attention: torch.Tensor, last_keys: torch.Tensor) -> torch.Tensor:
         """Local indices a block keeps. attention [N] column sums; last_keys [H_kv, N, D]."""
