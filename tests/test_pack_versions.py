@@ -1,11 +1,13 @@
 """Older packs stay readable: tests/data/v3.kvpack was written by the format-v3 writer from `fixture_segment`."""
 
+from pathlib import Path
+
 import torch
 
 from mmkv_cli.pack import PackReader, Segment, write_pack
 from mmkv_cli.pack.format import FORMAT_VERSION
 
-DATA = __import__("pathlib").Path(__file__).parent / "data"
+DATA = Path(__file__).parent / "data"
 
 
 def fixture_segment(name, counts, base, dims=1, granularity=None, step=0):
