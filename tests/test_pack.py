@@ -109,7 +109,16 @@ def test_truncated_pack_is_refused(tmp_path):
         PackReader(path)
 
 
-def test_corrupted_tensor_fails_its_checksum(tmp_path):
+@pytest.mark.parametrize("threaded", [False, True])
+def test_corrupted_tensor_fails_its_checksum(tmp_path, monkeypatch, threaded):
+    from concurrent.futures import ThreadPoolExecutor
+
+    pools = []
+    if threaded:  # hash even this small read on threads, as a large real-model context is
+        monkeypatch.setattr("mmkv_cli.pack.reader.PARALLEL_HASH_BLOCK_BYTES", 0)
+        monkeypatch.setattr("os.cpu_count", lambda: 4)
+        monkeypatch.setattr("mmkv_cli.pack.reader.ThreadPoolExecutor",
+                            lambda workers: pools.append(workers) or ThreadPoolExecutor(workers))
     path = tmp_path / "a.kvpack"
     write(path)
     data = bytearray(path.read_bytes())
@@ -125,6 +134,7 @@ def test_corrupted_tensor_fails_its_checksum(tmp_path):
         reader.segment("b1")
     with pytest.raises(PackError, match="checksum mismatch in b1"):
         PackReader(path).gather(["b0", "b1"])
+    assert pools == ([2] if threaded else [])  # two blocks to check: two threads
 
 
 def test_gathered_blocks_equal_their_segments_joined_per_layer(tmp_path):
