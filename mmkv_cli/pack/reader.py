@@ -180,7 +180,7 @@ class PackReader:
         per_layer = counts.sum(axis=0).tolist()
         out = []
         for view, dtype in views:
-            picked = torch.from_numpy(self._rows(view)[rows]).view(dtype)  # fancy indexing copies
+            picked = torch.from_numpy(np.take(self._rows(view), rows, axis=0)).view(dtype)  # a copy (take > [rows])
             self.bytes_read += picked.numel() * picked.element_size()
             out.append([part.transpose(0, 1) for part in torch.split(picked, per_layer, dim=0)])
         return out[0], out[1], out[2]
