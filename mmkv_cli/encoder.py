@@ -125,7 +125,7 @@ def _encode_stream(backbone, media, policy, chunk_frames, progress, layout, step
     _check_count(media, state.seen, total)
     policy.finish(state)
     blocks = policy.make_blocks(state, step_times)
-    visual_end = [state.prefix_len + len(k) for k in state.kept]
+    visual_end = [state.visual_start(layer) + len(k) for layer, k in enumerate(state.kept)]
     return blocks, cache, visual_end, max(peak_kv, state.kv_bytes()), state.shift
 
 
@@ -147,8 +147,9 @@ def text_attention(backbone: Backbone, state: StreamState, text: str, rows: bool
         entry.keys, entry.values = entry.keys[:, :, :n], entry.values[:, :, :n]
     if rows:
         return ([recorder.row[layer][0].cpu() for layer in range(state.layers)],
-                [slice(state.prefix_len, n) for n in lengths], [slice(n, n + len(ids)) for n in lengths])
-    return [recorder.column_sum[layer][0, state.prefix_len:lengths[layer]].cpu() / len(ids)
+                [slice(state.visual_start(layer), n) for layer, n in enumerate(lengths)],
+                [slice(n, n + len(ids)) for n in lengths])
+    return [recorder.column_sum[layer][0, state.visual_start(layer):lengths[layer]].cpu() / len(ids)
             for layer in range(state.layers)]
 
 

@@ -116,6 +116,43 @@ def test_eager_reindex_compacts_positions_and_rerotates_keys_lazy_keeps_them(bac
             assert float((moved - keys[:, j:j + 1]).abs().amax(dim=(0, 2)).min()) < 1e-4
 
 
+@pytest.mark.parametrize("model", ["tiny-llava-ov", "tiny-qwen2-vl"])
+def test_deep_layers_stream_on_with_their_summary_token_in_the_running_cache(backbones, model):
+    backbone = backbones[model]
+    media = load_media("samples/clip.mp4", fps=8, max_frames=32)
+    _, policy = build_method("hermes", budget_tokens=40)
+    roles = [role for role, _ in layer_roles(backbone.text_config.num_hidden_layers,
+                                             PARAMS["shallow_share"], PARAMS["deep_share"])]
+    snapshots = []
+    compress = policy.after_chunk
+
+    def after_chunk(state):
+        compress(state)
+        if not policy.summary:
+            return
+        lengths = [int(e.keys.shape[2]) for e in state.cache.layers]
+        fronts = [state.cache.layers[l].keys[0, :, state.prefix_len].clone() for l in policy.summary]
+        attention = state.attend(str(policy.params["guidance_prompt"]))
+        snapshots.append((lengths, [len(k) for k in state.kept], fronts, [len(a) for a in attention]))
+
+    policy.after_chunk = after_chunk
+    out = encode_media(backbone, media, policy, 4)
+    assert len(snapshots) >= 2  # compressed, then streamed on and compressed again
+    prefix = out.prefix.layer_counts[0]
+    for lengths, kept, fronts, attended in snapshots:
+        assert attended == kept  # the guidance prompt's scores line up with the visual tokens, not the summary
+        for layer, role in enumerate(roles):
+            if role == "deep":  # prompt, summary, budget - 1 visual tokens
+                assert kept[layer] == 39 and lengths[layer] == prefix + 1 + kept[layer]
+            else:
+                assert kept[layer] == 40 and lengths[layer] == prefix + kept[layer]
+    summary = out.blocks[0]
+    deep = [layer for layer, role in enumerate(roles) if role == "deep"]
+    assert summary.granularity == "summary" and sorted(policy.summary) == deep
+    for layer, front in zip(sorted(policy.summary), snapshots[-1][2]):  # the pack's summary is the cache's
+        assert torch.equal(summary.keys[layer][:, 0], front)
+
+
 def test_pack_never_exceeds_the_budget_over_a_long_stream_and_ask_runs_in_a_new_process(tmp_path, backbones):
     from mmkv_cli.synth import write_dataset
 

@@ -17,8 +17,9 @@ from mmkv_cli.pack.table import BlockTable, eligible_before
 class StreamState:
     """The running encode cache as a memory policy sees it.
 
-    The cache holds, per layer, [prefix | kept visual tokens]; `kept[l]` names those visual tokens by
-    their index in the whole visual stream, in cache order, so policies can evict per layer.
+    The cache holds, per layer, [prefix | front | kept visual tokens]; `kept[l]` names those visual tokens by
+    their index in the whole visual stream, in cache order, so policies can evict per layer. `front[l]`
+    tokens sit between the prompt and the visual tokens, outside the stream (HERMES' summary token).
     """
 
     cache: DynamicCache
@@ -34,21 +35,39 @@ class StreamState:
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (inv_freq, axes) for delta-rotating cached keys
     # text -> per layer [cached visual tokens]: the attention that text's rows pay them (mean over heads, rows)
     attend: Callable[[str], list[torch.Tensor]] | None = field(default=None, repr=False)
+    front: list[int] = field(default_factory=list)  # per layer, tokens between the prompt and the visual part
 
     @property
     def layers(self) -> int:
         return len(self.kept)
 
+    def visual_start(self, layer: int) -> int:
+        """Where this layer's visual tokens begin in its cache."""
+        return self.prefix_len + (self.front[layer] if self.front else 0)
+
+    def set_front(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Put one token ([H_kv, 1, D]) right after the prompt of this layer, replacing the one there."""
+        if not self.front:
+            self.front = [0] * self.layers
+        entry = self.cache.layers[layer]
+        cut = self.prefix_len
+        key, value = key.to(entry.keys).unsqueeze(0), value.to(entry.values).unsqueeze(0)
+        rest = self.visual_start(layer)
+        entry.keys = torch.cat([entry.keys[:, :, :cut], key, entry.keys[:, :, rest:]], dim=2)
+        entry.values = torch.cat([entry.values[:, :, :cut], value, entry.values[:, :, rest:]], dim=2)
+        self.front[layer] = 1
+
     def visual_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's cached visual K, V as [H_kv, n, D]."""
         entry = self.cache.layers[layer]
-        end = self.prefix_len + len(self.kept[layer])
-        return entry.keys[0, :, self.prefix_len:end], entry.values[0, :, self.prefix_len:end]
+        start = self.visual_start(layer)
+        end = start + len(self.kept[layer])
+        return entry.keys[0, :, start:end], entry.values[0, :, start:end]
 
     def retain(self, layer: int, local: torch.Tensor) -> None:
         """Keep only the visual entries at `local` (indices into this layer's visual part, ascending)."""
         entry = self.cache.layers[layer]
-        cut = self.prefix_len
+        cut = self.visual_start(layer)
         local = local.to(entry.keys.device)
         entry.keys = torch.cat([entry.keys[:, :, :cut], entry.keys[:, :, cut:][:, :, local]], dim=2)
         entry.values = torch.cat([entry.values[:, :, :cut], entry.values[:, :, cut:][:, :, local]], dim=2)
@@ -57,7 +76,8 @@ class StreamState:
     def replace_visual(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Overwrite this layer's cached visual K, V ([H_kv, n, D], n = its kept count), e.g. after merging."""
         entry = self.cache.layers[layer]
-        cut, end = self.prefix_len, self.prefix_len + len(self.kept[layer])
+        cut = self.visual_start(layer)
+        end = cut + len(self.kept[layer])
         keys, values = keys.to(entry.keys), values.to(entry.values)
         entry.keys = torch.cat([entry.keys[:, :, :cut], keys.unsqueeze(0), entry.keys[:, :, end:]], dim=2)
         entry.values = torch.cat([entry.values[:, :, :cut], values.unsqueeze(0), entry.values[:, :, end:]], dim=2)

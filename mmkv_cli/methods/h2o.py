@@ -30,7 +30,8 @@ class H2OMemory(PrunedAtEnd):
             self.cumulative = [torch.zeros(state.total) for _ in range(state.layers)]
         for layer in range(state.layers):
             sums = recorder.column_sum[layer]
-            visual = sums[0, state.prefix_len:state.prefix_len + len(state.kept[layer])].cpu()
+            start = state.visual_start(layer)
+            visual = sums[0, start:start + len(state.kept[layer])].cpu()
             accumulate(self.cumulative[layer], visual, state.kept[layer])
 
     def layer_scores(self, state: StreamState) -> list[torch.Tensor]:

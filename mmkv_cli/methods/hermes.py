@@ -3,7 +3,8 @@
 Whenever the visual part of the running cache exceeds the budget, every layer is cut back to it. Shallow
 layers keep the newest tokens (a forgetting curve), deep layers the tokens a generic guidance prompt attends
 to, middle layers a depth-interpolated mix; scores are smoothed deep -> shallow and each layer keeps its own
-top-k. What deep layers evict is folded into one summary token. Positions stay (`lazy`, compacted only near
+top-k. What deep layers evict is folded into one summary token, kept in the running cache right after the
+prompt. Positions stay (`lazy`, compacted only near
 the model's position limit) or are compacted at every compression (`eager`), keys re-rotated by the change.
 Everything kept goes into the pack; ask uses all of it (no retrieval).
 """
@@ -129,17 +130,17 @@ class HermesMemory(MemoryPolicy):
             self._compress(state, self.capacity(state))
 
     def finish(self, state: StreamState) -> None:
-        # Deep layers end one token under the budget: their summary token fills the last slot.
+        # Deep layers hold one token under the budget: their summary token fills the last slot.
         cap = self.capacity(state)
         deep_over = any(len(state.kept[l]) > cap - 1 for l, (role, _) in enumerate(self._roles(state))
                         if role == "deep" and self.params.get("summary", True))
         if len(state.kept[0]) > cap or deep_over:
-            self._compress(state, cap, final=True)
+            self._compress(state, cap)
 
     def _roles(self, state: StreamState) -> list[tuple[str, float]]:
         return layer_roles(state.layers, float(self.params["shallow_share"]), float(self.params["deep_share"]))
 
-    def _compress(self, state: StreamState, cap: int, final: bool = False) -> None:
+    def _compress(self, state: StreamState, cap: int) -> None:
         self._track(state)
         roles = self._roles(state)
         attention = state.attend(str(self.params["guidance_prompt"]))
@@ -149,7 +150,7 @@ class HermesMemory(MemoryPolicy):
         scores = smooth_deep_to_shallow(scores, state.kept, gammas, state.total)
         summary = bool(self.params.get("summary", True))
         for layer, (role, _) in enumerate(roles):
-            keep = cap - 1 if final and summary and role == "deep" else cap
+            keep = cap - 1 if summary and role == "deep" else cap  # the summary token is the cap-th
             count = len(state.kept[layer])
             if count <= keep:
                 continue
@@ -173,6 +174,10 @@ class HermesMemory(MemoryPolicy):
         self.summary[layer] = fold_into_summary(
             keys[:, gone.to(keys.device)].cpu(), values[:, gone.to(values.device)].cpu(),
             self.layer_positions[layer][:, gone], target, inv_freq, axes, self.summary.get(layer))
+        # The summary lives in the running cache, right after the prompt, so what streams in later attends
+        # to it (the paper writes it back into the KV cache).
+        key, value, _ = self.summary[layer]
+        state.set_front(layer, key, value)
 
     def _should_reindex(self, state: StreamState) -> bool:
         mode = self.params.get("reindex", "lazy")
@@ -193,7 +198,8 @@ class HermesMemory(MemoryPolicy):
             old = self.layer_positions[layer]
             new = compact_positions(old, start)
             entry = state.cache.layers[layer]
-            cut, end = state.prefix_len, state.prefix_len + old.shape[1]
+            cut = state.visual_start(layer)
+            end = cut + old.shape[1]
             moved = rotate_keys(entry.keys[:, :, cut:end], (new - old).to(entry.keys.device), inv_freq, axes)
             entry.keys = torch.cat([entry.keys[:, :, :cut], moved, entry.keys[:, :, end:]], dim=2)
             self.layer_positions[layer] = new

@@ -98,7 +98,8 @@ class MedaMemory(PrunedAtEnd):
             self.cumulative = [torch.zeros(state.total) for _ in range(state.layers)]
             self.vt_entropy = [0.0] * state.layers
         for layer in range(state.layers):
-            sums = recorder.column_sum[layer][0, state.prefix_len:state.prefix_len + len(state.kept[layer])]
+            start = state.visual_start(layer)
+            sums = recorder.column_sum[layer][0, start:start + len(state.kept[layer])]
             accumulate(self.cumulative[layer], sums.cpu(), state.kept[layer])
             self.vt_entropy[layer] += float(recorder.reduced[layer]["vt_entropy"][0])
         self.visual_rows = state.seen
