@@ -148,13 +148,6 @@ class PackReader:
             self._segments[name] = self._load_segment(name)
         return self._segments[name]
 
-    def layer_counts(self, name: str) -> list[int]:
-        """Tokens per layer of a segment or block, from the header or the block table (no tensor read)."""
-        meta = self.header["segments"].get(name) or self._block_meta(name)
-        if meta is None:
-            raise PackError(f"{self.path} has no segment {name}")
-        return list(meta["layer_counts"])
-
     def gather(self, names: list[str]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Blocks `names` joined per layer, in that order: (keys, values, positions), each a list over layers
         of [H_kv, n, D] and [P, n] views (strided; concatenating them makes them contiguous).

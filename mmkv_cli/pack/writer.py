@@ -33,15 +33,16 @@ def _default_mode() -> int:
     return 0o666 & ~umask
 
 
-def split_series(header: dict, tensors: dict) -> tuple[dict, dict]:
-    """Move the header lists that grow with the video (timestamps, tokens per step) into tensors."""
-    header = dict(header)
+def split_series(header: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The header without the lists that grow with the video (timestamps, tokens per step), and those lists
+    as tensors. The caller's header is left as it was."""
+    header, series = dict(header), {}
     for name, dtype in SERIES.items():
         section, key = name.split(".")
         if key in (header.get(section) or {}):
             header[section] = dict(header[section])
-            tensors[name] = torch.tensor(header[section].pop(key), dtype=dtype).reshape(-1)
-    return header, tensors
+            series[name] = torch.tensor(header[section].pop(key), dtype=dtype).reshape(-1)
+    return header, series
 
 
 def write_pack(path: Path, header: dict, prefix: Segment, blocks: list[Segment], suffix: Segment,
@@ -54,7 +55,8 @@ def write_pack(path: Path, header: dict, prefix: Segment, blocks: list[Segment],
         packed = seg.packed()
         tensors.update(packed)
         segments_meta[seg.name] = {"layer_counts": seg.layer_counts, "sha256": tensors_sha256(list(packed.values()))}
-    header, tensors = split_series(header, tensors)
+    header, series = split_series(header)
+    tensors.update(series)
     # All blocks share three tensors (a few safetensors entries, whatever the video length); each block is a
     # contiguous row range of them, read by slicing the memory map.
     parts, offset, kinds = {"k": [], "v": [], "pos": []}, 0, []
