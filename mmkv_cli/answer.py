@@ -15,7 +15,6 @@ from mmkv_cli.attention import Recorder, recording
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.methods import ContextPolicy
 from mmkv_cli.pack import PackReader
-from mmkv_cli.pack.table import eligible_before
 from mmkv_cli.rope import compact_positions, rotate_keys
 
 
@@ -132,9 +131,8 @@ def answer_from_pack(backbone: Backbone, reader: PackReader, policy: ContextPoli
     selection = policy.select(reader.blocks, lambda: _representatives(reader),
                               lambda mode: question_vector(backbone, reader, ids, mode), before)
     names = selection.names
-    by_then = eligible_before(reader.blocks, before) if before is not None else None
-    asked_after = reader.blocks.name(int(by_then[-1])) if by_then is not None and len(by_then) else None
-    cache, context, position, lead = build_cache(backbone, reader, names, policy.position_mode, asked_after)
+    cache, context, position, lead = build_cache(backbone, reader, names, policy.position_mode,
+                                                 selection.asked_after)
     embeds, positions = backbone.embed_ids(ids), backbone.text_positions(position, len(ids))
     if lead is not None:
         embeds, positions = torch.cat([lead[0], embeds], dim=1), torch.cat([lead[1], positions], dim=1)

@@ -146,6 +146,12 @@ def mean_key(keys: torch.Tensor) -> torch.Tensor | None:
 class Selection:
     names: list[str]  # blocks entering the context, in context order
     explain: list[dict]  # per retrieved block: why it was chosen (empty when nothing was scored)
+    asked_after: str | None = None  # with a question's moment: the last block shown by then
+
+
+def last_shown(blocks: BlockTable, eligible: torch.Tensor, before: float | None) -> str | None:
+    """The last block (in time order) shown by the question's moment; None without a moment or before any."""
+    return blocks.name(int(eligible[-1])) if before is not None and len(eligible) else None
 
 
 class ContextPolicy:
@@ -161,4 +167,5 @@ class ContextPolicy:
                question_vector: Callable[[str], torch.Tensor], before: float | None = None) -> Selection:
         """Blocks for the context. reps() loads the representatives and question_vector(mode) runs the
         question; both are lazy so a policy that needs neither costs nothing."""
-        return Selection([blocks.name(i) for i in eligible_before(blocks, before).tolist()], [])
+        eligible = eligible_before(blocks, before)
+        return Selection([blocks.name(i) for i in eligible.tolist()], [], last_shown(blocks, eligible, before))

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from mmkv_cli.methods.base import ContextPolicy, Selection
+from mmkv_cli.methods.base import ContextPolicy, Selection, last_shown
 from mmkv_cli.pack.table import BlockTable, eligible_before
 
 
@@ -89,4 +89,4 @@ class RetrievalContext(ContextPolicy):
         explain = [{"block": blocks.name(rows[j]), "granularity": picks[j].granularity,
                     "time": None if math.isnan(times[j][0]) else times[j], "score": round(picks[j].score, 4),
                     "reranked": round(picks[j].reranked, 4)} for j in order]
-        return Selection([e["block"] for e in explain], explain)
+        return Selection([e["block"] for e in explain], explain, last_shown(blocks, eligible, before))
