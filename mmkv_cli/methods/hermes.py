@@ -4,9 +4,9 @@ Whenever the visual part of the running cache exceeds the budget, every layer is
 layers keep the newest tokens (a forgetting curve), deep layers the tokens a generic guidance prompt attends
 to, middle layers a depth-interpolated mix; scores are smoothed deep -> shallow and each layer keeps its own
 top-k. What deep layers evict is folded into one summary token, kept in the running cache right after the
-prompt. Positions stay (`lazy`, compacted only near
-the model's position limit) or are compacted at every compression (`eager`), keys re-rotated by the change.
-Everything kept goes into the pack; ask uses all of it (no retrieval).
+prompt. Positions stay (`lazy`, compacted only near the model's position limit) or are compacted at every
+compression (`eager`), keys re-rotated by the change. Everything kept goes into the pack; ask uses all of it
+(no retrieval).
 """
 
 from __future__ import annotations
