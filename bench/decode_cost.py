@@ -3,7 +3,8 @@
     python bench/decode_cost.py [--frames 1024] [--budgets 1.0,0.5,0.1] [--methods aircache,snapkv,pyramidkv]
 
 One full pack of a long synthetic clip (tiny backbone), then `ask --prune METHOD --budget B` for each budget:
-decode seconds per token (median of --repeats rounds in shuffled order, 32 new tokens) and the KV bytes the decode attends over.
+decode seconds per token (median of --repeats rounds in shuffled order, 32 new tokens) and the KV bytes the
+decode attends over.
 Goal: at 0.1, decode time <= 0.5x the unpruned ask. Results: bench/results/decode_cost.json.
 """
 
