@@ -127,3 +127,19 @@ def test_error_in_a_real_process_has_no_traceback(tmp_path):
     assert result.returncode == 4
     assert result.stderr.strip().splitlines() == [f"error: no such pack: {tmp_path / 'missing.kvpack'}"]
     assert result.stdout == ""
+
+
+def test_a_mistyped_mukv_preset_choice_fails_before_encoding(tmp_path, monkeypatch):
+    import shutil
+
+    presets = tmp_path / "presets"
+    shutil.copytree(ROOT / "presets", presets)
+    (presets / "methods" / "mukv-typo.yaml").write_text("extends: mukv\nparams:\n  views: sideways\n")
+    monkeypatch.setenv("MMKV_PRESETS", str(presets))
+    out = tmp_path / "out.kvpack"
+    result = runner.invoke(app, ["encode", str(SAMPLES / "clip.mp4"), "--model", "tiny-qwen2-vl", "--method",
+                                 "mukv-typo", "-o", str(out)])
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: MuKV preset: views is 'sideways', expected one of stream, middle_frame"]
+    assert not out.exists()

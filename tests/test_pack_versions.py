@@ -57,3 +57,12 @@ def test_the_current_writer_reads_back_the_same_segments(tmp_path):
     reader = PackReader(tmp_path / "now.kvpack")
     assert reader.header["format_version"] == FORMAT_VERSION
     assert_reads_back(reader)
+
+
+def test_a_series_the_pack_never_stored_is_one_clear_error():
+    import pytest
+
+    from mmkv_cli.errors import PackError
+
+    with pytest.raises(PackError, match="stores no media.timestamps"):  # the v3 fixture has no media section
+        PackReader(DATA / "v3.kvpack").series("media.timestamps")
