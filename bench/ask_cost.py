@@ -51,7 +51,10 @@ def measure(packs: dict, backbone, repeats: int) -> dict:
     """Median ask time per pack. Every round times each pack once, in a fresh random order, so that drift in
     the machine's load, and whatever a big ask leaves behind for the next one, fall on all packs alike."""
     times = {key: [] for key in packs}
-    answers = {key: api.ask(pack, QUESTION, backbone=backbone, max_new_tokens=1) for key, pack in packs.items()}
+    answers = {
+        key: api.ask(pack, QUESTION, backbone=backbone, max_new_tokens=1)
+        for key, pack in packs.items()
+    }
     shuffle = random.Random(0).shuffle
     for _ in range(repeats):
         order = list(packs)
@@ -60,9 +63,16 @@ def measure(packs: dict, backbone, repeats: int) -> dict:
             start = time.perf_counter()
             answers[key] = api.ask(packs[key], QUESTION, backbone=backbone, max_new_tokens=1)
             times[key].append(time.perf_counter() - start)
-    return {key: {"ask_s": statistics.median(times[key]), "ask_s_min": min(times[key]),
-                  "bytes_read": answers[key].bytes_read, "context_tokens": answers[key].context_tokens,
-                  "pack_bytes": packs[key].stat().st_size} for key in packs}
+    return {
+        key: {
+            "ask_s": statistics.median(times[key]),
+            "ask_s_min": min(times[key]),
+            "bytes_read": answers[key].bytes_read,
+            "context_tokens": answers[key].context_tokens,
+            "pack_bytes": packs[key].stat().st_size,
+        }
+        for key in packs
+    }
 
 
 def main() -> None:
@@ -86,11 +96,15 @@ def main() -> None:
             write_long_clip(clip, frames)
             for method in args.methods.split(","):
                 pack = packs[(method, frames)] = Path(tmp) / f"{method}{frames}.kvpack"
-                summary = api.encode(str(clip), pack, method=method, backbone=backbone, fps=FPS, max_frames=frames)
+                summary = api.encode(
+                    str(clip), pack, method=method, backbone=backbone, fps=FPS, max_frames=frames
+                )
                 encode_s[(method, frames)] = summary["encode_s"]
         measured = measure(packs, backbone, args.repeats)
         for (method, frames), m in measured.items():
-            rows.append({"method": method, "frames": frames, "encode_s": encode_s[(method, frames)], **m})
+            rows.append(
+                {"method": method, "frames": frames, "encode_s": encode_s[(method, frames)], **m}
+            )
             print(json.dumps(rows[-1]), flush=True)
     # Growth of the longest clip over each shorter one. From 16 frames the retrieved context itself grows (16
     # frame blocks < k = 64); from 128 frames on it is full-sized, so what grows is the cost of the pack's size.
@@ -101,20 +115,42 @@ def main() -> None:
             growth.setdefault(f"{lengths[-1]}_over_{short}", {})[method] = {
                 "ask_time": by[lengths[-1]]["ask_s"] / by[short]["ask_s"],
                 "bytes_read": by[lengths[-1]]["bytes_read"] / by[short]["bytes_read"],
-                "context_tokens": by[lengths[-1]]["context_tokens"] / by[short]["context_tokens"]}
+                "context_tokens": by[lengths[-1]]["context_tokens"] / by[short]["context_tokens"],
+            }
     # Encode time of each method over full's (the issue asks for MuKV's batched block prefills to be reported).
-    encode_over_full = {frames: {r["method"]: r["encode_s"] / encode_s[("full", frames)]
-                                 for r in rows if r["frames"] == frames}
-                        for frames in lengths if ("full", frames) in encode_s}
-    result = {"model": args.model, "device": str(backbone.device), "frames": lengths, "rows": rows,
-              "growth": growth, "encode_over_full": encode_over_full}
+    encode_over_full = {
+        frames: {
+            r["method"]: r["encode_s"] / encode_s[("full", frames)]
+            for r in rows
+            if r["frames"] == frames
+        }
+        for frames in lengths
+        if ("full", frames) in encode_s
+    }
+    result = {
+        "model": args.model,
+        "device": str(backbone.device),
+        "frames": lengths,
+        "rows": rows,
+        "growth": growth,
+        "encode_over_full": encode_over_full,
+    }
     (out / "ask_cost.json").write_text(json.dumps(result, indent=2))
     plot(rows, args.methods.split(","), out / "ask_cost.png")
     for frames, ratios in encode_over_full.items():
-        print(f"encode at {frames} frames over full: " + ", ".join(f"{m} x{x:.2f}" for m, x in ratios.items()))
+        print(
+            f"encode at {frames} frames over full: "
+            + ", ".join(f"{m} x{x:.2f}" for m, x in ratios.items())
+        )
     for pair, methods in growth.items():
-        print(pair + ": " + ", ".join(f"{m} ask x{g['ask_time']:.2f} (context x{g['context_tokens']:.2f})"
-                                     for m, g in methods.items()))
+        print(
+            pair
+            + ": "
+            + ", ".join(
+                f"{m} ask x{g['ask_time']:.2f} (context x{g['context_tokens']:.2f})"
+                for m, g in methods.items()
+            )
+        )
 
 
 def plot(rows: list[dict], methods: list[str], path: Path) -> None:
@@ -128,7 +164,7 @@ def plot(rows: list[dict], methods: list[str], path: Path) -> None:
         mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["frames"])
         frames = [r["frames"] for r in mine]
         axes[0].plot(frames, [r["ask_s"] * 1000 for r in mine], marker="o", label=method)
-        axes[1].plot(frames, [r["bytes_read"] / 2 ** 20 for r in mine], marker="o", label=method)
+        axes[1].plot(frames, [r["bytes_read"] / 2**20 for r in mine], marker="o", label=method)
     for ax, label in zip(axes, ("ask time (ms)", "pack bytes read (MiB)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("frames")

@@ -36,16 +36,25 @@ def main() -> None:
 
     backbone = load_backbone(args.model, "auto")
     kv = backbone.kv_shape()
-    per_token = 2 * kv["kv_heads"] * kv["head_dim"] * (2 if kv["dtype"] in ("bfloat16", "float16") else 4)
+    per_token = (
+        2 * kv["kv_heads"] * kv["head_dim"] * (2 if kv["dtype"] in ("bfloat16", "float16") else 4)
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         write_dataset(Path(tmp) / "set", clips=1, frames=args.frames, seed=3, kind="normal")
         pack = Path(tmp) / "full.kvpack"
-        api.encode(str(Path(tmp) / "set" / "clips" / "clip_0000.mp4"), pack, args.model, "full",
-                   max_frames=args.frames, backbone=backbone)
+        api.encode(
+            str(Path(tmp) / "set" / "clips" / "clip_0000.mp4"),
+            pack,
+            args.model,
+            "full",
+            max_frames=args.frames,
+            backbone=backbone,
+        )
 
-        configs = [("none", None, 1.0)] + [(m, m, float(b)) for m in args.methods.split(",")
-                                            for b in args.budgets.split(",")]
+        configs = [("none", None, 1.0)] + [
+            (m, m, float(b)) for m in args.methods.split(",") for b in args.budgets.split(",")
+        ]
         times = {c: [] for c in configs}
         kept, generated = {}, {}
         # Every configuration once per round, in a fresh random order, rounds repeated: drift in the machine's
@@ -56,8 +65,14 @@ def main() -> None:
             shuffle(order)
             for config in order:
                 _, prune, budget = config
-                answer = api.ask(pack, "which shape appeared first ?", backbone=backbone, max_new_tokens=args.tokens,
-                                 prune=prune, budget=budget if prune else None)
+                answer = api.ask(
+                    pack,
+                    "which shape appeared first ?",
+                    backbone=backbone,
+                    max_new_tokens=args.tokens,
+                    prune=prune,
+                    budget=budget if prune else None,
+                )
                 times[config].append(answer.decode_s_per_token)
                 kept[config] = answer.kv_tokens or [answer.context_tokens] * kv["layers"]
                 generated[config] = len(answer.token_ids)
@@ -65,14 +80,33 @@ def main() -> None:
         for config in configs:
             label, _, budget = config
             t = statistics.median(times[config])
-            rows.append({"method": label, "budget": budget, "decode_s_per_token": t,
-                         "kv_bytes": sum(kept[config]) * per_token, "tokens_generated": generated[config],
-                         "ratio": t / base})
-            print(f"{label:10s} {budget:4.2f}: {1000 * t:.2f} ms/token ({t / base:.2f}x), "
-                  f"KV {sum(kept[config]) * per_token / 2**20:.2f} MiB", flush=True)
+            rows.append(
+                {
+                    "method": label,
+                    "budget": budget,
+                    "decode_s_per_token": t,
+                    "kv_bytes": sum(kept[config]) * per_token,
+                    "tokens_generated": generated[config],
+                    "ratio": t / base,
+                }
+            )
+            print(
+                f"{label:10s} {budget:4.2f}: {1000 * t:.2f} ms/token ({t / base:.2f}x), "
+                f"KV {sum(kept[config]) * per_token / 2**20:.2f} MiB",
+                flush=True,
+            )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "decode_cost.json").write_text(json.dumps({"model": args.model, "frames": args.frames,
-                                                          "device": str(backbone.device), "rows": rows}, indent=1))
+    (RESULTS / "decode_cost.json").write_text(
+        json.dumps(
+            {
+                "model": args.model,
+                "frames": args.frames,
+                "device": str(backbone.device),
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

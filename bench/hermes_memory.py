@@ -31,8 +31,21 @@ print(json.dumps({"peak_rss": peak, "peak_kv": info["peak_kv_bytes"], "encode_s"
 
 
 def measure(video: Path, model: str, method: str, budget_tokens: int, work: Path) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHILD, str(video), str(work / "out.kvpack"), model, method,
-                           str(budget_tokens)], capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            str(video),
+            str(work / "out.kvpack"),
+            model,
+            method,
+            str(budget_tokens),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     if done.returncode != 0:
         raise SystemExit(f"encode failed: {done.stderr.strip().splitlines()[-1]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -54,18 +67,29 @@ def main() -> None:
             folder = work / f"f{frames}"
             write_dataset(folder, clips=1, frames=frames, seed=1, kind="normal")
             for method in args.methods.split(","):
-                result = measure(folder / "clips" / "clip_0000.mp4", args.model, method, args.budget_tokens, work)
+                result = measure(
+                    folder / "clips" / "clip_0000.mp4", args.model, method, args.budget_tokens, work
+                )
                 rows.append({"frames": frames, "method": method, **result})
-                print(f"{method:8s} {frames:5d} frames: peak RSS {result['peak_rss'] / 2**20:7.1f} MiB, "
-                      f"peak KV {result['peak_kv'] / 2**20:6.2f} MiB, kept {result['kept']}/{result['total']}, "
-                      f"{result['encode_s']:.1f}s", flush=True)
+                print(
+                    f"{method:8s} {frames:5d} frames: peak RSS {result['peak_rss'] / 2**20:7.1f} MiB, "
+                    f"peak KV {result['peak_kv'] / 2**20:6.2f} MiB, kept {result['kept']}/{result['total']}, "
+                    f"{result['encode_s']:.1f}s",
+                    flush=True,
+                )
     frames = sorted({r["frames"] for r in rows})
     for method in args.methods.split(","):
         rss = {r["frames"]: r["peak_rss"] for r in rows if r["method"] == method}
-        print(f"{method}: peak RSS {frames[-1]} / {frames[0]} frames = {rss[frames[-1]] / rss[frames[0]]:.2f}x")
+        print(
+            f"{method}: peak RSS {frames[-1]} / {frames[0]} frames = {rss[frames[-1]] / rss[frames[0]]:.2f}x"
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "hermes_memory.json").write_text(json.dumps({"model": args.model, "budget_tokens": args.budget_tokens,
-                                                            "rows": rows}, indent=1) + "\n")
+    (RESULTS / "hermes_memory.json").write_text(
+        json.dumps(
+            {"model": args.model, "budget_tokens": args.budget_tokens, "rows": rows}, indent=1
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from mmkv_cli.backbones import Backbone
 from mmkv_cli.ask_prune import AskPrune, prune_context
 from mmkv_cli.attention import Recorder, recording
+from mmkv_cli.backbones import Backbone
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.methods import ContextPolicy
 from mmkv_cli.pack import PackReader
@@ -38,12 +38,19 @@ def check_compatible(reader: PackReader, backbone: Backbone) -> None:
     here = backbone.fingerprint()
     for key in ("family", "config_sha256", "weights_sha256"):
         if made.get(key) != here.get(key):
-            raise PackError(f"{reader.path} was made with model '{made.get('model')}' ({made.get('family')}, "
-                            f"config {made.get('config_sha256')}), not '{here['model']}': re-encode it with this model")
+            raise PackError(
+                f"{reader.path} was made with model '{made.get('model')}' ({made.get('family')}, "
+                f"config {made.get('config_sha256')}), not '{here['model']}': re-encode it with this model"
+            )
 
 
-def build_cache(backbone: Backbone, reader: PackReader, names: list[str], positions: str = "keep",
-                asked_after: str | None = None):
+def build_cache(
+    backbone: Backbone,
+    reader: PackReader,
+    names: list[str],
+    positions: str = "keep",
+    asked_after: str | None = None,
+):
     """Concatenate prefix + chosen blocks + suffix per layer into a fresh cache.
 
     positions "keep": stored positions, the question at the stored next position. "reindex": every layer's
@@ -61,9 +68,13 @@ def build_cache(backbone: Backbone, reader: PackReader, names: list[str], positi
     if asked_after is None:
         suffix = reader.segment("suffix")
         parts.append((suffix.keys, suffix.values, suffix.positions))
-    keys, values, kept_positions = ([torch.cat([p[i][layer] for p in parts], dim=1) for layer in range(layers)]
-                                    for i in range(3))
-    stored_next = int(reader.header["layout"]["next_position"])  # stored: never derived from the cache length
+    keys, values, kept_positions = (
+        [torch.cat([p[i][layer] for p in parts], dim=1) for layer in range(layers)]
+        for i in range(3)
+    )
+    stored_next = int(
+        reader.header["layout"]["next_position"]
+    )  # stored: never derived from the cache length
     next_position = stored_next
     end = None  # where the context ends (keep: the last position shown by the moment, + 1)
     if positions == "reindex":
@@ -86,10 +97,17 @@ def build_cache(backbone: Backbone, reader: PackReader, names: list[str], positi
         start = int(stored.min()) if stored.numel() else stored_next
         lead = (backbone.suffix_embeds(), stored - start + end)
         next_position = stored_next - start + end
-    return backbone.cache_from_layers(keys, values), max(int(k.shape[1]) for k in keys), next_position, lead
+    return (
+        backbone.cache_from_layers(keys, values),
+        max(int(k.shape[1]) for k in keys),
+        next_position,
+        lead,
+    )
 
 
-def question_vector(backbone: Backbone, reader: PackReader, ids: list[int], mode: str) -> torch.Tensor:
+def question_vector(
+    backbone: Backbone, reader: PackReader, ids: list[int], mode: str
+) -> torch.Tensor:
     """The question as one retrieval vector, from a forward over [init prompt + question] (no video).
 
     query_mean: the last layer's post-RoPE queries averaged over the question's tokens and over the query
@@ -101,7 +119,11 @@ def question_vector(backbone: Backbone, reader: PackReader, ids: list[int], mode
     last = len(prefix.keys) - 1
     recorder = Recorder(layers={last}, queries=True)
     with recording(recorder):
-        backbone.forward(backbone.embed_ids(ids), backbone.text_positions(prefix.layer_counts[0], len(ids)), cache)
+        backbone.forward(
+            backbone.embed_ids(ids),
+            backbone.text_positions(prefix.layer_counts[0], len(ids)),
+            cache,
+        )
     if mode == "last_key":
         return cache.layers[last].keys[0, :, -1].float().reshape(-1).cpu()
     if mode != "query_mean":
@@ -114,28 +136,45 @@ def question_vector(backbone: Backbone, reader: PackReader, ids: list[int], mode
 def _representatives(reader: PackReader) -> torch.Tensor:
     reps = reader.representatives()
     if reps is None:
-        raise PackError(f"{reader.path} stores no block representatives, so its blocks cannot be retrieved")
+        raise PackError(
+            f"{reader.path} stores no block representatives, so its blocks cannot be retrieved"
+        )
     return reps
 
 
 @torch.inference_mode()
-def answer_from_pack(backbone: Backbone, reader: PackReader, policy: ContextPolicy, question: str,
-                     max_new_tokens: int = 32, on_token: Callable[[str], None] | None = None,
-                     keep_logits: bool = False, before: float | None = None,
-                     prune: AskPrune | None = None) -> Answer:
+def answer_from_pack(
+    backbone: Backbone,
+    reader: PackReader,
+    policy: ContextPolicy,
+    question: str,
+    max_new_tokens: int = 32,
+    on_token: Callable[[str], None] | None = None,
+    keep_logits: bool = False,
+    before: float | None = None,
+    prune: AskPrune | None = None,
+) -> Answer:
     check_compatible(reader, backbone)
     start = time.perf_counter()
     ids = backbone.question_ids(question, reader.header["prompt"]["question"])
     if not ids:
         raise PackError("the question is empty after tokenisation")
-    selection = policy.select(reader.blocks, lambda: _representatives(reader),
-                              lambda mode: question_vector(backbone, reader, ids, mode), before)
+    selection = policy.select(
+        reader.blocks,
+        lambda: _representatives(reader),
+        lambda mode: question_vector(backbone, reader, ids, mode),
+        before,
+    )
     names = selection.names
-    cache, context, position, lead = build_cache(backbone, reader, names, policy.position_mode,
-                                                 selection.asked_after)
+    cache, context, position, lead = build_cache(
+        backbone, reader, names, policy.position_mode, selection.asked_after
+    )
     embeds, positions = backbone.embed_ids(ids), backbone.text_positions(position, len(ids))
     if lead is not None:
-        embeds, positions = torch.cat([lead[0], embeds], dim=1), torch.cat([lead[1], positions], dim=1)
+        embeds, positions = (
+            torch.cat([lead[0], embeds], dim=1),
+            torch.cat([lead[1], positions], dim=1),
+        )
     recorder = Recorder(layers=set(range(len(cache.layers))), rows=True) if prune else None
     with recording(recorder) if recorder else nullcontext():
         hidden = backbone.forward(embeds, positions, cache)
@@ -144,9 +183,19 @@ def answer_from_pack(backbone: Backbone, reader: PackReader, policy: ContextPoli
     if prune:
         # the context's visual tokens per layer, from the table's columns (no per-block dicts)
         chosen = [reader.blocks.index_of(n) for n in names]
-        visual = reader.blocks.layer_totals()[chosen].sum(dim=0).tolist() if chosen else [0] * len(cache.layers)
-        kv_tokens = prune_context(cache, recorder.row, reader.segment("prefix").layer_counts, visual,
-                                  embeds.shape[1], prune)
+        visual = (
+            reader.blocks.layer_totals()[chosen].sum(dim=0).tolist()
+            if chosen
+            else [0] * len(cache.layers)
+        )
+        kv_tokens = prune_context(
+            cache,
+            recorder.row,
+            reader.segment("prefix").layer_counts,
+            visual,
+            embeds.shape[1],
+            prune,
+        )
     logits = backbone.logits(hidden[:, -1])
     first_logits = logits[0].cpu().clone() if keep_logits else None
     stops = backbone.stop_ids()
@@ -164,17 +213,27 @@ def answer_from_pack(backbone: Backbone, reader: PackReader, policy: ContextPoli
         out.append(token)
         text = backbone.decode(out)
         if on_token and text != shown:
-            on_token(text[len(shown):] if text.startswith(shown) else text)
+            on_token(text[len(shown) :] if text.startswith(shown) else text)
         shown = text
         if len(out) == max_new_tokens:
             break
-        hidden = backbone.forward(backbone.embed_ids([token]), backbone.text_positions(position, 1), cache)
+        hidden = backbone.forward(
+            backbone.embed_ids([token]), backbone.text_positions(position, 1), cache
+        )
         position += 1
         logits = backbone.logits(hidden[:, -1])
     total = time.perf_counter() - start
     steps = max(1, len(out) - 1)
-    return Answer(answer=shown.strip(), token_ids=out, context_tokens=context + embeds.shape[1],
-                  ttft_s=ttft or total, total_s=total,
-                  decode_s_per_token=(time.perf_counter() - decode_start) / steps if len(out) > 1 else 0.0,
-                  blocks_used=names, retrieved=selection.explain, bytes_read=reader.bytes_read,
-                  first_logits=first_logits, kv_tokens=kv_tokens)
+    return Answer(
+        answer=shown.strip(),
+        token_ids=out,
+        context_tokens=context + embeds.shape[1],
+        ttft_s=ttft or total,
+        total_s=total,
+        decode_s_per_token=(time.perf_counter() - decode_start) / steps if len(out) > 1 else 0.0,
+        blocks_used=names,
+        retrieved=selection.explain,
+        bytes_read=reader.bytes_read,
+        first_logits=first_logits,
+        kv_tokens=kv_tokens,
+    )

@@ -7,8 +7,8 @@ setting the AirCache and MEDA papers measure (faster decoding, less KV). Text KV
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -34,8 +34,14 @@ def ask_pruner(method: str, budget: float | None) -> AskPrune:
     return AskPrune(method, policy.budget, preset.params, module.prune_at_ask)
 
 
-def prune_context(cache, rows: dict[int, torch.Tensor], prefix: list[int], visual: list[int], question: int,
-                  prune: AskPrune) -> list[int]:
+def prune_context(
+    cache,
+    rows: dict[int, torch.Tensor],
+    prefix: list[int],
+    visual: list[int],
+    question: int,
+    prune: AskPrune,
+) -> list[int]:
     """Cut each layer's visual span [prefix, prefix + visual) of `cache` to what `prune` keeps.
 
     rows: layer -> [1, question, keys] the question's attention. Returns the KV tokens per layer after.
@@ -44,10 +50,13 @@ def prune_context(cache, rows: dict[int, torch.Tensor], prefix: list[int], visua
     lengths = [int(cache.layers[l].keys.shape[2]) for l in range(layers)]
     spans = [slice(prefix[l], prefix[l] + visual[l]) for l in range(layers)]
     asked = [slice(lengths[l] - question, lengths[l]) for l in range(layers)]
-    keep = prune.keep([rows[l][0].cpu() for l in range(layers)], spans, asked, prune.budget, prune.params)
+    keep = prune.keep(
+        [rows[l][0].cpu() for l in range(layers)], spans, asked, prune.budget, prune.params
+    )
     for layer, local in enumerate(keep):
         entry, span = cache.layers[layer], spans[layer]
-        index = torch.cat([torch.arange(span.start), span.start + local,
-                           torch.arange(span.stop, lengths[layer])]).to(entry.keys.device)
+        index = torch.cat(
+            [torch.arange(span.start), span.start + local, torch.arange(span.stop, lengths[layer])]
+        ).to(entry.keys.device)
         entry.keys, entry.values = entry.keys[:, :, index], entry.values[:, :, index]
     return [int(e.keys.shape[2]) for e in cache.layers]

@@ -20,7 +20,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 NAME = "mmkv"
 QUERY_ROWS_PER_STEP = 256  # rows of QK^T computed at once when scoring: bounds peak memory
 
-_active: contextvars.ContextVar["Recorder | None"] = contextvars.ContextVar("mmkv_recorder", default=None)
+_active: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar(
+    "mmkv_recorder", default=None
+)
 
 
 @dataclass
@@ -33,9 +35,13 @@ class Recorder:
     rows: bool = False
     # name -> fn(block [B, rows, kv_len] head-mean attention) -> tensor; summed over row blocks per layer
     reducers: dict = field(default_factory=dict)
-    column_sum: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, kv_len] float32
+    column_sum: dict[int, torch.Tensor] = field(
+        default_factory=dict
+    )  # layer -> [B, kv_len] float32
     reduced: dict[int, dict] = field(default_factory=dict)  # layer -> name -> summed reducer output
-    row: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, q_len, kv_len] float32
+    row: dict[int, torch.Tensor] = field(
+        default_factory=dict
+    )  # layer -> [B, q_len, kv_len] float32
     query: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, H, q_len, D]
 
 
@@ -48,7 +54,7 @@ def _row_blocks(query: torch.Tensor, key: torch.Tensor, scaling: float):
     key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1).float()
     keys_at = torch.arange(k_len, device=query.device)
     for start in range(0, q_len, QUERY_ROWS_PER_STEP):
-        rows = query[:, :, start:start + QUERY_ROWS_PER_STEP].float()
+        rows = query[:, :, start : start + QUERY_ROWS_PER_STEP].float()
         scores = rows @ key.transpose(-1, -2) * scaling
         row_at = torch.arange(start, start + rows.shape[2], device=query.device) + (k_len - q_len)
         scores = scores.masked_fill(keys_at[None, :] > row_at[:, None], float("-inf"))
@@ -85,17 +91,23 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
                 for name, fn in recorder.reducers.items():
                     out = fn(block)
                     totals[name] = totals[name] + out if name in totals else out
-    return sdpa_attention_forward(module, query, key, value, own_length_mask(query, key, attention_mask), **kwargs)
+    return sdpa_attention_forward(
+        module, query, key, value, own_length_mask(query, key, attention_mask), **kwargs
+    )
 
 
-def own_length_mask(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+def own_length_mask(
+    query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor | None:
     """The causal mask for this layer's own key length.
 
     The model builds one mask from layer 0's cache length; a compressed cache may hold a different number of
     keys in each layer (the queries are always the newest entries), so such a layer gets its own mask.
     """
     q_len, k_len = query.shape[2], key.shape[2]
-    if (mask is None and (q_len == 1 or q_len == k_len)) or (mask is not None and mask.shape[-1] == k_len):
+    if (mask is None and (q_len == 1 or q_len == k_len)) or (
+        mask is not None and mask.shape[-1] == k_len
+    ):
         return mask
     rows = torch.arange(q_len, device=query.device)[:, None] + (k_len - q_len)
     return (torch.arange(k_len, device=query.device)[None, :] <= rows)[None, None]

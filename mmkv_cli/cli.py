@@ -7,18 +7,26 @@ import os
 import sys
 import time
 import warnings
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import typer
 
 from mmkv_cli.errors import MmkvError, UsageError
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
-                  help="Encode video, image sets and documents into compressed KV caches; answer from them later.")
+app = typer.Typer(
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    no_args_is_help=True,
+    help="Encode video, image sets and documents into compressed KV caches; answer from them later.",
+)
 
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else.")
-ModelOpt = typer.Option(None, "--model", "-m", help="Preset name, HF id or local path (default: $MMKV_MODEL or "
-                        "llava-ov-0.5b).")
+ModelOpt = typer.Option(
+    None,
+    "--model",
+    "-m",
+    help="Preset name, HF id or local path (default: $MMKV_MODEL or llava-ov-0.5b).",
+)
 DeviceOpt = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
 DtypeOpt = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16.")
 
@@ -52,8 +60,12 @@ def _run(body: Callable[[], None]) -> None:
         if os.environ.get("MMKV_DEBUG"):
             raise
         first = str(err).splitlines()[0] if str(err) else ""
-        err_console.print(f"[red]error:[/red] internal error: {type(err).__name__}: {first} "
-                          "(run with MMKV_DEBUG=1 for a traceback)", highlight=False, soft_wrap=True)
+        err_console.print(
+            f"[red]error:[/red] internal error: {type(err).__name__}: {first} "
+            "(run with MMKV_DEBUG=1 for a traceback)",
+            highlight=False,
+            soft_wrap=True,
+        )
         raise typer.Exit(70)
 
 
@@ -67,13 +79,23 @@ def encode(
     media: str = typer.Argument(..., help="Video file, PDF, image, image folder or glob."),
     output: str = typer.Option(..., "--output", "-o", help="The .kvpack to write."),
     method: str = typer.Option("full", "--method", help="Memory policy (see `mmkv methods`)."),
-    budget: Optional[float] = typer.Option(None, "--budget", help="Fraction of visual tokens kept, in (0, 1]."),
-    budget_tokens: Optional[int] = typer.Option(None, "--budget-tokens", help="Visual tokens kept per layer, for "
-                                                "methods with a fixed token budget (hermes)."),
-    fps: Optional[float] = typer.Option(None, "--fps", help="Frames sampled per second (default: model preset)."),
-    max_frames: Optional[int] = typer.Option(None, "--max-frames", help="At most this many frames."),
+    budget: float | None = typer.Option(
+        None, "--budget", help="Fraction of visual tokens kept, in (0, 1]."
+    ),
+    budget_tokens: int | None = typer.Option(
+        None,
+        "--budget-tokens",
+        help="Visual tokens kept per layer, for methods with a fixed token budget (hermes).",
+    ),
+    fps: float | None = typer.Option(
+        None, "--fps", help="Frames sampled per second (default: model preset)."
+    ),
+    max_frames: int | None = typer.Option(None, "--max-frames", help="At most this many frames."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
-    model: Optional[str] = ModelOpt, device: str = DeviceOpt, dtype: str = DtypeOpt, as_json: bool = JsonOpt,
+    model: str | None = ModelOpt,
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+    as_json: bool = JsonOpt,
 ) -> None:
     """Turn media into the model's KV cache, compress it with METHOD and save it as a .kvpack."""
 
@@ -82,8 +104,19 @@ def encode(
         from mmkv_cli.display import budget_label, encode_progress, human_bytes, out_console
 
         if as_json:
-            info = api.encode(media, output, model, method, budget, device, dtype, fps, max_frames, force,
-                              budget_tokens=budget_tokens)
+            info = api.encode(
+                media,
+                output,
+                model,
+                method,
+                budget,
+                device,
+                dtype,
+                fps,
+                max_frames,
+                force,
+                budget_tokens=budget_tokens,
+            )
             _emit_json(info)
             return
         bar = encode_progress()
@@ -100,15 +133,30 @@ def encode(
             bar.update(task, completed=frames, rate=f"{rate:,.0f} tok/s")
 
         try:
-            info = api.encode(media, output, model, method, budget, device, dtype, fps, max_frames, force,
-                              progress=on_progress, on_start=on_start, budget_tokens=budget_tokens)
+            info = api.encode(
+                media,
+                output,
+                model,
+                method,
+                budget,
+                device,
+                dtype,
+                fps,
+                max_frames,
+                force,
+                progress=on_progress,
+                on_start=on_start,
+                budget_tokens=budget_tokens,
+            )
         finally:
             if started:
                 bar.stop()
-        out_console.print(f"wrote {info['path']}: {info['method']} ({budget_label(info)}), "
-                          f"{info['visual_tokens_kept']}/{info['visual_tokens_total']} visual tokens, "
-                          f"{info['blocks']} blocks, {human_bytes(info['bytes'])}, {info['encode_s']:.2f}s",
-                          highlight=False)
+        out_console.print(
+            f"wrote {info['path']}: {info['method']} ({budget_label(info)}), "
+            f"{info['visual_tokens_kept']}/{info['visual_tokens_total']} visual tokens, "
+            f"{info['blocks']} blocks, {human_bytes(info['bytes'])}, {info['encode_s']:.2f}s",
+            highlight=False,
+        )
 
     _run(body)
 
@@ -118,14 +166,30 @@ def ask(
     pack: str = typer.Argument(..., help="A .kvpack written by `mmkv encode`."),
     question: str = typer.Argument(..., help="The question; '-' reads it from stdin."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Longest answer, in tokens."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Override the model the pack names."),
-    explain: bool = typer.Option(False, "--explain", help="List the retrieved blocks and their scores."),
-    at: Optional[float] = typer.Option(None, "--at", help="The question's moment (s): only earlier blocks count."),
-    positions: Optional[str] = typer.Option(None, "--positions", help="keep | reindex (default: the method's)."),
-    prune: Optional[str] = typer.Option(None, "--prune", help="Prune the context's visual KV by the question's "
-                                        "attention before decoding: aircache, snapkv or pyramidkv."),
-    budget: Optional[float] = typer.Option(None, "--budget", help="With --prune: fraction of visual KV kept."),
-    device: str = DeviceOpt, dtype: str = DtypeOpt, as_json: bool = JsonOpt,
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="Override the model the pack names."
+    ),
+    explain: bool = typer.Option(
+        False, "--explain", help="List the retrieved blocks and their scores."
+    ),
+    at: float | None = typer.Option(
+        None, "--at", help="The question's moment (s): only earlier blocks count."
+    ),
+    positions: str | None = typer.Option(
+        None, "--positions", help="keep | reindex (default: the method's)."
+    ),
+    prune: str | None = typer.Option(
+        None,
+        "--prune",
+        help="Prune the context's visual KV by the question's "
+        "attention before decoding: aircache, snapkv or pyramidkv.",
+    ),
+    budget: float | None = typer.Option(
+        None, "--budget", help="With --prune: fraction of visual KV kept."
+    ),
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+    as_json: bool = JsonOpt,
 ) -> None:
     """Answer QUESTION from a saved pack, without the media."""
 
@@ -142,18 +206,29 @@ def ask(
         options = dict(at=at, positions=positions, prune=prune, budget=budget)
         if as_json:
             answer = api.ask(pack, text, model, device, dtype, max_new_tokens, **options)
-            _emit_json({"question": text, "answer": answer.answer, "context_tokens": answer.context_tokens,
-                        "ttft_s": answer.ttft_s, "total_s": answer.total_s,
-                        "decode_s_per_token": answer.decode_s_per_token, "blocks": len(answer.blocks_used),
-                        "bytes_read": answer.bytes_read, "retrieved": answer.retrieved,
-                        "kv_tokens_after_prune": answer.kv_tokens})
+            _emit_json(
+                {
+                    "question": text,
+                    "answer": answer.answer,
+                    "context_tokens": answer.context_tokens,
+                    "ttft_s": answer.ttft_s,
+                    "total_s": answer.total_s,
+                    "decode_s_per_token": answer.decode_s_per_token,
+                    "blocks": len(answer.blocks_used),
+                    "bytes_read": answer.bytes_read,
+                    "retrieved": answer.retrieved,
+                    "kv_tokens_after_prune": answer.kv_tokens,
+                }
+            )
             return
 
         def stream(piece: str) -> None:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        answer = api.ask(pack, text, model, device, dtype, max_new_tokens, on_token=stream, **options)
+        answer = api.ask(
+            pack, text, model, device, dtype, max_new_tokens, on_token=stream, **options
+        )
         sys.stdout.write("\n")
         if explain:
             from mmkv_cli.display import show_retrieved
@@ -181,13 +256,20 @@ def inspect(pack: str = typer.Argument(..., help="A .kvpack."), as_json: bool = 
 def profile(
     media: str = typer.Argument(..., help="Media to encode once per method."),
     methods: str = typer.Option("full,recency", "--methods", help="Comma-separated methods."),
-    budget: Optional[float] = typer.Option(None, "--budget", help="Budget for every method (default: presets)."),
-    question: str = typer.Option("what happened first?", "--question", help="Question asked from each pack."),
+    budget: float | None = typer.Option(
+        None, "--budget", help="Budget for every method (default: presets)."
+    ),
+    question: str = typer.Option(
+        "what happened first?", "--question", help="Question asked from each pack."
+    ),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens"),
-    fps: Optional[float] = typer.Option(None, "--fps"),
-    max_frames: Optional[int] = typer.Option(None, "--max-frames"),
-    plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG of the ratios to full."),
-    model: Optional[str] = ModelOpt, device: str = DeviceOpt, dtype: str = DtypeOpt, as_json: bool = JsonOpt,
+    fps: float | None = typer.Option(None, "--fps"),
+    max_frames: int | None = typer.Option(None, "--max-frames"),
+    plot: str | None = typer.Option(None, "--plot", help="Write a PNG of the ratios to full."),
+    model: str | None = ModelOpt,
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+    as_json: bool = JsonOpt,
 ) -> None:
     """Measure encode time, pack size, memory and ask latency, method against method."""
 
@@ -196,7 +278,9 @@ def profile(
         from mmkv_cli.display import show_profile
 
         names = [m.strip() for m in methods.split(",") if m.strip()]
-        result = prof.profile(media, names, model, budget, question, max_new_tokens, device, dtype, fps, max_frames)
+        result = prof.profile(
+            media, names, model, budget, question, max_new_tokens, device, dtype, fps, max_frames
+        )
         if plot:
             prof.plot(result, plot)
             result["plot"] = plot
@@ -216,9 +300,18 @@ def methods(as_json: bool = JsonOpt) -> None:
         rows = []
         for name in method_names():
             preset = load_method_preset(name)
-            rows.append({"name": name, "budget": preset.budget, "description": preset.description,
-                         "paper": preset.paper, "params": preset.params})
-        _emit_json({"methods": rows}) if as_json else show_listing("methods", rows, ["name", "budget", "description"])
+            rows.append(
+                {
+                    "name": name,
+                    "budget": preset.budget,
+                    "description": preset.description,
+                    "paper": preset.paper,
+                    "params": preset.params,
+                }
+            )
+        _emit_json({"methods": rows}) if as_json else show_listing(
+            "methods", rows, ["name", "budget", "description"]
+        )
 
     _run(body)
 
@@ -235,28 +328,50 @@ def models(as_json: bool = JsonOpt) -> None:
         rows = []
         for name in model_names():
             p = load_model_preset(name)
-            rows.append({"name": name, "family": p.family, "source": p.source, "description": p.description,
-                         "default": name == default_model()})
+            rows.append(
+                {
+                    "name": name,
+                    "family": p.family,
+                    "source": p.source,
+                    "description": p.description,
+                    "default": name == default_model(),
+                }
+            )
         _emit_json({"models": rows, "default": default_model()}) if as_json else show_listing(
-            f"models (default: {default_model()})", rows, ["name", "family", "source", "description"])
+            f"models (default: {default_model()})",
+            rows,
+            ["name", "family", "source", "description"],
+        )
 
     _run(body)
 
 
 @app.command("eval")
 def eval_(
-    qa_file: str = typer.Argument(..., help="Questions: JSONL {video, question, options?, answer, timestamp?} "
-                                  "or ReKV/MLVU JSON."),
+    qa_file: str = typer.Argument(
+        ...,
+        help="Questions: JSONL {video, question, options?, answer, timestamp?} or ReKV/MLVU JSON.",
+    ),
     methods: str = typer.Option("full,recency", "--methods", help="Comma-separated methods."),
-    budgets: str = typer.Option("0.5,0.1", "--budgets", help="Comma-separated budgets (methods that keep "
-                                "everything run once, at 1)."),
-    out: str = typer.Option("eval", "--out", "-o", help="Results folder: OUT/<model>/<method>-b<budget>/."),
-    positions: Optional[str] = typer.Option(None, "--positions", help="keep | reindex (default: each method's)."),
+    budgets: str = typer.Option(
+        "0.5,0.1",
+        "--budgets",
+        help="Comma-separated budgets (methods that keep everything run once, at 1).",
+    ),
+    out: str = typer.Option(
+        "eval", "--out", "-o", help="Results folder: OUT/<model>/<method>-b<budget>/."
+    ),
+    positions: str | None = typer.Option(
+        None, "--positions", help="keep | reindex (default: each method's)."
+    ),
     max_new_tokens: int = typer.Option(8, "--max-new-tokens"),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N questions."),
-    fps: Optional[float] = typer.Option(None, "--fps"),
-    max_frames: Optional[int] = typer.Option(None, "--max-frames"),
-    model: Optional[str] = ModelOpt, device: str = DeviceOpt, dtype: str = DtypeOpt, as_json: bool = JsonOpt,
+    limit: int | None = typer.Option(None, "--limit", help="Only the first N questions."),
+    fps: float | None = typer.Option(None, "--fps"),
+    max_frames: int | None = typer.Option(None, "--max-frames"),
+    model: str | None = ModelOpt,
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+    as_json: bool = JsonOpt,
 ) -> None:
     """Score methods and budgets on a question set: each clip encoded once per run, answers from the pack."""
 
@@ -278,7 +393,9 @@ def eval_(
             raise UsageError(f"--budgets must be numbers in (0, 1], not '{budgets}'") from None
         plan = []
         for name in names:
-            _, policy = build_method(name, levels[0] if levels else None)  # unknown names fail here, early
+            _, policy = build_method(
+                name, levels[0] if levels else None
+            )  # unknown names fail here, early
             plan += [(name, 1.0)] if policy.keeps_all else [(name, b) for b in levels]
         items = ev.load_items(qa_file)[:limit]
         if not items:
@@ -291,16 +408,26 @@ def eval_(
         with eval_progress() as bar:
             for name, budget in plan:
                 task = bar.add_task(f"{name} b{budget:g}", total=clips)
-                runs.append(ev.evaluate_run(
-                    items, ev.run_folder(root, chosen, name, budget), backbone, chosen, name, budget, fps=fps,
-                    max_frames=max_frames, positions=positions, max_new_tokens=max_new_tokens,
-                    on_clip=lambda n, task=task: bar.update(task, completed=n)))
+                runs.append(
+                    ev.evaluate_run(
+                        items,
+                        ev.run_folder(root, chosen, name, budget),
+                        backbone,
+                        chosen,
+                        name,
+                        budget,
+                        fps=fps,
+                        max_frames=max_frames,
+                        positions=positions,
+                        max_new_tokens=max_new_tokens,
+                        on_clip=lambda n, task=task: bar.update(task, completed=n),
+                    )
+                )
         figure = ev.run_folder(root, chosen, "x", 1).parent / "accuracy_vs_budget.png"
         ev.plot(runs, figure)
         if as_json:
             fields = ("method", "budget", "kept", "accuracy", "by_type", "n")
-            _emit_json({"runs": [{k: r.get(k) for k in fields} for r in runs],
-                        "plot": str(figure)})
+            _emit_json({"runs": [{k: r.get(k) for k in fields} for r in runs], "plot": str(figure)})
         else:
             show_eval(runs, str(figure))
 
@@ -314,7 +441,9 @@ def synth(
     frames: int = typer.Option(64, "--frames", help="Frames per clip."),
     seed: int = typer.Option(0, "--seed", help="Same seed, same clips and questions."),
     fps: float = typer.Option(2.0, "--fps", help="Frame rate of the written videos."),
-    kind: str = typer.Option("mixed", "--kind", help="mixed | normal | needle (mixed: every other clip a needle)."),
+    kind: str = typer.Option(
+        "mixed", "--kind", help="mixed | normal | needle (mixed: every other clip a needle)."
+    ),
     force: bool = typer.Option(False, "--force", help="Replace a set already in OUT_DIR."),
     as_json: bool = JsonOpt,
 ) -> None:
@@ -328,8 +457,11 @@ def synth(
         if as_json:
             _emit_json(info)
         else:
-            out_console.print(f"wrote {info['clips']} clips of {frames} frames and {info['questions']} questions "
-                              f"to {info['folder']}", highlight=False)
+            out_console.print(
+                f"wrote {info['clips']} clips of {frames} frames and {info['questions']} questions "
+                f"to {info['folder']}",
+                highlight=False,
+            )
 
     _run(body)
 

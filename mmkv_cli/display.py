@@ -20,32 +20,63 @@ def human_bytes(n: float) -> str:
 
 
 def encode_progress() -> Progress:
-    return Progress(TextColumn("[bold]encode"), BarColumn(), MofNCompleteColumn(), TextColumn("frames"),
-                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err_console, transient=True)
+    return Progress(
+        TextColumn("[bold]encode"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("frames"),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    )
 
 
 def eval_progress() -> Progress:
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("clips"),
-                    TimeElapsedColumn(), console=err_console, transient=True)
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("clips"),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    )
 
 
 def show_eval(runs: list[dict], figure: str) -> None:
     """Accuracy per run and per question type; the last row is chance level for each column. `kept`: the
     share of visual KV the packs held, measured."""
     types = list(dict.fromkeys(t for r in runs for t in r["by_type"]))
-    table = Table(title="eval: accuracy", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0))
+    table = Table(
+        title="eval: accuracy", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0)
+    )
     for column in ("method", "budget", "kept", "n", "all", *types):
         table.add_column(column, justify="left" if column == "method" else "right", no_wrap=True)
     for r in runs:
         kept = f"{r['kept']:.2f}" if r.get("kept") is not None else "-"
-        table.add_row(r["method"], f"{r['budget']:g}", kept, str(r["n"]), f"{r['accuracy']:.2f}",
-                      *(f"{r['by_type'][t]['accuracy']:.2f}" if t in r["by_type"] else "-" for t in types))
+        table.add_row(
+            r["method"],
+            f"{r['budget']:g}",
+            kept,
+            str(r["n"]),
+            f"{r['accuracy']:.2f}",
+            *(f"{r['by_type'][t]['accuracy']:.2f}" if t in r["by_type"] else "-" for t in types),
+        )
     first = runs[0]["by_type"] if runs else {}
     chances = [first.get(t, {}).get("chance") for t in types]
-    overall = (sum(c * first[t]["n"] for c, t in zip(chances, types)) / runs[0]["n"]
-               if runs and all(c is not None for c in chances) else None)
-    table.add_row("[dim]chance[/dim]", "", "", "", *(f"[dim]{c:.2f}[/dim]" if c is not None else "-"
-                                                  for c in (overall, *chances)))
+    overall = (
+        sum(c * first[t]["n"] for c, t in zip(chances, types)) / runs[0]["n"]
+        if runs and all(c is not None for c in chances)
+        else None
+    )
+    table.add_row(
+        "[dim]chance[/dim]",
+        "",
+        "",
+        "",
+        *(f"[dim]{c:.2f}[/dim]" if c is not None else "-" for c in (overall, *chances)),
+    )
     out_console.print(table)
     out_console.print(f"plot: {figure}", highlight=False)
 
@@ -65,12 +96,21 @@ def show_inspect(info: dict) -> None:
         ("format", f"kvpack v{info['format_version']}"),
         ("model", f"{info['model']} ({info['family']})"),
         ("method", f"{info['method']} ({budget_label(info)})"),
-        ("media", f"{info['media']['kind']} {info['media']['source']} ({info['media']['frames']} frames)"),
+        (
+            "media",
+            f"{info['media']['kind']} {info['media']['source']} ({info['media']['frames']} frames)",
+        ),
         ("blocks", str(info["blocks"])),
         ("visual tokens", f"{kept} kept of {total} ({100 * kept / max(total, 1):.1f}%)"),
         ("prompt tokens", str(info["prompt_tokens"])),
-        ("size", f"{human_bytes(info['bytes'])} on disk, {human_bytes(info['kv_bytes'])} visual KV"),
-        ("positions", f"{info['positions']['dims']}-D, question starts at {info['positions']['next_position']}"),
+        (
+            "size",
+            f"{human_bytes(info['bytes'])} on disk, {human_bytes(info['kv_bytes'])} visual KV",
+        ),
+        (
+            "positions",
+            f"{info['positions']['dims']}-D, question starts at {info['positions']['next_position']}",
+        ),
         ("created", info["created"]),
     ]
     for row in rows:
@@ -92,11 +132,18 @@ def show_inspect(info: dict) -> None:
 
 def show_profile(result: dict) -> None:
     """Two narrow tables, measurements then ratios, so both fit an 80-column terminal."""
-    columns = [("encode", "encode_s", lambda v: f"{v:.2f}s"), ("pack", "bytes", human_bytes),
-               ("kept", "visual_tokens_kept", str), ("peak mem", "peak_mem_bytes", human_bytes),
-               ("peak KV", "peak_kv_bytes", human_bytes), ("TTFT", "ttft_s", lambda v: f"{1000 * v:.1f}ms"),
-               ("decode/tok", "decode_s_per_token", lambda v: f"{1000 * v:.1f}ms")]
-    measured = Table(title=f"profile: {result['model']} on {result['device']}", title_justify="left")
+    columns = [
+        ("encode", "encode_s", lambda v: f"{v:.2f}s"),
+        ("pack", "bytes", human_bytes),
+        ("kept", "visual_tokens_kept", str),
+        ("peak mem", "peak_mem_bytes", human_bytes),
+        ("peak KV", "peak_kv_bytes", human_bytes),
+        ("TTFT", "ttft_s", lambda v: f"{1000 * v:.1f}ms"),
+        ("decode/tok", "decode_s_per_token", lambda v: f"{1000 * v:.1f}ms"),
+    ]
+    measured = Table(
+        title=f"profile: {result['model']} on {result['device']}", title_justify="left"
+    )
     ratios = Table(title=f"ratio to {result['reference']}", title_justify="left")
     for table in (measured, ratios):
         table.add_column("method")
@@ -105,7 +152,13 @@ def show_profile(result: dict) -> None:
     for r in result["methods"]:
         label = f"{r['method']}@{r['budget']:g}"
         measured.add_row(label, *(fmt(r[key]) for _, key, fmt in columns))
-        ratios.add_row(label, *("-" if r["ratio"][key] is None else f"{r['ratio'][key]:.2f}" for _, key, _ in columns))
+        ratios.add_row(
+            label,
+            *(
+                "-" if r["ratio"][key] is None else f"{r['ratio'][key]:.2f}"
+                for _, key, _ in columns
+            ),
+        )
     out_console.print(measured)
     out_console.print(ratios)
 
@@ -122,12 +175,16 @@ def show_listing(title: str, rows: list[dict], columns: list[str]) -> None:
 def show_retrieved(retrieved: list[dict], used: list[str]) -> None:
     """Why the context holds what it holds: each retrieved block, its span and its scores."""
     if not retrieved:
-        err_console.print(f"[dim]no retrieval: the context holds all {len(used)} stored blocks[/dim]")
+        err_console.print(
+            f"[dim]no retrieval: the context holds all {len(used)} stored blocks[/dim]"
+        )
         return
     table = Table(title="retrieved blocks (context order)")
     for column in ("block", "granularity", "time (s)", "score", "reranked"):
         table.add_column(column, justify="right" if column in ("score", "reranked") else "left")
     for r in retrieved:
         span = f"{r['time'][0]:.1f}-{r['time'][1]:.1f}" if r.get("time") else "-"
-        table.add_row(r["block"], r["granularity"], span, f"{r['score']:.3f}", f"{r['reranked']:.3f}")
+        table.add_row(
+            r["block"], r["granularity"], span, f"{r['score']:.3f}", f"{r['reranked']:.3f}"
+        )
     err_console.print(table)

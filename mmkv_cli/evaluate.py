@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from mmkv_cli.errors import UsageError
 
@@ -44,7 +44,7 @@ def _option_letter(answer, options: list[str]) -> str:
     if isinstance(answer, int) and 0 <= answer < len(options):
         return LETTERS[answer]
     text = str(answer).strip()
-    if len(text) == 1 and text.upper() in LETTERS[:len(options)]:
+    if len(text) == 1 and text.upper() in LETTERS[: len(options)]:
         return text.upper()
     matches = [i for i, o in enumerate(options) if normalise(o) == normalise(text)]
     if not matches:
@@ -55,8 +55,14 @@ def _option_letter(answer, options: list[str]) -> str:
 def _item(video: Path, question: str, answer, options, timestamp, kind) -> Item:
     options = [str(o) for o in (options or [])]
     gold = _option_letter(answer, options) if options else normalise(answer)
-    return Item(str(video), str(question), gold, tuple(options),
-                None if timestamp is None else float(timestamp), str(kind or "all"))
+    return Item(
+        str(video),
+        str(question),
+        gold,
+        tuple(options),
+        None if timestamp is None else float(timestamp),
+        str(kind or "all"),
+    )
 
 
 def load_items(path: str | Path) -> list[Item]:
@@ -70,15 +76,32 @@ def load_items(path: str | Path) -> list[Item]:
     try:
         if path.suffix == ".jsonl":
             rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-            return [_item(base / r["video"], r["question"], r["answer"], r.get("options"), r.get("timestamp"),
-                          r.get("type")) for r in rows]
+            return [
+                _item(
+                    base / r["video"],
+                    r["question"],
+                    r["answer"],
+                    r.get("options"),
+                    r.get("timestamp"),
+                    r.get("type"),
+                )
+                for r in rows
+            ]
         data = json.loads(text)
         items = []
         for entry in data if isinstance(data, list) else [data]:
             video = base / entry.get("video_path", entry.get("video_id", ""))
             for turn in entry["conversations"]:
-                items.append(_item(video, turn["question"], turn["answer"], turn.get("choices"),
-                                   turn.get("timestamp"), turn.get("question_type", entry.get("question_type"))))
+                items.append(
+                    _item(
+                        video,
+                        turn["question"],
+                        turn["answer"],
+                        turn.get("choices"),
+                        turn.get("timestamp"),
+                        turn.get("question_type", entry.get("question_type")),
+                    )
+                )
         return items
     except (KeyError, TypeError, json.JSONDecodeError) as err:
         raise UsageError(f"{path} is not in an eval format ({type(err).__name__}: {err})") from err
@@ -96,7 +119,7 @@ def predicted(item: Item, text: str) -> str:
     if not item.options:
         return normalise(text)
     head = re.match(r"\s*\(?([A-Ja-j])\b", text)
-    if head and head.group(1).upper() in LETTERS[:len(item.options)]:
+    if head and head.group(1).upper() in LETTERS[: len(item.options)]:
         return head.group(1).upper()
     for i, option in enumerate(item.options):
         if normalise(option) and normalise(option) == normalise(text):
@@ -116,15 +139,21 @@ def kept_share(info: dict) -> float | None:
 def metrics(rows: list[dict], chance: Callable[[str, int], float | None]) -> dict:
     by_type: dict[str, dict] = {}
     for r in rows:
-        t = by_type.setdefault(r["type"], {"n": 0, "correct": 0, "chance": chance(r["type"], r["options"])})
+        t = by_type.setdefault(
+            r["type"], {"n": 0, "correct": 0, "chance": chance(r["type"], r["options"])}
+        )
         t["n"] += 1
         t["correct"] += int(r["correct"])
     for t in by_type.values():
         t["accuracy"] = t["correct"] / t["n"]
     n = len(rows)
     shares = [r["kept"] for r in rows if r.get("kept") is not None]
-    return {"n": n, "accuracy": sum(int(r["correct"]) for r in rows) / n if n else 0.0,
-            "kept": round(sum(shares) / len(shares), 4) if shares else None, "by_type": by_type}
+    return {
+        "n": n,
+        "accuracy": sum(int(r["correct"]) for r in rows) / n if n else 0.0,
+        "kept": round(sum(shares) / len(shares), 4) if shares else None,
+        "by_type": by_type,
+    }
 
 
 def chance_level(kind: str, options: int) -> float | None:
@@ -160,17 +189,35 @@ def _done(predictions: Path) -> dict[str, dict]:
     return rows
 
 
-def evaluate_run(items: list[Item], folder: Path, backbone, model: str, method: str, budget: float, *,
-                 fps: float | None, max_frames: int | None, positions: str | None, max_new_tokens: int,
-                 on_clip: Callable[[int], None] | None = None) -> dict:
+def evaluate_run(
+    items: list[Item],
+    folder: Path,
+    backbone,
+    model: str,
+    method: str,
+    budget: float,
+    *,
+    fps: float | None,
+    max_frames: int | None,
+    positions: str | None,
+    max_new_tokens: int,
+    on_clip: Callable[[int], None] | None = None,
+) -> dict:
     """One method at one budget over every item; resumes from folder/predictions.jsonl."""
     from mmkv_cli import api
 
     folder.mkdir(parents=True, exist_ok=True)
     predictions = folder / "predictions.jsonl"
     done = _done(predictions)
-    config = {"model": model, "method": method, "budget": budget, "fps": fps, "max_frames": max_frames,
-              "positions": positions, "max_new_tokens": max_new_tokens}
+    config = {
+        "model": model,
+        "method": method,
+        "budget": budget,
+        "fps": fps,
+        "max_frames": max_frames,
+        "positions": positions,
+        "max_new_tokens": max_new_tokens,
+    }
     (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     clips: dict[str, list[Item]] = {}
     for item in items:
@@ -180,18 +227,42 @@ def evaluate_run(items: list[Item], folder: Path, backbone, model: str, method: 
             todo = [i for i in asked if i.key not in done]
             if todo:
                 pack = Path(tmp) / "clip.kvpack"
-                info = api.encode(video, pack, model, method, budget, fps=fps, max_frames=max_frames, force=True,
-                                  backbone=backbone)
+                info = api.encode(
+                    video,
+                    pack,
+                    model,
+                    method,
+                    budget,
+                    fps=fps,
+                    max_frames=max_frames,
+                    force=True,
+                    backbone=backbone,
+                )
                 kept = kept_share(info)
                 for item in todo:
-                    answer = api.ask(pack, prompt_for(item), backbone=backbone, max_new_tokens=max_new_tokens,
-                                     at=item.timestamp, positions=positions)
+                    answer = api.ask(
+                        pack,
+                        prompt_for(item),
+                        backbone=backbone,
+                        max_new_tokens=max_new_tokens,
+                        at=item.timestamp,
+                        positions=positions,
+                    )
                     guess = predicted(item, answer.answer)
-                    row = {"key": item.key, "video": video, "question": item.question, "type": item.type,
-                           "options": len(item.options), "answer": item.answer, "prediction": guess,
-                           "raw": answer.answer, "correct": guess == item.answer,
-                           "context_tokens": answer.context_tokens, "ttft_s": round(answer.ttft_s, 4),
-                           "kept": kept}
+                    row = {
+                        "key": item.key,
+                        "video": video,
+                        "question": item.question,
+                        "type": item.type,
+                        "options": len(item.options),
+                        "answer": item.answer,
+                        "prediction": guess,
+                        "raw": answer.answer,
+                        "correct": guess == item.answer,
+                        "context_tokens": answer.context_tokens,
+                        "ttft_s": round(answer.ttft_s, 4),
+                        "kept": kept,
+                    }
                     sink.write(json.dumps(row) + "\n")
                     sink.flush()
                     done[item.key] = row
@@ -212,10 +283,20 @@ def plot(runs: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, method in enumerate(dict.fromkeys(r["method"] for r in runs)):
         points = sorted((r["budget"], r["accuracy"]) for r in runs if r["method"] == method)
-        if len(points) == 1 and points[0][0] == 1:  # keeps everything: a level to compare the others with
-            ax.axhline(points[0][1], linestyle=":", color=f"C{i % 10}", label=f"{method} (keeps all)")
+        if (
+            len(points) == 1 and points[0][0] == 1
+        ):  # keeps everything: a level to compare the others with
+            ax.axhline(
+                points[0][1], linestyle=":", color=f"C{i % 10}", label=f"{method} (keeps all)"
+            )
         else:
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=f"C{i % 10}", label=method)
+            ax.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                marker="o",
+                color=f"C{i % 10}",
+                label=method,
+            )
     chances = [t["chance"] * t["n"] for t in runs[0]["by_type"].values() if t["chance"] is not None]
     if runs and len(chances) == len(runs[0]["by_type"]):
         ax.axhline(sum(chances) / runs[0]["n"], color="gray", linestyle="--", label="chance")

@@ -14,8 +14,15 @@ from mmkv_cli import api
 from mmkv_cli.backbones import load_backbone
 from mmkv_cli.errors import UsageError
 
-METRICS = ["encode_s", "bytes", "visual_tokens_kept", "peak_mem_bytes", "peak_kv_bytes", "ttft_s",
-           "decode_s_per_token"]
+METRICS = [
+    "encode_s",
+    "bytes",
+    "visual_tokens_kept",
+    "peak_mem_bytes",
+    "peak_kv_bytes",
+    "ttft_s",
+    "decode_s_per_token",
+]
 
 
 class PeakMemory:
@@ -58,10 +65,19 @@ class PeakMemory:
         return False
 
 
-def profile(media: str, methods: list[str], model: str | None = None, budget: float | None = None,
-            question: str = "what happened first?", max_new_tokens: int = 16, device: str = "auto",
-            dtype: str = "auto", fps: float | None = None, max_frames: int | None = None,
-            progress=None) -> dict:
+def profile(
+    media: str,
+    methods: list[str],
+    model: str | None = None,
+    budget: float | None = None,
+    question: str = "what happened first?",
+    max_new_tokens: int = 16,
+    device: str = "auto",
+    dtype: str = "auto",
+    fps: float | None = None,
+    max_frames: int | None = None,
+    progress=None,
+) -> dict:
     if not methods:
         raise UsageError("--methods needs at least one method")
     backbone = load_backbone(model, device, dtype)
@@ -69,27 +85,60 @@ def profile(media: str, methods: list[str], model: str | None = None, budget: fl
     with tempfile.TemporaryDirectory(prefix="mmkv-profile-") as tmp:
         # One short unmeasured run first, so lazy imports and first-call allocations land on no method.
         warm = Path(tmp) / "warmup.kvpack"
-        api.encode(media, warm, method=methods[0], budget=budget, backbone=backbone, fps=fps, max_frames=2,
-                   model=model)
+        api.encode(
+            media,
+            warm,
+            method=methods[0],
+            budget=budget,
+            backbone=backbone,
+            fps=fps,
+            max_frames=2,
+            model=model,
+        )
         api.ask(warm, question, backbone=backbone, max_new_tokens=2)
         for name in methods:
             pack = Path(tmp) / f"{name}.kvpack"
             with PeakMemory(backbone.device) as mem:
-                summary = api.encode(media, pack, method=name, budget=budget, backbone=backbone, fps=fps,
-                                     max_frames=max_frames, model=model)
+                summary = api.encode(
+                    media,
+                    pack,
+                    method=name,
+                    budget=budget,
+                    backbone=backbone,
+                    fps=fps,
+                    max_frames=max_frames,
+                    model=model,
+                )
             answer = api.ask(pack, question, backbone=backbone, max_new_tokens=max_new_tokens)
-            rows.append({"method": name, "budget": summary["budget"], "encode_s": summary["encode_s"],
-                         "bytes": summary["bytes"], "visual_tokens_kept": summary["visual_tokens_kept"],
-                         "visual_tokens_total": summary["visual_tokens_total"], "peak_mem_bytes": mem.peak,
-                         "peak_kv_bytes": summary["peak_kv_bytes"], "ttft_s": answer.ttft_s,
-                         "decode_s_per_token": answer.decode_s_per_token, "answer": answer.answer})
+            rows.append(
+                {
+                    "method": name,
+                    "budget": summary["budget"],
+                    "encode_s": summary["encode_s"],
+                    "bytes": summary["bytes"],
+                    "visual_tokens_kept": summary["visual_tokens_kept"],
+                    "visual_tokens_total": summary["visual_tokens_total"],
+                    "peak_mem_bytes": mem.peak,
+                    "peak_kv_bytes": summary["peak_kv_bytes"],
+                    "ttft_s": answer.ttft_s,
+                    "decode_s_per_token": answer.decode_s_per_token,
+                    "answer": answer.answer,
+                }
+            )
             if progress:
                 progress(name)
     reference = next((r for r in rows if r["method"] == "full"), rows[0])
     for row in rows:
         row["ratio"] = {m: (row[m] / reference[m] if reference[m] else None) for m in METRICS}
-    return {"model": backbone.name, "device": str(backbone.device), "media": media, "question": question,
-            "reference": reference["method"], "methods": rows, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return {
+        "model": backbone.name,
+        "device": str(backbone.device),
+        "media": media,
+        "question": question,
+        "reference": reference["method"],
+        "methods": rows,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
 
 
 def plot(result: dict, path: str | Path) -> None:

@@ -15,13 +15,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, axes: torch.Tensor) -> torch.Tensor:
+def rotate_keys(
+    keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, axes: torch.Tensor
+) -> torch.Tensor:
     """keys [H, n, D] post-RoPE, delta [P, n] position change per axis -> keys at the new positions.
 
     inv_freq [D/2] and axes [D/2] (the position axis each frequency reads; all 0 for 1-D RoPE).
     """
     delta = delta.to(keys.device)
-    angle = delta.to(torch.float64)[axes.to(keys.device)].T * inv_freq.to(keys.device, torch.float64)  # [n, D/2]
+    angle = delta.to(torch.float64)[axes.to(keys.device)].T * inv_freq.to(
+        keys.device, torch.float64
+    )  # [n, D/2]
     angle = torch.cat([angle, angle], dim=-1)
     k = keys.to(torch.float64)
     out = k * angle.cos() + rotate_half(k) * angle.sin()

@@ -1,13 +1,12 @@
 """Regenerate the committed samples: a short clip of moving coloured shapes, an image set and a PDF.
 
-    python samples/make_samples.py        (deterministic: same bytes for the PNGs/PDF, same frames for the clip)
+python samples/make_samples.py        (deterministic: same bytes for the PNGs/PDF, same frames for the clip)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import av
 import numpy as np
 from PIL import Image, ImageDraw
 
@@ -21,7 +20,9 @@ SHAPES = [  # (shape, colour, start xy, velocity xy per second)
 ]
 
 
-def draw_shape(draw: ImageDraw.ImageDraw, kind: str, colour, x: float, y: float, r: int = 10) -> None:
+def draw_shape(
+    draw: ImageDraw.ImageDraw, kind: str, colour, x: float, y: float, r: int = 10
+) -> None:
     box = (x - r, y - r, x + r, y + r)
     if kind == "circle":
         draw.ellipse(box, fill=colour)
@@ -52,7 +53,9 @@ def write_clip(path: Path) -> None:
     from mmkv_cli.synth import write_video
     from mmkv_cli.synth.world import Clip, Event, render
 
-    events = tuple(Event(shape, colour, a, b, 0.45, 0.5, 0.012, -0.006) for shape, colour, a, b in CLIP_EVENTS)
+    events = tuple(
+        Event(shape, colour, a, b, 0.45, 0.5, 0.012, -0.006) for shape, colour, a, b in CLIP_EVENTS
+    )
     clip = Clip("normal", 16, events)
     frames = np.stack([render(clip, f) for f in range(clip.frames) for _ in range(FPS // 2)])
     write_video(path, frames, FPS)

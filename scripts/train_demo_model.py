@@ -55,14 +55,21 @@ class Batches:
         for seed, index, count, kind in specs:
             clip, qa = make_clip(seed, index, count, kind)
             q = qa[int(rng.integers(len(qa)))]
-            if q["type"] == "moment":  # cut at the moment, blank frames first to keep the batch length
+            if (
+                q["type"] == "moment"
+            ):  # cut at the moment, blank frames first to keep the batch length
                 clip = truncated(clip, q["frame"] + 1)
                 clip = shifted(clip, count - clip.frames)
             videos.append(render_clip(clip))
             answer = self.ids(q["answer"])
             assert len(answer) == 1, q["answer"]
-            rows.append(self.prefix + [self.video_id] * (frames * TOKENS_PER_FRAME + 1)
-                        + self.ids(PROMPT.question.format(question=q["question"])) + answer + self.end)
+            rows.append(
+                self.prefix
+                + [self.video_id] * (frames * TOKENS_PER_FRAME + 1)
+                + self.ids(PROMPT.question.format(question=q["question"]))
+                + answer
+                + self.end
+            )
             answers.append(answer + self.end)
             types.append(q["type"])
         pixels = self.processor(videos=videos, return_tensors="pt")["pixel_values_videos"]
@@ -73,7 +80,6 @@ class Batches:
         where = torch.tensor([len(r) - 3 for r in rows])
         ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
         return ids, pixels, torch.tensor(answers), types, where
-
 
     def make_multi(self, specs: list[tuple[int, int, int, str]], rng: np.random.Generator):
         """Every question of each clip in one row: [prompt | video | q1 a1 | q2 a2 | ...], each question seeing
@@ -109,28 +115,31 @@ class Batches:
         positions = torch.zeros(len(rows), width, dtype=torch.long)
         causal = torch.ones(width, width, dtype=torch.bool).tril()
         for r, (row, spans) in enumerate(zip(rows, blocks)):
-            ids[r, :len(row)] = torch.tensor(row)
+            ids[r, : len(row)] = torch.tensor(row)
             mask[r, 0, :video_len, :video_len] = causal[:video_len, :video_len]
             positions[r, :video_len] = torch.arange(video_len)
             for a, b in spans:
                 mask[r, 0, a:b, :video_len] = True
-                mask[r, 0, a:b, a:b] = causal[:b - a, :b - a]
+                mask[r, 0, a:b, a:b] = causal[: b - a, : b - a]
                 positions[r, a:b] = torch.arange(video_len, video_len + b - a)
-            mask[r, 0, len(row):, :] = causal[len(row):, :]  # padding rows: anything valid
+            mask[r, 0, len(row) :, :] = causal[len(row) :, :]  # padding rows: anything valid
         pixels = self.processor(videos=videos, return_tensors="pt")["pixel_values_videos"]
         return ids, pixels, mask, positions, torch.tensor(targets), types
 
 
 def multi_loss(model, ids, pixels, mask, positions, targets) -> torch.Tensor:
-    hidden = model.model(input_ids=ids, pixel_values_videos=pixels, attention_mask=mask,
-                         position_ids=positions).last_hidden_state
+    hidden = model.model(
+        input_ids=ids, pixel_values_videos=pixels, attention_mask=mask, position_ids=positions
+    ).last_hidden_state
     rows, where = targets[:, 0], targets[:, 1]
     picked = torch.stack([hidden[rows, where], hidden[rows, where + 1]], dim=1)
     logits = model.lm_head(picked).float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, 2:].reshape(-1))
 
 
-def pretrain_vision(model, processor, steps: int, batch: int, lr: float, seed: int, device: str) -> None:
+def pretrain_vision(
+    model, processor, steps: int, batch: int, lr: float, seed: int, device: str
+) -> None:
     """Stage 1: teach the vision tower + projector what a frame shows (shape, colour, or nothing), with two
     linear heads on each of a frame's tokens, discarded afterwards. Stage 2 then only has to learn to
     look things up, instead of learning to see through the answer loss alone."""
@@ -138,26 +147,54 @@ def pretrain_vision(model, processor, steps: int, batch: int, lr: float, seed: i
 
     shapes, colours = SHAPES + ["none"], list(COLOURS) + ["none"]
     hidden = model.config.text_config.hidden_size
-    heads = torch.nn.ModuleDict({"shape": torch.nn.Linear(hidden, len(shapes)),
-                                 "colour": torch.nn.Linear(hidden, len(colours))}).to(device)
-    tower = [p for n, p in model.named_parameters() if "language_model" not in n and "lm_head" not in n]
+    heads = torch.nn.ModuleDict(
+        {
+            "shape": torch.nn.Linear(hidden, len(shapes)),
+            "colour": torch.nn.Linear(hidden, len(colours)),
+        }
+    ).to(device)
+    tower = [
+        p for n, p in model.named_parameters() if "language_model" not in n and "lm_head" not in n
+    ]
     opt = torch.optim.AdamW(tower + list(heads.parameters()), lr=lr, weight_decay=0.01)
     rng = np.random.default_rng([seed, 99])
     for step in range(steps):
         images, labels = [], []
         for _ in range(batch):
             empty = rng.random() < 0.1
-            s, c = (len(SHAPES), len(COLOURS)) if empty else (int(rng.integers(len(SHAPES))),
-                                                              int(rng.integers(len(COLOURS))))
-            events = () if empty else (Event(SHAPES[s], colours[c], 0, 1, float(rng.uniform(0.35, 0.65)),
-                                             float(rng.uniform(0.35, 0.65)), 0.0, 0.0),)
+            s, c = (
+                (len(SHAPES), len(COLOURS))
+                if empty
+                else (int(rng.integers(len(SHAPES))), int(rng.integers(len(COLOURS))))
+            )
+            events = (
+                ()
+                if empty
+                else (
+                    Event(
+                        SHAPES[s],
+                        colours[c],
+                        0,
+                        1,
+                        float(rng.uniform(0.35, 0.65)),
+                        float(rng.uniform(0.35, 0.65)),
+                        0.0,
+                        0.0,
+                    ),
+                )
+            )
             images.append(render(Clip("normal", 1, events), 0))
             labels.append((s, c))
-        pixels = processor(videos=[np.stack(images)], return_tensors="pt")["pixel_values_videos"][0][:, None]
+        pixels = processor(videos=[np.stack(images)], return_tensors="pt")["pixel_values_videos"][
+            0
+        ][:, None]
         config = model.config
-        feats = model.model.get_video_features(pixels.to(device), vision_feature_layer=config.vision_feature_layer,
-                                               vision_feature_select_strategy=config.vision_feature_select_strategy,
-                                               return_dict=True).pooler_output  # [batch, tokens + newline, hidden]
+        feats = model.model.get_video_features(
+            pixels.to(device),
+            vision_feature_layer=config.vision_feature_layer,
+            vision_feature_select_strategy=config.vision_feature_select_strategy,
+            return_dict=True,
+        ).pooler_output  # [batch, tokens + newline, hidden]
         # Every token of the frame on its own must tell what the frame shows: the language model then finds
         # a shape by matching any one token, not a sum of four.
         tokens = feats[:, :-1]
@@ -172,20 +209,26 @@ def pretrain_vision(model, processor, steps: int, batch: int, lr: float, seed: i
         if (step + 1) % 100 == 0:
             acc_s = (logits_s.argmax(-1) == target[:, 0]).float().mean().item()
             acc_c = (logits_c.argmax(-1) == target[:, 1]).float().mean().item()
-            print(f"vision step {step + 1} loss {loss.item():.3f} shape acc {acc_s:.2f} colour acc {acc_c:.2f}",
-                  flush=True)
+            print(
+                f"vision step {step + 1} loss {loss.item():.3f} shape acc {acc_s:.2f} colour acc {acc_c:.2f}",
+                flush=True,
+            )
 
 
 def shifted(clip, frames: int):
     """The clip with `frames` empty frames before it."""
     from mmkv_cli.synth.world import Clip, Event
 
-    events = tuple(Event(e.shape, e.colour, e.start + frames, e.stop + frames, e.x0, e.y0, e.vx, e.vy)
-                   for e in clip.events)
+    events = tuple(
+        Event(e.shape, e.colour, e.start + frames, e.stop + frames, e.x0, e.y0, e.vx, e.vy)
+        for e in clip.events
+    )
     return Clip(clip.kind, clip.frames + frames, events)
 
 
-def answer_logits(model, ids: torch.Tensor, pixels: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+def answer_logits(
+    model, ids: torch.Tensor, pixels: torch.Tensor, where: torch.Tensor
+) -> torch.Tensor:
     """Logits at the two positions that predict [answer, end] in each row: [B, 2, vocab]."""
     hidden = model.model(input_ids=ids, pixel_values_videos=pixels).last_hidden_state
     rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
@@ -216,15 +259,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--frames", default="4,8,16,24,32,48,64", help="clip lengths drawn for training batches")
-    ap.add_argument("--curriculum", type=float, default=0.3,
-                    help="share of the steps over which the longest clip drawn grows from the shortest to all")
+    ap.add_argument(
+        "--frames", default="4,8,16,24,32,48,64", help="clip lengths drawn for training batches"
+    )
+    ap.add_argument(
+        "--curriculum",
+        type=float,
+        default=0.3,
+        help="share of the steps over which the longest clip drawn grows from the shortest to all",
+    )
     ap.add_argument("--needle-share", type=float, default=0.35)
     ap.add_argument("--eval-every", type=int, default=500)
-    ap.add_argument("--vision-steps", type=int, default=1500, help="stage 1: frame classification steps")
+    ap.add_argument(
+        "--vision-steps", type=int, default=1500, help="stage 1: frame classification steps"
+    )
     ap.add_argument("--vision-batch", type=int, default=128)
-    ap.add_argument("--init", default=None, help="start from these weights (--vision-steps 0 skips stage 1)")
-    ap.add_argument("--one-question", action="store_true", help="one question per clip per row (slower)")
+    ap.add_argument(
+        "--init", default=None, help="start from these weights (--vision-steps 0 skips stage 1)"
+    )
+    ap.add_argument(
+        "--one-question", action="store_true", help="one question per clip per row (slower)"
+    )
     ap.add_argument("--eval-clips", type=int, default=96)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -254,18 +309,28 @@ def main() -> None:
 
         model.load_state_dict(load_file(args.init))
     if step == 0 and args.vision_steps:
-        pretrain_vision(model, processor, args.vision_steps, args.vision_batch, args.lr, args.seed, args.device)
+        pretrain_vision(
+            model, processor, args.vision_steps, args.vision_batch, args.lr, args.seed, args.device
+        )
     lengths = [int(x) for x in args.frames.split(",")]
     started = time.time()
     while step < args.steps:
-        rng = np.random.default_rng([args.seed, step])  # a step's batch depends on the step only: resumable
+        rng = np.random.default_rng(
+            [args.seed, step]
+        )  # a step's batch depends on the step only: resumable
         # Curriculum: short clips first (visual features and lookups are learnt cheaply), then longer ones.
         grown = min(1.0, step / max(1, args.curriculum * args.steps))
-        allowed = lengths[:max(1, math.ceil(grown * len(lengths)))]
+        allowed = lengths[: max(1, math.ceil(grown * len(lengths)))]
         frames = int(rng.choice(allowed))
-        specs = [(args.seed * 1_000_003 + step, b, frames,
-                  "needle" if frames >= 16 and rng.random() < args.needle_share else "normal")
-                 for b in range(args.batch)]
+        specs = [
+            (
+                args.seed * 1_000_003 + step,
+                b,
+                frames,
+                "needle" if frames >= 16 and rng.random() < args.needle_share else "normal",
+            )
+            for b in range(args.batch)
+        ]
         warm = min(1.0, (step + 1) / 200)
         lr = args.lr * warm * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in opt.param_groups:
@@ -273,28 +338,40 @@ def main() -> None:
         if args.one_question:
             ids, pixels, answers, _, where = batches.make(specs, rng)
             logits = answer_logits(model, ids.to(args.device), pixels.to(args.device), where)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), answers.to(args.device).reshape(-1))
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), answers.to(args.device).reshape(-1)
+            )
         else:
             ids, pixels, mask, positions, targets, _ = batches.make_multi(specs, rng)
-            loss = multi_loss(model, *(t.to(args.device) for t in (ids, pixels, mask, positions, targets)))
+            loss = multi_loss(
+                model, *(t.to(args.device) for t in (ids, pixels, mask, positions, targets))
+            )
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
         if step % 25 == 0:
-            print(f"step {step} loss {loss.item():.4f} lr {lr:.2e} frames {frames} "
-                  f"{(time.time() - started) / 60:.1f} min", flush=True)
+            print(
+                f"step {step} loss {loss.item():.4f} lr {lr:.2e} frames {frames} "
+                f"{(time.time() - started) / 60:.1f} min",
+                flush=True,
+            )
         if step % args.eval_every == 0 or step == args.steps:
             scores = evaluate(model, batches, seed=424242, clips=args.eval_clips, frames=64)
             with log.open("a") as fh:
                 fh.write(json.dumps({"step": step, "loss": round(loss.item(), 4), **scores}) + "\n")
-            print(f"step {step} held-out 64 frames: {json.dumps({k: round(v, 3) for k, v in scores.items()})}",
-                  flush=True)
+            print(
+                f"step {step} held-out 64 frames: {json.dumps({k: round(v, 3) for k, v in scores.items()})}",
+                flush=True,
+            )
             if scores["overall"] > best:
                 best = scores["overall"]
                 save_weights(model, out)
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "best": best}, ckpt)
+            torch.save(
+                {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "best": best},
+                ckpt,
+            )
     print(f"done: best held-out overall {best:.3f}, weights in {out}", flush=True)
 
 

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from mmkv_cli import api
-from mmkv_cli.methods.aircache import elite_window, fit_shares, layer_ratios, skewness, visual_importance
+from mmkv_cli.methods.aircache import (
+    elite_window,
+    fit_shares,
+    layer_ratios,
+    skewness,
+    visual_importance,
+)
 
 
 def test_elite_window_keeps_exactly_the_tokens_above_tau_times_max():
@@ -17,11 +23,21 @@ def test_elite_window_keeps_exactly_the_tokens_above_tau_times_max():
 
 def test_visual_importance_is_the_elite_rows_attention_renormalised_over_visual_and_elite_keys():
     # keys: [prompt 0 | visual 1..3 | instruction 4..6]; rows are the instruction's three tokens
-    rows = torch.tensor([
-        [0.2, 0.1, 0.1, 0.1, 0.5, 0.0, 0.0],
-        [0.1, 0.0, 0.3, 0.1, 0.2, 0.3, 0.0],
-        [0.1, 0.2, 0.0, 0.1, 0.1, 0.5, 0.0],  # the last token: elite = instruction token 1 only (0.5)
-    ])
+    rows = torch.tensor(
+        [
+            [0.2, 0.1, 0.1, 0.1, 0.5, 0.0, 0.0],
+            [0.1, 0.0, 0.3, 0.1, 0.2, 0.3, 0.0],
+            [
+                0.1,
+                0.2,
+                0.0,
+                0.1,
+                0.1,
+                0.5,
+                0.0,
+            ],  # the last token: elite = instruction token 1 only (0.5)
+        ]
+    )
     importance = visual_importance(rows, slice(1, 4), slice(4, 7), tau=0.9)
     elite = rows[1]  # the row of instruction token 1
     expected = elite[1:4] / (elite[1:4].sum() + elite[5])
@@ -38,7 +54,11 @@ def test_layer_budgets_follow_strength_and_skew_and_keep_the_total():
     assert skewness(peaked) > skewness(flat) == 0.0
     shares = fit_shares([10.0, 1.0, 1.0, 0.0], mean=0.4, low=0.05, high=1.0)
     assert shares[0] == 1.0 and min(shares) == 0.05 and sum(shares) / 4 == pytest.approx(0.4)
-    assert fit_shares([5.0, 1.0, 0.0], mean=1.0, low=0.01, high=1.0) == [1.0, 1.0, 1.0]  # everything kept
+    assert fit_shares([5.0, 1.0, 0.0], mean=1.0, low=0.01, high=1.0) == [
+        1.0,
+        1.0,
+        1.0,
+    ]  # everything kept
 
 
 @pytest.mark.parametrize("model", ["tiny-llava-ov", "tiny-qwen2-vl"])
@@ -53,9 +73,18 @@ def test_pruning_at_ask_keeps_the_first_token_and_cuts_each_layer(tmp_path, back
     n_question = len(backbone.question_ids(question))
     text = info["prompt_tokens"] + n_question
     for method in ("aircache", "snapkv", "pyramidkv"):
-        pruned = api.ask(pack, question, backbone=backbone, max_new_tokens=4, keep_logits=True, prune=method,
-                         budget=0.25)
-        assert torch.equal(pruned.first_logits, plain.first_logits)  # the question saw the whole context
+        pruned = api.ask(
+            pack,
+            question,
+            backbone=backbone,
+            max_new_tokens=4,
+            keep_logits=True,
+            prune=method,
+            budget=0.25,
+        )
+        assert torch.equal(
+            pruned.first_logits, plain.first_logits
+        )  # the question saw the whole context
         visual = [n - text for n in pruned.kv_tokens]
         assert all(1 <= v < info["visual_tokens_total"] for v in visual)
         if method == "snapkv":
@@ -66,10 +95,20 @@ def test_pruning_at_ask_keeps_the_first_token_and_cuts_each_layer(tmp_path, back
 
 
 def test_aircache_at_encode_keeps_the_budget_on_average(tmp_path, backbones):
-    info = api.encode("samples/clip.mp4", tmp_path / "a.kvpack", "tiny-qwen2-vl", "aircache", budget=0.25,
-                      backbone=backbones["tiny-qwen2-vl"])
+    info = api.encode(
+        "samples/clip.mp4",
+        tmp_path / "a.kvpack",
+        "tiny-qwen2-vl",
+        "aircache",
+        budget=0.25,
+        backbone=backbones["tiny-qwen2-vl"],
+    )
     kept = [layer["tokens_kept"] for layer in info["layers"]]
     assert sum(kept) == pytest.approx(0.25 * 4 * info["visual_tokens_total"], abs=4)
-    answer = api.ask(tmp_path / "a.kvpack", "what color is the circle ?", backbone=backbones["tiny-qwen2-vl"],
-                     max_new_tokens=2)
+    answer = api.ask(
+        tmp_path / "a.kvpack",
+        "what color is the circle ?",
+        backbone=backbones["tiny-qwen2-vl"],
+        max_new_tokens=2,
+    )
     assert answer.context_tokens > 0

@@ -35,7 +35,9 @@ def test_pyramid_budgets_fall_with_depth_and_average_the_budget():
 def test_h2o_accumulates_attention_into_stream_slots_after_eviction():
     total = torch.zeros(6)
     accumulate(total, torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 1, 2]))
-    accumulate(total, torch.tensor([0.5, 0.5, 1.0]), torch.tensor([0, 2, 5]))  # token 1 was evicted meanwhile
+    accumulate(
+        total, torch.tensor([0.5, 0.5, 1.0]), torch.tensor([0, 2, 5])
+    )  # token 1 was evicted meanwhile
     assert total.tolist() == [1.5, 2.0, 3.5, 0.0, 0.0, 1.0]
 
 
@@ -48,9 +50,11 @@ def test_a_layer_with_fewer_keys_gets_its_own_causal_mask():
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     for row in range(3):  # row i is the (5 - 3 + i)-th key: it sees keys 0 .. 2 + i
         seen = 3 + row
-        weights = (q[:, :, row:row + 1] @ k[:, :, :seen].transpose(-1, -2) / 8 ** 0.5).softmax(-1)
-        assert torch.allclose(out[:, :, row:row + 1], weights @ v[:, :, :seen], atol=1e-6)
-    assert own_length_mask(q[:, :, :1], k, None) is None  # one query row sees everything: no mask needed
+        weights = (q[:, :, row : row + 1] @ k[:, :, :seen].transpose(-1, -2) / 8**0.5).softmax(-1)
+        assert torch.allclose(out[:, :, row : row + 1], weights @ v[:, :, :seen], atol=1e-6)
+    assert (
+        own_length_mask(q[:, :, :1], k, None) is None
+    )  # one query row sees everything: no mask needed
 
 
 def test_h2o_scores_do_not_depend_on_the_chunking(backbones):
@@ -60,7 +64,9 @@ def test_h2o_scores_do_not_depend_on_the_chunking(backbones):
     for chunk in (4, 16):
         _, policy = build_method("h2o", budget=0.25)
         out = encode_media(backbone, media, policy, chunk)
-        kept.append([torch.cat([b.positions[layer] for b in out.blocks], dim=1) for layer in range(4)])
+        kept.append(
+            [torch.cat([b.positions[layer] for b in out.blocks], dim=1) for layer in range(4)]
+        )
     assert all(torch.equal(a, b) for a, b in zip(*kept))
 
 
@@ -68,14 +74,23 @@ def test_h2o_scores_do_not_depend_on_the_chunking(backbones):
 @pytest.mark.parametrize("method", ["snapkv", "h2o", "pyramidkv"])
 def test_baselines_keep_their_per_layer_budgets_and_answer(tmp_path, backbones, model, method):
     backbone = backbones[model]
-    full = api.encode("samples/clip.mp4", tmp_path / "full.kvpack", model, "full", backbone=backbone)
-    info = api.encode("samples/clip.mp4", tmp_path / "m.kvpack", model, method, budget=0.25, backbone=backbone)
+    full = api.encode(
+        "samples/clip.mp4", tmp_path / "full.kvpack", model, "full", backbone=backbone
+    )
+    info = api.encode(
+        "samples/clip.mp4", tmp_path / "m.kvpack", model, method, budget=0.25, backbone=backbone
+    )
     total = info["visual_tokens_total"]
     kept = [layer["tokens_kept"] for layer in info["layers"]]
     expected = pyramid_budgets(4, total // 4, 20) if method == "pyramidkv" else [total // 4] * 4
     assert kept == expected
     assert info["prompt_tokens"] == full["prompt_tokens"]  # text is never pruned
-    answer = api.ask(tmp_path / "m.kvpack", "what color is the circle ?", backbone=backbone, max_new_tokens=2,
-                     keep_logits=True)
+    answer = api.ask(
+        tmp_path / "m.kvpack",
+        "what color is the circle ?",
+        backbone=backbone,
+        max_new_tokens=2,
+        keep_logits=True,
+    )
     assert answer.context_tokens < full["prompt_tokens"] + total
     assert torch.isfinite(answer.first_logits).all()

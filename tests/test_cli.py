@@ -18,22 +18,57 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
 def mmkv(*args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "mmkv_cli", *args], capture_output=True, text=True, input=stdin,
-                          env=ENV, cwd=ROOT, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mmkv_cli", *args],
+        capture_output=True,
+        text=True,
+        input=stdin,
+        env=ENV,
+        cwd=ROOT,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
 def qwen_pack(tmp_path_factory):
     path = tmp_path_factory.mktemp("packs") / "clip.kvpack"
-    result = runner.invoke(app, ["encode", str(SAMPLES / "clip.mp4"), "--model", "tiny-qwen2-vl", "--method", "full",
-                                 "-o", str(path), "--max-frames", "8", "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "encode",
+            str(SAMPLES / "clip.mp4"),
+            "--model",
+            "tiny-qwen2-vl",
+            "--method",
+            "full",
+            "-o",
+            str(path),
+            "--max-frames",
+            "8",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     return path
 
 
 def test_encode_json_is_one_object(qwen_pack, tmp_path):
-    result = runner.invoke(app, ["encode", str(SAMPLES / "images"), "-m", "tiny-llava-ov", "--method", "recency",
-                                 "--budget", "0.5", "-o", str(tmp_path / "i.kvpack"), "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "encode",
+            str(SAMPLES / "images"),
+            "-m",
+            "tiny-llava-ov",
+            "--method",
+            "recency",
+            "--budget",
+            "0.5",
+            "-o",
+            str(tmp_path / "i.kvpack"),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     info = json.loads(result.stdout)
     assert info["method"] == "recency" and info["budget"] == 0.5
@@ -54,8 +89,14 @@ def test_ask_in_a_new_process_and_from_stdin(qwen_pack):
 def test_inspect_json_fields(qwen_pack):
     result = runner.invoke(app, ["inspect", str(qwen_pack), "--json"])
     info = json.loads(result.stdout)
-    assert info["format_version"] == FORMAT_VERSION and info["model"] == "tiny-qwen2-vl" and info["method"] == "full"
-    assert info["blocks"] == 4 and info["visual_tokens_total"] == info["visual_tokens_kept"] == 4 * 16
+    assert (
+        info["format_version"] == FORMAT_VERSION
+        and info["model"] == "tiny-qwen2-vl"
+        and info["method"] == "full"
+    )
+    assert (
+        info["blocks"] == 4 and info["visual_tokens_total"] == info["visual_tokens_kept"] == 4 * 16
+    )
     assert len(info["layers"]) == 4 and all(layer["tokens_kept"] == 64 for layer in info["layers"])
     assert info["bytes"] == os.path.getsize(qwen_pack)
     assert runner.invoke(app, ["inspect", str(qwen_pack)]).exit_code == 0
@@ -65,7 +106,9 @@ def test_methods_and_models_list(qwen_pack):
     methods = json.loads(runner.invoke(app, ["methods", "--json"]).stdout)
     assert {m["name"] for m in methods["methods"]} >= {"full", "recency"}
     models = json.loads(runner.invoke(app, ["models", "--json"]).stdout)
-    assert {"tiny-llava-ov", "tiny-qwen2-vl", "llava-ov-0.5b", "qwen2.5-vl-7b"} <= {m["name"] for m in models["models"]}
+    assert {"tiny-llava-ov", "tiny-qwen2-vl", "llava-ov-0.5b", "qwen2.5-vl-7b"} <= {
+        m["name"] for m in models["models"]
+    }
 
 
 def zero_frame_video(path):
@@ -93,21 +136,45 @@ def error_cases(tmp_path, qwen_pack):
     return [
         (["encode", str(tmp_path / "nope.mp4"), *tiny, "-o", out], 3, "no such file"),
         (["encode", str(junk), *tiny, "-o", out], 3, "cannot read video"),
-        (["encode", str(zero_frame_video(tmp_path / "zero.mp4")), *tiny, "-o", out], 3, "no frames"),
+        (
+            ["encode", str(zero_frame_video(tmp_path / "zero.mp4")), *tiny, "-o", out],
+            3,
+            "no frames",
+        ),
         (["encode", clip, *tiny, "--method", "magic", "-o", out], 2, "unknown method 'magic'"),
         (["encode", clip, "-m", "no-such/model", "-o", out], 5, "not available locally"),
-        (["encode", clip, *tiny, "--method", "recency", "--budget", "1.5", "-o", out], 2, "budget must be in (0, 1]"),
-        (["encode", clip, *tiny, "--method", "recency", "--budget", "0", "-o", out], 2, "budget must be in (0, 1]"),
+        (
+            ["encode", clip, *tiny, "--method", "recency", "--budget", "1.5", "-o", out],
+            2,
+            "budget must be in (0, 1]",
+        ),
+        (
+            ["encode", clip, *tiny, "--method", "recency", "--budget", "0", "-o", out],
+            2,
+            "budget must be in (0, 1]",
+        ),
         (["encode", clip, *tiny, "-o", str(existing)], 6, "already exists; pass --force"),
-        (["ask", str(qwen_pack), "what ?", "-m", "tiny-llava-ov"], 4, "was made with model 'tiny-qwen2-vl'"),
+        (
+            ["ask", str(qwen_pack), "what ?", "-m", "tiny-llava-ov"],
+            4,
+            "was made with model 'tiny-qwen2-vl'",
+        ),
         (["ask", str(truncated), "what ?"], 4, "truncated"),
         (["ask", str(corrupted), "what ?"], 4, "corrupted"),
         (["ask", str(tmp_path / "missing.kvpack"), "what ?"], 4, "no such pack"),
         (["ask", str(qwen_pack), "   "], 2, "question is empty"),
-        (["ask", str(qwen_pack), "what ?", "--positions", "sideways"], 2, "unknown --positions 'sideways'"),
+        (
+            ["ask", str(qwen_pack), "what ?", "--positions", "sideways"],
+            2,
+            "unknown --positions 'sideways'",
+        ),
         (["ask", str(qwen_pack), "what ?", "--prune", "hermes"], 2, "does not prune at ask"),
         (["ask", str(qwen_pack), "what ?", "--budget", "0.5"], 2, "only applies with --prune"),
-        (["encode", clip, *tiny, "--method", "recency", "--budget-tokens", "9", "-o", out], 2, "no fixed token budget"),
+        (
+            ["encode", clip, *tiny, "--method", "recency", "--budget-tokens", "9", "-o", out],
+            2,
+            "no fixed token budget",
+        ),
         (["inspect", str(junk)], 4, "not a kvpack"),
     ]
 
@@ -117,7 +184,9 @@ def test_errors_are_one_line_with_exit_codes(tmp_path, qwen_pack):
         result = runner.invoke(app, args)
         assert result.exit_code == code, (args, result.exit_code, result.stderr, result.stdout)
         assert message in result.stderr, (args, result.stderr)
-        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, (
+            result.stderr
+        )
     assert (tmp_path / "existing.kvpack").read_bytes() == b"keep me"
     assert not (tmp_path / "out.kvpack").exists()
 
@@ -125,7 +194,9 @@ def test_errors_are_one_line_with_exit_codes(tmp_path, qwen_pack):
 def test_error_in_a_real_process_has_no_traceback(tmp_path):
     result = mmkv("ask", str(tmp_path / "missing.kvpack"), "what ?")
     assert result.returncode == 4
-    assert result.stderr.strip().splitlines() == [f"error: no such pack: {tmp_path / 'missing.kvpack'}"]
+    assert result.stderr.strip().splitlines() == [
+        f"error: no such pack: {tmp_path / 'missing.kvpack'}"
+    ]
     assert result.stdout == ""
 
 
@@ -134,12 +205,26 @@ def test_a_mistyped_mukv_preset_choice_fails_before_encoding(tmp_path, monkeypat
 
     presets = tmp_path / "presets"
     shutil.copytree(ROOT / "presets", presets)
-    (presets / "methods" / "mukv-typo.yaml").write_text("extends: mukv\nparams:\n  views: sideways\n")
+    (presets / "methods" / "mukv-typo.yaml").write_text(
+        "extends: mukv\nparams:\n  views: sideways\n"
+    )
     monkeypatch.setenv("MMKV_PRESETS", str(presets))
     out = tmp_path / "out.kvpack"
-    result = runner.invoke(app, ["encode", str(SAMPLES / "clip.mp4"), "--model", "tiny-qwen2-vl", "--method",
-                                 "mukv-typo", "-o", str(out)])
+    result = runner.invoke(
+        app,
+        [
+            "encode",
+            str(SAMPLES / "clip.mp4"),
+            "--model",
+            "tiny-qwen2-vl",
+            "--method",
+            "mukv-typo",
+            "-o",
+            str(out),
+        ],
+    )
     assert result.exit_code == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        "error: MuKV preset: views is 'sideways', expected one of stream, middle_frame"]
+        "error: MuKV preset: views is 'sideways', expected one of stream, middle_frame"
+    ]
     assert not out.exists()

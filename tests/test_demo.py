@@ -10,8 +10,8 @@ from mmkv_cli.errors import ModelError
 def test_missing_or_foreign_weights_are_a_model_error(tmp_path):
     with pytest.raises(ModelError, match="make demo-model"):
         build_demo(tmp_path / "none.safetensors")
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     save_file({"something.else": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ModelError, match="does not fit"):
@@ -32,9 +32,13 @@ def test_demo_answers_the_sample_clip_from_its_pack(tmp_path):
     backbone = load_backbone("demo", "cpu")
     pack = tmp_path / "clip.kvpack"
     api.encode("samples/clip.mp4", pack, method="full", backbone=backbone)
-    expected = {"what color is the circle ?": "red", "what color is the triangle ?": "yellow",
-                "which shape appeared first ?": "circle", "which shape appeared last ?": "triangle",
-                "how many shapes appeared ?": "three"}
+    expected = {
+        "what color is the circle ?": "red",
+        "what color is the triangle ?": "yellow",
+        "which shape appeared first ?": "circle",
+        "which shape appeared last ?": "triangle",
+        "how many shapes appeared ?": "three",
+    }
     answers = {q: api.ask(pack, q, backbone=backbone, max_new_tokens=4).answer for q in expected}
     assert answers == expected
     # asked at 3.5 s, only the circle and the square have been shown

@@ -12,12 +12,38 @@ from mmkv_cli.errors import UsageError
 
 def test_jsonl_and_mlvu_formats_load_to_the_same_items(tmp_path):
     (tmp_path / "a.jsonl").write_text(
-        json.dumps({"video": "v.mp4", "question": "what color?", "answer": "The Red."}) + "\n"
-        + json.dumps({"video": "v.mp4", "question": "pick", "options": ["red", "blue"], "answer": "blue",
-                      "timestamp": 3}) + "\n")
-    (tmp_path / "b.json").write_text(json.dumps([{"video_id": "x", "video_path": "v.mp4", "conversations": [
-        {"question": "what color?", "answer": "red"},
-        {"question": "pick", "choices": ["red", "blue"], "answer": "B", "timestamp": 3}]}]))
+        json.dumps({"video": "v.mp4", "question": "what color?", "answer": "The Red."})
+        + "\n"
+        + json.dumps(
+            {
+                "video": "v.mp4",
+                "question": "pick",
+                "options": ["red", "blue"],
+                "answer": "blue",
+                "timestamp": 3,
+            }
+        )
+        + "\n"
+    )
+    (tmp_path / "b.json").write_text(
+        json.dumps(
+            [
+                {
+                    "video_id": "x",
+                    "video_path": "v.mp4",
+                    "conversations": [
+                        {"question": "what color?", "answer": "red"},
+                        {
+                            "question": "pick",
+                            "choices": ["red", "blue"],
+                            "answer": "B",
+                            "timestamp": 3,
+                        },
+                    ],
+                }
+            ]
+        )
+    )
     a, b = ev.load_items(tmp_path / "a.jsonl"), ev.load_items(tmp_path / "b.json")
     assert a == b
     assert a[0].answer == "red" and a[1].answer == "B" and a[1].timestamp == 3.0
@@ -37,27 +63,58 @@ def test_scoring_is_exact_match_or_option_letter():
     assert ev.predicted(choice, "blue") == "B"  # the option's text counts as its letter
     assert ev.predicted(choice, "D") != "B"
     assert "A . red" in ev.prompt_for(choice)
-    rows = [{"type": "color", "options": 0, "correct": True}, {"type": "color", "options": 0, "correct": False},
-            {"type": "mc", "options": 4, "correct": True}]
+    rows = [
+        {"type": "color", "options": 0, "correct": True},
+        {"type": "color", "options": 0, "correct": False},
+        {"type": "mc", "options": 4, "correct": True},
+    ]
     m = ev.metrics(rows, ev.chance_level)
     assert m["n"] == 3 and m["accuracy"] == pytest.approx(2 / 3)
-    assert m["by_type"]["color"]["accuracy"] == 0.5 and m["by_type"]["color"]["chance"] == pytest.approx(1 / 6)
+    assert m["by_type"]["color"]["accuracy"] == 0.5 and m["by_type"]["color"][
+        "chance"
+    ] == pytest.approx(1 / 6)
     assert m["by_type"]["mc"]["chance"] == 0.25
 
 
 def test_eval_runs_each_method_once_per_budget_and_resumes(tmp_path):
     runner = CliRunner()
-    assert runner.invoke(app, ["synth", str(tmp_path / "set"), "--clips", "2", "--frames", "8",
-                               "--kind", "normal"]).exit_code == 0
-    args = ["eval", str(tmp_path / "set" / "qa.jsonl"), "-m", "tiny-llava-ov", "--methods", "full,recency",
-            "--budgets", "0.5,0.25", "-o", str(tmp_path / "out"), "--max-new-tokens", "2", "--json"]
+    assert (
+        runner.invoke(
+            app,
+            ["synth", str(tmp_path / "set"), "--clips", "2", "--frames", "8", "--kind", "normal"],
+        ).exit_code
+        == 0
+    )
+    args = [
+        "eval",
+        str(tmp_path / "set" / "qa.jsonl"),
+        "-m",
+        "tiny-llava-ov",
+        "--methods",
+        "full,recency",
+        "--budgets",
+        "0.5,0.25",
+        "-o",
+        str(tmp_path / "out"),
+        "--max-new-tokens",
+        "2",
+        "--json",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     runs = json.loads(result.stdout)["runs"]
-    assert [(r["method"], r["budget"]) for r in runs] == [("full", 1.0), ("recency", 0.5), ("recency", 0.25)]
+    assert [(r["method"], r["budget"]) for r in runs] == [
+        ("full", 1.0),
+        ("recency", 0.5),
+        ("recency", 0.25),
+    ]
     assert all(r["n"] == 12 for r in runs)
     # the measured share of visual KV the packs held: all of it for full, about the budget for recency
-    assert runs[0]["kept"] == 1.0 and abs(runs[1]["kept"] - 0.5) < 0.1 and abs(runs[2]["kept"] - 0.25) < 0.1
+    assert (
+        runs[0]["kept"] == 1.0
+        and abs(runs[1]["kept"] - 0.5) < 0.1
+        and abs(runs[2]["kept"] - 0.25) < 0.1
+    )
     root = tmp_path / "out" / "tiny-llava-ov"
     assert (root / "accuracy_vs_budget.png").stat().st_size > 0
     folder = root / "recency-b0.25"
@@ -68,7 +125,11 @@ def test_eval_runs_each_method_once_per_budget_and_resumes(tmp_path):
     (folder / "predictions.jsonl").write_text("\n".join(lines[:10]) + "\n" + lines[10][:15])
     again = runner.invoke(app, args)
     assert again.exit_code == 0, again.output
-    rows = [json.loads(x) for x in (folder / "predictions.jsonl").read_text().splitlines() if x.endswith("}")]
+    rows = [
+        json.loads(x)
+        for x in (folder / "predictions.jsonl").read_text().splitlines()
+        if x.endswith("}")
+    ]
     assert len({r["key"] for r in rows}) == 12
     assert json.loads((folder / "metrics.json").read_text())["n"] == 12
     assert rows[:10] == [json.loads(x) for x in lines[:10]]  # earlier answers kept, not recomputed
@@ -78,8 +139,14 @@ def test_eval_errors_are_one_line(tmp_path):
     runner = CliRunner()
     missing = runner.invoke(app, ["eval", str(tmp_path / "none.jsonl"), "-m", "tiny-llava-ov"])
     assert missing.exit_code == 2 and "no question file" in missing.output
-    (tmp_path / "q.jsonl").write_text(json.dumps({"video": "v.mp4", "question": "q", "answer": "a"}) + "\n")
-    bad = runner.invoke(app, ["eval", str(tmp_path / "q.jsonl"), "-m", "tiny-llava-ov", "--methods", "nope"])
+    (tmp_path / "q.jsonl").write_text(
+        json.dumps({"video": "v.mp4", "question": "q", "answer": "a"}) + "\n"
+    )
+    bad = runner.invoke(
+        app, ["eval", str(tmp_path / "q.jsonl"), "-m", "tiny-llava-ov", "--methods", "nope"]
+    )
     assert bad.exit_code == 2 and "unknown method" in bad.output
-    budget = runner.invoke(app, ["eval", str(tmp_path / "q.jsonl"), "-m", "tiny-llava-ov", "--budgets", "2"])
+    budget = runner.invoke(
+        app, ["eval", str(tmp_path / "q.jsonl"), "-m", "tiny-llava-ov", "--budgets", "2"]
+    )
     assert budget.exit_code == 2 and "budget" in budget.output

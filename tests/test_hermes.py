@@ -12,8 +12,14 @@ from mmkv_cli import api
 from mmkv_cli.encoder import encode_media
 from mmkv_cli.media import load_media
 from mmkv_cli.methods import build_method
-from mmkv_cli.methods.hermes import (fold_into_summary, layer_roles, layer_score, mix_for, recency_curve,
-                                     smooth_deep_to_shallow)
+from mmkv_cli.methods.hermes import (
+    fold_into_summary,
+    layer_roles,
+    layer_score,
+    mix_for,
+    recency_curve,
+    smooth_deep_to_shallow,
+)
 from mmkv_cli.methods.mukv import top_in_order
 from mmkv_cli.pack import PackReader
 from mmkv_cli.presets import load_method_preset
@@ -54,7 +60,9 @@ def test_smoothing_pulls_a_shallow_choice_towards_the_deeper_layer():
     assert torch.equal(smoothed[1], deep)  # the deepest layer is not changed
     # Tokens are matched by stream index, not by slot: the deeper layer lost token 0 and holds 2, 5.
     kept = [torch.tensor([0, 2, 5]), torch.tensor([2, 5])]
-    out = smooth_deep_to_shallow([torch.tensor([0.9, 0.2, 0.2]), torch.tensor([0.0, 1.0])], kept, [0.5, 0.4], 6)
+    out = smooth_deep_to_shallow(
+        [torch.tensor([0.9, 0.2, 0.2]), torch.tensor([0.0, 1.0])], kept, [0.5, 0.4], 6
+    )
     assert out[0].tolist() == pytest.approx([0.9, 0.1, 0.6])
 
 
@@ -68,14 +76,24 @@ def test_summary_token_is_the_mean_of_evicted_keys_rotated_to_the_summary_slot()
     values = torch.randn(2, 5, 16)
     target = torch.tensor([2])
     key, value, count = fold_into_summary(stored, values, positions, target, inv_freq, axes)
-    expected = rotate_keys(raw, target.view(1, 1).expand(1, 5), inv_freq, axes).mean(dim=1, keepdim=True)
+    expected = rotate_keys(raw, target.view(1, 1).expand(1, 5), inv_freq, axes).mean(
+        dim=1, keepdim=True
+    )
     assert count == 5
     assert torch.allclose(key, expected, atol=1e-5)
     assert torch.allclose(value, values.mean(dim=1, keepdim=True), atol=1e-6)
     # Folding in two rounds is the same running mean as folding all at once.
-    first = fold_into_summary(stored[:, :2], values[:, :2], positions[:, :2], target, inv_freq, axes)
-    second = fold_into_summary(stored[:, 2:], values[:, 2:], positions[:, 2:], target, inv_freq, axes, first)
-    assert second[2] == 5 and torch.allclose(second[0], key, atol=1e-5) and torch.allclose(second[1], value)
+    first = fold_into_summary(
+        stored[:, :2], values[:, :2], positions[:, :2], target, inv_freq, axes
+    )
+    second = fold_into_summary(
+        stored[:, 2:], values[:, 2:], positions[:, 2:], target, inv_freq, axes, first
+    )
+    assert (
+        second[2] == 5
+        and torch.allclose(second[0], key, atol=1e-5)
+        and torch.allclose(second[1], value)
+    )
 
 
 def _encode(backbone, media, reindex: str, budget_tokens: int, chunk: int = 4):
@@ -88,32 +106,42 @@ def _encode(backbone, media, reindex: str, budget_tokens: int, chunk: int = 4):
 def test_eager_reindex_compacts_positions_and_rerotates_keys_lazy_keeps_them(backbones, model):
     backbone = backbones[model]
     media = load_media("samples/clip.mp4", fps=8, max_frames=32)
-    full = _encode(backbone, media, "lazy", budget_tokens=10_000)  # never over budget: the reference
+    full = _encode(
+        backbone, media, "lazy", budget_tokens=10_000
+    )  # never over budget: the reference
     full_keys = torch.cat([b.keys[0] for b in full.blocks], dim=1)
     full_pos = torch.cat([b.positions[0] for b in full.blocks], dim=1)
     inv_freq, axes = backbone.rope_tables()
     per_step = full.layout["tokens_per_step"]
     for mode in ("lazy", "eager"):
         out = _encode(backbone, media, mode, budget_tokens=3 * per_step)
-        keys = torch.cat([b.keys[0] for b in out.blocks], dim=1)  # layer 0: keys depend on token + position only
+        keys = torch.cat(
+            [b.keys[0] for b in out.blocks], dim=1
+        )  # layer 0: keys depend on token + position only
         pos = torch.cat([b.positions[0] for b in out.blocks], dim=1)
         assert keys.shape[1] == 3 * per_step
         if mode == "lazy":  # original positions, keys untouched
             for j in range(pos.shape[1]):
-                same = (full_pos == pos[:, j:j + 1]).all(dim=0).nonzero()
+                same = (full_pos == pos[:, j : j + 1]).all(dim=0).nonzero()
                 assert len(same) == 1
                 assert torch.allclose(full_keys[:, same[0, 0]], keys[:, j], atol=1e-5)
             assert out.layout["position_shift"] == 0
             continue
         prefix = out.prefix.layer_counts[0]
-        assert int(pos[0].min()) == prefix and int(pos[0].max()) < prefix + keys.shape[1]  # compacted
-        assert out.layout["next_position"] > int(pos.max())  # the question comes after the compacted stream
+        assert (
+            int(pos[0].min()) == prefix and int(pos[0].max()) < prefix + keys.shape[1]
+        )  # compacted
+        assert out.layout["next_position"] > int(
+            pos.max()
+        )  # the question comes after the compacted stream
         if backbone.position_dims == 1:
-            assert out.layout["next_position"] == prefix + keys.shape[1] + out.suffix.layer_counts[0]
+            assert (
+                out.layout["next_position"] == prefix + keys.shape[1] + out.suffix.layer_counts[0]
+            )
             assert out.layout["position_shift"] > 0
         for j in range(pos.shape[1]):  # every kept key is some stream key rotated to its new slot
-            moved = rotate_keys(full_keys, pos[:, j:j + 1] - full_pos, inv_freq, axes)
-            assert float((moved - keys[:, j:j + 1]).abs().amax(dim=(0, 2)).min()) < 1e-4
+            moved = rotate_keys(full_keys, pos[:, j : j + 1] - full_pos, inv_freq, axes)
+            assert float((moved - keys[:, j : j + 1]).abs().amax(dim=(0, 2)).min()) < 1e-4
 
 
 @pytest.mark.parametrize("model", ["tiny-llava-ov", "tiny-qwen2-vl"])
@@ -121,8 +149,12 @@ def test_deep_layers_stream_on_with_their_summary_token_in_the_running_cache(bac
     backbone = backbones[model]
     media = load_media("samples/clip.mp4", fps=8, max_frames=32)
     _, policy = build_method("hermes", budget_tokens=40)
-    roles = [role for role, _ in layer_roles(backbone.text_config.num_hidden_layers,
-                                             PARAMS["shallow_share"], PARAMS["deep_share"])]
+    roles = [
+        role
+        for role, _ in layer_roles(
+            backbone.text_config.num_hidden_layers, PARAMS["shallow_share"], PARAMS["deep_share"]
+        )
+    ]
     snapshots = []
     compress = policy.after_chunk
 
@@ -131,16 +163,22 @@ def test_deep_layers_stream_on_with_their_summary_token_in_the_running_cache(bac
         if not policy.summary:
             return
         lengths = [int(e.keys.shape[2]) for e in state.cache.layers]
-        fronts = [state.cache.layers[l].keys[0, :, state.prefix_len].clone() for l in policy.summary]
+        fronts = [
+            state.cache.layers[l].keys[0, :, state.prefix_len].clone() for l in policy.summary
+        ]
         attention = state.attend(str(policy.params["guidance_prompt"]))
-        snapshots.append((lengths, [len(k) for k in state.kept], fronts, [len(a) for a in attention]))
+        snapshots.append(
+            (lengths, [len(k) for k in state.kept], fronts, [len(a) for a in attention])
+        )
 
     policy.after_chunk = after_chunk
     out = encode_media(backbone, media, policy, 4)
     assert len(snapshots) >= 2  # compressed, then streamed on and compressed again
     prefix = out.prefix.layer_counts[0]
     for lengths, kept, fronts, attended in snapshots:
-        assert attended == kept  # the guidance prompt's scores line up with the visual tokens, not the summary
+        assert (
+            attended == kept
+        )  # the guidance prompt's scores line up with the visual tokens, not the summary
         for layer, role in enumerate(roles):
             if role == "deep":  # prompt, summary, budget - 1 visual tokens
                 assert kept[layer] == 39 and lengths[layer] == prefix + 1 + kept[layer]
@@ -149,11 +187,15 @@ def test_deep_layers_stream_on_with_their_summary_token_in_the_running_cache(bac
     summary = out.blocks[0]
     deep = [layer for layer, role in enumerate(roles) if role == "deep"]
     assert summary.granularity == "summary" and sorted(policy.summary) == deep
-    for layer, front in zip(sorted(policy.summary), snapshots[-1][2]):  # the pack's summary is the cache's
+    for layer, front in zip(
+        sorted(policy.summary), snapshots[-1][2]
+    ):  # the pack's summary is the cache's
         assert torch.equal(summary.keys[layer][:, 0], front)
 
 
-def test_pack_never_exceeds_the_budget_over_a_long_stream_and_ask_runs_in_a_new_process(tmp_path, backbones):
+def test_pack_never_exceeds_the_budget_over_a_long_stream_and_ask_runs_in_a_new_process(
+    tmp_path, backbones
+):
     from mmkv_cli.synth import write_dataset
 
     write_dataset(tmp_path / "set", clips=1, frames=256, seed=2, kind="normal")
@@ -161,19 +203,44 @@ def test_pack_never_exceeds_the_budget_over_a_long_stream_and_ask_runs_in_a_new_
     backbone = backbones["tiny-llava-ov"]
     budget = 96
     pack = tmp_path / "h.kvpack"
-    info = api.encode(video, pack, "tiny-llava-ov", "hermes", budget_tokens=budget, max_frames=256,
-                      backbone=backbone)
+    info = api.encode(
+        video,
+        pack,
+        "tiny-llava-ov",
+        "hermes",
+        budget_tokens=budget,
+        max_frames=256,
+        backbone=backbone,
+    )
     assert info["visual_tokens_total"] == 256 * 16
     assert all(layer["tokens_kept"] <= budget for layer in info["layers"])
-    assert info["layers"][-1]["tokens_kept"] == budget  # deep: budget - 1 tokens + the summary token
+    assert (
+        info["layers"][-1]["tokens_kept"] == budget
+    )  # deep: budget - 1 tokens + the summary token
     assert info["granularities"]["summary"]["blocks"] == 1
     kv = PackReader(pack).header["kv"]
     per_token = 2 * kv["kv_heads"] * kv["head_dim"] * 4 * kv["layers"]
     chunk_tokens = 16 * 16
     assert info["peak_kv_bytes"] <= (info["prompt_tokens"] + budget + chunk_tokens + 32) * per_token
-    assert math.isclose(info["kv_bytes"], sum(layer["tokens_kept"] for layer in info["layers"]) * per_token / 4)
-    done = subprocess.run([sys.executable, "-m", "mmkv_cli", "ask", str(pack), "how many shapes appeared ?",
-                           "--json", "--max-new-tokens", "2"], capture_output=True, text=True, timeout=120)
+    assert math.isclose(
+        info["kv_bytes"], sum(layer["tokens_kept"] for layer in info["layers"]) * per_token / 4
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mmkv_cli",
+            "ask",
+            str(pack),
+            "how many shapes appeared ?",
+            "--json",
+            "--max-new-tokens",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     answer = json.loads(done.stdout)
     assert answer["ttft_s"] > 0 and answer["retrieved"] == []
@@ -190,4 +257,7 @@ def test_budget_tokens_is_refused_where_it_means_nothing():
     _, fractional = build_method("hermes", budget=0.25)
     assert fractional.params["budget_tokens"] is None and fractional.budget == 0.25
     _, six = build_method("hermes-6k")
-    assert six.params["budget_tokens"] == 6144 and six.params["guidance_prompt"] == PARAMS["guidance_prompt"]
+    assert (
+        six.params["budget_tokens"] == 6144
+        and six.params["guidance_prompt"] == PARAMS["guidance_prompt"]
+    )

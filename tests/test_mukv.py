@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from mmkv_cli import api
-from mmkv_cli.methods.mukv import (fused_score, frequency_signal, keep_count, plan_blocks, quarter_grid,
-                                   top_in_order)
+from mmkv_cli.methods.mukv import (
+    frequency_signal,
+    fused_score,
+    keep_count,
+    plan_blocks,
+    quarter_grid,
+    top_in_order,
+)
 from mmkv_cli.methods.retrieval import retrieve
 from mmkv_cli.pack import PackReader
 from tests.conftest import TINY
@@ -52,16 +58,24 @@ def test_middle_frame_views_detail_only_each_segments_middle_step():
     from mmkv_cli.methods.mukv import MuKVMemory
     from mmkv_cli.presets import load_method_preset
 
-    starts, lengths = [i * 4 for i in range(5)], [4] * 5  # five 2 x 2 steps; segments of 2 steps: 0-1, 2-3, 4
+    starts, lengths = (
+        [i * 4 for i in range(5)],
+        [4] * 5,
+    )  # five 2 x 2 steps; segments of 2 steps: 0-1, 2-3, 4
     plans = plan_blocks(starts, lengths, [0] * 5, (2, 2), segment_steps=2, views="middle_frame")
     assert [p.steps for p in plans if p.granularity == "frame"] == [(1, 2), (3, 4), (4, 5)]
     for step in (1, 3, 4):
-        patches = torch.cat([p.tokens for p in plans if p.granularity == "patch" and p.steps == (step, step + 1)])
+        patches = torch.cat(
+            [p.tokens for p in plans if p.granularity == "patch" and p.steps == (step, step + 1)]
+        )
         assert sorted(patches.tolist()) == list(range(4 * step, 4 * step + 4))
     segments = torch.cat([p.tokens for p in plans if p.granularity == "segment"])
     assert sorted(segments.tolist()) == list(range(20))  # segment blocks still cover the stream
     params = load_method_preset("mukv-middle").params
-    assert params["views"] == "middle_frame" and params["rho"] == load_method_preset("mukv").params["rho"]
+    assert (
+        params["views"] == "middle_frame"
+        and params["rho"] == load_method_preset("mukv").params["rho"]
+    )
     with pytest.raises(UsageError, match="views is 'nope'"):
         MuKVMemory(1.0, {**params, "views": "nope"})
 
@@ -70,18 +84,35 @@ def test_rerank_lifts_the_candidate_that_agrees_with_top_segments():
     segment = torch.tensor([[1.0, 0.0, 0.0]])
     agrees, disagrees = torch.tensor([0.9, 0.1, 0.0]), torch.tensor([0.0, 0.0, 1.0])
     reps = torch.stack([segment[0], agrees, disagrees])
-    scores = torch.tensor([0.5, 0.30, 0.32])  # the disagreeing patch scores a little higher on its own
-    picks = retrieve(scores, reps, ["segment", "patch", "patch"], k={"patch": 1, "segment": 1},
-                     rerank={"patch": 0.3}, top_segments=5)
+    scores = torch.tensor(
+        [0.5, 0.30, 0.32]
+    )  # the disagreeing patch scores a little higher on its own
+    picks = retrieve(
+        scores,
+        reps,
+        ["segment", "patch", "patch"],
+        k={"patch": 1, "segment": 1},
+        rerank={"patch": 0.3},
+        top_segments=5,
+    )
     patch = [p for p in picks if p.granularity == "patch"]
     assert [p.index for p in patch] == [1]
-    without = retrieve(scores, reps, ["segment", "patch", "patch"], k={"patch": 1}, rerank={}, top_segments=5)
+    without = retrieve(
+        scores, reps, ["segment", "patch", "patch"], k={"patch": 1}, rerank={}, top_segments=5
+    )
     assert [p.index for p in without] == [2]
     # the block table hands granularities over as codes; the picks are the same
-    coded = retrieve(scores, reps, (torch.tensor([1, 0, 0]), ["patch", "segment"]), k={"patch": 1, "segment": 1},
-                     rerank={"patch": 0.3}, top_segments=5)
-    assert [(p.index, p.granularity, p.reranked) for p in coded] == [(p.index, p.granularity, p.reranked)
-                                                                     for p in picks]
+    coded = retrieve(
+        scores,
+        reps,
+        (torch.tensor([1, 0, 0]), ["patch", "segment"]),
+        k={"patch": 1, "segment": 1},
+        rerank={"patch": 0.3},
+        top_segments=5,
+    )
+    assert [(p.index, p.granularity, p.reranked) for p in coded] == [
+        (p.index, p.granularity, p.reranked) for p in picks
+    ]
 
 
 def test_retrieval_picks_the_block_holding_a_planted_needle(tmp_path, backbones, clip):
@@ -106,8 +137,11 @@ def test_retrieval_picks_the_block_holding_a_planted_needle(tmp_path, backbones,
     params = {**reader.header["method"]["params"], "k": {"frame": 1}}
     policy = context_policy("rekv", params)
     again = PackReader(planted)
-    chosen = policy.select(again.blocks, again.representatives,
-                           lambda mode: question_vector(backbone, again, ids, mode))
+    chosen = policy.select(
+        again.blocks,
+        again.representatives,
+        lambda mode: question_vector(backbone, again, ids, mode),
+    )
     assert chosen.names == [again.blocks[5]["name"]]
 
 
@@ -126,7 +160,7 @@ def test_mukv_pack_counts_follow_rho_and_granularities(tmp_path, backbones, name
     segments = [b for b in reader.blocks if b["granularity"] == "segment"]
     assert len(segments) == -(-len(lengths) // seg_steps)
     for block in segments:
-        full = sum(lengths[block["steps"][0]:block["steps"][1]])
+        full = sum(lengths[block["steps"][0] : block["steps"][1]])
         assert block["layer_counts"] == [keep_count(full, 0.8)] * 4
     for block in (b for b in reader.blocks if b["granularity"] == "frame"):
         assert block["layer_counts"][0] == keep_count(lengths[block["steps"][0]], 0.1)
@@ -139,32 +173,66 @@ def test_mukv_pack_counts_follow_rho_and_granularities(tmp_path, backbones, name
 def test_retrieval_methods_answer_in_a_new_process(tmp_path, backbones, clip, method):
     pack = tmp_path / f"{method}.kvpack"
     api.encode(clip, pack, method=method, backbone=backbones["tiny-qwen2-vl"], max_frames=8)
-    out = subprocess.run([sys.executable, "-m", "mmkv_cli", "ask", str(pack), "what happened first ?", "--json",
-                          "--max-new-tokens", "2", "--positions", "reindex"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mmkv_cli",
+            "ask",
+            str(pack),
+            "what happened first ?",
+            "--json",
+            "--max-new-tokens",
+            "2",
+            "--positions",
+            "reindex",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert result["retrieved"] and all({"granularity", "time", "score", "reranked"} <= set(r) for r in result["retrieved"])
+    assert result["retrieved"] and all(
+        {"granularity", "time", "score", "reranked"} <= set(r) for r in result["retrieved"]
+    )
     assert 0 < result["bytes_read"] <= PackReader(pack).size  # nothing is read twice
 
 
 def test_question_moment_limits_retrieval_to_earlier_blocks(tmp_path, backbones, clip):
     pack = tmp_path / "mu.kvpack"
     api.encode(clip, pack, method="mukv", backbone=backbones["tiny-llava-ov"], max_frames=8)
-    answer = api.ask(pack, "what happened first ?", backbone=backbones["tiny-llava-ov"], at=1.0, max_new_tokens=1)
+    answer = api.ask(
+        pack, "what happened first ?", backbone=backbones["tiny-llava-ov"], at=1.0, max_new_tokens=1
+    )
     assert answer.retrieved and all(r["time"][0] <= 1.0 for r in answer.retrieved)
 
 
 @pytest.mark.parametrize("name", ["tiny-llava-ov", "tiny-qwen2-vl"])
-def test_reindex_with_every_block_equals_keep_when_nothing_was_dropped(tmp_path, backbones, name, clip):
+def test_reindex_with_every_block_equals_keep_when_nothing_was_dropped(
+    tmp_path, backbones, name, clip
+):
     """A full pack compacted and re-rotated gives the same first logits as kept positions (1-D exactly;
     on M-RoPE, whose video positions are already compact in time, reindex changes only gaps)."""
     backbone = backbones[name]
     pack = tmp_path / "full.kvpack"
     api.encode(clip, pack, method="full", backbone=backbone, max_frames=4)
-    keep = api.ask(pack, "what color ?", backbone=backbone, keep_logits=True, max_new_tokens=1, positions="keep")
-    reindex = api.ask(pack, "what color ?", backbone=backbone, keep_logits=True, max_new_tokens=1,
-                      positions="reindex")
+    keep = api.ask(
+        pack,
+        "what color ?",
+        backbone=backbone,
+        keep_logits=True,
+        max_new_tokens=1,
+        positions="keep",
+    )
+    reindex = api.ask(
+        pack,
+        "what color ?",
+        backbone=backbone,
+        keep_logits=True,
+        max_new_tokens=1,
+        positions="reindex",
+    )
     assert (keep.first_logits - reindex.first_logits).abs().max().item() < 1e-4
 
 
@@ -178,11 +246,25 @@ def test_retrieval_needs_representatives_and_a_known_query_mode(tmp_path, backbo
     backbone = backbones["tiny-llava-ov"]
     params = load_method_preset("rekv").params
     # A hermes pack holds a summary block with no retrieval key: it stores no representatives at all.
-    api.encode("samples/clip.mp4", tmp_path / "h.kvpack", "tiny-llava-ov", "hermes", budget_tokens=40,
-               backbone=backbone)
+    api.encode(
+        "samples/clip.mp4",
+        tmp_path / "h.kvpack",
+        "tiny-llava-ov",
+        "hermes",
+        budget_tokens=40,
+        backbone=backbone,
+    )
     with pytest.raises(PackError, match="no block representatives"):
-        answer_from_pack(backbone, PackReader(tmp_path / "h.kvpack"), RetrievalContext(params), "what ?")
-    api.encode("samples/clip.mp4", tmp_path / "r.kvpack", "tiny-llava-ov", "rekv", backbone=backbone)
+        answer_from_pack(
+            backbone, PackReader(tmp_path / "h.kvpack"), RetrievalContext(params), "what ?"
+        )
+    api.encode(
+        "samples/clip.mp4", tmp_path / "r.kvpack", "tiny-llava-ov", "rekv", backbone=backbone
+    )
     with pytest.raises(UsageError, match="unknown query mode 'nope'"):
-        answer_from_pack(backbone, PackReader(tmp_path / "r.kvpack"), RetrievalContext({**params, "query": "nope"}),
-                         "what ?")
+        answer_from_pack(
+            backbone,
+            PackReader(tmp_path / "r.kvpack"),
+            RetrievalContext({**params, "query": "nope"}),
+            "what ?",
+        )

@@ -14,12 +14,16 @@ from mmkv_cli.pack import PackReader, Segment, write_pack
 
 def segment(name, counts, seed, dims=1, granularity=None):
     g = torch.Generator().manual_seed(seed)
-    return Segment(name=name, keys=[torch.randn(2, n, 8, generator=g) for n in counts],
-                   values=[torch.randn(2, n, 8, generator=g) for n in counts],
-                   positions=[torch.arange(n).expand(dims, -1).clone() for n in counts],
-                   granularity=granularity, steps=(seed, seed + 1) if granularity else None,
-                   time=(float(seed), float(seed) + 0.5) if granularity else None,
-                   representative=torch.randn(16, generator=g) if granularity else None)
+    return Segment(
+        name=name,
+        keys=[torch.randn(2, n, 8, generator=g) for n in counts],
+        values=[torch.randn(2, n, 8, generator=g) for n in counts],
+        positions=[torch.arange(n).expand(dims, -1).clone() for n in counts],
+        granularity=granularity,
+        steps=(seed, seed + 1) if granularity else None,
+        time=(float(seed), float(seed) + 0.5) if granularity else None,
+        representative=torch.randn(16, generator=g) if granularity else None,
+    )
 
 
 HEADER = {"fingerprint": {"model": "m"}, "method": {"name": "full", "budget": 1.0}, "kv": {}}
@@ -27,8 +31,14 @@ HEADER = {"fingerprint": {"model": "m"}, "method": {"name": "full", "budget": 1.
 
 def write(path, force=False):
     blocks = [segment("b0", [3, 2, 1], 1, 3, "frame"), segment("b1", [4, 4, 0], 2, 3, "patch")]
-    write_pack(path, HEADER, segment("prefix", [5, 5, 5], 0, 3), blocks, segment("suffix", [1, 1, 1], 9, 3),
-               force=force)
+    write_pack(
+        path,
+        HEADER,
+        segment("prefix", [5, 5, 5], 0, 3),
+        blocks,
+        segment("suffix", [1, 1, 1], 9, 3),
+        force=force,
+    )
     return blocks
 
 
@@ -39,8 +49,10 @@ def test_round_trip_is_exact_with_per_layer_counts(tmp_path):
     assert [b["layer_counts"] for b in reader.blocks] == [[3, 2, 1], [4, 4, 0]]
     for original in blocks:
         loaded = reader.segment(original.name)
-        for a, b in zip(original.keys + original.values + original.positions,
-                        loaded.keys + loaded.values + loaded.positions):
+        for a, b in zip(
+            original.keys + original.values + original.positions,
+            loaded.keys + loaded.values + loaded.positions,
+        ):
             assert torch.equal(a, b)
         assert loaded.granularity == original.granularity and loaded.time == original.time
     assert torch.equal(reader.representatives(), torch.stack([b.representative for b in blocks]))
@@ -63,16 +75,24 @@ def test_header_does_not_grow_with_the_video(tmp_path):
     for count in (2, 2000):
         blocks = [segment(f"b{i}", [1], i, 1, "frame") for i in range(count)]
         path = tmp_path / f"{count}.kvpack"
-        header = {**HEADER, "media": {"frames": count, "timestamps": [i / 2 for i in range(count)]},
-                  "layout": {"steps": count, "step_lengths": [1] * count}}
+        header = {
+            **HEADER,
+            "media": {"frames": count, "timestamps": [i / 2 for i in range(count)]},
+            "layout": {"steps": count, "step_lengths": [1] * count},
+        }
         write_pack(path, header, segment("prefix", [2], 0), blocks, segment("suffix", [1], 9))
         with open(path, "rb") as fh:
             sizes[count] = struct.unpack("<Q", fh.read(8))[0]
         reader = PackReader(path)
-        assert len(reader.blocks) == count and reader.blocks[-1]["time"] == [count - 1.0, count - 0.5]
+        assert len(reader.blocks) == count and reader.blocks[-1]["time"] == [
+            count - 1.0,
+            count - 0.5,
+        ]
         assert torch.equal(reader.segment(f"b{count - 1}").keys[0], blocks[-1].keys[0])
         assert reader.series("media.timestamps") == header["media"]["timestamps"]
-        assert reader.series("layout.step_lengths") == [1] * count and reader.header["media"] == {"frames": count}
+        assert reader.series("layout.step_lengths") == [1] * count and reader.header["media"] == {
+            "frames": count
+        }
     # the block table, timestamps and step lengths live in tensors, not in the JSON header
     assert sizes[2000] - sizes[2] < 512
 
@@ -117,13 +137,17 @@ def test_corrupted_tensor_fails_its_checksum(tmp_path, monkeypatch, threaded):
     if threaded:  # hash even this small read on threads, as a large real-model context is
         monkeypatch.setattr("mmkv_cli.pack.reader.PARALLEL_HASH_BLOCK_BYTES", 0)
         monkeypatch.setattr("os.cpu_count", lambda: 4)
-        monkeypatch.setattr("mmkv_cli.pack.reader.ThreadPoolExecutor",
-                            lambda workers: pools.append(workers) or ThreadPoolExecutor(workers))
+        monkeypatch.setattr(
+            "mmkv_cli.pack.reader.ThreadPoolExecutor",
+            lambda workers: pools.append(workers) or ThreadPoolExecutor(workers),
+        )
     path = tmp_path / "a.kvpack"
     write(path)
     data = bytearray(path.read_bytes())
     (length,) = struct.unpack("<Q", data[:8])
-    entry = json.loads(data[8:8 + length])["blocks.k"]  # [tokens, H, D]: b1's rows start after b0's 6
+    entry = json.loads(data[8 : 8 + length])[
+        "blocks.k"
+    ]  # [tokens, H, D]: b1's rows start after b0's 6
     row = entry["shape"][1] * entry["shape"][2] * (4 if entry["dtype"] == "F32" else 2)
     data[8 + length + entry["data_offsets"][0] + 6 * row + 3] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -175,8 +199,13 @@ def test_block_table_columns_agree_with_its_rows_and_with_a_v2_json_table(tmp_pa
     table = PackReader(path).blocks
     rows = [table[i] for i in range(len(table))]
     assert table.labels() == ["frame", "patch"] and [r["name"] for r in rows] == ["b0", "b1"]
-    assert table.start_times().tolist() == [1.0, 2.0] and table.layer_totals().tolist() == [[3, 2, 1], [4, 4, 0]]
-    assert eligible_before(table, 1.5).tolist() == [0] and eligible_before(table, None).tolist() == [0, 1]
+    assert table.start_times().tolist() == [1.0, 2.0] and table.layer_totals().tolist() == [
+        [3, 2, 1],
+        [4, 4, 0],
+    ]
+    assert eligible_before(table, 1.5).tolist() == [0] and eligible_before(
+        table, None
+    ).tolist() == [0, 1]
     # a v2 pack kept the same rows as JSON in its header, under names of its own
     v2 = BlockTable.from_dicts([{**r, "name": f"old{i}"} for i, r in enumerate(rows)])
     assert [{**v2[i], "name": None} for i in range(2)] == [{**r, "name": None} for r in rows]
@@ -190,9 +219,17 @@ def test_half_precision_blocks_read_back_exactly(tmp_path, dtype):
         seg.values = [v.to(dtype) for v in seg.values]
         return seg
 
-    blocks = [half(segment("b0", [3, 2, 1], 1, 1, "frame")), half(segment("b1", [4, 4, 0], 2, 1, "frame"))]
-    write_pack(tmp_path / "h.kvpack", HEADER, half(segment("prefix", [5, 5, 5], 0)), blocks,
-               half(segment("suffix", [1, 1, 1], 9)))
+    blocks = [
+        half(segment("b0", [3, 2, 1], 1, 1, "frame")),
+        half(segment("b1", [4, 4, 0], 2, 1, "frame")),
+    ]
+    write_pack(
+        tmp_path / "h.kvpack",
+        HEADER,
+        half(segment("prefix", [5, 5, 5], 0)),
+        blocks,
+        half(segment("suffix", [1, 1, 1], 9)),
+    )
     keys, values, _ = PackReader(tmp_path / "h.kvpack").gather(["b0", "b1"])
     for layer in range(3):
         assert keys[layer].dtype == dtype

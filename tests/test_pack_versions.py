@@ -12,20 +12,34 @@ DATA = Path(__file__).parent / "data"
 
 def fixture_segment(name, counts, base, dims=1, granularity=None, step=0):
     """Integer-valued floats, so the expected tensors are the same on every machine and torch version."""
-    def grid(n, shift):
-        return (torch.arange(2 * n * 8, dtype=torch.float32).reshape(2, n, 8) + base * 100 + shift) / 4
 
-    return Segment(name=name, keys=[grid(n, 10 * layer) for layer, n in enumerate(counts)],
-                   values=[-grid(n, 10 * layer) for layer, n in enumerate(counts)],
-                   positions=[(torch.arange(n) + base).expand(dims, -1).clone() for n in counts],
-                   granularity=granularity, steps=(step, step + 1) if granularity else None,
-                   time=(float(step), float(step) + 0.5) if granularity else None,
-                   representative=torch.arange(16, dtype=torch.float32) + base if granularity else None)
+    def grid(n, shift):
+        return (
+            torch.arange(2 * n * 8, dtype=torch.float32).reshape(2, n, 8) + base * 100 + shift
+        ) / 4
+
+    return Segment(
+        name=name,
+        keys=[grid(n, 10 * layer) for layer, n in enumerate(counts)],
+        values=[-grid(n, 10 * layer) for layer, n in enumerate(counts)],
+        positions=[(torch.arange(n) + base).expand(dims, -1).clone() for n in counts],
+        granularity=granularity,
+        steps=(step, step + 1) if granularity else None,
+        time=(float(step), float(step) + 0.5) if granularity else None,
+        representative=torch.arange(16, dtype=torch.float32) + base if granularity else None,
+    )
 
 
 def fixture():
-    blocks = [fixture_segment("b0", [3, 2, 1], 1, 3, "frame", 0), fixture_segment("b1", [4, 4, 0], 2, 3, "patch", 1)]
-    return fixture_segment("prefix", [5, 5, 5], 0, 3), blocks, fixture_segment("suffix", [1, 1, 1], 9, 3)
+    blocks = [
+        fixture_segment("b0", [3, 2, 1], 1, 3, "frame", 0),
+        fixture_segment("b1", [4, 4, 0], 2, 3, "patch", 1),
+    ]
+    return (
+        fixture_segment("prefix", [5, 5, 5], 0, 3),
+        blocks,
+        fixture_segment("suffix", [1, 1, 1], 9, 3),
+    )
 
 
 def assert_reads_back(reader):
@@ -37,8 +51,13 @@ def assert_reads_back(reader):
                 assert torch.equal(a, b), (original.name, part)
     keys, values, positions = reader.gather(["b1", "b0"])
     for layer in range(3):
-        assert torch.equal(keys[layer], torch.cat([blocks[1].keys[layer], blocks[0].keys[layer]], dim=1))
-        assert torch.equal(positions[layer], torch.cat([blocks[1].positions[layer], blocks[0].positions[layer]], dim=1))
+        assert torch.equal(
+            keys[layer], torch.cat([blocks[1].keys[layer], blocks[0].keys[layer]], dim=1)
+        )
+        assert torch.equal(
+            positions[layer],
+            torch.cat([blocks[1].positions[layer], blocks[0].positions[layer]], dim=1),
+        )
     assert torch.equal(reader.representatives(), torch.stack([b.representative for b in blocks]))
     assert reader.blocks.labels() == ["frame", "patch"] and reader.blocks[1]["time"] == [1.0, 1.5]
 
@@ -51,8 +70,12 @@ def test_a_v3_pack_reads_back_exactly():
 
 def test_the_current_writer_reads_back_the_same_segments(tmp_path):
     prefix, blocks, suffix = fixture()
-    header = {"fingerprint": {"model": "m"}, "method": {"name": "full", "budget": 1.0}, "kv": {},
-              "layout": {"next_position": 20}}
+    header = {
+        "fingerprint": {"model": "m"},
+        "method": {"name": "full", "budget": 1.0},
+        "kv": {},
+        "layout": {"next_position": 20},
+    }
     write_pack(tmp_path / "now.kvpack", header, prefix, blocks, suffix)
     reader = PackReader(tmp_path / "now.kvpack")
     assert reader.header["format_version"] == FORMAT_VERSION
@@ -64,5 +87,7 @@ def test_a_series_the_pack_never_stored_is_one_clear_error():
 
     from mmkv_cli.errors import PackError
 
-    with pytest.raises(PackError, match="stores no media.timestamps"):  # the v3 fixture has no media section
+    with pytest.raises(
+        PackError, match="stores no media.timestamps"
+    ):  # the v3 fixture has no media section
         PackReader(DATA / "v3.kvpack").series("media.timestamps")

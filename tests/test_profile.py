@@ -10,9 +10,26 @@ from tests.conftest import SAMPLES
 
 def test_profile_json_and_plot(tmp_path):
     png = tmp_path / "p.png"
-    result = CliRunner().invoke(app, ["profile", str(SAMPLES / "clip.mp4"), "-m", "tiny-llava-ov",
-                                      "--methods", "full,recency", "--budget", "0.25", "--max-frames", "8",
-                                      "--max-new-tokens", "4", "--plot", str(png), "--json"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "profile",
+            str(SAMPLES / "clip.mp4"),
+            "-m",
+            "tiny-llava-ov",
+            "--methods",
+            "full,recency",
+            "--budget",
+            "0.25",
+            "--max-frames",
+            "8",
+            "--max-new-tokens",
+            "4",
+            "--plot",
+            str(png),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     out = json.loads(result.stdout)
     full, recency = out["methods"]

@@ -14,7 +14,11 @@ def live_logits(backbone, media: str, max_frames: int) -> torch.Tensor:
     frames = load_media(media, fps=2.0, max_frames=max_frames)
     pixels = frames.read(0, frames.num_frames)
     with torch.inference_mode():
-        return backbone.model(**backbone.reference_inputs(pixels, QUESTION, frames.timestamps)).logits[0, -1].float()
+        return (
+            backbone.model(**backbone.reference_inputs(pixels, QUESTION, frames.timestamps))
+            .logits[0, -1]
+            .float()
+        )
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -39,7 +43,9 @@ def test_chunked_encode_matches_single_forward(tmp_path, backbones, name, clip, 
 
     def small_chunks(method):
         preset = original(method)
-        return presets.MethodPreset(**{**preset.__dict__, "params": {**preset.params, "chunk_frames": 4}})
+        return presets.MethodPreset(
+            **{**preset.__dict__, "params": {**preset.params, "chunk_frames": 4}}
+        )
 
     monkeypatch.setattr("mmkv_cli.methods.load_method_preset", small_chunks)
     backbone = backbones[name]
@@ -48,7 +54,13 @@ def test_chunked_encode_matches_single_forward(tmp_path, backbones, name, clip, 
     answer = api.ask(pack, QUESTION, backbone=backbone, keep_logits=True, max_new_tokens=1)
     frames = load_media(clip, fps=4.0, max_frames=16)
     with torch.inference_mode():
-        live = backbone.model(**backbone.reference_inputs(frames.read(0, 16), QUESTION, frames.timestamps)).logits[0, -1].float()
+        live = (
+            backbone.model(
+                **backbone.reference_inputs(frames.read(0, 16), QUESTION, frames.timestamps)
+            )
+            .logits[0, -1]
+            .float()
+        )
     assert (answer.first_logits - live).abs().max().item() <= 1e-4
 
 
@@ -64,8 +76,12 @@ def test_pack_stores_mrope_positions_for_qwen(tmp_path, backbones, clip):
     # The second temporal step sits one step later on the temporal axis; rows/cols span the grid.
     first = reader.segment(reader.blocks[0]["name"]).positions[0]
     assert int(block.positions[0][0, 0]) == int(first[0, 0]) + 1
-    assert layout["next_position"] < reader.header["segments"]["prefix"]["layer_counts"][0] + \
-        reader.header["visual_tokens_total"] + 1  # M-RoPE compresses positions: not the physical length
+    assert (
+        layout["next_position"]
+        < reader.header["segments"]["prefix"]["layer_counts"][0]
+        + reader.header["visual_tokens_total"]
+        + 1
+    )  # M-RoPE compresses positions: not the physical length
     assert layout["rope_deltas"] < 0
 
 
@@ -78,9 +94,18 @@ def test_question_at_a_moment_sees_the_stream_up_to_it(tmp_path, backbones, name
     source = str(SAMPLES / "images")
     pack = tmp_path / "full.kvpack"
     api.encode(source, pack, method="full", backbone=backbone)
-    answer = api.ask(pack, QUESTION, backbone=backbone, keep_logits=True, max_new_tokens=1, at=1.0,
-                     positions=positions)
+    answer = api.ask(
+        pack,
+        QUESTION,
+        backbone=backbone,
+        keep_logits=True,
+        max_new_tokens=1,
+        at=1.0,
+        positions=positions,
+    )
     frames = load_media(source)
     with torch.inference_mode():
-        live = backbone.model(**backbone.reference_inputs(frames.read(0, 2), QUESTION, frames.timestamps[:2]))
+        live = backbone.model(
+            **backbone.reference_inputs(frames.read(0, 2), QUESTION, frames.timestamps[:2])
+        )
     assert (answer.first_logits - live.logits[0, -1].float()).abs().max().item() <= 1e-4

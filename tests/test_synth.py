@@ -24,21 +24,30 @@ def test_questions_follow_from_the_clip(index):
         return
     shapes = [e.shape for e in clip.events]
     colours = [e.colour for e in clip.events]
-    assert len(set(shapes)) == len(shapes) and len(set(colours)) == len(colours)  # every question has one answer
+    assert len(set(shapes)) == len(shapes) and len(set(colours)) == len(
+        colours
+    )  # every question has one answer
     colour_q = by_type["color"]
     assert COLOURS and colour_q["answer"] == colours[shapes.index(colour_q["question"].split()[-2])]
-    assert by_type["shape"]["answer"] == shapes[colours.index(by_type["shape"]["question"].split()[-2])]
+    assert (
+        by_type["shape"]["answer"]
+        == shapes[colours.index(by_type["shape"]["question"].split()[-2])]
+    )
     assert by_type["first"]["answer"] == shapes[0] and by_type["last"]["answer"] == shapes[-1]
     moment = by_type["moment"]
     assert clip.shown_at(moment["frame"]).shape == moment["answer"]
     assert truncated(clip, moment["frame"] + 1).events[-1].shape == moment["answer"]
-    assert all(a.stop <= b.start for a, b in zip(clip.events, clip.events[1:]))  # one shape at a time
+    assert all(
+        a.stop <= b.start for a, b in zip(clip.events, clip.events[1:])
+    )  # one shape at a time
 
 
 def test_shapes_render_differently():
     from mmkv_cli.synth.world import Clip, Event
 
-    frames = [render(Clip("normal", 1, (Event(s, "red", 0, 1, 0.5, 0.5, 0, 0),)), 0) for s in SHAPES]
+    frames = [
+        render(Clip("normal", 1, (Event(s, "red", 0, 1, 0.5, 0.5, 0, 0),)), 0) for s in SHAPES
+    ]
     masks = [(f != f[0, 0]).any(-1) for f in frames]
     for i in range(len(SHAPES)):
         for j in range(i + 1, len(SHAPES)):
@@ -48,13 +57,33 @@ def test_shapes_render_differently():
 def test_synth_writes_the_same_set_twice_and_videos_show_the_render(tmp_path):
     runner = CliRunner()
     for name in ("a", "b"):
-        result = runner.invoke(app, ["synth", str(tmp_path / name), "--clips", "2", "--frames", "16",
-                                     "--seed", "9", "--json"])
+        result = runner.invoke(
+            app,
+            [
+                "synth",
+                str(tmp_path / name),
+                "--clips",
+                "2",
+                "--frames",
+                "16",
+                "--seed",
+                "9",
+                "--json",
+            ],
+        )
         assert result.exit_code == 0, result.output
     qa = (tmp_path / "a" / "qa.jsonl").read_text()
     assert qa == (tmp_path / "b" / "qa.jsonl").read_text()
     rows = [json.loads(line) for line in qa.splitlines()]
-    assert {r["type"] for r in rows} == {"color", "shape", "first", "last", "count", "moment", "needle"}
+    assert {r["type"] for r in rows} == {
+        "color",
+        "shape",
+        "first",
+        "last",
+        "count",
+        "moment",
+        "needle",
+    }
     moment = next(r for r in rows if r["type"] == "moment")
     assert moment["timestamp"] == pytest.approx(int(moment["timestamp"] * 2) / 2)
     video = load_media(str(tmp_path / "a" / rows[0]["video"]), fps=2.0, max_frames=64)
@@ -62,7 +91,9 @@ def test_synth_writes_the_same_set_twice_and_videos_show_the_render(tmp_path):
     clip, _ = make_clip(9, 0, 16, "mixed")
     decoded = video.read(0, 16).astype(int)
     rendered = np.stack([render(clip, f) for f in range(16)]).astype(int)
-    assert np.abs(decoded - rendered).mean() < 2.0  # near-lossless: the model sees what it was trained on
+    assert (
+        np.abs(decoded - rendered).mean() < 2.0
+    )  # near-lossless: the model sees what it was trained on
 
 
 def test_synth_never_overwrites_without_force(tmp_path):
@@ -73,4 +104,9 @@ def test_synth_never_overwrites_without_force(tmp_path):
     refused = runner.invoke(app, [*args, "--seed", "4"])
     assert refused.exit_code == 2 and "--force" in refused.output
     assert (tmp_path / "qa.jsonl").read_text() == before
-    assert runner.invoke(app, ["synth", str(tmp_path / "n"), "--frames", "8", "--kind", "needle"]).exit_code == 2
+    assert (
+        runner.invoke(
+            app, ["synth", str(tmp_path / "n"), "--frames", "8", "--kind", "needle"]
+        ).exit_code
+        == 2
+    )

@@ -13,7 +13,14 @@ from mmkv_cli.backbones.tiny import TINY_BUILDERS
 from mmkv_cli.errors import ModelError, UsageError
 from mmkv_cli.presets import load_model_preset, model_names
 
-__all__ = ["Backbone", "PromptPieces", "StreamLayout", "load_backbone", "resolve_device", "default_model"]
+__all__ = [
+    "Backbone",
+    "PromptPieces",
+    "StreamLayout",
+    "load_backbone",
+    "resolve_device",
+    "default_model",
+]
 
 ADAPTERS = {
     "llava_onevision": (llava_onevision.LlavaOnevisionBackbone, llava_onevision.PROMPT),
@@ -21,8 +28,14 @@ ADAPTERS = {
     "qwen2_5_vl": (qwen_vl.Qwen25VLBackbone, qwen_vl.PROMPT),
     "qwen3_vl": (qwen3_vl.Qwen3VLBackbone, qwen3_vl.PROMPT),
 }
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def default_model() -> str:
@@ -55,10 +68,14 @@ def load_backbone(model: str | None = None, device: str = "auto", dtype: str = "
         if preset.source == "demo":
             net, tokenizer, processor = build_demo()
         elif preset.family in TINY_BUILDERS:
-            net, tokenizer, processor = TINY_BUILDERS[preset.family](int(preset.params.get("seed", 0)))
+            net, tokenizer, processor = TINY_BUILDERS[preset.family](
+                int(preset.params.get("seed", 0))
+            )
         else:
             raise ModelError(f"no tiny builder for family '{preset.family}'")
-        net = net.to(target, resolve_dtype(dtype if dtype != "auto" else preset.dtype, target, tiny=True))
+        net = net.to(
+            target, resolve_dtype(dtype if dtype != "auto" else preset.dtype, target, tiny=True)
+        )
         adapter, prompt = ADAPTERS[preset.family]
         return adapter(net, tokenizer, processor, name=name, source=preset.source, prompt=prompt)
     source = preset.source if preset else name
@@ -78,18 +95,30 @@ def _load_pretrained(name: str, source: str, device: torch.device, dtype: torch.
         raise ModelError(
             f"model '{source}' is not available locally and the Hugging Face hub cannot be reached: "
             f"download it where there is network (`hf download {source}`) and pass its folder with --model, "
-            f"or pick a preset ({known})") from err
+            f"or pick a preset ({known})"
+        ) from err
     family = config.model_type
     if family not in ADAPTERS:
         raise ModelError(f"model '{source}' is a {family}; supported: {', '.join(ADAPTERS)}")
-    classes = {"llava_onevision": "LlavaOnevisionForConditionalGeneration",
-               "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-               "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+    classes = {
+        "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+        "qwen2_vl": "Qwen2VLForConditionalGeneration",
+        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+        "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    }
     try:
-        net = getattr(transformers, classes[family]).from_pretrained(source, dtype=dtype, local_files_only=offline)
+        net = getattr(transformers, classes[family]).from_pretrained(
+            source, dtype=dtype, local_files_only=offline
+        )
         processor = AutoProcessor.from_pretrained(source, local_files_only=offline)
     except Exception as err:
         raise ModelError(f"cannot load model '{source}': {str(err).splitlines()[0]}") from err
     adapter, prompt = ADAPTERS[family]
-    return adapter(net.to(device), processor.tokenizer, processor.video_processor, name=name, source=source,
-                   prompt=prompt)
+    return adapter(
+        net.to(device),
+        processor.tokenizer,
+        processor.video_processor,
+        name=name,
+        source=source,
+        prompt=prompt,
+    )

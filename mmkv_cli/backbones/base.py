@@ -26,10 +26,16 @@ class StreamLayout:
     suffix: torch.Tensor
     next_position: int  # the first text position after the suffix (the question's first token)
     rope_delta: int  # next_position - physical length of the stream: 0 for 1-D RoPE
-    step_lengths: list[int]  # tokens each temporal step adds to the stream (its visual tokens + any markers)
+    step_lengths: list[
+        int
+    ]  # tokens each temporal step adds to the stream (its visual tokens + any markers)
     grid: tuple[int, int]  # visual tokens of one temporal step as (rows, cols)
-    resize_to: tuple[int, int] | None = None  # one pixel size for every chunk of the clip, when the family needs it
-    grid_offsets: list[int] | None = None  # per step, marker tokens before its grid (None: the grid starts the step)
+    resize_to: tuple[int, int] | None = (
+        None  # one pixel size for every chunk of the clip, when the family needs it
+    )
+    grid_offsets: list[int] | None = (
+        None  # per step, marker tokens before its grid (None: the grid starts the step)
+    )
 
     def offsets(self) -> list[int]:
         return self.grid_offsets or [0] * len(self.step_lengths)
@@ -51,7 +57,9 @@ class Backbone:
     family: str = ""
     position_dims: int = 1
 
-    def __init__(self, model, tokenizer, video_processor, name: str, source: str, prompt: PromptPieces):
+    def __init__(
+        self, model, tokenizer, video_processor, name: str, source: str, prompt: PromptPieces
+    ):
         self.model = model.eval()
         attention.install(model)
         self.tokenizer = tokenizer
@@ -75,8 +83,9 @@ class Backbone:
         """uint8 [T, H, W, 3] (T a multiple of frames_per_step) -> [1, steps * tokens_per_step, hidden]."""
         raise NotImplementedError
 
-    def visual_chunk(self, frames: np.ndarray, step_times: list[tuple[float, float]],
-                     layout: StreamLayout) -> tuple[torch.Tensor, dict]:
+    def visual_chunk(
+        self, frames: np.ndarray, step_times: list[tuple[float, float]], layout: StreamLayout
+    ) -> tuple[torch.Tensor, dict]:
         """The stream tokens of these frames' steps, and any extra inputs the language model needs for them."""
         return self.visual_embeds(frames), {}
 
@@ -84,7 +93,9 @@ class Backbone:
         """What follows the last visual token, as embeddings [1, s, hidden]."""
         return self.embed_ids(self.text_ids(self.prompt.suffix_text))
 
-    def stream_layout(self, frame_hw: tuple[int, int], step_times: list[tuple[float, float]]) -> StreamLayout:
+    def stream_layout(
+        self, frame_hw: tuple[int, int], step_times: list[tuple[float, float]]
+    ) -> StreamLayout:
         """Positions of [prefix | one entry per temporal step | suffix] for frames of this size."""
         raise NotImplementedError
 
@@ -104,7 +115,11 @@ class Backbone:
 
     def stop_ids(self) -> set[int]:
         stops = set()
-        for source in (self.text_config, getattr(self.model, "generation_config", None), self.tokenizer):
+        for source in (
+            self.text_config,
+            getattr(self.model, "generation_config", None),
+            self.tokenizer,
+        ):
             value = getattr(source, "eos_token_id", None)
             if value is not None:
                 stops.update(value if isinstance(value, (list, tuple)) else [value])
@@ -122,11 +137,15 @@ class Backbone:
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.text_config)
 
-    def cache_from_layers(self, keys: list[torch.Tensor], values: list[torch.Tensor], batch: int = 1) -> DynamicCache:
+    def cache_from_layers(
+        self, keys: list[torch.Tensor], values: list[torch.Tensor], batch: int = 1
+    ) -> DynamicCache:
         """A cache holding per-layer [H_kv, n, D] tensors, the same for each of `batch` rows."""
         cache = self.new_cache()
         for layer, (k, v) in enumerate(zip(keys, values)):
-            k, v = (t.to(self.device, self.dtype).unsqueeze(0).expand(batch, -1, -1, -1) for t in (k, v))
+            k, v = (
+                t.to(self.device, self.dtype).unsqueeze(0).expand(batch, -1, -1, -1) for t in (k, v)
+            )
             cache.update(k, v, layer)
         return cache
 
@@ -141,7 +160,9 @@ class Backbone:
         return positions if self.position_dims == 3 else positions[0]
 
     @torch.inference_mode()
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache: DynamicCache, **extra) -> torch.Tensor:
+    def forward(
+        self, embeds: torch.Tensor, positions: torch.Tensor, cache: DynamicCache, **extra
+    ) -> torch.Tensor:
         """Run the language model over embeds [B, n, hidden] at explicit positions [P, n] or [P, B, n]."""
         out = self._lm(
             inputs_embeds=embeds.to(self.dtype),
@@ -172,8 +193,11 @@ class Backbone:
     def _weights_probe(self) -> str:
         """A cheap digest of a few weights: tells two checkpoints of one architecture apart."""
         h = hashlib.sha256()
-        probes = [self.model.get_input_embeddings().weight, self.model.lm_head.weight,
-                  self._lm.layers[0].self_attn.q_proj.weight]
+        probes = [
+            self.model.get_input_embeddings().weight,
+            self.model.lm_head.weight,
+            self._lm.layers[0].self_attn.q_proj.weight,
+        ]
         for weight in probes:
             h.update(weight.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
         return h.hexdigest()[:16]
@@ -181,8 +205,12 @@ class Backbone:
     def kv_shape(self) -> dict:
         cfg = self.text_config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return {"layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads, "head_dim": head_dim,
-                "dtype": str(self.dtype).replace("torch.", "")}
+        return {
+            "layers": cfg.num_hidden_layers,
+            "kv_heads": cfg.num_key_value_heads,
+            "head_dim": head_dim,
+            "dtype": str(self.dtype).replace("torch.", ""),
+        }
 
     def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inv_freq [D/2], position axis of each frequency [D/2]) for delta-rotating stored keys."""
@@ -192,10 +220,14 @@ class Backbone:
             return inv_freq, torch.zeros_like(inv_freq, dtype=torch.long)
         # Ask the model's own M-RoPE layout which axis each frequency reads: feed each axis its index.
         probe = torch.arange(3, dtype=torch.float32)[:, None].repeat(1, inv_freq.numel())
-        axes = rotary.recomposition_frequencies(probe)[..., :inv_freq.numel()].reshape(-1).long()
+        axes = rotary.recomposition_frequencies(probe)[..., : inv_freq.numel()].reshape(-1).long()
         return inv_freq, axes
 
     def rotary(self) -> dict:
         """The rotary settings a context policy needs to re-rotate stored keys."""
         params = dict(getattr(self.text_config, "rope_parameters", None) or {})
-        return {"scheme": "mrope" if self.position_dims == 3 else "rope", "keys": "post-rope", **params}
+        return {
+            "scheme": "mrope" if self.position_dims == 3 else "rope",
+            "keys": "post-rope",
+            **params,
+        }

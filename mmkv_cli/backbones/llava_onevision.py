@@ -49,7 +49,9 @@ class LlavaOnevisionBackbone(Backbone):
         text = self.text_ids(self.prompt.suffix_text)
         return torch.cat([newline, self.embed_ids(text)], dim=1) if text else newline
 
-    def stream_layout(self, frame_hw: tuple[int, int], step_times: list[tuple[float, float]]) -> StreamLayout:
+    def stream_layout(
+        self, frame_hw: tuple[int, int], step_times: list[tuple[float, float]]
+    ) -> StreamLayout:
         steps = len(step_times)
         n_prefix = len(self.text_ids(self.prompt.prefix))
         n_visual = steps * self.tokens_per_step(frame_hw)
@@ -57,20 +59,28 @@ class LlavaOnevisionBackbone(Backbone):
         pos = torch.arange(n_prefix + n_visual + n_suffix).unsqueeze(0)
         return StreamLayout(
             prefix=pos[:, :n_prefix],
-            visual=pos[:, n_prefix:n_prefix + n_visual],
-            suffix=pos[:, n_prefix + n_visual:],
+            visual=pos[:, n_prefix : n_prefix + n_visual],
+            suffix=pos[:, n_prefix + n_visual :],
             next_position=int(pos.shape[1]),
             rope_delta=0,
             step_lengths=[self.tokens_per_step(frame_hw)] * steps,
             grid=self.visual_grid(frame_hw),
         )
 
-    def reference_inputs(self, frames: np.ndarray, question: str, times: list[float] | None = None) -> dict:
+    def reference_inputs(
+        self, frames: np.ndarray, question: str, times: list[float] | None = None
+    ) -> dict:
         """Inputs for one ordinary HF forward over [prompt + video + question] (tests compare against it)."""
         steps = len(frames)
         n_video = steps * self.tokens_per_step(frames.shape[1:3]) + 1
-        ids = (self.text_ids(self.prompt.prefix) + [self.model.config.video_token_id] * n_video
-               + self.text_ids(self.prompt.suffix_text) + self.question_ids(question))
+        ids = (
+            self.text_ids(self.prompt.prefix)
+            + [self.model.config.video_token_id] * n_video
+            + self.text_ids(self.prompt.suffix_text)
+            + self.question_ids(question)
+        )
         pixels = self.video_processor(videos=[frames], return_tensors="pt")["pixel_values_videos"]
-        return {"input_ids": torch.tensor([ids], device=self.device),
-                "pixel_values_videos": pixels.to(self.device, self.dtype)}
+        return {
+            "input_ids": torch.tensor([ids], device=self.device),
+            "pixel_values_videos": pixels.to(self.device, self.dtype),
+        }

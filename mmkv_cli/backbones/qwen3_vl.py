@@ -39,12 +39,20 @@ class Qwen3VLBackbone(QwenVLBackbone):
         factor = proc.patch_size * proc.merge_size
         max_pixels = proc.size.longest_edge
         if proc.cap_pixels_per_frame:  # the processor's own per-frame cap, same rule
-            per_frame = max(min(proc.max_video_tokens * factor * factor, max_pixels // num_frames),
-                            int(proc.size.shortest_edge * 1.05))
+            per_frame = max(
+                min(proc.max_video_tokens * factor * factor, max_pixels // num_frames),
+                int(proc.size.shortest_edge * 1.05),
+            )
             max_pixels = per_frame * num_frames
-        return smart_resize(num_frames=max(num_frames, proc.temporal_patch_size), height=frame_hw[0],
-                            width=frame_hw[1], temporal_factor=proc.temporal_patch_size, factor=factor,
-                            min_pixels=proc.size.shortest_edge, max_pixels=max_pixels)
+        return smart_resize(
+            num_frames=max(num_frames, proc.temporal_patch_size),
+            height=frame_hw[0],
+            width=frame_hw[1],
+            temporal_factor=proc.temporal_patch_size,
+            factor=factor,
+            min_pixels=proc.size.shortest_edge,
+            max_pixels=max_pixels,
+        )
 
     def _process_at(self, frames: np.ndarray, size: tuple[int, int]) -> dict:
         from transformers.image_utils import SizeDict
@@ -52,16 +60,24 @@ class Qwen3VLBackbone(QwenVLBackbone):
 
         video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).unsqueeze(0)
         if tuple(video.shape[-2:]) != tuple(size):
-            video = BaseVideoProcessor.resize(self.video_processor, video, SizeDict(height=size[0], width=size[1]),
-                                              resample=self.video_processor.resample)
+            video = BaseVideoProcessor.resize(
+                self.video_processor,
+                video,
+                SizeDict(height=size[0], width=size[1]),
+                resample=self.video_processor.resample,
+            )
         frames = video[0].permute(0, 2, 3, 1).numpy()
-        return self.video_processor(videos=[frames], return_tensors="pt", do_resize=False, do_sample_frames=False)
+        return self.video_processor(
+            videos=[frames], return_tensors="pt", do_resize=False, do_sample_frames=False
+        )
 
     def _grid_at(self, size: tuple[int, int]) -> tuple[int, int]:
         factor = self.video_processor.patch_size * self.video_processor.merge_size
         return size[0] // factor, size[1] // factor
 
-    def stream_layout(self, frame_hw: tuple[int, int], step_times: list[tuple[float, float]]) -> StreamLayout:
+    def stream_layout(
+        self, frame_hw: tuple[int, int], step_times: list[tuple[float, float]]
+    ) -> StreamLayout:
         size = self.clip_size(frame_hw, len(step_times) * self.frames_per_step)
         h, w = self._grid_at(size)
         video_id = self._token("video_token_id")
@@ -76,29 +92,45 @@ class Qwen3VLBackbone(QwenVLBackbone):
         ids = torch.tensor([ids + suffix + ids[:1]])
         merge = self.video_processor.merge_size
         grid = torch.tensor([[len(step_times), h * merge, w * merge]])
-        pos, _ = self.model.model.get_rope_index(ids, mm_token_type_ids=(ids == video_id).int() * 2,
-                                                 video_grid_thw=grid)
+        pos, _ = self.model.model.get_rope_index(
+            ids, mm_token_type_ids=(ids == video_id).int() * 2, video_grid_thw=grid
+        )
         pos = pos[:, 0]
         end = n_prefix + sum(lengths)
         next_position = int(pos[0, -1])
-        return StreamLayout(prefix=pos[:, :n_prefix], visual=pos[:, n_prefix:end], suffix=pos[:, end:-1],
-                            next_position=next_position, rope_delta=next_position - (pos.shape[1] - 1),
-                            step_lengths=lengths, grid=(h, w), resize_to=size,
-                            grid_offsets=offsets)
+        return StreamLayout(
+            prefix=pos[:, :n_prefix],
+            visual=pos[:, n_prefix:end],
+            suffix=pos[:, end:-1],
+            next_position=next_position,
+            rope_delta=next_position - (pos.shape[1] - 1),
+            step_lengths=lengths,
+            grid=(h, w),
+            resize_to=size,
+            grid_offsets=offsets,
+        )
 
     @torch.inference_mode()
-    def visual_chunk(self, frames: np.ndarray, step_times: list[tuple[float, float]],
-                     layout: StreamLayout) -> tuple[torch.Tensor, dict]:
+    def visual_chunk(
+        self, frames: np.ndarray, step_times: list[tuple[float, float]], layout: StreamLayout
+    ) -> tuple[torch.Tensor, dict]:
         inputs = self._process_at(frames, layout.resize_to)
-        out = self.model.model.get_video_features(inputs["pixel_values_videos"].to(self.device, self.dtype),
-                                                  inputs["video_grid_thw"].to(self.device), return_dict=True)
+        out = self.model.model.get_video_features(
+            inputs["pixel_values_videos"].to(self.device, self.dtype),
+            inputs["video_grid_thw"].to(self.device),
+            return_dict=True,
+        )
         visual = torch.cat(out.pooler_output, dim=0)
         deep = [torch.cat(level, dim=0) for level in out.deepstack_features]
         per_step = visual.shape[0] // len(step_times)
         pieces, is_visual = [], []
         for step, time in enumerate(step_times):
             before, after = self.step_markers(time)
-            pieces += [self.embed_ids(before)[0], visual[step * per_step:(step + 1) * per_step], self.embed_ids(after)[0]]
+            pieces += [
+                self.embed_ids(before)[0],
+                visual[step * per_step : (step + 1) * per_step],
+                self.embed_ids(after)[0],
+            ]
             is_visual += [False] * len(before) + [True] * per_step + [False] * len(after)
         mask = torch.tensor([is_visual], device=self.device)
         embeds = torch.cat(pieces, dim=0).unsqueeze(0).to(self.dtype)
@@ -113,14 +145,19 @@ class Qwen3VLBackbone(QwenVLBackbone):
         if not bool(chosen.any()):
             return {}
         rows = rank[index][chosen]
-        return {"visual_pos_masks": chosen, "deepstack_visual_embeds": [d[rows] for d in extra["deepstack_visual_embeds"]]}
+        return {
+            "visual_pos_masks": chosen,
+            "deepstack_visual_embeds": [d[rows] for d in extra["deepstack_visual_embeds"]],
+        }
 
     def visual_embeds(self, frames: np.ndarray) -> torch.Tensor:
         raise NotImplementedError("Qwen3-VL interleaves markers with frames: use visual_chunk")
 
     def reference_inputs(self, frames: np.ndarray, question: str, times: list[float]) -> dict:
         """One ordinary HF forward over [prompt + video + question], the steps stamped from frame times."""
-        inputs = self.video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False)  # its own resize
+        inputs = self.video_processor(
+            videos=[frames], return_tensors="pt", do_sample_frames=False
+        )  # its own resize
         merge = self.video_processor.merge_size
         h, w = (int(x) // merge for x in inputs["video_grid_thw"][0, 1:])
         video_id = self._token("video_token_id")
@@ -128,7 +165,12 @@ class Qwen3VLBackbone(QwenVLBackbone):
         for time in self.steps_of(times):
             before, after = self.step_markers(time)
             ids += before + [video_id] * (h * w) + after
-        ids = torch.tensor([ids + self.text_ids(self.prompt.suffix_text) + self.question_ids(question)])
-        return {"input_ids": ids.to(self.device), "mm_token_type_ids": ((ids == video_id).int() * 2).to(self.device),
-                "pixel_values_videos": inputs["pixel_values_videos"].to(self.device, self.dtype),
-                "video_grid_thw": inputs["video_grid_thw"].to(self.device)}
+        ids = torch.tensor(
+            [ids + self.text_ids(self.prompt.suffix_text) + self.question_ids(question)]
+        )
+        return {
+            "input_ids": ids.to(self.device),
+            "mm_token_type_ids": ((ids == video_id).int() * 2).to(self.device),
+            "pixel_values_videos": inputs["pixel_values_videos"].to(self.device, self.dtype),
+            "video_grid_thw": inputs["video_grid_thw"].to(self.device),
+        }

@@ -60,7 +60,9 @@ class QwenVLBackbone(Backbone):
             return {"second_per_grid_ts": torch.tensor([seconds or 1.0])}
         return {}
 
-    def stream_layout(self, frame_hw: tuple[int, int], step_times: list[tuple[float, float]]) -> StreamLayout:
+    def stream_layout(
+        self, frame_hw: tuple[int, int], step_times: list[tuple[float, float]]
+    ) -> StreamLayout:
         # Ask the model itself for the M-RoPE positions of [prefix | video | suffix | one text token]:
         # the extra token gives the question's first position, which is not len + rope_deltas.
         steps = len(step_times)
@@ -72,31 +74,53 @@ class QwenVLBackbone(Backbone):
         ids = torch.tensor([prefix + [video_id] * n_visual + suffix + [prefix[0]]])
         mm_types = (ids == video_id).int() * 2
         grid = torch.tensor([[steps, h * merge, w * merge]])
-        pos, _ = self.model.model.get_rope_index(ids, mm_token_type_ids=mm_types, video_grid_thw=grid,
-                                                 **self._rope_kwargs(step_times))
+        pos, _ = self.model.model.get_rope_index(
+            ids, mm_token_type_ids=mm_types, video_grid_thw=grid, **self._rope_kwargs(step_times)
+        )
         pos = pos[:, 0]
         a, b = len(prefix), len(prefix) + n_visual
         next_position = int(pos[0, -1])
-        return StreamLayout(prefix=pos[:, :a], visual=pos[:, a:b], suffix=pos[:, b:-1],
-                            next_position=next_position, rope_delta=next_position - (pos.shape[1] - 1),
-                            step_lengths=[h * w] * steps, grid=(h, w))
+        return StreamLayout(
+            prefix=pos[:, :a],
+            visual=pos[:, a:b],
+            suffix=pos[:, b:-1],
+            next_position=next_position,
+            rope_delta=next_position - (pos.shape[1] - 1),
+            step_lengths=[h * w] * steps,
+            grid=(h, w),
+        )
 
     def steps_of(self, times: list[float]) -> list[tuple[float, float]]:
         """(first, last) frame time of every temporal step of frames sampled at these times."""
         per = self.frames_per_step
-        return [(times[first], times[min(first + per, len(times)) - 1]) for first in range(0, len(times), per)]
+        return [
+            (times[first], times[min(first + per, len(times)) - 1])
+            for first in range(0, len(times), per)
+        ]
 
-    def reference_inputs(self, frames: np.ndarray, question: str, times: list[float] | None = None) -> dict:
+    def reference_inputs(
+        self, frames: np.ndarray, question: str, times: list[float] | None = None
+    ) -> dict:
         """Inputs for one ordinary HF forward over [prompt + video + question] (tests compare against it)."""
         inputs = self._process(frames)
         grid = inputs["video_grid_thw"]
-        n_video = int(grid.prod()) // self.video_processor.merge_size ** 2
+        n_video = int(grid.prod()) // self.video_processor.merge_size**2
         video_id = self.model.config.video_token_id
-        ids = torch.tensor([self.text_ids(self.prompt.prefix) + [video_id] * n_video
-                            + self.text_ids(self.prompt.suffix_text) + self.question_ids(question)])
-        return {"input_ids": ids.to(self.device), "mm_token_type_ids": ((ids == video_id).int() * 2).to(self.device),
-                "pixel_values_videos": inputs["pixel_values_videos"].to(self.device, self.dtype),
-                "video_grid_thw": grid.to(self.device), **self._rope_kwargs(self.steps_of(times or [0.0]))}
+        ids = torch.tensor(
+            [
+                self.text_ids(self.prompt.prefix)
+                + [video_id] * n_video
+                + self.text_ids(self.prompt.suffix_text)
+                + self.question_ids(question)
+            ]
+        )
+        return {
+            "input_ids": ids.to(self.device),
+            "mm_token_type_ids": ((ids == video_id).int() * 2).to(self.device),
+            "pixel_values_videos": inputs["pixel_values_videos"].to(self.device, self.dtype),
+            "video_grid_thw": grid.to(self.device),
+            **self._rope_kwargs(self.steps_of(times or [0.0])),
+        }
 
 
 class Qwen25VLBackbone(QwenVLBackbone):

@@ -7,14 +7,129 @@ import torch
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-SPECIAL = ["[UNK]", "[PAD]", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<image>", "<video>",
-           "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-WORDS = """system user assistant you are a an helpful . , ? ! : ' - what which who when where how many much
-is are was were the of in on at to and or it its this that there here do does did color colour shape
-circle square triangle star ring cross red green blue yellow orange purple white black gray first last
-before after next happened appeared shown moving left right up down top bottom middle one two three four
-five six seven eight nine ten zero yes no frame second seconds time clip video image page document
-answer question letter option with without shapes now""".split()
+SPECIAL = [
+    "[UNK]",
+    "[PAD]",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<image>",
+    "<video>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+WORDS = [
+    "system",
+    "user",
+    "assistant",
+    "you",
+    "are",
+    "a",
+    "an",
+    "helpful",
+    ".",
+    ",",
+    "?",
+    "!",
+    ":",
+    "'",
+    "-",
+    "what",
+    "which",
+    "who",
+    "when",
+    "where",
+    "how",
+    "many",
+    "much",
+    "is",
+    "are",
+    "was",
+    "were",
+    "the",
+    "of",
+    "in",
+    "on",
+    "at",
+    "to",
+    "and",
+    "or",
+    "it",
+    "its",
+    "this",
+    "that",
+    "there",
+    "here",
+    "do",
+    "does",
+    "did",
+    "color",
+    "colour",
+    "shape",
+    "circle",
+    "square",
+    "triangle",
+    "star",
+    "ring",
+    "cross",
+    "red",
+    "green",
+    "blue",
+    "yellow",
+    "orange",
+    "purple",
+    "white",
+    "black",
+    "gray",
+    "first",
+    "last",
+    "before",
+    "after",
+    "next",
+    "happened",
+    "appeared",
+    "shown",
+    "moving",
+    "left",
+    "right",
+    "up",
+    "down",
+    "top",
+    "bottom",
+    "middle",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "zero",
+    "yes",
+    "no",
+    "frame",
+    "second",
+    "seconds",
+    "time",
+    "clip",
+    "video",
+    "image",
+    "page",
+    "document",
+    "answer",
+    "question",
+    "letter",
+    "option",
+    "with",
+    "without",
+    "shapes",
+    "now",
+]
 WORDS += [str(i) for i in range(64)] + list("abcdefghij")
 
 
@@ -24,15 +139,27 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="<|im_end|>",
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        eos_token="<|im_end|>",
         additional_special_tokens=[t for t in SPECIAL if t not in ("[UNK]", "[PAD]")],
     )
 
 
 def _text_config(vocab: int, **extra) -> dict:
-    return dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=32768,
-                tie_word_embeddings=False, **extra)
+    return dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        **extra,
+    )
 
 
 def _ids(tokenizer, *names: str) -> list[int]:
@@ -46,16 +173,29 @@ def _seeded(model_class, config, seed: int):
 
 def build_tiny_llava_ov(seed: int = 0):
     from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
-    from transformers.models.llava_onevision.video_processing_llava_onevision import LlavaOnevisionVideoProcessor
+    from transformers.models.llava_onevision.video_processing_llava_onevision import (
+        LlavaOnevisionVideoProcessor,
+    )
 
     tokenizer = tiny_tokenizer()
     image_id, video_id, eos = _ids(tokenizer, "<image>", "<video>", "<|im_end|>")
     config = LlavaOnevisionConfig(
-        text_config=dict(model_type="qwen2", **_text_config(256, eos_token_id=eos, bos_token_id=None)),
-        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
-                           num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=4),
-        image_token_index=image_id, video_token_index=video_id,
-        vision_feature_layer=-1, vision_feature_select_strategy="full",
+        text_config=dict(
+            model_type="qwen2", **_text_config(256, eos_token_id=eos, bos_token_id=None)
+        ),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=4,
+        ),
+        image_token_index=image_id,
+        video_token_index=video_id,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
     )
     processor = LlavaOnevisionVideoProcessor(size={"height": 32, "width": 32})
     return _seeded(LlavaOnevisionForConditionalGeneration, config, seed), tokenizer, processor
@@ -63,9 +203,14 @@ def build_tiny_llava_ov(seed: int = 0):
 
 def _qwen_special_ids(tokenizer) -> dict:
     image_id, video_id, start_id, end_id = _ids(
-        tokenizer, "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
-    return dict(image_token_id=image_id, video_token_id=video_id,
-                vision_start_token_id=start_id, vision_end_token_id=end_id)
+        tokenizer, "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"
+    )
+    return dict(
+        image_token_id=image_id,
+        video_token_id=video_id,
+        vision_start_token_id=start_id,
+        vision_end_token_id=end_id,
+    )
 
 
 def _qwen_text(tokenizer, **rope_extra) -> dict:
@@ -84,8 +229,11 @@ def _qwen2_frames():
     """The Qwen2 / Qwen2.5 video processor: every frame resized to 64x64."""
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    return Qwen2VLVideoProcessor(**QWEN_FRAMES, size={"shortest_edge": 64 * 64, "longest_edge": 64 * 64},
-                                 cap_pixels_per_frame=False)
+    return Qwen2VLVideoProcessor(
+        **QWEN_FRAMES,
+        size={"shortest_edge": 64 * 64, "longest_edge": 64 * 64},
+        cap_pixels_per_frame=False,
+    )
 
 
 def build_tiny_qwen2_vl(seed: int = 0):
@@ -94,8 +242,11 @@ def build_tiny_qwen2_vl(seed: int = 0):
     tokenizer = tiny_tokenizer()
     config = Qwen2VLConfig(
         text_config=_qwen_text(tokenizer),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, **QWEN_VISION),
-        **_qwen_special_ids(tokenizer))
+        vision_config=dict(
+            depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, **QWEN_VISION
+        ),
+        **_qwen_special_ids(tokenizer),
+    )
     processor = _qwen2_frames()
     return _seeded(Qwen2VLForConditionalGeneration, config, seed), tokenizer, processor
 
@@ -107,9 +258,19 @@ def build_tiny_qwen2_5_vl(seed: int = 0):
     # window_size 32 px = 2x2 merged units: windowed and full-attention blocks are both exercised
     config = Qwen2_5_VLConfig(
         text_config=_qwen_text(tokenizer),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                           window_size=32, fullatt_block_indexes=[1], tokens_per_second=2, **QWEN_VISION),
-        **_qwen_special_ids(tokenizer))
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            window_size=32,
+            fullatt_block_indexes=[1],
+            tokens_per_second=2,
+            **QWEN_VISION,
+        ),
+        **_qwen_special_ids(tokenizer),
+    )
     processor = _qwen2_frames()
     return _seeded(Qwen2_5_VLForConditionalGeneration, config, seed), tokenizer, processor
 
@@ -121,15 +282,31 @@ def build_tiny_qwen3_vl(seed: int = 0):
     tokenizer = tiny_tokenizer()
     config = Qwen3VLConfig(
         text_config=_qwen_text(tokenizer, mrope_interleaved=True),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                           num_position_embeddings=64, deepstack_visual_indexes=[0, 1], **QWEN_VISION),
-        **_qwen_special_ids(tokenizer))
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0, 1],
+            **QWEN_VISION,
+        ),
+        **_qwen_special_ids(tokenizer),
+    )
     # Qwen3 bounds the pixels of a whole clip: 4 frames of 128x128 fit, 16 are shrunk to 64x64, so a
     # chunked encode must carry the clip's size to every chunk.
-    processor = Qwen3VLVideoProcessor(**QWEN_FRAMES, size={"shortest_edge": 16 * 16, "longest_edge": 128 * 128 * 4},
-                                      do_sample_frames=False)
+    processor = Qwen3VLVideoProcessor(
+        **QWEN_FRAMES,
+        size={"shortest_edge": 16 * 16, "longest_edge": 128 * 128 * 4},
+        do_sample_frames=False,
+    )
     return _seeded(Qwen3VLForConditionalGeneration, config, seed), tokenizer, processor
 
 
-TINY_BUILDERS = {"llava_onevision": build_tiny_llava_ov, "qwen2_vl": build_tiny_qwen2_vl,
-                 "qwen2_5_vl": build_tiny_qwen2_5_vl, "qwen3_vl": build_tiny_qwen3_vl}
+TINY_BUILDERS = {
+    "llava_onevision": build_tiny_llava_ov,
+    "qwen2_vl": build_tiny_qwen2_vl,
+    "qwen2_5_vl": build_tiny_qwen2_5_vl,
+    "qwen3_vl": build_tiny_qwen3_vl,
+}

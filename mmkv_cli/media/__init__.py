@@ -24,7 +24,9 @@ def load_media(spec: str, fps: float = 1.0, max_frames: int = 64, backend: str =
     if not path.exists():
         raise MediaError(f"no such file or folder: {spec}")
     if path.is_dir() or path.suffix.lower() in IMAGE_SUFFIXES:
-        return load_images(spec, max_frames) if path.is_dir() else load_images(str(path), max_frames)
+        return (
+            load_images(spec, max_frames) if path.is_dir() else load_images(str(path), max_frames)
+        )
     if path.suffix.lower() == ".pdf":
         return load_pdf(path, max_frames)
     return load_video(path, fps, max_frames, backend)

@@ -26,8 +26,12 @@ def image_paths(spec: str) -> list[Path]:
 def _same_size(images: list[Image.Image]) -> np.ndarray:
     # A video processor wants one frame size; the first frame sets it.
     size = images[0].size
-    return np.stack([np.asarray(im.convert("RGB").resize(size) if im.size != size else im.convert("RGB"))
-                     for im in images])
+    return np.stack(
+        [
+            np.asarray(im.convert("RGB").resize(size) if im.size != size else im.convert("RGB"))
+            for im in images
+        ]
+    )
 
 
 def _thin(count: int, max_frames: int) -> list[int]:
@@ -45,8 +49,13 @@ def load_images(spec: str, max_frames: int) -> Media:
         frames = _same_size([Image.open(paths[i]) for i in picks])
     except (OSError, ValueError) as err:
         raise MediaError(f"cannot read image in {spec}: {err}") from err
-    return Media(kind="images", source=spec, digest=sha256_files(paths), timestamps=[float(i) for i in picks],
-                 _read=lambda start, stop: frames[start:stop])
+    return Media(
+        kind="images",
+        source=spec,
+        digest=sha256_files(paths),
+        timestamps=[float(i) for i in picks],
+        _read=lambda start, stop: frames[start:stop],
+    )
 
 
 def load_pdf(path: Path, max_frames: int, scale: float = 1.0) -> Media:
@@ -61,5 +70,10 @@ def load_pdf(path: Path, max_frames: int, scale: float = 1.0) -> Media:
     if not pages:
         raise MediaError(f"no pages in {path}")
     frames = _same_size(pages)
-    return Media(kind="pdf", source=str(path), digest=sha256_files([path]), timestamps=[float(i) for i in picks],
-                 _read=lambda start, stop: frames[start:stop])
+    return Media(
+        kind="pdf",
+        source=str(path),
+        digest=sha256_files([path]),
+        timestamps=[float(i) for i in picks],
+        _read=lambda start, stop: frames[start:stop],
+    )

@@ -49,7 +49,9 @@ def load_video(path: Path, fps: float, max_frames: int, backend: str = "auto") -
 def _media(path: Path, times: list[float], read) -> Media:
     if not times:
         raise MediaError(f"no frames could be read from {path}")
-    return Media(kind="video", source=str(path), digest=sha256_files([path]), timestamps=times, _read=read)
+    return Media(
+        kind="video", source=str(path), digest=sha256_files([path]), timestamps=times, _read=read
+    )
 
 
 def _load_with_decord(path: Path, fps: float, max_frames: int) -> Media:
@@ -62,7 +64,9 @@ def _load_with_decord(path: Path, fps: float, max_frames: int) -> Media:
     times = sample_times(total / native_fps, fps, max_frames)
     indices = [min(total - 1, int(round(t * native_fps))) for t in times]
     if indices:
-        with native_stderr_silenced():  # some builds open a file they cannot decode: find out now, not mid-encode
+        with (
+            native_stderr_silenced()
+        ):  # some builds open a file they cannot decode: find out now, not mid-encode
             reader.get_batch(indices[:1])
 
     def read(start: int, stop: int) -> np.ndarray:
@@ -89,7 +93,9 @@ def _load_with_pyav(path: Path, fps: float, max_frames: int) -> Media:
             times = sample_times(stamps[-1] - stamps[0] + step, fps, max_frames)
             picks = [int(np.argmin(np.abs(np.array(stamps) - stamps[0] - t))) for t in times]
             # Decoded once: keep only the sampled frames, as RGB arrays.
-            images = np.stack([frames[i].to_ndarray(format="rgb24") for i in picks]) if picks else None
+            images = (
+                np.stack([frames[i].to_ndarray(format="rgb24") for i in picks]) if picks else None
+            )
     except MediaError:
         raise
     except Exception as err:

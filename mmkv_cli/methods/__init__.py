@@ -5,13 +5,35 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mmkv_cli.errors import UsageError
-from mmkv_cli.methods import aircache, full, h2o, hermes, meda, mukv, pyramidkv, recency, rekv, snapkv
+from mmkv_cli.methods import (
+    aircache,
+    full,
+    h2o,
+    hermes,
+    meda,
+    mukv,
+    pyramidkv,
+    recency,
+    rekv,
+    snapkv,
+)
 from mmkv_cli.methods.base import ContextPolicy, MemoryPolicy, Selection, StreamState
 from mmkv_cli.presets import MethodPreset, check_budget, load_method_preset
 
-__all__ = ["ContextPolicy", "MemoryPolicy", "Selection", "StreamState", "METHODS", "build_method", "context_policy"]
+__all__ = [
+    "ContextPolicy",
+    "MemoryPolicy",
+    "Selection",
+    "StreamState",
+    "METHODS",
+    "build_method",
+    "context_policy",
+]
 
-METHODS = {module.MEMORY.name: module for module in (full, recency, rekv, mukv, hermes, snapkv, h2o, pyramidkv, aircache, meda)}
+METHODS = {
+    module.MEMORY.name: module
+    for module in (full, recency, rekv, mukv, hermes, snapkv, h2o, pyramidkv, aircache, meda)
+}
 
 
 def _module(name: str):
@@ -22,8 +44,9 @@ def _module(name: str):
     return METHODS[implements]
 
 
-def build_method(name: str, budget: float | None = None,
-                 budget_tokens: int | None = None) -> tuple[MethodPreset, MemoryPolicy]:
+def build_method(
+    name: str, budget: float | None = None, budget_tokens: int | None = None
+) -> tuple[MethodPreset, MemoryPolicy]:
     """The memory policy for `name` at `budget` (the preset's default when None).
 
     A method with a fixed token budget (budget_tokens in its preset) takes `budget_tokens` when given; an
@@ -37,7 +60,9 @@ def build_method(name: str, budget: float | None = None,
         if budget_tokens < 1:
             raise UsageError(f"--budget-tokens must be at least 1, got {budget_tokens}")
         if "budget_tokens" not in params:
-            raise UsageError(f"method '{name}' has no fixed token budget: use --budget (a fraction)")
+            raise UsageError(
+                f"method '{name}' has no fixed token budget: use --budget (a fraction)"
+            )
         params["budget_tokens"] = int(budget_tokens)
     elif budget is not None and "budget_tokens" in params:
         params["budget_tokens"] = None

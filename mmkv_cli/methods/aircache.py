@@ -24,7 +24,9 @@ def elite_window(last_row: torch.Tensor, tau: float) -> torch.Tensor:
     return (last_row >= tau * last_row.max()).nonzero().squeeze(1)
 
 
-def visual_importance(rows: torch.Tensor, visual: slice, instruction: slice, tau: float) -> torch.Tensor:
+def visual_importance(
+    rows: torch.Tensor, visual: slice, instruction: slice, tau: float
+) -> torch.Tensor:
     """rows [q, k]: attention of the instruction's rows (the last q keys are theirs) -> [n_visual] importance.
 
     instruction: the key columns of the instruction's tokens, which are also its rows (in the same order).
@@ -34,14 +36,16 @@ def visual_importance(rows: torch.Tensor, visual: slice, instruction: slice, tau
     elite = elite_window(own[-1, instruction], tau)
     picked = own[elite]
     columns = torch.cat([picked[:, visual], picked[:, instruction][:, elite]], dim=1)
-    columns = columns / columns.sum(dim=1, keepdim=True).clamp_min(1e-12)  # softmax over [visual; elite]
+    columns = columns / columns.sum(dim=1, keepdim=True).clamp_min(
+        1e-12
+    )  # softmax over [visual; elite]
     return columns[:, : visual.stop - visual.start].mean(dim=0)
 
 
 def skewness(x: torch.Tensor) -> float:
     x = x.float()
     spread = x.std(unbiased=False)
-    return float(((x - x.mean()) ** 3).mean() / spread ** 3) if spread > 0 else 0.0
+    return float(((x - x.mean()) ** 3).mean() / spread**3) if spread > 0 else 0.0
 
 
 def fit_shares(weights: list[float], mean: float, low: float, high: float) -> list[float]:
@@ -78,12 +82,19 @@ def keep_per_layer(importance: list[torch.Tensor], ratio: float, low: float) -> 
     """Local indices (temporal order) each layer keeps of its visual tokens."""
     kept = []
     for scores, r in zip(importance, layer_ratios(importance, ratio, low)):
-        kept.append(top_in_order(scores, max(1, min(scores.numel(), math.floor(r * scores.numel())))))
+        kept.append(
+            top_in_order(scores, max(1, min(scores.numel(), math.floor(r * scores.numel()))))
+        )
     return kept
 
 
-def prune_at_ask(rows: list[torch.Tensor], visual: list[slice], question: list[slice], budget: float,
-                 params: dict) -> list[torch.Tensor]:
+def prune_at_ask(
+    rows: list[torch.Tensor],
+    visual: list[slice],
+    question: list[slice],
+    budget: float,
+    params: dict,
+) -> list[torch.Tensor]:
     """Per layer: rows [q, k], the question's attention over [context | question] after its forward; the
     key columns of the visual tokens and of the question."""
     tau = float(params["tau"])
@@ -100,7 +111,9 @@ class AirCacheMemory(PrunedAtEnd):
         rows, visual, instruction = state.attend(str(self.params["guidance_prompt"]), rows=True)
         tau = float(self.params["tau"])
         importance = [visual_importance(r, v, i, tau) for r, v, i in zip(rows, visual, instruction)]
-        for layer, local in enumerate(keep_per_layer(importance, self.budget, float(self.params["min_layer_ratio"]))):
+        for layer, local in enumerate(
+            keep_per_layer(importance, self.budget, float(self.params["min_layer_ratio"]))
+        ):
             if len(local) < len(state.kept[layer]):
                 state.retain(layer, local)
 

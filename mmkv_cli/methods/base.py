@@ -3,8 +3,9 @@ in which blocks; a context policy decides at ask (question known) which stored b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -24,18 +25,26 @@ class StreamState:
 
     cache: DynamicCache
     prefix_len: int
-    positions: torch.Tensor  # [P, total] position every visual token was placed at (layout - shift at the time)
+    positions: (
+        torch.Tensor
+    )  # [P, total] position every visual token was placed at (layout - shift at the time)
     token_step: torch.Tensor  # [total] temporal step of every visual token
     kept: list[torch.Tensor]
     seen: int  # visual tokens streamed so far
     total: int  # visual tokens the whole media will give
-    layout_positions: torch.Tensor | None = None  # [P, total + 1] the layout's positions, then the suffix's first
+    layout_positions: torch.Tensor | None = (
+        None  # [P, total + 1] the layout's positions, then the suffix's first
+    )
     shift: int = 0  # subtracted from layout positions of tokens still to come (a policy that compacts sets it)
     position_limit: int = 1 << 30  # the model's max_position_embeddings
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (inv_freq, axes) for delta-rotating cached keys
+    rope: tuple[torch.Tensor, torch.Tensor] | None = (
+        None  # (inv_freq, axes) for delta-rotating cached keys
+    )
     # text -> per layer [cached visual tokens]: the attention that text's rows pay them (mean over heads, rows)
     attend: Callable[[str], list[torch.Tensor]] | None = field(default=None, repr=False)
-    front: list[int] = field(default_factory=list)  # per layer, tokens between the prompt and the visual part
+    front: list[int] = field(
+        default_factory=list
+    )  # per layer, tokens between the prompt and the visual part
 
     @property
     def layers(self) -> int:
@@ -54,7 +63,9 @@ class StreamState:
         key, value = key.to(entry.keys).unsqueeze(0), value.to(entry.values).unsqueeze(0)
         rest = self.visual_start(layer)
         entry.keys = torch.cat([entry.keys[:, :, :cut], key, entry.keys[:, :, rest:]], dim=2)
-        entry.values = torch.cat([entry.values[:, :, :cut], value, entry.values[:, :, rest:]], dim=2)
+        entry.values = torch.cat(
+            [entry.values[:, :, :cut], value, entry.values[:, :, rest:]], dim=2
+        )
         self.front[layer] = 1
 
     def visual_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +81,9 @@ class StreamState:
         cut = self.visual_start(layer)
         local = local.to(entry.keys.device)
         entry.keys = torch.cat([entry.keys[:, :, :cut], entry.keys[:, :, cut:][:, :, local]], dim=2)
-        entry.values = torch.cat([entry.values[:, :, :cut], entry.values[:, :, cut:][:, :, local]], dim=2)
+        entry.values = torch.cat(
+            [entry.values[:, :, :cut], entry.values[:, :, cut:][:, :, local]], dim=2
+        )
         self.kept[layer] = self.kept[layer][local.cpu()]
 
     def replace_visual(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -79,11 +92,19 @@ class StreamState:
         cut = self.visual_start(layer)
         end = cut + len(self.kept[layer])
         keys, values = keys.to(entry.keys), values.to(entry.values)
-        entry.keys = torch.cat([entry.keys[:, :, :cut], keys.unsqueeze(0), entry.keys[:, :, end:]], dim=2)
-        entry.values = torch.cat([entry.values[:, :, :cut], values.unsqueeze(0), entry.values[:, :, end:]], dim=2)
+        entry.keys = torch.cat(
+            [entry.keys[:, :, :cut], keys.unsqueeze(0), entry.keys[:, :, end:]], dim=2
+        )
+        entry.values = torch.cat(
+            [entry.values[:, :, :cut], values.unsqueeze(0), entry.values[:, :, end:]], dim=2
+        )
 
     def kv_bytes(self) -> int:
-        return sum(e.keys.numel() * e.keys.element_size() * 2 for e in self.cache.layers if e.keys is not None)
+        return sum(
+            e.keys.numel() * e.keys.element_size() * 2
+            for e in self.cache.layers
+            if e.keys is not None
+        )
 
 
 class MemoryPolicy:
@@ -114,7 +135,9 @@ class MemoryPolicy:
         """[P, kept] positions of this layer's cached visual tokens (a policy that re-indexes overrides it)."""
         return state.positions[:, state.kept[layer]]
 
-    def make_blocks(self, state: StreamState, step_times: list[tuple[float, float]]) -> list[Segment]:
+    def make_blocks(
+        self, state: StreamState, step_times: list[tuple[float, float]]
+    ) -> list[Segment]:
         """Group what the cache kept into one block per temporal step."""
         per_layer = [state.visual_kv(layer) for layer in range(state.layers)]
         placed = [self.positions_of(state, layer) for layer in range(state.layers)]
@@ -129,9 +152,18 @@ class MemoryPolicy:
                 positions.append(placed[layer][:, local])
             if not any(k.shape[1] for k in keys):
                 continue  # evicted from every layer
-            blocks.append(Segment(name=block_name(len(blocks)), keys=keys, values=values, positions=positions,
-                                  granularity=self.granularity, steps=(step, step + 1), time=time,
-                                  representative=mean_key(keys[-1])))
+            blocks.append(
+                Segment(
+                    name=block_name(len(blocks)),
+                    keys=keys,
+                    values=values,
+                    positions=positions,
+                    granularity=self.granularity,
+                    steps=(step, step + 1),
+                    time=time,
+                    representative=mean_key(keys[-1]),
+                )
+            )
         return blocks
 
 
@@ -163,9 +195,16 @@ class ContextPolicy:
         self.params = params
         self.position_mode = params.get("positions", "keep")
 
-    def select(self, blocks: BlockTable, reps: Callable[[], torch.Tensor],
-               question_vector: Callable[[str], torch.Tensor], before: float | None = None) -> Selection:
+    def select(
+        self,
+        blocks: BlockTable,
+        reps: Callable[[], torch.Tensor],
+        question_vector: Callable[[str], torch.Tensor],
+        before: float | None = None,
+    ) -> Selection:
         """Blocks for the context. reps() loads the representatives and question_vector(mode) runs the
         question; both are lazy so a policy that needs neither costs nothing."""
         eligible = eligible_before(blocks, before)
-        return Selection([blocks.name(i) for i in eligible.tolist()], [], last_shown(blocks, eligible, before))
+        return Selection(
+            [blocks.name(i) for i in eligible.tolist()], [], last_shown(blocks, eligible, before)
+        )

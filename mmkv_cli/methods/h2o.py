@@ -31,7 +31,7 @@ class H2OMemory(PrunedAtEnd):
         for layer in range(state.layers):
             sums = recorder.column_sum[layer]
             start = state.visual_start(layer)
-            visual = sums[0, start:start + len(state.kept[layer])].cpu()
+            visual = sums[0, start : start + len(state.kept[layer])].cpu()
             accumulate(self.cumulative[layer], visual, state.kept[layer])
 
     def layer_scores(self, state: StreamState) -> list[torch.Tensor]:

@@ -62,8 +62,9 @@ def layer_score(attention: torch.Tensor, a: float, k: float) -> torch.Tensor:
     return (1 - a) * minmax(attention) + a * minmax(recency_curve(attention.numel(), k))
 
 
-def smooth_deep_to_shallow(scores: list[torch.Tensor], kept: list[torch.Tensor], gammas: list[float],
-                           total: int) -> list[torch.Tensor]:
+def smooth_deep_to_shallow(
+    scores: list[torch.Tensor], kept: list[torch.Tensor], gammas: list[float], total: int
+) -> list[torch.Tensor]:
     """S_l <- (1 - g_l) S_l + g_l S_{l+1}, from the deepest layer up, matching tokens by stream index.
 
     Layers may hold different tokens: a token the deeper layer no longer holds keeps its own score.
@@ -79,8 +80,15 @@ def smooth_deep_to_shallow(scores: list[torch.Tensor], kept: list[torch.Tensor],
     return out
 
 
-def fold_into_summary(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, target: torch.Tensor,
-                      inv_freq: torch.Tensor, axes: torch.Tensor, previous: tuple | None = None) -> tuple:
+def fold_into_summary(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    target: torch.Tensor,
+    inv_freq: torch.Tensor,
+    axes: torch.Tensor,
+    previous: tuple | None = None,
+) -> tuple:
     """Evicted keys [H, n, D] rotated to `target` [P] and averaged, values averaged; merged with a previous
     (key [H, 1, D], value [H, 1, D], count) as a running mean. Returns (key, value, count)."""
     n = keys.shape[1]
@@ -102,7 +110,9 @@ class HermesMemory(MemoryPolicy):
     def __init__(self, budget: float, params: dict):
         super().__init__(budget, params)
         self.summary: dict[int, tuple] = {}  # deep layer -> (key, value, count)
-        self.layer_positions: list[torch.Tensor] | None = None  # per layer, positions of its kept tokens
+        self.layer_positions: list[torch.Tensor] | None = (
+            None  # per layer, positions of its kept tokens
+        )
         self.tracked: list[int] = []  # per layer, how many of its kept tokens have a position entry
         self.compressions = 0
         self.reindexed = 0
@@ -121,8 +131,10 @@ class HermesMemory(MemoryPolicy):
             self.layer_positions = [state.positions[:, :0].clone() for _ in range(state.layers)]
             self.tracked = [0] * state.layers
         for layer in range(state.layers):
-            new = state.kept[layer][self.tracked[layer]:]
-            self.layer_positions[layer] = torch.cat([self.layer_positions[layer], state.positions[:, new]], dim=1)
+            new = state.kept[layer][self.tracked[layer] :]
+            self.layer_positions[layer] = torch.cat(
+                [self.layer_positions[layer], state.positions[:, new]], dim=1
+            )
             self.tracked[layer] = len(state.kept[layer])
 
     def after_chunk(self, state: StreamState) -> None:
@@ -132,20 +144,27 @@ class HermesMemory(MemoryPolicy):
     def finish(self, state: StreamState) -> None:
         # Deep layers hold one token under the budget: their summary token fills the last slot.
         cap = self.capacity(state)
-        deep_over = any(len(state.kept[l]) > cap - 1 for l, (role, _) in enumerate(self._roles(state))
-                        if role == "deep" and self.params.get("summary", True))
+        deep_over = any(
+            len(state.kept[l]) > cap - 1
+            for l, (role, _) in enumerate(self._roles(state))
+            if role == "deep" and self.params.get("summary", True)
+        )
         if len(state.kept[0]) > cap or deep_over:
             self._compress(state, cap)
 
     def _roles(self, state: StreamState) -> list[tuple[str, float]]:
-        return layer_roles(state.layers, float(self.params["shallow_share"]), float(self.params["deep_share"]))
+        return layer_roles(
+            state.layers, float(self.params["shallow_share"]), float(self.params["deep_share"])
+        )
 
     def _compress(self, state: StreamState, cap: int) -> None:
         self._track(state)
         roles = self._roles(state)
         attention = state.attend(str(self.params["guidance_prompt"]))
-        scores = [layer_score(attention[layer], *mix_for(role, p, self.params))
-                  for layer, (role, p) in enumerate(roles)]
+        scores = [
+            layer_score(attention[layer], *mix_for(role, p, self.params))
+            for layer, (role, p) in enumerate(roles)
+        ]
         gammas = [float(self.params["smoothing"][role]) for role, _ in roles]
         scores = smooth_deep_to_shallow(scores, state.kept, gammas, state.total)
         summary = bool(self.params.get("summary", True))
@@ -172,8 +191,14 @@ class HermesMemory(MemoryPolicy):
         inv_freq, axes = state.rope
         target = state.positions[:, 0]  # the summary sits at the first visual position
         self.summary[layer] = fold_into_summary(
-            keys[:, gone.to(keys.device)].cpu(), values[:, gone.to(values.device)].cpu(),
-            self.layer_positions[layer][:, gone], target, inv_freq, axes, self.summary.get(layer))
+            keys[:, gone.to(keys.device)].cpu(),
+            values[:, gone.to(values.device)].cpu(),
+            self.layer_positions[layer][:, gone],
+            target,
+            inv_freq,
+            axes,
+            self.summary.get(layer),
+        )
         # The summary lives in the running cache, right after the prompt, so what streams in later attends
         # to it (the paper writes it back into the KV cache).
         key, value, _ = self.summary[layer]
@@ -186,7 +211,7 @@ class HermesMemory(MemoryPolicy):
         if mode != "lazy":
             raise ValueError(f"unknown re-index mode '{mode}' (lazy, eager)")
         limit = self.params.get("reindex_at") or int(0.9 * state.position_limit)
-        return int(state.positions[:, :state.seen].max()) > limit
+        return int(state.positions[:, : state.seen].max()) > limit
 
     def _reindex(self, state: StreamState) -> None:
         """Compact every layer's visual positions right after the prompt, re-rotate the cached keys, and move
@@ -200,7 +225,9 @@ class HermesMemory(MemoryPolicy):
             entry = state.cache.layers[layer]
             cut = state.visual_start(layer)
             end = cut + old.shape[1]
-            moved = rotate_keys(entry.keys[:, :, cut:end], (new - old).to(entry.keys.device), inv_freq, axes)
+            moved = rotate_keys(
+                entry.keys[:, :, cut:end], (new - old).to(entry.keys.device), inv_freq, axes
+            )
             entry.keys = torch.cat([entry.keys[:, :, :cut], moved, entry.keys[:, :, end:]], dim=2)
             self.layer_positions[layer] = new
             if new.numel():
@@ -210,7 +237,9 @@ class HermesMemory(MemoryPolicy):
         state.shift = upcoming - (top + 1)
         self.reindexed += 1
 
-    def make_blocks(self, state: StreamState, step_times: list[tuple[float, float]]) -> list[Segment]:
+    def make_blocks(
+        self, state: StreamState, step_times: list[tuple[float, float]]
+    ) -> list[Segment]:
         blocks = super().make_blocks(state, step_times)
         if not self.summary:
             return blocks
@@ -228,8 +257,16 @@ class HermesMemory(MemoryPolicy):
                 values.append(empty.clone())
                 positions.append(state.positions[:, :0].clone())
         first = step_times[0][0]
-        summary = Segment(name="summary", keys=keys, values=values, positions=positions, granularity="summary",
-                          steps=(0, 0), time=(first, first), representative=None)
+        summary = Segment(
+            name="summary",
+            keys=keys,
+            values=values,
+            positions=positions,
+            granularity="summary",
+            steps=(0, 0),
+            time=(first, first),
+            representative=None,
+        )
         renamed = [summary, *blocks]
         for i, block in enumerate(renamed):
             block.name = block_name(i)

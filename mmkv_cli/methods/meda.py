@@ -42,7 +42,7 @@ def recent_and_heavy(cumulative: torch.Tensor, keep: int, recent_share: float) -
     keep = min(keep, n)
     recent = min(keep, round(recent_share * keep))
     chosen = torch.zeros(n, dtype=torch.bool)
-    chosen[n - recent:] = True
+    chosen[n - recent :] = True
     rest = cumulative.clone().float()
     rest[chosen] = float("-inf")
     if keep - recent > 0:
@@ -90,8 +90,11 @@ class MedaMemory(PrunedAtEnd):
     def recorder(self, state: StreamState) -> Recorder:
         # Chunk rows are visual tokens; the text they can see is the prompt before the video.
         text = slice(0, state.prefix_len)
-        return Recorder(layers=set(range(state.layers)), column_sums=True,
-                        reducers={"vt_entropy": lambda block: row_entropy(block, text).sum(dim=-1)})
+        return Recorder(
+            layers=set(range(state.layers)),
+            column_sums=True,
+            reducers={"vt_entropy": lambda block: row_entropy(block, text).sum(dim=-1)},
+        )
 
     def observe(self, state: StreamState, recorder: Recorder) -> None:
         if not self.cumulative:
@@ -99,7 +102,7 @@ class MedaMemory(PrunedAtEnd):
             self.vt_entropy = [0.0] * state.layers
         for layer in range(state.layers):
             start = state.visual_start(layer)
-            sums = recorder.column_sum[layer][0, start:start + len(state.kept[layer])]
+            sums = recorder.column_sum[layer][0, start : start + len(state.kept[layer])]
             accumulate(self.cumulative[layer], sums.cpu(), state.kept[layer])
             self.vt_entropy[layer] += float(recorder.reduced[layer]["vt_entropy"][0])
         self.visual_rows = state.seen
@@ -108,14 +111,17 @@ class MedaMemory(PrunedAtEnd):
         rows, visual, _ = state.attend(str(self.params["guidance_prompt"]), rows=True)
         tv = [float(row_entropy(r, v).mean()) for r, v in zip(rows, visual)]
         vt = [e / max(1, self.visual_rows) for e in self.vt_entropy]
-        ratios = entropy_ratios([a + b for a, b in zip(tv, vt)], self.budget, float(self.params["min_layer_ratio"]))
+        ratios = entropy_ratios(
+            [a + b for a, b in zip(tv, vt)], self.budget, float(self.params["min_layer_ratio"])
+        )
         for layer, ratio in enumerate(ratios):
             count = len(state.kept[layer])
             keep = max(1, math.floor(ratio * count))
             if keep >= count:
                 continue
-            local = recent_and_heavy(self.cumulative[layer][state.kept[layer]], keep,
-                                     float(self.params["recent_share"]))
+            local = recent_and_heavy(
+                self.cumulative[layer][state.kept[layer]], keep, float(self.params["recent_share"])
+            )
             keys, values = state.visual_kv(layer)
             if self.params.get("merge", True):
                 merged_k, merged_v, _ = merge_evicted(keys.cpu(), values.cpu(), local)

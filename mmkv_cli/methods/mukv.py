@@ -20,10 +20,15 @@ from mmkv_cli.methods.retrieval import RetrievalContext
 
 GRANULARITIES = ("patch", "frame", "segment")
 # preset choices, the default first
-OPTIONS = {"views": ("stream", "middle_frame"), "patch_blocks": ("spatial", "raster"), "frequency": ("fft", "diff")}
+OPTIONS = {
+    "views": ("stream", "middle_frame"),
+    "patch_blocks": ("spatial", "raster"),
+    "frequency": ("fft", "diff"),
+}
 
 
 # --- scoring: pure functions over tensors ---
+
 
 def minmax(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     x = x.float()
@@ -66,6 +71,7 @@ def top_in_order(score: torch.Tensor, count: int) -> torch.Tensor:
 
 # --- the block plan: which stream tokens form each block ---
 
+
 @dataclass
 class BlockPlan:
     granularity: str
@@ -94,12 +100,22 @@ def detailed_steps(steps: int, segment_steps: int, views: str = "stream") -> lis
     if views == "stream":
         return list(range(steps))
     if views == "middle_frame":
-        return [first + (min(first + segment_steps, steps) - first) // 2 for first in range(0, steps, segment_steps)]
+        return [
+            first + (min(first + segment_steps, steps) - first) // 2
+            for first in range(0, steps, segment_steps)
+        ]
     raise ValueError(f"unknown MuKV views '{views}' (stream, middle_frame)")
 
 
-def plan_blocks(step_starts: list[int], step_lengths: list[int], grid_offsets: list[int], grid: tuple[int, int],
-                segment_steps: int, patch_mode: str = "spatial", views: str = "stream") -> list[BlockPlan]:
+def plan_blocks(
+    step_starts: list[int],
+    step_lengths: list[int],
+    grid_offsets: list[int],
+    grid: tuple[int, int],
+    segment_steps: int,
+    patch_mode: str = "spatial",
+    views: str = "stream",
+) -> list[BlockPlan]:
     """Patch, frame and segment blocks over a stream of steps (patch and frame ones on the detailed steps).
 
     A step's marker tokens (Qwen3 timestamps, vision start/end) join its first and last patch block.
@@ -114,7 +130,9 @@ def plan_blocks(step_starts: list[int], step_lengths: list[int], grid_offsets: l
             if q == 0:
                 tokens = torch.cat([torch.arange(start, start + offset), tokens])
             if q == len(quarters) - 1:
-                tokens = torch.cat([tokens, torch.arange(start + offset + rows * cols, start + length)])
+                tokens = torch.cat(
+                    [tokens, torch.arange(start + offset + rows * cols, start + length)]
+                )
             plans.append(BlockPlan("patch", tokens.sort().values, (step, step + 1)))
         plans.append(BlockPlan("frame", torch.arange(start, start + length), (step, step + 1)))
     for first in range(0, len(step_starts), segment_steps):
@@ -134,7 +152,9 @@ class MuKVMemory(MemoryPolicy):
         super().__init__(budget, params)
         for key, allowed in OPTIONS.items():  # a preset typo fails here, before any frame is read
             if params.get(key, allowed[0]) not in allowed:
-                raise UsageError(f"MuKV preset: {key} is '{params[key]}', expected one of {', '.join(allowed)}")
+                raise UsageError(
+                    f"MuKV preset: {key} is '{params[key]}', expected one of {', '.join(allowed)}"
+                )
         # --budget is the pack's share of one stream: the three views' rho sum to it (1.0 by default).
         rho = {g: float(r) for g, r in params["rho"].items()}
         scale = budget / sum(rho.values())
@@ -143,11 +163,22 @@ class MuKVMemory(MemoryPolicy):
     def segment_steps(self, frames_per_step: int) -> int:
         return max(1, int(self.params["segment_frames"]) // frames_per_step)
 
-    def plan(self, step_starts, step_lengths, grid_offsets, grid, frames_per_step) -> list[BlockPlan]:
-        return plan_blocks(step_starts, step_lengths, grid_offsets, grid, self.segment_steps(frames_per_step),
-                           self.params.get("patch_blocks", "spatial"), self.params.get("views", "stream"))
+    def plan(
+        self, step_starts, step_lengths, grid_offsets, grid, frames_per_step
+    ) -> list[BlockPlan]:
+        return plan_blocks(
+            step_starts,
+            step_lengths,
+            grid_offsets,
+            grid,
+            self.segment_steps(frames_per_step),
+            self.params.get("patch_blocks", "spatial"),
+            self.params.get("views", "stream"),
+        )
 
-    def choose(self, granularity: str, attention: torch.Tensor, last_keys: torch.Tensor) -> torch.Tensor:
+    def choose(
+        self, granularity: str, attention: torch.Tensor, last_keys: torch.Tensor
+    ) -> torch.Tensor:
         """Local indices a block keeps. attention [N] column sums; last_keys [H_kv, N, D]."""
         p = self.params
         n = attention.shape[0]

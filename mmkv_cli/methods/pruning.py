@@ -16,14 +16,18 @@ def pooled(scores: torch.Tensor, kernel: int) -> torch.Tensor:
     """1-D max-pool along the tokens (stride 1, same length): a kept token brings its neighbours' weight."""
     if kernel <= 1 or scores.numel() == 0:
         return scores
-    return F.max_pool1d(scores.float()[None, None], kernel, stride=1, padding=kernel // 2)[0, 0, :scores.numel()]
+    return F.max_pool1d(scores.float()[None, None], kernel, stride=1, padding=kernel // 2)[
+        0, 0, : scores.numel()
+    ]
 
 
 def uniform_budgets(layers: int, per_layer: int) -> list[int]:
     return [per_layer] * layers
 
 
-def pyramid_budgets(layers: int, per_layer: int, beta: float, available: int | None = None) -> list[int]:
+def pyramid_budgets(
+    layers: int, per_layer: int, beta: float, available: int | None = None
+) -> list[int]:
     """Budgets falling linearly from the first layer to the last, averaging `per_layer` (PyramidKV):
     the last layer keeps per_layer / beta, the first 2 per_layer - that. When the first would need more
     than the `available` tokens, it keeps them all and the last layers get what is left of the average,
@@ -35,7 +39,9 @@ def pyramid_budgets(layers: int, per_layer: int, beta: float, available: int | N
     if available is not None and high > available:
         high = available
         low = 2 * per_layer - high
-    return [max(1, math.floor(high - (high - low) * layer / (layers - 1))) for layer in range(layers)]
+    return [
+        max(1, math.floor(high - (high - low) * layer / (layers - 1))) for layer in range(layers)
+    ]
 
 
 class PrunedAtEnd(MemoryPolicy):

@@ -14,8 +14,12 @@ from mmkv_cli.methods.snapkv import question_scores, window_scores
 def prune_at_ask(rows, visual: list[slice], question: list[slice], budget: float, params: dict):
     scores = question_scores(rows, visual, params)
     mean = sum(s.numel() for s in scores) / len(scores)
-    budgets = pyramid_budgets(len(scores), max(1, math.floor(budget * mean)), float(params["beta"]),
-                              available=min(s.numel() for s in scores))
+    budgets = pyramid_budgets(
+        len(scores),
+        max(1, math.floor(budget * mean)),
+        float(params["beta"]),
+        available=min(s.numel() for s in scores),
+    )
     return [top_in_order(s, min(s.numel(), b)) for s, b in zip(scores, budgets)]
 
 
@@ -24,7 +28,9 @@ class PyramidKVMemory(PrunedAtEnd):
 
     def budgets(self, state: StreamState) -> list[int]:
         per_layer = max(1, math.floor(self.budget * state.total))
-        return pyramid_budgets(state.layers, per_layer, float(self.params["beta"]), available=state.total)
+        return pyramid_budgets(
+            state.layers, per_layer, float(self.params["beta"]), available=state.total
+        )
 
     def layer_scores(self, state: StreamState):
         return window_scores(state, self.params)

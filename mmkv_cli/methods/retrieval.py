@@ -4,8 +4,8 @@ per granularity over-retrieve 2k, rerank patch/frame candidates against the top 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +27,14 @@ def cosine_scores(query: torch.Tensor, reps: torch.Tensor) -> torch.Tensor:
     return F.cosine_similarity(reps.float(), query.float().unsqueeze(0), dim=1)
 
 
-def retrieve(scores: torch.Tensor, reps: torch.Tensor, granularity: list[str] | tuple[torch.Tensor, list[str]],
-             k: dict[str, int], rerank: dict[str, float], top_segments: int) -> list[Retrieved]:
+def retrieve(
+    scores: torch.Tensor,
+    reps: torch.Tensor,
+    granularity: list[str] | tuple[torch.Tensor, list[str]],
+    k: dict[str, int],
+    rerank: dict[str, float],
+    top_segments: int,
+) -> list[Retrieved]:
     """Pick blocks per granularity: top 2k by score, rerank by agreement with the top segments, keep k.
 
     rerank[g] = lambda_g: s' = (1 - lambda) s + lambda cos(rep, c), c = mean of the top segments' reps.
@@ -43,7 +49,9 @@ def retrieve(scores: torch.Tensor, reps: torch.Tensor, granularity: list[str] | 
         codes = torch.tensor([kinds.index(g) for g in granularity], dtype=torch.int64)
     scores = scores.float()
     centre = None  # mean representative of the best segments
-    segments = torch.nonzero(codes == kinds.index("segment")).flatten() if "segment" in kinds else None
+    segments = (
+        torch.nonzero(codes == kinds.index("segment")).flatten() if "segment" in kinds else None
+    )
     if segments is not None and len(segments) and top_segments > 0:
         best = segments[torch.topk(scores[segments], min(top_segments, len(segments))).indices]
         centre = reps[best].float().mean(dim=0)
@@ -59,8 +67,12 @@ def retrieve(scores: torch.Tensor, reps: torch.Tensor, granularity: list[str] | 
         if centre is not None and lam:
             after = (1 - lam) * before + lam * cosine_scores(centre, reps[candidates])
         order = torch.argsort(-after, stable=True)[:keep]
-        picks += [Retrieved(c, g, s, r) for c, s, r in zip(candidates[order].tolist(), before[order].tolist(),
-                                                             after[order].tolist())]
+        picks += [
+            Retrieved(c, g, s, r)
+            for c, s, r in zip(
+                candidates[order].tolist(), before[order].tolist(), after[order].tolist()
+            )
+        ]
     return picks
 
 
@@ -72,21 +84,47 @@ class RetrievalContext(ContextPolicy):
 
     name = "retrieval"
 
-    def select(self, blocks: BlockTable, reps: Callable[[], torch.Tensor], question_vector: QuestionVector,
-               before: float | None = None) -> Selection:
+    def select(
+        self,
+        blocks: BlockTable,
+        reps: Callable[[], torch.Tensor],
+        question_vector: QuestionVector,
+        before: float | None = None,
+    ) -> Selection:
         p = self.params
         eligible = eligible_before(blocks, before)
         if not len(eligible):
             return Selection([], [])
         table = reps()[eligible]
         scores = cosine_scores(question_vector(p.get("query", "query_mean")), table)
-        picks = retrieve(scores, table, (blocks.codes()[eligible], blocks.kinds), dict(p["k"]),
-                         dict(p.get("rerank", {})), int(p.get("top_segments", 0)))
+        picks = retrieve(
+            scores,
+            table,
+            (blocks.codes()[eligible], blocks.kinds),
+            dict(p["k"]),
+            dict(p.get("rerank", {})),
+            int(p.get("top_segments", 0)),
+        )
         rank = {g: r for r, g in enumerate(("segment", "frame", "patch"))}
         index = eligible[[r.index for r in picks]] if picks else eligible[:0]
-        rows, steps, times = index.tolist(), blocks.start_steps()[index].tolist(), blocks.times()[index].tolist()
-        order = sorted(range(len(picks)), key=lambda j: (steps[j], rank.get(picks[j].granularity, 3), rows[j]))
-        explain = [{"block": blocks.name(rows[j]), "granularity": picks[j].granularity,
-                    "time": None if math.isnan(times[j][0]) else times[j], "score": round(picks[j].score, 4),
-                    "reranked": round(picks[j].reranked, 4)} for j in order]
-        return Selection([e["block"] for e in explain], explain, last_shown(blocks, eligible, before))
+        rows, steps, times = (
+            index.tolist(),
+            blocks.start_steps()[index].tolist(),
+            blocks.times()[index].tolist(),
+        )
+        order = sorted(
+            range(len(picks)), key=lambda j: (steps[j], rank.get(picks[j].granularity, 3), rows[j])
+        )
+        explain = [
+            {
+                "block": blocks.name(rows[j]),
+                "granularity": picks[j].granularity,
+                "time": None if math.isnan(times[j][0]) else times[j],
+                "score": round(picks[j].score, 4),
+                "reranked": round(picks[j].reranked, 4),
+            }
+            for j in order
+        ]
+        return Selection(
+            [e["block"] for e in explain], explain, last_shown(blocks, eligible, before)
+        )

@@ -18,13 +18,20 @@ def window_scores(state: StreamState, params: dict) -> list[torch.Tensor]:
     return [pooled(a, int(params["pool_kernel"])) for a in attention]
 
 
-def question_scores(rows: list[torch.Tensor], visual: list[slice], params: dict) -> list[torch.Tensor]:
+def question_scores(
+    rows: list[torch.Tensor], visual: list[slice], params: dict
+) -> list[torch.Tensor]:
     """At ask the window is the question: its rows' attention summed over each layer's visual columns."""
     return [pooled(r[:, v].sum(dim=0), int(params["pool_kernel"])) for r, v in zip(rows, visual)]
 
 
-def prune_at_ask(rows: list[torch.Tensor], visual: list[slice], question: list[slice], budget: float,
-                 params: dict) -> list[torch.Tensor]:
+def prune_at_ask(
+    rows: list[torch.Tensor],
+    visual: list[slice],
+    question: list[slice],
+    budget: float,
+    params: dict,
+) -> list[torch.Tensor]:
     scores = question_scores(rows, visual, params)
     return [top_in_order(s, max(1, math.floor(budget * s.numel()))) for s in scores]
 

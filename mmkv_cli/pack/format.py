@@ -44,7 +44,9 @@ class Segment:
     positions: list[torch.Tensor]
     granularity: str | None = None  # patch | frame | segment for visual blocks
     steps: tuple[int, int] | None = None  # temporal steps [start, stop) the block covers
-    time: tuple[float, float] | None = None  # seconds (or image / page index) of its first and last frame
+    time: tuple[float, float] | None = (
+        None  # seconds (or image / page index) of its first and last frame
+    )
     representative: torch.Tensor | None = None  # [dim] retrieval key
     extra: dict = field(default_factory=dict)
 
@@ -68,7 +70,9 @@ def tensors_sha256(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def split_layers(t: torch.Tensor, counts: list[int], token_major: bool = True) -> list[torch.Tensor]:
+def split_layers(
+    t: torch.Tensor, counts: list[int], token_major: bool = True
+) -> list[torch.Tensor]:
     """A stored segment tensor -> per-layer [H_kv, n_l, D] (or [P, n_l]) views; v2/v3 were head-major."""
     if not token_major:
         return list(torch.split(t, counts, dim=1))

@@ -14,10 +14,19 @@ import torch
 from safetensors import safe_open
 
 from mmkv_cli.errors import PackError
-from mmkv_cli.pack.format import (BLOCKS, FORMAT_NAME, META_HEADER, META_HEADER_SHA, READABLE_VERSIONS, SERIES,
-                                  TABLE_COLUMNS, Segment, split_layers, tensors_sha256)
+from mmkv_cli.pack.format import (
+    BLOCKS,
+    FORMAT_NAME,
+    META_HEADER,
+    META_HEADER_SHA,
+    READABLE_VERSIONS,
+    SERIES,
+    TABLE_COLUMNS,
+    Segment,
+    split_layers,
+    tensors_sha256,
+)
 from mmkv_cli.pack.table import BlockTable
-
 
 # Blocks this large on average are checksummed on up to HASH_THREADS threads. Small ones are not: hashing
 # many small buffers on threads churns the GIL (2 cores, 1024 blocks of 17 KB: 22 -> 25 ms; 64 blocks of
@@ -26,9 +35,15 @@ PARALLEL_HASH_BLOCK_BYTES = 1 << 20
 HASH_THREADS = 8
 
 # safetensors dtype -> the numpy dtype its bytes are read as, and the torch dtype they are viewed as after
-_DTYPES = {"F64": (np.float64, torch.float64), "F32": (np.float32, torch.float32),
-           "F16": (np.float16, torch.float16), "BF16": (np.uint16, torch.bfloat16),
-           "I64": (np.int64, torch.int64), "I32": (np.int32, torch.int32), "U8": (np.uint8, torch.uint8)}
+_DTYPES = {
+    "F64": (np.float64, torch.float64),
+    "F32": (np.float32, torch.float32),
+    "F16": (np.float16, torch.float16),
+    "BF16": (np.uint16, torch.bfloat16),
+    "I64": (np.int64, torch.int64),
+    "I32": (np.int32, torch.int32),
+    "U8": (np.uint8, torch.uint8),
+}
 
 
 def _read_safetensors_header(path: Path) -> tuple[dict, int]:
@@ -71,8 +86,10 @@ class PackReader:
             raise PackError(f"{self.path} is not a kvpack")
         version = self.header.get("format_version")
         if version not in READABLE_VERSIONS:
-            raise PackError(f"{self.path} is kvpack format v{version}; this mmkv reads "
-                            f"v{', v'.join(map(str, READABLE_VERSIONS))}")
+            raise PackError(
+                f"{self.path} is kvpack format v{version}; this mmkv reads "
+                f"v{', v'.join(map(str, READABLE_VERSIONS))}"
+            )
         self._token_major = version >= 4  # v2/v3 stored K/V head-major, positions [P, tokens]
         self.bytes_read = 0
         self._segments: dict[str, Segment] = {}
@@ -81,17 +98,27 @@ class PackReader:
         except Exception as err:  # SafetensorError
             raise PackError(f"{self.path} is corrupted: {err}") from err
         # v2 kept the table as JSON in the header
-        self._blocks = BlockTable.from_dicts(self.header["blocks"]) if version == 2 else self._block_table()
+        self._blocks = (
+            BlockTable.from_dicts(self.header["blocks"]) if version == 2 else self._block_table()
+        )
 
     def _block_table(self) -> BlockTable:
         """The block table (v3 on): three small tensors, read whole (a few dozen bytes per block)."""
         meta = self.header["blocks"]
         layers = len(self.header["segments"]["prefix"]["layer_counts"])
         if not meta["count"]:
-            return BlockTable(meta["granularities"], torch.zeros(0, TABLE_COLUMNS + layers, dtype=torch.int64),
-                              torch.zeros(0, 2, dtype=torch.float64), torch.zeros(0, 32, dtype=torch.uint8))
-        return BlockTable(meta["granularities"], self._tensor(f"{BLOCKS}.table"), self._tensor(f"{BLOCKS}.time"),
-                          self._tensor(f"{BLOCKS}.sha256"))
+            return BlockTable(
+                meta["granularities"],
+                torch.zeros(0, TABLE_COLUMNS + layers, dtype=torch.int64),
+                torch.zeros(0, 2, dtype=torch.float64),
+                torch.zeros(0, 32, dtype=torch.uint8),
+            )
+        return BlockTable(
+            meta["granularities"],
+            self._tensor(f"{BLOCKS}.table"),
+            self._tensor(f"{BLOCKS}.time"),
+            self._tensor(f"{BLOCKS}.sha256"),
+        )
 
     @property
     def blocks(self) -> BlockTable:
@@ -118,12 +145,16 @@ class PackReader:
         if name not in self._views:
             entry = self._entries.get(name)
             if entry is None or entry.get("dtype") not in _DTYPES:
-                raise PackError(f"{self.path} is corrupted: tensor {name} missing or of an unknown type")
+                raise PackError(
+                    f"{self.path} is corrupted: tensor {name} missing or of an unknown type"
+                )
             if self._map is None:
                 self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
             start, stop = (self._data_start + o for o in entry["data_offsets"])
             np_dtype, torch_dtype = _DTYPES[entry["dtype"]]
-            flat = np.asarray(self._map[start:stop])  # a plain array over the map: memmap's own indexing is slow
+            flat = np.asarray(
+                self._map[start:stop]
+            )  # a plain array over the map: memmap's own indexing is slow
             self._views[name] = (flat.view(np_dtype).reshape(entry["shape"]), torch_dtype)
         return self._views[name]
 
@@ -148,7 +179,9 @@ class PackReader:
             self._segments[name] = self._load_segment(name)
         return self._segments[name]
 
-    def gather(self, names: list[str]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    def gather(
+        self, names: list[str]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Blocks `names` joined per layer, in that order: (keys, values, positions), each a list over layers
         of [H_kv, n, D] and [P, n] views (strided; concatenating them makes them contiguous).
 
@@ -162,18 +195,27 @@ class PackReader:
             raise PackError(f"{self.path} has no segment {names[indices.index(None)]}")
         offsets, counts, digests = self._blocks.spans(indices)
         views = [self._view(f"{BLOCKS}.{part}") for part in ("k", "v", "pos")]
-        self._verify(views, [(name, int(start), int(total), stored) for name, start, total, stored
-                             in zip(names, offsets, counts.sum(axis=1), digests) if name not in self._verified])
+        self._verify(
+            views,
+            [
+                (name, int(start), int(total), stored)
+                for name, start, total, stored in zip(names, offsets, counts.sum(axis=1), digests)
+                if name not in self._verified
+            ],
+        )
         # A block's tokens are stored layer after layer: layer l of block i starts at offset_i + counts_i[:l].
         # One row index for the whole context, layer-major, so each tensor is read with one gather.
         starts = offsets[:, None] + np.cumsum(counts, axis=1) - counts
         flat_starts, flat_counts = starts.T.reshape(-1), counts.T.reshape(-1)
-        rows = np.arange(flat_counts.sum()) + np.repeat(flat_starts - (np.cumsum(flat_counts) - flat_counts),
-                                                        flat_counts)
+        rows = np.arange(flat_counts.sum()) + np.repeat(
+            flat_starts - (np.cumsum(flat_counts) - flat_counts), flat_counts
+        )
         per_layer = counts.sum(axis=0).tolist()
         out = []
         for view, dtype in views:
-            picked = torch.from_numpy(np.take(self._rows(view), rows, axis=0)).view(dtype)  # a copy (take > [rows])
+            picked = torch.from_numpy(np.take(self._rows(view), rows, axis=0)).view(
+                dtype
+            )  # a copy (take > [rows])
             self.bytes_read += picked.numel() * picked.element_size()
             out.append([part.transpose(0, 1) for part in torch.split(picked, per_layer, dim=0)])
         return out[0], out[1], out[2]
@@ -182,6 +224,7 @@ class PackReader:
         """Check each pending block's sha256 against the table. A large read is hashed on several threads
         (hashlib lets go of the GIL on big buffers): on a real backbone the checksums of a retrieved context
         (hundreds of MB) would otherwise cost more than reading it."""
+
         def digests(items):
             out = []
             for _, start, total, _ in items:
@@ -195,11 +238,18 @@ class PackReader:
         size = row_bytes * sum(total for _, _, total, _ in pending)
         big = pending and size // len(pending) >= PARALLEL_HASH_BLOCK_BYTES
         workers = min(HASH_THREADS, os.cpu_count() or 1, len(pending)) if big else 1
-        if workers > 1:  # one run of consecutive blocks per thread: a task per block costs more than it hashes
+        if (
+            workers > 1
+        ):  # one run of consecutive blocks per thread: a task per block costs more than it hashes
             step = -(-len(pending) // workers)
             with ThreadPoolExecutor(workers) as pool:
-                got = [d for run in pool.map(digests, [pending[i:i + step] for i in range(0, len(pending), step)])
-                       for d in run]
+                got = [
+                    d
+                    for run in pool.map(
+                        digests, [pending[i : i + step] for i in range(0, len(pending), step)]
+                    )
+                    for d in run
+                ]
         else:
             got = digests(pending)
         for (name, _, _, stored), found in zip(pending, got):
@@ -222,14 +272,27 @@ class PackReader:
         if meta is None:
             raise PackError(f"{self.path} has no segment {name}")
         time, steps = meta.get("time"), meta.get("steps")
-        if "offset" in meta:  # a block: its token range of the shared block tensors, read and checked by gather
-            keys, values, positions = ([t.contiguous() for t in part] for part in self.gather([name]))
+        if (
+            "offset" in meta
+        ):  # a block: its token range of the shared block tensors, read and checked by gather
+            keys, values, positions = (
+                [t.contiguous() for t in part] for part in self.gather([name])
+            )
         else:
             k, v, pos = (self._tensor(f"{name}.{part}") for part in ("k", "v", "pos"))
             if tensors_sha256([k, v, pos]) != meta["sha256"]:
                 raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
             counts = meta["layer_counts"]
-            keys, values, positions = ([t.contiguous() for t in split_layers(part, counts, self._token_major)]
-                                       for part in (k, v, pos))
-        return Segment(name=name, keys=keys, values=values, positions=positions, granularity=meta.get("granularity"),
-                       steps=tuple(steps) if steps else None, time=tuple(time) if time else None)
+            keys, values, positions = (
+                [t.contiguous() for t in split_layers(part, counts, self._token_major)]
+                for part in (k, v, pos)
+            )
+        return Segment(
+            name=name,
+            keys=keys,
+            values=values,
+            positions=positions,
+            granularity=meta.get("granularity"),
+            steps=tuple(steps) if steps else None,
+            time=tuple(time) if time else None,
+        )

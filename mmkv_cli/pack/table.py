@@ -19,8 +19,14 @@ from mmkv_cli.pack.format import TABLE_COLUMNS, block_name
 class BlockTable(Sequence):
     """Table tensors (v3 on): rows [N, 4 + layers] int64, times [N, 2] float64 (NaN: none), digests [N, 32] uint8."""
 
-    def __init__(self, kinds: list[str], rows: torch.Tensor, times: torch.Tensor, digests: torch.Tensor,
-                 names: list[str] | None = None):
+    def __init__(
+        self,
+        kinds: list[str],
+        rows: torch.Tensor,
+        times: torch.Tensor,
+        digests: torch.Tensor,
+        names: list[str] | None = None,
+    ):
         self.kinds = list(kinds)
         self._rows, self._times, self._digests = rows, times, digests
         self._names = names  # v2 packs named blocks freely; later ones name them b<row>
@@ -47,10 +53,15 @@ class BlockTable(Sequence):
             row = self._rows[index].tolist()
             time = self._times[index].tolist()
             self._cache[index] = {
-                "index": index, "name": self.name(index), "granularity": self.kinds[row[0]],
-                "steps": row[1:3] if row[1] >= 0 else None, "time": None if math.isnan(time[0]) else time,
-                "offset": row[3], "layer_counts": row[TABLE_COLUMNS:],
-                "sha256": self._digests[index].numpy().tobytes().hex()}
+                "index": index,
+                "name": self.name(index),
+                "granularity": self.kinds[row[0]],
+                "steps": row[1:3] if row[1] >= 0 else None,
+                "time": None if math.isnan(time[0]) else time,
+                "offset": row[3],
+                "layer_counts": row[TABLE_COLUMNS:],
+                "sha256": self._digests[index].numpy().tobytes().hex(),
+            }
         return self._cache[index]
 
     def codes(self) -> torch.Tensor:
@@ -83,15 +94,27 @@ class BlockTable(Sequence):
         return self._rows[:, TABLE_COLUMNS:]
 
     @classmethod
-    def from_dicts(cls, blocks: list[dict]) -> "BlockTable":
+    def from_dicts(cls, blocks: list[dict]) -> BlockTable:
         """A table from per-block dicts (the v2 header's JSON list)."""
         kinds = list(dict.fromkeys(b["granularity"] for b in blocks))
-        rows = torch.tensor([[kinds.index(b["granularity"]), *(b["steps"] or (-1, -1)), b["offset"],
-                              *b["layer_counts"]] for b in blocks], dtype=torch.int64).reshape(len(blocks), -1)
-        times = torch.tensor([b["time"] or (math.nan, math.nan) for b in blocks],
-                             dtype=torch.float64).reshape(len(blocks), 2)
-        digests = torch.tensor([list(bytes.fromhex(b["sha256"])) for b in blocks],
-                               dtype=torch.uint8).reshape(len(blocks), 32)
+        rows = torch.tensor(
+            [
+                [
+                    kinds.index(b["granularity"]),
+                    *(b["steps"] or (-1, -1)),
+                    b["offset"],
+                    *b["layer_counts"],
+                ]
+                for b in blocks
+            ],
+            dtype=torch.int64,
+        ).reshape(len(blocks), -1)
+        times = torch.tensor(
+            [b["time"] or (math.nan, math.nan) for b in blocks], dtype=torch.float64
+        ).reshape(len(blocks), 2)
+        digests = torch.tensor(
+            [list(bytes.fromhex(b["sha256"])) for b in blocks], dtype=torch.uint8
+        ).reshape(len(blocks), 32)
         return cls(kinds, rows, times, digests, names=[b["name"] for b in blocks])
 
 

@@ -11,8 +11,17 @@ import torch
 from safetensors.torch import save_file
 
 from mmkv_cli.errors import OutputExistsError, PackError
-from mmkv_cli.pack.format import (BLOCKS, FORMAT_NAME, FORMAT_VERSION, META_HEADER, META_HEADER_SHA, SERIES,
-                                  Segment, block_name, tensors_sha256)
+from mmkv_cli.pack.format import (
+    BLOCKS,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    META_HEADER,
+    META_HEADER_SHA,
+    SERIES,
+    Segment,
+    block_name,
+    tensors_sha256,
+)
 
 
 def check_writable(path: Path, force: bool) -> None:
@@ -45,8 +54,14 @@ def split_series(header: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     return header, series
 
 
-def write_pack(path: Path, header: dict, prefix: Segment, blocks: list[Segment], suffix: Segment,
-               force: bool = False) -> int:
+def write_pack(
+    path: Path,
+    header: dict,
+    prefix: Segment,
+    blocks: list[Segment],
+    suffix: Segment,
+    force: bool = False,
+) -> int:
     """Write header + segments to `path`; returns the file size in bytes."""
     check_writable(path, force)
     tensors: dict = {}
@@ -54,7 +69,10 @@ def write_pack(path: Path, header: dict, prefix: Segment, blocks: list[Segment],
     for seg in (prefix, suffix):
         packed = seg.packed()
         tensors.update(packed)
-        segments_meta[seg.name] = {"layer_counts": seg.layer_counts, "sha256": tensors_sha256(list(packed.values()))}
+        segments_meta[seg.name] = {
+            "layer_counts": seg.layer_counts,
+            "sha256": tensors_sha256(list(packed.values())),
+        }
     header, series = split_series(header)
     tensors.update(series)
     # All blocks share three tensors (a few safetensors entries, whatever the video length); each block is a
@@ -63,7 +81,9 @@ def write_pack(path: Path, header: dict, prefix: Segment, blocks: list[Segment],
     table, times, digests = [], [], []
     for index, block in enumerate(blocks):
         if block.name != block_name(index):  # readers name blocks by their row in the table
-            raise PackError(f"internal: block {index} is named '{block.name}', not '{block_name(index)}'")
+            raise PackError(
+                f"internal: block {index} is named '{block.name}', not '{block_name(index)}'"
+            )
         packed = block.packed()
         for part in parts:
             parts[part].append(packed[f"{block.name}.{part}"])
@@ -75,24 +95,35 @@ def write_pack(path: Path, header: dict, prefix: Segment, blocks: list[Segment],
         digests.append(bytes.fromhex(tensors_sha256(list(packed.values()))))
         offset += int(packed[f"{block.name}.k"].shape[0])
     if blocks:
-        tensors.update({f"{BLOCKS}.{part}": torch.cat(chunks, dim=0) for part, chunks in parts.items()})
+        tensors.update(
+            {f"{BLOCKS}.{part}": torch.cat(chunks, dim=0) for part, chunks in parts.items()}
+        )
         tensors[f"{BLOCKS}.table"] = torch.tensor(table, dtype=torch.int64)
         tensors[f"{BLOCKS}.time"] = torch.tensor(times, dtype=torch.float64)
-        tensors[f"{BLOCKS}.sha256"] = torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).reshape(-1, 32)
+        tensors[f"{BLOCKS}.sha256"] = torch.frombuffer(
+            bytearray(b"".join(digests)), dtype=torch.uint8
+        ).reshape(-1, 32)
     blocks_meta = {"count": len(blocks), "granularities": kinds}
     reps = [b.representative for b in blocks if b.representative is not None]
     if reps and len(reps) == len(blocks):
         tensors["reps"] = torch.stack(reps).float().contiguous()
-    header = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **header,
-              "segments": segments_meta, "blocks": blocks_meta,
-              "representatives": {"dim": int(tensors["reps"].shape[1])} if "reps" in tensors else None}
+    header = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        **header,
+        "segments": segments_meta,
+        "blocks": blocks_meta,
+        "representatives": {"dim": int(tensors["reps"].shape[1])} if "reps" in tensors else None,
+    }
     text = json.dumps(header, sort_keys=True)
     metadata = {META_HEADER: text, META_HEADER_SHA: hashlib.sha256(text.encode()).hexdigest()}
 
     tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
     try:
         save_file(tensors, str(tmp), metadata=metadata)
-        os.chmod(tmp, _default_mode())  # safetensors creates files 0600; a pack is an ordinary output file
+        os.chmod(
+            tmp, _default_mode()
+        )  # safetensors creates files 0600; a pack is an ordinary output file
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         if path.exists() and not force:  # appeared while we were encoding

@@ -41,8 +41,16 @@ def write_video(path: Path, frames: np.ndarray, fps: float) -> None:
     os.replace(tmp, path)
 
 
-def write_dataset(out_dir: str | Path, clips: int, frames: int, seed: int = 0, fps: float = 2.0,
-                  size: int = 128, kind: str = "mixed", force: bool = False) -> dict:
+def write_dataset(
+    out_dir: str | Path,
+    clips: int,
+    frames: int,
+    seed: int = 0,
+    fps: float = 2.0,
+    size: int = 128,
+    kind: str = "mixed",
+    force: bool = False,
+) -> dict:
     if clips < 1 or frames < 4:
         raise UsageError("synth needs at least 1 clip of at least 4 frames")
     if kind not in KINDS:
@@ -51,7 +59,9 @@ def write_dataset(out_dir: str | Path, clips: int, frames: int, seed: int = 0, f
         raise UsageError("needle clips need at least 16 frames")
     out = Path(out_dir)
     if (out / "qa.jsonl").exists() and not force:
-        raise UsageError(f"{out} already holds a synthetic set (qa.jsonl): pick another folder or pass --force")
+        raise UsageError(
+            f"{out} already holds a synthetic set (qa.jsonl): pick another folder or pass --force"
+        )
     (out / "clips").mkdir(parents=True, exist_ok=True)
     rows = []
     for index in range(clips):
@@ -59,10 +69,20 @@ def write_dataset(out_dir: str | Path, clips: int, frames: int, seed: int = 0, f
         name = f"clips/clip_{index:04d}.mp4"
         write_video(out / name, render_clip(clip, size), fps)
         for q in qa:
-            row = {"video": name, **{k: v for k, v in q.items() if k != "frame"}, "clip_kind": clip.kind}
+            row = {
+                "video": name,
+                **{k: v for k, v in q.items() if k != "frame"},
+                "clip_kind": clip.kind,
+            }
             if "frame" in q:  # asked at that frame's time: the stream is seen up to there
                 row["timestamp"] = q["frame"] / fps
             rows.append(row)
     qa_path = out / "qa.jsonl"
     qa_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"folder": str(out), "clips": clips, "frames": frames, "questions": len(rows), "qa": str(qa_path)}
+    return {
+        "folder": str(out),
+        "clips": clips,
+        "frames": frames,
+        "questions": len(rows),
+        "qa": str(qa_path),
+    }

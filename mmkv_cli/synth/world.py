@@ -12,13 +12,33 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 SHAPES = ["circle", "square", "triangle", "cross", "ring", "star"]
-COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 90, 230),
-           "yellow": (240, 210, 30), "purple": (150, 60, 200), "white": (240, 240, 240)}
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (40, 180, 60),
+    "blue": (40, 90, 230),
+    "yellow": (240, 210, 30),
+    "purple": (150, 60, 200),
+    "white": (240, 240, 240),
+}
 BACKGROUND = (60, 60, 60)
 NEEDLE = "star"  # in needle clips it appears once, briefly; crosses (the look-alike) fill the rest
-COUNT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+COUNT_WORDS = [
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+]
 QUESTION_TYPES = ["color", "shape", "first", "last", "count", "moment", "needle"]
-MOMENT_QUESTION = "what shape is shown now ?"  # asked at a moment: `timestamp` in qa.jsonl, `ask --at`
+MOMENT_QUESTION = (
+    "what shape is shown now ?"  # asked at a moment: `timestamp` in qa.jsonl, `ask --at`
+)
 
 
 @dataclass(frozen=True)
@@ -44,14 +64,26 @@ class Clip:
 
 
 def _drifting(rng: np.random.Generator, shape: str, colour: str, start: int, stop: int) -> Event:
-    return Event(shape, colour, start, stop, float(rng.uniform(0.4, 0.6)), float(rng.uniform(0.4, 0.6)),
-                 float(rng.uniform(-0.01, 0.01)), float(rng.uniform(-0.01, 0.01)))
+    return Event(
+        shape,
+        colour,
+        start,
+        stop,
+        float(rng.uniform(0.4, 0.6)),
+        float(rng.uniform(0.4, 0.6)),
+        float(rng.uniform(-0.01, 0.01)),
+        float(rng.uniform(-0.01, 0.01)),
+    )
 
 
-def _spans(rng: np.random.Generator, frames: int, count: int, min_len: int) -> list[tuple[int, int]]:
+def _spans(
+    rng: np.random.Generator, frames: int, count: int, min_len: int
+) -> list[tuple[int, int]]:
     """`count` ordered, non-overlapping spans of at least min_len frames, with gaps of random length."""
     free = frames - count * min_len
-    cuts = np.sort(rng.integers(0, free + 1, size=2 * count))  # gap, extra length, gap, extra length, ...
+    cuts = np.sort(
+        rng.integers(0, free + 1, size=2 * count)
+    )  # gap, extra length, gap, extra length, ...
     spans, cursor, previous = [], 0, 0
     for i in range(count):
         gap, extra = cuts[2 * i] - previous, cuts[2 * i + 1] - cuts[2 * i]
@@ -68,8 +100,10 @@ def normal_clip(rng: np.random.Generator, frames: int, max_events: int = 5) -> C
     count = int(rng.integers(2, min(max_events, frames // 2) + 1))
     shapes = rng.choice(SHAPES, size=count, replace=False)
     colours = rng.choice(list(COLOURS), size=count, replace=False)
-    events = [_drifting(rng, str(s), str(c), a, b)
-              for s, c, (a, b) in zip(shapes, colours, _spans(rng, frames, count, 2))]
+    events = [
+        _drifting(rng, str(s), str(c), a, b)
+        for s, c, (a, b) in zip(shapes, colours, _spans(rng, frames, count, 2))
+    ]
     return Clip("normal", frames, tuple(events))
 
 
@@ -80,7 +114,11 @@ def needle_clip(rng: np.random.Generator, frames: int) -> Clip:
     while cursor < frames:
         length = int(rng.integers(2, 9))
         shape = "cross" if rng.random() < 0.4 else str(rng.choice(fillers))
-        events.append(_drifting(rng, shape, str(rng.choice(list(COLOURS))), cursor, min(frames, cursor + length)))
+        events.append(
+            _drifting(
+                rng, shape, str(rng.choice(list(COLOURS))), cursor, min(frames, cursor + length)
+            )
+        )
         cursor += length
     length = int(rng.integers(1, 3))
     start = int(rng.integers(0, frames - length + 1))
@@ -98,7 +136,9 @@ def questions(clip: Clip, rng: np.random.Generator) -> list[dict]:
     """One question of every type that the clip can answer: {question, answer, type}."""
     if clip.kind == "needle":
         star = next(e for e in clip.events if e.shape == NEEDLE)
-        return [{"question": f"what color was the {NEEDLE} ?", "answer": star.colour, "type": "needle"}]
+        return [
+            {"question": f"what color was the {NEEDLE} ?", "answer": star.colour, "type": "needle"}
+        ]
     events = list(clip.events)
     pick = events[int(rng.integers(len(events)))]
     other = events[int(rng.integers(len(events)))]
@@ -109,22 +149,36 @@ def questions(clip: Clip, rng: np.random.Generator) -> list[dict]:
         {"question": f"which shape is {other.colour} ?", "answer": other.shape, "type": "shape"},
         {"question": "which shape appeared first ?", "answer": events[0].shape, "type": "first"},
         {"question": "which shape appeared last ?", "answer": events[-1].shape, "type": "last"},
-        {"question": "how many shapes appeared ?", "answer": COUNT_WORDS[len(events)], "type": "count"},
+        {
+            "question": "how many shapes appeared ?",
+            "answer": COUNT_WORDS[len(events)],
+            "type": "count",
+        },
         {"question": MOMENT_QUESTION, "answer": shown.shape, "type": "moment", "frame": moment},
     ]
 
 
 def truncated(clip: Clip, frames: int) -> Clip:
     """The clip as seen up to (not including) frame `frames`: what a question asked at that moment sees."""
-    kept = tuple(Event(e.shape, e.colour, e.start, min(e.stop, frames), e.x0, e.y0, e.vx, e.vy)
-                 for e in clip.events if e.start < frames)
+    kept = tuple(
+        Event(e.shape, e.colour, e.start, min(e.stop, frames), e.x0, e.y0, e.vx, e.vy)
+        for e in clip.events
+        if e.start < frames
+    )
     return Clip(clip.kind, frames, kept)
 
 
 def chance(question_type: str) -> float:
     """Accuracy of a uniform guess over the answers a question of this type can have."""
-    return {"color": 1 / len(COLOURS), "shape": 1 / len(SHAPES), "first": 1 / len(SHAPES),
-            "last": 1 / len(SHAPES), "count": 1 / 4, "moment": 1 / len(SHAPES), "needle": 1 / len(COLOURS)}[question_type]
+    return {
+        "color": 1 / len(COLOURS),
+        "shape": 1 / len(SHAPES),
+        "first": 1 / len(SHAPES),
+        "last": 1 / len(SHAPES),
+        "count": 1 / 4,
+        "moment": 1 / len(SHAPES),
+        "needle": 1 / len(COLOURS),
+    }[question_type]
 
 
 def _draw(draw: ImageDraw.ImageDraw, shape: str, fill, cx: float, cy: float, r: float) -> None:
@@ -145,7 +199,9 @@ def _draw(draw: ImageDraw.ImageDraw, shape: str, fill, cx: float, cy: float, r: 
     elif shape == "star":
         angles = np.pi / 2 + np.arange(10) * np.pi / 5
         radii = np.where(np.arange(10) % 2 == 0, r, 0.45 * r)
-        draw.polygon([(cx + a * np.cos(t), cy - a * np.sin(t)) for a, t in zip(radii, angles)], fill=fill)
+        draw.polygon(
+            [(cx + a * np.cos(t), cy - a * np.sin(t)) for a, t in zip(radii, angles)], fill=fill
+        )
     else:
         raise ValueError(f"unknown shape {shape}")
 
