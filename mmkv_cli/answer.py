@@ -1,4 +1,4 @@
-"""pack + context policy + question -> cache -> greedy answer, streamed token by token."""
+"""pack + context policy + question -> cache -> answer, streamed (generation: generate.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from mmkv_cli.ask_prune import AskPrune, prune_context
 from mmkv_cli.attention import Recorder, recording
 from mmkv_cli.backbones import Backbone
 from mmkv_cli.errors import PackError, UsageError
-from mmkv_cli.methods import ContextPolicy
+from mmkv_cli.generate import generate
+from mmkv_cli.methods.base import ContextPolicy
+from mmkv_cli.options import AskOptions
 from mmkv_cli.pack import PackReader
 from mmkv_cli.rope import compact_positions, rotate_keys
 
@@ -49,24 +51,24 @@ def build_cache(
     reader: PackReader,
     names: list[str],
     positions: str = "keep",
-    asked_after: str | None = None,
+    ends_at: str | None = None,
 ):
     """Concatenate prefix + chosen blocks + suffix per layer into a fresh cache.
 
     positions "keep": stored positions, the question at the stored next position. "reindex": every layer's
     context compacted to consecutive slots, keys re-rotated by the change, the question right after.
-    asked_after: the last block shown by the question's moment. The stream ends there for this question, so
+    ends_at: the last block shown by the question's moment. The stream ends there for this question, so
     the stored suffix (which attended to the whole stream) is left out and re-run, with the question, just
     after the context: `lead` holds its embeddings and positions.
     Returns (cache, context tokens, the question's first position, lead or None).
     """
-    prefix = reader.segment("prefix")
+    prefix = reader.span("prefix")
     layers = len(prefix.keys)
     parts = [(prefix.keys, prefix.values, prefix.positions)]
     if names:
         parts.append(reader.gather(names))  # the chosen blocks, joined per layer in context order
-    if asked_after is None:
-        suffix = reader.segment("suffix")
+    if ends_at is None:
+        suffix = reader.span("suffix")
         parts.append((suffix.keys, suffix.values, suffix.positions))
     keys, values, kept_positions = (
         [torch.cat([p[i][layer] for p in parts], dim=1) for layer in range(layers)]
@@ -88,12 +90,12 @@ def build_cache(
         next_position = end
     elif positions != "keep":
         raise UsageError(f"unknown position mode '{positions}' (keep, reindex)")
-    elif asked_after is not None:
-        shown = [*kept_positions, *reader.segment(asked_after).positions]
+    elif ends_at is not None:
+        shown = [*kept_positions, *reader.span(ends_at).positions]
         end = max(int(p.max()) for p in shown if p.numel()) + 1
     lead = None
-    if asked_after is not None:
-        stored = reader.segment("suffix").positions[0]
+    if ends_at is not None:
+        stored = reader.span("suffix").positions[0]
         start = int(stored.min()) if stored.numel() else stored_next
         lead = (backbone.suffix_embeds(), stored - start + end)
         next_position = stored_next - start + end
@@ -114,7 +116,7 @@ def question_vector(
     heads sharing a KV head (so it lives where block representatives do, H_kv * D); last_key: the last
     layer's key of the question's last token.
     """
-    prefix = reader.segment("prefix")
+    prefix = reader.span("prefix")
     cache = backbone.cache_from_layers(prefix.keys, prefix.values)
     last = len(prefix.keys) - 1
     recorder = Recorder(layers={last}, queries=True)
@@ -148,11 +150,9 @@ def answer_from_pack(
     reader: PackReader,
     policy: ContextPolicy,
     question: str,
-    max_new_tokens: int = 32,
-    on_token: Callable[[str], None] | None = None,
-    keep_logits: bool = False,
-    before: float | None = None,
+    options: AskOptions,
     prune: AskPrune | None = None,
+    on_token: Callable[[str], None] | None = None,
 ) -> Answer:
     check_compatible(reader, backbone)
     start = time.perf_counter()
@@ -163,18 +163,17 @@ def answer_from_pack(
         reader.blocks,
         lambda: _representatives(reader),
         lambda mode: question_vector(backbone, reader, ids, mode),
-        before,
+        options.at,
     )
     names = selection.names
+    positions_mode = options.positions.value if options.positions else policy.position_mode
     cache, context, position, lead = build_cache(
-        backbone, reader, names, policy.position_mode, selection.asked_after
+        backbone, reader, names, positions_mode, selection.ends_at
     )
     embeds, positions = backbone.embed_ids(ids), backbone.text_positions(position, len(ids))
     if lead is not None:
-        embeds, positions = (
-            torch.cat([lead[0], embeds], dim=1),
-            torch.cat([lead[1], positions], dim=1),
-        )
+        embeds = torch.cat([lead[0], embeds], dim=1)
+        positions = torch.cat([lead[1], positions], dim=1)
     recorder = Recorder(layers=set(range(len(cache.layers))), rows=True) if prune else None
     with recording(recorder) if recorder else nullcontext():
         hidden = backbone.forward(embeds, positions, cache)
@@ -183,54 +182,36 @@ def answer_from_pack(
     if prune:
         # the context's visual tokens per layer, from the table's columns (no per-block dicts)
         chosen = [reader.blocks.index_of(n) for n in names]
-        visual = (
-            reader.blocks.layer_totals()[chosen].sum(dim=0).tolist()
-            if chosen
-            else [0] * len(cache.layers)
-        )
-        kv_tokens = prune_context(
-            cache,
-            recorder.row,
-            reader.segment("prefix").layer_counts,
-            visual,
-            embeds.shape[1],
-            prune,
-        )
-    logits = backbone.logits(hidden[:, -1])
-    first_logits = logits[0].cpu().clone() if keep_logits else None
-    stops = backbone.stop_ids()
-    out: list[int] = []
-    shown = ""
-    ttft = None
-    decode_start = time.perf_counter()
-    for _ in range(max_new_tokens):
-        token = int(logits.argmax(dim=-1))
-        if ttft is None:
-            ttft = time.perf_counter() - start
-            decode_start = time.perf_counter()
-        if token in stops:
-            break
-        out.append(token)
-        text = backbone.decode(out)
-        if on_token and text != shown:
-            on_token(text[len(shown) :] if text.startswith(shown) else text)
-        shown = text
-        if len(out) == max_new_tokens:
-            break
-        hidden = backbone.forward(
-            backbone.embed_ids([token]), backbone.text_positions(position, 1), cache
-        )
+        layers = len(cache.layers)
+        visual = reader.blocks.layer_totals()[chosen].sum(axis=0).tolist() if chosen else [0] * layers
+        prefix_counts = reader.span("prefix").layer_counts
+        kv_tokens = prune_context(cache, recorder.row, prefix_counts, visual, embeds.shape[1], prune)
+    logits = backbone.logits(hidden[:, -1])[0]
+    first_logits = logits.cpu().clone() if options.keep_logits else None
+    decode_start = [0.0]
+
+    def step(token: int) -> torch.Tensor:
+        nonlocal position
+        if not decode_start[0]:
+            decode_start[0] = time.perf_counter()
+        out = backbone.forward(backbone.embed_ids([token]), backbone.text_positions(position, 1), cache)
         position += 1
-        logits = backbone.logits(hidden[:, -1])
+        return backbone.logits(out[:, -1])[0]
+
+    generation_start = time.perf_counter()
+    made = generate(
+        logits, step, backbone.decode, backbone.stop_ids(), options.generation, on_token
+    )
     total = time.perf_counter() - start
-    steps = max(1, len(out) - 1)
+    steps = len(made.token_ids) - 1
+    decode_s = (time.perf_counter() - decode_start[0]) / steps if steps > 0 and decode_start[0] else 0.0
     return Answer(
-        answer=shown.strip(),
-        token_ids=out,
+        answer=made.text.strip(),
+        token_ids=made.token_ids,
         context_tokens=context + embeds.shape[1],
-        ttft_s=ttft or total,
+        ttft_s=generation_start - start + made.first_token_s,
         total_s=total,
-        decode_s_per_token=(time.perf_counter() - decode_start) / steps if len(out) > 1 else 0.0,
+        decode_s_per_token=decode_s,
         blocks_used=names,
         retrieved=selection.explain,
         bytes_read=reader.bytes_read,

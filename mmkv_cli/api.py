@@ -1,72 +1,79 @@
-"""The CLI's verbs as Python functions: encode, ask, inspect (profile lives in profile.py)."""
+"""The CLI's verbs as Python functions: encode, ask, inspect (profile lives in profile.py).
+
+Only light modules are imported here: `inspect` of a local pack must not pay for torch. encode and ask
+import the model side when they run.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from mmkv_cli import __version__
-from mmkv_cli.answer import Answer, answer_from_pack
-from mmkv_cli.ask_prune import ask_pruner
-from mmkv_cli.backbones import Backbone, load_backbone
-from mmkv_cli.encoder import Progress, encode_media
-from mmkv_cli.errors import UsageError
-from mmkv_cli.media import load_media
-from mmkv_cli.methods import build_method, context_policy
-from mmkv_cli.pack import PackReader, check_writable, write_pack
-from mmkv_cli.presets import load_model_preset
+from mmkv_cli.errors import PackError, UsageError
+from mmkv_cli.methods import METHODS
+from mmkv_cli.methods.base import ContextPolicy
+from mmkv_cli.methods.context import WholeContext
+from mmkv_cli.options import AskOptions, EncodeOptions, LoadOptions
+from mmkv_cli.pack import PackReader, check_writable
+from mmkv_cli.presets import resolve_method
+from mmkv_cli.spec import as_plain, override
 
+if TYPE_CHECKING:
+    from mmkv_cli.answer import Answer
+    from mmkv_cli.backbones import Backbone
 
-def media_defaults(
-    model: str | None, backbone: Backbone, fps: float | None, max_frames: int | None
-):
-    preset = load_model_preset(model or backbone.name)
-    return (
-        fps if fps is not None else (preset.fps if preset else 1.0),
-        max_frames if max_frames is not None else (preset.max_frames if preset else 64),
-    )
+EncodeProgress = Callable[[int, int], None]  # (frames done, visual tokens done)
+BYTES_PER_VALUE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 def encode(
     media: str,
     output: str | Path,
-    model: str | None = None,
-    method: str = "full",
-    budget: float | None = None,
-    device: str = "auto",
-    dtype: str = "auto",
-    fps: float | None = None,
-    max_frames: int | None = None,
-    force: bool = False,
+    options: EncodeOptions | None = None,
+    *,
     backbone: Backbone | None = None,
-    progress: Progress | None = None,
+    load: LoadOptions | None = None,
+    progress: EncodeProgress | None = None,
     on_start: Callable[[int], None] | None = None,
-    budget_tokens: int | None = None,
 ) -> dict:
     """Encode `media` into a .kvpack at `output`; returns a summary (the inspect view plus timings)."""
+    from mmkv_cli.backbones import load_backbone
+    from mmkv_cli.encoder import encode_media
+    from mmkv_cli.media import load_media
+    from mmkv_cli.methods import EncodeContext
+    from mmkv_cli.pack import write_pack
+
+    options = options or EncodeOptions()
     output = Path(output)
-    check_writable(output, force)  # fail before any expensive work
-    preset, policy = build_method(method, budget, budget_tokens)
-    backbone = backbone or load_backbone(model, device, dtype)
-    fps, max_frames = media_defaults(model, backbone, fps, max_frames)
+    if Path(media).is_file() and Path(media).resolve() == output.resolve():
+        raise UsageError(f"{output} is the media being encoded: pick another output")
+    check_writable(output, options.force)  # fail before any expensive work
+    choice = resolve_method(options.method).with_budget(options.budget, options.budget_tokens)
+    choice = choice.with_guidance(options.guidance_prompt)
+    backbone = backbone or load_backbone(load)
+    spec = backbone.spec
+    fps = options.fps if options.fps is not None else spec.fps
+    max_frames = options.max_frames if options.max_frames is not None else spec.max_frames
     source = load_media(media, fps=fps, max_frames=max_frames)
     if on_start:
         on_start(source.num_frames)
-    encoded = encode_media(
-        backbone, source, policy, int(preset.params.get("chunk_frames", 16)), progress
-    )
+    context = EncodeContext(source.kind, options.guidance_prompt)
+    encoded = encode_media(backbone, source, choice, context, progress)
+    budget = choice.budget
     header = {
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "mmkv_version": __version__,
         "fingerprint": backbone.fingerprint(),
         "method": {
-            "name": method,
-            "implements": preset.implements,
-            "budget": policy.budget,
-            "params": preset.params,
+            "name": choice.name,
+            "implements": choice.method.name,
+            "budget": None if budget is None or budget.tokens is not None else budget.share,
+            "budget_tokens": None if budget is None else budget.tokens,
+            "params": as_plain(choice.params),
+            "guidance_prompt": context.guidance_prompt,
         },
         "media": source.describe(),
         "prompt": backbone.prompt.as_dict(),
@@ -76,88 +83,113 @@ def encode(
         "visual_tokens_total": encoded.visual_tokens_total,
         "stats": {k: round(v, 4) if isinstance(v, float) else v for k, v in encoded.stats.items()},
     }
-    write_pack(output, header, encoded.prefix, encoded.blocks, encoded.suffix, force=force)
+    write_pack(output, header, encoded.prefix, encoded.blocks, encoded.suffix, force=options.force)
     return {**inspect(output), **encoded.stats}
+
+
+def context_policy(reader: PackReader) -> ContextPolicy:
+    """The context policy of the method a pack names, with the parameters it was encoded with."""
+    method = reader.header.get("method") or {}
+    implements = method.get("implements") or method.get("name")
+    if implements not in METHODS:
+        raise PackError(f"{reader.path} names an unknown method '{implements}'")
+    chosen = METHODS[implements]
+    stored = method.get("params") or {}
+    if not isinstance(stored, dict):
+        raise PackError(f"{reader.path} is corrupted (method params are not a mapping)")
+    try:
+        if reader.header["format_version"] >= 5:
+            params = override(chosen.params(), stored, "method.params")
+        else:  # earlier packs kept other keys beside the parameters: apply those that still fit
+            params = chosen.params()
+            for key, value in stored.items():
+                try:
+                    params = override(params, {key: value}, "method.params")
+                except UsageError:
+                    continue
+    except UsageError as err:
+        raise PackError(f"{reader.path}: {err}") from None
+    return chosen.context(params) if chosen.context is not None else WholeContext()
 
 
 def ask(
     pack: str | Path,
     question: str,
-    model: str | None = None,
-    device: str = "auto",
-    dtype: str = "auto",
-    max_new_tokens: int = 32,
+    options: AskOptions | None = None,
+    *,
     backbone: Backbone | None = None,
+    load: LoadOptions | None = None,
     on_token: Callable[[str], None] | None = None,
-    keep_logits: bool = False,
-    at: float | None = None,
-    positions: str | None = None,
-    prune: str | None = None,
-    budget: float | None = None,
 ) -> Answer:
     """Answer `question` from the pack alone; the media is never read again.
 
-    at: the question's moment (seconds, or frame index for stills): only blocks that start by then count.
-    positions: keep | reindex, overriding the method's preset.
-    prune: a method that prunes the context's visual KV by the question's attention before decoding, keeping
-    `budget` of it (default: that method's preset budget).
+    options.at: the question's moment (seconds, or the index of an image or page): only blocks that
+    start by then count. options.prune: a method that prunes the context's visual KV by the question's
+    attention before decoding, keeping options.prune_budget of it.
     """
-    pruner = ask_pruner(prune, budget) if prune else None
-    if budget is not None and not prune:
+    from mmkv_cli.answer import answer_from_pack
+    from mmkv_cli.ask_prune import ask_pruner
+    from mmkv_cli.backbones import load_backbone
+
+    options = options or AskOptions()
+    if options.prune_budget is not None and not options.prune:
         raise UsageError("--budget at ask only applies with --prune METHOD")
+    if options.generation.max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be at least 1")
+    pruner = ask_pruner(options.prune, options.prune_budget) if options.prune else None
     reader = PackReader(pack)
-    backbone = backbone or load_backbone(
-        model or reader.header["fingerprint"]["model"], device, dtype
-    )
-    method = reader.header["method"]
-    params = dict(method.get("params") or {})
-    if positions is not None:
-        params["positions"] = positions
-    policy = context_policy(method.get("implements") or method["name"], params)
-    return answer_from_pack(
-        backbone, reader, policy, question, max_new_tokens, on_token, keep_logits, at, pruner
-    )
+    policy = context_policy(reader)
+    if backbone is None:
+        load = load or LoadOptions()
+        if load.model is None:
+            load = LoadOptions(reader.header["fingerprint"]["model"], load.device, load.dtype)
+        backbone = load_backbone(load)
+    return answer_from_pack(backbone, reader, policy, question, options, pruner, on_token)
 
 
 def inspect(pack: str | Path) -> dict:
-    """What a pack holds, from its header and block table (no KV tensor is read)."""
+    """What a pack holds, from its header and block table (no KV tensor is read, torch is not needed)."""
     reader = PackReader(pack)
     h = reader.header
     kv = h["kv"]
-    per_token = (
-        2
-        * kv["kv_heads"]
-        * kv["head_dim"]
-        * torch.empty(0, dtype=getattr(torch, kv["dtype"])).element_size()
-    )
+    per_token = 2 * kv["kv_heads"] * kv["head_dim"] * BYTES_PER_VALUE.get(kv["dtype"], 2)
     counts = reader.blocks.layer_totals()  # [blocks, layers]
-    layers = [{"index": i, "tokens_kept": int(n)} for i, n in enumerate(counts.sum(dim=0).tolist())]
+    per_layer = counts.sum(axis=0).tolist() if len(counts) else [0] * kv["layers"]
+    total = h["visual_tokens_total"]
     codes = reader.blocks.codes()
     granularities: dict[str, dict] = {}
     for code in dict.fromkeys(codes.tolist()):
         mine = counts[codes == code]
+        tokens = float(mine.sum()) / max(1, mine.shape[1])
         granularities[reader.blocks.kinds[code]] = {
             "blocks": int(mine.shape[0]),
-            "tokens": int(mine.max(dim=1).values.sum()),
+            "tokens": round(tokens, 2),  # per layer, averaged over layers
+            "stream_share": round(tokens / max(1, total), 4),
             "bytes": int(mine.sum()) * per_token,
         }
+    kept = sum(per_layer) / max(1, len(per_layer))
+    method = h["method"]
+    spans = reader.spans_meta
+    views = [g for g in granularities if g in ("patch", "frame", "segment")]
     return {
         "path": str(reader.path),
         "format_version": h["format_version"],
         "model": h["fingerprint"]["model"],
         "family": h["fingerprint"]["family"],
-        "method": h["method"]["name"],
-        "budget": h["method"]["budget"],
-        "budget_tokens": (h["method"].get("params") or {}).get("budget_tokens"),
+        "method": method["name"],
+        "budget": method.get("budget"),
+        "budget_tokens": method.get("budget_tokens", (method.get("params") or {}).get("budget_tokens")),
         "media": {k: h["media"][k] for k in ("kind", "source", "digest", "frames")},
         "blocks": len(reader.blocks),
-        "visual_tokens_total": h["visual_tokens_total"],
-        "visual_tokens_kept": max((layer["tokens_kept"] for layer in layers), default=0),
-        "prompt_tokens": h["segments"]["prefix"]["layer_counts"][0]
-        + h["segments"]["suffix"]["layer_counts"][0],
+        "visual_tokens_total": total,
+        "visual_tokens_kept": round(kept, 2),  # per layer, averaged over layers
+        "visual_kv_share": round(kept / max(1, total), 4),
+        # MuKV-style packs cut the same stream several ways: each view holds its own share of it
+        "overlapping_views": views if len(views) > 1 else [],
+        "prompt_tokens": spans["prefix"]["layer_counts"][0] + spans["suffix"]["layer_counts"][0],
         "bytes": reader.size,
-        "kv_bytes": int(counts.sum()) * per_token,
-        "layers": layers,
+        "kv_bytes": int(sum(per_layer)) * per_token,
+        "layers": [{"index": i, "tokens_kept": int(n)} for i, n in enumerate(per_layer)],
         "granularities": granularities,
         "positions": {
             "dims": h["layout"]["position_dims"],

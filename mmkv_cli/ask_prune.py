@@ -7,31 +7,32 @@ setting the AirCache and MEDA papers measure (faster decoding, less KV). Text KV
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from mmkv_cli.errors import UsageError
+from mmkv_cli.methods import METHODS
+from mmkv_cli.methods.base import AskPruner
+from mmkv_cli.presets import check_budget, resolve_method
 
 
 @dataclass(frozen=True)
 class AskPrune:
     method: str
-    budget: float
-    params: dict
-    keep: Callable  # (rows, visual slices, question slices, budget, params) -> local indices per layer
+    budget: float  # share of the context's visual KV kept
+    params: Any  # the method's typed parameters
+    keep: AskPruner
 
 
 def ask_pruner(method: str, budget: float | None) -> AskPrune:
-    from mmkv_cli.methods import METHODS, build_method
-
-    preset, policy = build_method(method, budget)
-    module = METHODS[preset.implements]
-    if not hasattr(module, "prune_at_ask"):
-        able = ", ".join(sorted(n for n, m in METHODS.items() if hasattr(m, "prune_at_ask")))
+    """The pruner of `method` (or a preset over it) at `budget` (default: the method's own share)."""
+    choice = resolve_method(method)
+    if choice.method.prune_at_ask is None:
+        able = ", ".join(sorted(n for n, m in METHODS.items() if m.prune_at_ask is not None))
         raise UsageError(f"method '{method}' does not prune at ask ({able} do)")
-    return AskPrune(method, policy.budget, preset.params, module.prune_at_ask)
+    share = check_budget(budget) if budget is not None else choice.budget.share_of(1)
+    return AskPrune(method, share, choice.params, choice.method.prune_at_ask)
 
 
 def prune_context(

@@ -12,14 +12,12 @@ import contextvars
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from mmkv_cli.lazy import torch
 
 NAME = "mmkv"
 QUERY_ROWS_PER_STEP = 256  # rows of QK^T computed at once when scoring: bounds peak memory
 
+_sdpa = None  # transformers' SDPA attention, bound by install() (importing it costs seconds)
 _active: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar(
     "mmkv_recorder", default=None
 )
@@ -76,7 +74,7 @@ def causal_rows(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
     recorder = _active.get()
-    layer = getattr(module, "layer_idx", None)
+    layer = module.layer_idx
     if recorder is not None and layer in recorder.layers:
         if recorder.queries:
             recorder.query[layer] = query.detach()
@@ -91,7 +89,7 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
                 for name, fn in recorder.reducers.items():
                     out = fn(block)
                     totals[name] = totals[name] + out if name in totals else out
-    return sdpa_attention_forward(
+    return _sdpa(
         module, query, key, value, own_length_mask(query, key, attention_mask), **kwargs
     )
 
@@ -113,12 +111,16 @@ def own_length_mask(
     return (torch.arange(k_len, device=query.device)[None, :] <= rows)[None, None]
 
 
-AttentionInterface.register(NAME, _attention)
-AttentionMaskInterface.register(NAME, sdpa_mask)
-
-
 def install(model) -> None:
     """Route the language model's attention (not the vision tower's) through the recording function."""
+    global _sdpa
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    _sdpa = sdpa_attention_forward
+    AttentionInterface.register(NAME, _attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
     model.config.get_text_config()._attn_implementation = NAME
 
 

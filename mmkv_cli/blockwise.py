@@ -1,4 +1,4 @@
-"""media -> backbone -> blockwise memory policy (MuKV): blocks prefilled on their own after the init prompt.
+"""media -> backbone -> blockwise memory policy: blocks prefilled on their own after the init prompt.
 
 Blocks of one granularity and length are independent given the init KV, so they run as one batch: the
 init KV is shared along the batch axis and each row sees only init + its own block. The last layer's
@@ -13,15 +13,15 @@ import torch
 
 from mmkv_cli.attention import Recorder, recording
 from mmkv_cli.backbones import Backbone, StreamLayout
-from mmkv_cli.methods.base import mean_key
-from mmkv_cli.methods.mukv import BlockPlan
-from mmkv_cli.pack import Segment
+from mmkv_cli.methods.base import BlockPlan, BlockwiseMemory
+from mmkv_cli.methods.scoring import mean_key
+from mmkv_cli.pack import Span
 
 GRANULARITY_ORDER = {"segment": 0, "frame": 1, "patch": 2}
 
 
 def chunk_plans(
-    policy, layout: StreamLayout, first_step: int, steps: int, frames_per_step: int
+    policy: BlockwiseMemory, layout: StreamLayout, first_step: int, steps: int, frames_per_step: int
 ) -> list[BlockPlan]:
     """Plans for steps [first_step, first_step + steps), tokens indexed within the chunk."""
     lengths = layout.step_lengths[first_step : first_step + steps]
@@ -40,16 +40,16 @@ def chunk_plans(
 
 def prefill_blocks(
     backbone: Backbone,
-    policy,
-    prefix: Segment,
+    policy: BlockwiseMemory,
+    prefix: Span,
     embeds: torch.Tensor,
     extra: dict,
     positions: torch.Tensor,
     plans: list[BlockPlan],
     step_times,
-    batch_tokens: int,
-) -> tuple[list[Segment], int]:
-    """Prefill and compress every planned block of one chunk; returns the blocks and the peak batch KV bytes."""
+) -> tuple[list[Span], int]:
+    """Prefill and compress every planned block of one chunk; returns the blocks and the peak batch KV
+    bytes."""
     groups: dict[tuple[str, int], list[BlockPlan]] = defaultdict(list)
     for plan in plans:
         groups[(plan.granularity, plan.tokens.numel())].append(plan)
@@ -57,9 +57,8 @@ def prefill_blocks(
     init = prefix.layer_counts[0]
     blocks, peak = [], 0
     for (granularity, length), members in groups.items():
-        per_batch = max(
-            1, batch_tokens // (init + length)
-        )  # every row holds its own copy of the init KV
+        # every row holds its own copy of the init KV
+        per_batch = max(1, policy.batch_tokens // (init + length))
         for first in range(0, len(members), per_batch):
             batch = members[first : first + per_batch]
             index = torch.stack([plan.tokens for plan in batch])  # [B, N] within the chunk
@@ -80,7 +79,7 @@ def prefill_blocks(
                 keep = policy.choose(granularity, attention[row], keys[-1])
                 kept_keys = [k[:, keep] for k in keys]
                 blocks.append(
-                    Segment(
+                    Span(
                         name="",
                         keys=kept_keys,
                         values=[v[:, keep] for v in values],
@@ -95,7 +94,7 @@ def prefill_blocks(
     return blocks, peak
 
 
-def order_blocks(blocks: list[Segment]) -> list[Segment]:
+def order_blocks(blocks: list[Span]) -> list[Span]:
     """Time order, coarse before fine at the same start; names b0, b1, ... in that order."""
     blocks.sort(
         key=lambda b: (b.steps[0], GRANULARITY_ORDER.get(b.granularity, 3), b.extra.get("first", 0))

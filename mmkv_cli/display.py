@@ -84,14 +84,34 @@ def show_eval(runs: list[dict], figure: str) -> None:
 def budget_label(info: dict) -> str:
     if info.get("budget_tokens"):
         return f"budget {info['budget_tokens']} tokens"
+    if info.get("budget") is None:
+        return "keeps all"
     return f"budget {info['budget']:g}"
+
+
+def kept_label(info: dict) -> str:
+    """What the pack holds of the stream, truthfully: the KV share averaged over layers, and for packs
+    that cut the stream several ways (MuKV), each view's share, since the views overlap."""
+    kept, total = info["visual_tokens_kept"], info["visual_tokens_total"]
+    share = f"{kept:g} of {total} visual tokens per layer ({100 * kept / max(total, 1):.1f}%)"
+    views = info.get("overlapping_views") or []
+    if not views:
+        return share
+    parts = ", ".join(f"{v} {info['granularities'][v]['stream_share']:.2f}" for v in views)
+    return f"{share}, as {len(views)} overlapping views of the stream ({parts})"
+
+
+def encoded_line(info: dict) -> str:
+    return (
+        f"wrote {info['path']}: {info['method']} ({budget_label(info)}), {kept_label(info)}, "
+        f"{info['blocks']} blocks, {human_bytes(info['bytes'])}, {info['encode_s']:.2f}s"
+    )
 
 
 def show_inspect(info: dict) -> None:
     table = Table(title=f"{info['path']}", show_header=False, title_justify="left")
     table.add_column("field", style="bold")
     table.add_column("value")
-    kept, total = info["visual_tokens_kept"], info["visual_tokens_total"]
     rows = [
         ("format", f"kvpack v{info['format_version']}"),
         ("model", f"{info['model']} ({info['family']})"),
@@ -101,7 +121,7 @@ def show_inspect(info: dict) -> None:
             f"{info['media']['kind']} {info['media']['source']} ({info['media']['frames']} frames)",
         ),
         ("blocks", str(info["blocks"])),
-        ("visual tokens", f"{kept} kept of {total} ({100 * kept / max(total, 1):.1f}%)"),
+        ("visual tokens", kept_label(info)),
         ("prompt tokens", str(info["prompt_tokens"])),
         (
             "size",
@@ -150,7 +170,7 @@ def show_profile(result: dict) -> None:
         for title, _, _ in columns:
             table.add_column(title, justify="right")
     for r in result["methods"]:
-        label = f"{r['method']}@{r['budget']:g}"
+        label = f"{r['method']} ({budget_label(r).removeprefix('budget ')})"
         measured.add_row(label, *(fmt(r[key]) for _, key, fmt in columns))
         ratios.add_row(
             label,

@@ -1,4 +1,5 @@
-"""media -> backbone -> memory policy: stream frames through one running cache, then cut it into segments."""
+"""media -> backbone -> memory policy: stream frames through one running cache (or, for a blockwise
+policy, prefill blocks on their own), then cut what is kept into the pack's spans."""
 
 from __future__ import annotations
 
@@ -11,33 +12,72 @@ import numpy as np
 import torch
 
 from mmkv_cli.attention import Recorder, recording
-from mmkv_cli.backbones import Backbone
+from mmkv_cli.backbones import Backbone, StreamLayout
 from mmkv_cli.blockwise import chunk_plans, order_blocks, prefill_blocks
 from mmkv_cli.errors import MediaError
 from mmkv_cli.media import Media
-from mmkv_cli.methods import MemoryPolicy, StreamState
-from mmkv_cli.pack import Segment
+from mmkv_cli.methods import Budget, EncodeContext
+from mmkv_cli.methods.base import BlockwiseMemory, StreamingMemory
+from mmkv_cli.methods.stream import RunningCache, StreamState
+from mmkv_cli.pack import Span
+from mmkv_cli.presets import MethodChoice
 
 Progress = Callable[[int, int], None]  # (frames done, visual tokens done)
 
 
 @dataclass
 class Encoded:
-    prefix: Segment
-    blocks: list[Segment]
-    suffix: Segment
+    prefix: Span
+    blocks: list[Span]
+    suffix: Span
     layout: dict
     visual_tokens_total: int
     stats: dict = field(default_factory=dict)
 
 
-def _segment(
-    name: str, cache, starts: list[int], stop: int | None, positions: torch.Tensor
-) -> Segment:
-    """Cache entries [starts[layer], stop) of every layer (layers may hold different counts before them)."""
+@dataclass
+class Streamed:
+    """What a runner leaves: the blocks, the cache the suffix follows, and where each layer's visual
+    part ends in it."""
+
+    blocks: list[Span]
+    cache: object  # the model cache the suffix is prefilled after
+    visual_end: list[int]  # per layer
+    peak_kv_bytes: int
+    shift: int = 0  # how far a policy that compacted positions moved the rest of the stream up
+
+
+@dataclass
+class Stream:
+    """One encode's fixed inputs, shared by both runners."""
+
+    backbone: Backbone
+    media: Media
+    layout: StreamLayout
+    step_times: list[tuple[float, float]]
+    chunk_frames: int
+    progress: Progress | None
+
+    def chunks(self, unit_steps: int):
+        """(first step, frames, frames done after it) of every chunk: whole multiples of `unit_steps`
+        temporal steps, the last frame repeated to fill the last step."""
+        per_step = self.backbone.frames_per_step
+        unit = per_step * unit_steps
+        size = max(unit, self.chunk_frames - self.chunk_frames % unit)
+        for first in range(0, self.media.num_frames, size):
+            frames = self.media.read(first, first + size)
+            yield first // per_step, _padded(frames, per_step), first + len(frames)
+
+    def report(self, frames: int, tokens: int) -> None:
+        if self.progress:
+            self.progress(frames, tokens)
+
+
+def _span(name: str, cache, starts: list[int], stop: int | None, positions: torch.Tensor) -> Span:
+    """Cache entries [starts[layer], stop) of every layer (layers may hold different counts before)."""
     keys = [e.keys[0, :, start:stop].cpu() for e, start in zip(cache.layers, starts)]
     values = [e.values[0, :, start:stop].cpu() for e, start in zip(cache.layers, starts)]
-    return Segment(name=name, keys=keys, values=values, positions=[positions.cpu()] * len(keys))
+    return Span(name=name, keys=keys, values=values, positions=[positions.cpu()] * len(keys))
 
 
 def _step_times(media: Media, steps: int, per_step: int) -> list[tuple[float, float]]:
@@ -57,13 +97,13 @@ def _padded(frames: np.ndarray, multiple: int) -> np.ndarray:
 def encode_media(
     backbone: Backbone,
     media: Media,
-    policy: MemoryPolicy,
-    chunk_frames: int,
+    choice: MethodChoice,
+    context: EncodeContext | None = None,
     progress: Progress | None = None,
 ) -> Encoded:
     if media.num_frames == 0:
         raise MediaError(f"no frames in {media.source}")
-    start_time = time.perf_counter()
+    started = time.perf_counter()
     per_step = backbone.frames_per_step
     steps = -(-media.num_frames // per_step)
     frame_hw = tuple(media.read(0, 1).shape[1:3])
@@ -74,26 +114,30 @@ def encode_media(
     cache = backbone.new_cache()
     prefix_ids = backbone.text_ids(backbone.prompt.prefix)
     backbone.forward(backbone.embed_ids(prefix_ids), layout.prefix, cache)
-    prefix = _segment("prefix", cache, [0] * len(cache.layers), len(prefix_ids), layout.prefix)
-    run = _encode_blockwise if getattr(policy, "blockwise", False) else _encode_stream
-    blocks, cache, visual_end, peak_kv, shift = run(
-        backbone, media, policy, chunk_frames, progress, layout, step_times, cache, prefix
-    )
+    prefix = _span("prefix", cache, [0] * len(cache.layers), len(prefix_ids), layout.prefix)
+    stream = Stream(backbone, media, layout, step_times, choice.params.chunk_frames, progress)
+    budget = choice.budget or Budget(share=1.0)
+    method = choice.method
+    if method.blockwise is not None:
+        done = encode_blockwise(stream, method.blockwise(choice.params, budget), prefix, cache)
+    else:
+        policy = method.streaming(choice.params, budget, context or EncodeContext(media.kind))
+        done = encode_streaming(stream, policy, cache, prefix.layer_counts[0])
+    suffix_positions = layout.suffix - done.shift  # a policy that compacted moved the rest up
     suffix_embeds = backbone.suffix_embeds()
-    suffix_positions = layout.suffix - shift  # a policy that compacted positions moved the rest up
     if suffix_embeds.shape[1]:
-        backbone.forward(suffix_embeds, suffix_positions, cache)
-    suffix = _segment("suffix", cache, visual_end, None, suffix_positions)
+        backbone.forward(suffix_embeds, suffix_positions, done.cache)
+    suffix = _span("suffix", done.cache, done.visual_end, None, suffix_positions)
     return Encoded(
         prefix=prefix,
-        blocks=blocks,
+        blocks=done.blocks,
         suffix=suffix,
         visual_tokens_total=total,
         layout={
             "position_dims": backbone.position_dims,
-            "next_position": layout.next_position - shift,
-            "rope_deltas": layout.rope_delta - shift,
-            "position_shift": shift,
+            "next_position": layout.next_position - done.shift,
+            "rope_deltas": layout.rope_delta - done.shift,
+            "position_shift": done.shift,
             "frames_per_step": per_step,
             "steps": steps,
             "tokens_per_step": layout.grid[0] * layout.grid[1],
@@ -101,19 +145,16 @@ def encode_media(
             "grid": list(layout.grid),
             "frame_size": list(frame_hw),
         },
-        stats={"encode_s": time.perf_counter() - start_time, "peak_kv_bytes": peak_kv},
+        stats={
+            "encode_s": time.perf_counter() - started,
+            "peak_kv_bytes": done.peak_kv_bytes,
+        },
     )
 
 
-def _chunk_size(chunk_frames: int, unit: int) -> int:
-    return max(unit, chunk_frames - chunk_frames % unit)
-
-
-def _encode_stream(
-    backbone, media, policy, chunk_frames, progress, layout, step_times, cache, prefix
-):
+def encode_streaming(stream: Stream, policy: StreamingMemory, cache, prompt_len: int) -> Streamed:
     """One running cache over the whole stream; the policy may evict after every chunk."""
-    per_step = backbone.frames_per_step
+    backbone, layout = stream.backbone, stream.layout
     lengths = torch.tensor(layout.step_lengths)
     total = int(lengths.sum())
     after = (
@@ -121,116 +162,91 @@ def _encode_stream(
         if layout.suffix.shape[1]
         else torch.full_like(layout.visual[:, :1], layout.next_position)
     )
+    running = RunningCache(cache, prompt_len, backbone.position_dims)
     state = StreamState(
-        cache=cache,
-        prefix_len=prefix.layer_counts[0],
-        positions=layout.visual.cpu().clone(),
-        token_step=torch.repeat_interleave(torch.arange(len(step_times)), lengths),
-        kept=[torch.empty(0, dtype=torch.long) for _ in cache.layers],
-        seen=0,
-        total=total,
+        cache=running,
+        token_step=torch.repeat_interleave(torch.arange(len(stream.step_times)), lengths),
         layout_positions=torch.cat([layout.visual, after], dim=1).cpu(),
-        position_limit=int(getattr(backbone.text_config, "max_position_embeddings", 1 << 30)),
+        total=total,
+        position_limit=int(backbone.text_config.max_position_embeddings),
         rope=backbone.rope_tables(),
     )
     state.attend = lambda text, rows=False: text_attention(backbone, state, text, rows)
-    chunk = _chunk_size(chunk_frames, per_step)
     peak_kv = 0
-    for first in range(0, media.num_frames, chunk):
-        frames = _padded(media.read(first, first + chunk), per_step)
-        embeds, extra = backbone.visual_chunk(
-            frames, step_times[first // per_step : (first + chunk) // per_step], layout
-        )
+    for first_step, frames, done in stream.chunks(1):
+        steps = stream.step_times[first_step : first_step + len(frames) // backbone.frames_per_step]
+        embeds, extra = backbone.visual_chunk(frames, steps, layout)
         n = embeds.shape[1]
-        placed = state.layout_positions[:, state.seen : state.seen + n] - state.shift
-        state.positions[:, state.seen : state.seen + n] = placed
+        placed = state.placed(state.seen, state.seen + n)
         recorder = policy.recorder(state)  # H2O, MEDA: what every query row of the chunk attends to
         with recording(recorder) if recorder else nullcontext():
             backbone.forward(embeds, placed, cache, **extra)
-        new = torch.arange(state.seen, state.seen + n)
-        state.kept = [torch.cat([k, new]) for k in state.kept]
+        running.appended(torch.arange(state.seen, state.seen + n), placed)
         state.seen += n
         if recorder:
             policy.observe(state, recorder)
-        peak_kv = max(peak_kv, state.kv_bytes())
+        peak_kv = max(peak_kv, running.kv_bytes())
         policy.after_chunk(state)
-        if progress:
-            progress(min(first + chunk, media.num_frames), state.seen)
-    _check_count(media, state.seen, total)
+        stream.report(done, state.seen)
+    _check_count(stream.media, state.seen, total)
     policy.finish(state)
-    blocks = policy.make_blocks(state, step_times)
-    visual_end = [state.visual_start(layer) + len(k) for layer, k in enumerate(state.kept)]
-    return blocks, cache, visual_end, max(peak_kv, state.kv_bytes()), state.shift
+    blocks = policy.make_blocks(state, stream.step_times)
+    visual_end = [running.visual_start(layer) + running.count(layer) for layer in range(state.layers)]
+    return Streamed(blocks, cache, visual_end, max(peak_kv, running.kv_bytes()), state.shift)
 
 
 def text_attention(backbone: Backbone, state: StreamState, text: str, rows: bool = False):
-    """Per layer, the attention the rows of `text` (as a question turn after the stream so far) pay each cached
-    visual token, mean over heads and rows; scored rows only, then the text is cut off the cache again.
+    """Per layer, the attention the rows of `text` (as a question turn after the stream so far) pay each
+    cached visual token, mean over heads and rows; the text is cut off the cache again afterwards.
 
-    rows=True: per layer the text rows' attention over all keys [q, k], with the key columns of the cached
-    visual tokens and of the text, as (rows, visual slices, text slices).
+    rows=True: per layer the text rows' attention over all keys [q, k], with the key columns of the
+    cached visual tokens and of the text, as (rows, visual slices, text slices).
     """
     ids = backbone.question_ids(text)
-    lengths = [int(e.keys.shape[2]) for e in state.cache.layers]
     last_step = state.token_step[: state.seen] == state.token_step[state.seen - 1]
-    start = (
-        int(state.positions[:, : state.seen][:, last_step].max()) + 1
-    )  # right after the newest step
+    start = int(state.placed(0, state.seen)[:, last_step].max()) + 1  # right after the newest step
     recorder = Recorder(layers=set(range(state.layers)), column_sums=not rows, rows=rows)
-    with recording(recorder):
-        backbone.forward(
-            backbone.embed_ids(ids), backbone.text_positions(start, len(ids)), state.cache
-        )
-    for entry, n in zip(state.cache.layers, lengths):
-        entry.keys, entry.values = entry.keys[:, :, :n], entry.values[:, :, :n]
+    with state.cache.scratch() as lengths, recording(recorder):
+        positions = backbone.text_positions(start, len(ids))
+        backbone.forward(backbone.embed_ids(ids), positions, state.cache.cache)
+    starts = [state.cache.visual_start(layer) for layer in range(state.layers)]
     if rows:
         return (
             [recorder.row[layer][0].cpu() for layer in range(state.layers)],
-            [slice(state.visual_start(layer), n) for layer, n in enumerate(lengths)],
+            [slice(s, n) for s, n in zip(starts, lengths)],
             [slice(n, n + len(ids)) for n in lengths],
         )
     return [
-        recorder.column_sum[layer][0, state.visual_start(layer) : lengths[layer]].cpu() / len(ids)
+        recorder.column_sum[layer][0, starts[layer] : lengths[layer]].cpu() / len(ids)
         for layer in range(state.layers)
     ]
 
 
-def _encode_blockwise(
-    backbone, media, policy, chunk_frames, progress, layout, step_times, cache, prefix
-):
-    """Independent blocks after the init prompt, whole segments per chunk; the suffix follows the init prompt."""
+def encode_blockwise(stream: Stream, policy: BlockwiseMemory, prefix: Span, cache) -> Streamed:
+    """Independent blocks after the init prompt, whole segments per chunk; the suffix follows the init
+    prompt."""
+    backbone, layout = stream.backbone, stream.layout
     per_step = backbone.frames_per_step
-    chunk = _chunk_size(chunk_frames, per_step * policy.segment_steps(per_step))
+    total = sum(layout.step_lengths)
+    policy.begin(total)
     blocks, seen, peak_kv = [], 0, 0
-    for first in range(0, media.num_frames, chunk):
-        frames = _padded(media.read(first, first + chunk), per_step)
-        first_step = first // per_step
-        times = step_times[first_step : first_step + len(frames) // per_step]
+    for first_step, frames, done in stream.chunks(policy.segment_steps(per_step)):
+        times = stream.step_times[first_step : first_step + len(frames) // per_step]
         embeds, extra = backbone.visual_chunk(frames, times, layout)
         n = embeds.shape[1]
         plans = chunk_plans(policy, layout, first_step, len(times), per_step)
+        positions = layout.visual[:, seen : seen + n].cpu()
         made, peak = prefill_blocks(
-            backbone,
-            policy,
-            prefix,
-            embeds,
-            extra,
-            layout.visual[:, seen : seen + n].cpu(),
-            plans,
-            step_times,
-            int(policy.params.get("batch_tokens", 4096)),
+            backbone, policy, prefix, embeds, extra, positions, plans, stream.step_times
         )
         blocks += made
         seen += n
         peak_kv = max(peak_kv, peak)
-        if progress:
-            progress(min(first + chunk, media.num_frames), seen)
-    _check_count(media, seen, sum(layout.step_lengths))
-    return order_blocks(blocks), cache, prefix.layer_counts, peak_kv, 0
+        stream.report(done, seen)
+    _check_count(stream.media, seen, total)
+    return Streamed(order_blocks(blocks), cache, prefix.layer_counts, peak_kv)
 
 
 def _check_count(media: Media, seen: int, total: int) -> None:
     if seen != total:
-        raise MediaError(
-            f"{media.source}: expected {total} visual tokens, the backbone gave {seen}"
-        )
+        raise MediaError(f"{media.source}: expected {total} visual tokens, the backbone gave {seen}")

@@ -15,6 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmkv_cli.errors import UsageError
+from mmkv_cli.options import (
+    AskOptions,
+    EncodeOptions,
+    GenerationOptions,
+    LoadOptions,
+    Positions,
+)
 
 LETTERS = "ABCDEFGHIJ"
 
@@ -25,12 +32,12 @@ class Item:
     question: str
     answer: str  # normalised text, or an option letter when options are given
     options: tuple[str, ...] = ()
-    timestamp: float | None = None
+    at: float | None = None  # the question's moment (`ask --at`)
     type: str = "all"
 
     @property
     def key(self) -> str:
-        return json.dumps([self.video, self.question, self.timestamp])
+        return json.dumps([self.video, self.question, self.at])
 
 
 def normalise(text: str) -> str:
@@ -52,7 +59,7 @@ def _option_letter(answer, options: list[str]) -> str:
     return LETTERS[matches[0]]
 
 
-def _item(video: Path, question: str, answer, options, timestamp, kind) -> Item:
+def _item(video: Path, question: str, answer, options, at, kind) -> Item:
     options = [str(o) for o in (options or [])]
     gold = _option_letter(answer, options) if options else normalise(answer)
     return Item(
@@ -60,13 +67,13 @@ def _item(video: Path, question: str, answer, options, timestamp, kind) -> Item:
         str(question),
         gold,
         tuple(options),
-        None if timestamp is None else float(timestamp),
+        None if at is None else float(at),
         str(kind or "all"),
     )
 
 
 def load_items(path: str | Path) -> list[Item]:
-    """JSONL {video, question, options?, answer, timestamp?, type?} or the ReKV/MLVU JSON
+    """JSONL {video, question, options?, answer, at?, type?} (`timestamp` is read as `at`) or the ReKV/MLVU JSON
     [{video_id, video_path, conversations: [{question, choices, answer}]}]; video paths relative to the file."""
     path = Path(path)
     if not path.is_file():
@@ -82,7 +89,7 @@ def load_items(path: str | Path) -> list[Item]:
                     r["question"],
                     r["answer"],
                     r.get("options"),
-                    r.get("timestamp"),
+                    r.get("at", r.get("timestamp")),
                     r.get("type"),
                 )
                 for r in rows
@@ -98,7 +105,7 @@ def load_items(path: str | Path) -> list[Item]:
                         turn["question"],
                         turn["answer"],
                         turn.get("choices"),
-                        turn.get("timestamp"),
+                        turn.get("at", turn.get("timestamp")),
                         turn.get("question_type", entry.get("question_type")),
                     )
                 )
@@ -189,21 +196,72 @@ def _done(predictions: Path) -> dict[str, dict]:
     return rows
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    """What every run of an eval shares."""
+
+    fps: float | None = None
+    max_frames: int | None = None
+    positions: Positions | None = None
+    max_new_tokens: int = 8
+
+
+def evaluate(
+    qa_file: str,
+    methods: list[str],
+    budgets: list[float],
+    out: str | Path,
+    settings: EvalSettings,
+    load: LoadOptions,
+    limit: int | None = None,
+    on_run=None,
+) -> dict:
+    """Every method at every budget (methods that keep everything once) over the question set."""
+    from mmkv_cli.backbones import load_backbone
+    from mmkv_cli.display import eval_progress
+    from mmkv_cli.presets import check_budget, default_model, resolve_method
+
+    levels = [check_budget(b) for b in budgets]
+    plan = []
+    for name in methods:
+        method = resolve_method(name).method  # unknown names fail here, before any work
+        plan += [(name, None)] if method.keeps_all else [(name, b) for b in levels]
+    items = load_items(qa_file)[:limit]
+    if not items:
+        raise UsageError(f"{qa_file} holds no questions")
+    model = load.model or default_model()
+    backbone = load_backbone(load)
+    root = Path(out)
+    runs = []
+    clips = len({i.video for i in items})
+    with eval_progress() as bar:
+        for name, budget in plan:
+            label = f"{name} b{budget if budget is not None else 1:g}"
+            task = bar.add_task(label, total=clips)
+            folder = run_folder(root, model, name, budget if budget is not None else 1.0)
+            runs.append(
+                evaluate_run(
+                    items, folder, backbone, model, name, budget, settings,
+                    on_clip=lambda n, task=task: bar.update(task, completed=n),
+                )
+            )
+    figure = run_folder(root, model, "x", 1).parent / "accuracy_vs_budget.png"
+    plot(runs, figure)
+    return {"runs": runs, "plot": str(figure)}
+
+
 def evaluate_run(
     items: list[Item],
     folder: Path,
     backbone,
     model: str,
     method: str,
-    budget: float,
-    *,
-    fps: float | None,
-    max_frames: int | None,
-    positions: str | None,
-    max_new_tokens: int,
+    budget: float | None,
+    settings: EvalSettings,
     on_clip: Callable[[int], None] | None = None,
 ) -> dict:
-    """One method at one budget over every item; resumes from folder/predictions.jsonl."""
+    """One method at one budget (None: its own, for methods that keep everything) over every item;
+    resumes from folder/predictions.jsonl."""
     from mmkv_cli import api
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -212,42 +270,32 @@ def evaluate_run(
     config = {
         "model": model,
         "method": method,
-        "budget": budget,
-        "fps": fps,
-        "max_frames": max_frames,
-        "positions": positions,
-        "max_new_tokens": max_new_tokens,
+        "budget": budget if budget is not None else 1.0,
+        "fps": settings.fps,
+        "max_frames": settings.max_frames,
+        "positions": settings.positions.value if settings.positions else None,
+        "max_new_tokens": settings.max_new_tokens,
     }
     (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     clips: dict[str, list[Item]] = {}
     for item in items:
         clips.setdefault(item.video, []).append(item)
+    encoding = EncodeOptions(
+        method, budget, fps=settings.fps, max_frames=settings.max_frames, force=True
+    )
+    generation = GenerationOptions(max_new_tokens=settings.max_new_tokens)
     with predictions.open("a") as sink, tempfile.TemporaryDirectory(prefix="mmkv-eval-") as tmp:
         for n, (video, asked) in enumerate(clips.items()):
             todo = [i for i in asked if i.key not in done]
             if todo:
                 pack = Path(tmp) / "clip.kvpack"
-                info = api.encode(
-                    video,
-                    pack,
-                    model,
-                    method,
-                    budget,
-                    fps=fps,
-                    max_frames=max_frames,
-                    force=True,
-                    backbone=backbone,
-                )
+                info = api.encode(video, pack, encoding, backbone=backbone)
                 kept = kept_share(info)
                 for item in todo:
-                    answer = api.ask(
-                        pack,
-                        prompt_for(item),
-                        backbone=backbone,
-                        max_new_tokens=max_new_tokens,
-                        at=item.timestamp,
-                        positions=positions,
+                    asking = AskOptions(
+                        at=item.at, positions=settings.positions, generation=generation
                     )
+                    answer = api.ask(pack, prompt_for(item), asking, backbone=backbone)
                     guess = predicted(item, answer.answer)
                     row = {
                         "key": item.key,
@@ -269,7 +317,11 @@ def evaluate_run(
             if on_clip:
                 on_clip(n + 1)
     rows = [done[i.key] for i in items if i.key in done]
-    result = {"method": method, "budget": budget, **metrics(rows, chance_level)}
+    result = {
+        "method": method,
+        "budget": budget if budget is not None else 1.0,
+        **metrics(rows, chance_level),
+    }
     (folder / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
 

@@ -6,6 +6,7 @@ import os
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -13,6 +14,8 @@ import torch
 from mmkv_cli import api
 from mmkv_cli.backbones import load_backbone
 from mmkv_cli.errors import UsageError
+from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
+from mmkv_cli.presets import resolve_method
 
 METRICS = [
     "encode_s",
@@ -68,52 +71,40 @@ class PeakMemory:
 def profile(
     media: str,
     methods: list[str],
-    model: str | None = None,
-    budget: float | None = None,
+    options: EncodeOptions,
     question: str = "what happened first?",
     max_new_tokens: int = 16,
-    device: str = "auto",
-    dtype: str = "auto",
-    fps: float | None = None,
-    max_frames: int | None = None,
+    load: LoadOptions | None = None,
     progress=None,
 ) -> dict:
+    """Encode `media` once per method (options.budget for every compressing one, each method's own
+    otherwise), ask `question` from each pack, and compare everything with full's figures."""
     if not methods:
         raise UsageError("--methods needs at least one method")
-    backbone = load_backbone(model, device, dtype)
+    choices = {name: resolve_method(name) for name in methods}  # unknown names fail before loading
+    backbone = load_backbone(load)
+    asking = AskOptions(generation=GenerationOptions(max_new_tokens=max_new_tokens))
     rows = []
+
+    def encode_options(name: str, **extra) -> EncodeOptions:
+        budget = None if choices[name].method.keeps_all else options.budget
+        return replace(options, method=name, budget=budget, force=True, **extra)
+
     with tempfile.TemporaryDirectory(prefix="mmkv-profile-") as tmp:
         # One short unmeasured run first, so lazy imports and first-call allocations land on no method.
         warm = Path(tmp) / "warmup.kvpack"
-        api.encode(
-            media,
-            warm,
-            method=methods[0],
-            budget=budget,
-            backbone=backbone,
-            fps=fps,
-            max_frames=2,
-            model=model,
-        )
-        api.ask(warm, question, backbone=backbone, max_new_tokens=2)
+        api.encode(media, warm, encode_options(methods[0], max_frames=2), backbone=backbone)
+        api.ask(warm, question, AskOptions(generation=GenerationOptions(2)), backbone=backbone)
         for name in methods:
             pack = Path(tmp) / f"{name}.kvpack"
             with PeakMemory(backbone.device) as mem:
-                summary = api.encode(
-                    media,
-                    pack,
-                    method=name,
-                    budget=budget,
-                    backbone=backbone,
-                    fps=fps,
-                    max_frames=max_frames,
-                    model=model,
-                )
-            answer = api.ask(pack, question, backbone=backbone, max_new_tokens=max_new_tokens)
+                summary = api.encode(media, pack, encode_options(name), backbone=backbone)
+            answer = api.ask(pack, question, asking, backbone=backbone)
             rows.append(
                 {
                     "method": name,
                     "budget": summary["budget"],
+                    "budget_tokens": summary["budget_tokens"],
                     "encode_s": summary["encode_s"],
                     "bytes": summary["bytes"],
                     "visual_tokens_kept": summary["visual_tokens_kept"],

@@ -7,7 +7,7 @@ is delta[axis[f]] * inv_freq[f]. Used to compact positions (reindex) and to move
 
 from __future__ import annotations
 
-import torch
+from mmkv_cli.lazy import torch
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

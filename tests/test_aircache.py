@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from mmkv_cli import api
 from mmkv_cli.methods.aircache import (
     elite_window,
     fit_shares,
@@ -13,6 +12,7 @@ from mmkv_cli.methods.aircache import (
     skewness,
     visual_importance,
 )
+from tests.helpers import ask_pack, encode_pack
 
 
 def test_elite_window_keeps_exactly_the_tokens_above_tau_times_max():
@@ -65,15 +65,15 @@ def test_layer_budgets_follow_strength_and_skew_and_keep_the_total():
 def test_pruning_at_ask_keeps_the_first_token_and_cuts_each_layer(tmp_path, backbones, model):
     backbone = backbones[model]
     pack = tmp_path / "full.kvpack"
-    info = api.encode("samples/clip.mp4", pack, model, "full", backbone=backbone)
+    info = encode_pack("samples/clip.mp4", pack, model, "full", backbone=backbone)
     question = "what color is the circle ?"
-    plain = api.ask(pack, question, backbone=backbone, max_new_tokens=4, keep_logits=True)
-    whole = api.ask(pack, question, backbone=backbone, max_new_tokens=4, prune="snapkv", budget=1.0)
+    plain = ask_pack(pack, question, backbone=backbone, max_new_tokens=4, keep_logits=True)
+    whole = ask_pack(pack, question, backbone=backbone, max_new_tokens=4, prune="snapkv", budget=1.0)
     assert whole.token_ids == plain.token_ids  # keeping everything changes nothing
     n_question = len(backbone.question_ids(question))
     text = info["prompt_tokens"] + n_question
     for method in ("aircache", "snapkv", "pyramidkv"):
-        pruned = api.ask(
+        pruned = ask_pack(
             pack,
             question,
             backbone=backbone,
@@ -95,7 +95,7 @@ def test_pruning_at_ask_keeps_the_first_token_and_cuts_each_layer(tmp_path, back
 
 
 def test_aircache_at_encode_keeps_the_budget_on_average(tmp_path, backbones):
-    info = api.encode(
+    info = encode_pack(
         "samples/clip.mp4",
         tmp_path / "a.kvpack",
         "tiny-qwen2-vl",
@@ -105,7 +105,7 @@ def test_aircache_at_encode_keeps_the_budget_on_average(tmp_path, backbones):
     )
     kept = [layer["tokens_kept"] for layer in info["layers"]]
     assert sum(kept) == pytest.approx(0.25 * 4 * info["visual_tokens_total"], abs=4)
-    answer = api.ask(
+    answer = ask_pack(
         tmp_path / "a.kvpack",
         "what color is the circle ?",
         backbone=backbones["tiny-qwen2-vl"],

@@ -7,9 +7,10 @@ from mmkv_cli import api
 from mmkv_cli.attention import own_length_mask
 from mmkv_cli.encoder import encode_media
 from mmkv_cli.media import load_media
-from mmkv_cli.methods import build_method
-from mmkv_cli.methods.h2o import accumulate
-from mmkv_cli.methods.pruning import pooled, pyramid_budgets
+from mmkv_cli.methods.pyramidkv import pyramid_budgets
+from mmkv_cli.methods.scoring import accumulate, pooled
+from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions
+from tests.helpers import choose
 
 
 def test_pooling_spreads_a_peak_to_its_neighbours_only():
@@ -62,8 +63,7 @@ def test_h2o_scores_do_not_depend_on_the_chunking(backbones):
     media = load_media("samples/clip.mp4", fps=8, max_frames=16)
     kept = []
     for chunk in (4, 16):
-        _, policy = build_method("h2o", budget=0.25)
-        out = encode_media(backbone, media, policy, chunk)
+        out = encode_media(backbone, media, choose("h2o", budget=0.25, chunk_frames=chunk))
         kept.append(
             [torch.cat([b.positions[layer] for b in out.blocks], dim=1) for layer in range(4)]
         )
@@ -74,12 +74,9 @@ def test_h2o_scores_do_not_depend_on_the_chunking(backbones):
 @pytest.mark.parametrize("method", ["snapkv", "h2o", "pyramidkv"])
 def test_baselines_keep_their_per_layer_budgets_and_answer(tmp_path, backbones, model, method):
     backbone = backbones[model]
-    full = api.encode(
-        "samples/clip.mp4", tmp_path / "full.kvpack", model, "full", backbone=backbone
-    )
-    info = api.encode(
-        "samples/clip.mp4", tmp_path / "m.kvpack", model, method, budget=0.25, backbone=backbone
-    )
+    full = api.encode("samples/clip.mp4", tmp_path / "full.kvpack", backbone=backbone)
+    options = EncodeOptions(method, budget=0.25)
+    info = api.encode("samples/clip.mp4", tmp_path / "m.kvpack", options, backbone=backbone)
     total = info["visual_tokens_total"]
     kept = [layer["tokens_kept"] for layer in info["layers"]]
     expected = pyramid_budgets(4, total // 4, 20) if method == "pyramidkv" else [total // 4] * 4
@@ -88,9 +85,8 @@ def test_baselines_keep_their_per_layer_budgets_and_answer(tmp_path, backbones, 
     answer = api.ask(
         tmp_path / "m.kvpack",
         "what color is the circle ?",
+        AskOptions(generation=GenerationOptions(2), keep_logits=True),
         backbone=backbone,
-        max_new_tokens=2,
-        keep_logits=True,
     )
     assert answer.context_tokens < full["prompt_tokens"] + total
     assert torch.isfinite(answer.first_logits).all()

@@ -163,18 +163,18 @@ def error_cases(tmp_path, qwen_pack):
         (["ask", str(corrupted), "what ?"], 4, "corrupted"),
         (["ask", str(tmp_path / "missing.kvpack"), "what ?"], 4, "no such pack"),
         (["ask", str(qwen_pack), "   "], 2, "question is empty"),
-        (
-            ["ask", str(qwen_pack), "what ?", "--positions", "sideways"],
-            2,
-            "unknown --positions 'sideways'",
-        ),
-        (["ask", str(qwen_pack), "what ?", "--prune", "hermes"], 2, "does not prune at ask"),
         (["ask", str(qwen_pack), "what ?", "--budget", "0.5"], 2, "only applies with --prune"),
         (
-            ["encode", clip, *tiny, "--method", "recency", "--budget-tokens", "9", "-o", out],
+            ["encode", clip, *tiny, "--budget-tokens", "9", "-o", out],
             2,
-            "no fixed token budget",
+            "method 'full' keeps every token: --budget-tokens does not apply",
         ),
+        (["encode", clip, *tiny, "--method", "rekv", "--budget", "0.5", "-o", out], 2,
+         "method 'rekv' keeps every token: --budget does not apply"),
+        (["encode", clip, *tiny, "--guidance-prompt", "what ?", "-o", out], 2,
+         "method 'full' uses no guidance prompt"),
+        (["encode", str(existing), *tiny, "-o", str(existing), "--force"], 2,
+         "is the media being encoded"),
         (["inspect", str(junk)], 4, "not a kvpack"),
     ]
 
@@ -200,31 +200,61 @@ def test_error_in_a_real_process_has_no_traceback(tmp_path):
     assert result.stdout == ""
 
 
-def test_a_mistyped_mukv_preset_choice_fails_before_encoding(tmp_path, monkeypatch):
-    import shutil
-
-    presets = tmp_path / "presets"
-    shutil.copytree(ROOT / "presets", presets)
-    (presets / "methods" / "mukv-typo.yaml").write_text(
-        "extends: mukv\nparams:\n  views: sideways\n"
-    )
-    monkeypatch.setenv("MMKV_PRESETS", str(presets))
-    out = tmp_path / "out.kvpack"
-    result = runner.invoke(
-        app,
-        [
-            "encode",
-            str(SAMPLES / "clip.mp4"),
-            "--model",
-            "tiny-qwen2-vl",
-            "--method",
-            "mukv-typo",
-            "-o",
-            str(out),
-        ],
-    )
-    assert result.exit_code == 2, result.stderr
-    assert result.stderr.strip().splitlines() == [
-        "error: MuKV preset: views is 'sideways', expected one of stream, middle_frame"
+def test_usage_errors_are_one_line_in_a_real_process(qwen_pack):
+    cases = [
+        (["ask", str(qwen_pack), "what ?", "--positions", "sideways"], "'sideways' is not one of"),
+        (["encode", "x.mp4", "-o", "y", "--budget", "abc"], "Invalid value for '--budget'"),
+        (["encode"], "Missing argument 'media'"),
+        (["explode"], "No such command 'explode'"),
+        (["ask", str(qwen_pack), "what ?", "--prune", "hermes"], "'hermes' is not one of"),
+        (["--presets", "/no/such/folder", "methods"], "--presets: no such folder"),
     ]
+    for args, message in cases:
+        result = mmkv(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert mmkv("--version").stdout.strip().startswith("mmkv ")
+
+
+@pytest.mark.parametrize(
+    "preset, message",
+    [
+        ("extends: mukv\nparams:\n  views: sideways\n", "params.views: 'sideways' is not one of"),
+        ("extends: snapkv\nparams:\n  pool_kernl: 7\n", "params: unknown key 'pool_kernl'"),
+        ("extends: snapkv\nparms:\n  pool_kernel: 7\n", "unknown key 'parms'"),
+        ("extends: hermes\nparams:\n  reindex: eagr\n", "params.reindex: 'eagr' is not one of"),
+        ("extends: hermes\nparams:\n  summary: 3\n", "params.summary: expected true or false"),
+        ("extends: snapkv\nparams:\n  pool_kernel: 0\n", "params.pool_kernel: 0 is below"),
+        ("extends: snapkv\nbudget: 2\n", "budget: budget must be in (0, 1]"),
+        ("extends: full\nbudget: 0.5\n", "keeps every token"),
+        ("extends: typo\n", "extends itself"),
+    ],
+)
+def test_a_wrong_preset_is_refused_before_encoding(tmp_path, monkeypatch, preset, message):
+    (tmp_path / "methods").mkdir()
+    path = tmp_path / "methods" / "typo.yaml"
+    path.write_text(preset)
+    monkeypatch.setenv("MMKV_PRESETS", str(tmp_path))
+    out = tmp_path / "out.kvpack"
+    args = ["encode", "no-such-video.mp4", "--model", "tiny-qwen2-vl", "--method", "typo", "-o"]
+    result = runner.invoke(app, [*args, str(out)])  # no media: the preset must fail first
+    assert result.exit_code == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and str(path) in lines[0], lines
     assert not out.exists()
+
+
+def test_user_presets_override_the_built_in_ones_from_a_flag_or_the_environment(tmp_path):
+    (tmp_path / "methods").mkdir()
+    (tmp_path / "methods" / "snapkv.yaml").write_text("budget: 0.5\nparams: {pool_kernel: 3}\n")
+    (tmp_path / "methods" / "mine.yaml").write_text("extends: hermes-6k\ndescription: mine\n")
+    listed = json.loads(runner.invoke(app, ["--presets", str(tmp_path), "methods", "--json"]).stdout)
+    rows = {m["name"]: m for m in listed["methods"]}
+    snap = {p["name"]: p["value"] for p in rows["snapkv"]["params"]}
+    assert rows["snapkv"]["budget_share"] == 0.5 and snap["pool_kernel"] == 3
+    assert rows["mine"]["implements"] == "hermes" and rows["mine"]["budget_tokens"] == 6144
+    env = {**ENV, "MMKV_PRESETS": str(tmp_path)}
+    again = subprocess.run([sys.executable, "-m", "mmkv_cli", "methods", "--json"],
+                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert {m["name"] for m in json.loads(again.stdout)["methods"]} >= {"mine", "mukv-middle"}

@@ -2,9 +2,11 @@
 
 import pytest
 
+from mmkv_cli.options import LoadOptions
 from mmkv_cli.backbones import load_backbone
 from mmkv_cli.backbones.demo import WEIGHTS, build_demo
 from mmkv_cli.errors import ModelError
+from tests.helpers import ask_pack, encode_pack
 
 
 def test_missing_or_foreign_weights_are_a_model_error(tmp_path):
@@ -20,18 +22,17 @@ def test_missing_or_foreign_weights_are_a_model_error(tmp_path):
 
 def test_demo_loads_offline_from_the_package():
     assert WEIGHTS.is_file() and WEIGHTS.stat().st_size < 16 * 2**20
-    backbone = load_backbone("demo", "cpu")
+    backbone = load_backbone(LoadOptions("demo", "cpu"))
     assert backbone.family == "llava_onevision" and backbone.tokens_per_step((128, 128)) == 4
     assert backbone.fingerprint()["source"] == "demo"
 
 
 def test_demo_answers_the_sample_clip_from_its_pack(tmp_path):
     """samples/clip.mp4: a red circle, then a blue square, then a yellow triangle (2 fps, 8 s)."""
-    from mmkv_cli import api
 
-    backbone = load_backbone("demo", "cpu")
+    backbone = load_backbone(LoadOptions("demo", "cpu"))
     pack = tmp_path / "clip.kvpack"
-    api.encode("samples/clip.mp4", pack, method="full", backbone=backbone)
+    encode_pack("samples/clip.mp4", pack, method="full", backbone=backbone)
     expected = {
         "what color is the circle ?": "red",
         "what color is the triangle ?": "yellow",
@@ -39,8 +40,8 @@ def test_demo_answers_the_sample_clip_from_its_pack(tmp_path):
         "which shape appeared last ?": "triangle",
         "how many shapes appeared ?": "three",
     }
-    answers = {q: api.ask(pack, q, backbone=backbone, max_new_tokens=4).answer for q in expected}
+    answers = {q: ask_pack(pack, q, backbone=backbone, max_new_tokens=4).answer for q in expected}
     assert answers == expected
     # asked at 3.5 s, only the circle and the square have been shown
-    assert api.ask(pack, "how many shapes appeared ?", backbone=backbone, at=3.5).answer == "two"
-    assert api.ask(pack, "what shape is shown now ?", backbone=backbone, at=3.5).answer == "square"
+    assert ask_pack(pack, "how many shapes appeared ?", backbone=backbone, at=3.5).answer == "two"
+    assert ask_pack(pack, "what shape is shown now ?", backbone=backbone, at=3.5).answer == "square"

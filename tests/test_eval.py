@@ -46,7 +46,7 @@ def test_jsonl_and_mlvu_formats_load_to_the_same_items(tmp_path):
     )
     a, b = ev.load_items(tmp_path / "a.jsonl"), ev.load_items(tmp_path / "b.json")
     assert a == b
-    assert a[0].answer == "red" and a[1].answer == "B" and a[1].timestamp == 3.0
+    assert a[0].answer == "red" and a[1].answer == "B" and a[1].at == 3.0
     assert a[0].video == str(tmp_path / "v.mp4")
     (tmp_path / "bad.jsonl").write_text(json.dumps({"video": "v.mp4"}) + "\n")
     with pytest.raises(UsageError):

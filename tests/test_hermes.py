@@ -8,11 +8,12 @@ import sys
 import pytest
 import torch
 
-from mmkv_cli import api
 from mmkv_cli.encoder import encode_media
 from mmkv_cli.media import load_media
-from mmkv_cli.methods import build_method
+from mmkv_cli.methods import Budget, EncodeContext
 from mmkv_cli.methods.hermes import (
+    HermesMemory,
+    HermesParams,
     fold_into_summary,
     layer_roles,
     layer_score,
@@ -20,12 +21,12 @@ from mmkv_cli.methods.hermes import (
     recency_curve,
     smooth_deep_to_shallow,
 )
-from mmkv_cli.methods.mukv import top_in_order
+from mmkv_cli.methods.scoring import top_in_order
 from mmkv_cli.pack import PackReader
-from mmkv_cli.presets import load_method_preset
 from mmkv_cli.rope import rotate_keys
+from tests.helpers import choose, encode_pack, with_policy
 
-PARAMS = load_method_preset("hermes").params
+PARAMS = HermesParams()
 
 
 def test_layer_split_and_depth_interpolation_follow_the_paper():
@@ -97,9 +98,8 @@ def test_summary_token_is_the_mean_of_evicted_keys_rotated_to_the_summary_slot()
 
 
 def _encode(backbone, media, reindex: str, budget_tokens: int, chunk: int = 4):
-    preset, policy = build_method("hermes", budget_tokens=budget_tokens)
-    policy.params = {**policy.params, "reindex": reindex, "reindex_at": None}
-    return encode_media(backbone, media, policy, chunk)
+    choice = choose("hermes", budget_tokens=budget_tokens, reindex=reindex, chunk_frames=chunk)
+    return encode_media(backbone, media, choice)
 
 
 @pytest.mark.parametrize("model", ["tiny-llava-ov", "tiny-qwen2-vl"])
@@ -148,13 +148,10 @@ def test_eager_reindex_compacts_positions_and_rerotates_keys_lazy_keeps_them(bac
 def test_deep_layers_stream_on_with_their_summary_token_in_the_running_cache(backbones, model):
     backbone = backbones[model]
     media = load_media("samples/clip.mp4", fps=8, max_frames=32)
-    _, policy = build_method("hermes", budget_tokens=40)
-    roles = [
-        role
-        for role, _ in layer_roles(
-            backbone.text_config.num_hidden_layers, PARAMS["shallow_share"], PARAMS["deep_share"]
-        )
-    ]
+    choice = choose("hermes", budget_tokens=40, chunk_frames=4)
+    policy = HermesMemory(choice.params, Budget(tokens=40), EncodeContext("video"))
+    layers = backbone.text_config.num_hidden_layers
+    roles = [role for role, _ in layer_roles(layers, PARAMS.shallow_share, PARAMS.deep_share)]
     snapshots = []
     compress = policy.after_chunk
 
@@ -162,17 +159,15 @@ def test_deep_layers_stream_on_with_their_summary_token_in_the_running_cache(bac
         compress(state)
         if not policy.summary:
             return
-        lengths = [int(e.keys.shape[2]) for e in state.cache.layers]
-        fronts = [
-            state.cache.layers[l].keys[0, :, state.prefix_len].clone() for l in policy.summary
-        ]
-        attention = state.attend(str(policy.params["guidance_prompt"]))
-        snapshots.append(
-            (lengths, [len(k) for k in state.kept], fronts, [len(a) for a in attention])
-        )
+        lengths = [int(e.keys.shape[2]) for e in state.cache.cache.layers]
+        prompt = state.cache.prompt_len
+        fronts = [state.cache.cache.layers[i].keys[0, :, prompt].clone() for i in policy.summary]
+        attention = state.attend(policy.context.guidance())
+        kept = [state.cache.count(layer) for layer in range(state.layers)]
+        snapshots.append((lengths, kept, fronts, [len(a) for a in attention]))
 
     policy.after_chunk = after_chunk
-    out = encode_media(backbone, media, policy, 4)
+    out = encode_media(backbone, media, with_policy(choice, policy))
     assert len(snapshots) >= 2  # compressed, then streamed on and compressed again
     prefix = out.prefix.layer_counts[0]
     for lengths, kept, fronts, attended in snapshots:
@@ -203,14 +198,8 @@ def test_pack_never_exceeds_the_budget_over_a_long_stream_and_ask_runs_in_a_new_
     backbone = backbones["tiny-llava-ov"]
     budget = 96
     pack = tmp_path / "h.kvpack"
-    info = api.encode(
-        video,
-        pack,
-        "tiny-llava-ov",
-        "hermes",
-        budget_tokens=budget,
-        max_frames=256,
-        backbone=backbone,
+    info = encode_pack(
+        video, pack, method="hermes", budget_tokens=budget, max_frames=256, backbone=backbone
     )
     assert info["visual_tokens_total"] == 256 * 16
     assert all(layer["tokens_kept"] <= budget for layer in info["layers"])
@@ -247,17 +236,14 @@ def test_pack_never_exceeds_the_budget_over_a_long_stream_and_ask_runs_in_a_new_
     assert answer["context_tokens"] <= info["prompt_tokens"] + budget + 1 + 16
 
 
-def test_budget_tokens_is_refused_where_it_means_nothing():
+def test_token_and_share_budgets_are_checked_and_presets_extend_the_method():
     from mmkv_cli.errors import UsageError
 
-    with pytest.raises(UsageError):
-        build_method("recency", budget_tokens=100)
-    with pytest.raises(UsageError):
-        build_method("hermes", budget_tokens=0)
-    _, fractional = build_method("hermes", budget=0.25)
-    assert fractional.params["budget_tokens"] is None and fractional.budget == 0.25
-    _, six = build_method("hermes-6k")
-    assert (
-        six.params["budget_tokens"] == 6144
-        and six.params["guidance_prompt"] == PARAMS["guidance_prompt"]
-    )
+    with pytest.raises(UsageError, match="keeps every token"):
+        choose("full", budget_tokens=100)
+    with pytest.raises(UsageError, match="at least 1"):
+        choose("hermes", budget_tokens=0)
+    assert choose("recency", budget_tokens=100).budget == Budget(tokens=100)
+    assert choose("hermes", budget=0.25).budget == Budget(share=0.25)
+    six = choose("hermes-6k")
+    assert six.budget == Budget(tokens=6144) and six.params == HermesParams()

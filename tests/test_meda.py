@@ -7,8 +7,8 @@ import torch
 
 from mmkv_cli.encoder import encode_media
 from mmkv_cli.media import load_media
-from mmkv_cli.methods import build_method
 from mmkv_cli.methods.meda import entropy_ratios, merge_evicted, recent_and_heavy, row_entropy
+from tests.helpers import choose
 
 
 def test_row_entropy_is_renormalised_over_the_chosen_columns():
@@ -61,9 +61,8 @@ def test_meda_encode_keeps_about_rho_and_merges(backbones, model):
     media = load_media("samples/clip.mp4", fps=8, max_frames=16)
     packs = {}
     for merge in (True, False):
-        _, policy = build_method("meda", budget=0.25)
-        policy.params = {**policy.params, "merge": merge}
-        packs[merge] = encode_media(backbones[model], media, policy, 8)
+        choice = choose("meda", budget=0.25, merge=merge, chunk_frames=8)
+        packs[merge] = encode_media(backbones[model], media, choice)
     merged, dropped = packs[True], packs[False]
     total = merged.visual_tokens_total
     kept = [sum(b.layer_counts[layer] for b in merged.blocks) for layer in range(4)]

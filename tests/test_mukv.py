@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,11 +15,12 @@ from mmkv_cli.methods.mukv import (
     keep_count,
     plan_blocks,
     quarter_grid,
-    top_in_order,
 )
 from mmkv_cli.methods.retrieval import retrieve
+from mmkv_cli.methods.scoring import top_in_order
 from mmkv_cli.pack import PackReader
 from tests.conftest import TINY
+from tests.helpers import ask_pack, choose, encode_pack
 
 
 @pytest.mark.parametrize("mode", ["fft", "diff"])
@@ -55,8 +57,8 @@ def test_blocks_cover_every_token_once_per_granularity():
 
 def test_middle_frame_views_detail_only_each_segments_middle_step():
     from mmkv_cli.errors import UsageError
-    from mmkv_cli.methods.mukv import MuKVMemory
-    from mmkv_cli.presets import load_method_preset
+    from mmkv_cli.methods.mukv import MuKVParams
+    from mmkv_cli.presets import resolve_method
 
     starts, lengths = (
         [i * 4 for i in range(5)],
@@ -71,13 +73,10 @@ def test_middle_frame_views_detail_only_each_segments_middle_step():
         assert sorted(patches.tolist()) == list(range(4 * step, 4 * step + 4))
     segments = torch.cat([p.tokens for p in plans if p.granularity == "segment"])
     assert sorted(segments.tolist()) == list(range(20))  # segment blocks still cover the stream
-    params = load_method_preset("mukv-middle").params
-    assert (
-        params["views"] == "middle_frame"
-        and params["rho"] == load_method_preset("mukv").params["rho"]
-    )
-    with pytest.raises(UsageError, match="views is 'nope'"):
-        MuKVMemory(1.0, {**params, "views": "nope"})
+    params = resolve_method("mukv-middle").params
+    assert params.views == "middle_frame" and params.rho == MuKVParams().rho
+    with pytest.raises(UsageError, match=r"test.views: .nope. is not one of stream, middle_frame"):
+        choose("mukv", views="nope")
 
 
 def test_rerank_lifts_the_candidate_that_agrees_with_top_segments():
@@ -118,24 +117,23 @@ def test_rerank_lifts_the_candidate_that_agrees_with_top_segments():
 def test_retrieval_picks_the_block_holding_a_planted_needle(tmp_path, backbones, clip):
     """Plant a needle: overwrite one block's representative with the question's own vector."""
     from mmkv_cli.answer import question_vector
-    from mmkv_cli.methods import context_policy
+    from mmkv_cli.methods.rekv import ReKVParams, context
     from mmkv_cli.pack import write_pack
 
     backbone = backbones["tiny-llava-ov"]
     pack = tmp_path / "r.kvpack"
-    api.encode(clip, pack, method="rekv", backbone=backbone, max_frames=8)
+    encode_pack(clip, pack, method="rekv", backbone=backbone, max_frames=8)
     reader = PackReader(pack)
     question = "what color is the circle ?"
     ids = backbone.question_ids(question, reader.header["prompt"]["question"])
     needle = question_vector(backbone, reader, ids, "query_mean")
-    segments = [reader.segment(b["name"]) for b in reader.blocks]
+    segments = [reader.span(b["name"]) for b in reader.blocks]
     for seg, meta in zip(segments, reader.blocks):
         seg.representative = reader.representatives()[reader.blocks.index(meta)]
     segments[5].representative = needle
     planted = tmp_path / "planted.kvpack"
-    write_pack(planted, reader.header, reader.segment("prefix"), segments, reader.segment("suffix"))
-    params = {**reader.header["method"]["params"], "k": {"frame": 1}}
-    policy = context_policy("rekv", params)
+    write_pack(planted, reader.header, reader.span("prefix"), segments, reader.span("suffix"))
+    policy = context(ReKVParams(k=1))
     again = PackReader(planted)
     chosen = policy.select(
         again.blocks,
@@ -149,7 +147,7 @@ def test_retrieval_picks_the_block_holding_a_planted_needle(tmp_path, backbones,
 def test_mukv_pack_counts_follow_rho_and_granularities(tmp_path, backbones, name, clip):
     backbone = backbones[name]
     pack = tmp_path / "mu.kvpack"
-    api.encode(clip, pack, method="mukv", backbone=backbone, max_frames=8)
+    encode_pack(clip, pack, method="mukv", backbone=backbone, max_frames=8)
     info = api.inspect(pack)
     reader = PackReader(pack)
     assert set(info["granularities"]) == {"patch", "frame", "segment"}
@@ -172,7 +170,7 @@ def test_mukv_pack_counts_follow_rho_and_granularities(tmp_path, backbones, name
 @pytest.mark.parametrize("method", ["mukv", "mukv-middle", "rekv"])
 def test_retrieval_methods_answer_in_a_new_process(tmp_path, backbones, clip, method):
     pack = tmp_path / f"{method}.kvpack"
-    api.encode(clip, pack, method=method, backbone=backbones["tiny-qwen2-vl"], max_frames=8)
+    encode_pack(clip, pack, method=method, backbone=backbones["tiny-qwen2-vl"], max_frames=8)
     out = subprocess.run(
         [
             sys.executable,
@@ -201,8 +199,8 @@ def test_retrieval_methods_answer_in_a_new_process(tmp_path, backbones, clip, me
 
 def test_question_moment_limits_retrieval_to_earlier_blocks(tmp_path, backbones, clip):
     pack = tmp_path / "mu.kvpack"
-    api.encode(clip, pack, method="mukv", backbone=backbones["tiny-llava-ov"], max_frames=8)
-    answer = api.ask(
+    encode_pack(clip, pack, method="mukv", backbone=backbones["tiny-llava-ov"], max_frames=8)
+    answer = ask_pack(
         pack, "what happened first ?", backbone=backbones["tiny-llava-ov"], at=1.0, max_new_tokens=1
     )
     assert answer.retrieved and all(r["time"][0] <= 1.0 for r in answer.retrieved)
@@ -216,8 +214,8 @@ def test_reindex_with_every_block_equals_keep_when_nothing_was_dropped(
     on M-RoPE, whose video positions are already compact in time, reindex changes only gaps)."""
     backbone = backbones[name]
     pack = tmp_path / "full.kvpack"
-    api.encode(clip, pack, method="full", backbone=backbone, max_frames=4)
-    keep = api.ask(
+    encode_pack(clip, pack, method="full", backbone=backbone, max_frames=4)
+    keep = ask_pack(
         pack,
         "what color ?",
         backbone=backbone,
@@ -225,7 +223,7 @@ def test_reindex_with_every_block_equals_keep_when_nothing_was_dropped(
         max_new_tokens=1,
         positions="keep",
     )
-    reindex = api.ask(
+    reindex = ask_pack(
         pack,
         "what color ?",
         backbone=backbone,
@@ -239,14 +237,14 @@ def test_reindex_with_every_block_equals_keep_when_nothing_was_dropped(
 def test_retrieval_needs_representatives_and_a_known_query_mode(tmp_path, backbones):
     from mmkv_cli.answer import answer_from_pack
     from mmkv_cli.errors import PackError, UsageError
-    from mmkv_cli.methods.retrieval import RetrievalContext
+    from mmkv_cli.methods.retrieval import RetrievalContext, RetrievalOptions
+    from mmkv_cli.options import AskOptions
     from mmkv_cli.pack import PackReader
-    from mmkv_cli.presets import load_method_preset
 
     backbone = backbones["tiny-llava-ov"]
-    params = load_method_preset("rekv").params
+    options = RetrievalOptions(k={"frame": 64})
     # A hermes pack holds a summary block with no retrieval key: it stores no representatives at all.
-    api.encode(
+    encode_pack(
         "samples/clip.mp4",
         tmp_path / "h.kvpack",
         "tiny-llava-ov",
@@ -256,15 +254,17 @@ def test_retrieval_needs_representatives_and_a_known_query_mode(tmp_path, backbo
     )
     with pytest.raises(PackError, match="no block representatives"):
         answer_from_pack(
-            backbone, PackReader(tmp_path / "h.kvpack"), RetrievalContext(params), "what ?"
+            backbone, PackReader(tmp_path / "h.kvpack"), RetrievalContext(options), "what ?",
+            AskOptions(),
         )
-    api.encode(
+    encode_pack(
         "samples/clip.mp4", tmp_path / "r.kvpack", "tiny-llava-ov", "rekv", backbone=backbone
     )
     with pytest.raises(UsageError, match="unknown query mode 'nope'"):
         answer_from_pack(
             backbone,
             PackReader(tmp_path / "r.kvpack"),
-            RetrievalContext({**params, "query": "nope"}),
+            RetrievalContext(replace(options, query="nope")),
             "what ?",
+            AskOptions(),
         )

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from mmkv_cli.errors import OutputExistsError, PackError
-from mmkv_cli.pack import PackReader, Segment, write_pack
+from mmkv_cli.pack import PackReader, Span, write_pack
 
 
 def segment(name, counts, seed, dims=1, granularity=None):
     g = torch.Generator().manual_seed(seed)
-    return Segment(
+    return Span(
         name=name,
         keys=[torch.randn(2, n, 8, generator=g) for n in counts],
         values=[torch.randn(2, n, 8, generator=g) for n in counts],
@@ -48,7 +48,7 @@ def test_round_trip_is_exact_with_per_layer_counts(tmp_path):
     reader = PackReader(path)
     assert [b["layer_counts"] for b in reader.blocks] == [[3, 2, 1], [4, 4, 0]]
     for original in blocks:
-        loaded = reader.segment(original.name)
+        loaded = reader.span(original.name)
         for a, b in zip(
             original.keys + original.values + original.positions,
             loaded.keys + loaded.values + loaded.positions,
@@ -66,7 +66,7 @@ def test_reader_is_lazy(tmp_path):
     assert reader.bytes_read == table
     reader.representatives()
     assert reader.bytes_read == table + 2 * 16 * 4  # and the representatives, nothing else
-    reader.segment("b1")
+    reader.span("b1")
     assert reader.bytes_read == table + 2 * 16 * 4 + 2 * (8 * 2 * 8 * 4) + 8 * 3 * 8
 
 
@@ -88,7 +88,7 @@ def test_header_does_not_grow_with_the_video(tmp_path):
             count - 1.0,
             count - 0.5,
         ]
-        assert torch.equal(reader.segment(f"b{count - 1}").keys[0], blocks[-1].keys[0])
+        assert torch.equal(reader.span(f"b{count - 1}").keys[0], blocks[-1].keys[0])
         assert reader.series("media.timestamps") == header["media"]["timestamps"]
         assert reader.series("layout.step_lengths") == [1] * count and reader.header["media"] == {
             "frames": count
@@ -152,10 +152,10 @@ def test_corrupted_tensor_fails_its_checksum(tmp_path, monkeypatch, threaded):
     data[8 + length + entry["data_offsets"][0] + 6 * row + 3] ^= 0xFF
     path.write_bytes(bytes(data))
     reader = PackReader(path)
-    reader.segment("b0")  # untouched blocks still load
+    reader.span("b0")  # untouched blocks still load
     assert len(reader.gather(["b0"])[0]) == 3
     with pytest.raises(PackError, match="checksum mismatch in b1"):
-        reader.segment("b1")
+        reader.span("b1")
     with pytest.raises(PackError, match="checksum mismatch in b1"):
         PackReader(path).gather(["b0", "b1"])
     assert pools == ([2] if threaded else [])  # two blocks to check: two threads
@@ -168,9 +168,9 @@ def test_gathered_blocks_equal_their_segments_joined_per_layer(tmp_path):
     keys, values, positions = reader.gather(["b1", "b0"])  # context order, not table order
     for layer in range(3):
         for got, part in ((keys, "keys"), (values, "values"), (positions, "positions")):
-            want = torch.cat([getattr(reader.segment(n), part)[layer] for n in ("b1", "b0")], dim=1)
+            want = torch.cat([getattr(reader.span(n), part)[layer] for n in ("b1", "b0")], dim=1)
             assert torch.equal(got[layer], want)
-    with pytest.raises(PackError, match="no segment b9"):
+    with pytest.raises(PackError, match="no block b9"):
         reader.gather(["b9"])
 
 
@@ -192,7 +192,7 @@ def test_tampered_header_and_foreign_files_are_refused(tmp_path):
 
 
 def test_block_table_columns_agree_with_its_rows_and_with_a_v2_json_table(tmp_path):
-    from mmkv_cli.pack.table import BlockTable, eligible_before
+    from mmkv_cli.pack.table import BlockTable, eligible_at
 
     path = tmp_path / "a.kvpack"
     write(path)
@@ -203,7 +203,7 @@ def test_block_table_columns_agree_with_its_rows_and_with_a_v2_json_table(tmp_pa
         [3, 2, 1],
         [4, 4, 0],
     ]
-    assert eligible_before(table, 1.5).tolist() == [0] and eligible_before(
+    assert eligible_at(table, 1.5).tolist() == [0] and eligible_at(
         table, None
     ).tolist() == [0, 1]
     # a v2 pack kept the same rows as JSON in its header, under names of its own

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from mmkv_cli.pack import PackReader, Segment, write_pack
+from mmkv_cli.pack import PackReader, Span, write_pack
 from mmkv_cli.pack.format import FORMAT_VERSION
 
 DATA = Path(__file__).parent / "data"
@@ -18,7 +18,7 @@ def fixture_segment(name, counts, base, dims=1, granularity=None, step=0):
             torch.arange(2 * n * 8, dtype=torch.float32).reshape(2, n, 8) + base * 100 + shift
         ) / 4
 
-    return Segment(
+    return Span(
         name=name,
         keys=[grid(n, 10 * layer) for layer, n in enumerate(counts)],
         values=[-grid(n, 10 * layer) for layer, n in enumerate(counts)],
@@ -45,7 +45,7 @@ def fixture():
 def assert_reads_back(reader):
     prefix, blocks, suffix = fixture()
     for original in (prefix, suffix, *blocks):
-        loaded = reader.segment(original.name)
+        loaded = reader.span(original.name)
         for part in ("keys", "values", "positions"):
             for a, b in zip(getattr(original, part), getattr(loaded, part)):
                 assert torch.equal(a, b), (original.name, part)

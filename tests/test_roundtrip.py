@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from mmkv_cli import api
 from mmkv_cli.media import load_media
 from tests.conftest import SAMPLES, TINY
+from tests.helpers import ask_pack, encode_pack, reference_inputs
 
 QUESTION = "what color is the circle ?"
 
@@ -15,7 +15,7 @@ def live_logits(backbone, media: str, max_frames: int) -> torch.Tensor:
     pixels = frames.read(0, frames.num_frames)
     with torch.inference_mode():
         return (
-            backbone.model(**backbone.reference_inputs(pixels, QUESTION, frames.timestamps))
+            backbone.model(**reference_inputs(backbone, pixels, QUESTION, frames.timestamps))
             .logits[0, -1]
             .float()
         )
@@ -28,35 +28,27 @@ def test_full_pack_gives_live_logits(tmp_path, backbones, name, media):
     source = str(SAMPLES / media)
     frames = 4 if media != "doc.pdf" else 2  # an even count: Qwen fuses frame pairs
     pack = tmp_path / "full.kvpack"
-    api.encode(source, pack, method="full", backbone=backbone, fps=2.0, max_frames=frames)
-    answer = api.ask(pack, QUESTION, backbone=backbone, keep_logits=True, max_new_tokens=2)
+    encode_pack(source, pack, method="full", backbone=backbone, fps=2.0, max_frames=frames)
+    answer = ask_pack(pack, QUESTION, backbone=backbone, keep_logits=True, max_new_tokens=2)
     diff = (answer.first_logits - live_logits(backbone, source, frames)).abs().max().item()
     assert diff <= 1e-4
 
 
 @pytest.mark.parametrize("name", TINY)
 def test_chunked_encode_matches_single_forward(tmp_path, backbones, name, clip, monkeypatch):
-    """16 frames streamed in chunks of 4 give the same answer logits as one forward over all of them."""
-    from mmkv_cli import presets
-
-    original = presets.load_method_preset
-
-    def small_chunks(method):
-        preset = original(method)
-        return presets.MethodPreset(
-            **{**preset.__dict__, "params": {**preset.params, "chunk_frames": 4}}
-        )
-
-    monkeypatch.setattr("mmkv_cli.methods.load_method_preset", small_chunks)
+    """16 frames streamed in chunks of 4 give the same answer logits as one forward over all."""
+    (tmp_path / "methods").mkdir()
+    (tmp_path / "methods" / "full-4.yaml").write_text("extends: full\nparams: {chunk_frames: 4}\n")
+    monkeypatch.setenv("MMKV_PRESETS", str(tmp_path))  # a user preset over the method in code
     backbone = backbones[name]
     pack = tmp_path / "chunked.kvpack"
-    api.encode(clip, pack, method="full", backbone=backbone, fps=4.0, max_frames=16)
-    answer = api.ask(pack, QUESTION, backbone=backbone, keep_logits=True, max_new_tokens=1)
+    encode_pack(clip, pack, method="full-4", backbone=backbone, fps=4.0, max_frames=16)
+    answer = ask_pack(pack, QUESTION, backbone=backbone, keep_logits=True, max_new_tokens=1)
     frames = load_media(clip, fps=4.0, max_frames=16)
     with torch.inference_mode():
         live = (
             backbone.model(
-                **backbone.reference_inputs(frames.read(0, 16), QUESTION, frames.timestamps)
+                **reference_inputs(backbone, frames.read(0, 16), QUESTION, frames.timestamps)
             )
             .logits[0, -1]
             .float()
@@ -68,17 +60,17 @@ def test_pack_stores_mrope_positions_for_qwen(tmp_path, backbones, clip):
     from mmkv_cli.pack import PackReader
 
     pack = tmp_path / "q.kvpack"
-    api.encode(clip, pack, method="full", backbone=backbones["tiny-qwen2-vl"], max_frames=4)
+    encode_pack(clip, pack, method="full", backbone=backbones["tiny-qwen2-vl"], max_frames=4)
     reader = PackReader(pack)
     layout = reader.header["layout"]
-    block = reader.segment(reader.blocks[1]["name"])
+    block = reader.span(reader.blocks[1]["name"])
     assert layout["position_dims"] == 3 and block.positions[0].shape[0] == 3
     # The second temporal step sits one step later on the temporal axis; rows/cols span the grid.
-    first = reader.segment(reader.blocks[0]["name"]).positions[0]
+    first = reader.span(reader.blocks[0]["name"]).positions[0]
     assert int(block.positions[0][0, 0]) == int(first[0, 0]) + 1
     assert (
         layout["next_position"]
-        < reader.header["segments"]["prefix"]["layer_counts"][0]
+        < reader.header["spans"]["prefix"]["layer_counts"][0]
         + reader.header["visual_tokens_total"]
         + 1
     )  # M-RoPE compresses positions: not the physical length
@@ -93,8 +85,8 @@ def test_question_at_a_moment_sees_the_stream_up_to_it(tmp_path, backbones, name
     backbone = backbones[name]
     source = str(SAMPLES / "images")
     pack = tmp_path / "full.kvpack"
-    api.encode(source, pack, method="full", backbone=backbone)
-    answer = api.ask(
+    encode_pack(source, pack, method="full", backbone=backbone)
+    answer = ask_pack(
         pack,
         QUESTION,
         backbone=backbone,
@@ -106,6 +98,6 @@ def test_question_at_a_moment_sees_the_stream_up_to_it(tmp_path, backbones, name
     frames = load_media(source)
     with torch.inference_mode():
         live = backbone.model(
-            **backbone.reference_inputs(frames.read(0, 2), QUESTION, frames.timestamps[:2])
+            **reference_inputs(backbone, frames.read(0, 2), QUESTION, frames.timestamps[:2])
         )
     assert (answer.first_logits - live.logits[0, -1].float()).abs().max().item() <= 1e-4

@@ -85,7 +85,7 @@ def test_synth_writes_the_same_set_twice_and_videos_show_the_render(tmp_path):
         "needle",
     }
     moment = next(r for r in rows if r["type"] == "moment")
-    assert moment["timestamp"] == pytest.approx(int(moment["timestamp"] * 2) / 2)
+    assert moment["at"] == pytest.approx(int(moment["at"] * 2) / 2)
     video = load_media(str(tmp_path / "a" / rows[0]["video"]), fps=2.0, max_frames=64)
     assert video.num_frames == 16
     clip, _ = make_clip(9, 0, 16, "mixed")

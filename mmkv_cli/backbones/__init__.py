@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -11,7 +12,8 @@ from mmkv_cli.backbones.base import Backbone, PromptPieces, StreamLayout
 from mmkv_cli.backbones.demo import build_demo
 from mmkv_cli.backbones.tiny import TINY_BUILDERS
 from mmkv_cli.errors import ModelError, UsageError
-from mmkv_cli.presets import load_model_preset, model_names
+from mmkv_cli.options import LoadOptions
+from mmkv_cli.presets import ModelSpec, default_model, load_model_spec, model_names
 
 __all__ = [
     "Backbone",
@@ -38,9 +40,6 @@ DTYPES = {
 }
 
 
-def default_model() -> str:
-    return os.environ.get("MMKV_MODEL") or "llava-ov-0.5b"
-
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
@@ -60,32 +59,34 @@ def resolve_dtype(dtype: str, device: torch.device, tiny: bool) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_backbone(model: str | None = None, device: str = "auto", dtype: str = "auto") -> Backbone:
-    name = model or default_model()
-    preset = load_model_preset(name)
-    target = resolve_device(device)
-    if preset is not None and preset.source in ("tiny", "demo"):  # built in code, no hub
-        if preset.source == "demo":
+def load_backbone(options: LoadOptions | None = None) -> Backbone:
+    """The backbone `options.model` names (a preset, an HF id or a folder), its preset resolved once
+    and carried on it as `backbone.spec`."""
+    options = options or LoadOptions()
+    name = options.model or default_model()
+    spec = load_model_spec(name)
+    target = resolve_device(options.device)
+    if spec is not None and spec.source in ("tiny", "demo"):  # built in code, no hub
+        if spec.source == "demo":
             net, tokenizer, processor = build_demo()
-        elif preset.family in TINY_BUILDERS:
-            net, tokenizer, processor = TINY_BUILDERS[preset.family](
-                int(preset.params.get("seed", 0))
-            )
+        elif spec.family in TINY_BUILDERS:
+            net, tokenizer, processor = TINY_BUILDERS[spec.family](spec.seed)
         else:
-            raise ModelError(f"no tiny builder for family '{preset.family}'")
-        net = net.to(
-            target, resolve_dtype(dtype if dtype != "auto" else preset.dtype, target, tiny=True)
-        )
-        adapter, prompt = ADAPTERS[preset.family]
-        return adapter(net, tokenizer, processor, name=name, source=preset.source, prompt=prompt)
-    source = preset.source if preset else name
-    chosen = dtype if dtype != "auto" or preset is None else preset.dtype
-    return _load_pretrained(name, source, target, resolve_dtype(chosen, target, tiny=False))
+            raise ModelError(f"no tiny builder for family '{spec.family}'")
+        dtype = options.dtype if options.dtype != "auto" else spec.dtype
+        net = net.to(target, resolve_dtype(dtype, target, tiny=True))
+        adapter, prompt = ADAPTERS[spec.family]
+        return adapter(net, tokenizer, processor, name=name, spec=spec, prompt=prompt)
+    spec = spec or ModelSpec(source=name)
+    chosen = options.dtype if options.dtype != "auto" else spec.dtype
+    return _load_pretrained(name, spec, target, resolve_dtype(chosen, target, tiny=False))
 
 
-def _load_pretrained(name: str, source: str, device: torch.device, dtype: torch.dtype) -> Backbone:
+def _load_pretrained(name: str, spec: ModelSpec, device, dtype) -> Backbone:
     import transformers
     from transformers import AutoConfig, AutoProcessor
+
+    source = spec.source
 
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
     try:
@@ -119,6 +120,6 @@ def _load_pretrained(name: str, source: str, device: torch.device, dtype: torch.
         processor.tokenizer,
         processor.video_processor,
         name=name,
-        source=source,
+        spec=replace(spec, family=family),
         prompt=prompt,
     )

@@ -12,6 +12,7 @@ import transformers
 from transformers import DynamicCache
 
 from mmkv_cli import attention
+from mmkv_cli.presets import ModelSpec
 
 
 @dataclass
@@ -58,20 +59,20 @@ class Backbone:
     position_dims: int = 1
 
     def __init__(
-        self, model, tokenizer, video_processor, name: str, source: str, prompt: PromptPieces
+        self, model, tokenizer, video_processor, name: str, spec: ModelSpec, prompt: PromptPieces
     ):
         self.model = model.eval()
         attention.install(model)
         self.tokenizer = tokenizer
         self.video_processor = video_processor
-        self.name = name
-        self.source = source
+        self.name = name  # as the user named it: a preset, an HF id or a folder
+        self.spec = spec  # the model preset, resolved once (an HF id gets the defaults)
+        self.source = spec.source
         self.prompt = prompt
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.text_config = model.config.get_text_config()
         self._lm = model.model.language_model
-        self._frame_shape: tuple[int, int] | None = None
 
     # --- geometry, filled in by the family ---
     frames_per_step: int = 1  # frames fused into one temporal step (Qwen: temporal_patch_size)
@@ -216,7 +217,7 @@ class Backbone:
         """(inv_freq [D/2], position axis of each frequency [D/2]) for delta-rotating stored keys."""
         rotary = self._lm.rotary_emb
         inv_freq = rotary.inv_freq.detach().float().cpu()
-        if not hasattr(rotary, "recomposition_frequencies"):  # 1-D RoPE
+        if self.position_dims == 1:
             return inv_freq, torch.zeros_like(inv_freq, dtype=torch.long)
         # Ask the model's own M-RoPE layout which axis each frequency reads: feed each axis its index.
         probe = torch.arange(3, dtype=torch.float32)[:, None].repeat(1, inv_freq.numel())

@@ -66,21 +66,3 @@ class LlavaOnevisionBackbone(Backbone):
             step_lengths=[self.tokens_per_step(frame_hw)] * steps,
             grid=self.visual_grid(frame_hw),
         )
-
-    def reference_inputs(
-        self, frames: np.ndarray, question: str, times: list[float] | None = None
-    ) -> dict:
-        """Inputs for one ordinary HF forward over [prompt + video + question] (tests compare against it)."""
-        steps = len(frames)
-        n_video = steps * self.tokens_per_step(frames.shape[1:3]) + 1
-        ids = (
-            self.text_ids(self.prompt.prefix)
-            + [self.model.config.video_token_id] * n_video
-            + self.text_ids(self.prompt.suffix_text)
-            + self.question_ids(question)
-        )
-        pixels = self.video_processor(videos=[frames], return_tensors="pt")["pixel_values_videos"]
-        return {
-            "input_ids": torch.tensor([ids], device=self.device),
-            "pixel_values_videos": pixels.to(self.device, self.dtype),
-        }

@@ -152,25 +152,3 @@ class Qwen3VLBackbone(QwenVLBackbone):
 
     def visual_embeds(self, frames: np.ndarray) -> torch.Tensor:
         raise NotImplementedError("Qwen3-VL interleaves markers with frames: use visual_chunk")
-
-    def reference_inputs(self, frames: np.ndarray, question: str, times: list[float]) -> dict:
-        """One ordinary HF forward over [prompt + video + question], the steps stamped from frame times."""
-        inputs = self.video_processor(
-            videos=[frames], return_tensors="pt", do_sample_frames=False
-        )  # its own resize
-        merge = self.video_processor.merge_size
-        h, w = (int(x) // merge for x in inputs["video_grid_thw"][0, 1:])
-        video_id = self._token("video_token_id")
-        ids = self.text_ids(self.prompt.prefix)
-        for time in self.steps_of(times):
-            before, after = self.step_markers(time)
-            ids += before + [video_id] * (h * w) + after
-        ids = torch.tensor(
-            [ids + self.text_ids(self.prompt.suffix_text) + self.question_ids(question)]
-        )
-        return {
-            "input_ids": ids.to(self.device),
-            "mm_token_type_ids": ((ids == video_id).int() * 2).to(self.device),
-            "pixel_values_videos": inputs["pixel_values_videos"].to(self.device, self.dtype),
-            "video_grid_thw": inputs["video_grid_thw"].to(self.device),
-        }

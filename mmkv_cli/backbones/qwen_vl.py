@@ -18,6 +18,10 @@ class QwenVLBackbone(Backbone):
     family = "qwen2_vl"
     position_dims = 3
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._grids: dict[tuple[int, int], tuple[int, int]] = {}  # frame size -> LLM token grid
+
     @property
     def frames_per_step(self) -> int:  # type: ignore[override]
         return int(self.video_processor.temporal_patch_size)
@@ -27,9 +31,8 @@ class QwenVLBackbone(Backbone):
 
     def visual_grid(self, frame_hw: tuple[int, int]) -> tuple[int, int]:
         """LLM tokens (rows, cols) of one temporal step for frames of this size."""
-        cached = getattr(self, "_grids", {})
-        if frame_hw not in cached:
-            self._grids = {**cached, frame_hw: self._probe_grid(frame_hw)}
+        if frame_hw not in self._grids:
+            self._grids[frame_hw] = self._probe_grid(frame_hw)
         return self._grids[frame_hw]
 
     def _probe_grid(self, frame_hw: tuple[int, int]) -> tuple[int, int]:
@@ -89,38 +92,6 @@ class QwenVLBackbone(Backbone):
             step_lengths=[h * w] * steps,
             grid=(h, w),
         )
-
-    def steps_of(self, times: list[float]) -> list[tuple[float, float]]:
-        """(first, last) frame time of every temporal step of frames sampled at these times."""
-        per = self.frames_per_step
-        return [
-            (times[first], times[min(first + per, len(times)) - 1])
-            for first in range(0, len(times), per)
-        ]
-
-    def reference_inputs(
-        self, frames: np.ndarray, question: str, times: list[float] | None = None
-    ) -> dict:
-        """Inputs for one ordinary HF forward over [prompt + video + question] (tests compare against it)."""
-        inputs = self._process(frames)
-        grid = inputs["video_grid_thw"]
-        n_video = int(grid.prod()) // self.video_processor.merge_size**2
-        video_id = self.model.config.video_token_id
-        ids = torch.tensor(
-            [
-                self.text_ids(self.prompt.prefix)
-                + [video_id] * n_video
-                + self.text_ids(self.prompt.suffix_text)
-                + self.question_ids(question)
-            ]
-        )
-        return {
-            "input_ids": ids.to(self.device),
-            "mm_token_type_ids": ((ids == video_id).int() * 2).to(self.device),
-            "pixel_values_videos": inputs["pixel_values_videos"].to(self.device, self.dtype),
-            "video_grid_thw": grid.to(self.device),
-            **self._rope_kwargs(self.steps_of(times or [0.0])),
-        }
 
 
 class Qwen25VLBackbone(QwenVLBackbone):

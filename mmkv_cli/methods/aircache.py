@@ -1,20 +1,33 @@
 """AirCache (seed 003): visual KV pruned by what the instruction's most relevant tokens look at.
 
-An elite observation window (instruction tokens the last instruction token attends to with at least tau x its
-maximum) scores every visual token by the elite rows' mean attention (softmax over [visual; elite] keys);
-each layer's share of the budget follows the strength and the skewness of those scores. Text KV is never
-touched. At encode the instruction is the preset's guidance prompt; at ask (`--prune aircache`) the question.
+An elite observation window (instruction tokens the last instruction token attends to with at least tau
+x its maximum) scores every visual token by the elite rows' mean attention (softmax over [visual; elite]
+keys); each layer's share of the budget follows the strength and the skewness of those scores. Text KV
+is never touched. At encode the instruction is the guidance prompt; at ask (`--prune aircache`) the
+question.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-import torch
+from mmkv_cli.lazy import torch
+from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper
+from mmkv_cli.methods.scoring import top_in_order
+from mmkv_cli.methods.stream import KeepAll, StreamState
+from mmkv_cli.spec import knob
 
-from mmkv_cli.methods.base import ContextPolicy, StreamState
-from mmkv_cli.methods.mukv import top_in_order
-from mmkv_cli.methods.pruning import PrunedAtEnd
+
+@dataclass(frozen=True)
+class AirCacheParams(GuidedParams):
+    tau: float = knob(
+        0.9, "elite window: attention from the last instruction token >= tau x its maximum", low=0, high=1
+    )
+    min_layer_ratio: float = knob(
+        0.01, "no layer keeps less than this share of its visual tokens", low=0, high=1
+    )
+
 
 # --- scoring: pure functions over tensors ---
 
@@ -88,34 +101,38 @@ def keep_per_layer(importance: list[torch.Tensor], ratio: float, low: float) -> 
     return kept
 
 
-def prune_at_ask(
-    rows: list[torch.Tensor],
-    visual: list[slice],
-    question: list[slice],
-    budget: float,
-    params: dict,
-) -> list[torch.Tensor]:
-    """Per layer: rows [q, k], the question's attention over [context | question] after its forward; the
-    key columns of the visual tokens and of the question."""
-    tau = float(params["tau"])
-    importance = [visual_importance(r, v, q, tau) for r, v, q in zip(rows, visual, question)]
-    return keep_per_layer(importance, budget, float(params["min_layer_ratio"]))
+def prune_at_ask(rows, visual, question, budget: float, params: AirCacheParams):
+    """Per layer: rows [q, k], the question's attention over [context | question] after its forward;
+    the key columns of the visual tokens and of the question."""
+    importance = [visual_importance(r, v, q, params.tau) for r, v, q in zip(rows, visual, question)]
+    return keep_per_layer(importance, budget, params.min_layer_ratio)
 
 
-class AirCacheMemory(PrunedAtEnd):
+class AirCacheMemory(KeepAll):
     """At encode: the guidance prompt is the instruction."""
 
-    name = "aircache"
-
     def finish(self, state: StreamState) -> None:
-        rows, visual, instruction = state.attend(str(self.params["guidance_prompt"]), rows=True)
-        tau = float(self.params["tau"])
+        guidance = self.context.guidance(self.params.guidance_prompt)
+        rows, visual, instruction = state.attend(guidance, rows=True)
+        tau = self.params.tau
         importance = [visual_importance(r, v, i, tau) for r, v, i in zip(rows, visual, instruction)]
-        for layer, local in enumerate(
-            keep_per_layer(importance, self.budget, float(self.params["min_layer_ratio"]))
-        ):
-            if len(local) < len(state.kept[layer]):
-                state.retain(layer, local)
+        share = self.budget.share_of(state.total)
+        for layer, local in enumerate(keep_per_layer(importance, share, self.params.min_layer_ratio)):
+            if len(local) < state.cache.count(layer):
+                state.cache.retain(layer, local)
 
 
-MEMORY, CONTEXT = AirCacheMemory, ContextPolicy
+METHOD = Method(
+    name="aircache",
+    description="visual KV pruned by an elite window of the instruction; per-layer budgets",
+    paper=Paper(
+        "AirCache: Activating Inter-modal Relevancy KV Cache Compression for Efficient Large "
+        "Vision-Language Model Inference",
+        2025,
+        "https://arxiv.org/abs/2503.23956",
+    ),
+    params=AirCacheParams,
+    budget=Budget(share=0.1),  # the paper's headline: within ~1% of full at 10% of the visual KV
+    streaming=AirCacheMemory,
+    prune_at_ask=prune_at_ask,
+)

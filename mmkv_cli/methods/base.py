@@ -1,210 +1,216 @@
-"""The two-policy seam. A memory policy decides at encode (question unknown) which KV enters the pack and
-in which blocks; a context policy decides at ask (question known) which stored blocks enter the context."""
+"""The seams between the encoder, the ask path and the methods, declared as protocols and records.
+
+A method is a `Method`: its typed parameter class, its paper, its default budget, and the policies it
+provides. A memory policy decides at encode (question unknown) which KV enters the pack: a
+`StreamingMemory` sees one running cache as the media streams through it; a `BlockwiseMemory` has its
+blocks prefilled independently after the init prompt (MuKV). A `ContextPolicy` decides at ask (question
+known) which stored blocks enter the context. An `AskPruner` cuts the context's visual KV by the
+question's own attention. The encoder and the ask path reach a method only through these.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import torch
-from transformers import DynamicCache
+from mmkv_cli.spec import knob
 
-from mmkv_cli.pack.format import Segment, block_name
-from mmkv_cli.pack.table import BlockTable, eligible_before
+if TYPE_CHECKING:
+    import torch
+
+    from mmkv_cli.attention import Recorder
+    from mmkv_cli.methods.stream import StreamState
+    from mmkv_cli.pack.format import Span
+    from mmkv_cli.pack.table import BlockTable
+
+MediaKind = Literal["video", "images", "pdf"]
+
+# At encode no question exists yet; methods that score by a prompt's attention use one of these, fitted
+# to what the media is (`encode --guidance-prompt` replaces it).
+GUIDANCE = {
+    "video": "What happens in this video? Describe the people, objects, text and actions, in order.",
+    "images": "What do these images show? Describe the people, objects, text and scenes in each.",
+    "pdf": "What do these pages say? Summarise their text, tables and figures, page by page.",
+}
+
+
+@dataclass(frozen=True)
+class Paper:
+    title: str
+    year: int
+    url: str = ""
+
+    def cite(self) -> str:
+        return f"{self.title} ({self.year})"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much visual KV a compressing method keeps per layer: a share of the stream, or a fixed count."""
+
+    share: float | None = None  # fraction of the visual tokens, in (0, 1]
+    tokens: int | None = None  # visual tokens per layer (replaces the share when set)
+
+    def tokens_of(self, total: int) -> int:
+        """Visual tokens per layer for a stream of `total` (at least one, at most the stream)."""
+        if self.tokens is not None:
+            return max(1, min(total, self.tokens))
+        return max(1, min(total, math.floor((self.share or 1.0) * total)))
+
+    def share_of(self, total: int) -> float:
+        """The budget as a fraction of a stream of `total` tokens."""
+        if self.tokens is not None:
+            return min(1.0, self.tokens / max(1, total))
+        return self.share if self.share is not None else 1.0
+
+    def label(self) -> str:
+        return f"{self.tokens} tokens" if self.tokens is not None else f"{self.share:g}"
+
+
+@dataclass(frozen=True)
+class EncodeContext:
+    """What a memory policy is told before any frame: the media kind and the prompt to score with."""
+
+    media_kind: str = "video"
+    guidance_prompt: str | None = None  # `encode --guidance-prompt`: replaces any preset's
+
+    def guidance(self, preset: str | None = None) -> str:
+        """The prompt to score with: the command line's, else the preset's, else the media kind's."""
+        return self.guidance_prompt or preset or GUIDANCE.get(self.media_kind, GUIDANCE["video"])
+
+
+# --- parameters shared by many methods ---
+
+
+@dataclass(frozen=True)
+class StreamParams:
+    chunk_frames: int = knob(16, "frames prefilled per forward while streaming the media in", low=1)
+
+
+@dataclass(frozen=True)
+class GuidedParams(StreamParams):
+    guidance_prompt: str | None = knob(
+        None, "the prompt whose attention scores tokens at encode (null: one fitting the media kind)"
+    )
+
+
+# --- memory policies ---
+
+
+class StreamingMemory(Protocol):
+    """Sees the running encode cache after every chunk and may evict from it; cuts what stays into blocks."""
+
+    def recorder(self, state: StreamState) -> Recorder | None:
+        """What to record while each chunk is prefilled (None: nothing)."""
+
+    def observe(self, state: StreamState, recorder: Recorder) -> None:
+        """After each chunk, with what `recorder()` asked for."""
+
+    def after_chunk(self, state: StreamState) -> None:
+        """After every streamed chunk; may evict."""
+
+    def finish(self, state: StreamState) -> None:
+        """Once after the last chunk, before the suffix is prefilled."""
+
+    def make_blocks(self, state: StreamState, step_times: list[tuple[float, float]]) -> list[Span]:
+        """What the cache holds at the end, as the pack's blocks in time order."""
 
 
 @dataclass
-class StreamState:
-    """The running encode cache as a memory policy sees it.
+class BlockPlan:
+    """One block of a blockwise method: which tokens of the visual stream it holds."""
 
-    The cache holds, per layer, [prefix | front | kept visual tokens]; `kept[l]` names those visual tokens by
-    their index in the whole visual stream, in cache order, so policies can evict per layer. `front[l]`
-    tokens sit between the prompt and the visual tokens, outside the stream (HERMES' summary token).
-    """
-
-    cache: DynamicCache
-    prefix_len: int
-    positions: (
-        torch.Tensor
-    )  # [P, total] position every visual token was placed at (layout - shift at the time)
-    token_step: torch.Tensor  # [total] temporal step of every visual token
-    kept: list[torch.Tensor]
-    seen: int  # visual tokens streamed so far
-    total: int  # visual tokens the whole media will give
-    layout_positions: torch.Tensor | None = (
-        None  # [P, total + 1] the layout's positions, then the suffix's first
-    )
-    shift: int = 0  # subtracted from layout positions of tokens still to come (a policy that compacts sets it)
-    position_limit: int = 1 << 30  # the model's max_position_embeddings
-    rope: tuple[torch.Tensor, torch.Tensor] | None = (
-        None  # (inv_freq, axes) for delta-rotating cached keys
-    )
-    # text -> per layer [cached visual tokens]: the attention that text's rows pay them (mean over heads, rows)
-    attend: Callable[[str], list[torch.Tensor]] | None = field(default=None, repr=False)
-    front: list[int] = field(
-        default_factory=list
-    )  # per layer, tokens between the prompt and the visual part
-
-    @property
-    def layers(self) -> int:
-        return len(self.kept)
-
-    def visual_start(self, layer: int) -> int:
-        """Where this layer's visual tokens begin in its cache."""
-        return self.prefix_len + (self.front[layer] if self.front else 0)
-
-    def set_front(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Put one token ([H_kv, 1, D]) right after the prompt of this layer, replacing the one there."""
-        if not self.front:
-            self.front = [0] * self.layers
-        entry = self.cache.layers[layer]
-        cut = self.prefix_len
-        key, value = key.to(entry.keys).unsqueeze(0), value.to(entry.values).unsqueeze(0)
-        rest = self.visual_start(layer)
-        entry.keys = torch.cat([entry.keys[:, :, :cut], key, entry.keys[:, :, rest:]], dim=2)
-        entry.values = torch.cat(
-            [entry.values[:, :, :cut], value, entry.values[:, :, rest:]], dim=2
-        )
-        self.front[layer] = 1
-
-    def visual_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's cached visual K, V as [H_kv, n, D]."""
-        entry = self.cache.layers[layer]
-        start = self.visual_start(layer)
-        end = start + len(self.kept[layer])
-        return entry.keys[0, :, start:end], entry.values[0, :, start:end]
-
-    def retain(self, layer: int, local: torch.Tensor) -> None:
-        """Keep only the visual entries at `local` (indices into this layer's visual part, ascending)."""
-        entry = self.cache.layers[layer]
-        cut = self.visual_start(layer)
-        local = local.to(entry.keys.device)
-        entry.keys = torch.cat([entry.keys[:, :, :cut], entry.keys[:, :, cut:][:, :, local]], dim=2)
-        entry.values = torch.cat(
-            [entry.values[:, :, :cut], entry.values[:, :, cut:][:, :, local]], dim=2
-        )
-        self.kept[layer] = self.kept[layer][local.cpu()]
-
-    def replace_visual(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Overwrite this layer's cached visual K, V ([H_kv, n, D], n = its kept count), e.g. after merging."""
-        entry = self.cache.layers[layer]
-        cut = self.visual_start(layer)
-        end = cut + len(self.kept[layer])
-        keys, values = keys.to(entry.keys), values.to(entry.values)
-        entry.keys = torch.cat(
-            [entry.keys[:, :, :cut], keys.unsqueeze(0), entry.keys[:, :, end:]], dim=2
-        )
-        entry.values = torch.cat(
-            [entry.values[:, :, :cut], values.unsqueeze(0), entry.values[:, :, end:]], dim=2
-        )
-
-    def kv_bytes(self) -> int:
-        return sum(
-            e.keys.numel() * e.keys.element_size() * 2
-            for e in self.cache.layers
-            if e.keys is not None
-        )
+    granularity: str
+    tokens: torch.Tensor  # indices into the visual stream (or a chunk of it), ascending
+    steps: tuple[int, int]  # temporal steps [start, stop) it covers
 
 
-class MemoryPolicy:
-    """Default behaviour: keep everything, one block per temporal step."""
+class BlockwiseMemory(Protocol):
+    """Blocks prefilled on their own after the init prompt; the encoder batches blocks of one size."""
 
-    name = "base"
-    granularity = "frame"
-    keeps_all = False  # True: the budget does not apply (the policy stores every token)
+    batch_tokens: int  # tokens in one prefill batch's cache: rows x (init prompt + block)
+    chunk_frames: int
 
-    def __init__(self, budget: float, params: dict[str, Any]):
-        self.budget = budget
-        self.params = params
+    def begin(self, total: int) -> None:
+        """Before any block: the stream will give `total` visual tokens."""
 
-    def recorder(self, state: StreamState):
-        """An attention.Recorder to run while each chunk is prefilled (None: nothing to record)."""
-        return None
+    def segment_steps(self, frames_per_step: int) -> int:
+        """Temporal steps a chunk must hold whole (a chunk never cuts a block)."""
 
-    def observe(self, state: StreamState, recorder) -> None:
-        """Called after each chunk with the recorder returned by recorder()."""
+    def plan(
+        self,
+        step_starts: list[int],
+        step_lengths: list[int],
+        grid_offsets: list[int],
+        grid: tuple[int, int],
+        frames_per_step: int,
+    ) -> list[BlockPlan]:
+        """The blocks over these steps, tokens indexed from the first step's first token."""
 
-    def after_chunk(self, state: StreamState) -> None:
-        """Called after every streamed chunk; may evict from the running cache."""
-
-    def finish(self, state: StreamState) -> None:
-        """Called once after the last chunk, before the suffix is prefilled."""
-
-    def positions_of(self, state: StreamState, layer: int) -> torch.Tensor:
-        """[P, kept] positions of this layer's cached visual tokens (a policy that re-indexes overrides it)."""
-        return state.positions[:, state.kept[layer]]
-
-    def make_blocks(
-        self, state: StreamState, step_times: list[tuple[float, float]]
-    ) -> list[Segment]:
-        """Group what the cache kept into one block per temporal step."""
-        per_layer = [state.visual_kv(layer) for layer in range(state.layers)]
-        placed = [self.positions_of(state, layer) for layer in range(state.layers)]
-        blocks = []
-        for step, time in enumerate(step_times):
-            keys, values, positions = [], [], []
-            for layer, (k, v) in enumerate(per_layer):
-                mask = state.token_step[state.kept[layer]] == step
-                local = mask.nonzero().squeeze(1)
-                keys.append(k[:, local.to(k.device)].cpu())
-                values.append(v[:, local.to(v.device)].cpu())
-                positions.append(placed[layer][:, local])
-            if not any(k.shape[1] for k in keys):
-                continue  # evicted from every layer
-            blocks.append(
-                Segment(
-                    name=block_name(len(blocks)),
-                    keys=keys,
-                    values=values,
-                    positions=positions,
-                    granularity=self.granularity,
-                    steps=(step, step + 1),
-                    time=time,
-                    representative=mean_key(keys[-1]),
-                )
-            )
-        return blocks
+    def choose(
+        self, granularity: str, attention: torch.Tensor, last_keys: torch.Tensor
+    ) -> torch.Tensor:
+        """Local indices a block keeps. attention [N] column sums; last_keys [H_kv, N, D]."""
 
 
-def mean_key(keys: torch.Tensor) -> torch.Tensor | None:
-    """A block's retrieval key: the mean of its kept last-layer keys, heads concatenated (H_kv * D)."""
-    if keys.shape[1] == 0:
-        return None
-    return keys.float().mean(dim=1).reshape(-1)
+# --- the ask side ---
 
 
 @dataclass
 class Selection:
     names: list[str]  # blocks entering the context, in context order
     explain: list[dict]  # per retrieved block: why it was chosen (empty when nothing was scored)
-    asked_after: str | None = None  # with a question's moment: the last block shown by then
+    ends_at: str | None = None  # with a question asked `at` a moment: the last block shown by then
 
 
-def last_shown(blocks: BlockTable, eligible: torch.Tensor, before: float | None) -> str | None:
-    """The last block (in time order) shown by the question's moment; None without a moment or before any."""
-    return blocks.name(int(eligible[-1])) if before is not None and len(eligible) else None
+QuestionVector = Callable[[str], "torch.Tensor"]  # query mode -> [dim]
 
 
-class ContextPolicy:
-    """Default: every stored block, in time order, at its original positions."""
-
-    name = "all"
-
-    def __init__(self, params: dict[str, Any]):
-        self.params = params
-        self.position_mode = params.get("positions", "keep")
+class ContextPolicy(Protocol):
+    position_mode: str  # keep | reindex
 
     def select(
         self,
         blocks: BlockTable,
         reps: Callable[[], torch.Tensor],
-        question_vector: Callable[[str], torch.Tensor],
-        before: float | None = None,
+        question_vector: QuestionVector,
+        at: float | None = None,
     ) -> Selection:
         """Blocks for the context. reps() loads the representatives and question_vector(mode) runs the
         question; both are lazy so a policy that needs neither costs nothing."""
-        eligible = eligible_before(blocks, before)
-        return Selection(
-            [blocks.name(i) for i in eligible.tolist()], [], last_shown(blocks, eligible, before)
-        )
+
+
+# rows: per layer the question's attention [q, k]; visual / question: per layer the key columns of the
+# context's visual tokens and of the question -> per layer the local visual indices to keep.
+AskPruner = Callable[
+    [list["torch.Tensor"], list[slice], list[slice], float, Any], list["torch.Tensor"]
+]
+
+
+@dataclass(frozen=True)
+class Method:
+    """A compression method as the registry knows it."""
+
+    name: str
+    description: str
+    paper: Paper
+    params: type  # the typed parameter class (defaults in code, presets override)
+    budget: Budget | None  # the default budget; None: every token is kept (--budget is refused)
+    streaming: Callable[[Any, Budget, EncodeContext], StreamingMemory] | None = None
+    blockwise: Callable[[Any, Budget], BlockwiseMemory] | None = None
+    context: Callable[[Any], ContextPolicy] | None = None  # None: every stored block (WholeContext)
+    prune_at_ask: AskPruner | None = None  # offered to `ask --prune`
+
+    @property
+    def keeps_all(self) -> bool:
+        return self.budget is None
+
+    def abilities(self) -> list[str]:
+        out = ["blockwise" if self.blockwise else "streaming"]
+        if self.context is not None:
+            out.append("retrieval")
+        if self.prune_at_ask is not None:
+            out.append("prune-at-ask")
+        return out

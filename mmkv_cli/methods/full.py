@@ -1,11 +1,23 @@
 """full: every visual token of every layer. The reference all other methods are measured against."""
 
-from mmkv_cli.methods.base import ContextPolicy, MemoryPolicy
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mmkv_cli.methods.base import Method, Paper, StreamParams
+from mmkv_cli.methods.stream import KeepAll
 
 
-class FullMemory(MemoryPolicy):
-    name = "full"
-    keeps_all = True
+@dataclass(frozen=True)
+class FullParams(StreamParams):
+    pass
 
 
-MEMORY, CONTEXT = FullMemory, ContextPolicy
+METHOD = Method(
+    name="full",
+    description="keep the whole KV cache (reference)",
+    paper=Paper("the uncompressed baseline of all four papers", 2025),
+    params=FullParams,
+    budget=None,
+    streaming=KeepAll,
+)

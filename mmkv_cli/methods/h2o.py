@@ -1,25 +1,27 @@
-"""H2O (Zhang et al., 2023), visual tokens only: heavy hitters by the attention every query of the prefill
-paid each token (column sums accumulated chunk by chunk while streaming), each layer keeps its top-k."""
+"""H2O (Zhang et al., 2023), visual tokens only: heavy hitters by the attention every query of the
+prefill paid each token (column sums accumulated chunk by chunk while streaming), each layer keeps its
+top-k."""
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
 from mmkv_cli.attention import Recorder
-from mmkv_cli.methods.base import ContextPolicy, StreamState
-from mmkv_cli.methods.pruning import PrunedAtEnd
+from mmkv_cli.lazy import torch
+from mmkv_cli.methods.base import Budget, Method, Paper, StreamParams
+from mmkv_cli.methods.scoring import accumulate
+from mmkv_cli.methods.stream import StreamState
+from mmkv_cli.methods.topk import TopKAtEnd
 
 
-def accumulate(total: torch.Tensor, sums: torch.Tensor, kept: torch.Tensor) -> None:
-    """Add a chunk's column sums over this layer's cached visual tokens (cache order) to their stream slots."""
-    total.index_add_(0, kept, sums.float())
+@dataclass(frozen=True)
+class H2OParams(StreamParams):
+    pass
 
 
-class H2OMemory(PrunedAtEnd):
-    name = "h2o"
-
-    def __init__(self, budget: float, params: dict):
-        super().__init__(budget, params)
+class H2OMemory(TopKAtEnd):
+    def __init__(self, params, budget, context):
+        super().__init__(params, budget, context)
         self.cumulative: list[torch.Tensor] = []
 
     def recorder(self, state: StreamState) -> Recorder:
@@ -29,13 +31,23 @@ class H2OMemory(PrunedAtEnd):
         if not self.cumulative:
             self.cumulative = [torch.zeros(state.total) for _ in range(state.layers)]
         for layer in range(state.layers):
-            sums = recorder.column_sum[layer]
-            start = state.visual_start(layer)
-            visual = sums[0, start : start + len(state.kept[layer])].cpu()
-            accumulate(self.cumulative[layer], visual, state.kept[layer])
+            start = state.cache.visual_start(layer)
+            sums = recorder.column_sum[layer][0, start : start + state.cache.count(layer)]
+            accumulate(self.cumulative[layer], sums.cpu(), state.cache.index[layer])
 
     def layer_scores(self, state: StreamState) -> list[torch.Tensor]:
-        return [self.cumulative[layer][state.kept[layer]] for layer in range(state.layers)]
+        return [self.cumulative[layer][state.cache.index[layer]] for layer in range(state.layers)]
 
 
-MEMORY, CONTEXT = H2OMemory, ContextPolicy
+METHOD = Method(
+    name="h2o",
+    description="top visual tokens per layer by the attention all prefill queries paid them",
+    paper=Paper(
+        "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models",
+        2023,
+        "https://arxiv.org/abs/2306.14048",
+    ),
+    params=H2OParams,
+    budget=Budget(share=0.25),
+    streaming=H2OMemory,
+)

@@ -1,24 +1,58 @@
 """HERMES (seed 002): the KV cache as layered memory under a fixed token budget, streamed in chunks.
 
-Whenever the visual part of the running cache exceeds the budget, every layer is cut back to it. Shallow
-layers keep the newest tokens (a forgetting curve), deep layers the tokens a generic guidance prompt attends
-to, middle layers a depth-interpolated mix; scores are smoothed deep -> shallow and each layer keeps its own
-top-k. What deep layers evict is folded into one summary token, kept in the running cache right after the
-prompt. Positions stay (`lazy`, compacted only near the model's position limit) or are compacted at every
-compression (`eager`), keys re-rotated by the change. Everything kept goes into the pack; ask uses all of it
-(no retrieval).
+Whenever the visual part of the running cache exceeds the budget, every layer is cut back to it.
+Shallow layers keep the newest tokens (a forgetting curve), deep layers the tokens a generic guidance
+prompt attends to, middle layers a depth-interpolated mix; scores are smoothed deep -> shallow and each
+layer keeps its own top-k. What deep layers evict is folded into one summary token, kept in the running
+cache right after the prompt. Positions stay (`lazy`, compacted only near the model's position limit)
+or are compacted at every compression (`eager`), keys re-rotated by the change. Everything kept goes
+into the pack; ask uses all of it (no retrieval).
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
+from typing import Literal
 
-import torch
-
-from mmkv_cli.methods.base import ContextPolicy, MemoryPolicy, StreamState
-from mmkv_cli.methods.mukv import minmax, top_in_order
-from mmkv_cli.pack.format import Segment, block_name
+from mmkv_cli.lazy import torch
+from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper
+from mmkv_cli.methods.scoring import minmax, top_in_order
+from mmkv_cli.methods.stream import KeepAll, StreamState
+from mmkv_cli.pack.format import Span, block_name
 from mmkv_cli.rope import compact_positions, rotate_keys
+from mmkv_cli.spec import knob
+
+
+@dataclass(frozen=True)
+class Smoothing:
+    shallow: float = knob(0.1, "g of shallow layers", low=0, high=1)
+    middle: float = knob(0.3, "g of middle layers", low=0, high=1)
+    deep: float = knob(0.4, "g of deep layers", low=0, high=1)
+
+    def of(self, role: str) -> float:
+        return {"shallow": self.shallow, "middle": self.middle, "deep": self.deep}[role]
+
+
+@dataclass(frozen=True)
+class HermesParams(GuidedParams):
+    shallow_share: float = knob(0.1, "share of layers that are shallow (pure recency)", low=0, high=1)
+    deep_share: float = knob(0.3, "share of layers that are deep (pure attention)", low=0, high=1)
+    recency_k: tuple[float, float] = knob(
+        (20.0, 0.5), "forgetting-curve steepness k: shallow value, then the deepest middle layer's"
+    )
+    middle_a: tuple[float, float] = knob(
+        (1.0, 0.1), "recency weight a across middle layers: first, then last (1 - 0.9 p)", low=0, high=1
+    )
+    smoothing: Smoothing = knob(Smoothing(), "cross-layer smoothing g per role, deep -> shallow")
+    summary: bool = knob(True, "deep layers fold what they evict into one summary token")
+    reindex: Literal["eager", "lazy"] = knob(
+        "eager",
+        "eager: compact positions at every compression (offline); lazy: only near the position limit",
+    )
+    reindex_at: int | None = knob(
+        None, "lazy threshold (null: 0.9 x the model's max_position_embeddings)", low=1
+    )
+
 
 # --- scoring: pure functions over tensors ---
 
@@ -40,14 +74,14 @@ def layer_roles(layers: int, shallow: float, deep: float) -> list[tuple[str, flo
     return roles
 
 
-def mix_for(role: str, p: float, params: dict) -> tuple[float, float]:
+def mix_for(role: str, p: float, params: HermesParams) -> tuple[float, float]:
     """(a, k): the recency weight and the forgetting-curve steepness of a layer."""
+    k0, k1 = params.recency_k
     if role == "shallow":
-        return 1.0, float(params["recency_k"][0])
+        return 1.0, k0
     if role == "deep":
-        return 0.0, float(params["recency_k"][1])
-    a0, a1 = params["middle_a"]
-    k0, k1 = params["recency_k"]
+        return 0.0, k1
+    a0, a1 = params.middle_a
     return a0 + (a1 - a0) * p, k0 + (k1 - k0) * p
 
 
@@ -104,132 +138,96 @@ def fold_into_summary(
 # --- the memory policy ---
 
 
-class HermesMemory(MemoryPolicy):
-    name = "hermes"
-
-    def __init__(self, budget: float, params: dict):
-        super().__init__(budget, params)
+class HermesMemory(KeepAll):
+    def __init__(self, params: HermesParams, budget: Budget, context):
+        super().__init__(params, budget, context)
         self.summary: dict[int, tuple] = {}  # deep layer -> (key, value, count)
-        self.layer_positions: list[torch.Tensor] | None = (
-            None  # per layer, positions of its kept tokens
-        )
-        self.tracked: list[int] = []  # per layer, how many of its kept tokens have a position entry
+        self.summary_position: torch.Tensor | None = None  # [P, 1] where the summary token sits
         self.compressions = 0
         self.reindexed = 0
 
-    def capacity(self, state: StreamState) -> int:
-        fixed = self.params.get("budget_tokens")
-        return int(fixed) if fixed else max(1, math.floor(self.budget * state.total))
-
-    def positions_of(self, state: StreamState, layer: int) -> torch.Tensor:
-        self._track(state)
-        return self.layer_positions[layer]
-
-    def _track(self, state: StreamState) -> None:
-        """Give tokens appended since the last call their placed positions."""
-        if self.layer_positions is None:
-            self.layer_positions = [state.positions[:, :0].clone() for _ in range(state.layers)]
-            self.tracked = [0] * state.layers
-        for layer in range(state.layers):
-            new = state.kept[layer][self.tracked[layer] :]
-            self.layer_positions[layer] = torch.cat(
-                [self.layer_positions[layer], state.positions[:, new]], dim=1
-            )
-            self.tracked[layer] = len(state.kept[layer])
-
     def after_chunk(self, state: StreamState) -> None:
-        if len(state.kept[0]) > self.capacity(state):
-            self._compress(state, self.capacity(state))
+        cap = self.budget.tokens_of(state.total)
+        if state.cache.count(0) > cap:
+            self._compress(state, cap)
 
     def finish(self, state: StreamState) -> None:
         # Deep layers hold one token under the budget: their summary token fills the last slot.
-        cap = self.capacity(state)
-        deep_over = any(
-            len(state.kept[l]) > cap - 1
-            for l, (role, _) in enumerate(self._roles(state))
-            if role == "deep" and self.params.get("summary", True)
+        cap = self.budget.tokens_of(state.total)
+        deep_over = self.params.summary and any(
+            state.cache.count(layer) > cap - 1
+            for layer, (role, _) in enumerate(self._roles(state))
+            if role == "deep"
         )
-        if len(state.kept[0]) > cap or deep_over:
+        if state.cache.count(0) > cap or deep_over:
             self._compress(state, cap)
 
     def _roles(self, state: StreamState) -> list[tuple[str, float]]:
-        return layer_roles(
-            state.layers, float(self.params["shallow_share"]), float(self.params["deep_share"])
-        )
+        return layer_roles(state.layers, self.params.shallow_share, self.params.deep_share)
 
     def _compress(self, state: StreamState, cap: int) -> None:
-        self._track(state)
         roles = self._roles(state)
-        attention = state.attend(str(self.params["guidance_prompt"]))
+        attention = state.attend(self.context.guidance(self.params.guidance_prompt))
         scores = [
             layer_score(attention[layer], *mix_for(role, p, self.params))
             for layer, (role, p) in enumerate(roles)
         ]
-        gammas = [float(self.params["smoothing"][role]) for role, _ in roles]
-        scores = smooth_deep_to_shallow(scores, state.kept, gammas, state.total)
-        summary = bool(self.params.get("summary", True))
+        gammas = [self.params.smoothing.of(role) for role, _ in roles]
+        scores = smooth_deep_to_shallow(scores, state.cache.index, gammas, state.total)
         for layer, (role, _) in enumerate(roles):
-            keep = cap - 1 if summary and role == "deep" else cap  # the summary token is the cap-th
-            count = len(state.kept[layer])
-            if count <= keep:
+            folds = self.params.summary and role == "deep"
+            keep = cap - 1 if folds else cap  # the summary token is the cap-th
+            if state.cache.count(layer) <= keep:
                 continue
             local = top_in_order(scores[layer], keep)
-            if summary and role == "deep":
+            if folds:
                 self._fold(state, layer, local)
-            state.retain(layer, local)
-            self.layer_positions[layer] = self.layer_positions[layer][:, local]
-            self.tracked[layer] = len(state.kept[layer])
+            state.cache.retain(layer, local)
         self.compressions += 1
         if self._should_reindex(state):
             self._reindex(state)
 
     def _fold(self, state: StreamState, layer: int, kept_local: torch.Tensor) -> None:
-        keys, values = state.visual_kv(layer)
+        keys, values = state.cache.visual(layer)
         gone = torch.ones(keys.shape[1], dtype=torch.bool)
         gone[kept_local] = False
         gone = gone.nonzero().squeeze(1)
         inv_freq, axes = state.rope
-        target = state.positions[:, 0]  # the summary sits at the first visual position
+        if self.summary_position is None:  # the summary sits at the first visual position
+            self.summary_position = state.layout_positions[:, :1].clone()
+        at = gone.to(keys.device)
         self.summary[layer] = fold_into_summary(
-            keys[:, gone.to(keys.device)].cpu(),
-            values[:, gone.to(values.device)].cpu(),
-            self.layer_positions[layer][:, gone],
-            target,
+            keys[:, at].cpu(),
+            values[:, at].cpu(),
+            state.cache.positions[layer][:, gone],
+            self.summary_position[:, 0],
             inv_freq,
             axes,
             self.summary.get(layer),
         )
-        # The summary lives in the running cache, right after the prompt, so what streams in later attends
-        # to it (the paper writes it back into the KV cache).
+        # The summary lives in the running cache, right after the prompt, so what streams in later
+        # attends to it (the paper writes it back into the KV cache).
         key, value, _ = self.summary[layer]
-        state.set_front(layer, key, value)
+        state.cache.insert_front(layer, key, value)
 
     def _should_reindex(self, state: StreamState) -> bool:
-        mode = self.params.get("reindex", "lazy")
-        if mode == "eager":
+        if self.params.reindex == "eager":
             return True
-        if mode != "lazy":
-            raise ValueError(f"unknown re-index mode '{mode}' (lazy, eager)")
-        limit = self.params.get("reindex_at") or int(0.9 * state.position_limit)
-        return int(state.positions[:, : state.seen].max()) > limit
+        limit = self.params.reindex_at or int(0.9 * state.position_limit)
+        return int(state.placed(0, state.seen).max()) > limit
 
     def _reindex(self, state: StreamState) -> None:
-        """Compact every layer's visual positions right after the prompt, re-rotate the cached keys, and move
-        the rest of the stream up to follow them."""
+        """Compact every layer's visual positions right after the prompt, re-rotate the cached keys,
+        and move the rest of the stream up to follow them."""
         inv_freq, axes = state.rope
-        start = state.prefix_len
+        start = state.cache.prompt_len
         top = start - 1
         for layer in range(state.layers):
-            old = self.layer_positions[layer]
+            old = state.cache.positions[layer]
             new = compact_positions(old, start)
-            entry = state.cache.layers[layer]
-            cut = state.visual_start(layer)
-            end = cut + old.shape[1]
-            moved = rotate_keys(
-                entry.keys[:, :, cut:end], (new - old).to(entry.keys.device), inv_freq, axes
-            )
-            entry.keys = torch.cat([entry.keys[:, :, :cut], moved, entry.keys[:, :, end:]], dim=2)
-            self.layer_positions[layer] = new
+            keys, _ = state.cache.visual(layer)
+            moved = rotate_keys(keys, (new - old).to(keys.device), inv_freq, axes)
+            state.cache.replace(layer, keys=moved, positions=new)
             if new.numel():
                 top = max(top, int(new[0].max()))
         # The next token (a visual step or the suffix) takes the temporal slot after the compacted ones.
@@ -237,13 +235,11 @@ class HermesMemory(MemoryPolicy):
         state.shift = upcoming - (top + 1)
         self.reindexed += 1
 
-    def make_blocks(
-        self, state: StreamState, step_times: list[tuple[float, float]]
-    ) -> list[Segment]:
+    def make_blocks(self, state: StreamState, step_times: list[tuple[float, float]]) -> list[Span]:
         blocks = super().make_blocks(state, step_times)
         if not self.summary:
             return blocks
-        shape = state.visual_kv(0)[0]
+        shape = state.cache.visual(0)[0]
         empty = torch.zeros(shape.shape[0], 0, shape.shape[2], dtype=shape.dtype)
         keys, values, positions = [], [], []
         for layer in range(state.layers):
@@ -251,13 +247,13 @@ class HermesMemory(MemoryPolicy):
                 k, v, _ = self.summary[layer]
                 keys.append(k.to(shape.dtype))
                 values.append(v.to(shape.dtype))
-                positions.append(state.positions[:, :1].clone())
+                positions.append(self.summary_position.clone())
             else:
                 keys.append(empty)
                 values.append(empty.clone())
-                positions.append(state.positions[:, :0].clone())
+                positions.append(self.summary_position[:, :0].clone())
         first = step_times[0][0]
-        summary = Segment(
+        summary = Span(
             name="summary",
             keys=keys,
             values=values,
@@ -273,4 +269,15 @@ class HermesMemory(MemoryPolicy):
         return renamed
 
 
-MEMORY, CONTEXT = HermesMemory, ContextPolicy
+METHOD = Method(
+    name="hermes",
+    description="streaming layered memory, fixed 4K-token budget, summary token, no retrieval",
+    paper=Paper(
+        "HERMES: KV Cache as Hierarchical Memory for Efficient Streaming Video Understanding",
+        2026,
+        "https://arxiv.org/abs/2601.14724",
+    ),
+    params=HermesParams,
+    budget=Budget(tokens=4096),  # the paper's 4K setting (hermes-6k: 6144)
+    streaming=HermesMemory,
+)

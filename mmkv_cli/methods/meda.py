@@ -1,22 +1,35 @@
 """MEDA (seed 001): per-layer budgets from cross-modal attention entropy; evicted KV merged, not dropped.
 
-E_l = E_TV + E_VT: the entropy of text rows over visual keys (the guidance prompt's rows at encode) plus that
-of visual rows over text keys (recorded chunk by chunk while streaming), heads averaged. ratio_l =
-softmax_l(E) * L * rho, clamped to [0.01, 1]: layers whose attention is spread keep more. In a layer, a recent
-window and the top tokens by cumulative attention (3:1) are kept; every evicted token is merged into its most
-cosine-similar kept key of the same head, kept K and V becoming the mean of themselves and what merged in.
+E_l = E_TV + E_VT: the entropy of text rows over visual keys (the guidance prompt's rows at encode) plus
+that of visual rows over text keys (recorded chunk by chunk while streaming), heads averaged. ratio_l =
+softmax_l(E) * L * rho, clamped to [min_layer_ratio, 1]: layers whose attention is spread keep more. In a
+layer, a recent window and the top tokens by cumulative attention (3:1) are kept; every evicted token is
+merged into its most cosine-similar kept key of the same head, kept K and V becoming the mean of
+themselves and what merged in.
 """
 
 from __future__ import annotations
 
 import math
-
-import torch
+from dataclasses import dataclass
 
 from mmkv_cli.attention import Recorder
-from mmkv_cli.methods.base import ContextPolicy, StreamState
-from mmkv_cli.methods.h2o import accumulate
-from mmkv_cli.methods.pruning import PrunedAtEnd
+from mmkv_cli.lazy import torch
+from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper
+from mmkv_cli.methods.scoring import accumulate
+from mmkv_cli.methods.stream import KeepAll, StreamState
+from mmkv_cli.spec import knob
+
+
+@dataclass(frozen=True)
+class MedaParams(GuidedParams):
+    min_layer_ratio: float = knob(0.01, "ratio_l is clamped to [this, 1]", low=0, high=1)
+    recent_share: float = knob(
+        0.75, "recent window share of a layer's budget (M:N = 3:1, the paper; 1:1 in the authors' code)",
+        low=0, high=1,
+    )
+    merge: bool = knob(True, "evicted pairs merge into their most similar kept key (same head)")
+
 
 # --- scoring: pure functions over tensors ---
 
@@ -78,18 +91,16 @@ def merge_evicted(keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor):
 # --- the memory policy ---
 
 
-class MedaMemory(PrunedAtEnd):
-    name = "meda"
-
-    def __init__(self, budget: float, params: dict):
-        super().__init__(budget, params)
+class MedaMemory(KeepAll):
+    def __init__(self, params, budget, context):
+        super().__init__(params, budget, context)
         self.cumulative: list[torch.Tensor] = []
         self.vt_entropy: list[float] = []
         self.visual_rows = 0
 
     def recorder(self, state: StreamState) -> Recorder:
         # Chunk rows are visual tokens; the text they can see is the prompt before the video.
-        text = slice(0, state.prefix_len)
+        text = slice(0, state.cache.prompt_len)
         return Recorder(
             layers=set(range(state.layers)),
             column_sums=True,
@@ -101,33 +112,43 @@ class MedaMemory(PrunedAtEnd):
             self.cumulative = [torch.zeros(state.total) for _ in range(state.layers)]
             self.vt_entropy = [0.0] * state.layers
         for layer in range(state.layers):
-            start = state.visual_start(layer)
-            sums = recorder.column_sum[layer][0, start : start + len(state.kept[layer])]
-            accumulate(self.cumulative[layer], sums.cpu(), state.kept[layer])
+            start = state.cache.visual_start(layer)
+            sums = recorder.column_sum[layer][0, start : start + state.cache.count(layer)]
+            accumulate(self.cumulative[layer], sums.cpu(), state.cache.index[layer])
             self.vt_entropy[layer] += float(recorder.reduced[layer]["vt_entropy"][0])
         self.visual_rows = state.seen
 
     def finish(self, state: StreamState) -> None:
-        rows, visual, _ = state.attend(str(self.params["guidance_prompt"]), rows=True)
+        guidance = self.context.guidance(self.params.guidance_prompt)
+        rows, visual, _ = state.attend(guidance, rows=True)
         tv = [float(row_entropy(r, v).mean()) for r, v in zip(rows, visual)]
         vt = [e / max(1, self.visual_rows) for e in self.vt_entropy]
-        ratios = entropy_ratios(
-            [a + b for a, b in zip(tv, vt)], self.budget, float(self.params["min_layer_ratio"])
-        )
-        for layer, ratio in enumerate(ratios):
-            count = len(state.kept[layer])
+        share = self.budget.share_of(state.total)
+        entropy = [a + b for a, b in zip(tv, vt)]
+        for layer, ratio in enumerate(entropy_ratios(entropy, share, self.params.min_layer_ratio)):
+            count = state.cache.count(layer)
             keep = max(1, math.floor(ratio * count))
             if keep >= count:
                 continue
-            local = recent_and_heavy(
-                self.cumulative[layer][state.kept[layer]], keep, float(self.params["recent_share"])
-            )
-            keys, values = state.visual_kv(layer)
-            if self.params.get("merge", True):
+            scores = self.cumulative[layer][state.cache.index[layer]]
+            local = recent_and_heavy(scores, keep, self.params.recent_share)
+            if self.params.merge:
+                keys, values = state.cache.visual(layer)
                 merged_k, merged_v, _ = merge_evicted(keys.cpu(), values.cpu(), local)
-            state.retain(layer, local)
-            if self.params.get("merge", True):
-                state.replace_visual(layer, merged_k, merged_v)
+            state.cache.retain(layer, local)
+            if self.params.merge:
+                state.cache.replace(layer, merged_k, merged_v)
 
 
-MEMORY, CONTEXT = MedaMemory, ContextPolicy
+METHOD = Method(
+    name="meda",
+    description="per-layer budgets from cross-modal attention entropy, evicted KV merged into kept",
+    paper=Paper(
+        "MEDA: Dynamic KV Cache Allocation for Efficient Multimodal Long-Context Inference",
+        2025,
+        "https://arxiv.org/abs/2502.17599",
+    ),
+    params=MedaParams,
+    budget=Budget(share=0.2),  # rho: the paper's 20% setting
+    streaming=MedaMemory,
+)

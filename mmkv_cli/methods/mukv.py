@@ -1,8 +1,8 @@
 """MuKV (seed 000): multi-grained blocks, each prefilled on its own and compressed by a dual signal.
 
 Three granularities cut the same visual stream: patch (a spatial quarter of a step's token grid), frame
-(one temporal step) and segment (F frames); or, with views: middle_frame, patch and frame blocks come from
-each segment's middle step only. Every block is prefilled after the init prompt only, scored by
+(one temporal step) and segment (F frames); or, with views: middle_frame, patch and frame blocks come
+from each segment's middle step only. Every block is prefilled after the init prompt only, scored by
 last-layer attention column sums fused with a key-frequency signal, and keeps floor(rho_g * |block|)
 tokens in temporal order. At ask, blocks are retrieved per granularity and reranked (retrieval.py).
 """
@@ -11,28 +11,75 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
-import torch
-
-from mmkv_cli.errors import UsageError
-from mmkv_cli.methods.base import MemoryPolicy
-from mmkv_cli.methods.retrieval import RetrievalContext
+from mmkv_cli.lazy import torch
+from mmkv_cli.methods.base import BlockPlan, Budget, Method, Paper
+from mmkv_cli.methods.retrieval import RetrievalContext, RetrievalOptions
+from mmkv_cli.methods.scoring import minmax, top_in_order
+from mmkv_cli.spec import knob
 
 GRANULARITIES = ("patch", "frame", "segment")
-# preset choices, the default first
-OPTIONS = {
-    "views": ("stream", "middle_frame"),
-    "patch_blocks": ("spatial", "raster"),
-    "frequency": ("fft", "diff"),
-}
+
+
+@dataclass(frozen=True)
+class Shares:
+    """One number per granularity."""
+
+    patch: float = knob(0.1, "patch blocks", low=0, high=1)
+    frame: float = knob(0.1, "frame blocks", low=0, high=1)
+    segment: float = knob(0.8, "segment blocks", low=0, high=1)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"patch": self.patch, "frame": self.frame, "segment": self.segment}
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Blocks retrieved per granularity."""
+
+    patch: int = knob(20, "patch blocks", low=0)
+    frame: int = knob(32, "frame blocks", low=0)
+    segment: int = knob(12, "segment blocks", low=0)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"patch": self.patch, "frame": self.frame, "segment": self.segment}
+
+
+@dataclass(frozen=True)
+class MuKVParams:
+    chunk_frames: int = knob(16, "frames turned into tokens at once (a multiple of the segment)", low=1)
+    segment_frames: int = knob(4, "F: frames in a segment block", low=1)
+    views: Literal["stream", "middle_frame"] = knob(
+        "stream",
+        "stream: every view cuts the whole stream (the paper's figures, the authors' code); "
+        "middle_frame: patch and frame blocks of each segment's middle frame (the paper's prose)",
+    )
+    patch_blocks: Literal["spatial", "raster"] = knob(
+        "spatial", "patch blocks: spatial quarters (the paper) or contiguous runs (the authors' code)"
+    )
+    rho: Shares = knob(Shares(), "share of a block's tokens kept, per granularity (sum: the budget)")
+    alpha: Shares = knob(
+        Shares(patch=0.5, frame=0.7, segment=0.8), "attention weight in the fused score, per granularity"
+    )
+    frequency: Literal["fft", "diff"] = knob(
+        "fft", "key-frequency signal: fft (the paper) or diff (the reference loader's default)"
+    )
+    batch_tokens: int = knob(4096, "tokens in one prefill batch's cache: rows x (init + block)", low=1)
+    query: Literal["query_mean", "last_key"] = knob(
+        "query_mean", "question vector: mean of its last-layer queries (paper) or last key (code)"
+    )
+    k: Counts = knob(Counts(), "blocks retrieved per granularity")
+    rerank: Shares = knob(
+        Shares(patch=0.3, frame=0.3, segment=0.0), "lambda: weight of agreement with the top segments"
+    )
+    top_segments: int = knob(5, "segments whose mean representative reranks the others", low=0)
+    positions: Literal["keep", "reindex"] = knob(
+        "keep", "keep the stored positions at ask, or compact them (keys re-rotated)"
+    )
 
 
 # --- scoring: pure functions over tensors ---
-
-
-def minmax(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    x = x.float()
-    return (x - x.min()) / (x.max() - x.min() + eps)
 
 
 def frequency_signal(keys: torch.Tensor, mode: str = "fft") -> torch.Tensor:
@@ -64,19 +111,16 @@ def keep_count(block_tokens: int, rho: float) -> int:
     return max(1, min(block_tokens, math.floor(rho * block_tokens)))
 
 
-def top_in_order(score: torch.Tensor, count: int) -> torch.Tensor:
-    """Indices of the `count` best scores, in temporal (ascending index) order."""
-    return score.topk(count).indices.sort().values
+def fused_score(attention: torch.Tensor, frequency: torch.Tensor, alpha: float) -> torch.Tensor:
+    return alpha * minmax(attention) + (1 - alpha) * minmax(frequency)
+
+
+def keep_count(block_tokens: int, rho: float) -> int:
+    """floor(rho * |block|), at least one token so no block is emptied (tiny grids only)."""
+    return max(1, min(block_tokens, math.floor(rho * block_tokens)))
 
 
 # --- the block plan: which stream tokens form each block ---
-
-
-@dataclass
-class BlockPlan:
-    granularity: str
-    tokens: torch.Tensor  # indices into the visual stream, ascending
-    steps: tuple[int, int]
 
 
 def quarter_grid(rows: int, cols: int, mode: str = "spatial") -> list[torch.Tensor]:
@@ -142,52 +186,74 @@ def plan_blocks(
     return plans
 
 
-class MuKVMemory(MemoryPolicy):
+class MuKVMemory:
     """Independent multi-grained blocks (the encoder prefills them in batches: see blockwise.py)."""
 
-    name = "mukv"
-    blockwise = True
+    def __init__(self, params: MuKVParams, budget: Budget):
+        self.params = params
+        self.chunk_frames = params.chunk_frames
+        self.batch_tokens = params.batch_tokens
+        # The budget is the pack's share of one stream: the three views' rho are scaled to sum to it.
+        self._budget = budget
+        self.rho: dict[str, float] | None = None if budget.tokens is not None else self._scaled(budget.share)
 
-    def __init__(self, budget: float, params: dict):
-        super().__init__(budget, params)
-        for key, allowed in OPTIONS.items():  # a preset typo fails here, before any frame is read
-            if params.get(key, allowed[0]) not in allowed:
-                raise UsageError(
-                    f"MuKV preset: {key} is '{params[key]}', expected one of {', '.join(allowed)}"
-                )
-        # --budget is the pack's share of one stream: the three views' rho sum to it (1.0 by default).
-        rho = {g: float(r) for g, r in params["rho"].items()}
-        scale = budget / sum(rho.values())
-        self.rho = {g: min(1.0, r * scale) for g, r in rho.items()}
+    def _scaled(self, share: float) -> dict[str, float]:
+        rho = self.params.rho.as_dict()
+        scale = share / sum(rho.values())
+        return {g: min(1.0, r * scale) for g, r in rho.items()}
+
+    def begin(self, total: int) -> None:
+        """A token budget becomes a share once the stream's length is known."""
+        if self.rho is None:
+            self.rho = self._scaled(self._budget.share_of(total))
 
     def segment_steps(self, frames_per_step: int) -> int:
-        return max(1, int(self.params["segment_frames"]) // frames_per_step)
+        return max(1, self.params.segment_frames // frames_per_step)
 
-    def plan(
-        self, step_starts, step_lengths, grid_offsets, grid, frames_per_step
-    ) -> list[BlockPlan]:
+    def plan(self, step_starts, step_lengths, grid_offsets, grid, frames_per_step) -> list[BlockPlan]:
         return plan_blocks(
             step_starts,
             step_lengths,
             grid_offsets,
             grid,
             self.segment_steps(frames_per_step),
-            self.params.get("patch_blocks", "spatial"),
-            self.params.get("views", "stream"),
+            self.params.patch_blocks,
+            self.params.views,
         )
 
-    def choose(
-        self, granularity: str, attention: torch.Tensor, last_keys: torch.Tensor
-    ) -> torch.Tensor:
+    def choose(self, granularity: str, attention: torch.Tensor, last_keys: torch.Tensor) -> torch.Tensor:
         """Local indices a block keeps. attention [N] column sums; last_keys [H_kv, N, D]."""
-        p = self.params
         n = attention.shape[0]
         rho = self.rho[granularity]
         if rho >= 1.0:
             return torch.arange(n)
-        frequency = frequency_signal(last_keys.float().mean(dim=0), p.get("frequency", "fft"))
-        score = fused_score(attention, frequency, float(p["alpha"][granularity]))
-        return top_in_order(score, keep_count(n, rho))
+        frequency = frequency_signal(last_keys.float().mean(dim=0), self.params.frequency)
+        alpha = self.params.alpha.as_dict()[granularity]
+        return top_in_order(fused_score(attention, frequency, alpha), keep_count(n, rho))
 
 
-MEMORY, CONTEXT = MuKVMemory, RetrievalContext
+def context(params: MuKVParams) -> RetrievalContext:
+    return RetrievalContext(
+        RetrievalOptions(
+            k=params.k.as_dict(),
+            rerank=params.rerank.as_dict(),
+            top_segments=params.top_segments,
+            query=params.query,
+            positions=params.positions,
+        )
+    )
+
+
+METHOD = Method(
+    name="mukv",
+    description="multi-grained blocks, dual-signal compression, hierarchical retrieval",
+    paper=Paper(
+        "MuKV: Multi-Grained KV Cache Compression for Long Streaming Video Question-Answering",
+        2026,
+        "https://github.com/IMBALDY/MuKV",
+    ),
+    params=MuKVParams,
+    budget=Budget(share=1.0),  # pack tokens / stream tokens: rho sums to 1.0 (177K -> 59K, 300 frames)
+    blockwise=MuKVMemory,
+    context=context,
+)

@@ -1,39 +1,75 @@
-"""PyramidKV (Cai et al., 2024), visual tokens only: SnapKV's scores, budgets falling linearly with depth
-(more in shallow layers, where attention is spread; fewer in deep ones, where it is concentrated)."""
+"""PyramidKV (Cai et al., 2024), visual tokens only: SnapKV's scores, budgets falling linearly with
+depth (more in shallow layers, where attention is spread; fewer in deep ones, where it is
+concentrated)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from mmkv_cli.methods.base import ContextPolicy, StreamState
-from mmkv_cli.methods.mukv import top_in_order
-from mmkv_cli.methods.pruning import PrunedAtEnd, pyramid_budgets
-from mmkv_cli.methods.snapkv import question_scores, window_scores
+from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper
+from mmkv_cli.methods.scoring import question_window_scores, top_in_order, window_scores
+from mmkv_cli.methods.stream import StreamState
+from mmkv_cli.methods.topk import TopKAtEnd
+from mmkv_cli.spec import knob
 
 
-def prune_at_ask(rows, visual: list[slice], question: list[slice], budget: float, params: dict):
-    scores = question_scores(rows, visual, params)
+@dataclass(frozen=True)
+class PyramidKVParams(GuidedParams):
+    pool_kernel: int = knob(7, "1-D max-pool width over neighbouring tokens' scores", low=1)
+    beta: float = knob(20.0, "the last layer keeps budget / beta, the first 2 x budget - that", low=1)
+
+
+def pyramid_budgets(
+    layers: int, per_layer: int, beta: float, available: int | None = None
+) -> list[int]:
+    """Budgets falling linearly from the first layer to the last, averaging `per_layer`: the last
+    layer keeps per_layer / beta, the first 2 per_layer - that. When the first would need more than
+    the `available` tokens, it keeps them all and the last layers get what is left of the average, as
+    the authors' code does, so a budget near 1 keeps nearly everything instead of a truncated
+    pyramid."""
+    if layers == 1:
+        return [per_layer]
+    low = per_layer / beta
+    high = 2 * per_layer - low
+    if available is not None and high > available:
+        high = available
+        low = 2 * per_layer - high
+    return [max(1, math.floor(high - (high - low) * layer / (layers - 1))) for layer in range(layers)]
+
+
+def prune_at_ask(rows, visual, question, budget: float, params: PyramidKVParams):
+    scores = question_window_scores(rows, visual, params.pool_kernel)
     mean = sum(s.numel() for s in scores) / len(scores)
     budgets = pyramid_budgets(
         len(scores),
         max(1, math.floor(budget * mean)),
-        float(params["beta"]),
+        params.beta,
         available=min(s.numel() for s in scores),
     )
     return [top_in_order(s, min(s.numel(), b)) for s, b in zip(scores, budgets)]
 
 
-class PyramidKVMemory(PrunedAtEnd):
-    name = "pyramidkv"
-
+class PyramidKVMemory(TopKAtEnd):
     def budgets(self, state: StreamState) -> list[int]:
-        per_layer = max(1, math.floor(self.budget * state.total))
-        return pyramid_budgets(
-            state.layers, per_layer, float(self.params["beta"]), available=state.total
-        )
+        per_layer = self.budget.tokens_of(state.total)
+        return pyramid_budgets(state.layers, per_layer, self.params.beta, available=state.total)
 
     def layer_scores(self, state: StreamState):
-        return window_scores(state, self.params)
+        attention = state.attend(self.context.guidance(self.params.guidance_prompt))
+        return window_scores(attention, self.params.pool_kernel)
 
 
-MEMORY, CONTEXT = PyramidKVMemory, ContextPolicy
+METHOD = Method(
+    name="pyramidkv",
+    description="SnapKV scores, budgets falling from shallow to deep layers",
+    paper=Paper(
+        "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling",
+        2024,
+        "https://arxiv.org/abs/2406.02069",
+    ),
+    params=PyramidKVParams,
+    budget=Budget(share=0.25),
+    streaming=PyramidKVMemory,
+    prune_at_ask=prune_at_ask,
+)

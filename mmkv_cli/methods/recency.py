@@ -1,16 +1,21 @@
 """recency (StreamingLLM): the prompt as attention sinks plus the newest visual tokens.
 
 Evicts while streaming, so later chunks attend only to the sinks and the window, as StreamingLLM does;
-the running cache never holds more than budget * visual tokens (plus the chunk being prefilled).
+the running cache never holds more than the budget (plus the chunk being prefilled).
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
-import torch
+from mmkv_cli.lazy import torch
+from mmkv_cli.methods.base import Budget, Method, Paper, StreamParams
+from mmkv_cli.methods.stream import KeepAll, StreamState
 
-from mmkv_cli.methods.base import ContextPolicy, MemoryPolicy, StreamState
+
+@dataclass(frozen=True)
+class RecencyParams(StreamParams):
+    pass
 
 
 def newest(count_cached: int, keep: int) -> torch.Tensor:
@@ -19,17 +24,23 @@ def newest(count_cached: int, keep: int) -> torch.Tensor:
     return torch.arange(count_cached - keep, count_cached)
 
 
-class RecencyMemory(MemoryPolicy):
-    name = "recency"
-
-    def capacity(self, state: StreamState) -> int:
-        return math.floor(self.budget * state.total)
-
+class RecencyMemory(KeepAll):
     def after_chunk(self, state: StreamState) -> None:
-        cap = self.capacity(state)
+        cap = self.budget.tokens_of(state.total)
         for layer in range(state.layers):
-            if len(state.kept[layer]) > cap:
-                state.retain(layer, newest(len(state.kept[layer]), cap))
+            if state.cache.count(layer) > cap:
+                state.cache.retain(layer, newest(state.cache.count(layer), cap))
 
 
-MEMORY, CONTEXT = RecencyMemory, ContextPolicy
+METHOD = Method(
+    name="recency",
+    description="keep the prompt (attention sinks) and the newest visual tokens",
+    paper=Paper(
+        "Efficient Streaming Language Models with Attention Sinks (StreamingLLM)",
+        2024,
+        "https://arxiv.org/abs/2309.17453",
+    ),
+    params=RecencyParams,
+    budget=Budget(share=0.25),
+    streaming=RecencyMemory,
+)

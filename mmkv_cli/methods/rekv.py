@@ -1,15 +1,44 @@
-"""ReKV (baseline of MuKV): the whole stream kept, one block per frame (temporal step) with its mean key as
-representative; at ask the top-k blocks by the question, in time order. Retrieval is shared with MuKV."""
+"""ReKV (the retrieval baseline of MuKV): the whole stream kept, one block per frame (temporal step)
+with its mean key as representative; at ask the top-k blocks by the question, in time order."""
 
 from __future__ import annotations
 
-from mmkv_cli.methods.base import MemoryPolicy
-from mmkv_cli.methods.retrieval import RetrievalContext
+from dataclasses import dataclass
+from typing import Literal
+
+from mmkv_cli.methods.base import Method, Paper, StreamParams
+from mmkv_cli.methods.retrieval import RetrievalContext, RetrievalOptions
+from mmkv_cli.methods.stream import KeepAll
+from mmkv_cli.spec import knob
 
 
-class ReKVMemory(MemoryPolicy):
-    name = "rekv"
-    keeps_all = True
+@dataclass(frozen=True)
+class ReKVParams(StreamParams):
+    k: int = knob(64, "frame blocks retrieved per question", low=1)
+    query: Literal["query_mean", "last_key"] = knob(
+        "query_mean", "question vector: mean of its last-layer queries, or its last token's key"
+    )
+    positions: Literal["keep", "reindex"] = knob(
+        "keep", "keep the stored positions at ask, or compact them (keys re-rotated)"
+    )
 
 
-MEMORY, CONTEXT = ReKVMemory, RetrievalContext
+def context(params: ReKVParams) -> RetrievalContext:
+    return RetrievalContext(
+        RetrievalOptions(k={"frame": params.k}, query=params.query, positions=params.positions)
+    )
+
+
+METHOD = Method(
+    name="rekv",
+    description="whole stream, one block per frame, top-k retrieval by the question",
+    paper=Paper(
+        "Streaming Video Question-Answering with In-context Video KV-Cache Retrieval (ReKV)",
+        2025,
+        "https://arxiv.org/abs/2503.00540",
+    ),
+    params=ReKVParams,
+    budget=None,
+    streaming=KeepAll,
+    context=context,
+)

@@ -1,17 +1,31 @@
-"""Block retrieval at ask (MuKV, ReKV): cosine scores of the question vector against block representatives,
-per granularity over-retrieve 2k, rerank patch/frame candidates against the top segments, keep k."""
+"""Block retrieval at ask (MuKV, ReKV): cosine scores of the question vector against the blocks'
+representatives; per granularity over-retrieve 2k, rerank patch/frame candidates against the top
+segments, keep k. A context policy, not a method: MuKV and ReKV both build one from their parameters."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
+from mmkv_cli.lazy import torch
+from mmkv_cli.methods.base import QuestionVector, Selection
+from mmkv_cli.methods.context import last_shown
+from mmkv_cli.methods.scoring import cosine_scores
+from mmkv_cli.pack.table import eligible_at
 
-from mmkv_cli.methods.base import ContextPolicy, Selection, last_shown
-from mmkv_cli.pack.table import BlockTable, eligible_before
+if TYPE_CHECKING:
+    from mmkv_cli.pack.table import BlockTable
+
+
+@dataclass(frozen=True)
+class RetrievalOptions:
+    k: dict[str, int]  # blocks kept per granularity; granularities missing here are never retrieved
+    rerank: dict[str, float] = field(default_factory=dict)  # lambda_g per granularity
+    top_segments: int = 0  # segments whose mean representative reranks the others (0: no rerank)
+    query: str = "query_mean"  # query_mean | last_key
+    positions: str = "keep"  # keep | reindex
 
 
 @dataclass
@@ -20,11 +34,6 @@ class Retrieved:
     granularity: str
     score: float
     reranked: float
-
-
-def cosine_scores(query: torch.Tensor, reps: torch.Tensor) -> torch.Tensor:
-    """query [dim], reps [blocks, dim] -> [blocks] cosine similarity."""
-    return F.cosine_similarity(reps.float(), query.float().unsqueeze(0), dim=1)
 
 
 def retrieve(
@@ -38,9 +47,9 @@ def retrieve(
     """Pick blocks per granularity: top 2k by score, rerank by agreement with the top segments, keep k.
 
     rerank[g] = lambda_g: s' = (1 - lambda) s + lambda cos(rep, c), c = mean of the top segments' reps.
-    Granularities missing from k are never retrieved. Returns the picks, best first within each granularity.
-    granularity: one label per block, or (codes [blocks], kinds) with kinds[code] the label.
-    Whole-table work is vectorised: thousands of blocks cost a few tensor ops, not Python loops.
+    granularity: one label per block, or (codes [blocks], kinds) with kinds[code] the label. Returns the
+    picks, best first within each granularity. Whole-table work is vectorised: thousands of blocks cost a
+    few tensor ops, not Python loops.
     """
     if isinstance(granularity, tuple):
         codes, kinds = granularity
@@ -49,12 +58,11 @@ def retrieve(
         codes = torch.tensor([kinds.index(g) for g in granularity], dtype=torch.int64)
     scores = scores.float()
     centre = None  # mean representative of the best segments
-    segments = (
-        torch.nonzero(codes == kinds.index("segment")).flatten() if "segment" in kinds else None
-    )
-    if segments is not None and len(segments) and top_segments > 0:
-        best = segments[torch.topk(scores[segments], min(top_segments, len(segments))).indices]
-        centre = reps[best].float().mean(dim=0)
+    if "segment" in kinds and top_segments > 0:
+        segments = torch.nonzero(codes == kinds.index("segment")).flatten()
+        if len(segments):
+            best = segments[torch.topk(scores[segments], min(top_segments, len(segments))).indices]
+            centre = reps[best].float().mean(dim=0)
     picks = []
     for g, keep in k.items():
         if g not in kinds or keep <= 0:
@@ -76,44 +84,36 @@ def retrieve(
     return picks
 
 
-QuestionVector = Callable[[str], torch.Tensor]  # mode ("query_mean" | "last_key") -> [dim]
-
-
-class RetrievalContext(ContextPolicy):
+class RetrievalContext:
     """Top-k blocks per granularity by the question, in time order; positions kept or compacted."""
 
-    name = "retrieval"
+    def __init__(self, options: RetrievalOptions):
+        self.options = options
+        self.position_mode = options.positions
 
     def select(
         self,
         blocks: BlockTable,
         reps: Callable[[], torch.Tensor],
         question_vector: QuestionVector,
-        before: float | None = None,
+        at: float | None = None,
     ) -> Selection:
-        p = self.params
-        eligible = eligible_before(blocks, before)
+        o = self.options
+        eligible = eligible_at(blocks, at)
         if not len(eligible):
             return Selection([], [])
-        table = reps()[eligible]
-        scores = cosine_scores(question_vector(p.get("query", "query_mean")), table)
-        picks = retrieve(
-            scores,
-            table,
-            (blocks.codes()[eligible], blocks.kinds),
-            dict(p["k"]),
-            dict(p.get("rerank", {})),
-            int(p.get("top_segments", 0)),
-        )
+        index_all = torch.as_tensor(eligible)
+        table = reps()[index_all]
+        scores = cosine_scores(question_vector(o.query), table)
+        codes = torch.as_tensor(blocks.codes()[eligible])
+        picks = retrieve(scores, table, (codes, blocks.kinds), o.k, o.rerank, o.top_segments)
         rank = {g: r for r, g in enumerate(("segment", "frame", "patch"))}
-        index = eligible[[r.index for r in picks]] if picks else eligible[:0]
-        rows, steps, times = (
-            index.tolist(),
-            blocks.start_steps()[index].tolist(),
-            blocks.times()[index].tolist(),
-        )
+        rows = eligible[[r.index for r in picks]].tolist() if picks else []
+        steps = blocks.start_steps()[rows].tolist()
+        times = blocks.times()[rows].tolist()
         order = sorted(
-            range(len(picks)), key=lambda j: (steps[j], rank.get(picks[j].granularity, 3), rows[j])
+            range(len(picks)),
+            key=lambda j: (steps[j], rank.get(picks[j].granularity, 3), rows[j]),
         )
         explain = [
             {
@@ -125,6 +125,4 @@ class RetrievalContext(ContextPolicy):
             }
             for j in order
         ]
-        return Selection(
-            [e["block"] for e in explain], explain, last_shown(blocks, eligible, before)
-        )
+        return Selection([e["block"] for e in explain], explain, last_shown(blocks, eligible, at))

@@ -1,46 +1,43 @@
-"""SnapKV (Li et al., 2024), visual tokens only: an observation window of text rows scores the cached visual
-tokens (attention mean over heads, summed over the window's rows, max-pooled), each layer keeps its top-k.
-At encode no question exists yet, so the window is the preset's generic guidance prompt."""
+"""SnapKV (Li et al., 2024), visual tokens only: an observation window of text rows scores the cached
+visual tokens (attention mean over heads, summed over the window's rows, max-pooled), each layer keeps
+its top-k. At encode no question exists yet, so the window is a generic guidance prompt."""
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
-import torch
-
-from mmkv_cli.methods.base import ContextPolicy, StreamState
-from mmkv_cli.methods.mukv import top_in_order
-from mmkv_cli.methods.pruning import PrunedAtEnd, pooled
-
-
-def window_scores(state: StreamState, params: dict) -> list[torch.Tensor]:
-    attention = state.attend(str(params["guidance_prompt"]))
-    return [pooled(a, int(params["pool_kernel"])) for a in attention]
+from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper
+from mmkv_cli.methods.scoring import keep_share, question_window_scores, window_scores
+from mmkv_cli.methods.stream import StreamState
+from mmkv_cli.methods.topk import TopKAtEnd
+from mmkv_cli.spec import knob
 
 
-def question_scores(
-    rows: list[torch.Tensor], visual: list[slice], params: dict
-) -> list[torch.Tensor]:
-    """At ask the window is the question: its rows' attention summed over each layer's visual columns."""
-    return [pooled(r[:, v].sum(dim=0), int(params["pool_kernel"])) for r, v in zip(rows, visual)]
+@dataclass(frozen=True)
+class SnapKVParams(GuidedParams):
+    pool_kernel: int = knob(7, "1-D max-pool width over neighbouring tokens' scores", low=1)
 
 
-def prune_at_ask(
-    rows: list[torch.Tensor],
-    visual: list[slice],
-    question: list[slice],
-    budget: float,
-    params: dict,
-) -> list[torch.Tensor]:
-    scores = question_scores(rows, visual, params)
-    return [top_in_order(s, max(1, math.floor(budget * s.numel()))) for s in scores]
+def prune_at_ask(rows, visual, question, budget: float, params: SnapKVParams):
+    return keep_share(question_window_scores(rows, visual, params.pool_kernel), budget)
 
 
-class SnapKVMemory(PrunedAtEnd):
-    name = "snapkv"
+class SnapKVMemory(TopKAtEnd):
+    def layer_scores(self, state: StreamState):
+        attention = state.attend(self.context.guidance(self.params.guidance_prompt))
+        return window_scores(attention, self.params.pool_kernel)
 
-    def layer_scores(self, state: StreamState) -> list[torch.Tensor]:
-        return window_scores(state, self.params)
 
-
-MEMORY, CONTEXT = SnapKVMemory, ContextPolicy
+METHOD = Method(
+    name="snapkv",
+    description="top visual tokens per layer by a guidance prompt's attention (pooled)",
+    paper=Paper(
+        "SnapKV: LLM Knows What You are Looking for Before Generation",
+        2024,
+        "https://arxiv.org/abs/2404.14469",
+    ),
+    params=SnapKVParams,
+    budget=Budget(share=0.25),
+    streaming=SnapKVMemory,
+    prune_at_ask=prune_at_ask,
+)

@@ -10,10 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import torch
-from safetensors import safe_open
 
 from mmkv_cli.errors import PackError
+from mmkv_cli.lazy import torch
 from mmkv_cli.pack.format import (
     BLOCKS,
     FORMAT_NAME,
@@ -22,7 +21,7 @@ from mmkv_cli.pack.format import (
     READABLE_VERSIONS,
     SERIES,
     TABLE_COLUMNS,
-    Segment,
+    Span,
     split_layers,
     tensors_sha256,
 )
@@ -36,13 +35,13 @@ HASH_THREADS = 8
 
 # safetensors dtype -> the numpy dtype its bytes are read as, and the torch dtype they are viewed as after
 _DTYPES = {
-    "F64": (np.float64, torch.float64),
-    "F32": (np.float32, torch.float32),
-    "F16": (np.float16, torch.float16),
-    "BF16": (np.uint16, torch.bfloat16),
-    "I64": (np.int64, torch.int64),
-    "I32": (np.int32, torch.int32),
-    "U8": (np.uint8, torch.uint8),
+    "F64": (np.float64, "float64"),
+    "F32": (np.float32, "float32"),
+    "F16": (np.float16, "float16"),
+    "BF16": (np.uint16, "bfloat16"),
+    "I64": (np.int64, "int64"),
+    "I32": (np.int32, "int32"),
+    "U8": (np.uint8, "uint8"),
 }
 
 
@@ -73,7 +72,7 @@ class PackReader:
         raw, self._data_start = _read_safetensors_header(self.path)
         self._entries = {k: v for k, v in raw.items() if k != "__metadata__"}
         self._map: np.memmap | None = None  # the whole file, mapped on the first block read
-        self._views: dict[str, tuple[np.ndarray, torch.dtype]] = {}
+        self._views: dict[str, tuple[np.ndarray, str]] = {}  # name -> (view, torch dtype name)
         self._verified: set[str] = set()  # blocks whose checksum gather() has checked
         meta = raw.get("__metadata__") or {}
         text = meta.get(META_HEADER)
@@ -92,11 +91,11 @@ class PackReader:
             )
         self._token_major = version >= 4  # v2/v3 stored K/V head-major, positions [P, tokens]
         self.bytes_read = 0
-        self._segments: dict[str, Segment] = {}
-        try:
-            self._file = safe_open(str(self.path), framework="pt", device="cpu")
-        except Exception as err:  # SafetensorError
-            raise PackError(f"{self.path} is corrupted: {err}") from err
+        self._spans: dict[str, Span] = {}
+        # v2-v4 called the prefix and suffix "segments"
+        self.spans_meta = self.header.get("spans" if version >= 5 else "segments") or {}
+        if "prefix" not in self.spans_meta or "suffix" not in self.spans_meta:
+            raise PackError(f"{self.path} is corrupted (no prefix or suffix)")
         # v2 kept the table as JSON in the header
         self._blocks = (
             BlockTable.from_dicts(self.header["blocks"]) if version == 2 else self._block_table()
@@ -105,19 +104,19 @@ class PackReader:
     def _block_table(self) -> BlockTable:
         """The block table (v3 on): three small tensors, read whole (a few dozen bytes per block)."""
         meta = self.header["blocks"]
-        layers = len(self.header["segments"]["prefix"]["layer_counts"])
+        layers = len(self.spans_meta["prefix"]["layer_counts"])
         if not meta["count"]:
             return BlockTable(
                 meta["granularities"],
-                torch.zeros(0, TABLE_COLUMNS + layers, dtype=torch.int64),
-                torch.zeros(0, 2, dtype=torch.float64),
-                torch.zeros(0, 32, dtype=torch.uint8),
+                np.zeros((0, TABLE_COLUMNS + layers), dtype=np.int64),
+                np.zeros((0, 2), dtype=np.float64),
+                np.zeros((0, 32), dtype=np.uint8),
             )
         return BlockTable(
             meta["granularities"],
-            self._tensor(f"{BLOCKS}.table"),
-            self._tensor(f"{BLOCKS}.time"),
-            self._tensor(f"{BLOCKS}.sha256"),
+            self._array(f"{BLOCKS}.table"),
+            self._array(f"{BLOCKS}.time"),
+            self._array(f"{BLOCKS}.sha256"),
         )
 
     @property
@@ -132,15 +131,19 @@ class PackReader:
     def size(self) -> int:
         return self.path.stat().st_size
 
-    def _tensor(self, name: str) -> torch.Tensor:
-        try:
-            t = self._file.get_tensor(name)
-        except Exception as err:
-            raise PackError(f"{self.path} is corrupted: tensor {name} unreadable ({err})") from err
-        self.bytes_read += t.numel() * t.element_size()
-        return t
+    def _array(self, name: str) -> np.ndarray:
+        """Tensor `name` read whole into memory, as numpy (no torch needed)."""
+        view, _ = self._view(name)
+        out = np.array(view)
+        self.bytes_read += out.nbytes
+        return out
 
-    def _view(self, name: str) -> tuple[np.ndarray, torch.dtype]:
+    def _tensor(self, name: str) -> torch.Tensor:
+        """Tensor `name` read whole into memory, as torch."""
+        _, dtype = self._view(name)
+        return torch.from_numpy(self._array(name)).view(getattr(torch, dtype))
+
+    def _view(self, name: str) -> tuple[np.ndarray, str]:
         """Tensor `name` as a shaped view of the memory-mapped file (nothing read until it is indexed)."""
         if name not in self._views:
             entry = self._entries.get(name)
@@ -152,10 +155,12 @@ class PackReader:
                 self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
             start, stop = (self._data_start + o for o in entry["data_offsets"])
             np_dtype, torch_dtype = _DTYPES[entry["dtype"]]
-            flat = np.asarray(
-                self._map[start:stop]
-            )  # a plain array over the map: memmap's own indexing is slow
-            self._views[name] = (flat.view(np_dtype).reshape(entry["shape"]), torch_dtype)
+            # a plain array over the map: memmap's own indexing is slow
+            flat = np.asarray(self._map[start:stop])
+            try:
+                self._views[name] = (flat.view(np_dtype).reshape(entry["shape"]), torch_dtype)
+            except (ValueError, TypeError) as err:
+                raise PackError(f"{self.path} is corrupted: tensor {name} has a bad shape") from err
         return self._views[name]
 
     def series(self, name: str) -> list:
@@ -163,7 +168,7 @@ class PackReader:
         if name not in SERIES:
             raise KeyError(name)
         if name in self._entries:
-            return self._tensor(name).tolist()
+            return self._array(name).tolist()
         section, key = name.split(".")
         value = (self.header.get(section) or {}).get(key)
         if value is None:
@@ -173,11 +178,11 @@ class PackReader:
     def representatives(self) -> torch.Tensor | None:
         return self._tensor("reps") if self.header.get("representatives") else None
 
-    def segment(self, name: str) -> Segment:
-        """Load one segment ("prefix", "suffix" or a block name), verifying its checksum."""
-        if name not in self._segments:
-            self._segments[name] = self._load_segment(name)
-        return self._segments[name]
+    def span(self, name: str) -> Span:
+        """Load one span ("prefix", "suffix" or a block name), verifying its checksum."""
+        if name not in self._spans:
+            self._spans[name] = self._load_span(name)
+        return self._spans[name]
 
     def gather(
         self, names: list[str]
@@ -192,7 +197,7 @@ class PackReader:
             return [], [], []
         indices = [self._blocks.index_of(name) for name in names]
         if None in indices:
-            raise PackError(f"{self.path} has no segment {names[indices.index(None)]}")
+            raise PackError(f"{self.path} has no block {names[indices.index(None)]}")
         offsets, counts, digests = self._blocks.spans(indices)
         views = [self._view(f"{BLOCKS}.{part}") for part in ("k", "v", "pos")]
         self._verify(
@@ -213,9 +218,8 @@ class PackReader:
         per_layer = counts.sum(axis=0).tolist()
         out = []
         for view, dtype in views:
-            picked = torch.from_numpy(np.take(self._rows(view), rows, axis=0)).view(
-                dtype
-            )  # a copy (take > [rows])
+            taken = np.take(self._rows(view), rows, axis=0)  # a copy (faster than view[rows])
+            picked = torch.from_numpy(taken).view(getattr(torch, dtype))
             self.bytes_read += picked.numel() * picked.element_size()
             out.append([part.transpose(0, 1) for part in torch.split(picked, per_layer, dim=0)])
         return out[0], out[1], out[2]
@@ -267,10 +271,10 @@ class PackReader:
             return view[start:stop]  # contiguous: hashed straight from the memory map
         return np.ascontiguousarray(view[:, start:stop])
 
-    def _load_segment(self, name: str) -> Segment:
-        meta = self.header["segments"].get(name) or self._block_meta(name)
+    def _load_span(self, name: str) -> Span:
+        meta = self.spans_meta.get(name) or self._block_meta(name)
         if meta is None:
-            raise PackError(f"{self.path} has no segment {name}")
+            raise PackError(f"{self.path} has no span {name}")
         time, steps = meta.get("time"), meta.get("steps")
         if (
             "offset" in meta
@@ -287,7 +291,7 @@ class PackReader:
                 [t.contiguous() for t in split_layers(part, counts, self._token_major)]
                 for part in (k, v, pos)
             )
-        return Segment(
+        return Span(
             name=name,
             keys=keys,
             values=values,

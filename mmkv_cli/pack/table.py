@@ -11,24 +11,24 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from mmkv_cli.pack.format import TABLE_COLUMNS, block_name
 
 
 class BlockTable(Sequence):
-    """Table tensors (v3 on): rows [N, 4 + layers] int64, times [N, 2] float64 (NaN: none), digests [N, 32] uint8."""
+    """Table arrays (v3 on): rows [N, 4 + layers] int64, times [N, 2] float64 (NaN: none), digests
+    [N, 32] uint8. Numpy, so that `inspect` reads a pack without importing torch."""
 
     def __init__(
         self,
         kinds: list[str],
-        rows: torch.Tensor,
-        times: torch.Tensor,
-        digests: torch.Tensor,
+        rows: np.ndarray,
+        times: np.ndarray,
+        digests: np.ndarray,
         names: list[str] | None = None,
     ):
         self.kinds = list(kinds)
-        self._rows, self._times, self._digests = rows, times, digests
+        self._rows, self._times, self._digests = (np.asarray(a) for a in (rows, times, digests))
         self._names = names  # v2 packs named blocks freely; later ones name them b<row>
         self._cache: dict[int, dict] = {}
 
@@ -60,11 +60,11 @@ class BlockTable(Sequence):
                 "time": None if math.isnan(time[0]) else time,
                 "offset": row[3],
                 "layer_counts": row[TABLE_COLUMNS:],
-                "sha256": self._digests[index].numpy().tobytes().hex(),
+                "sha256": self._digests[index].tobytes().hex(),
             }
         return self._cache[index]
 
-    def codes(self) -> torch.Tensor:
+    def codes(self) -> np.ndarray:
         """[N] each block's granularity as an index into `kinds`."""
         return self._rows[:, 0]
 
@@ -72,24 +72,24 @@ class BlockTable(Sequence):
         """Every block's granularity."""
         return [self.kinds[c] for c in self.codes().tolist()]
 
-    def times(self) -> torch.Tensor:
+    def times(self) -> np.ndarray:
         """[N, 2] time of each block's first and last frame; NaN where a block has none."""
         return self._times
 
-    def start_times(self) -> torch.Tensor:
+    def start_times(self) -> np.ndarray:
         """[N] time of each block's first frame; NaN where a block has none."""
         return self._times[:, 0]
 
-    def start_steps(self) -> torch.Tensor:
+    def start_steps(self) -> np.ndarray:
         """[N] each block's first temporal step (0 where it has none)."""
-        return self._rows[:, 1].clamp(min=0)
+        return np.maximum(self._rows[:, 1], 0)
 
     def spans(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For blocks `indices`: offsets [n], per-layer counts [n, layers] and sha256 digests [n, 32]."""
-        rows = self._rows[indices].numpy()
-        return rows[:, 3], rows[:, TABLE_COLUMNS:], self._digests[indices].numpy()
+        rows = self._rows[indices]
+        return rows[:, 3], rows[:, TABLE_COLUMNS:], self._digests[indices]
 
-    def layer_totals(self) -> torch.Tensor:
+    def layer_totals(self) -> np.ndarray:
         """[N, layers] tokens each block keeps per layer."""
         return self._rows[:, TABLE_COLUMNS:]
 
@@ -97,30 +97,25 @@ class BlockTable(Sequence):
     def from_dicts(cls, blocks: list[dict]) -> BlockTable:
         """A table from per-block dicts (the v2 header's JSON list)."""
         kinds = list(dict.fromkeys(b["granularity"] for b in blocks))
-        rows = torch.tensor(
-            [
-                [
-                    kinds.index(b["granularity"]),
-                    *(b["steps"] or (-1, -1)),
-                    b["offset"],
-                    *b["layer_counts"],
-                ]
-                for b in blocks
-            ],
-            dtype=torch.int64,
-        ).reshape(len(blocks), -1)
-        times = torch.tensor(
-            [b["time"] or (math.nan, math.nan) for b in blocks], dtype=torch.float64
-        ).reshape(len(blocks), 2)
-        digests = torch.tensor(
-            [list(bytes.fromhex(b["sha256"])) for b in blocks], dtype=torch.uint8
-        ).reshape(len(blocks), 32)
-        return cls(kinds, rows, times, digests, names=[b["name"] for b in blocks])
+        rows = [
+            [kinds.index(b["granularity"]), *(b["steps"] or (-1, -1)), b["offset"], *b["layer_counts"]]
+            for b in blocks
+        ]
+        times = [b["time"] or (math.nan, math.nan) for b in blocks]
+        digests = [list(bytes.fromhex(b["sha256"])) for b in blocks]
+        return cls(
+            kinds,
+            np.asarray(rows, dtype=np.int64).reshape(len(blocks), -1),
+            np.asarray(times, dtype=np.float64).reshape(len(blocks), 2),
+            np.asarray(digests, dtype=np.uint8).reshape(len(blocks), 32),
+            names=[b["name"] for b in blocks],
+        )
 
 
-def eligible_before(table: BlockTable, before: float | None) -> torch.Tensor:
-    """Indices of the blocks that start by `before`, in time order (a block with no time counts as 0)."""
-    chosen = torch.arange(len(table))
-    if before is not None:
-        chosen = torch.nonzero(torch.nan_to_num(table.start_times(), nan=0.0) <= before).flatten()
-    return chosen[torch.argsort(table.start_steps()[chosen], stable=True)]
+def eligible_at(table: BlockTable, at: float | None) -> np.ndarray:
+    """Indices of the blocks that start by the moment `at`, in time order (a block with no time counts
+    as 0); every block when `at` is None."""
+    chosen = np.arange(len(table))
+    if at is not None:
+        chosen = np.flatnonzero(np.nan_to_num(table.start_times(), nan=0.0) <= at)
+    return chosen[np.argsort(table.start_steps()[chosen], kind="stable")]

@@ -7,10 +7,8 @@ import json
 import os
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
 from mmkv_cli.errors import OutputExistsError, PackError
+from mmkv_cli.lazy import torch
 from mmkv_cli.pack.format import (
     BLOCKS,
     FORMAT_NAME,
@@ -18,7 +16,7 @@ from mmkv_cli.pack.format import (
     META_HEADER,
     META_HEADER_SHA,
     SERIES,
-    Segment,
+    Span,
     block_name,
     tensors_sha256,
 )
@@ -50,26 +48,28 @@ def split_series(header: dict) -> tuple[dict, dict[str, torch.Tensor]]:
         section, key = name.split(".")
         if key in (header.get(section) or {}):
             header[section] = dict(header[section])
-            series[name] = torch.tensor(header[section].pop(key), dtype=dtype).reshape(-1)
+            series[name] = torch.tensor(header[section].pop(key), dtype=getattr(torch, dtype)).reshape(-1)
     return header, series
 
 
 def write_pack(
     path: Path,
     header: dict,
-    prefix: Segment,
-    blocks: list[Segment],
-    suffix: Segment,
+    prefix: Span,
+    blocks: list[Span],
+    suffix: Span,
     force: bool = False,
 ) -> int:
     """Write header + segments to `path`; returns the file size in bytes."""
+    from safetensors.torch import save_file
+
     check_writable(path, force)
     tensors: dict = {}
-    segments_meta = {}
+    spans_meta = {}
     for seg in (prefix, suffix):
         packed = seg.packed()
         tensors.update(packed)
-        segments_meta[seg.name] = {
+        spans_meta[seg.name] = {
             "layer_counts": seg.layer_counts,
             "sha256": tensors_sha256(list(packed.values())),
         }
@@ -111,7 +111,7 @@ def write_pack(
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         **header,
-        "segments": segments_meta,
+        "spans": spans_meta,
         "blocks": blocks_meta,
         "representatives": {"dim": int(tensors["reps"].shape[1])} if "reps" in tensors else None,
     }

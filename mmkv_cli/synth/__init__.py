@@ -75,7 +75,7 @@ def write_dataset(
                 "clip_kind": clip.kind,
             }
             if "frame" in q:  # asked at that frame's time: the stream is seen up to there
-                row["timestamp"] = q["frame"] / fps
+                row["at"] = q["frame"] / fps
             rows.append(row)
     qa_path = out / "qa.jsonl"
     qa_path.write_text("".join(json.dumps(r) + "\n" for r in rows))

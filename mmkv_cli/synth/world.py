@@ -37,7 +37,7 @@ COUNT_WORDS = [
 ]
 QUESTION_TYPES = ["color", "shape", "first", "last", "count", "moment", "needle"]
 MOMENT_QUESTION = (
-    "what shape is shown now ?"  # asked at a moment: `timestamp` in qa.jsonl, `ask --at`
+    "what shape is shown now ?"  # asked at a moment: `at` in qa.jsonl, `ask --at`
 )
 
 

@@ -1,0 +1,64 @@
+"""Scoring shared by several methods: pure functions over tensors, no method imports another's."""
+
+from __future__ import annotations
+
+import math
+
+from mmkv_cli.lazy import torch
+
+
+def minmax(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(x - min) / (max - min + eps), as float32."""
+    x = x.float()
+    return (x - x.min()) / (x.max() - x.min() + eps)
+
+
+def top_in_order(score: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the `count` best scores, in temporal (ascending index) order."""
+    return score.topk(count).indices.sort().values
+
+
+def accumulate(total: torch.Tensor, sums: torch.Tensor, index: torch.Tensor) -> None:
+    """Add a chunk's column sums over a layer's cached visual tokens (cache order) to their stream slots."""
+    total.index_add_(0, index, sums.float())
+
+
+def pooled(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """1-D max-pool along the tokens (stride 1, same length): a kept token brings its neighbours'
+    weight."""
+    if kernel <= 1 or scores.numel() == 0:
+        return scores
+    pool = torch.nn.functional.max_pool1d
+    out = pool(scores.float()[None, None], kernel, stride=1, padding=kernel // 2)
+    return out[0, 0, : scores.numel()]
+
+
+def window_scores(attention: list[torch.Tensor], kernel: int) -> list[torch.Tensor]:
+    """SnapKV's score per layer: an observation window's attention to each visual token, max-pooled."""
+    return [pooled(a, kernel) for a in attention]
+
+
+def question_window_scores(
+    rows: list[torch.Tensor], visual: list[slice], kernel: int
+) -> list[torch.Tensor]:
+    """At ask the window is the question: its rows' attention summed over each layer's visual columns."""
+    return [pooled(r[:, v].sum(dim=0), kernel) for r, v in zip(rows, visual)]
+
+
+def keep_share(scores: list[torch.Tensor], share: float) -> list[torch.Tensor]:
+    """Each layer's top floor(share x n) tokens (at least one), in temporal order."""
+    return [top_in_order(s, max(1, math.floor(share * s.numel()))) for s in scores]
+
+
+def mean_key(keys: torch.Tensor) -> torch.Tensor | None:
+    """A block's retrieval key: the mean of its kept last-layer keys [H_kv, n, D], heads concatenated."""
+    if keys.shape[1] == 0:
+        return None
+    return keys.float().mean(dim=1).reshape(-1)
+
+
+def cosine_scores(query: torch.Tensor, reps: torch.Tensor) -> torch.Tensor:
+    """query [dim], reps [blocks, dim] -> [blocks] cosine similarity."""
+    return torch.nn.functional.cosine_similarity(
+        reps.float(), query.float().unsqueeze(0), dim=1
+    )

@@ -1,0 +1,197 @@
+"""The running encode cache as streaming memory policies see it, and the keep-everything policy.
+
+`RunningCache` is one per-layer store: each layer holds [prompt | front | visual] in the model's cache,
+and for every visual entry its index in the whole visual stream and the position it sits at. Policies
+evict, overwrite and insert through `retain`, `replace` and `insert_front`; the splicing of cache
+tensors happens in one place (`_splice`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mmkv_cli.lazy import torch
+from mmkv_cli.methods.base import Budget, EncodeContext
+from mmkv_cli.methods.scoring import mean_key
+from mmkv_cli.pack.format import Span, block_name
+
+if TYPE_CHECKING:
+    from mmkv_cli.attention import Recorder
+
+
+class RunningCache:
+    """Per layer: the model's cache entries, and for the visual ones their stream index and position."""
+
+    def __init__(self, cache, prompt_len: int, position_dims: int):
+        self.cache = cache  # a transformers DynamicCache; its layers hold [1, H_kv, n, D]
+        self.prompt_len = prompt_len
+        layers = len(cache.layers)
+        self.front = [0] * layers  # tokens between the prompt and the visual part (a summary token)
+        self.index = [torch.empty(0, dtype=torch.long) for _ in range(layers)]
+        self.positions = [torch.empty(position_dims, 0, dtype=torch.long) for _ in range(layers)]
+
+    @property
+    def layers(self) -> int:
+        return len(self.index)
+
+    def count(self, layer: int) -> int:
+        """Visual entries this layer holds."""
+        return int(self.index[layer].numel())
+
+    def visual_start(self, layer: int) -> int:
+        return self.prompt_len + self.front[layer]
+
+    def visual(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's visual K, V as [H_kv, n, D] views."""
+        entry = self.cache.layers[layer]
+        start = self.visual_start(layer)
+        stop = start + self.count(layer)
+        return entry.keys[0, :, start:stop], entry.values[0, :, start:stop]
+
+    def appended(self, index: torch.Tensor, positions: torch.Tensor) -> None:
+        """A forward added these visual tokens (stream indices, positions [P, n]) to every layer's end."""
+        for layer in range(self.layers):
+            self.index[layer] = torch.cat([self.index[layer], index])
+            self.positions[layer] = torch.cat([self.positions[layer], positions], dim=1)
+
+    def retain(self, layer: int, local: torch.Tensor) -> None:
+        """Keep only the visual entries at `local` (indices into this layer's visual part, ascending)."""
+        keys, values = self.visual(layer)
+        at = local.to(keys.device)
+        self._splice(layer, self.visual_start(layer), self.count(layer), keys[:, at], values[:, at])
+        self.index[layer] = self.index[layer][local.cpu()]
+        self.positions[layer] = self.positions[layer][:, local.cpu()]
+
+    def replace(
+        self,
+        layer: int,
+        keys: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> None:
+        """Overwrite this layer's visual K and/or V ([H_kv, n, D]) and/or positions ([P, n]), n unchanged."""
+        old_k, old_v = self.visual(layer)
+        keys = old_k if keys is None else keys
+        values = old_v if values is None else values
+        self._splice(layer, self.visual_start(layer), self.count(layer), keys, values)
+        if positions is not None:
+            self.positions[layer] = positions.to(self.positions[layer])
+
+    def insert_front(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Put one token ([H_kv, 1, D]) right after the prompt of this layer, replacing the one there."""
+        self._splice(layer, self.prompt_len, self.front[layer], key, value)
+        self.front[layer] = 1
+
+    def _splice(self, layer: int, start: int, length: int, keys, values) -> None:
+        """Cache entries [start, start + length) of this layer become `keys`, `values` ([H_kv, m, D])."""
+        entry = self.cache.layers[layer]
+        stop = start + length
+        k, v = keys.to(entry.keys).unsqueeze(0), values.to(entry.values).unsqueeze(0)
+        entry.keys = torch.cat([entry.keys[:, :, :start], k, entry.keys[:, :, stop:]], dim=2)
+        entry.values = torch.cat([entry.values[:, :, :start], v, entry.values[:, :, stop:]], dim=2)
+
+    @contextmanager
+    def scratch(self):
+        """Whatever a forward appends inside this block is cut off again on leaving it."""
+        lengths = [int(e.keys.shape[2]) for e in self.cache.layers]
+        try:
+            yield lengths
+        finally:
+            for entry, n in zip(self.cache.layers, lengths):
+                entry.keys, entry.values = entry.keys[:, :, :n], entry.values[:, :, :n]
+
+    def kv_bytes(self) -> int:
+        return sum(
+            e.keys.numel() * e.keys.element_size() * 2 for e in self.cache.layers if e.keys is not None
+        )
+
+
+# text -> per layer the attention its rows pay the cached visual tokens (or, rows=True, the raw rows)
+Attend = Callable[..., object]
+
+
+@dataclass
+class StreamState:
+    """The running cache and the stream around it, as a streaming memory policy sees them."""
+
+    cache: RunningCache
+    token_step: torch.Tensor  # [total] temporal step of every visual token
+    layout_positions: torch.Tensor  # [P, total + 1] the layout's positions, then the suffix's first
+    total: int  # visual tokens the whole media will give
+    seen: int = 0  # visual tokens streamed so far
+    shift: int = 0  # subtracted from layout positions of tokens still to come (set by compaction)
+    position_limit: int = 1 << 30  # the model's max_position_embeddings
+    rope: tuple | None = None  # (inv_freq, axes) for delta-rotating cached keys
+    attend: Attend | None = field(default=None, repr=False)
+
+    @property
+    def layers(self) -> int:
+        return self.cache.layers
+
+    def placed(self, start: int, stop: int) -> torch.Tensor:
+        """[P, n] positions the visual tokens [start, stop) are placed at now."""
+        return self.layout_positions[:, start:stop] - self.shift
+
+
+class KeepAll:
+    """The streaming memory that keeps every token: one block per temporal step. Policies that evict
+    subclass it and override the hooks they need."""
+
+    granularity = "frame"
+
+    def __init__(self, params, budget: Budget, context: EncodeContext):
+        self.params = params
+        self.budget = budget
+        self.context = context
+
+    def recorder(self, state: StreamState) -> Recorder | None:
+        return None
+
+    def observe(self, state: StreamState, recorder: Recorder) -> None:
+        pass
+
+    def after_chunk(self, state: StreamState) -> None:
+        pass
+
+    def finish(self, state: StreamState) -> None:
+        pass
+
+    def make_blocks(self, state: StreamState, step_times: list[tuple[float, float]]) -> list[Span]:
+        """Group what each layer kept by temporal step: one block per step still held by some layer."""
+        steps = len(step_times)
+        per_layer = []
+        for layer in range(state.layers):
+            keys, values = state.cache.visual(layer)
+            step = state.token_step[state.cache.index[layer]]
+            order = torch.argsort(step, stable=True)
+            counts = torch.bincount(step, minlength=steps).tolist()
+            at = order.to(keys.device)
+            per_layer.append(
+                (
+                    torch.split(keys[:, at].cpu(), counts, dim=1),
+                    torch.split(values[:, at].cpu(), counts, dim=1),
+                    torch.split(state.cache.positions[layer][:, order], counts, dim=1),
+                    counts,
+                )
+            )
+        blocks = []
+        for step, time in enumerate(step_times):
+            if not any(counts[step] for *_, counts in per_layer):
+                continue  # evicted from every layer
+            keys = [k[step] for k, *_ in per_layer]
+            blocks.append(
+                Span(
+                    name=block_name(len(blocks)),
+                    keys=keys,
+                    values=[v[step] for _, v, *_ in per_layer],
+                    positions=[p[step] for _, _, p, _ in per_layer],
+                    granularity=self.granularity,
+                    steps=(step, step + 1),
+                    time=time,
+                    representative=mean_key(keys[-1]),
+                )
+            )
+        return blocks

@@ -1,0 +1,65 @@
+"""Options records: what the verbs take, one record per concern instead of long parameter lists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Positions(str, Enum):
+    """Where stored keys sit in the context at ask."""
+
+    keep = "keep"  # their stored positions
+    reindex = "reindex"  # compacted to consecutive slots, keys re-rotated by the change
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Dtype(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """Which backbone, where. model: a preset, an HF id or a local folder (None: the default)."""
+
+    model: str | None = None
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class EncodeOptions:
+    method: str = "full"  # a method or a method preset
+    budget: float | None = None  # share of visual tokens kept (None: the method's default)
+    budget_tokens: int | None = None  # visual tokens kept per layer, instead of a share
+    fps: float | None = None  # None: the model's
+    max_frames: int | None = None  # None: the model's
+    guidance_prompt: str | None = None  # for methods that score by a prompt (None: by media kind)
+    force: bool = False  # replace an existing output
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling mass (with temperature > 0)
+    seed: int | None = None  # sampling seed (None: nondeterministic)
+    stop: tuple[str, ...] = ()  # stop strings: the answer ends before the first one
+
+
+@dataclass(frozen=True)
+class AskOptions:
+    at: float | None = None  # the question's moment (seconds; image or page index for stills)
+    positions: Positions | None = None  # None: the method's
+    prune: str | None = None  # a method that prunes the context's visual KV by the question
+    prune_budget: float | None = None  # with prune: share of visual KV kept (None: its default)
+    generation: GenerationOptions = field(default_factory=GenerationOptions)
+    keep_logits: bool = False  # keep the first answer token's logits (tests, comparisons)

@@ -1,0 +1,99 @@
+"""Test-only helpers: inputs for one ordinary HF forward over [prompt + video + question], the
+reference a pack's answer is compared against."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+
+def steps_of(per_step: int, times: list[float]) -> list[tuple[float, float]]:
+    """(first, last) frame time of every temporal step of frames sampled at these times."""
+    return [(times[i], times[min(i + per_step, len(times)) - 1]) for i in range(0, len(times), per_step)]
+
+
+def reference_inputs(backbone, frames: np.ndarray, question: str, times: list[float]) -> dict:
+    family = backbone.family
+    b = backbone
+    question_ids = b.question_ids(question)
+    if family == "llava_onevision":
+        n_video = len(frames) * b.tokens_per_step(frames.shape[1:3]) + 1
+        ids = (
+            b.text_ids(b.prompt.prefix)
+            + [b.model.config.video_token_id] * n_video
+            + b.text_ids(b.prompt.suffix_text)
+            + question_ids
+        )
+        pixels = b.video_processor(videos=[frames], return_tensors="pt")["pixel_values_videos"]
+        return {
+            "input_ids": torch.tensor([ids], device=b.device),
+            "pixel_values_videos": pixels.to(b.device, b.dtype),
+        }
+    video_id = b.model.config.video_token_id
+    inputs = b.video_processor(videos=[frames], return_tensors="pt", do_sample_frames=False)
+    grid = inputs["video_grid_thw"]
+    merge = b.video_processor.merge_size
+    steps = steps_of(b.frames_per_step, times)
+    extra = {}
+    if family == "qwen3_vl":  # every step stamped "<t seconds>" inside vision start/end tokens
+        h, w = (int(x) // merge for x in grid[0, 1:])
+        ids = b.text_ids(b.prompt.prefix)
+        for time in steps:
+            before, after = b.step_markers(time)
+            ids += before + [video_id] * (h * w) + after
+    else:
+        ids = b.text_ids(b.prompt.prefix) + [video_id] * (int(grid.prod()) // merge**2)
+        extra = b._rope_kwargs(steps)
+    ids = torch.tensor([ids + b.text_ids(b.prompt.suffix_text) + question_ids])
+    return {
+        "input_ids": ids.to(b.device),
+        "mm_token_type_ids": ((ids == video_id).int() * 2).to(b.device),
+        "pixel_values_videos": inputs["pixel_values_videos"].to(b.device, b.dtype),
+        "video_grid_thw": grid.to(b.device),
+        **extra,
+    }
+
+
+def choose(name: str, budget=None, budget_tokens=None, **params):
+    """The method `name` as the CLI would resolve it, with some parameters overridden."""
+    from mmkv_cli.presets import resolve_method
+    from mmkv_cli.spec import override
+
+    choice = resolve_method(name).with_budget(budget, budget_tokens)
+    return replace(choice, params=override(choice.params, params, "test")) if params else choice
+
+
+def with_policy(choice, policy):
+    """`choice` whose streaming memory is the given policy object (to watch it while it runs)."""
+    return replace(choice, method=replace(choice.method, streaming=lambda *_: policy))
+
+
+def encode_pack(media, output, model=None, method="full", budget=None, *, backbone=None, **options):
+    """api.encode with the options spelled as keywords (the tests' shorthand)."""
+    from mmkv_cli import api
+    from mmkv_cli.options import EncodeOptions, LoadOptions
+
+    return api.encode(
+        str(media),
+        output,
+        EncodeOptions(method, budget, **options),
+        backbone=backbone,
+        load=LoadOptions(model, "cpu"),
+    )
+
+
+def ask_pack(pack, question, *, backbone=None, max_new_tokens=32, keep_logits=False, **options):
+    """api.ask with the options spelled as keywords (budget: the --prune budget)."""
+    from mmkv_cli import api
+    from mmkv_cli.options import AskOptions, GenerationOptions, Positions
+
+    if options.get("positions") is not None:
+        options["positions"] = Positions(options["positions"])
+    if "budget" in options:
+        options["prune_budget"] = options.pop("budget")
+    asking = AskOptions(
+        generation=GenerationOptions(max_new_tokens), keep_logits=keep_logits, **options
+    )
+    return api.ask(pack, question, asking, backbone=backbone)
