@@ -28,9 +28,16 @@ from make_samples import SIZE, frame_at  # noqa: E402
 
 from mmkv_cli import api  # noqa: E402
 from mmkv_cli.backbones import load_backbone  # noqa: E402
+from mmkv_cli.options import (  # noqa: E402
+    AskOptions,
+    EncodeOptions,
+    GenerationOptions,
+    LoadOptions,
+)
 
 FPS = 8
 QUESTION = "what color is the circle ?"
+ONE_TOKEN = AskOptions(generation=GenerationOptions(max_new_tokens=1))
 
 
 def write_long_clip(path: Path, frames: int) -> None:
@@ -52,7 +59,7 @@ def measure(packs: dict, backbone, repeats: int) -> dict:
     the machine's load, and whatever a big ask leaves behind for the next one, fall on all packs alike."""
     times = {key: [] for key in packs}
     answers = {
-        key: api.ask(pack, QUESTION, backbone=backbone, max_new_tokens=1)
+        key: api.ask(pack, QUESTION, ONE_TOKEN, backbone=backbone)
         for key, pack in packs.items()
     }
     shuffle = random.Random(0).shuffle
@@ -61,7 +68,7 @@ def measure(packs: dict, backbone, repeats: int) -> dict:
         shuffle(order)
         for key in order:
             start = time.perf_counter()
-            answers[key] = api.ask(packs[key], QUESTION, backbone=backbone, max_new_tokens=1)
+            answers[key] = api.ask(packs[key], QUESTION, ONE_TOKEN, backbone=backbone)
             times[key].append(time.perf_counter() - start)
     return {
         key: {
@@ -86,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    backbone = load_backbone(args.model, args.device)
+    backbone = load_backbone(LoadOptions(args.model, args.device))
     lengths = [int(f) for f in args.frames.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,9 +103,8 @@ def main() -> None:
             write_long_clip(clip, frames)
             for method in args.methods.split(","):
                 pack = packs[(method, frames)] = Path(tmp) / f"{method}{frames}.kvpack"
-                summary = api.encode(
-                    str(clip), pack, method=method, backbone=backbone, fps=FPS, max_frames=frames
-                )
+                options = EncodeOptions(method, fps=FPS, max_frames=frames)
+                summary = api.encode(str(clip), pack, options, backbone=backbone)
                 encode_s[(method, frames)] = summary["encode_s"]
         measured = measure(packs, backbone, args.repeats)
         for (method, frames), m in measured.items():

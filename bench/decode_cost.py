@@ -32,9 +32,10 @@ def main() -> None:
     args = ap.parse_args()
     from mmkv_cli import api
     from mmkv_cli.backbones import load_backbone
+    from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
     from mmkv_cli.synth import write_dataset
 
-    backbone = load_backbone(args.model, "auto")
+    backbone = load_backbone(LoadOptions(args.model))
     kv = backbone.kv_shape()
     per_token = (
         2 * kv["kv_heads"] * kv["head_dim"] * (2 if kv["dtype"] in ("bfloat16", "float16") else 4)
@@ -43,14 +44,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         write_dataset(Path(tmp) / "set", clips=1, frames=args.frames, seed=3, kind="normal")
         pack = Path(tmp) / "full.kvpack"
-        api.encode(
-            str(Path(tmp) / "set" / "clips" / "clip_0000.mp4"),
-            pack,
-            args.model,
-            "full",
-            max_frames=args.frames,
-            backbone=backbone,
-        )
+        video = str(Path(tmp) / "set" / "clips" / "clip_0000.mp4")
+        api.encode(video, pack, EncodeOptions(max_frames=args.frames), backbone=backbone)
 
         configs = [("none", None, 1.0)] + [
             (m, m, float(b)) for m in args.methods.split(",") for b in args.budgets.split(",")
@@ -65,14 +60,12 @@ def main() -> None:
             shuffle(order)
             for config in order:
                 _, prune, budget = config
-                answer = api.ask(
-                    pack,
-                    "which shape appeared first ?",
-                    backbone=backbone,
-                    max_new_tokens=args.tokens,
+                asking = AskOptions(
                     prune=prune,
-                    budget=budget if prune else None,
+                    prune_budget=budget if prune else None,
+                    generation=GenerationOptions(max_new_tokens=args.tokens),
                 )
+                answer = api.ask(pack, "which shape appeared first ?", asking, backbone=backbone)
                 times[config].append(answer.decode_s_per_token)
                 kept[config] = answer.kv_tokens or [answer.context_tokens] * kv["layers"]
                 generated[config] = len(answer.token_ids)

@@ -21,9 +21,11 @@ RESULTS = ROOT / "bench" / "results"
 CHILD = """
 import json, resource, sys
 from mmkv_cli import api
+from mmkv_cli.options import EncodeOptions, LoadOptions
 video, out, model, method, budget_tokens = sys.argv[1:6]
-info = api.encode(video, out, model, method, device="cpu", max_frames=100000, force=True,
-                  budget_tokens=int(budget_tokens) if method.startswith("hermes") else None)
+tokens = int(budget_tokens) if method.startswith("hermes") else None
+options = EncodeOptions(method, budget_tokens=tokens, max_frames=100000, force=True)
+info = api.encode(video, out, options, load=LoadOptions(model, "cpu"))
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 print(json.dumps({"peak_rss": peak, "peak_kv": info["peak_kv_bytes"], "encode_s": info["encode_s"],
                   "kept": info["visual_tokens_kept"], "total": info["visual_tokens_total"]}))

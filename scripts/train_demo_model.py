@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mmkv_cli.backbones.demo import demo_architecture  # noqa: E402
 from mmkv_cli.backbones.llava_onevision import PROMPT  # noqa: E402
 from mmkv_cli.synth import make_clip  # noqa: E402
-from mmkv_cli.synth.world import render, render_clip, truncated  # noqa: E402
+from mmkv_cli.synth.world import Clip, Event, render, render_clip  # noqa: E402
 
 TOKENS_PER_FRAME = 4
 
@@ -126,6 +126,16 @@ class Batches:
         pixels = self.processor(videos=videos, return_tensors="pt")["pixel_values_videos"]
         return ids, pixels, mask, positions, torch.tensor(targets), types
 
+
+
+def truncated(clip: Clip, frames: int) -> Clip:
+    """The clip as seen up to (not including) frame `frames`: what a question asked at that moment sees."""
+    kept = tuple(
+        Event(e.shape, e.colour, e.start, min(e.stop, frames), e.x0, e.y0, e.vx, e.vy)
+        for e in clip.events
+        if e.start < frames
+    )
+    return Clip(clip.kind, frames, kept)
 
 def multi_loss(model, ids, pixels, mask, positions, targets) -> torch.Tensor:
     hidden = model.model(

@@ -158,16 +158,6 @@ def questions(clip: Clip, rng: np.random.Generator) -> list[dict]:
     ]
 
 
-def truncated(clip: Clip, frames: int) -> Clip:
-    """The clip as seen up to (not including) frame `frames`: what a question asked at that moment sees."""
-    kept = tuple(
-        Event(e.shape, e.colour, e.start, min(e.stop, frames), e.x0, e.y0, e.vx, e.vy)
-        for e in clip.events
-        if e.start < frames
-    )
-    return Clip(clip.kind, frames, kept)
-
-
 def chance(question_type: str) -> float:
     """Accuracy of a uniform guess over the answers a question of this type can have."""
     return {
