@@ -59,8 +59,7 @@ def measure(packs: dict, backbone, repeats: int) -> dict:
     the machine's load, and whatever a big ask leaves behind for the next one, fall on all packs alike."""
     times = {key: [] for key in packs}
     answers = {
-        key: api.ask(pack, QUESTION, ONE_TOKEN, backbone=backbone)
-        for key, pack in packs.items()
+        key: api.ask(pack, QUESTION, ONE_TOKEN, backbone=backbone) for key, pack in packs.items()
     }
     shuffle = random.Random(0).shuffle
     for _ in range(repeats):

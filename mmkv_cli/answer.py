@@ -183,9 +183,13 @@ def answer_from_pack(
         # the context's visual tokens per layer, from the table's columns (no per-block dicts)
         chosen = [reader.blocks.index_of(n) for n in names]
         layers = len(cache.layers)
-        visual = reader.blocks.layer_totals()[chosen].sum(axis=0).tolist() if chosen else [0] * layers
+        visual = (
+            reader.blocks.layer_totals()[chosen].sum(axis=0).tolist() if chosen else [0] * layers
+        )
         prefix_counts = reader.span("prefix").layer_counts
-        kv_tokens = prune_context(cache, recorder.row, prefix_counts, visual, embeds.shape[1], prune)
+        kv_tokens = prune_context(
+            cache, recorder.row, prefix_counts, visual, embeds.shape[1], prune
+        )
     logits = backbone.logits(hidden[:, -1])[0]
     first_logits = logits.cpu().clone() if options.keep_logits else None
     decode_start = [0.0]
@@ -194,7 +198,9 @@ def answer_from_pack(
         nonlocal position
         if not decode_start[0]:
             decode_start[0] = time.perf_counter()
-        out = backbone.forward(backbone.embed_ids([token]), backbone.text_positions(position, 1), cache)
+        out = backbone.forward(
+            backbone.embed_ids([token]), backbone.text_positions(position, 1), cache
+        )
         position += 1
         return backbone.logits(out[:, -1])[0]
 
@@ -204,7 +210,9 @@ def answer_from_pack(
     )
     total = time.perf_counter() - start
     steps = len(made.token_ids) - 1
-    decode_s = (time.perf_counter() - decode_start[0]) / steps if steps > 0 and decode_start[0] else 0.0
+    decode_s = (
+        (time.perf_counter() - decode_start[0]) / steps if steps > 0 and decode_start[0] else 0.0
+    )
     return Answer(
         answer=made.text.strip(),
         token_ids=made.token_ids,

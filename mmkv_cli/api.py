@@ -178,7 +178,9 @@ def inspect(pack: str | Path) -> dict:
         "family": h["fingerprint"]["family"],
         "method": method["name"],
         "budget": method.get("budget"),
-        "budget_tokens": method.get("budget_tokens", (method.get("params") or {}).get("budget_tokens")),
+        "budget_tokens": method.get(
+            "budget_tokens", (method.get("params") or {}).get("budget_tokens")
+        ),
         "media": {k: h["media"][k] for k in ("kind", "source", "digest", "frames")},
         "blocks": len(reader.blocks),
         "visual_tokens_total": total,

@@ -89,9 +89,7 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
                 for name, fn in recorder.reducers.items():
                     out = fn(block)
                     totals[name] = totals[name] + out if name in totals else out
-    return _sdpa(
-        module, query, key, value, own_length_mask(query, key, attention_mask), **kwargs
-    )
+    return _sdpa(module, query, key, value, own_length_mask(query, key, attention_mask), **kwargs)
 
 
 def own_length_mask(

@@ -91,7 +91,9 @@ def main_options(
         False, "--version", help="Print the version and exit.", callback=_version, is_eager=True
     ),
     presets: str | None = typer.Option(
-        None, "--presets", help="A folder of user presets (methods/, models/) over the built-in ones."
+        None,
+        "--presets",
+        help="A folder of user presets (methods/, models/) over the built-in ones.",
     ),
 ) -> None:
     """Encode video, image sets and documents into compressed KV caches; answer from them later."""
@@ -226,7 +228,11 @@ def ask(
         None, "--stop", help="End the answer before this text (repeatable)."
     ),
     model: str | None = typer.Option(
-        None, "--model", "-m", help="Override the model the pack names.", autocompletion=_model_names
+        None,
+        "--model",
+        "-m",
+        help="Override the model the pack names.",
+        autocompletion=_model_names,
     ),
     explain: bool = typer.Option(False, "--explain", help="List the retrieved blocks and scores."),
     at: float | None = typer.Option(
@@ -258,7 +264,9 @@ def ask(
             positions=positions,
             prune=prune.value if prune else None,
             prune_budget=budget,
-            generation=GenerationOptions(max_new_tokens, temperature, top_p, seed, tuple(stop or ())),
+            generation=GenerationOptions(
+                max_new_tokens, temperature, top_p, seed, tuple(stop or ())
+            ),
         )
         load = _load(model, device, dtype)
         if as_json:
@@ -379,13 +387,18 @@ def methods(as_json: bool = JsonOpt) -> None:
                     "name": name,
                     "implements": method.name,
                     "description": choice.description,
-                    "paper": {"title": method.paper.title, "year": method.paper.year,
-                              "url": method.paper.url},
+                    "paper": {
+                        "title": method.paper.title,
+                        "year": method.paper.year,
+                        "url": method.paper.url,
+                    },
                     "budget": budget.label() if budget else "keeps all",
                     "budget_share": budget.share if budget else None,
                     "budget_tokens": budget.tokens if budget else None,
                     "abilities": method.abilities(),
-                    "params": [{**p, "value": defaults[p["name"]]} for p in describe(method.params)],
+                    "params": [
+                        {**p, "value": defaults[p["name"]]} for p in describe(method.params)
+                    ],
                 }
             )
         if as_json:
@@ -474,8 +487,10 @@ def eval_(
         if as_json:
             fields = ("method", "budget", "kept", "accuracy", "by_type", "n")
             _emit_json(
-                {"runs": [{k: r.get(k) for k in fields} for r in result["runs"]],
-                 "plot": result["plot"]}
+                {
+                    "runs": [{k: r.get(k) for k in fields} for r in result["runs"]],
+                    "plot": result["plot"],
+                }
             )
         else:
             show_eval(result["runs"], result["plot"])

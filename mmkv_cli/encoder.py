@@ -191,7 +191,9 @@ def encode_streaming(stream: Stream, policy: StreamingMemory, cache, prompt_len:
     _check_count(stream.media, state.seen, total)
     policy.finish(state)
     blocks = policy.make_blocks(state, stream.step_times)
-    visual_end = [running.visual_start(layer) + running.count(layer) for layer in range(state.layers)]
+    visual_end = [
+        running.visual_start(layer) + running.count(layer) for layer in range(state.layers)
+    ]
     return Streamed(blocks, cache, visual_end, max(peak_kv, running.kv_bytes()), state.shift)
 
 
@@ -249,4 +251,6 @@ def encode_blockwise(stream: Stream, policy: BlockwiseMemory, prefix: Span, cach
 
 def _check_count(media: Media, seen: int, total: int) -> None:
     if seen != total:
-        raise MediaError(f"{media.source}: expected {total} visual tokens, the backbone gave {seen}")
+        raise MediaError(
+            f"{media.source}: expected {total} visual tokens, the backbone gave {seen}"
+        )

@@ -241,7 +241,13 @@ def evaluate(
             folder = run_folder(root, model, name, budget if budget is not None else 1.0)
             runs.append(
                 evaluate_run(
-                    items, folder, backbone, model, name, budget, settings,
+                    items,
+                    folder,
+                    backbone,
+                    model,
+                    name,
+                    budget,
+                    settings,
                     on_clip=lambda n, task=task: bar.update(task, completed=n),
                 )
             )

@@ -68,7 +68,9 @@ def _coerce(tp: Any, value: Any, current: Any, where: str) -> Any:
     origin = get_origin(inner)
     if origin is Literal:
         if value not in get_args(inner):
-            raise UsageError(f"{where}: '{value}' is not one of {', '.join(map(str, get_args(inner)))}")
+            raise UsageError(
+                f"{where}: '{value}' is not one of {', '.join(map(str, get_args(inner)))}"
+            )
         return value
     if is_dataclass(inner):
         if not isinstance(value, dict):
@@ -79,7 +81,9 @@ def _coerce(tp: Any, value: Any, current: Any, where: str) -> Any:
         items = get_args(inner)
         if not isinstance(value, (list, tuple)) or len(value) != len(items):
             raise UsageError(f"{where}: expected a list of {len(items)} ({type_name(inner)})")
-        return tuple(_coerce(t, v, None, f"{where}[{i}]") for i, (t, v) in enumerate(zip(items, value)))
+        return tuple(
+            _coerce(t, v, None, f"{where}[{i}]") for i, (t, v) in enumerate(zip(items, value))
+        )
     if inner is bool:
         if not isinstance(value, bool):
             raise UsageError(f"{where}: expected true or false, got {value!r}")

@@ -127,7 +127,6 @@ class Batches:
         return ids, pixels, mask, positions, torch.tensor(targets), types
 
 
-
 def truncated(clip: Clip, frames: int) -> Clip:
     """The clip as seen up to (not including) frame `frames`: what a question asked at that moment sees."""
     kept = tuple(
@@ -136,6 +135,7 @@ def truncated(clip: Clip, frames: int) -> Clip:
         if e.start < frames
     )
     return Clip(clip.kind, frames, kept)
+
 
 def multi_loss(model, ids, pixels, mask, positions, targets) -> torch.Tensor:
     hidden = model.model(

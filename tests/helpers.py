@@ -11,7 +11,9 @@ import torch
 
 def steps_of(per_step: int, times: list[float]) -> list[tuple[float, float]]:
     """(first, last) frame time of every temporal step of frames sampled at these times."""
-    return [(times[i], times[min(i + per_step, len(times)) - 1]) for i in range(0, len(times), per_step)]
+    return [
+        (times[i], times[min(i + per_step, len(times)) - 1]) for i in range(0, len(times), per_step)
+    ]
 
 
 def reference_inputs(backbone, frames: np.ndarray, question: str, times: list[float]) -> dict:

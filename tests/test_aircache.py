@@ -68,7 +68,9 @@ def test_pruning_at_ask_keeps_the_first_token_and_cuts_each_layer(tmp_path, back
     info = encode_pack("samples/clip.mp4", pack, model, "full", backbone=backbone)
     question = "what color is the circle ?"
     plain = ask_pack(pack, question, backbone=backbone, max_new_tokens=4, keep_logits=True)
-    whole = ask_pack(pack, question, backbone=backbone, max_new_tokens=4, prune="snapkv", budget=1.0)
+    whole = ask_pack(
+        pack, question, backbone=backbone, max_new_tokens=4, prune="snapkv", budget=1.0
+    )
     assert whole.token_ids == plain.token_ids  # keeping everything changes nothing
     n_question = len(backbone.question_ids(question))
     text = info["prompt_tokens"] + n_question

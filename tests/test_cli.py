@@ -169,12 +169,21 @@ def error_cases(tmp_path, qwen_pack):
             2,
             "method 'full' keeps every token: --budget-tokens does not apply",
         ),
-        (["encode", clip, *tiny, "--method", "rekv", "--budget", "0.5", "-o", out], 2,
-         "method 'rekv' keeps every token: --budget does not apply"),
-        (["encode", clip, *tiny, "--guidance-prompt", "what ?", "-o", out], 2,
-         "method 'full' uses no guidance prompt"),
-        (["encode", str(existing), *tiny, "-o", str(existing), "--force"], 2,
-         "is the media being encoded"),
+        (
+            ["encode", clip, *tiny, "--method", "rekv", "--budget", "0.5", "-o", out],
+            2,
+            "method 'rekv' keeps every token: --budget does not apply",
+        ),
+        (
+            ["encode", clip, *tiny, "--guidance-prompt", "what ?", "-o", out],
+            2,
+            "method 'full' uses no guidance prompt",
+        ),
+        (
+            ["encode", str(existing), *tiny, "-o", str(existing), "--force"],
+            2,
+            "is the media being encoded",
+        ),
         (["inspect", str(junk)], 4, "not a kvpack"),
     ]
 
@@ -249,12 +258,20 @@ def test_user_presets_override_the_built_in_ones_from_a_flag_or_the_environment(
     (tmp_path / "methods").mkdir()
     (tmp_path / "methods" / "snapkv.yaml").write_text("budget: 0.5\nparams: {pool_kernel: 3}\n")
     (tmp_path / "methods" / "mine.yaml").write_text("extends: hermes-6k\ndescription: mine\n")
-    listed = json.loads(runner.invoke(app, ["--presets", str(tmp_path), "methods", "--json"]).stdout)
+    listed = json.loads(
+        runner.invoke(app, ["--presets", str(tmp_path), "methods", "--json"]).stdout
+    )
     rows = {m["name"]: m for m in listed["methods"]}
     snap = {p["name"]: p["value"] for p in rows["snapkv"]["params"]}
     assert rows["snapkv"]["budget_share"] == 0.5 and snap["pool_kernel"] == 3
     assert rows["mine"]["implements"] == "hermes" and rows["mine"]["budget_tokens"] == 6144
     env = {**ENV, "MMKV_PRESETS": str(tmp_path)}
-    again = subprocess.run([sys.executable, "-m", "mmkv_cli", "methods", "--json"],
-                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    again = subprocess.run(
+        [sys.executable, "-m", "mmkv_cli", "methods", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert {m["name"] for m in json.loads(again.stdout)["methods"]} >= {"mine", "mukv-middle"}

@@ -254,7 +254,10 @@ def test_retrieval_needs_representatives_and_a_known_query_mode(tmp_path, backbo
     )
     with pytest.raises(PackError, match="no block representatives"):
         answer_from_pack(
-            backbone, PackReader(tmp_path / "h.kvpack"), RetrievalContext(options), "what ?",
+            backbone,
+            PackReader(tmp_path / "h.kvpack"),
+            RetrievalContext(options),
+            "what ?",
             AskOptions(),
         )
     encode_pack(

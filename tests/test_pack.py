@@ -203,9 +203,7 @@ def test_block_table_columns_agree_with_its_rows_and_with_a_v2_json_table(tmp_pa
         [3, 2, 1],
         [4, 4, 0],
     ]
-    assert eligible_at(table, 1.5).tolist() == [0] and eligible_at(
-        table, None
-    ).tolist() == [0, 1]
+    assert eligible_at(table, 1.5).tolist() == [0] and eligible_at(table, None).tolist() == [0, 1]
     # a v2 pack kept the same rows as JSON in its header, under names of its own
     v2 = BlockTable.from_dicts([{**r, "name": f"old{i}"} for i, r in enumerate(rows)])
     assert [{**v2[i], "name": None} for i in range(2)] == [{**r, "name": None} for r in rows]

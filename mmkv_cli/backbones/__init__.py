@@ -40,7 +40,6 @@ DTYPES = {
 }
 
 
-
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

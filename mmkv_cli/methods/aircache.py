@@ -22,7 +22,10 @@ from mmkv_cli.spec import knob
 @dataclass(frozen=True)
 class AirCacheParams(GuidedParams):
     tau: float = knob(
-        0.9, "elite window: attention from the last instruction token >= tau x its maximum", low=0, high=1
+        0.9,
+        "elite window: attention from the last instruction token >= tau x its maximum",
+        low=0,
+        high=1,
     )
     min_layer_ratio: float = knob(
         0.01, "no layer keeps less than this share of its visual tokens", low=0, high=1
@@ -117,7 +120,9 @@ class AirCacheMemory(KeepAll):
         tau = self.params.tau
         importance = [visual_importance(r, v, i, tau) for r, v, i in zip(rows, visual, instruction)]
         share = self.budget.share_of(state.total)
-        for layer, local in enumerate(keep_per_layer(importance, share, self.params.min_layer_ratio)):
+        for layer, local in enumerate(
+            keep_per_layer(importance, share, self.params.min_layer_ratio)
+        ):
             if len(local) < state.cache.count(layer):
                 state.cache.retain(layer, local)
 

@@ -92,7 +92,8 @@ class StreamParams:
 @dataclass(frozen=True)
 class GuidedParams(StreamParams):
     guidance_prompt: str | None = knob(
-        None, "the prompt whose attention scores tokens at encode (null: one fitting the media kind)"
+        None,
+        "the prompt whose attention scores tokens at encode (null: one fitting the media kind)",
     )
 
 

@@ -35,13 +35,18 @@ class Smoothing:
 
 @dataclass(frozen=True)
 class HermesParams(GuidedParams):
-    shallow_share: float = knob(0.1, "share of layers that are shallow (pure recency)", low=0, high=1)
+    shallow_share: float = knob(
+        0.1, "share of layers that are shallow (pure recency)", low=0, high=1
+    )
     deep_share: float = knob(0.3, "share of layers that are deep (pure attention)", low=0, high=1)
     recency_k: tuple[float, float] = knob(
         (20.0, 0.5), "forgetting-curve steepness k: shallow value, then the deepest middle layer's"
     )
     middle_a: tuple[float, float] = knob(
-        (1.0, 0.1), "recency weight a across middle layers: first, then last (1 - 0.9 p)", low=0, high=1
+        (1.0, 0.1),
+        "recency weight a across middle layers: first, then last (1 - 0.9 p)",
+        low=0,
+        high=1,
     )
     smoothing: Smoothing = knob(Smoothing(), "cross-layer smoothing g per role, deep -> shallow")
     summary: bool = knob(True, "deep layers fold what they evict into one summary token")

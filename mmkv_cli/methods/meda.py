@@ -25,8 +25,10 @@ from mmkv_cli.spec import knob
 class MedaParams(GuidedParams):
     min_layer_ratio: float = knob(0.01, "ratio_l is clamped to [this, 1]", low=0, high=1)
     recent_share: float = knob(
-        0.75, "recent window share of a layer's budget (M:N = 3:1, the paper; 1:1 in the authors' code)",
-        low=0, high=1,
+        0.75,
+        "recent window share of a layer's budget (M:N = 3:1, the paper; 1:1 in the authors' code)",
+        low=0,
+        high=1,
     )
     merge: bool = knob(True, "evicted pairs merge into their most similar kept key (same head)")
 

@@ -48,7 +48,9 @@ class Counts:
 
 @dataclass(frozen=True)
 class MuKVParams:
-    chunk_frames: int = knob(16, "frames turned into tokens at once (a multiple of the segment)", low=1)
+    chunk_frames: int = knob(
+        16, "frames turned into tokens at once (a multiple of the segment)", low=1
+    )
     segment_frames: int = knob(4, "F: frames in a segment block", low=1)
     views: Literal["stream", "middle_frame"] = knob(
         "stream",
@@ -56,22 +58,29 @@ class MuKVParams:
         "middle_frame: patch and frame blocks of each segment's middle frame (the paper's prose)",
     )
     patch_blocks: Literal["spatial", "raster"] = knob(
-        "spatial", "patch blocks: spatial quarters (the paper) or contiguous runs (the authors' code)"
+        "spatial",
+        "patch blocks: spatial quarters (the paper) or contiguous runs (the authors' code)",
     )
-    rho: Shares = knob(Shares(), "share of a block's tokens kept, per granularity (sum: the budget)")
+    rho: Shares = knob(
+        Shares(), "share of a block's tokens kept, per granularity (sum: the budget)"
+    )
     alpha: Shares = knob(
-        Shares(patch=0.5, frame=0.7, segment=0.8), "attention weight in the fused score, per granularity"
+        Shares(patch=0.5, frame=0.7, segment=0.8),
+        "attention weight in the fused score, per granularity",
     )
     frequency: Literal["fft", "diff"] = knob(
         "fft", "key-frequency signal: fft (the paper) or diff (the reference loader's default)"
     )
-    batch_tokens: int = knob(4096, "tokens in one prefill batch's cache: rows x (init + block)", low=1)
+    batch_tokens: int = knob(
+        4096, "tokens in one prefill batch's cache: rows x (init + block)", low=1
+    )
     query: Literal["query_mean", "last_key"] = knob(
         "query_mean", "question vector: mean of its last-layer queries (paper) or last key (code)"
     )
     k: Counts = knob(Counts(), "blocks retrieved per granularity")
     rerank: Shares = knob(
-        Shares(patch=0.3, frame=0.3, segment=0.0), "lambda: weight of agreement with the top segments"
+        Shares(patch=0.3, frame=0.3, segment=0.0),
+        "lambda: weight of agreement with the top segments",
     )
     top_segments: int = knob(5, "segments whose mean representative reranks the others", low=0)
     positions: Literal["keep", "reindex"] = knob(
@@ -195,7 +204,9 @@ class MuKVMemory:
         self.batch_tokens = params.batch_tokens
         # The budget is the pack's share of one stream: the three views' rho are scaled to sum to it.
         self._budget = budget
-        self.rho: dict[str, float] | None = None if budget.tokens is not None else self._scaled(budget.share)
+        self.rho: dict[str, float] | None = (
+            None if budget.tokens is not None else self._scaled(budget.share)
+        )
 
     def _scaled(self, share: float) -> dict[str, float]:
         rho = self.params.rho.as_dict()
@@ -210,7 +221,9 @@ class MuKVMemory:
     def segment_steps(self, frames_per_step: int) -> int:
         return max(1, self.params.segment_frames // frames_per_step)
 
-    def plan(self, step_starts, step_lengths, grid_offsets, grid, frames_per_step) -> list[BlockPlan]:
+    def plan(
+        self, step_starts, step_lengths, grid_offsets, grid, frames_per_step
+    ) -> list[BlockPlan]:
         return plan_blocks(
             step_starts,
             step_lengths,
@@ -221,7 +234,9 @@ class MuKVMemory:
             self.params.views,
         )
 
-    def choose(self, granularity: str, attention: torch.Tensor, last_keys: torch.Tensor) -> torch.Tensor:
+    def choose(
+        self, granularity: str, attention: torch.Tensor, last_keys: torch.Tensor
+    ) -> torch.Tensor:
         """Local indices a block keeps. attention [N] column sums; last_keys [H_kv, N, D]."""
         n = attention.shape[0]
         rho = self.rho[granularity]
@@ -253,7 +268,9 @@ METHOD = Method(
         "https://github.com/IMBALDY/MuKV",
     ),
     params=MuKVParams,
-    budget=Budget(share=1.0),  # pack tokens / stream tokens: rho sums to 1.0 (177K -> 59K, 300 frames)
+    budget=Budget(
+        share=1.0
+    ),  # pack tokens / stream tokens: rho sums to 1.0 (177K -> 59K, 300 frames)
     blockwise=MuKVMemory,
     context=context,
 )

@@ -17,7 +17,9 @@ from mmkv_cli.spec import knob
 @dataclass(frozen=True)
 class PyramidKVParams(GuidedParams):
     pool_kernel: int = knob(7, "1-D max-pool width over neighbouring tokens' scores", low=1)
-    beta: float = knob(20.0, "the last layer keeps budget / beta, the first 2 x budget - that", low=1)
+    beta: float = knob(
+        20.0, "the last layer keeps budget / beta, the first 2 x budget - that", low=1
+    )
 
 
 def pyramid_budgets(
@@ -35,7 +37,9 @@ def pyramid_budgets(
     if available is not None and high > available:
         high = available
         low = 2 * per_layer - high
-    return [max(1, math.floor(high - (high - low) * layer / (layers - 1))) for layer in range(layers)]
+    return [
+        max(1, math.floor(high - (high - low) * layer / (layers - 1))) for layer in range(layers)
+    ]
 
 
 def prune_at_ask(rows, visual, question, budget: float, params: PyramidKVParams):

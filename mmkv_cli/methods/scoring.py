@@ -59,6 +59,4 @@ def mean_key(keys: torch.Tensor) -> torch.Tensor | None:
 
 def cosine_scores(query: torch.Tensor, reps: torch.Tensor) -> torch.Tensor:
     """query [dim], reps [blocks, dim] -> [blocks] cosine similarity."""
-    return torch.nn.functional.cosine_similarity(
-        reps.float(), query.float().unsqueeze(0), dim=1
-    )
+    return torch.nn.functional.cosine_similarity(reps.float(), query.float().unsqueeze(0), dim=1)

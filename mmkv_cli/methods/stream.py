@@ -105,7 +105,9 @@ class RunningCache:
 
     def kv_bytes(self) -> int:
         return sum(
-            e.keys.numel() * e.keys.element_size() * 2 for e in self.cache.layers if e.keys is not None
+            e.keys.numel() * e.keys.element_size() * 2
+            for e in self.cache.layers
+            if e.keys is not None
         )
 
 

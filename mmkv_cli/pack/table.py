@@ -98,7 +98,12 @@ class BlockTable(Sequence):
         """A table from per-block dicts (the v2 header's JSON list)."""
         kinds = list(dict.fromkeys(b["granularity"] for b in blocks))
         rows = [
-            [kinds.index(b["granularity"]), *(b["steps"] or (-1, -1)), b["offset"], *b["layer_counts"]]
+            [
+                kinds.index(b["granularity"]),
+                *(b["steps"] or (-1, -1)),
+                b["offset"],
+                *b["layer_counts"],
+            ]
             for b in blocks
         ]
         times = [b["time"] or (math.nan, math.nan) for b in blocks]

@@ -48,7 +48,9 @@ def split_series(header: dict) -> tuple[dict, dict[str, torch.Tensor]]:
         section, key = name.split(".")
         if key in (header.get(section) or {}):
             header[section] = dict(header[section])
-            series[name] = torch.tensor(header[section].pop(key), dtype=getattr(torch, dtype)).reshape(-1)
+            series[name] = torch.tensor(
+                header[section].pop(key), dtype=getattr(torch, dtype)
+            ).reshape(-1)
     return header, series
 
 

@@ -176,7 +176,9 @@ def resolve_method(name: str, _seen: tuple[str, ...] = ()) -> MethodChoice:
 @dataclass(frozen=True)
 class ModelSpec:
     family: Family | None = knob(None, "the model family (required in a preset)")
-    source: str = knob("", "HF id or local folder; 'tiny' or 'demo' for the built-in offline models")
+    source: str = knob(
+        "", "HF id or local folder; 'tiny' or 'demo' for the built-in offline models"
+    )
     description: str = knob("", "one line for `mmkv models`")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
         "auto", "weights' dtype (auto: bfloat16 on CUDA, float32 on CPU)"
@@ -201,5 +203,7 @@ def load_model_spec(name: str) -> ModelSpec | None:
         return None
     spec = override(ModelSpec(), _read(path), str(path))
     if spec.family is None or not spec.source:
-        raise UsageError(f"{path}: lacks the field '{'family' if spec.family is None else 'source'}'")
+        raise UsageError(
+            f"{path}: lacks the field '{'family' if spec.family is None else 'source'}'"
+        )
     return spec

@@ -36,9 +36,7 @@ COUNT_WORDS = [
     "ten",
 ]
 QUESTION_TYPES = ["color", "shape", "first", "last", "count", "moment", "needle"]
-MOMENT_QUESTION = (
-    "what shape is shown now ?"  # asked at a moment: `at` in qa.jsonl, `ask --at`
-)
+MOMENT_QUESTION = "what shape is shown now ?"  # asked at a moment: `at` in qa.jsonl, `ask --at`
 
 
 @dataclass(frozen=True)

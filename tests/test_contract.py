@@ -1,0 +1,75 @@
+"""The contract every method keeps on every tiny family and every media kind: it encodes, its pack
+inspects truthfully, and it answers a question asked at a moment, with stored and compacted positions.
+One case per combination, so one failure hides no other (kvpress's default_presses table, as a table)."""
+
+import math
+
+import pytest
+import torch
+
+from mmkv_cli import api
+from mmkv_cli.methods import METHODS
+from mmkv_cli.pack import PackReader
+from tests.conftest import SAMPLES, TINY
+from tests.helpers import ask_pack, encode_pack
+
+MEDIA = {"video": "clip.mp4", "images": "images", "pdf": "doc.pdf"}
+
+
+def budget_for(method: str) -> dict:
+    if METHODS[method].keeps_all:
+        return {}
+    if method == "hermes":  # a token budget under the stream, so it compresses while streaming
+        return {"budget_tokens": 24}
+    return {"budget": 0.5}
+
+
+@pytest.mark.parametrize("media", MEDIA)
+@pytest.mark.parametrize("family", TINY)
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_method_encodes_inspects_and_answers(tmp_path, backbones, method, family, media):
+    backbone = backbones[family]
+    pack = tmp_path / "p.kvpack"
+    info = encode_pack(
+        SAMPLES / MEDIA[media],
+        pack,
+        method=method,
+        backbone=backbone,
+        fps=2.0,
+        max_frames=4,
+        **budget_for(method),
+    )
+    assert info == {
+        **api.inspect(pack),
+        "encode_s": info["encode_s"],
+        "peak_kv_bytes": info["peak_kv_bytes"],
+    }
+    assert info["method"] == method and info["media"]["kind"] == media and info["blocks"] > 0
+    total, kept = info["visual_tokens_total"], info["visual_tokens_kept"]
+    layers = [layer["tokens_kept"] for layer in info["layers"]]
+    assert kept == pytest.approx(sum(layers) / len(layers), abs=0.01)
+    if METHODS[method].keeps_all:
+        assert layers == [total] * len(layers)
+    elif method == "hermes":
+        assert min(layers) > 0 and max(layers) <= 24
+    elif method != "mukv":  # MuKV's views overlap; the others keep about the budget, on average
+        assert min(layers) > 0 and kept <= 0.5 * total + 1
+    reader = PackReader(pack)
+    times = reader.series("media.timestamps")
+    at = times[len(times) // 2]
+    starts = reader.blocks.start_times()
+    for positions in ("keep", "reindex"):
+        answer = ask_pack(
+            pack,
+            "what color is the circle ?",
+            backbone=backbone,
+            max_new_tokens=2,
+            keep_logits=True,
+            at=at,
+            positions=positions,
+        )
+        assert torch.isfinite(answer.first_logits).all()
+        assert answer.context_tokens > info["prompt_tokens"] - 1
+        used = [reader.blocks.index_of(name) for name in answer.blocks_used]
+        assert all(math.isnan(starts[i]) or starts[i] <= at for i in used)
+        assert used or not (starts <= at).any()  # empty only when nothing kept was shown by then
