@@ -1,7 +1,7 @@
 """Ask cost against video length: ask time and pack bytes read for a short and a long clip.
 
-Retrieval methods (mukv, rekv) read the header, the representatives and the retrieved blocks only, so
-their ask cost should stay nearly flat from 16 to 1024 frames; full reads everything and grows.
+Retrieval methods (mukv, rekv) read the header, the representatives and the retrieved blocks only,
+so their ask cost should stay nearly flat from 16 to 1024 frames; full reads everything and grows.
 Writes JSON and a PNG to bench/results/ (or --out). Run: make bench, or python bench/ask_cost.py.
 """
 
@@ -55,8 +55,9 @@ def write_long_clip(path: Path, frames: int) -> None:
 
 
 def measure(packs: dict, backbone, repeats: int) -> dict:
-    """Median ask time per pack. Every round times each pack once, in a fresh random order, so that drift in
-    the machine's load, and whatever a big ask leaves behind for the next one, fall on all packs alike."""
+    """Median ask time per pack. Every round times each pack once, in a fresh random order, so that
+    drift in the machine's load, and whatever a big ask leaves behind for the next one, fall on all
+    packs alike."""
     times = {key: [] for key in packs}
     answers = {
         key: api.ask(pack, QUESTION, ONE_TOKEN, backbone=backbone) for key, pack in packs.items()
@@ -111,8 +112,9 @@ def main() -> None:
                 {"method": method, "frames": frames, "encode_s": encode_s[(method, frames)], **m}
             )
             print(json.dumps(rows[-1]), flush=True)
-    # Growth of the longest clip over each shorter one. From 16 frames the retrieved context itself grows (16
-    # frame blocks < k = 64); from 128 frames on it is full-sized, so what grows is the cost of the pack's size.
+    # Growth of the longest clip over each shorter one. From 16 frames the retrieved context itself
+    # grows (16 frame blocks < k = 64); from 128 frames on it is full-sized, so what grows is the
+    # cost of the pack's size.
     growth = {}
     for short in lengths[:-1]:
         for method in args.methods.split(","):
@@ -122,7 +124,8 @@ def main() -> None:
                 "bytes_read": by[lengths[-1]]["bytes_read"] / by[short]["bytes_read"],
                 "context_tokens": by[lengths[-1]]["context_tokens"] / by[short]["context_tokens"],
             }
-    # Encode time of each method over full's (the issue asks for MuKV's batched block prefills to be reported).
+    # Encode time of each method over full's (the issue asks for MuKV's batched block prefills to be
+    # reported).
     encode_over_full = {
         frames: {
             r["method"]: r["encode_s"] / encode_s[("full", frames)]

@@ -1,11 +1,13 @@
-"""Decode time per token and KV bytes after question-aware pruning at ask (issue 6), against the full context.
+"""Decode time per token and KV bytes after question-aware pruning at ask (issue 6), against the
+full context.
 
-    python bench/decode_cost.py [--frames 1024] [--budgets 1.0,0.5,0.1] [--methods aircache,snapkv,pyramidkv]
+    python bench/decode_cost.py [--frames 1024] [--budgets 1.0,0.5,0.1]
+        [--methods aircache,snapkv,pyramidkv]
 
-One full pack of a long synthetic clip (tiny backbone), then `ask --prune METHOD --budget B` for each budget:
-decode seconds per token (median of --repeats rounds in shuffled order, 32 new tokens) and the KV bytes the
-decode attends over.
-Goal: at 0.1, decode time <= 0.5x the unpruned ask. Results: bench/results/decode_cost.json.
+One full pack of a long synthetic clip (tiny backbone), then `ask --prune METHOD --budget B` for
+each budget: decode seconds per token (median of --repeats rounds in shuffled order, 32 new tokens)
+and the KV bytes the decode attends over. Goal: at 0.1, decode time <= 0.5x the unpruned ask.
+Results: bench/results/decode_cost.json.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ def main() -> None:
         ]
         times = {c: [] for c in configs}
         kept, generated = {}, {}
-        # Every configuration once per round, in a fresh random order, rounds repeated: drift in the machine's
-        # load, and whatever one ask leaves behind for the next, fall on all configurations alike.
+        # Every configuration once per round, in a fresh random order, rounds repeated: drift in the
+        # machine's load, and whatever one ask leaves behind for the next, fall on all
+        # configurations alike.
         shuffle = random.Random(0).shuffle
         for _ in range(args.repeats):
             order = list(configs)

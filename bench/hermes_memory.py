@@ -1,9 +1,11 @@
-"""HERMES encode memory does not grow with the video: peak RSS and peak KV of one encode per clip length.
+"""HERMES encode memory does not grow with the video: peak RSS and peak KV of one encode per clip
+length.
 
     python bench/hermes_memory.py [--frames 64,1024] [--budget-tokens 512] [--model tiny-llava-ov]
 
-Every encode runs in its own process (peak RSS is per process), on synthetic clips written by `mmkv synth`.
-Goal (issue 5): peak RSS at 1024 frames <= 1.2x that at 64 frames. Results: bench/results/hermes_memory.json.
+Every encode runs in its own process (peak RSS is per process), on synthetic clips written by `mmkv
+synth`. Goal (issue 5): peak RSS at 1024 frames <= 1.2x that at 64 frames. Results:
+bench/results/hermes_memory.json.
 """
 
 from __future__ import annotations
@@ -74,8 +76,10 @@ def main() -> None:
                 )
                 rows.append({"frames": frames, "method": method, **result})
                 print(
-                    f"{method:8s} {frames:5d} frames: peak RSS {result['peak_rss'] / 2**20:7.1f} MiB, "
-                    f"peak KV {result['peak_kv'] / 2**20:6.2f} MiB, kept {result['kept']}/{result['total']}, "
+                    f"{method:8s} {frames:5d} frames: "
+                    f"peak RSS {result['peak_rss'] / 2**20:7.1f} MiB, "
+                    f"peak KV {result['peak_kv'] / 2**20:6.2f} MiB, "
+                    f"kept {result['kept']}/{result['total']}, "
                     f"{result['encode_s']:.1f}s",
                     flush=True,
                 )
@@ -83,7 +87,8 @@ def main() -> None:
     for method in args.methods.split(","):
         rss = {r["frames"]: r["peak_rss"] for r in rows if r["method"] == method}
         print(
-            f"{method}: peak RSS {frames[-1]} / {frames[0]} frames = {rss[frames[-1]] / rss[frames[0]]:.2f}x"
+            f"{method}: peak RSS {frames[-1]} / {frames[0]} frames = "
+            f"{rss[frames[-1]] / rss[frames[0]]:.2f}x"
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "hermes_memory.json").write_text(

@@ -42,7 +42,8 @@ def check_compatible(reader: PackReader, backbone: Backbone) -> None:
         if made.get(key) != here.get(key):
             raise PackError(
                 f"{reader.path} was made with model '{made.get('model')}' ({made.get('family')}, "
-                f"config {made.get('config_sha256')}), not '{here['model']}': re-encode it with this model"
+                f"config {made.get('config_sha256')}), not '{here['model']}': "
+                "re-encode it with this model"
             )
 
 
@@ -55,12 +56,12 @@ def build_cache(
 ):
     """Concatenate prefix + chosen blocks + suffix per layer into a fresh cache.
 
-    positions "keep": stored positions, the question at the stored next position. "reindex": every layer's
-    context compacted to consecutive slots, keys re-rotated by the change, the question right after.
-    ends_at: the last block shown by the question's moment. The stream ends there for this question, so
-    the stored suffix (which attended to the whole stream) is left out and re-run, with the question, just
-    after the context: `lead` holds its embeddings and positions.
-    Returns (cache, context tokens, the question's first position, lead or None).
+    positions "keep": stored positions, the question at the stored next position. "reindex": every
+    layer's context compacted to consecutive slots, keys re-rotated by the change, the question
+    right after. ends_at: the last block shown by the question's moment. The stream ends there for
+    this question, so the stored suffix (which attended to the whole stream) is left out and re-run,
+    with the question, just after the context: `lead` holds its embeddings and positions. Returns
+    (cache, context tokens, the question's first position, lead or None).
     """
     prefix = reader.span("prefix")
     layers = len(prefix.keys)
@@ -110,11 +111,12 @@ def build_cache(
 def question_vector(
     backbone: Backbone, reader: PackReader, ids: list[int], mode: str
 ) -> torch.Tensor:
-    """The question as one retrieval vector, from a forward over [init prompt + question] (no video).
+    """The question as one retrieval vector, from a forward over [init prompt + question] (no
+    video).
 
-    query_mean: the last layer's post-RoPE queries averaged over the question's tokens and over the query
-    heads sharing a KV head (so it lives where block representatives do, H_kv * D); last_key: the last
-    layer's key of the question's last token.
+    query_mean: the last layer's post-RoPE queries averaged over the question's tokens and over the
+    query heads sharing a KV head (so it lives where block representatives do, H_kv * D); last_key:
+    the last layer's key of the question's last token.
     """
     prefix = reader.span("prefix")
     cache = backbone.cache_from_layers(prefix.keys, prefix.values)

@@ -1,7 +1,7 @@
 """The CLI's verbs as Python functions: encode, ask, inspect (profile lives in profile.py).
 
-Only light modules are imported here: `inspect` of a local pack must not pay for torch. encode and ask
-import the model side when they run.
+Only light modules are imported here: `inspect` of a local pack must not pay for torch. encode and
+ask import the model side when they run.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def encode(
     progress: EncodeProgress | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> dict:
-    """Encode `media` into a .kvpack at `output`; returns a summary (the inspect view plus timings)."""
+    """Encode `media` into a .kvpack at `output`; returns a summary (the inspect view plus
+    timings)."""
     from mmkv_cli.backbones import load_backbone
     from mmkv_cli.encoder import encode_media
     from mmkv_cli.media import load_media
@@ -124,8 +125,8 @@ def ask(
     """Answer `question` from the pack alone; the media is never read again.
 
     options.at: the question's moment (seconds, or the index of an image or page): only blocks that
-    start by then count. options.prune: a method that prunes the context's visual KV by the question's
-    attention before decoding, keeping options.prune_budget of it.
+    start by then count. options.prune: a method that prunes the context's visual KV by the
+    question's attention before decoding, keeping options.prune_budget of it.
     """
     from mmkv_cli.answer import answer_from_pack
     from mmkv_cli.ask_prune import ask_pruner
@@ -148,7 +149,8 @@ def ask(
 
 
 def inspect(pack: str | Path) -> dict:
-    """What a pack holds, from its header and block table (no KV tensor is read, torch is not needed)."""
+    """What a pack holds, from its header and block table (no KV tensor is read, torch is not
+    needed)."""
     reader = PackReader(pack)
     h = reader.header
     kv = h["kv"]

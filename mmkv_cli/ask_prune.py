@@ -1,13 +1,15 @@
 """Question-aware pruning at ask (`mmkv ask PACK q --prune aircache --budget 0.1`).
 
-The question is prefilled over the whole context (so the first token sees everything), its attention rows
-score the context's visual tokens, and every layer drops what its method rejects before decoding: the
-setting the AirCache and MEDA papers measure (faster decoding, less KV). Text KV is never touched.
+The question is prefilled over the whole context (so the first token sees everything), its attention
+rows score the context's visual tokens, and every layer drops what its method rejects before
+decoding: the setting the AirCache and MEDA papers measure (faster decoding, less KV). Text KV is
+never touched.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -26,7 +28,8 @@ class AskPrune:
 
 
 def ask_pruner(method: str, budget: float | None) -> AskPrune:
-    """The pruner of `method` (or a preset over it) at `budget` (default: the method's own share)."""
+    """The pruner of `method` (or a preset over it) at `budget` (default: the method's own
+    share)."""
     choice = resolve_method(method)
     if choice.method.prune_at_ask is None:
         able = ", ".join(sorted(n for n, m in METHODS.items() if m.prune_at_ask is not None))
@@ -45,14 +48,15 @@ def prune_context(
 ) -> list[int]:
     """Cut each layer's visual span [prefix, prefix + visual) of `cache` to what `prune` keeps.
 
-    rows: layer -> [1, question, keys] the question's attention. Returns the KV tokens per layer after.
+    rows: layer -> [1, question, keys] the question's attention. Returns the KV tokens per layer
+    after.
     """
     layers = len(cache.layers)
-    lengths = [int(cache.layers[l].keys.shape[2]) for l in range(layers)]
-    spans = [slice(prefix[l], prefix[l] + visual[l]) for l in range(layers)]
-    asked = [slice(lengths[l] - question, lengths[l]) for l in range(layers)]
+    lengths = [int(cache.layers[i].keys.shape[2]) for i in range(layers)]
+    spans = [slice(prefix[i], prefix[i] + visual[i]) for i in range(layers)]
+    asked = [slice(lengths[i] - question, lengths[i]) for i in range(layers)]
     keep = prune.keep(
-        [rows[l][0].cpu() for l in range(layers)], spans, asked, prune.budget, prune.params
+        [rows[i][0].cpu() for i in range(layers)], spans, asked, prune.budget, prune.params
     )
     for layer, local in enumerate(keep):
         entry, span = cache.layers[layer], spans[layer]

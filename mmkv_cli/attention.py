@@ -1,9 +1,9 @@
 """Attention scores without eager attention maps.
 
-The language model runs on SDPA through an attention function registered as "mmkv". While a `Recorder`
-is active, that function also keeps, for the layers asked for, what a method needs: the post-RoPE
-queries, or the column sums of softmax(QK^T/sqrt(d)) over the query rows — computed a few query rows at
-a time, so memory never holds heads x n x n for the whole sequence.
+The language model runs on SDPA through an attention function registered as "mmkv". While a
+`Recorder` is active, that function also keeps, for the layers asked for, what a method needs: the
+post-RoPE queries, or the column sums of softmax(QK^T/sqrt(d)) over the query rows — computed a few
+query rows at a time, so memory never holds heads x n x n for the whole sequence.
 """
 
 from __future__ import annotations
@@ -25,13 +25,15 @@ _active: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar(
 
 @dataclass
 class Recorder:
-    """What to keep from which layers during one or more forwards (a batch may hold several blocks)."""
+    """What to keep from which layers during one or more forwards (a batch may hold several
+    blocks)."""
 
     layers: set[int]
     column_sums: bool = False
     queries: bool = False
     rows: bool = False
-    # name -> fn(block [B, rows, kv_len] head-mean attention) -> tensor; summed over row blocks per layer
+    # name -> fn(block [B, rows, kv_len] head-mean attention) -> tensor; summed over row blocks per
+    # layer
     reducers: dict = field(default_factory=dict)
     column_sum: dict[int, torch.Tensor] = field(
         default_factory=dict
@@ -44,9 +46,11 @@ class Recorder:
 
 
 def _row_blocks(query: torch.Tensor, key: torch.Tensor, scaling: float):
-    """Head-mean softmax(QK^T * scaling) rows, causal with the queries last, QUERY_ROWS_PER_STEP at a time.
+    """Head-mean softmax(QK^T * scaling) rows, causal with the queries last, QUERY_ROWS_PER_STEP at
+    a time.
 
-    query [B, H, q, D], key [B, H_kv, k, D] (k >= q: earlier keys are cached context) -> yields [B, rows, k].
+    query [B, H, q, D], key [B, H_kv, k, D] (k >= q: earlier keys are cached context) -> yields [B,
+    rows, k].
     """
     q_len, k_len = query.shape[2], key.shape[2]
     key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1).float()
@@ -68,7 +72,8 @@ def causal_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float) -
 
 
 def causal_rows(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Every query row's head-mean attention over the keys -> [B, q, k] (for a few rows: a question)."""
+    """Every query row's head-mean attention over the keys -> [B, q, k] (for a few rows: a
+    question)."""
     return torch.cat(list(_row_blocks(query, key, scaling)), dim=1)
 
 
@@ -97,8 +102,9 @@ def own_length_mask(
 ) -> torch.Tensor | None:
     """The causal mask for this layer's own key length.
 
-    The model builds one mask from layer 0's cache length; a compressed cache may hold a different number of
-    keys in each layer (the queries are always the newest entries), so such a layer gets its own mask.
+    The model builds one mask from layer 0's cache length; a compressed cache may hold a different
+    number of keys in each layer (the queries are always the newest entries), so such a layer gets
+    its own mask.
     """
     q_len, k_len = query.shape[2], key.shape[2]
     if (mask is None and (q_len == 1 or q_len == k_len)) or (
@@ -110,7 +116,8 @@ def own_length_mask(
 
 
 def install(model) -> None:
-    """Route the language model's attention (not the vision tower's) through the recording function."""
+    """Route the language model's attention (not the vision tower's) through the recording
+    function."""
     global _sdpa
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -1,8 +1,10 @@
-"""media -> backbone -> blockwise memory policy: blocks prefilled on their own after the init prompt.
+"""media -> backbone -> blockwise memory policy: blocks prefilled on their own after the init
+prompt.
 
-Blocks of one granularity and length are independent given the init KV, so they run as one batch: the
-init KV is shared along the batch axis and each row sees only init + its own block. The last layer's
-attention column sums come from the recording attention function, a few query rows at a time.
+Blocks of one granularity and length are independent given the init KV, so they run as one batch:
+the init KV is shared along the batch axis and each row sees only init + its own block. The last
+layer's attention column sums come from the recording attention function, a few query rows at a
+time.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def prefill_blocks(
     plans: list[BlockPlan],
     step_times,
 ) -> tuple[list[Span], int]:
-    """Prefill and compress every planned block of one chunk; returns the blocks and the peak batch KV
-    bytes."""
+    """Prefill and compress every planned block of one chunk; returns the blocks and the peak batch
+    KV bytes."""
     groups: dict[tuple[str, int], list[BlockPlan]] = defaultdict(list)
     for plan in plans:
         groups[(plan.granularity, plan.tokens.numel())].append(plan)

@@ -31,7 +31,8 @@ app = typer.Typer(
     add_completion=True,
     pretty_exceptions_enable=False,
     no_args_is_help=True,
-    help="Encode video, image sets and documents into compressed KV caches; answer from them later.",
+    help="Encode video, image sets and documents into compressed KV caches; answer from them "
+    "later.",
 )
 
 
@@ -531,7 +532,8 @@ def synth(
 
 
 def main() -> None:
-    """The console entry point: a usage error is one line on stderr and exit 2, as any other error."""
+    """The console entry point: a usage error is one line on stderr and exit 2, as any other
+    error."""
     if not sys.argv[1:]:
         sys.argv.append("--help")
     command = typer.main.get_command(app)

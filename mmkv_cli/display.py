@@ -45,8 +45,8 @@ def eval_progress() -> Progress:
 
 
 def show_eval(runs: list[dict], figure: str) -> None:
-    """Accuracy per run and per question type; the last row is chance level for each column. `kept`: the
-    share of visual KV the packs held, measured."""
+    """Accuracy per run and per question type; the last row is chance level for each column. `kept`:
+    the share of visual KV the packs held, measured."""
     types = list(dict.fromkeys(t for r in runs for t in r["by_type"]))
     table = Table(
         title="eval: accuracy", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0)
@@ -90,8 +90,8 @@ def budget_label(info: dict) -> str:
 
 
 def kept_label(info: dict) -> str:
-    """What the pack holds of the stream, truthfully: the KV share averaged over layers, and for packs
-    that cut the stream several ways (MuKV), each view's share, since the views overlap."""
+    """What the pack holds of the stream, truthfully: the KV share averaged over layers, and for
+    packs that cut the stream several ways (MuKV), each view's share, since the views overlap."""
     kept, total = info["visual_tokens_kept"], info["visual_tokens_total"]
     share = f"{kept:g} of {total} visual tokens per layer ({100 * kept / max(total, 1):.1f}%)"
     views = info.get("overlapping_views") or []
@@ -129,7 +129,8 @@ def show_inspect(info: dict) -> None:
         ),
         (
             "positions",
-            f"{info['positions']['dims']}-D, question starts at {info['positions']['next_position']}",
+            f"{info['positions']['dims']}-D, "
+            f"question starts at {info['positions']['next_position']}",
         ),
         ("created", info["created"]),
     ]

@@ -59,8 +59,8 @@ class Stream:
     progress: Progress | None
 
     def chunks(self, unit_steps: int):
-        """(first step, frames, frames done after it) of every chunk: whole multiples of `unit_steps`
-        temporal steps, the last frame repeated to fill the last step."""
+        """(first step, frames, frames done after it) of every chunk: whole multiples of
+        `unit_steps` temporal steps, the last frame repeated to fill the last step."""
         per_step = self.backbone.frames_per_step
         unit = per_step * unit_steps
         size = max(unit, self.chunk_frames - self.chunk_frames % unit)
@@ -74,7 +74,8 @@ class Stream:
 
 
 def _span(name: str, cache, starts: list[int], stop: int | None, positions: torch.Tensor) -> Span:
-    """Cache entries [starts[layer], stop) of every layer (layers may hold different counts before)."""
+    """Cache entries [starts[layer], stop) of every layer (layers may hold different counts
+    before)."""
     keys = [e.keys[0, :, start:stop].cpu() for e, start in zip(cache.layers, starts)]
     values = [e.values[0, :, start:stop].cpu() for e, start in zip(cache.layers, starts)]
     return Span(name=name, keys=keys, values=values, positions=[positions.cpu()] * len(keys))
@@ -89,7 +90,8 @@ def _step_times(media: Media, steps: int, per_step: int) -> list[tuple[float, fl
 
 
 def _padded(frames: np.ndarray, multiple: int) -> np.ndarray:
-    """Repeat the last frame so a chunk fills whole temporal steps (as the HF video processors do)."""
+    """Repeat the last frame so a chunk fills whole temporal steps (as the HF video processors
+    do)."""
     extra = (-len(frames)) % multiple
     return np.concatenate([frames, np.repeat(frames[-1:], extra, axis=0)]) if extra else frames
 
@@ -198,8 +200,9 @@ def encode_streaming(stream: Stream, policy: StreamingMemory, cache, prompt_len:
 
 
 def text_attention(backbone: Backbone, state: StreamState, text: str, rows: bool = False):
-    """Per layer, the attention the rows of `text` (as a question turn after the stream so far) pay each
-    cached visual token, mean over heads and rows; the text is cut off the cache again afterwards.
+    """Per layer, the attention the rows of `text` (as a question turn after the stream so far) pay
+    each cached visual token, mean over heads and rows; the text is cut off the cache again
+    afterwards.
 
     rows=True: per layer the text rows' attention over all keys [q, k], with the key columns of the
     cached visual tokens and of the text, as (rows, visual slices, text slices).
@@ -225,8 +228,8 @@ def text_attention(backbone: Backbone, state: StreamState, text: str, rows: bool
 
 
 def encode_blockwise(stream: Stream, policy: BlockwiseMemory, prefix: Span, cache) -> Streamed:
-    """Independent blocks after the init prompt, whole segments per chunk; the suffix follows the init
-    prompt."""
+    """Independent blocks after the init prompt, whole segments per chunk; the suffix follows the
+    init prompt."""
     backbone, layout = stream.backbone, stream.layout
     per_step = backbone.frames_per_step
     total = sum(layout.step_lengths)

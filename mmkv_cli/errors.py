@@ -1,4 +1,5 @@
-"""One exception family for every user-facing failure; the CLI turns each into one line + exit code."""
+"""One exception family for every user-facing failure; the CLI turns each into one line + exit
+code."""
 
 
 class MmkvError(Exception):

@@ -1,8 +1,9 @@
-"""`mmkv eval`: encode each clip once per method and budget, answer its questions from the pack, score.
+"""`mmkv eval`: encode each clip once per method and budget, answer its questions from the pack,
+score.
 
-Runs land in OUT/<model>/<method>-b<budget>/ (predictions.jsonl, metrics.json, config.json); a run that stops
-part-way resumes from its predictions, clip by clip. Scoring is deterministic: exact match on the normalised
-answer, or the option letter for multiple choice.
+Runs land in OUT/<model>/<method>-b<budget>/ (predictions.jsonl, metrics.json, config.json); a run
+that stops part-way resumes from its predictions, clip by clip. Scoring is deterministic: exact
+match on the normalised answer, or the option letter for multiple choice.
 """
 
 from __future__ import annotations
@@ -73,8 +74,9 @@ def _item(video: Path, question: str, answer, options, at, kind) -> Item:
 
 
 def load_items(path: str | Path) -> list[Item]:
-    """JSONL {video, question, options?, answer, at?, type?} (`timestamp` is read as `at`) or the ReKV/MLVU JSON
-    [{video_id, video_path, conversations: [{question, choices, answer}]}]; video paths relative to the file."""
+    """JSONL {video, question, options?, answer, at?, type?} (`timestamp` is read as `at`) or the
+    ReKV/MLVU JSON [{video_id, video_path, conversations: [{question, choices, answer}]}]; video
+    paths relative to the file."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"no question file at {path}")
@@ -122,7 +124,8 @@ def prompt_for(item: Item) -> str:
 
 
 def predicted(item: Item, text: str) -> str:
-    """The model's answer in the gold answer's terms: a letter for multiple choice, else normalised text."""
+    """The model's answer in the gold answer's terms: a letter for multiple choice, else normalised
+    text."""
     if not item.options:
         return normalise(text)
     head = re.match(r"\s*\(?([A-Ja-j])\b", text)
@@ -135,8 +138,8 @@ def predicted(item: Item, text: str) -> str:
 
 
 def kept_share(info: dict) -> float | None:
-    """Visual KV a pack holds over the stream's, averaged over layers: the budget as measured, which can
-    differ from the one asked for (a method's floors, a token budget, views that overlap)."""
+    """Visual KV a pack holds over the stream's, averaged over layers: the budget as measured, which
+    can differ from the one asked for (a method's floors, a token budget, views that overlap)."""
     total, layers = info.get("visual_tokens_total"), info.get("layers") or []
     if not total or not layers:
         return None
@@ -164,7 +167,8 @@ def metrics(rows: list[dict], chance: Callable[[str, int], float | None]) -> dic
 
 
 def chance_level(kind: str, options: int) -> float | None:
-    """Uniform guessing: 1/options for multiple choice, the synthetic world's answer space for its types."""
+    """Uniform guessing: 1/options for multiple choice, the synthetic world's answer space for its
+    types."""
     from mmkv_cli.synth.world import QUESTION_TYPES, chance
 
     if options:
@@ -178,8 +182,8 @@ def run_folder(out: Path, model: str, method: str, budget: float) -> Path:
 
 
 def _done(predictions: Path) -> dict[str, dict]:
-    """Answers already given. A line cut short by an interrupted run is dropped (the file rewritten without
-    it, atomically, so new answers never glue onto it): that question is asked again."""
+    """Answers already given. A line cut short by an interrupted run is dropped (the file rewritten
+    without it, atomically, so new answers never glue onto it): that question is asked again."""
     if not predictions.exists():
         return {}
     rows, clean = {}, True

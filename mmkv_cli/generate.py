@@ -95,8 +95,8 @@ def generate(
     on_text: Callable[[str], None] | None = None,
     clock: Callable[[], float] | None = None,
 ) -> Generated:
-    """Decode from the logits of the question's last token. step(token) runs one token and returns the
-    next logits. Ends at an end-of-turn token, a stop string or max_new_tokens."""
+    """Decode from the logits of the question's last token. step(token) runs one token and returns
+    the next logits. Ends at an end-of-turn token, a stop string or max_new_tokens."""
     import time
 
     clock = clock or time.perf_counter

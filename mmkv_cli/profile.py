@@ -1,4 +1,5 @@
-"""profile: encode time, pack bytes, tokens kept, peak memory, ask TTFT and decode time, method against method."""
+"""profile: encode time, pack bytes, tokens kept, peak memory, ask TTFT and decode time, method
+against method."""
 
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ def profile(
         return replace(options, method=name, budget=budget, force=True, **extra)
 
     with tempfile.TemporaryDirectory(prefix="mmkv-profile-") as tmp:
-        # One short unmeasured run first, so lazy imports and first-call allocations land on no method.
+        # One short unmeasured run first, so lazy imports and first-call allocations land on no
+        # method.
         warm = Path(tmp) / "warmup.kvpack"
         api.encode(media, warm, encode_options(methods[0], max_frames=2), backbone=backbone)
         api.ask(warm, question, AskOptions(generation=GenerationOptions(2)), backbone=backbone)

@@ -1,8 +1,9 @@
 """Delta rotation of stored keys: a key cached at position p, rotated by (q - p), is the key at q.
 
-Keys are stored after RoPE (rotate-half layout: dims d and d + D/2 share frequency d). With M-RoPE each
-frequency belongs to one position axis (temporal, height, width), so the rotation angle of frequency f
-is delta[axis[f]] * inv_freq[f]. Used to compact positions (reindex) and to move keys to a summary slot.
+Keys are stored after RoPE (rotate-half layout: dims d and d + D/2 share frequency d). With M-RoPE
+each frequency belongs to one position axis (temporal, height, width), so the rotation angle of
+frequency f is delta[axis[f]] * inv_freq[f]. Used to compact positions (reindex) and to move keys to
+a summary slot.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ def rotate_keys(
 def compact_positions(positions: torch.Tensor, start: int) -> torch.Tensor:
     """Positions [P, n] of tokens in context order, packed into consecutive slots from `start`.
 
-    Tokens sharing a temporal position form a group (an M-RoPE frame grid; every 1-D token is its own
-    group) and move together, so a grid keeps its shape. A grid right after a grid takes the next temporal
-    slot, as frames of one video do; anything else starts after the largest position so far, as text
-    after a video does.
+    Tokens sharing a temporal position form a group (an M-RoPE frame grid; every 1-D token is its
+    own group) and move together, so a grid keeps its shape. A grid right after a grid takes the
+    next temporal slot, as frames of one video do; anything else starts after the largest position
+    so far, as text after a video does.
     """
     out = positions.clone()
     if positions.shape[1] == 0:

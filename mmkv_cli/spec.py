@@ -1,9 +1,10 @@
-"""Typed parameter classes: every default and its meaning live in code; presets only override fields.
+"""Typed parameter classes: every default and its meaning live in code; presets only override
+fields.
 
 A parameter class is a frozen dataclass whose fields are declared with `knob(default, doc, ...)`.
-`override(instance, mapping, where)` returns a copy with the mapping's values, refusing an unknown key,
-a value of the wrong type or one out of range with one line naming `where` and the key: the check runs
-when a preset is read, before any media or model is touched.
+`override(instance, mapping, where)` returns a copy with the mapping's values, refusing an unknown
+key, a value of the wrong type or one out of range with one line naming `where` and the key: the
+check runs when a preset is read, before any media or model is touched.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def _check_range(meta: typing.Mapping, value: Any, where: str) -> None:
 
 
 def override(base: Any, values: typing.Mapping[str, Any], where: str) -> Any:
-    """A copy of the parameter instance `base` with `values` applied, each checked against its field."""
+    """A copy of the parameter instance `base` with `values` applied, each checked against its
+    field."""
     if not isinstance(values, dict):
         raise UsageError(f"{where}: expected a mapping of parameters")
     declared = {f.name: (f, tp) for f, tp in _hints(type(base))}

@@ -1,6 +1,7 @@
 """Regenerate the committed samples: a short clip of moving coloured shapes, an image set and a PDF.
 
-python samples/make_samples.py        (deterministic: same bytes for the PNGs/PDF, same frames for the clip)
+python samples/make_samples.py        (deterministic: same bytes for the PNGs/PDF, same frames for
+the clip)
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def frame_at(t: float, visible: list[str] | None = None) -> Image.Image:
     return image
 
 
-# The clip is a scene of the synthetic world the demo backbone was trained on (mmkv_cli/synth): a red circle,
-# then a blue square, then a yellow triangle, 16 frames at 2 fps, each written 4 times (an 8 fps file).
+# The clip is a scene of the synthetic world the demo backbone was trained on (mmkv_cli/synth): a
+# red circle, then a blue square, then a yellow triangle, 16 frames at 2 fps, each written 4 times
+# (an 8 fps file).
 CLIP_EVENTS = (("circle", "red", 0, 6), ("square", "blue", 6, 11), ("triangle", "yellow", 11, 16))
 
 

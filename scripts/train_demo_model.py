@@ -2,12 +2,14 @@
 
     python scripts/train_demo_model.py --out mmkv_cli/assets/demo.safetensors
 
-Stage 1 (--vision-steps): the vision tower and projector learn to tell a frame's shape and colour from each of
-its tokens (linear heads, discarded). Stage 2: clips rendered in memory from seeded generators (the same world
-`mmkv synth` writes to disk), 4 to 64 frames with a curriculum, fed in the exact prompt layout the LLaVA-OV
-adapter uses at encode/ask time, every question of a clip in one row (a 4-D mask lets each see only the video
-and itself); the loss is on the answer words and end-of-turn tokens. A held-out set (other seeds, 64-frame clips) is scored every --eval-every steps; the best
-weights are kept. Deterministic for a given --seed and thread count. Resumes from --out + ".ckpt".
+Stage 1 (--vision-steps): the vision tower and projector learn to tell a frame's shape and colour
+from each of its tokens (linear heads, discarded). Stage 2: clips rendered in memory from seeded
+generators (the same world `mmkv synth` writes to disk), 4 to 64 frames with a curriculum, fed in
+the exact prompt layout the LLaVA-OV adapter uses at encode/ask time, every question of a clip in
+one row (a 4-D mask lets each see only the video and itself); the loss is on the answer words and
+end-of-turn tokens. A held-out set (other seeds, 64-frame clips) is scored every --eval-every steps;
+the best weights are kept. Deterministic for a given --seed and thread count. Resumes from --out +
+".ckpt".
 """
 
 from __future__ import annotations
@@ -45,10 +47,11 @@ class Batches:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def make(self, specs: list[tuple[int, int, int, str]], rng: np.random.Generator):
-        """specs: (seed, index, frames, kind); all the same frame count. One random question per clip.
+        """specs: (seed, index, frames, kind); all the same frame count. One random question per
+        clip.
 
-        A moment question sees the clip up to its moment, so the clip is cut there (and moved later by blank
-        frames, so every clip of the batch still has `frames` frames).
+        A moment question sees the clip up to its moment, so the clip is cut there (and moved later
+        by blank frames, so every clip of the batch still has `frames` frames).
         """
         frames = specs[0][2]
         videos, rows, answers, types = [], [], [], []
@@ -73,8 +76,8 @@ class Batches:
             answers.append(answer + self.end)
             types.append(q["type"])
         pixels = self.processor(videos=videos, return_tensors="pt")["pixel_values_videos"]
-        # Questions differ in length: pad after the end token (causal attention never looks right), and
-        # remember where each row's answer is predicted from.
+        # Questions differ in length: pad after the end token (causal attention never looks right),
+        # and remember where each row's answer is predicted from.
         width = max(len(r) for r in rows)
         pad = self.tokenizer.pad_token_id
         where = torch.tensor([len(r) - 3 for r in rows])
@@ -82,10 +85,10 @@ class Batches:
         return ids, pixels, torch.tensor(answers), types, where
 
     def make_multi(self, specs: list[tuple[int, int, int, str]], rng: np.random.Generator):
-        """Every question of each clip in one row: [prompt | video | q1 a1 | q2 a2 | ...], each question seeing
-        the video and itself only (a 4-D mask) and starting at the same position, as if asked alone. One
-        forward supervises all of a clip's answers. Moment questions need a cut clip: a clip drawn for one
-        of those carries only it."""
+        """Every question of each clip in one row: [prompt | video | q1 a1 | q2 a2 | ...], each
+        question seeing the video and itself only (a 4-D mask) and starting at the same position, as
+        if asked alone. One forward supervises all of a clip's answers. Moment questions need a cut
+        clip: a clip drawn for one of those carries only it."""
         frames = specs[0][2]
         video_len = len(self.prefix) + frames * TOKENS_PER_FRAME + 1
         videos, rows, blocks, targets, types = [], [], [], [], []
@@ -128,7 +131,8 @@ class Batches:
 
 
 def truncated(clip: Clip, frames: int) -> Clip:
-    """The clip as seen up to (not including) frame `frames`: what a question asked at that moment sees."""
+    """The clip as seen up to (not including) frame `frames`: what a question asked at that moment
+    sees."""
     kept = tuple(
         Event(e.shape, e.colour, e.start, min(e.stop, frames), e.x0, e.y0, e.vx, e.vy)
         for e in clip.events
@@ -150,9 +154,9 @@ def multi_loss(model, ids, pixels, mask, positions, targets) -> torch.Tensor:
 def pretrain_vision(
     model, processor, steps: int, batch: int, lr: float, seed: int, device: str
 ) -> None:
-    """Stage 1: teach the vision tower + projector what a frame shows (shape, colour, or nothing), with two
-    linear heads on each of a frame's tokens, discarded afterwards. Stage 2 then only has to learn to
-    look things up, instead of learning to see through the answer loss alone."""
+    """Stage 1: teach the vision tower + projector what a frame shows (shape, colour, or nothing),
+    with two linear heads on each of a frame's tokens, discarded afterwards. Stage 2 then only has
+    to learn to look things up, instead of learning to see through the answer loss alone."""
     from mmkv_cli.synth.world import COLOURS, SHAPES, Clip, Event
 
     shapes, colours = SHAPES + ["none"], list(COLOURS) + ["none"]
@@ -205,8 +209,8 @@ def pretrain_vision(
             vision_feature_select_strategy=config.vision_feature_select_strategy,
             return_dict=True,
         ).pooler_output  # [batch, tokens + newline, hidden]
-        # Every token of the frame on its own must tell what the frame shows: the language model then finds
-        # a shape by matching any one token, not a sum of four.
+        # Every token of the frame on its own must tell what the frame shows: the language model
+        # then finds a shape by matching any one token, not a sum of four.
         tokens = feats[:, :-1]
         per_token = tokens.shape[1]
         target = torch.tensor(labels, device=device).repeat_interleave(per_token, dim=0)
@@ -220,7 +224,8 @@ def pretrain_vision(
             acc_s = (logits_s.argmax(-1) == target[:, 0]).float().mean().item()
             acc_c = (logits_c.argmax(-1) == target[:, 1]).float().mean().item()
             print(
-                f"vision step {step + 1} loss {loss.item():.3f} shape acc {acc_s:.2f} colour acc {acc_c:.2f}",
+                f"vision step {step + 1} loss {loss.item():.3f} "
+                f"shape acc {acc_s:.2f} colour acc {acc_c:.2f}",
                 flush=True,
             )
 
@@ -328,7 +333,8 @@ def main() -> None:
         rng = np.random.default_rng(
             [args.seed, step]
         )  # a step's batch depends on the step only: resumable
-        # Curriculum: short clips first (visual features and lookups are learnt cheaply), then longer ones.
+        # Curriculum: short clips first (visual features and lookups are learnt cheaply), then
+        # longer ones.
         grown = min(1.0, step / max(1, args.curriculum * args.steps))
         allowed = lengths[: max(1, math.ceil(grown * len(lengths)))]
         frames = int(rng.choice(allowed))
@@ -372,7 +378,8 @@ def main() -> None:
             with log.open("a") as fh:
                 fh.write(json.dumps({"step": step, "loss": round(loss.item(), 4), **scores}) + "\n")
             print(
-                f"step {step} held-out 64 frames: {json.dumps({k: round(v, 3) for k, v in scores.items()})}",
+                f"step {step} held-out 64 frames: "
+                f"{json.dumps({k: round(v, 3) for k, v in scores.items()})}",
                 flush=True,
             )
             if scores["overall"] > best:

@@ -1,4 +1,5 @@
-"""SnapKV, H2O, PyramidKV at encode (visual tokens only), and attention over per-layer key lengths."""
+"""SnapKV, H2O, PyramidKV at encode (visual tokens only), and attention over per-layer key
+lengths."""
 
 import pytest
 import torch
@@ -26,7 +27,8 @@ def test_pyramid_budgets_fall_with_depth_and_average_the_budget():
     assert budgets[0] > budgets[14] > budgets[-1]
     assert budgets[-1] == 20 and budgets[0] == 780
     assert abs(sum(budgets) - 28 * 400) <= 28
-    # near a budget of 1 the pyramid's top is capped at what there is and the rest rises: the average holds
+    # near a budget of 1 the pyramid's top is capped at what there is and the rest rises: the
+    # average holds
     full = pyramid_budgets(4, 1000, beta=20, available=1000)
     assert full == [1000] * 4
     high = pyramid_budgets(4, 800, beta=20, available=1000)

@@ -1,6 +1,7 @@
 """The contract every method keeps on every tiny family and every media kind: it encodes, its pack
-inspects truthfully, and it answers a question asked at a moment, with stored and compacted positions.
-One case per combination, so one failure hides no other (kvpress's default_presses table, as a table)."""
+inspects truthfully, and it answers a question asked at a moment, with stored and compacted
+positions. One case per combination, so one failure hides no other (kvpress's default_presses table,
+as a table)."""
 
 import math
 

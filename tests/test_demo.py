@@ -1,4 +1,5 @@
-"""The demo backbone ships with the package and loads offline; missing weights are one clear error."""
+"""The demo backbone ships with the package and loads offline; missing weights are one clear
+error."""
 
 import pytest
 

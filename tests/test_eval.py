@@ -1,4 +1,5 @@
-"""mmkv eval: both input formats, deterministic scoring, one run folder per method and budget, resume."""
+"""mmkv eval: both input formats, deterministic scoring, one run folder per method and budget,
+resume."""
 
 import json
 
@@ -109,7 +110,8 @@ def test_eval_runs_each_method_once_per_budget_and_resumes(tmp_path):
         ("recency", 0.25),
     ]
     assert all(r["n"] == 12 for r in runs)
-    # the measured share of visual KV the packs held: all of it for full, about the budget for recency
+    # the measured share of visual KV the packs held: all of it for full, about the budget for
+    # recency
     assert (
         runs[0]["kept"] == 1.0
         and abs(runs[1]["kept"] - 0.5) < 0.1
@@ -121,7 +123,8 @@ def test_eval_runs_each_method_once_per_budget_and_resumes(tmp_path):
     assert json.loads((folder / "config.json").read_text())["budget"] == 0.25
     lines = (folder / "predictions.jsonl").read_text().splitlines()
     assert len(lines) == 12
-    # Interrupted mid-clip: the last two answers lost, one line cut short. A rerun asks only those again.
+    # Interrupted mid-clip: the last two answers lost, one line cut short. A rerun asks only those
+    # again.
     (folder / "predictions.jsonl").write_text("\n".join(lines[:10]) + "\n" + lines[10][:15])
     again = runner.invoke(app, args)
     assert again.exit_code == 0, again.output

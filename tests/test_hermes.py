@@ -1,4 +1,5 @@
-"""HERMES: layered scores on hand-made tensors, the summary token, lazy/eager positions, the budget held."""
+"""HERMES: layered scores on hand-made tensors, the summary token, lazy/eager positions, the budget
+held."""
 
 import json
 import math
@@ -170,7 +171,7 @@ def test_deep_layers_stream_on_with_their_summary_token_in_the_running_cache(bac
     out = encode_media(backbone, media, with_policy(choice, policy))
     assert len(snapshots) >= 2  # compressed, then streamed on and compressed again
     prefix = out.prefix.layer_counts[0]
-    for lengths, kept, fronts, attended in snapshots:
+    for lengths, kept, _, attended in snapshots:
         assert (
             attended == kept
         )  # the guidance prompt's scores line up with the visual tokens, not the summary

@@ -1,4 +1,5 @@
-"""MEDA: entropy allocation, recent + heavy selection, and the merge pairing, on hand-made tensors; then encode."""
+"""MEDA: entropy allocation, recent + heavy selection, and the merge pairing, on hand-made tensors;
+then encode."""
 
 import math
 
@@ -33,8 +34,8 @@ def test_recent_window_and_heavy_hitters_three_to_one():
 
 
 def test_each_evicted_key_merges_into_its_nearest_kept_key_in_the_same_head():
-    # two heads, four tokens, keep tokens 0 and 1. Token 2 resembles token 1 in head 0 but token 0 in head 1;
-    # token 3 resembles token 0 in head 0 and token 1 in head 1.
+    # two heads, four tokens, keep tokens 0 and 1. Token 2 resembles token 1 in head 0 but token 0
+    # in head 1; token 3 resembles token 0 in head 0 and token 1 in head 1.
     keys = torch.tensor(
         [
             [[1.0, 0.0], [0.0, 1.0], [0.1, 0.9], [0.9, -0.1]],

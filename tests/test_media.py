@@ -1,4 +1,5 @@
-"""Media loaders: decord and PyAV agree, sampling follows fps and max-frames, stills and PDFs load."""
+"""Media loaders: decord and PyAV agree, sampling follows fps and max-frames, stills and PDFs
+load."""
 
 from pathlib import Path
 

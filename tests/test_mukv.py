@@ -1,4 +1,5 @@
-"""MuKV and ReKV: scoring and retrieval on hand-made tensors, then end to end on every tiny family."""
+"""MuKV and ReKV: scoring and retrieval on hand-made tensors, then end to end on every tiny
+family."""
 
 import json
 import subprocess
@@ -210,8 +211,9 @@ def test_question_moment_limits_retrieval_to_earlier_blocks(tmp_path, backbones,
 def test_reindex_with_every_block_equals_keep_when_nothing_was_dropped(
     tmp_path, backbones, name, clip
 ):
-    """A full pack compacted and re-rotated gives the same first logits as kept positions (1-D exactly;
-    on M-RoPE, whose video positions are already compact in time, reindex changes only gaps)."""
+    """A full pack compacted and re-rotated gives the same first logits as kept positions (1-D
+    exactly; on M-RoPE, whose video positions are already compact in time, reindex changes only
+    gaps)."""
     backbone = backbones[name]
     pack = tmp_path / "full.kvpack"
     encode_pack(clip, pack, method="full", backbone=backbone, max_frames=4)
@@ -243,7 +245,8 @@ def test_retrieval_needs_representatives_and_a_known_query_mode(tmp_path, backbo
 
     backbone = backbones["tiny-llava-ov"]
     options = RetrievalOptions(k={"frame": 64})
-    # A hermes pack holds a summary block with no retrieval key: it stores no representatives at all.
+    # A hermes pack holds a summary block with no retrieval key: it stores no representatives at
+    # all.
     encode_pack(
         "samples/clip.mp4",
         tmp_path / "h.kvpack",

@@ -1,4 +1,5 @@
-"""Older packs stay readable: tests/data/v3.kvpack was written by the format-v3 writer from `fixture_segment`."""
+"""Older packs stay readable: tests/data/v3.kvpack was written by the format-v3 writer from
+`fixture_segment`."""
 
 from pathlib import Path
 
@@ -11,7 +12,8 @@ DATA = Path(__file__).parent / "data"
 
 
 def fixture_segment(name, counts, base, dims=1, granularity=None, step=0):
-    """Integer-valued floats, so the expected tensors are the same on every machine and torch version."""
+    """Integer-valued floats, so the expected tensors are the same on every machine and torch
+    version."""
 
     def grid(n, shift):
         return (

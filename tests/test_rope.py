@@ -1,4 +1,5 @@
-"""Delta rotation and position compaction: a key rotated from p to q is the key the model computes at q."""
+"""Delta rotation and position compaction: a key rotated from p to q is the key the model computes
+at q."""
 
 import pytest
 import torch
@@ -33,7 +34,9 @@ def test_compact_positions_1d_closes_gaps():
 
 def test_compact_positions_keeps_grids_and_puts_text_after_them():
     # two 2x2 grids at temporal 10 and 25 (spatial offsets up to +1), then one text token at 40
-    grid = lambda t: [[t] * 4, [t, t, t + 1, t + 1], [t, t + 1, t, t + 1]]
+    def grid(t):
+        return [[t] * 4, [t, t, t + 1, t + 1], [t, t + 1, t, t + 1]]
+
     pos = torch.tensor([a + b + [40] for a, b in zip(grid(10), grid(25))])
     out = compact_positions(pos, 3)
     assert out[:, :4].tolist() == grid(3)

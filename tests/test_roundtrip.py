@@ -1,4 +1,5 @@
-"""A full pack written and read back reproduces one live forward over [prompt + media + question]."""
+"""A full pack written and read back reproduces one live forward over [prompt + media +
+question]."""
 
 import pytest
 import torch
@@ -80,8 +81,8 @@ def test_pack_stores_mrope_positions_for_qwen(tmp_path, backbones, clip):
 @pytest.mark.parametrize("name", TINY)
 @pytest.mark.parametrize("positions", ["keep", "reindex"])
 def test_question_at_a_moment_sees_the_stream_up_to_it(tmp_path, backbones, name, positions):
-    """Asked at image 1 of 4, a full pack answers as a live forward over images 0-1 alone: the question follows
-    the last image shown by then, in both position modes."""
+    """Asked at image 1 of 4, a full pack answers as a live forward over images 0-1 alone: the
+    question follows the last image shown by then, in both position modes."""
     backbone = backbones[name]
     source = str(SAMPLES / "images")
     pack = tmp_path / "full.kvpack"

@@ -1,4 +1,5 @@
-"""The synthetic world: deterministic, answerable, and what the videos show is what the questions assume."""
+"""The synthetic world: deterministic, answerable, and what the videos show is what the questions
+assume."""
 
 import json
 

@@ -93,8 +93,9 @@ def _load_pretrained(name: str, spec: ModelSpec, device, dtype) -> Backbone:
     except Exception as err:  # hub errors come as OSError, ValueError or httpx errors
         known = ", ".join(model_names())
         raise ModelError(
-            f"model '{source}' is not available locally and the Hugging Face hub cannot be reached: "
-            f"download it where there is network (`hf download {source}`) and pass its folder with --model, "
+            f"model '{source}' is not available locally and the Hugging Face hub cannot be "
+            f"reached: download it where there is network (`hf download {source}`) and pass its "
+            "folder with --model, "
             f"or pick a preset ({known})"
         ) from err
     family = config.model_type

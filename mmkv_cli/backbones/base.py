@@ -1,4 +1,5 @@
-"""The backbone seam: the only code that knows a model's internals. Methods see tensors, never models."""
+"""The backbone seam: the only code that knows a model's internals. Methods see tensors, never
+models."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from mmkv_cli.presets import ModelSpec
 
 @dataclass
 class StreamLayout:
-    """Positions of the whole encode stream [prefix | visual | suffix], and where the question starts.
+    """Positions of the whole encode stream [prefix | visual | suffix], and where the question
+    starts.
 
     positions are [P, n] with P = 1 (1-D RoPE) or 3 (M-RoPE temporal/height/width).
     """
@@ -53,7 +55,8 @@ class PromptPieces:
 
 
 class Backbone:
-    """Adapter over a transformers vision-language model. Subclasses fill in the family specifics."""
+    """Adapter over a transformers vision-language model. Subclasses fill in the family
+    specifics."""
 
     family: str = ""
     position_dims: int = 1
@@ -81,13 +84,15 @@ class Backbone:
         raise NotImplementedError
 
     def visual_embeds(self, frames: np.ndarray) -> torch.Tensor:
-        """uint8 [T, H, W, 3] (T a multiple of frames_per_step) -> [1, steps * tokens_per_step, hidden]."""
+        """uint8 [T, H, W, 3] (T a multiple of frames_per_step) -> [1, steps * tokens_per_step,
+        hidden]."""
         raise NotImplementedError
 
     def visual_chunk(
         self, frames: np.ndarray, step_times: list[tuple[float, float]], layout: StreamLayout
     ) -> tuple[torch.Tensor, dict]:
-        """The stream tokens of these frames' steps, and any extra inputs the language model needs for them."""
+        """The stream tokens of these frames' steps, and any extra inputs the language model needs
+        for them."""
         return self.visual_embeds(frames), {}
 
     def suffix_embeds(self) -> torch.Tensor:
@@ -151,7 +156,8 @@ class Backbone:
         return cache
 
     def select_extra(self, extra: dict, index: torch.Tensor) -> dict:
-        """The extra LM inputs of a chunk, for a batch of token subsets index [B, N] of that chunk."""
+        """The extra LM inputs of a chunk, for a batch of token subsets index [B, N] of that
+        chunk."""
         return {}
 
     def _lm_positions(self, positions: torch.Tensor) -> torch.Tensor:
@@ -164,7 +170,8 @@ class Backbone:
     def forward(
         self, embeds: torch.Tensor, positions: torch.Tensor, cache: DynamicCache, **extra
     ) -> torch.Tensor:
-        """Run the language model over embeds [B, n, hidden] at explicit positions [P, n] or [P, B, n]."""
+        """Run the language model over embeds [B, n, hidden] at explicit positions [P, n] or [P, B,
+        n]."""
         out = self._lm(
             inputs_embeds=embeds.to(self.dtype),
             position_ids=self._lm_positions(positions.to(self.device)),
@@ -214,12 +221,14 @@ class Backbone:
         }
 
     def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inv_freq [D/2], position axis of each frequency [D/2]) for delta-rotating stored keys."""
+        """(inv_freq [D/2], position axis of each frequency [D/2]) for delta-rotating stored
+        keys."""
         rotary = self._lm.rotary_emb
         inv_freq = rotary.inv_freq.detach().float().cpu()
         if self.position_dims == 1:
             return inv_freq, torch.zeros_like(inv_freq, dtype=torch.long)
-        # Ask the model's own M-RoPE layout which axis each frequency reads: feed each axis its index.
+        # Ask the model's own M-RoPE layout which axis each frequency reads: feed each axis its
+        # index.
         probe = torch.arange(3, dtype=torch.float32)[:, None].repeat(1, inv_freq.numel())
         axes = rotary.recomposition_frequencies(probe)[..., : inv_freq.numel()].reshape(-1).long()
         return inv_freq, axes

@@ -1,7 +1,8 @@
-"""The demo backbone: a small LLaVA-OneVision trained on the synthetic world (scripts/train_demo_model.py).
+"""The demo backbone: a small LLaVA-OneVision trained on the synthetic world
+(scripts/train_demo_model.py).
 
-Its architecture lives here, its weights ship with the package (assets/demo.safetensors), so `--model demo`
-answers questions about shape clips on any machine, offline.
+Its architecture lives here, its weights ship with the package (assets/demo.safetensors), so
+`--model demo` answers questions about shape clips on any machine, offline.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ FRAME_SIDE = 32  # the vision tower's input; 8 px patches pooled 2x2 -> 4 tokens
 
 
 def demo_architecture():
-    """(untrained model, tokenizer, video processor): the training script and the loader share it."""
+    """(untrained model, tokenizer, video processor): the training script and the loader share
+    it."""
     from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
     from transformers.models.llava_onevision.video_processing_llava_onevision import (
         LlavaOnevisionVideoProcessor,

@@ -1,4 +1,5 @@
-"""LLaVA-OneVision: SigLIP frames pooled 2x2, a Qwen2 language model with 1-D RoPE, one newline after a video."""
+"""LLaVA-OneVision: SigLIP frames pooled 2x2, a Qwen2 language model with 1-D RoPE, one newline
+after a video."""
 
 from __future__ import annotations
 

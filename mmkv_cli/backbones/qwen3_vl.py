@@ -1,8 +1,10 @@
-"""Qwen3-VL: every temporal step is "<t seconds><|vision_start|> tokens <|vision_end|>", and DeepStack adds
-vision features from several ViT depths to the first LM layers' hidden states at the visual positions.
+"""Qwen3-VL: every temporal step is "<t seconds><|vision_start|> tokens <|vision_end|>", and
+DeepStack adds vision features from several ViT depths to the first LM layers' hidden states at the
+visual positions.
 
-Its video processor bounds the pixels of a whole call, so a chunk alone would be resized differently from
-the clip: the layout fixes the clip's size once and every chunk is resized to it before processing.
+Its video processor bounds the pixels of a whole call, so a chunk alone would be resized differently
+from the clip: the layout fixes the clip's size once and every chunk is resized to it before
+processing.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class Qwen3VLBackbone(QwenVLBackbone):
         return int(getattr(self.model.config, name))
 
     def step_markers(self, time: tuple[float, float]) -> tuple[list[int], list[int]]:
-        """Text before and after one step's visual tokens; the time is the middle of the step, as Qwen3 writes it."""
+        """Text before and after one step's visual tokens; the time is the middle of the step, as
+        Qwen3 writes it."""
         stamp = self.text_ids(f"<{(time[0] + time[1]) / 2:.1f} seconds>")
         return stamp + [self._token("vision_start_token_id")], [self._token("vision_end_token_id")]
 
@@ -137,7 +140,8 @@ class Qwen3VLBackbone(QwenVLBackbone):
         return embeds, {"visual_pos_masks": mask, "deepstack_visual_embeds": deep}
 
     def select_extra(self, extra: dict, index: torch.Tensor) -> dict:
-        # DeepStack rows follow the visual tokens in order; a batch reads them row-major, as the model does.
+        # DeepStack rows follow the visual tokens in order; a batch reads them row-major, as the
+        # model does.
         mask = extra["visual_pos_masks"][0]
         rank = torch.cumsum(mask.long(), 0) - 1
         index = index.to(mask.device)

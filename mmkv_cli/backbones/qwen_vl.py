@@ -8,7 +8,8 @@ import torch
 from mmkv_cli.backbones.base import Backbone, PromptPieces, StreamLayout
 
 PROMPT = PromptPieces(
-    prefix="<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>",
+    prefix="<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "<|im_start|>user\n<|vision_start|>",
     suffix_text="<|vision_end|>",
     question="{question}<|im_end|>\n<|im_start|>assistant\n",
 )
@@ -66,8 +67,9 @@ class QwenVLBackbone(Backbone):
     def stream_layout(
         self, frame_hw: tuple[int, int], step_times: list[tuple[float, float]]
     ) -> StreamLayout:
-        # Ask the model itself for the M-RoPE positions of [prefix | video | suffix | one text token]:
-        # the extra token gives the question's first position, which is not len + rope_deltas.
+        # Ask the model itself for the M-RoPE positions of [prefix | video | suffix | one text
+        # token]: the extra token gives the question's first position, which is not len +
+        # rope_deltas.
         steps = len(step_times)
         h, w = self.visual_grid(frame_hw)
         merge = self.video_processor.merge_size

@@ -1,5 +1,6 @@
-"""Tiny offline backbones: the real model classes at toy size, deterministic random weights, a WordLevel
-tokenizer and processors built from constructor arguments. Tests and demos run on these, no hub needed."""
+"""Tiny offline backbones: the real model classes at toy size, deterministic random weights, a
+WordLevel tokenizer and processors built from constructor arguments. Tests and demos run on these,
+no hub needed."""
 
 from __future__ import annotations
 
@@ -220,7 +221,8 @@ def _qwen_text(tokenizer, **rope_extra) -> dict:
     return _text_config(256, rope_parameters=rope, eos_token_id=eos, bos_token_id=None)
 
 
-# Every tiny Qwen turns a 64x64 frame pair into 8x8 patches merged 2x2: 16 LLM tokens per temporal step.
+# Every tiny Qwen turns a 64x64 frame pair into 8x8 patches merged 2x2: 16 LLM tokens per temporal
+# step.
 QWEN_VISION = dict(patch_size=8, spatial_merge_size=2, temporal_patch_size=2)
 QWEN_FRAMES = dict(patch_size=8, temporal_patch_size=2, merge_size=2)
 

@@ -1,4 +1,5 @@
-"""The Media type every loader returns: frames read lazily by index, with timestamps and a digest."""
+"""The Media type every loader returns: frames read lazily by index, with timestamps and a
+digest."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Video files: decord (the maintained decord2 build) first, PyAV when decord cannot open the file."""
+"""Video files: decord (the maintained decord2 build) first, PyAV when decord cannot open the
+file."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from mmkv_cli.media.base import Media, sample_times, sha256_files
 
 @contextlib.contextmanager
 def native_stderr_silenced():
-    """FFmpeg and decord print their own complaints straight to fd 2; ours is the one line the user sees."""
+    """FFmpeg and decord print their own complaints straight to fd 2; ours is the one line the user
+    sees."""
     try:
         sys.stderr.flush()
         saved = os.dup(2)

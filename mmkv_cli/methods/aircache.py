@@ -1,10 +1,10 @@
 """AirCache (seed 003): visual KV pruned by what the instruction's most relevant tokens look at.
 
-An elite observation window (instruction tokens the last instruction token attends to with at least tau
-x its maximum) scores every visual token by the elite rows' mean attention (softmax over [visual; elite]
-keys); each layer's share of the budget follows the strength and the skewness of those scores. Text KV
-is never touched. At encode the instruction is the guidance prompt; at ask (`--prune aircache`) the
-question.
+An elite observation window (instruction tokens the last instruction token attends to with at least
+tau x its maximum) scores every visual token by the elite rows' mean attention (softmax over
+[visual; elite] keys); each layer's share of the budget follows the strength and the skewness of
+those scores. Text KV is never touched. At encode the instruction is the guidance prompt; at ask
+(`--prune aircache`) the question.
 """
 
 from __future__ import annotations
@@ -36,16 +36,19 @@ class AirCacheParams(GuidedParams):
 
 
 def elite_window(last_row: torch.Tensor, tau: float) -> torch.Tensor:
-    """Indices of the instruction tokens whose attention from the last one is >= tau x the largest."""
+    """Indices of the instruction tokens whose attention from the last one is >= tau x the
+    largest."""
     return (last_row >= tau * last_row.max()).nonzero().squeeze(1)
 
 
 def visual_importance(
     rows: torch.Tensor, visual: slice, instruction: slice, tau: float
 ) -> torch.Tensor:
-    """rows [q, k]: attention of the instruction's rows (the last q keys are theirs) -> [n_visual] importance.
+    """rows [q, k]: attention of the instruction's rows (the last q keys are theirs) -> [n_visual]
+    importance.
 
-    instruction: the key columns of the instruction's tokens, which are also its rows (in the same order).
+    instruction: the key columns of the instruction's tokens, which are also its rows (in the same
+    order).
     """
     n_instruction = instruction.stop - instruction.start
     own = rows[-n_instruction:]  # the instruction's rows
@@ -65,8 +68,9 @@ def skewness(x: torch.Tensor) -> float:
 
 
 def fit_shares(weights: list[float], mean: float, low: float, high: float) -> list[float]:
-    """Per-layer ratios proportional to `weights`, each in [low, high], averaging `mean` (water filling:
-    layers over `high` are capped first and their excess goes to the others; then layers under `low`)."""
+    """Per-layer ratios proportional to `weights`, each in [low, high], averaging `mean` (water
+    filling: layers over `high` are capped first and their excess goes to the others; then layers
+    under `low`)."""
     out: dict[int, float] = {}
     free = list(range(len(weights)))
     target = mean * len(weights)
@@ -86,8 +90,9 @@ def fit_shares(weights: list[float], mean: float, low: float, high: float) -> li
 
 
 def layer_ratios(importance: list[torch.Tensor], ratio: float, low: float) -> list[float]:
-    """r_l = 0.5 (s' + k') r: s the strength (sum), k the skewness of a layer's importance, each normalised
-    to sum to one across layers (skewness floored just above zero), fitted so the layers average r."""
+    """r_l = 0.5 (s' + k') r: s the strength (sum), k the skewness of a layer's importance, each
+    normalised to sum to one across layers (skewness floored just above zero), fitted so the layers
+    average r."""
     strength = torch.tensor([float(i.sum()) for i in importance]).clamp_min(1e-12)
     skew = torch.tensor([skewness(i) for i in importance]).clamp_min(1e-6)
     weights = (0.5 * (strength / strength.sum() + skew / skew.sum())).tolist()

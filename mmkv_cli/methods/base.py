@@ -1,11 +1,11 @@
 """The seams between the encoder, the ask path and the methods, declared as protocols and records.
 
-A method is a `Method`: its typed parameter class, its paper, its default budget, and the policies it
-provides. A memory policy decides at encode (question unknown) which KV enters the pack: a
-`StreamingMemory` sees one running cache as the media streams through it; a `BlockwiseMemory` has its
-blocks prefilled independently after the init prompt (MuKV). A `ContextPolicy` decides at ask (question
-known) which stored blocks enter the context. An `AskPruner` cuts the context's visual KV by the
-question's own attention. The encoder and the ask path reach a method only through these.
+A method is a `Method`: its typed parameter class, its paper, its default budget, and the policies
+it provides. A memory policy decides at encode (question unknown) which KV enters the pack: a
+`StreamingMemory` sees one running cache as the media streams through it; a `BlockwiseMemory` has
+its blocks prefilled independently after the init prompt (MuKV). A `ContextPolicy` decides at ask
+(question known) which stored blocks enter the context. An `AskPruner` cuts the context's visual KV
+by the question's own attention. The encoder and the ask path reach a method only through these.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ if TYPE_CHECKING:
 
 MediaKind = Literal["video", "images", "pdf"]
 
-# At encode no question exists yet; methods that score by a prompt's attention use one of these, fitted
-# to what the media is (`encode --guidance-prompt` replaces it).
+# At encode no question exists yet; methods that score by a prompt's attention use one of these,
+# fitted to what the media is (`encode --guidance-prompt` replaces it).
 GUIDANCE = {
-    "video": "What happens in this video? Describe the people, objects, text and actions, in order.",
+    "video": "What happens in this video? Describe the people, objects, text and actions, "
+    "in order.",
     "images": "What do these images show? Describe the people, objects, text and scenes in each.",
     "pdf": "What do these pages say? Summarise their text, tables and figures, page by page.",
 }
@@ -48,7 +49,8 @@ class Paper:
 
 @dataclass(frozen=True)
 class Budget:
-    """How much visual KV a compressing method keeps per layer: a share of the stream, or a fixed count."""
+    """How much visual KV a compressing method keeps per layer: a share of the stream, or a fixed
+    count."""
 
     share: float | None = None  # fraction of the visual tokens, in (0, 1]
     tokens: int | None = None  # visual tokens per layer (replaces the share when set)
@@ -71,13 +73,15 @@ class Budget:
 
 @dataclass(frozen=True)
 class EncodeContext:
-    """What a memory policy is told before any frame: the media kind and the prompt to score with."""
+    """What a memory policy is told before any frame: the media kind and the prompt to score
+    with."""
 
     media_kind: str = "video"
     guidance_prompt: str | None = None  # `encode --guidance-prompt`: replaces any preset's
 
     def guidance(self, preset: str | None = None) -> str:
-        """The prompt to score with: the command line's, else the preset's, else the media kind's."""
+        """The prompt to score with: the command line's, else the preset's, else the media
+        kind's."""
         return self.guidance_prompt or preset or GUIDANCE.get(self.media_kind, GUIDANCE["video"])
 
 
@@ -101,7 +105,8 @@ class GuidedParams(StreamParams):
 
 
 class StreamingMemory(Protocol):
-    """Sees the running encode cache after every chunk and may evict from it; cuts what stays into blocks."""
+    """Sees the running encode cache after every chunk and may evict from it; cuts what stays into
+    blocks."""
 
     def recorder(self, state: StreamState) -> Recorder | None:
         """What to record while each chunk is prefilled (None: nothing)."""
@@ -129,7 +134,8 @@ class BlockPlan:
 
 
 class BlockwiseMemory(Protocol):
-    """Blocks prefilled on their own after the init prompt; the encoder batches blocks of one size."""
+    """Blocks prefilled on their own after the init prompt; the encoder batches blocks of one
+    size."""
 
     batch_tokens: int  # tokens in one prefill batch's cache: rows x (init prompt + block)
     chunk_frames: int
@@ -179,12 +185,12 @@ class ContextPolicy(Protocol):
         question_vector: QuestionVector,
         at: float | None = None,
     ) -> Selection:
-        """Blocks for the context. reps() loads the representatives and question_vector(mode) runs the
-        question; both are lazy so a policy that needs neither costs nothing."""
+        """Blocks for the context. reps() loads the representatives and question_vector(mode) runs
+        the question; both are lazy so a policy that needs neither costs nothing."""
 
 
-# rows: per layer the question's attention [q, k]; visual / question: per layer the key columns of the
-# context's visual tokens and of the question -> per layer the local visual indices to keep.
+# rows: per layer the question's attention [q, k]; visual / question: per layer the key columns of
+# the context's visual tokens and of the question -> per layer the local visual indices to keep.
 AskPruner = Callable[
     [list["torch.Tensor"], list[slice], list[slice], float, Any], list["torch.Tensor"]
 ]

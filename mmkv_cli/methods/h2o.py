@@ -1,6 +1,6 @@
 """H2O (Zhang et al., 2023), visual tokens only: heavy hitters by the attention every query of the
-prefill paid each token (column sums accumulated chunk by chunk while streaming), each layer keeps its
-top-k."""
+prefill paid each token (column sums accumulated chunk by chunk while streaming), each layer keeps
+its top-k."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """HERMES (seed 002): the KV cache as layered memory under a fixed token budget, streamed in chunks.
 
 Whenever the visual part of the running cache exceeds the budget, every layer is cut back to it.
-Shallow layers keep the newest tokens (a forgetting curve), deep layers the tokens a generic guidance
-prompt attends to, middle layers a depth-interpolated mix; scores are smoothed deep -> shallow and each
-layer keeps its own top-k. What deep layers evict is folded into one summary token, kept in the running
-cache right after the prompt. Positions stay (`lazy`, compacted only near the model's position limit)
-or are compacted at every compression (`eager`), keys re-rotated by the change. Everything kept goes
-into the pack; ask uses all of it (no retrieval).
+Shallow layers keep the newest tokens (a forgetting curve), deep layers the tokens a generic
+guidance prompt attends to, middle layers a depth-interpolated mix; scores are smoothed deep ->
+shallow and each layer keeps its own top-k. What deep layers evict is folded into one summary token,
+kept in the running cache right after the prompt. Positions stay (`lazy`, compacted only near the
+model's position limit) or are compacted at every compression (`eager`), keys re-rotated by the
+change. Everything kept goes into the pack; ask uses all of it (no retrieval).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class HermesParams(GuidedParams):
     summary: bool = knob(True, "deep layers fold what they evict into one summary token")
     reindex: Literal["eager", "lazy"] = knob(
         "eager",
-        "eager: compact positions at every compression (offline); lazy: only near the position limit",
+        "eager: compact positions at every compression (offline); "
+        "lazy: only near the position limit (streaming)",
     )
     reindex_at: int | None = knob(
         None, "lazy threshold (null: 0.9 x the model's max_position_embeddings)", low=1
@@ -63,7 +64,8 @@ class HermesParams(GuidedParams):
 
 
 def layer_roles(layers: int, shallow: float, deep: float) -> list[tuple[str, float]]:
-    """(role, depth fraction p within the middle layers) per layer; at least one shallow and one deep layer."""
+    """(role, depth fraction p within the middle layers) per layer; at least one shallow and one
+    deep layer."""
     n_shallow = max(1, round(shallow * layers))
     n_deep = max(1, round(deep * layers))
     n_middle = max(0, layers - n_shallow - n_deep)
@@ -104,7 +106,8 @@ def layer_score(attention: torch.Tensor, a: float, k: float) -> torch.Tensor:
 def smooth_deep_to_shallow(
     scores: list[torch.Tensor], kept: list[torch.Tensor], gammas: list[float], total: int
 ) -> list[torch.Tensor]:
-    """S_l <- (1 - g_l) S_l + g_l S_{l+1}, from the deepest layer up, matching tokens by stream index.
+    """S_l <- (1 - g_l) S_l + g_l S_{l+1}, from the deepest layer up, matching tokens by stream
+    index.
 
     Layers may hold different tokens: a token the deeper layer no longer holds keeps its own score.
     """
@@ -128,8 +131,9 @@ def fold_into_summary(
     axes: torch.Tensor,
     previous: tuple | None = None,
 ) -> tuple:
-    """Evicted keys [H, n, D] rotated to `target` [P] and averaged, values averaged; merged with a previous
-    (key [H, 1, D], value [H, 1, D], count) as a running mean. Returns (key, value, count)."""
+    """Evicted keys [H, n, D] rotated to `target` [P] and averaged, values averaged; merged with a
+    previous (key [H, 1, D], value [H, 1, D], count) as a running mean. Returns (key, value, count).
+    """
     n = keys.shape[1]
     delta = target.view(-1, 1).to(positions) - positions
     moved = rotate_keys(keys.float(), delta, inv_freq, axes)
@@ -235,7 +239,8 @@ class HermesMemory(KeepAll):
             state.cache.replace(layer, keys=moved, positions=new)
             if new.numel():
                 top = max(top, int(new[0].max()))
-        # The next token (a visual step or the suffix) takes the temporal slot after the compacted ones.
+        # The next token (a visual step or the suffix) takes the temporal slot after the compacted
+        # ones.
         upcoming = int(state.layout_positions[0, state.seen])
         state.shift = upcoming - (top + 1)
         self.reindexed += 1

@@ -1,11 +1,12 @@
-"""MEDA (seed 001): per-layer budgets from cross-modal attention entropy; evicted KV merged, not dropped.
+"""MEDA (seed 001): per-layer budgets from cross-modal attention entropy; evicted KV merged, not
+dropped.
 
-E_l = E_TV + E_VT: the entropy of text rows over visual keys (the guidance prompt's rows at encode) plus
-that of visual rows over text keys (recorded chunk by chunk while streaming), heads averaged. ratio_l =
-softmax_l(E) * L * rho, clamped to [min_layer_ratio, 1]: layers whose attention is spread keep more. In a
-layer, a recent window and the top tokens by cumulative attention (3:1) are kept; every evicted token is
-merged into its most cosine-similar kept key of the same head, kept K and V becoming the mean of
-themselves and what merged in.
+E_l = E_TV + E_VT: the entropy of text rows over visual keys (the guidance prompt's rows at encode)
+plus that of visual rows over text keys (recorded chunk by chunk while streaming), heads averaged.
+ratio_l = softmax_l(E) * L * rho, clamped to [min_layer_ratio, 1]: layers whose attention is spread
+keep more. In a layer, a recent window and the top tokens by cumulative attention (3:1) are kept;
+every evicted token is merged into its most cosine-similar kept key of the same head, kept K and V
+becoming the mean of themselves and what merged in.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def entropy_ratios(entropy: list[float], rho: float, low: float = 0.01) -> list[
 
 
 def recent_and_heavy(cumulative: torch.Tensor, keep: int, recent_share: float) -> torch.Tensor:
-    """Local indices (ascending) of the newest round(recent_share * keep) tokens plus the others with the
-    highest cumulative attention, `keep` in all."""
+    """Local indices (ascending) of the newest round(recent_share * keep) tokens plus the others
+    with the highest cumulative attention, `keep` in all."""
     n = cumulative.numel()
     keep = min(keep, n)
     recent = min(keep, round(recent_share * keep))
@@ -66,10 +67,12 @@ def recent_and_heavy(cumulative: torch.Tensor, keep: int, recent_share: float) -
 
 
 def merge_evicted(keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor):
-    """keys, values [H, n, D]; kept: local indices. Each evicted token joins the kept token whose key is most
-    cosine-similar in the same head; a kept K, V becomes the mean of itself and its joiners.
+    """keys, values [H, n, D]; kept: local indices. Each evicted token joins the kept token whose
+    key is most cosine-similar in the same head; a kept K, V becomes the mean of itself and its
+    joiners.
 
-    Returns (keys [H, k, D], values [H, k, D], target [H, n_evicted]: the kept slot each evicted token joined).
+    Returns (keys [H, k, D], values [H, k, D], target [H, n_evicted]: the kept slot each evicted
+    token joined).
     """
     heads, n, _ = keys.shape
     evicted = torch.ones(n, dtype=torch.bool)

@@ -1,10 +1,11 @@
 """MuKV (seed 000): multi-grained blocks, each prefilled on its own and compressed by a dual signal.
 
-Three granularities cut the same visual stream: patch (a spatial quarter of a step's token grid), frame
-(one temporal step) and segment (F frames); or, with views: middle_frame, patch and frame blocks come
-from each segment's middle step only. Every block is prefilled after the init prompt only, scored by
-last-layer attention column sums fused with a key-frequency signal, and keeps floor(rho_g * |block|)
-tokens in temporal order. At ask, blocks are retrieved per granularity and reranked (retrieval.py).
+Three granularities cut the same visual stream: patch (a spatial quarter of a step's token grid),
+frame (one temporal step) and segment (F frames); or, with views: middle_frame, patch and frame
+blocks come from each segment's middle step only. Every block is prefilled after the init prompt
+only, scored by last-layer attention column sums fused with a key-frequency signal, and keeps
+floor(rho_g * |block|) tokens in temporal order. At ask, blocks are retrieved per granularity and
+reranked (retrieval.py).
 """
 
 from __future__ import annotations
@@ -92,10 +93,11 @@ class MuKVParams:
 
 
 def frequency_signal(keys: torch.Tensor, mode: str = "fft") -> torch.Tensor:
-    """keys [N, D] (last layer, head-averaged) -> [N] how much each token departs from its neighbours.
+    """keys [N, D] (last layer, head-averaged) -> [N] how much each token departs from its
+    neighbours.
 
-    fft: keep the upper half of the frequency bins along the tokens, back to tokens, |.| averaged over D.
-    diff: ||k_t - k_{t-1}|| (the first token scores as its successor's change).
+    fft: keep the upper half of the frequency bins along the tokens, back to tokens, |.| averaged
+    over D. diff: ||k_t - k_{t-1}|| (the first token scores as its successor's change).
     """
     keys = keys.float()
     n = keys.shape[0]
@@ -109,15 +111,6 @@ def frequency_signal(keys: torch.Tensor, mode: str = "fft") -> torch.Tensor:
         change = (keys[1:] - keys[:-1]).norm(dim=1)
         return torch.cat([change[:1], change])
     raise ValueError(f"unknown frequency signal '{mode}' (fft, diff)")
-
-
-def fused_score(attention: torch.Tensor, frequency: torch.Tensor, alpha: float) -> torch.Tensor:
-    return alpha * minmax(attention) + (1 - alpha) * minmax(frequency)
-
-
-def keep_count(block_tokens: int, rho: float) -> int:
-    """floor(rho * |block|), at least one token so no block is emptied (tiny grids only)."""
-    return max(1, min(block_tokens, math.floor(rho * block_tokens)))
 
 
 def fused_score(attention: torch.Tensor, frequency: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -147,9 +140,9 @@ def quarter_grid(rows: int, cols: int, mode: str = "spatial") -> list[torch.Tens
 
 
 def detailed_steps(steps: int, segment_steps: int, views: str = "stream") -> list[int]:
-    """The steps that get patch and frame blocks. stream: every step, so every token sits in one block of
-    each granularity (the paper's figures and the authors' code); middle_frame: only each segment's middle
-    step (the paper's prose)."""
+    """The steps that get patch and frame blocks. stream: every step, so every token sits in one
+    block of each granularity (the paper's figures and the authors' code); middle_frame: only each
+    segment's middle step (the paper's prose)."""
     if views == "stream":
         return list(range(steps))
     if views == "middle_frame":
@@ -169,7 +162,8 @@ def plan_blocks(
     patch_mode: str = "spatial",
     views: str = "stream",
 ) -> list[BlockPlan]:
-    """Patch, frame and segment blocks over a stream of steps (patch and frame ones on the detailed steps).
+    """Patch, frame and segment blocks over a stream of steps (patch and frame ones on the detailed
+    steps).
 
     A step's marker tokens (Qwen3 timestamps, vision start/end) join its first and last patch block.
     """
@@ -202,7 +196,8 @@ class MuKVMemory:
         self.params = params
         self.chunk_frames = params.chunk_frames
         self.batch_tokens = params.batch_tokens
-        # The budget is the pack's share of one stream: the three views' rho are scaled to sum to it.
+        # The budget is the pack's share of one stream: the three views' rho are scaled to sum to
+        # it.
         self._budget = budget
         self.rho: dict[str, float] | None = (
             None if budget.tokens is not None else self._scaled(budget.share)

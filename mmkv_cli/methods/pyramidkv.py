@@ -27,8 +27,8 @@ def pyramid_budgets(
 ) -> list[int]:
     """Budgets falling linearly from the first layer to the last, averaging `per_layer`: the last
     layer keeps per_layer / beta, the first 2 per_layer - that. When the first would need more than
-    the `available` tokens, it keeps them all and the last layers get what is left of the average, as
-    the authors' code does, so a budget near 1 keeps nearly everything instead of a truncated
+    the `available` tokens, it keeps them all and the last layers get what is left of the average,
+    as the authors' code does, so a budget near 1 keeps nearly everything instead of a truncated
     pyramid."""
     if layers == 1:
         return [per_layer]

@@ -1,7 +1,7 @@
 """recency (StreamingLLM): the prompt as attention sinks plus the newest visual tokens.
 
-Evicts while streaming, so later chunks attend only to the sinks and the window, as StreamingLLM does;
-the running cache never holds more than the budget (plus the chunk being prefilled).
+Evicts while streaming, so later chunks attend only to the sinks and the window, as StreamingLLM
+does; the running cache never holds more than the budget (plus the chunk being prefilled).
 """
 
 from __future__ import annotations

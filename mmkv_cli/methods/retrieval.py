@@ -1,6 +1,7 @@
 """Block retrieval at ask (MuKV, ReKV): cosine scores of the question vector against the blocks'
 representatives; per granularity over-retrieve 2k, rerank patch/frame candidates against the top
-segments, keep k. A context policy, not a method: MuKV and ReKV both build one from their parameters."""
+segments, keep k. A context policy, not a method: MuKV and ReKV both build one from their
+parameters."""
 
 from __future__ import annotations
 
@@ -44,12 +45,13 @@ def retrieve(
     rerank: dict[str, float],
     top_segments: int,
 ) -> list[Retrieved]:
-    """Pick blocks per granularity: top 2k by score, rerank by agreement with the top segments, keep k.
+    """Pick blocks per granularity: top 2k by score, rerank by agreement with the top segments, keep
+    k.
 
-    rerank[g] = lambda_g: s' = (1 - lambda) s + lambda cos(rep, c), c = mean of the top segments' reps.
-    granularity: one label per block, or (codes [blocks], kinds) with kinds[code] the label. Returns the
-    picks, best first within each granularity. Whole-table work is vectorised: thousands of blocks cost a
-    few tensor ops, not Python loops.
+    rerank[g] = lambda_g: s' = (1 - lambda) s + lambda cos(rep, c), c = mean of the top segments'
+    reps. granularity: one label per block, or (codes [blocks], kinds) with kinds[code] the label.
+    Returns the picks, best first within each granularity. Whole-table work is vectorised: thousands
+    of blocks cost a few tensor ops, not Python loops.
     """
     if isinstance(granularity, tuple):
         codes, kinds = granularity

@@ -19,7 +19,8 @@ def top_in_order(score: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def accumulate(total: torch.Tensor, sums: torch.Tensor, index: torch.Tensor) -> None:
-    """Add a chunk's column sums over a layer's cached visual tokens (cache order) to their stream slots."""
+    """Add a chunk's column sums over a layer's cached visual tokens (cache order) to their stream
+    slots."""
     total.index_add_(0, index, sums.float())
 
 
@@ -34,14 +35,16 @@ def pooled(scores: torch.Tensor, kernel: int) -> torch.Tensor:
 
 
 def window_scores(attention: list[torch.Tensor], kernel: int) -> list[torch.Tensor]:
-    """SnapKV's score per layer: an observation window's attention to each visual token, max-pooled."""
+    """SnapKV's score per layer: an observation window's attention to each visual token,
+    max-pooled."""
     return [pooled(a, kernel) for a in attention]
 
 
 def question_window_scores(
     rows: list[torch.Tensor], visual: list[slice], kernel: int
 ) -> list[torch.Tensor]:
-    """At ask the window is the question: its rows' attention summed over each layer's visual columns."""
+    """At ask the window is the question: its rows' attention summed over each layer's visual
+    columns."""
     return [pooled(r[:, v].sum(dim=0), kernel) for r, v in zip(rows, visual)]
 
 
@@ -51,7 +54,8 @@ def keep_share(scores: list[torch.Tensor], share: float) -> list[torch.Tensor]:
 
 
 def mean_key(keys: torch.Tensor) -> torch.Tensor | None:
-    """A block's retrieval key: the mean of its kept last-layer keys [H_kv, n, D], heads concatenated."""
+    """A block's retrieval key: the mean of its kept last-layer keys [H_kv, n, D], heads
+    concatenated."""
     if keys.shape[1] == 0:
         return None
     return keys.float().mean(dim=1).reshape(-1)

@@ -1,6 +1,7 @@
-"""SnapKV (Li et al., 2024), visual tokens only: an observation window of text rows scores the cached
-visual tokens (attention mean over heads, summed over the window's rows, max-pooled), each layer keeps
-its top-k. At encode no question exists yet, so the window is a generic guidance prompt."""
+"""SnapKV (Li et al., 2024), visual tokens only: an observation window of text rows scores the
+cached visual tokens (attention mean over heads, summed over the window's rows, max-pooled), each
+layer keeps its top-k. At encode no question exists yet, so the window is a generic guidance prompt.
+"""
 
 from __future__ import annotations
 

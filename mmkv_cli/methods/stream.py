@@ -1,9 +1,9 @@
 """The running encode cache as streaming memory policies see it, and the keep-everything policy.
 
-`RunningCache` is one per-layer store: each layer holds [prompt | front | visual] in the model's cache,
-and for every visual entry its index in the whole visual stream and the position it sits at. Policies
-evict, overwrite and insert through `retain`, `replace` and `insert_front`; the splicing of cache
-tensors happens in one place (`_splice`).
+`RunningCache` is one per-layer store: each layer holds [prompt | front | visual] in the model's
+cache, and for every visual entry its index in the whole visual stream and the position it sits at.
+Policies evict, overwrite and insert through `retain`, `replace` and `insert_front`; the splicing of
+cache tensors happens in one place (`_splice`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 
 class RunningCache:
-    """Per layer: the model's cache entries, and for the visual ones their stream index and position."""
+    """Per layer: the model's cache entries, and for the visual ones their stream index and
+    position."""
 
     def __init__(self, cache, prompt_len: int, position_dims: int):
         self.cache = cache  # a transformers DynamicCache; its layers hold [1, H_kv, n, D]
@@ -52,13 +53,15 @@ class RunningCache:
         return entry.keys[0, :, start:stop], entry.values[0, :, start:stop]
 
     def appended(self, index: torch.Tensor, positions: torch.Tensor) -> None:
-        """A forward added these visual tokens (stream indices, positions [P, n]) to every layer's end."""
+        """A forward added these visual tokens (stream indices, positions [P, n]) to every layer's
+        end."""
         for layer in range(self.layers):
             self.index[layer] = torch.cat([self.index[layer], index])
             self.positions[layer] = torch.cat([self.positions[layer], positions], dim=1)
 
     def retain(self, layer: int, local: torch.Tensor) -> None:
-        """Keep only the visual entries at `local` (indices into this layer's visual part, ascending)."""
+        """Keep only the visual entries at `local` (indices into this layer's visual part,
+        ascending)."""
         keys, values = self.visual(layer)
         at = local.to(keys.device)
         self._splice(layer, self.visual_start(layer), self.count(layer), keys[:, at], values[:, at])
@@ -72,7 +75,8 @@ class RunningCache:
         values: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
     ) -> None:
-        """Overwrite this layer's visual K and/or V ([H_kv, n, D]) and/or positions ([P, n]), n unchanged."""
+        """Overwrite this layer's visual K and/or V ([H_kv, n, D]) and/or positions ([P, n]), n
+        unchanged."""
         old_k, old_v = self.visual(layer)
         keys = old_k if keys is None else keys
         values = old_v if values is None else values
@@ -81,12 +85,14 @@ class RunningCache:
             self.positions[layer] = positions.to(self.positions[layer])
 
     def insert_front(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Put one token ([H_kv, 1, D]) right after the prompt of this layer, replacing the one there."""
+        """Put one token ([H_kv, 1, D]) right after the prompt of this layer, replacing the one
+        there."""
         self._splice(layer, self.prompt_len, self.front[layer], key, value)
         self.front[layer] = 1
 
     def _splice(self, layer: int, start: int, length: int, keys, values) -> None:
-        """Cache entries [start, start + length) of this layer become `keys`, `values` ([H_kv, m, D])."""
+        """Cache entries [start, start + length) of this layer become `keys`, `values` ([H_kv, m,
+        D])."""
         entry = self.cache.layers[layer]
         stop = start + length
         k, v = keys.to(entry.keys).unsqueeze(0), values.to(entry.values).unsqueeze(0)
@@ -111,7 +117,8 @@ class RunningCache:
         )
 
 
-# text -> per layer the attention its rows pay the cached visual tokens (or, rows=True, the raw rows)
+# text -> per layer the attention its rows pay the cached visual tokens (or, rows=True, the raw
+# rows)
 Attend = Callable[..., object]
 
 
@@ -162,7 +169,8 @@ class KeepAll:
         pass
 
     def make_blocks(self, state: StreamState, step_times: list[tuple[float, float]]) -> list[Span]:
-        """Group what each layer kept by temporal step: one block per step still held by some layer."""
+        """Group what each layer kept by temporal step: one block per step still held by some
+        layer."""
         steps = len(step_times)
         per_layer = []
         for layer in range(state.layers):

@@ -1,6 +1,6 @@
-"""Shared by the score-then-cut methods (SnapKV, H2O, PyramidKV): the whole stream is prefilled, then
-every layer keeps its own top-k visual tokens by a per-layer score, in temporal order. Text is never
-pruned."""
+"""Shared by the score-then-cut methods (SnapKV, H2O, PyramidKV): the whole stream is prefilled,
+then every layer keeps its own top-k visual tokens by a per-layer score, in temporal order. Text is
+never pruned."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from mmkv_cli.methods.stream import KeepAll, StreamState
 
 
 class TopKAtEnd(KeepAll):
-    """Prefill everything, then cut each layer to its budget by `layer_scores` (subclasses score)."""
+    """Prefill everything, then cut each layer to its budget by `layer_scores` (subclasses
+    score)."""
 
     def budgets(self, state: StreamState) -> list[int]:
         return [self.budget.tokens_of(state.total)] * state.layers

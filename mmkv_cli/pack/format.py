@@ -1,16 +1,16 @@
 """The .kvpack format (v5): one safetensors file, a JSON header in its metadata, tensors by span.
 
-A span is the per-layer KV of one stretch of the stream: the prefix (init prompt), one visual block, or the
-suffix. Each span holds its per-layer K, V and original positions concatenated along the token axis,
-token-major ([sum n_l, H_kv, D], [sum n_l, P]), so a span is one contiguous byte range per tensor: a reader
-checksums it straight from the memory map and copies rows, never strided head slices. The header keeps the
-per-layer counts to split them again, so layers may keep different numbers of tokens. Prefix and suffix are
-tensors of their own ("prefix.k", ...); the blocks sit one after another in "blocks.k/.v/.pos", each at its
-offset, so the tensor directory stays small however many blocks. Everything that grows with the video is a
-tensor, not header JSON: the block table (granularity, steps, time, offset, counts, checksum), the frame
-timestamps and the tokens per step; so opening a pack parses a few KB whatever its length. Block
-representatives sit together in "reps" [blocks, dim] so retrieval reads them without touching any block.
-See docs/kvpack.md.
+A span is the per-layer KV of one stretch of the stream: the prefix (init prompt), one visual block,
+or the suffix. Each span holds its per-layer K, V and original positions concatenated along the
+token axis, token-major ([sum n_l, H_kv, D], [sum n_l, P]), so a span is one contiguous byte range
+per tensor: a reader checksums it straight from the memory map and copies rows, never strided head
+slices. The header keeps the per-layer counts to split them again, so layers may keep different
+numbers of tokens. Prefix and suffix are tensors of their own ("prefix.k", ...); the blocks sit one
+after another in "blocks.k/.v/.pos", each at its offset, so the tensor directory stays small however
+many blocks. Everything that grows with the video is a tensor, not header JSON: the block table
+(granularity, steps, time, offset, counts, checksum), the frame timestamps and the tokens per step;
+so opening a pack parses a few KB whatever its length. Block representatives sit together in "reps"
+[blocks, dim] so retrieval reads them without touching any block. See docs/kvpack.md.
 """
 
 from __future__ import annotations
@@ -23,14 +23,16 @@ from mmkv_cli.lazy import torch
 FORMAT_NAME = "mmkv.kvpack"
 FORMAT_VERSION = 5
 # v2 kept the block table as JSON in the header; v2 and v3 stored K/V head-major ([H_kv, tokens, D])
-# and positions as [P, tokens], with timestamps and step lengths in the header; v2-v4 named the prefix
-# and suffix "segments" in the header (v5: "spans") and kept a fixed token budget among the params.
+# and positions as [P, tokens], with timestamps and step lengths in the header; v2-v4 named the
+# prefix and suffix "segments" in the header (v5: "spans") and kept a fixed token budget among the
+# params.
 READABLE_VERSIONS = (2, 3, 4, 5)
 BLOCKS = "blocks"  # tensors "blocks.k/.v/.pos": every block's tokens, one range each
 # Header lists that grow with the video, stored as tensors of these names (and dtypes) from v4 on.
 SERIES = {"media.timestamps": "float64", "layout.step_lengths": "int64"}
-# Block table, one row per block: "blocks.table" int64 [N, 4 + layers] = (granularity index, first step,
-# stop step, offset, layer counts...), "blocks.time" float64 [N, 2] (NaN: none), "blocks.sha256" uint8 [N, 32].
+# Block table, one row per block: "blocks.table" int64 [N, 4 + layers] = (granularity index, first
+# step, stop step, offset, layer counts...), "blocks.time" float64 [N, 2] (NaN: none),
+# "blocks.sha256" uint8 [N, 32].
 TABLE_COLUMNS = 4
 META_HEADER = "mmkv"
 META_HEADER_SHA = "mmkv_sha256"
@@ -38,7 +40,9 @@ META_HEADER_SHA = "mmkv_sha256"
 
 @dataclass
 class Span:
-    """Per-layer KV of one stretch of the stream (prefix, block or suffix). keys/values: [H_kv, n_l, D]; positions: [P, n_l] int64."""
+    """Per-layer KV of one stretch of the stream (prefix, block or suffix).
+
+    keys/values: [H_kv, n_l, D]; positions: [P, n_l] int64."""
 
     name: str
     keys: list[torch.Tensor]
@@ -75,7 +79,8 @@ def tensors_sha256(tensors: list[torch.Tensor]) -> str:
 def split_layers(
     t: torch.Tensor, counts: list[int], token_major: bool = True
 ) -> list[torch.Tensor]:
-    """A stored segment tensor -> per-layer [H_kv, n_l, D] (or [P, n_l]) views; v2/v3 were head-major."""
+    """A stored segment tensor -> per-layer [H_kv, n_l, D] (or [P, n_l]) views; v2/v3 were
+    head-major."""
     if not token_major:
         return list(torch.split(t, counts, dim=1))
     return [part.transpose(0, 1) for part in torch.split(t, counts, dim=0)]

@@ -1,4 +1,5 @@
-"""Read a pack lazily: the header and representatives first, block tensors only when asked (mmap)."""
+"""Read a pack lazily: the header and representatives first, block tensors only when asked
+(mmap)."""
 
 from __future__ import annotations
 
@@ -27,13 +28,14 @@ from mmkv_cli.pack.format import (
 )
 from mmkv_cli.pack.table import BlockTable
 
-# Blocks this large on average are checksummed on up to HASH_THREADS threads. Small ones are not: hashing
-# many small buffers on threads churns the GIL (2 cores, 1024 blocks of 17 KB: 22 -> 25 ms; 64 blocks of
-# 5.6 MB, a real backbone's size: 204 -> 105 ms).
+# Blocks this large on average are checksummed on up to HASH_THREADS threads. Small ones are not:
+# hashing many small buffers on threads churns the GIL (2 cores, 1024 blocks of 17 KB: 22 -> 25 ms;
+# 64 blocks of 5.6 MB, a real backbone's size: 204 -> 105 ms).
 PARALLEL_HASH_BLOCK_BYTES = 1 << 20
 HASH_THREADS = 8
 
-# safetensors dtype -> the numpy dtype its bytes are read as, and the torch dtype they are viewed as after
+# safetensors dtype -> the numpy dtype its bytes are read as, and the torch dtype they are viewed as
+# after
 _DTYPES = {
     "F64": (np.float64, "float64"),
     "F32": (np.float32, "float32"),
@@ -102,7 +104,8 @@ class PackReader:
         )
 
     def _block_table(self) -> BlockTable:
-        """The block table (v3 on): three small tensors, read whole (a few dozen bytes per block)."""
+        """The block table (v3 on): three small tensors, read whole (a few dozen bytes per
+        block)."""
         meta = self.header["blocks"]
         layers = len(self.spans_meta["prefix"]["layer_counts"])
         if not meta["count"]:
@@ -144,7 +147,8 @@ class PackReader:
         return torch.from_numpy(self._array(name)).view(getattr(torch, dtype))
 
     def _view(self, name: str) -> tuple[np.ndarray, str]:
-        """Tensor `name` as a shaped view of the memory-mapped file (nothing read until it is indexed)."""
+        """Tensor `name` as a shaped view of the memory-mapped file (nothing read until it is
+        indexed)."""
         if name not in self._views:
             entry = self._entries.get(name)
             if entry is None or entry.get("dtype") not in _DTYPES:
@@ -164,7 +168,8 @@ class PackReader:
         return self._views[name]
 
     def series(self, name: str) -> list:
-        """A per-frame or per-step list ("media.timestamps", "layout.step_lengths"): a tensor from v4 on."""
+        """A per-frame or per-step list ("media.timestamps", "layout.step_lengths"): a tensor from
+        v4 on."""
         if name not in SERIES:
             raise KeyError(name)
         if name in self._entries:
@@ -187,11 +192,12 @@ class PackReader:
     def gather(
         self, names: list[str]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """Blocks `names` joined per layer, in that order: (keys, values, positions), each a list over layers
-        of [H_kv, n, D] and [P, n] views (strided; concatenating them makes them contiguous).
+        """Blocks `names` joined per layer, in that order: (keys, values, positions), each a list
+        over layers of [H_kv, n, D] and [P, n] views (strided; concatenating them makes them
+        contiguous).
 
-        A context of many blocks is read with one row gather per tensor from the memory map, not a dozen
-        small reads per block; every block's checksum is still verified, on its own bytes.
+        A context of many blocks is read with one row gather per tensor from the memory map, not a
+        dozen small reads per block; every block's checksum is still verified, on its own bytes.
         """
         if not names:
             return [], [], []
@@ -208,7 +214,8 @@ class PackReader:
                 if name not in self._verified
             ],
         )
-        # A block's tokens are stored layer after layer: layer l of block i starts at offset_i + counts_i[:l].
+        # A block's tokens are stored layer after layer: layer l of block i starts at offset_i +
+        # counts_i[:l].
         # One row index for the whole context, layer-major, so each tensor is read with one gather.
         starts = offsets[:, None] + np.cumsum(counts, axis=1) - counts
         flat_starts, flat_counts = starts.T.reshape(-1), counts.T.reshape(-1)
@@ -225,9 +232,9 @@ class PackReader:
         return out[0], out[1], out[2]
 
     def _verify(self, views: list, pending: list[tuple[str, int, int, np.ndarray]]) -> None:
-        """Check each pending block's sha256 against the table. A large read is hashed on several threads
-        (hashlib lets go of the GIL on big buffers): on a real backbone the checksums of a retrieved context
-        (hundreds of MB) would otherwise cost more than reading it."""
+        """Check each pending block's sha256 against the table. A large read is hashed on several
+        threads (hashlib lets go of the GIL on big buffers): on a real backbone the checksums of a
+        retrieved context (hundreds of MB) would otherwise cost more than reading it."""
 
         def digests(items):
             out = []
@@ -266,7 +273,8 @@ class PackReader:
         return view if self._token_major else np.swapaxes(view, 0, 1)
 
     def _block_bytes(self, view: np.ndarray, start: int, stop: int) -> np.ndarray:
-        """The stored bytes of token range [start, stop) of a block tensor, in the order its checksum covers."""
+        """The stored bytes of token range [start, stop) of a block tensor, in the order its
+        checksum covers."""
         if self._token_major:
             return view[start:stop]  # contiguous: hashed straight from the memory map
         return np.ascontiguousarray(view[:, start:stop])

@@ -1,8 +1,9 @@
-"""A pack's block table: columns kept as tensors, one dict per block built only when that block is asked for.
+"""A pack's block table: columns kept as tensors, one dict per block built only when that block is
+asked for.
 
-Retrieval over an hour of video scores tens of thousands of blocks; building a Python dict for each on
-every ask would make `ask` grow with the video. Columns (granularity labels, start times, start steps,
-layer counts) answer whole-table questions at once; `table[i]` gives block i's dict.
+Retrieval over an hour of video scores tens of thousands of blocks; building a Python dict for each
+on every ask would make `ask` grow with the video. Columns (granularity labels, start times, start
+steps, layer counts) answer whole-table questions at once; `table[i]` gives block i's dict.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ class BlockTable(Sequence):
         return np.maximum(self._rows[:, 1], 0)
 
     def spans(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For blocks `indices`: offsets [n], per-layer counts [n, layers] and sha256 digests [n, 32]."""
+        """For blocks `indices`: offsets [n], per-layer counts [n, layers] and sha256 digests [n,
+        32]."""
         rows = self._rows[indices]
         return rows[:, 3], rows[:, TABLE_COLUMNS:], self._digests[indices]
 
@@ -118,8 +120,8 @@ class BlockTable(Sequence):
 
 
 def eligible_at(table: BlockTable, at: float | None) -> np.ndarray:
-    """Indices of the blocks that start by the moment `at`, in time order (a block with no time counts
-    as 0); every block when `at` is None."""
+    """Indices of the blocks that start by the moment `at`, in time order (a block with no time
+    counts as 0); every block when `at` is None."""
     chosen = np.arange(len(table))
     if at is not None:
         chosen = np.flatnonzero(np.nan_to_num(table.start_times(), nan=0.0) <= at)

@@ -23,7 +23,8 @@ from mmkv_cli.pack.format import (
 
 
 def check_writable(path: Path, force: bool) -> None:
-    """Fail before any work is done when the target exists (and --force is off) or cannot be written."""
+    """Fail before any work is done when the target exists (and --force is off) or cannot be
+    written."""
     if path.exists() and not force:
         raise OutputExistsError(f"{path} already exists; pass --force to replace it")
     if path.exists() and path.is_dir():
@@ -41,8 +42,8 @@ def _default_mode() -> int:
 
 
 def split_series(header: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The header without the lists that grow with the video (timestamps, tokens per step), and those lists
-    as tensors. The caller's header is left as it was."""
+    """The header without the lists that grow with the video (timestamps, tokens per step), and
+    those lists as tensors. The caller's header is left as it was."""
     header, series = dict(header), {}
     for name, dtype in SERIES.items():
         section, key = name.split(".")
@@ -77,8 +78,8 @@ def write_pack(
         }
     header, series = split_series(header)
     tensors.update(series)
-    # All blocks share three tensors (a few safetensors entries, whatever the video length); each block is a
-    # contiguous row range of them, read by slicing the memory map.
+    # All blocks share three tensors (a few safetensors entries, whatever the video length); each
+    # block is a contiguous row range of them, read by slicing the memory map.
     parts, offset, kinds = {"k": [], "v": [], "pos": []}, 0, []
     table, times, digests = [], [], []
     for index, block in enumerate(blocks):

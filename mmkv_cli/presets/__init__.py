@@ -1,13 +1,15 @@
-"""Presets: named variants of the methods and the models, as YAML files that only override typed fields.
+"""Presets: named variants of the methods and the models, as YAML files that only override typed
+fields.
 
-Built-in presets ship inside the package (methods/*.yaml, models/*.yaml beside this file, read through
-importlib.resources, so a wheel works). User presets override them by name: `--presets DIR` first, then
-$MMKV_PRESETS, then the built-in ones. Every method in code is also a preset of its own name.
+Built-in presets ship inside the package (methods/*.yaml, models/*.yaml beside this file, read
+through importlib.resources, so a wheel works). User presets override them by name: `--presets DIR`
+first, then $MMKV_PRESETS, then the built-in ones. Every method in code is also a preset of its own
+name.
 
-A method preset: `extends` (the method or preset it varies; a file named after a method in code extends
-it implicitly), `description`, `budget` (a share) or `budget_tokens`, and `params` (fields of the
-method's parameter class). A model preset: fields of ModelSpec. Anything else is refused, with the file
-and the key, before any work starts.
+A method preset: `extends` (the method or preset it varies; a file named after a method in code
+extends it implicitly), `description`, `budget` (a share) or `budget_tokens`, and `params` (fields
+of the method's parameter class). A model preset: fields of ModelSpec. Anything else is refused,
+with the file and the key, before any work starts.
 """
 
 from __future__ import annotations

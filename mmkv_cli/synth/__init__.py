@@ -15,7 +15,8 @@ KINDS = ("mixed", "normal", "needle")
 
 
 def make_clip(seed: int, index: int, frames: int, kind: str) -> tuple[Clip, list[dict]]:
-    """Clip `index` of a dataset: its own generator, so any clip can be rebuilt without the others."""
+    """Clip `index` of a dataset: its own generator, so any clip can be rebuilt without the
+    others."""
     rng = np.random.default_rng([seed, index])
     if kind == "mixed":
         kind = "needle" if index % 2 == 1 and frames >= 16 else "normal"
@@ -24,7 +25,8 @@ def make_clip(seed: int, index: int, frames: int, kind: str) -> tuple[Clip, list
 
 
 def write_video(path: Path, frames: np.ndarray, fps: float) -> None:
-    """H.264 at near-lossless quality: colours and edges survive the round trip the model will see."""
+    """H.264 at near-lossless quality: colours and edges survive the round trip the model will
+    see."""
     import av
 
     tmp = path.with_name(path.name + ".part")

@@ -1,7 +1,8 @@
-"""The synthetic world: clips of coloured shapes shown one after another, and questions with one-word answers.
+"""The synthetic world: clips of coloured shapes shown one after another, and questions with
+one-word answers.
 
-Everything is a pure function of a seed, so a clip, its frames and its questions can be rebuilt anywhere
-(the training script renders in memory; `mmkv synth` writes the same clips as video files).
+Everything is a pure function of a seed, so a clip, its frames and its questions can be rebuilt
+anywhere (the training script renders in memory; `mmkv synth` writes the same clips as video files).
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def _drifting(rng: np.random.Generator, shape: str, colour: str, start: int, sto
 def _spans(
     rng: np.random.Generator, frames: int, count: int, min_len: int
 ) -> list[tuple[int, int]]:
-    """`count` ordered, non-overlapping spans of at least min_len frames, with gaps of random length."""
+    """`count` ordered, non-overlapping spans of at least min_len frames, with gaps of random
+    length."""
     free = frames - count * min_len
     cuts = np.sort(
         rng.integers(0, free + 1, size=2 * count)
@@ -106,7 +108,8 @@ def normal_clip(rng: np.random.Generator, frames: int, max_events: int = 5) -> C
 
 
 def needle_clip(rng: np.random.Generator, frames: int) -> Clip:
-    """Distractor shapes (colours repeat) fill the clip; one star shows for 1-2 frames somewhere in it."""
+    """Distractor shapes (colours repeat) fill the clip; one star shows for 1-2 frames somewhere in
+    it."""
     fillers = [s for s in SHAPES if s != NEEDLE]
     events, cursor = [], 0
     while cursor < frames:
