@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.14.1 torchvision==0.29.1
 OUT ?= out
 
-.PHONY: setup demo demo-model test samples bench clean
+.PHONY: setup demo demo-model test wheel-check samples bench clean
 
 $(BIN)/mmkv: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -40,7 +40,14 @@ demo-model: setup
 	cp $(OUT)/demo.safetensors mmkv_cli/assets/demo.safetensors
 
 test: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests
+	VENV=$(VENV) .ci/wheel_check
+
+# The built wheel, installed in a fresh venv outside the checkout, runs methods / encode / ask.
+wheel-check: setup
+	VENV=$(VENV) .ci/wheel_check
 
 # Speed and memory goals (issues 3, 5, 6): results in bench/results/. A few minutes on 2 CPU cores.
 bench: setup

@@ -248,3 +248,14 @@ def test_token_and_share_budgets_are_checked_and_presets_extend_the_method():
     assert choose("hermes", budget=0.25).budget == Budget(share=0.25)
     six = choose("hermes-6k")
     assert six.budget == Budget(tokens=6144) and six.params == HermesParams()
+
+
+def test_a_token_budget_above_the_stream_evicts_nothing(tmp_path, backbones):
+    info = encode_pack(
+        "samples/clip.mp4",
+        tmp_path / "h.kvpack",
+        method="hermes-6k",
+        backbone=backbones["tiny-llava-ov"],
+    )
+    assert info["budget_tokens"] == 6144 and "summary" not in info["granularities"]
+    assert all(layer["tokens_kept"] == info["visual_tokens_total"] for layer in info["layers"])

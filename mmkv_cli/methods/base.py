@@ -56,9 +56,10 @@ class Budget:
     tokens: int | None = None  # visual tokens per layer (replaces the share when set)
 
     def tokens_of(self, total: int) -> int:
-        """Visual tokens per layer for a stream of `total` (at least one, at most the stream)."""
+        """Visual tokens per layer for a stream of `total` (at least one). A fixed count may exceed a
+        short stream: then nothing needs evicting."""
         if self.tokens is not None:
-            return max(1, min(total, self.tokens))
+            return max(1, self.tokens)
         return max(1, min(total, math.floor((self.share or 1.0) * total)))
 
     def share_of(self, total: int) -> float:
