@@ -89,6 +89,13 @@ def budget_label(info: dict) -> str:
     return f"budget {info['budget']:g}"
 
 
+def short_label(info: dict) -> str:
+    """method@budget for narrow tables: recency@0.25, hermes@4096t, full."""
+    if info.get("budget_tokens"):
+        return f"{info['method']}@{info['budget_tokens']}t"
+    return info["method"] if info.get("budget") is None else f"{info['method']}@{info['budget']:g}"
+
+
 def kept_label(info: dict) -> str:
     """What the pack holds of the stream, truthfully: the KV share averaged over layers, and for
     packs that cut the stream several ways (MuKV), each view's share, since the views overlap."""
@@ -171,7 +178,7 @@ def show_profile(result: dict) -> None:
         for title, _, _ in columns:
             table.add_column(title, justify="right")
     for r in result["methods"]:
-        label = f"{r['method']} ({budget_label(r).removeprefix('budget ')})"
+        label = short_label(r)
         measured.add_row(label, *(fmt(r[key]) for _, key, fmt in columns))
         ratios.add_row(
             label,
