@@ -218,7 +218,6 @@ def evaluate(
     settings: EvalSettings,
     load: LoadOptions,
     limit: int | None = None,
-    on_run=None,
 ) -> dict:
     """Every method at every budget (methods that keep everything once) over the question set."""
     from mmkv_cli.backbones import load_backbone

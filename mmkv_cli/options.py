@@ -13,12 +13,6 @@ class Positions(str, Enum):
     reindex = "reindex"  # compacted to consecutive slots, keys re-rotated by the change
 
 
-class Device(str, Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
 class Dtype(str, Enum):
     auto = "auto"
     float32 = "float32"

@@ -198,7 +198,9 @@ def test_block_table_columns_agree_with_its_rows_and_with_a_v2_json_table(tmp_pa
     write(path)
     table = PackReader(path).blocks
     rows = [table[i] for i in range(len(table))]
-    assert table.labels() == ["frame", "patch"] and [r["name"] for r in rows] == ["b0", "b1"]
+    assert [table.kinds[c] for c in table.codes()] == ["frame", "patch"] and [
+        r["name"] for r in rows
+    ] == ["b0", "b1"]
     assert table.start_times().tolist() == [1.0, 2.0] and table.layer_totals().tolist() == [
         [3, 2, 1],
         [4, 4, 0],

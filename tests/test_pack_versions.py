@@ -61,7 +61,10 @@ def assert_reads_back(reader):
             torch.cat([blocks[1].positions[layer], blocks[0].positions[layer]], dim=1),
         )
     assert torch.equal(reader.representatives(), torch.stack([b.representative for b in blocks]))
-    assert reader.blocks.labels() == ["frame", "patch"] and reader.blocks[1]["time"] == [1.0, 1.5]
+    assert [reader.blocks.kinds[c] for c in reader.blocks.codes()] == [
+        "frame",
+        "patch",
+    ] and reader.blocks[1]["time"] == [1.0, 1.5]
 
 
 def test_a_v3_pack_reads_back_exactly():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mmkv_cli.spec import knob
 
@@ -24,8 +24,6 @@ if TYPE_CHECKING:
     from mmkv_cli.methods.stream import StreamState
     from mmkv_cli.pack.format import Span
     from mmkv_cli.pack.table import BlockTable
-
-MediaKind = Literal["video", "images", "pdf"]
 
 # At encode no question exists yet; methods that score by a prompt's attention use one of these,
 # fitted to what the media is (`encode --guidance-prompt` replaces it).
@@ -43,9 +41,6 @@ class Paper:
     year: int
     url: str = ""
 
-    def cite(self) -> str:
-        return f"{self.title} ({self.year})"
-
 
 @dataclass(frozen=True)
 class Budget:
@@ -56,8 +51,8 @@ class Budget:
     tokens: int | None = None  # visual tokens per layer (replaces the share when set)
 
     def tokens_of(self, total: int) -> int:
-        """Visual tokens per layer for a stream of `total` (at least one). A fixed count may exceed a
-        short stream: then nothing needs evicting."""
+        """Visual tokens per layer for a stream of `total` (at least one). A fixed count may exceed
+        a short stream: then nothing needs evicting."""
         if self.tokens is not None:
             return max(1, self.tokens)
         return max(1, min(total, math.floor((self.share or 1.0) * total)))

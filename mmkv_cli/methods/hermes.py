@@ -152,8 +152,6 @@ class HermesMemory(KeepAll):
         super().__init__(params, budget, context)
         self.summary: dict[int, tuple] = {}  # deep layer -> (key, value, count)
         self.summary_position: torch.Tensor | None = None  # [P, 1] where the summary token sits
-        self.compressions = 0
-        self.reindexed = 0
 
     def after_chunk(self, state: StreamState) -> None:
         cap = self.budget.tokens_of(state.total)
@@ -192,7 +190,6 @@ class HermesMemory(KeepAll):
             if folds:
                 self._fold(state, layer, local)
             state.cache.retain(layer, local)
-        self.compressions += 1
         if self._should_reindex(state):
             self._reindex(state)
 
@@ -243,7 +240,6 @@ class HermesMemory(KeepAll):
         # ones.
         upcoming = int(state.layout_positions[0, state.seen])
         state.shift = upcoming - (top + 1)
-        self.reindexed += 1
 
     def make_blocks(self, state: StreamState, step_times: list[tuple[float, float]]) -> list[Span]:
         blocks = super().make_blocks(state, step_times)

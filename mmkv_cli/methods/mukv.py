@@ -20,8 +20,6 @@ from mmkv_cli.methods.retrieval import RetrievalContext, RetrievalOptions
 from mmkv_cli.methods.scoring import minmax, top_in_order
 from mmkv_cli.spec import knob
 
-GRANULARITIES = ("patch", "frame", "segment")
-
 
 @dataclass(frozen=True)
 class Shares:

@@ -79,7 +79,7 @@ def tensors_sha256(tensors: list[torch.Tensor]) -> str:
 def split_layers(
     t: torch.Tensor, counts: list[int], token_major: bool = True
 ) -> list[torch.Tensor]:
-    """A stored segment tensor -> per-layer [H_kv, n_l, D] (or [P, n_l]) views; v2/v3 were
+    """A stored span tensor -> per-layer [H_kv, n_l, D] (or [P, n_l]) views; v2/v3 were
     head-major."""
     if not token_major:
         return list(torch.split(t, counts, dim=1))

@@ -69,10 +69,6 @@ class BlockTable(Sequence):
         """[N] each block's granularity as an index into `kinds`."""
         return self._rows[:, 0]
 
-    def labels(self) -> list[str]:
-        """Every block's granularity."""
-        return [self.kinds[c] for c in self.codes().tolist()]
-
     def times(self) -> np.ndarray:
         """[N, 2] time of each block's first and last frame; NaN where a block has none."""
         return self._times

@@ -63,7 +63,7 @@ def write_pack(
     suffix: Span,
     force: bool = False,
 ) -> int:
-    """Write header + segments to `path`; returns the file size in bytes."""
+    """Write header + spans to `path`; returns the file size in bytes."""
     from safetensors.torch import save_file
 
     check_writable(path, force)
