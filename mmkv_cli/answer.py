@@ -98,7 +98,8 @@ def build_cache(
     if ends_at is not None:
         stored = reader.span("suffix").positions[0]
         start = int(stored.min()) if stored.numel() else stored_next
-        lead = (backbone.suffix_embeds(), stored - start + end)
+        # the stored suffix re-run right after what was shown, on the backbone's device
+        lead = (backbone.suffix_embeds(), (stored - start + end).to(backbone.device))
         next_position = stored_next - start + end
     return (
         backbone.cache_from_layers(keys, values),
