@@ -74,3 +74,19 @@ def test_method_encodes_inspects_and_answers(tmp_path, backbones, method, family
         used = [reader.blocks.index_of(name) for name in answer.blocks_used]
         assert all(math.isnan(starts[i]) or starts[i] <= at for i in used)
         assert used or not (starts <= at).any()  # empty only when nothing kept was shown by then
+
+
+@pytest.mark.parametrize("method", sorted(m for m in METHODS if not METHODS[m].keeps_all))
+def test_a_token_budget_works_for_every_compressing_method(tmp_path, backbones, method):
+    info = encode_pack(
+        SAMPLES / "clip.mp4",
+        tmp_path / "p.kvpack",
+        method=method,
+        budget_tokens=16,
+        backbone=backbones["tiny-llava-ov"],
+    )
+    assert info["budget_tokens"] == 16 and info["budget"] is None
+    if method == "mukv":  # every block keeps at least one token: 84 blocks on this 16-token grid
+        assert info["visual_tokens_kept"] < info["visual_tokens_total"] / 2
+    else:  # per layer on average (pyramidkv, aircache and meda share it unevenly)
+        assert info["visual_tokens_kept"] <= 16
