@@ -6,24 +6,30 @@ Start-up stays light: torch and transformers are imported inside the commands th
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
-import warnings
-from collections.abc import Callable
 from enum import Enum
 
 import typer
 
-from mmkv_cli import __version__
-from mmkv_cli.errors import MmkvError, UsageError
+from mmkv_cli import __version__, cli_study
+from mmkv_cli.cli_common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ModelOpt,
+    emit_json,
+    load_options,
+    method_names,
+    model_names,
+    run,
+)
+from mmkv_cli.errors import UsageError
 from mmkv_cli.options import (
     AskOptions,
     Dtype,
     EncodeOptions,
     GenerationOptions,
-    LoadOptions,
     Positions,
 )
 
@@ -42,42 +48,6 @@ class PruneMethod(str, Enum):
     aircache = "aircache"
     snapkv = "snapkv"
     pyramidkv = "pyramidkv"
-
-
-class ClipKind(str, Enum):
-    mixed = "mixed"
-    normal = "normal"
-    needle = "needle"
-
-
-def _method_names(incomplete: str) -> list[str]:
-    from mmkv_cli.presets import method_names
-
-    return [n for n in method_names() if n.startswith(incomplete)]
-
-
-def _model_names(incomplete: str) -> list[str]:
-    from mmkv_cli.presets import model_names
-
-    return [n for n in model_names() if n.startswith(incomplete)]
-
-
-def _devices(incomplete: str) -> list[str]:
-    return [d for d in ("auto", "cpu", "cuda") if d.startswith(incomplete)]
-
-
-JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else.")
-ModelOpt = typer.Option(
-    None,
-    "--model",
-    "-m",
-    help="Preset name, HF id or local path (default: $MMKV_MODEL or llava-ov-0.5b).",
-    autocompletion=_model_names,
-)
-DeviceOpt = typer.Option(
-    "auto", "--device", help="auto, cpu, cuda or cuda:N.", autocompletion=_devices
-)
-DtypeOpt = typer.Option(Dtype.auto, "--dtype", help="Weights' dtype (auto: bf16 on CUDA).")
 
 
 def _version(value: bool) -> None:
@@ -100,51 +70,7 @@ def main_options(
     """Encode video, image sets and documents into compressed KV caches; answer from them later."""
     from mmkv_cli.presets import use_presets
 
-    _run(lambda: use_presets(presets))  # None: the built-in and $MMKV_PRESETS ones only
-
-
-def _quiet() -> None:
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    warnings.filterwarnings("ignore")
-
-
-def _run(body: Callable[[], None]) -> None:
-    """Every failure becomes one line on stderr and a non-zero exit; MMKV_DEBUG=1 re-raises."""
-    from mmkv_cli.display import err_console
-
-    try:
-        _quiet()
-        body()
-    except MmkvError as err:
-        if os.environ.get("MMKV_DEBUG"):
-            raise
-        err_console.print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True, markup=True)
-        raise typer.Exit(err.exit_code) from None
-    except KeyboardInterrupt:
-        err_console.print("interrupted", highlight=False)
-        raise typer.Exit(130) from None
-    except typer.Exit:
-        raise
-    except Exception as err:  # a bug: still one line, with a way to see more
-        if os.environ.get("MMKV_DEBUG"):
-            raise
-        first = str(err).splitlines()[0] if str(err) else ""
-        err_console.print(
-            f"[red]error:[/red] internal error: {type(err).__name__}: {first} "
-            "(run with MMKV_DEBUG=1 for a traceback)",
-            highlight=False,
-            soft_wrap=True,
-        )
-        raise typer.Exit(70) from None
-
-
-def _emit_json(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj, default=str) + "\n")
-    sys.stdout.flush()
-
-
-def _load(model: str | None, device: str, dtype: Dtype) -> LoadOptions:
-    return LoadOptions(model=model, device=device, dtype=dtype.value)
+    run(lambda: use_presets(presets))  # None: the built-in and $MMKV_PRESETS ones only
 
 
 @app.command()
@@ -155,7 +81,7 @@ def encode(
         "full",
         "--method",
         help="Memory policy or preset (see `mmkv methods`).",
-        autocompletion=_method_names,
+        autocompletion=method_names,
     ),
     budget: float | None = typer.Option(
         None, "--budget", help="Share of visual tokens kept, in (0, 1] (compressing methods)."
@@ -188,9 +114,9 @@ def encode(
         options = EncodeOptions(
             method, budget, budget_tokens, fps, max_frames, guidance_prompt, force
         )
-        load = _load(model, device, dtype)
+        load = load_options(model, device, dtype)
         if as_json:
-            _emit_json(api.encode(media, output, options, load=load))
+            emit_json(api.encode(media, output, options, load=load))
             return
         bar = encode_progress()
         task = bar.add_task("encode", total=None, rate="")
@@ -214,7 +140,7 @@ def encode(
                 bar.stop()
         out_console.print(encoded_line(info), highlight=False)
 
-    _run(body)
+    run(body)
 
 
 @app.command()
@@ -233,7 +159,7 @@ def ask(
         "--model",
         "-m",
         help="Override the model the pack names.",
-        autocompletion=_model_names,
+        autocompletion=model_names,
     ),
     explain: bool = typer.Option(False, "--explain", help="List the retrieved blocks and scores."),
     at: float | None = typer.Option(
@@ -269,10 +195,10 @@ def ask(
                 max_new_tokens, temperature, top_p, seed, tuple(stop or ())
             ),
         )
-        load = _load(model, device, dtype)
+        load = load_options(model, device, dtype)
         if as_json:
             answer = api.ask(pack, text, options, load=load)
-            _emit_json(
+            emit_json(
                 {
                     "question": text,
                     "answer": answer.answer,
@@ -299,7 +225,7 @@ def ask(
 
             show_retrieved(answer.retrieved, answer.blocks_used)
 
-    _run(body)
+    run(body)
 
 
 def _read_question(question: str) -> str:
@@ -325,47 +251,9 @@ def inspect(pack: str = typer.Argument(..., help="A .kvpack."), as_json: bool = 
         from mmkv_cli.display import show_inspect
 
         info = api.inspect(pack)
-        _emit_json(info) if as_json else show_inspect(info)
+        emit_json(info) if as_json else show_inspect(info)
 
-    _run(body)
-
-
-@app.command()
-def profile(
-    media: str = typer.Argument(..., help="Media to encode once per method."),
-    methods: str = typer.Option("full,recency", "--methods", help="Comma-separated methods."),
-    budget: float | None = typer.Option(
-        None, "--budget", help="Budget for every compressing method (default: their own)."
-    ),
-    question: str = typer.Option(
-        "what happened first?", "--question", help="Question asked from each pack."
-    ),
-    max_new_tokens: int = typer.Option(16, "--max-new-tokens"),
-    fps: float | None = typer.Option(None, "--fps"),
-    max_frames: int | None = typer.Option(None, "--max-frames"),
-    plot: str | None = typer.Option(None, "--plot", help="Write a PNG of the ratios to full."),
-    model: str | None = ModelOpt,
-    device: str = DeviceOpt,
-    dtype: Dtype = DtypeOpt,
-    as_json: bool = JsonOpt,
-) -> None:
-    """Measure encode time, pack size, memory and ask latency, method against method."""
-
-    def body() -> None:
-        from mmkv_cli import profile as prof
-        from mmkv_cli.display import show_profile
-
-        names = [m.strip() for m in methods.split(",") if m.strip()]
-        media_options = EncodeOptions(budget=budget, fps=fps, max_frames=max_frames)
-        result = prof.profile(
-            media, names, media_options, question, max_new_tokens, _load(model, device, dtype)
-        )
-        if plot:
-            prof.plot(result, plot)
-            result["plot"] = plot
-        _emit_json(result) if as_json else show_profile(result)
-
-    _run(body)
+    run(body)
 
 
 @app.command()
@@ -403,11 +291,11 @@ def methods(as_json: bool = JsonOpt) -> None:
                 }
             )
         if as_json:
-            _emit_json({"methods": rows})
+            emit_json({"methods": rows})
         else:
             show_listing("methods", rows, ["name", "budget", "description"])
 
-    _run(body)
+    run(body)
 
 
 @app.command()
@@ -431,104 +319,17 @@ def models(as_json: bool = JsonOpt) -> None:
                 }
             )
         if as_json:
-            _emit_json({"models": rows, "default": default_model()})
+            emit_json({"models": rows, "default": default_model()})
         else:
             title = f"models (default: {default_model()})"
             show_listing(title, rows, ["name", "family", "source", "description"])
 
-    _run(body)
+    run(body)
 
 
-@app.command("eval")
-def eval_(
-    qa_file: str = typer.Argument(
-        ..., help="Questions: JSONL {video, question, options?, answer, at?} or ReKV/MLVU JSON."
-    ),
-    methods: str = typer.Option("full,recency", "--methods", help="Comma-separated methods."),
-    budgets: str = typer.Option(
-        "0.5,0.1",
-        "--budgets",
-        help="Comma-separated budgets (methods that keep everything run once, at 1).",
-    ),
-    out: str = typer.Option(
-        "eval", "--out", "-o", help="Results folder: OUT/<model>/<method>-b<budget>/."
-    ),
-    positions: Positions | None = typer.Option(
-        None, "--positions", help="Keep or compact positions (default: each method's)."
-    ),
-    max_new_tokens: int = typer.Option(8, "--max-new-tokens"),
-    limit: int | None = typer.Option(None, "--limit", help="Only the first N questions."),
-    fps: float | None = typer.Option(None, "--fps"),
-    max_frames: int | None = typer.Option(None, "--max-frames"),
-    model: str | None = ModelOpt,
-    device: str = DeviceOpt,
-    dtype: Dtype = DtypeOpt,
-    as_json: bool = JsonOpt,
-) -> None:
-    """Score methods and budgets on a question set: each clip encoded once per run."""
-
-    def body() -> None:
-        from mmkv_cli import evaluate as ev
-        from mmkv_cli.display import show_eval
-
-        names = [m.strip() for m in methods.split(",") if m.strip()]
-        try:
-            levels = [float(b) for b in budgets.split(",") if b.strip()]
-        except ValueError:
-            raise UsageError(f"--budgets must be numbers in (0, 1], not '{budgets}'") from None
-        settings = ev.EvalSettings(
-            fps=fps,
-            max_frames=max_frames,
-            positions=positions,
-            max_new_tokens=max_new_tokens,
-        )
-        result = ev.evaluate(
-            qa_file, names, levels, out, settings, _load(model, device, dtype), limit
-        )
-        if as_json:
-            fields = ("method", "budget", "kept", "accuracy", "by_type", "n")
-            _emit_json(
-                {
-                    "runs": [{k: r.get(k) for k in fields} for r in result["runs"]],
-                    "plot": result["plot"],
-                }
-            )
-        else:
-            show_eval(result["runs"], result["plot"])
-
-    _run(body)
-
-
-@app.command()
-def synth(
-    out_dir: str = typer.Argument(..., help="Folder for clips/ and qa.jsonl (created)."),
-    clips: int = typer.Option(8, "--clips", help="How many clips."),
-    frames: int = typer.Option(64, "--frames", help="Frames per clip."),
-    seed: int = typer.Option(0, "--seed", help="Same seed, same clips and questions."),
-    fps: float = typer.Option(2.0, "--fps", help="Frame rate of the written videos."),
-    kind: ClipKind = typer.Option(
-        ClipKind.mixed, "--kind", help="mixed: every other clip a needle."
-    ),
-    force: bool = typer.Option(False, "--force", help="Replace a set already in OUT_DIR."),
-    as_json: bool = JsonOpt,
-) -> None:
-    """Write synthetic shape clips and their questions (qa.jsonl, the `mmkv eval` format)."""
-
-    def body() -> None:
-        from mmkv_cli.display import out_console
-        from mmkv_cli.synth import write_dataset
-
-        info = write_dataset(out_dir, clips, frames, seed, fps, kind=kind.value, force=force)
-        if as_json:
-            _emit_json(info)
-        else:
-            out_console.print(
-                f"wrote {info['clips']} clips of {frames} frames and {info['questions']} questions "
-                f"to {info['folder']}",
-                highlight=False,
-            )
-
-    _run(body)
+app.command()(cli_study.profile)
+app.command("eval")(cli_study.eval_)
+app.command()(cli_study.synth)
 
 
 def main() -> None:

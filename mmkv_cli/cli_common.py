@@ -1,0 +1,88 @@
+"""What the CLI's commands share: option declarations, completion, and the one-line error shell."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from collections.abc import Callable
+
+import typer
+
+from mmkv_cli.errors import MmkvError
+from mmkv_cli.options import Dtype, LoadOptions
+
+
+def method_names(incomplete: str) -> list[str]:
+    from mmkv_cli.presets import method_names
+
+    return [n for n in method_names() if n.startswith(incomplete)]
+
+
+def model_names(incomplete: str) -> list[str]:
+    from mmkv_cli.presets import model_names
+
+    return [n for n in model_names() if n.startswith(incomplete)]
+
+
+def devices(incomplete: str) -> list[str]:
+    return [d for d in ("auto", "cpu", "cuda") if d.startswith(incomplete)]
+
+
+JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else.")
+ModelOpt = typer.Option(
+    None,
+    "--model",
+    "-m",
+    help="Preset name, HF id or local path (default: $MMKV_MODEL or llava-ov-0.5b).",
+    autocompletion=model_names,
+)
+DeviceOpt = typer.Option(
+    "auto", "--device", help="auto, cpu, cuda or cuda:N.", autocompletion=devices
+)
+DtypeOpt = typer.Option(Dtype.auto, "--dtype", help="Weights' dtype (auto: bf16 on CUDA).")
+
+
+def quiet() -> None:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore")
+
+
+def run(body: Callable[[], None]) -> None:
+    """Every failure becomes one line on stderr and a non-zero exit; MMKV_DEBUG=1 re-raises."""
+    from mmkv_cli.display import err_console
+
+    try:
+        quiet()
+        body()
+    except MmkvError as err:
+        if os.environ.get("MMKV_DEBUG"):
+            raise
+        err_console.print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True, markup=True)
+        raise typer.Exit(err.exit_code) from None
+    except KeyboardInterrupt:
+        err_console.print("interrupted", highlight=False)
+        raise typer.Exit(130) from None
+    except typer.Exit:
+        raise
+    except Exception as err:  # a bug: still one line, with a way to see more
+        if os.environ.get("MMKV_DEBUG"):
+            raise
+        first = str(err).splitlines()[0] if str(err) else ""
+        err_console.print(
+            f"[red]error:[/red] internal error: {type(err).__name__}: {first} "
+            "(run with MMKV_DEBUG=1 for a traceback)",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(70) from None
+
+
+def emit_json(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def load_options(model: str | None, device: str, dtype: Dtype) -> LoadOptions:
+    return LoadOptions(model=model, device=device, dtype=dtype.value)

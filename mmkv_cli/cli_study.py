@@ -1,0 +1,149 @@
+"""The CLI's study commands: profile, eval and synth (registered on the app in cli.py)."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import typer
+
+from mmkv_cli.cli_common import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, emit_json, load_options, run
+from mmkv_cli.errors import UsageError
+from mmkv_cli.options import Dtype, EncodeOptions, Positions
+
+
+class ClipKind(str, Enum):
+    mixed = "mixed"
+    normal = "normal"
+    needle = "needle"
+
+
+def profile(
+    media: str = typer.Argument(..., help="Media to encode once per method."),
+    methods: str = typer.Option("full,recency", "--methods", help="Comma-separated methods."),
+    budget: float | None = typer.Option(
+        None, "--budget", help="Budget for every compressing method (default: their own)."
+    ),
+    question: str = typer.Option(
+        "what happened first?", "--question", help="Question asked from each pack."
+    ),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens"),
+    fps: float | None = typer.Option(None, "--fps"),
+    max_frames: int | None = typer.Option(None, "--max-frames"),
+    plot: str | None = typer.Option(None, "--plot", help="Write a PNG of the ratios to full."),
+    model: str | None = ModelOpt,
+    device: str = DeviceOpt,
+    dtype: Dtype = DtypeOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Measure encode time, pack size, memory and ask latency, method against method."""
+
+    def body() -> None:
+        from mmkv_cli import profile as prof
+        from mmkv_cli.display import show_profile
+
+        names = [m.strip() for m in methods.split(",") if m.strip()]
+        media_options = EncodeOptions(budget=budget, fps=fps, max_frames=max_frames)
+        result = prof.profile(
+            media,
+            names,
+            media_options,
+            question,
+            max_new_tokens,
+            load_options(model, device, dtype),
+        )
+        if plot:
+            prof.plot(result, plot)
+            result["plot"] = plot
+        emit_json(result) if as_json else show_profile(result)
+
+    run(body)
+
+
+def eval_(
+    qa_file: str = typer.Argument(
+        ..., help="Questions: JSONL {video, question, options?, answer, at?} or ReKV/MLVU JSON."
+    ),
+    methods: str = typer.Option("full,recency", "--methods", help="Comma-separated methods."),
+    budgets: str = typer.Option(
+        "0.5,0.1",
+        "--budgets",
+        help="Comma-separated budgets (methods that keep everything run once, at 1).",
+    ),
+    out: str = typer.Option(
+        "eval", "--out", "-o", help="Results folder: OUT/<model>/<method>-b<budget>/."
+    ),
+    positions: Positions | None = typer.Option(
+        None, "--positions", help="Keep or compact positions (default: each method's)."
+    ),
+    max_new_tokens: int = typer.Option(8, "--max-new-tokens"),
+    limit: int | None = typer.Option(None, "--limit", help="Only the first N questions."),
+    fps: float | None = typer.Option(None, "--fps"),
+    max_frames: int | None = typer.Option(None, "--max-frames"),
+    model: str | None = ModelOpt,
+    device: str = DeviceOpt,
+    dtype: Dtype = DtypeOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Score methods and budgets on a question set: each clip encoded once per run."""
+
+    def body() -> None:
+        from mmkv_cli import evaluate as ev
+        from mmkv_cli.display import show_eval
+
+        names = [m.strip() for m in methods.split(",") if m.strip()]
+        try:
+            levels = [float(b) for b in budgets.split(",") if b.strip()]
+        except ValueError:
+            raise UsageError(f"--budgets must be numbers in (0, 1], not '{budgets}'") from None
+        settings = ev.EvalSettings(
+            fps=fps,
+            max_frames=max_frames,
+            positions=positions,
+            max_new_tokens=max_new_tokens,
+        )
+        result = ev.evaluate(
+            qa_file, names, levels, out, settings, load_options(model, device, dtype), limit
+        )
+        if as_json:
+            fields = ("method", "budget", "kept", "accuracy", "by_type", "n")
+            emit_json(
+                {
+                    "runs": [{k: r.get(k) for k in fields} for r in result["runs"]],
+                    "plot": result["plot"],
+                }
+            )
+        else:
+            show_eval(result["runs"], result["plot"])
+
+    run(body)
+
+
+def synth(
+    out_dir: str = typer.Argument(..., help="Folder for clips/ and qa.jsonl (created)."),
+    clips: int = typer.Option(8, "--clips", help="How many clips."),
+    frames: int = typer.Option(64, "--frames", help="Frames per clip."),
+    seed: int = typer.Option(0, "--seed", help="Same seed, same clips and questions."),
+    fps: float = typer.Option(2.0, "--fps", help="Frame rate of the written videos."),
+    kind: ClipKind = typer.Option(
+        ClipKind.mixed, "--kind", help="mixed: every other clip a needle."
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace a set already in OUT_DIR."),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Write synthetic shape clips and their questions (qa.jsonl, the `mmkv eval` format)."""
+
+    def body() -> None:
+        from mmkv_cli.display import out_console
+        from mmkv_cli.synth import write_dataset
+
+        info = write_dataset(out_dir, clips, frames, seed, fps, kind=kind.value, force=force)
+        if as_json:
+            emit_json(info)
+        else:
+            out_console.print(
+                f"wrote {info['clips']} clips of {frames} frames and {info['questions']} questions "
+                f"to {info['folder']}",
+                highlight=False,
+            )
+
+    run(body)
