@@ -27,6 +27,7 @@ class LoadOptions:
     model: str | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"
+    layers: int | None = None  # rehearsal models: cut the depth (CPU runs at real width)
 
 
 @dataclass(frozen=True)

@@ -274,3 +274,26 @@ def test_retrieval_needs_representatives_and_a_known_query_mode(tmp_path, backbo
             "what ?",
             AskOptions(),
         )
+
+
+def test_rekv_encodes_through_a_sliding_window_and_still_stores_every_token(backbones, clip):
+    from mmkv_cli.encoder import encode_media
+    from mmkv_cli.media import load_media
+
+    backbone = backbones["tiny-llava-ov"]  # 16 tokens a frame
+    media = load_media(clip, fps=8, max_frames=16)
+    whole = encode_media(backbone, media, choose("rekv", window_tokens=None, chunk_frames=4))
+    slid = encode_media(backbone, media, choose("rekv", window_tokens=64, chunk_frames=4))
+    assert [b.layer_counts for b in slid.blocks] == [b.layer_counts for b in whole.blocks]
+    assert all(count == [16] * 4 for count in (b.layer_counts for b in slid.blocks))
+    for a, b in zip(whole.blocks, slid.blocks):
+        assert torch.equal(a.keys[0], b.keys[0])  # layer 0 keys: token and position only
+        assert torch.equal(a.positions[3], b.positions[3])
+    # the first chunk saw the same context either way; the last one only its window
+    assert torch.allclose(whole.blocks[0].values[3], slid.blocks[0].values[3], atol=1e-6)
+    assert not torch.allclose(whole.blocks[-1].values[3], slid.blocks[-1].values[3], atol=1e-4)
+    per_token = 2 * 2 * 16 * 4 * 4  # K and V, 2 KV heads, head dim 16, float32, 4 layers
+    prompt = whole.prefix.layer_counts[0]
+    assert (
+        slid.stats["peak_kv_bytes"] <= (prompt + 64 + 64) * per_token < whole.stats["peak_kv_bytes"]
+    )

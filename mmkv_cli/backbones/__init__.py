@@ -10,6 +10,7 @@ import torch
 from mmkv_cli.backbones import llava_onevision, qwen3_vl, qwen_vl
 from mmkv_cli.backbones.base import Backbone, PromptPieces, StreamLayout
 from mmkv_cli.backbones.demo import build_demo
+from mmkv_cli.backbones.rehearsal import build_rehearsal
 from mmkv_cli.backbones.tiny import TINY_BUILDERS
 from mmkv_cli.errors import ModelError, UsageError
 from mmkv_cli.options import LoadOptions
@@ -65,6 +66,16 @@ def load_backbone(options: LoadOptions | None = None) -> Backbone:
     name = options.model or default_model()
     spec = load_model_spec(name)
     target = resolve_device(options.device)
+    if spec is not None and spec.source == "rehearsal":  # real shapes, random weights, no hub
+        spec = replace(spec, layers=options.layers or spec.layers)
+        dtype = resolve_dtype(
+            options.dtype if options.dtype != "auto" else spec.dtype, target, False
+        )
+        net, tokenizer, processor = build_rehearsal(
+            spec.shape, spec.layers, spec.seed, target, dtype
+        )
+        adapter, prompt = ADAPTERS[spec.family]
+        return adapter(net, tokenizer, processor, name=name, spec=spec, prompt=prompt)
     if spec is not None and spec.source in ("tiny", "demo"):  # built in code, no hub
         if spec.source == "demo":
             net, tokenizer, processor = build_demo()

@@ -8,12 +8,18 @@ from typing import Literal
 
 from mmkv_cli.methods.base import Method, Paper, StreamParams
 from mmkv_cli.methods.retrieval import RetrievalContext, RetrievalOptions
-from mmkv_cli.methods.stream import KeepAll
+from mmkv_cli.methods.stream import KeepAll, StreamState
 from mmkv_cli.spec import knob
 
 
 @dataclass(frozen=True)
 class ReKVParams(StreamParams):
+    window_tokens: int | None = knob(
+        15000,
+        "encode attends to the init prompt and the newest this many visual tokens (ReKV's sliding "
+        "window, n_local); null: the whole stream",
+        low=1,
+    )
     k: int = knob(64, "frame blocks retrieved per question", low=1)
     query: Literal["query_mean", "last_key"] = knob(
         "query_mean", "question vector: mean of its last-layer queries, or its last token's key"
@@ -21,6 +27,17 @@ class ReKVParams(StreamParams):
     positions: Literal["keep", "reindex"] = knob(
         "keep", "keep the stored positions at ask, or compact them (keys re-rotated)"
     )
+
+
+class ReKVMemory(KeepAll):
+    """Every token goes into the pack, but encoding attends over a sliding window: older entries are
+    moved out of the running cache, so encode cost grows linearly with the video."""
+
+    def after_chunk(self, state: StreamState) -> None:
+        window = self.params.window_tokens
+        for layer in range(state.layers if window else 0):
+            if state.cache.count(layer) > window:
+                state.cache.offload(layer, state.cache.count(layer) - window)
 
 
 def context(params: ReKVParams) -> RetrievalContext:
@@ -39,6 +56,6 @@ METHOD = Method(
     ),
     params=ReKVParams,
     budget=None,
-    streaming=KeepAll,
+    streaming=ReKVMemory,
     context=context,
 )

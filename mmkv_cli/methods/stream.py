@@ -33,6 +33,8 @@ class RunningCache:
         self.front = [0] * layers  # tokens between the prompt and the visual part (a summary token)
         self.index = [torch.empty(0, dtype=torch.long) for _ in range(layers)]
         self.positions = [torch.empty(position_dims, 0, dtype=torch.long) for _ in range(layers)]
+        # per layer, entries moved out of attention but kept for the pack: (K, V, positions, index)
+        self.archive: list[list[tuple]] = [[] for _ in range(layers)]
 
     @property
     def layers(self) -> int:
@@ -83,6 +85,30 @@ class RunningCache:
         self._splice(layer, self.visual_start(layer), self.count(layer), keys, values)
         if positions is not None:
             self.positions[layer] = positions.to(self.positions[layer])
+
+    def offload(self, layer: int, count: int) -> None:
+        """Move this layer's `count` oldest visual entries out of the attention window to host
+        memory; they still go into the pack (a sliding window at encode, as ReKV streams)."""
+        keys, values = self.visual(layer)
+        self.archive[layer].append(
+            (
+                keys[:, :count].cpu(),
+                values[:, :count].cpu(),
+                self.positions[layer][:, :count],
+                self.index[layer][:count],
+            )
+        )
+        self.retain(layer, torch.arange(count, self.count(layer)))
+
+    def held(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Everything this layer keeps for the pack, offloaded entries first: K, V [H_kv, n, D] on
+        the host, positions [P, n], stream indices [n]."""
+        keys, values = self.visual(layer)
+        parts = [
+            *self.archive[layer],
+            (keys.cpu(), values.cpu(), self.positions[layer], self.index[layer]),
+        ]
+        return tuple(torch.cat([p[i] for p in parts], dim=-2 if i < 2 else -1) for i in range(4))
 
     def insert_front(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Put one token ([H_kv, 1, D]) right after the prompt of this layer, replacing the one
@@ -174,16 +200,15 @@ class KeepAll:
         steps = len(step_times)
         per_layer = []
         for layer in range(state.layers):
-            keys, values = state.cache.visual(layer)
-            step = state.token_step[state.cache.index[layer]]
+            keys, values, positions, index = state.cache.held(layer)
+            step = state.token_step[index]
             order = torch.argsort(step, stable=True)
             counts = torch.bincount(step, minlength=steps).tolist()
-            at = order.to(keys.device)
             per_layer.append(
                 (
-                    torch.split(keys[:, at].cpu(), counts, dim=1),
-                    torch.split(values[:, at].cpu(), counts, dim=1),
-                    torch.split(state.cache.positions[layer][:, order], counts, dim=1),
+                    torch.split(keys[:, order], counts, dim=1),
+                    torch.split(values[:, order], counts, dim=1),
+                    torch.split(positions[:, order], counts, dim=1),
                     counts,
                 )
             )

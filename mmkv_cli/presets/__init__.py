@@ -187,7 +187,11 @@ class ModelSpec:
     )
     fps: float = knob(1.0, "frames sampled per second of video", above=0)
     max_frames: int = knob(64, "at most this many frames (thinned uniformly beyond)", low=1)
-    seed: int = knob(0, "seed of the random weights of the tiny offline models", low=0)
+    seed: int = knob(0, "seed of the random weights (tiny and rehearsal models)", low=0)
+    shape: str | None = knob(
+        None, "source rehearsal: the real model whose language-model shapes are built"
+    )
+    layers: int | None = knob(None, "cut the language model to this many layers (null: all)", low=1)
 
 
 def default_model() -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,8 @@ def write_video(path: Path, frames: np.ndarray, fps: float) -> None:
 
     tmp = path.with_name(path.name + ".part")
     with av.open(str(tmp), "w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=int(fps) if float(fps).is_integer() else fps)
+        rate = Fraction(fps).limit_denominator(1000)  # PyAV wants a rational rate (0.5 fps: 1/2)
+        stream = container.add_stream("libx264", rate=rate)
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"
         stream.options = {"crf": "4", "preset": "veryfast"}
