@@ -6,7 +6,7 @@
 
 Every (method, frames) runs in its own process: peak RSS (and peak GPU memory) is per process. On a
 CPU the real width runs at reduced depth (--layers); methods that attend over the whole stream at
-encode (full, rekv, snapkv, h2o, pyramidkv, meda, aircache) run only up to --quadratic-tokens stream
+encode (full, snapkv, h2o, pyramidkv, meda, aircache) run only up to --quadratic-tokens stream
 tokens ("where it fits"). Figures, each a ratio within one run:
   P1  ask TTFT from the pack / re-prefilling the same stream and the question (full's prefill)
   P2  ask TTFT at the longest stream / at 256 frames
@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-QUADRATIC = {"full", "rekv", "snapkv", "h2o", "pyramidkv", "meda", "aircache"}
+QUADRATIC = {"full", "snapkv", "h2o", "pyramidkv", "meda", "aircache"}
 QUESTION = "what happened first ?"
 
 CHILD = r"""
@@ -138,6 +138,7 @@ def main() -> None:
     ap.add_argument("--quadratic-tokens", type=int, default=60000)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--name", default="scale.json", help="results file name inside --out")
     args = ap.parse_args()
     frames = [int(f) for f in args.frames.split(",")]
     methods = args.methods.split(",")
@@ -158,6 +159,13 @@ def main() -> None:
                 if row:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+                    save(out / args.name, args, frames, rows)  # a cut-short run keeps its rows
+    result = save(out / args.name, args, frames, rows)
+    plot(rows, (out / args.name).with_suffix(".png"))
+    print(json.dumps(result["figures"], indent=1))
+
+
+def save(path: Path, args, frames: list[int], rows: list[dict]) -> dict:
     result = {
         "model": args.model,
         "layers": args.layers,
@@ -165,9 +173,8 @@ def main() -> None:
         "rows": rows,
         "figures": figures(rows, frames),
     }
-    (out / "scale.json").write_text(json.dumps(result, indent=1))
-    plot(rows, out / "scale.png")
-    print(json.dumps(result["figures"], indent=1))
+    path.write_text(json.dumps(result, indent=1))
+    return result
 
 
 if __name__ == "__main__":

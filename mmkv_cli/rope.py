@@ -8,6 +8,8 @@ a summary slot.
 
 from __future__ import annotations
 
+import numpy as np
+
 from mmkv_cli.lazy import torch
 
 
@@ -41,18 +43,24 @@ def compact_positions(positions: torch.Tensor, start: int) -> torch.Tensor:
     next temporal slot, as frames of one video do; anything else starts after the largest position
     so far, as text after a video does.
     """
-    out = positions.clone()
-    if positions.shape[1] == 0:
-        return out
-    t = positions[0]
-    starts = torch.ones_like(t, dtype=torch.bool)
-    starts[1:] = t[1:] != t[:-1]
-    bounds = torch.cat([starts.nonzero().squeeze(1), torch.tensor([t.numel()])]).tolist()
+    n = positions.shape[1]
+    if n == 0:
+        return positions.clone()
+    pos = positions.detach().cpu().numpy()
+    t = pos[0]
+    # per group: first token, size, its temporal position, how far it reaches beyond it, and whether
+    # it is a grid (several tokens, or one whose height/width positions differ from the temporal)
+    first = np.flatnonzero(np.concatenate([[True], t[1:] != t[:-1]]))
+    size = np.diff(np.append(first, n))
+    reach = np.maximum.reduceat(pos.max(axis=0), first) - t[first]
+    odd = np.logical_or.reduceat((pos != t[None]).any(axis=0), first)
+    grid = (size > 1) | odd
+    # Slots are chosen group after group (plain ints: an hour of 1-D tokens is 350K groups).
+    base = np.empty(len(first), dtype=np.int64)
     top, last_t, last_grid = start - 1, None, False
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        group = positions[:, a:b]
-        grid = b - a > 1 or bool((group != group[0]).any())
-        base = last_t + 1 if grid and last_grid else top + 1
-        out[:, a:b] = group + (base - int(group[0, 0]))
-        top, last_t, last_grid = max(top, int(out[:, a:b].max())), base, grid
-    return out
+    for g, (is_grid, extent) in enumerate(zip(grid.tolist(), reach.tolist())):
+        slot = last_t + 1 if is_grid and last_grid else top + 1
+        base[g] = slot
+        top, last_t, last_grid = max(top, slot + extent), slot, is_grid
+    shift = np.repeat(base - t[first], size)
+    return positions + torch.from_numpy(shift).to(positions)
