@@ -193,6 +193,7 @@ def encode_streaming(stream: Stream, policy: StreamingMemory, cache, prompt_len:
     _check_count(stream.media, state.seen, total)
     policy.finish(state)
     blocks = policy.make_blocks(state, stream.step_times)
+    state.attend = None  # it closes over the state: without this the cache waits for the cycle GC
     visual_end = [
         running.visual_start(layer) + running.count(layer) for layer in range(state.layers)
     ]

@@ -158,3 +158,22 @@ def test_help_methods_and_inspect_never_import_torch(tmp_path, backbones):
             timeout=60,
         )
         assert done.stdout.strip().splitlines()[-1] == "LOADED False False 0", (args, done.stderr)
+
+
+def test_an_encode_leaves_no_running_cache_waiting_for_the_cycle_collector(backbones):
+    import gc
+
+    from mmkv_cli.encoder import encode_media
+    from mmkv_cli.media import load_media
+    from mmkv_cli.methods.stream import StreamState
+    from tests.helpers import choose
+
+    media = load_media(str(SAMPLES / "clip.mp4"), fps=4, max_frames=8)
+    gc.collect()
+    gc.disable()
+    try:
+        encode_media(backbones["tiny-llava-ov"], media, choose("snapkv", budget=0.5))
+        alive = [o for o in gc.get_objects() if type(o) is StreamState]
+    finally:
+        gc.enable()
+    assert not alive  # freed by reference counting as soon as the encode returns

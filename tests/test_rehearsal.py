@@ -1,0 +1,46 @@
+"""Rehearsal backbones: the real language-model shapes (KV width, tokens per frame, M-RoPE) built
+offline with random weights, at a cut depth, through the ordinary encode and ask path."""
+
+import pytest
+
+from mmkv_cli.backbones import load_backbone
+from mmkv_cli.options import LoadOptions
+from mmkv_cli.presets import load_model_spec
+from tests.conftest import SAMPLES
+from tests.helpers import ask_pack, encode_pack
+
+REAL = {  # (KV heads, head dim, depth, position dims) of the published language models
+    "rehearsal-llava-ov-0.5b": (2, 64, 24, 1),
+    "rehearsal-qwen2.5-vl-3b": (2, 128, 36, 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_rehearsal_models_have_real_widths_and_real_tokens_per_frame(tmp_path, name):
+    kv_heads, head_dim, depth, dims = REAL[name]
+    spec = load_model_spec(name)
+    assert spec.source == "rehearsal" and "answers are noise" in spec.description
+    backbone = load_backbone(LoadOptions(name, "cpu", layers=1))
+    assert backbone.kv_shape() == {
+        "layers": 1,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "dtype": "float32",
+    }
+    assert backbone.position_dims == dims and backbone.tokens_per_step((128, 128)) == 196
+    assert backbone.model.config.get_text_config().num_hidden_layers == 1 < depth
+    info = encode_pack(
+        SAMPLES / "clip.mp4",
+        tmp_path / "r.kvpack",
+        method="hermes",
+        budget_tokens=200,
+        backbone=backbone,
+        fps=2.0,
+        max_frames=4,
+    )
+    assert info["visual_tokens_total"] == 4 * 196 // backbone.frames_per_step
+    assert max(layer["tokens_kept"] for layer in info["layers"]) <= 200
+    per_token = 2 * kv_heads * head_dim * 4
+    assert info["kv_bytes"] == sum(l["tokens_kept"] for l in info["layers"]) * per_token  # noqa: E741
+    answer = ask_pack(tmp_path / "r.kvpack", "what ?", backbone=backbone, max_new_tokens=1)
+    assert answer.context_tokens > 0
