@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.14.1 torchvision==0.29.1
 OUT ?= out
 
-.PHONY: setup demo demo-model test wheel-check samples bench clean
+.PHONY: setup demo demo-model test wheel-check samples bench bench-scale clean
 
 $(BIN)/mmkv: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -54,6 +54,11 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/ask_cost.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/hermes_memory.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/decode_cost.py
+
+# Real scale (issue 16): rehearsal models at real width over 64-1800 frames. About 45 minutes on 2 CPU
+# cores at one layer; on a GPU run `python bench/scale.py --layers 0` for the full depth in bf16.
+bench-scale: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/scale.py
 
 samples: setup
 	$(BIN)/python samples/make_samples.py

@@ -36,6 +36,7 @@ import torch
 from mmkv_cli import api
 from mmkv_cli.backbones import load_backbone
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
+from mmkv_cli.pack import PackReader
 video, pack, model, layers, device, method, frames, question = sys.argv[1:9]
 backbone = load_backbone(LoadOptions(model, device, layers=int(layers) or None))
 cuda = backbone.device.type == "cuda"
@@ -48,6 +49,12 @@ gc.collect()  # the encode's objects are gone before asking, as in a later `mmkv
 one = AskOptions(generation=GenerationOptions(max_new_tokens=1))
 api.ask(pack, question, one, backbone=backbone)  # warm: page cache, first-call allocations
 ttft = statistics.median(api.ask(pack, question, one, backbone=backbone).ttft_s for _ in range(7))
+reader = PackReader(pack)  # every block read and checksummed: the reader's rate from the page cache
+names = [reader.blocks.name(i) for i in range(len(reader.blocks))]
+started = time.perf_counter()
+for first in range(0, len(names), 256):
+    reader.gather(names[first:first + 256])
+read_gbps = reader.bytes_read / (time.perf_counter() - started) / 1e9
 layers_kv = backbone.kv_shape()
 per_value = {"float32": 4, "bfloat16": 2, "float16": 2}[layers_kv["dtype"]]
 per_token = 2 * layers_kv["kv_heads"] * layers_kv["head_dim"] * per_value
@@ -59,6 +66,7 @@ print(json.dumps({
     "kept": info["visual_kv_share"],
     "peak_rss": encode_peak_rss,
     "peak_gpu": torch.cuda.max_memory_allocated() if cuda else None,
+    "read_gbps": read_gbps,
     "device": str(backbone.device), "dtype": layers_kv["dtype"], "layers": layers_kv["layers"],
 }))
 """

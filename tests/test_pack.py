@@ -235,3 +235,20 @@ def test_half_precision_blocks_read_back_exactly(tmp_path, dtype):
         assert keys[layer].dtype == dtype
         assert torch.equal(keys[layer], torch.cat([b.keys[layer] for b in blocks], dim=1))
         assert torch.equal(values[layer], torch.cat([b.values[layer] for b in blocks], dim=1))
+
+
+def test_a_pack_is_a_valid_safetensors_file_that_the_library_reads_too(tmp_path):
+    """The writer streams the file itself (blocks one at a time); safetensors must agree with it."""
+    from safetensors import safe_open
+
+    path = tmp_path / "a.kvpack"
+    blocks = write(path)
+    reader = PackReader(path)
+    with safe_open(str(path), framework="pt") as lib:
+        assert lib.metadata()["mmkv_sha256"] and set(lib.keys()) >= {"blocks.k", "reps", "prefix.k"}
+        stored = lib.get_tensor("blocks.k")
+        assert stored.shape[0] == sum(sum(b.layer_counts) for b in blocks)
+        assert torch.equal(stored[:3].transpose(0, 1), blocks[0].keys[0])  # block 0, layer 0
+        assert torch.equal(
+            lib.get_tensor("blocks.sha256"), torch.from_numpy(reader.blocks.spans([0, 1])[2])
+        )

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import struct
 from pathlib import Path
 
 from mmkv_cli.errors import OutputExistsError, PackError
@@ -34,13 +36,6 @@ def check_writable(path: Path, force: bool) -> None:
         raise PackError(f"cannot write {path}: folder {parent} does not exist")
 
 
-def _default_mode() -> int:
-    """rw for everyone, less the process umask: the mode any other new file of this process gets."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 def split_series(header: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     """The header without the lists that grow with the video (timestamps, tokens per step), and
     those lists as tensors. The caller's header is left as it was."""
@@ -55,6 +50,35 @@ def split_series(header: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     return header, series
 
 
+# torch dtype name -> safetensors dtype code
+SAFETENSORS_DTYPES = {
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float64": "F64",
+    "int64": "I64",
+    "int32": "I32",
+    "uint8": "U8",
+}
+
+
+def _dtype_code(t: torch.Tensor) -> str:
+    return SAFETENSORS_DTYPES[str(t.dtype).replace("torch.", "")]
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous tensor's raw bytes, without a copy."""
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _block_part(block: Span, part: int) -> torch.Tensor:
+    """One of a block's stored tensors, token-major: 0 K, 1 V [sum n_l, H_kv, D], 2 positions
+    [sum n_l, P]."""
+    if part == 2:
+        return torch.cat(block.positions, dim=1).to(torch.int64).T.contiguous()
+    return torch.cat(block.keys if part == 0 else block.values, dim=1).transpose(0, 1).contiguous()
+
+
 def write_pack(
     path: Path,
     header: dict,
@@ -63,71 +87,95 @@ def write_pack(
     suffix: Span,
     force: bool = False,
 ) -> int:
-    """Write header + spans to `path`; returns the file size in bytes."""
-    from safetensors.torch import save_file
+    """Write header + spans to `path` atomically; returns the file size in bytes.
 
+    The file is a safetensors file written here directly: the directory first, then every tensor's
+    bytes in order, the blocks streamed one at a time (a pack of an hour of video is many GB: it is
+    never assembled in memory, only each block's contiguous copy while it is written and hashed).
+    """
     check_writable(path, force)
-    tensors: dict = {}
+    small: dict[str, torch.Tensor] = {}
     spans_meta = {}
     for seg in (prefix, suffix):
         packed = seg.packed()
-        tensors.update(packed)
+        small.update(packed)
         spans_meta[seg.name] = {
             "layer_counts": seg.layer_counts,
             "sha256": tensors_sha256(list(packed.values())),
         }
     header, series = split_series(header)
-    tensors.update(series)
+    small.update(series)
     # All blocks share three tensors (a few safetensors entries, whatever the video length); each
     # block is a contiguous row range of them, read by slicing the memory map.
-    parts, offset, kinds = {"k": [], "v": [], "pos": []}, 0, []
-    table, times, digests = [], [], []
+    kinds, table, times, offset = [], [], [], 0
     for index, block in enumerate(blocks):
         if block.name != block_name(index):  # readers name blocks by their row in the table
             raise PackError(
                 f"internal: block {index} is named '{block.name}', not '{block_name(index)}'"
             )
-        packed = block.packed()
-        for part in parts:
-            parts[part].append(packed[f"{block.name}.{part}"])
         if block.granularity not in kinds:
             kinds.append(block.granularity)
         steps = list(block.steps) if block.steps else [-1, -1]
         table.append([kinds.index(block.granularity), *steps, offset, *block.layer_counts])
         times.append([round(float(t), 4) for t in block.time] if block.time else [float("nan")] * 2)
-        digests.append(bytes.fromhex(tensors_sha256(list(packed.values()))))
-        offset += int(packed[f"{block.name}.k"].shape[0])
+        offset += sum(block.layer_counts)
+    streamed: dict[str, tuple[str, list[int], int]] = {}  # block tensors: dtype, shape, bytes
     if blocks:
-        tensors.update(
-            {f"{BLOCKS}.{part}": torch.cat(chunks, dim=0) for part, chunks in parts.items()}
-        )
-        tensors[f"{BLOCKS}.table"] = torch.tensor(table, dtype=torch.int64)
-        tensors[f"{BLOCKS}.time"] = torch.tensor(times, dtype=torch.float64)
-        tensors[f"{BLOCKS}.sha256"] = torch.frombuffer(
-            bytearray(b"".join(digests)), dtype=torch.uint8
-        ).reshape(-1, 32)
-    blocks_meta = {"count": len(blocks), "granularities": kinds}
+        for part, name in enumerate(("k", "v", "pos")):
+            sample = _block_part(blocks[0], part)
+            shape = [offset, *sample.shape[1:]]
+            nbytes = math.prod(shape) * sample.element_size()
+            streamed[f"{BLOCKS}.{name}"] = (_dtype_code(sample), shape, nbytes)
+        small[f"{BLOCKS}.table"] = torch.tensor(table, dtype=torch.int64)
+        small[f"{BLOCKS}.time"] = torch.tensor(times, dtype=torch.float64)
     reps = [b.representative for b in blocks if b.representative is not None]
     if reps and len(reps) == len(blocks):
-        tensors["reps"] = torch.stack(reps).float().contiguous()
+        small["reps"] = torch.stack(reps).float().contiguous()
     header = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         **header,
         "spans": spans_meta,
-        "blocks": blocks_meta,
-        "representatives": {"dim": int(tensors["reps"].shape[1])} if "reps" in tensors else None,
+        "blocks": {"count": len(blocks), "granularities": kinds},
+        "representatives": {"dim": int(small["reps"].shape[1])} if "reps" in small else None,
     }
     text = json.dumps(header, sort_keys=True)
     metadata = {META_HEADER: text, META_HEADER_SHA: hashlib.sha256(text.encode()).hexdigest()}
 
+    # The directory: small tensors, then the streamed block tensors, then the blocks' digests.
+    directory: dict = {"__metadata__": metadata}
+    at = 0
+
+    def place(name: str, code: str, shape: list[int], nbytes: int) -> None:
+        nonlocal at
+        directory[name] = {"dtype": code, "shape": shape, "data_offsets": [at, at + nbytes]}
+        at += nbytes
+
+    for name, tensor in small.items():
+        place(name, _dtype_code(tensor), list(tensor.shape), tensor.numel() * tensor.element_size())
+    for name, (code, shape, nbytes) in streamed.items():
+        place(name, code, shape, nbytes)
+    if blocks:
+        place(f"{BLOCKS}.sha256", "U8", [len(blocks), 32], 32 * len(blocks))
+    head = json.dumps(directory, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # safetensors pads its header to 8 bytes
+
     tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
     try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.chmod(
-            tmp, _default_mode()
-        )  # safetensors creates files 0600; a pack is an ordinary output file
-        with open(tmp, "rb") as fh:
+        with open(tmp, "wb") as fh:  # mode: 0666 less the umask, as any new file
+            fh.write(struct.pack("<Q", len(head)) + head)
+            for tensor in small.values():
+                fh.write(_bytes(tensor))
+            digests = [hashlib.sha256() for _ in blocks]
+            for part in range(
+                3
+            ):  # all K, then all V, then all positions; each block hashed in turn
+                for block, digest in zip(blocks, digests):
+                    data = _bytes(_block_part(block, part))
+                    fh.write(data)
+                    digest.update(data)
+            fh.write(b"".join(d.digest() for d in digests))
+            fh.flush()
             os.fsync(fh.fileno())
         if path.exists() and not force:  # appeared while we were encoding
             raise OutputExistsError(f"{path} already exists; pass --force to replace it")
