@@ -16,6 +16,7 @@ from mmkv_cli.lazy import torch
 
 NAME = "mmkv"
 QUERY_ROWS_PER_STEP = 256  # rows of QK^T computed at once when scoring: bounds peak memory
+SCORE_ELEMENTS = 1 << 27  # and fewer rows when the keys are many: a block stays near 512 MB
 
 _sdpa = None  # transformers' SDPA attention, bound by install() (importing it costs seconds)
 _active: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar(
@@ -46,35 +47,70 @@ class Recorder:
 
 
 def _row_blocks(query: torch.Tensor, key: torch.Tensor, scaling: float):
-    """Head-mean softmax(QK^T * scaling) rows, causal with the queries last, QUERY_ROWS_PER_STEP at
-    a time.
+    """softmax(QK^T * scaling) per head, causal with the queries last, a block of query rows at a
+    time (as many as keep a block near SCORE_ELEMENTS): yields (first row, probs [B, H, rows, k]).
 
-    query [B, H, q, D], key [B, H_kv, k, D] (k >= q: earlier keys are cached context) -> yields [B,
-    rows, k].
+    query [B, H, q, D], key [B, H_kv, k, D] (k >= q: earlier keys are cached context). Query heads
+    sharing a KV head are grouped against it, so the keys are never copied per query head.
     """
-    q_len, k_len = query.shape[2], key.shape[2]
-    key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1).float()
+    batch, heads, q_len, dim = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    keys_t = key.float().transpose(-1, -2).unsqueeze(2)  # [B, H_kv, 1, D, k]
     keys_at = torch.arange(k_len, device=query.device)
-    for start in range(0, q_len, QUERY_ROWS_PER_STEP):
-        rows = query[:, :, start : start + QUERY_ROWS_PER_STEP].float()
-        scores = rows @ key.transpose(-1, -2) * scaling
-        row_at = torch.arange(start, start + rows.shape[2], device=query.device) + (k_len - q_len)
+    step = max(1, min(QUERY_ROWS_PER_STEP, SCORE_ELEMENTS // max(1, batch * heads * k_len)))
+    for start in range(0, q_len, step):
+        rows = query[:, :, start : start + step].float()
+        n = rows.shape[2]
+        scores = rows.reshape(batch, kv_heads, group, n, dim) @ keys_t * scaling
+        row_at = torch.arange(start, start + n, device=query.device) + (k_len - q_len)
         scores = scores.masked_fill(keys_at[None, :] > row_at[:, None], float("-inf"))
-        yield scores.softmax(dim=-1).mean(dim=1)
+        yield start, scores.softmax(dim=-1).reshape(batch, heads, n, k_len)
 
 
 def causal_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
     """Sum over query rows of the head-mean attention each key receives -> [B, k]."""
     sums = torch.zeros(query.shape[0], key.shape[2], dtype=torch.float32, device=query.device)
-    for block in _row_blocks(query, key, scaling):
-        sums += block.sum(dim=1)
+    for _, probs in _row_blocks(query, key, scaling):
+        sums += probs.mean(dim=1).sum(dim=1)
     return sums
 
 
 def causal_rows(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
     """Every query row's head-mean attention over the keys -> [B, q, k] (for a few rows: a
     question)."""
-    return torch.cat(list(_row_blocks(query, key, scaling)), dim=1)
+    return torch.cat([probs.mean(dim=1) for _, probs in _row_blocks(query, key, scaling)], dim=1)
+
+
+def _recorded_attention(recorder: Recorder, layer: int, query, key, value, scaling: float):
+    """Attention computed here, block by block, from the same probabilities that are recorded:
+    recording all rows (H2O, MEDA) then costs no second pass over QK^T. Returns [B, q, H, D]."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    values = value.float().unsqueeze(2)  # [B, H_kv, 1, k, D]
+    out = torch.empty(batch, heads, q_len, value.shape[-1], dtype=query.dtype, device=query.device)
+    sums, rows, totals = (
+        None,
+        [],
+        recorder.reduced.setdefault(layer, {}) if recorder.reducers else {},
+    )
+    for start, probs in _row_blocks(query, key, scaling):
+        n = probs.shape[2]
+        grouped = probs.reshape(batch, kv_heads, heads // kv_heads, n, -1)
+        out[:, :, start : start + n] = (grouped @ values).reshape(batch, heads, n, -1).to(out.dtype)
+        mean = probs.mean(dim=1)  # [B, rows, k]
+        if recorder.column_sums:
+            sums = mean.sum(dim=1) if sums is None else sums + mean.sum(dim=1)
+        if recorder.rows:
+            rows.append(mean)
+        for name, fn in recorder.reducers.items():
+            got = fn(mean)
+            totals[name] = totals[name] + got if name in totals else got
+    if recorder.column_sums:
+        recorder.column_sum[layer] = sums
+    if recorder.rows:
+        recorder.row[layer] = torch.cat(rows, dim=1)
+    return out.transpose(1, 2).contiguous()
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
@@ -84,16 +120,10 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         if recorder.queries:
             recorder.query[layer] = query.detach()
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        if recorder.column_sums:
-            recorder.column_sum[layer] = causal_column_sums(query.detach(), key.detach(), scaling)
-        if recorder.rows:
+        if recorder.column_sums or recorder.reducers:  # every row of a prefill: one pass for both
+            return _recorded_attention(recorder, layer, query, key, value, scaling), None
+        if recorder.rows:  # a question's few rows: SDPA answers, as an unrecorded ask would
             recorder.row[layer] = causal_rows(query.detach(), key.detach(), scaling)
-        if recorder.reducers:
-            totals = recorder.reduced.setdefault(layer, {})
-            for block in _row_blocks(query.detach(), key.detach(), scaling):
-                for name, fn in recorder.reducers.items():
-                    out = fn(block)
-                    totals[name] = totals[name] + out if name in totals else out
     return _sdpa(module, query, key, value, own_length_mask(query, key, attention_mask), **kwargs)
 
 

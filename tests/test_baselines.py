@@ -92,3 +92,24 @@ def test_baselines_keep_their_per_layer_budgets_and_answer(tmp_path, backbones, 
     )
     assert answer.context_tokens < full["prompt_tokens"] + total
     assert torch.isfinite(answer.first_logits).all()
+
+
+def test_recorded_attention_returns_what_sdpa_returns_and_records_the_same_scores():
+    """Recording every row's attention computes the layer's output from those same probabilities
+    (no second pass over QK^T); it must equal SDPA's output, with grouped KV heads and a cache."""
+    from types import SimpleNamespace
+
+    from mmkv_cli import attention
+    from mmkv_cli.attention import Recorder, causal_column_sums, recording
+
+    torch.manual_seed(1)
+    query, key, value = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    expanded = [t.repeat_interleave(2, dim=1) for t in (key, value)]
+    mask = own_length_mask(query, key, None)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(query, *expanded, attn_mask=mask)
+    recorder = Recorder(layers={0}, column_sums=True, rows=True)  # rows ride along the fused pass
+    with recording(recorder):
+        out, _ = attention._attention(SimpleNamespace(layer_idx=0), query, key, value, None)
+    assert out.shape == (2, 5, 4, 8) and torch.allclose(out.transpose(1, 2), sdpa, atol=1e-5)
+    assert torch.allclose(recorder.column_sum[0], causal_column_sums(query, key, 8**-0.5))
+    assert torch.allclose(recorder.row[0].sum(dim=-1), torch.ones(2, 5))  # each row a distribution
