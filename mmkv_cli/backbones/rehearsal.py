@@ -47,16 +47,7 @@ QWEN25VL_3B = dict(
     max_position_embeddings=128000,
     tie_word_embeddings=True,
 )
-QWEN25VL_7B = dict(
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    vocab_size=152064,
-    max_position_embeddings=128000,
-    tie_word_embeddings=False,
-)
+QWEN25VL_7B = dict(QWEN2_7B, max_position_embeddings=128000)  # the same language model
 SHAPES = {
     "llava-ov-0.5b": ("llava_onevision", QWEN2_05B),
     "llava-ov-7b": ("llava_onevision", QWEN2_7B),
