@@ -75,9 +75,8 @@ def build_cache(
         [torch.cat([p[i][layer] for p in parts], dim=1) for layer in range(layers)]
         for i in range(3)
     )
-    stored_next = int(
-        reader.header["layout"]["next_position"]
-    )  # stored: never derived from the cache length
+    # stored: never derived from the cache length
+    stored_next = int(reader.header["layout"]["next_position"])
     next_position = stored_next
     end = None  # where the context ends (keep: the last position shown by the moment, + 1)
     if positions == "reindex":

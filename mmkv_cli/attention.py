@@ -33,17 +33,14 @@ class Recorder:
     column_sums: bool = False
     queries: bool = False
     rows: bool = False
-    # name -> fn(block [B, rows, kv_len] head-mean attention) -> tensor; summed over row blocks per
-    # layer
+    # name -> fn(block [B, rows, kv_len] head-mean attention) -> tensor, summed over a layer's rows
     reducers: dict = field(default_factory=dict)
-    column_sum: dict[int, torch.Tensor] = field(
-        default_factory=dict
-    )  # layer -> [B, kv_len] float32
-    reduced: dict[int, dict] = field(default_factory=dict)  # layer -> name -> summed reducer output
-    row: dict[int, torch.Tensor] = field(
-        default_factory=dict
-    )  # layer -> [B, q_len, kv_len] float32
-    query: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, H, q_len, D]
+    # what was recorded, per layer: column sums [B, kv_len] and rows [B, q_len, kv_len] (float32),
+    # reducer totals by name, queries [B, H, q_len, D]
+    column_sum: dict[int, torch.Tensor] = field(default_factory=dict)
+    reduced: dict[int, dict] = field(default_factory=dict)
+    row: dict[int, torch.Tensor] = field(default_factory=dict)
+    query: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def _row_blocks(query: torch.Tensor, key: torch.Tensor, scaling: float):

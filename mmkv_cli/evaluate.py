@@ -344,9 +344,8 @@ def plot(runs: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, method in enumerate(dict.fromkeys(r["method"] for r in runs)):
         points = sorted((r["budget"], r["accuracy"]) for r in runs if r["method"] == method)
-        if (
-            len(points) == 1 and points[0][0] == 1
-        ):  # keeps everything: a level to compare the others with
+        # keeps everything: a level to compare the others with
+        if len(points) == 1 and points[0][0] == 1:
             ax.axhline(
                 points[0][1], linestyle=":", color=f"C{i % 10}", label=f"{method} (keeps all)"
             )

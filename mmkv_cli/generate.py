@@ -57,9 +57,8 @@ class TextStream:
         return self._emit(self.decode(self.ids))
 
     def _emit(self, text: str) -> str:
-        if not text.startswith(
-            self.shown
-        ):  # a tokenizer re-spelled earlier text: hand out the rest
+        # a tokenizer re-spelled earlier text: hand out the rest
+        if not text.startswith(self.shown):
             common = 0
             while common < min(len(text), len(self.shown)) and text[common] == self.shown[common]:
                 common += 1

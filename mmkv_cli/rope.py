@@ -26,9 +26,8 @@ def rotate_keys(
     inv_freq [D/2] and axes [D/2] (the position axis each frequency reads; all 0 for 1-D RoPE).
     """
     delta = delta.to(keys.device)
-    angle = delta.to(torch.float64)[axes.to(keys.device)].T * inv_freq.to(
-        keys.device, torch.float64
-    )  # [n, D/2]
+    frequencies = inv_freq.to(keys.device, torch.float64)
+    angle = delta.to(torch.float64)[axes.to(keys.device)].T * frequencies  # [n, D/2]
     angle = torch.cat([angle, angle], dim=-1)
     k = keys.to(torch.float64)
     out = k * angle.cos() + rotate_half(k) * angle.sin()

@@ -38,9 +38,8 @@ def test_pyramid_budgets_fall_with_depth_and_average_the_budget():
 def test_h2o_accumulates_attention_into_stream_slots_after_eviction():
     total = torch.zeros(6)
     accumulate(total, torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 1, 2]))
-    accumulate(
-        total, torch.tensor([0.5, 0.5, 1.0]), torch.tensor([0, 2, 5])
-    )  # token 1 was evicted meanwhile
+    # token 1 was evicted meanwhile
+    accumulate(total, torch.tensor([0.5, 0.5, 1.0]), torch.tensor([0, 2, 5]))
     assert total.tolist() == [1.5, 2.0, 3.5, 0.0, 0.0, 1.0]
 
 
@@ -55,9 +54,8 @@ def test_a_layer_with_fewer_keys_gets_its_own_causal_mask():
         seen = 3 + row
         weights = (q[:, :, row : row + 1] @ k[:, :, :seen].transpose(-1, -2) / 8**0.5).softmax(-1)
         assert torch.allclose(out[:, :, row : row + 1], weights @ v[:, :, :seen], atol=1e-6)
-    assert (
-        own_length_mask(q[:, :, :1], k, None) is None
-    )  # one query row sees everything: no mask needed
+    # one query row sees everything: no mask needed
+    assert own_length_mask(q[:, :, :1], k, None) is None
 
 
 def test_h2o_scores_do_not_depend_on_the_chunking(backbones):

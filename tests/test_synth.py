@@ -25,9 +25,8 @@ def test_questions_follow_from_the_clip(index):
         return
     shapes = [e.shape for e in clip.events]
     colours = [e.colour for e in clip.events]
-    assert len(set(shapes)) == len(shapes) and len(set(colours)) == len(
-        colours
-    )  # every question has one answer
+    # every question has one answer
+    assert len(set(shapes)) == len(shapes) and len(set(colours)) == len(colours)
     colour_q = by_type["color"]
     assert COLOURS and colour_q["answer"] == colours[shapes.index(colour_q["question"].split()[-2])]
     assert (
@@ -39,9 +38,8 @@ def test_questions_follow_from_the_clip(index):
     assert clip.shown_at(moment["frame"]).shape == moment["answer"]
     seen = [e for e in clip.events if e.start <= moment["frame"]]  # shown by the moment
     assert seen[-1].shape == moment["answer"]
-    assert all(
-        a.stop <= b.start for a, b in zip(clip.events, clip.events[1:])
-    )  # one shape at a time
+    # one shape at a time
+    assert all(a.stop <= b.start for a, b in zip(clip.events, clip.events[1:]))
 
 
 def test_shapes_render_differently():
@@ -93,9 +91,8 @@ def test_synth_writes_the_same_set_twice_and_videos_show_the_render(tmp_path):
     clip, _ = make_clip(9, 0, 16, "mixed")
     decoded = video.read(0, 16).astype(int)
     rendered = np.stack([render(clip, f) for f in range(16)]).astype(int)
-    assert (
-        np.abs(decoded - rendered).mean() < 2.0
-    )  # near-lossless: the model sees what it was trained on
+    # near-lossless: the model sees what it was trained on
+    assert np.abs(decoded - rendered).mean() < 2.0
 
 
 def test_synth_never_overwrites_without_force(tmp_path):

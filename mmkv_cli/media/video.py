@@ -66,9 +66,8 @@ def _load_with_decord(path: Path, fps: float, max_frames: int) -> Media:
     times = sample_times(total / native_fps, fps, max_frames)
     indices = [min(total - 1, int(round(t * native_fps))) for t in times]
     if indices:
-        with (
-            native_stderr_silenced()
-        ):  # some builds open a file they cannot decode: find out now, not mid-encode
+        # some builds open a file they cannot decode: find out now, not mid-encode
+        with native_stderr_silenced():
             reader.get_batch(indices[:1])
 
     def read(start: int, stop: int) -> np.ndarray:

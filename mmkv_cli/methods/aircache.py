@@ -55,9 +55,7 @@ def visual_importance(
     elite = elite_window(own[-1, instruction], tau)
     picked = own[elite]
     columns = torch.cat([picked[:, visual], picked[:, instruction][:, elite]], dim=1)
-    columns = columns / columns.sum(dim=1, keepdim=True).clamp_min(
-        1e-12
-    )  # softmax over [visual; elite]
+    columns = columns / columns.sum(dim=1, keepdim=True).clamp_min(1e-12)  # over [visual; elite]
     return columns[:, : visual.stop - visual.start].mean(dim=0)
 
 

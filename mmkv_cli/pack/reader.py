@@ -249,9 +249,8 @@ class PackReader:
         size = row_bytes * sum(total for _, _, total, _ in pending)
         big = pending and size // len(pending) >= PARALLEL_HASH_BLOCK_BYTES
         workers = min(HASH_THREADS, os.cpu_count() or 1, len(pending)) if big else 1
-        if (
-            workers > 1
-        ):  # one run of consecutive blocks per thread: a task per block costs more than it hashes
+        # one run of consecutive blocks per thread: a task per block costs more than it hashes
+        if workers > 1:
             step = -(-len(pending) // workers)
             with ThreadPoolExecutor(workers) as pool:
                 got = [
@@ -284,9 +283,8 @@ class PackReader:
         if meta is None:
             raise PackError(f"{self.path} has no span {name}")
         time, steps = meta.get("time"), meta.get("steps")
-        if (
-            "offset" in meta
-        ):  # a block: its token range of the shared block tensors, read and checked by gather
+        # a block: its token range of the shared block tensors, read and checked by gather
+        if "offset" in meta:
             keys, values, positions = (
                 [t.contiguous() for t in part] for part in self.gather([name])
             )

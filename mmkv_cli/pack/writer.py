@@ -167,9 +167,8 @@ def write_pack(
             for tensor in small.values():
                 fh.write(_bytes(tensor))
             digests = [hashlib.sha256() for _ in blocks]
-            for part in range(
-                3
-            ):  # all K, then all V, then all positions; each block hashed in turn
+            # all K, then all V, then all positions; each block hashed in turn
+            for part in range(3):
                 for block, digest in zip(blocks, digests):
                     data = _bytes(_block_part(block, part))
                     fh.write(data)

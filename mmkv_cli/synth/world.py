@@ -81,9 +81,8 @@ def _spans(
     """`count` ordered, non-overlapping spans of at least min_len frames, with gaps of random
     length."""
     free = frames - count * min_len
-    cuts = np.sort(
-        rng.integers(0, free + 1, size=2 * count)
-    )  # gap, extra length, gap, extra length, ...
+    # gap, extra length, gap, extra length, ...
+    cuts = np.sort(rng.integers(0, free + 1, size=2 * count))
     spans, cursor, previous = [], 0, 0
     for i in range(count):
         gap, extra = cuts[2 * i] - previous, cuts[2 * i + 1] - cuts[2 * i]
