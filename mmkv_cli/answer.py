@@ -194,12 +194,11 @@ def answer_from_pack(
         )
     logits = backbone.logits(hidden[:, -1])[0]
     first_logits = logits.cpu().clone() if options.keep_logits else None
-    decode_start = [0.0]
+    decode_start = 0.0  # when the first decode step began
 
     def step(token: int) -> torch.Tensor:
-        nonlocal position
-        if not decode_start[0]:
-            decode_start[0] = time.perf_counter()
+        nonlocal position, decode_start
+        decode_start = decode_start or time.perf_counter()
         out = backbone.forward(
             backbone.embed_ids([token]), backbone.text_positions(position, 1), cache
         )
@@ -212,9 +211,7 @@ def answer_from_pack(
     )
     total = time.perf_counter() - start
     steps = len(made.token_ids) - 1
-    decode_s = (
-        (time.perf_counter() - decode_start[0]) / steps if steps > 0 and decode_start[0] else 0.0
-    )
+    decode_s = (time.perf_counter() - decode_start) / steps if steps > 0 and decode_start else 0.0
     return Answer(
         answer=made.text.strip(),
         token_ids=made.token_ids,

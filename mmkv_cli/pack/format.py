@@ -60,19 +60,27 @@ class Span:
     def layer_counts(self) -> list[int]:
         return [int(k.shape[1]) for k in self.keys]
 
+    def part(self, index: int) -> torch.Tensor:
+        """One stored, token-major tensor: 0 K, 1 V [sum n_l, H_kv, D], 2 positions [sum n_l, P]."""
+        if index == 2:
+            return torch.cat(self.positions, dim=1).to(torch.int64).T.contiguous()
+        layers = self.keys if index == 0 else self.values
+        return torch.cat(layers, dim=1).transpose(0, 1).contiguous()
+
     def packed(self) -> dict[str, torch.Tensor]:
-        """The stored, token-major tensors: K and V [sum n_l, H_kv, D], positions [sum n_l, P]."""
-        return {
-            f"{self.name}.k": torch.cat(self.keys, dim=1).transpose(0, 1).contiguous(),
-            f"{self.name}.v": torch.cat(self.values, dim=1).transpose(0, 1).contiguous(),
-            f"{self.name}.pos": torch.cat(self.positions, dim=1).to(torch.int64).T.contiguous(),
-        }
+        """The stored tensors by name: "<name>.k", "<name>.v", "<name>.pos"."""
+        return {f"{self.name}.{part}": self.part(i) for i, part in enumerate(("k", "v", "pos"))}
+
+
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes as stored, without copying a contiguous tensor."""
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def tensors_sha256(tensors: list[torch.Tensor]) -> str:
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(raw_bytes(t))
     return h.hexdigest()
 
 

@@ -20,6 +20,7 @@ from mmkv_cli.pack.format import (
     SERIES,
     Span,
     block_name,
+    raw_bytes,
     tensors_sha256,
 )
 
@@ -66,19 +67,6 @@ def _dtype_code(t: torch.Tensor) -> str:
     return SAFETENSORS_DTYPES[str(t.dtype).replace("torch.", "")]
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
-    """A contiguous tensor's raw bytes, without a copy."""
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def _block_part(block: Span, part: int) -> torch.Tensor:
-    """One of a block's stored tensors, token-major: 0 K, 1 V [sum n_l, H_kv, D], 2 positions
-    [sum n_l, P]."""
-    if part == 2:
-        return torch.cat(block.positions, dim=1).to(torch.int64).T.contiguous()
-    return torch.cat(block.keys if part == 0 else block.values, dim=1).transpose(0, 1).contiguous()
-
-
 def write_pack(
     path: Path,
     header: dict,
@@ -122,7 +110,7 @@ def write_pack(
     streamed: dict[str, tuple[str, list[int], int]] = {}  # block tensors: dtype, shape, bytes
     if blocks:
         for part, name in enumerate(("k", "v", "pos")):
-            sample = _block_part(blocks[0], part)
+            sample = blocks[0].part(part)
             shape = [offset, *sample.shape[1:]]
             nbytes = math.prod(shape) * sample.element_size()
             streamed[f"{BLOCKS}.{name}"] = (_dtype_code(sample), shape, nbytes)
@@ -165,12 +153,12 @@ def write_pack(
         with open(tmp, "wb") as fh:  # mode: 0666 less the umask, as any new file
             fh.write(struct.pack("<Q", len(head)) + head)
             for tensor in small.values():
-                fh.write(_bytes(tensor))
+                fh.write(raw_bytes(tensor))
             digests = [hashlib.sha256() for _ in blocks]
             # all K, then all V, then all positions; each block hashed in turn
             for part in range(3):
                 for block, digest in zip(blocks, digests):
-                    data = _bytes(_block_part(block, part))
+                    data = raw_bytes(block.part(part))
                     fh.write(data)
                     digest.update(data)
             fh.write(b"".join(d.digest() for d in digests))
