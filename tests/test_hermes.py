@@ -30,16 +30,19 @@ from tests.helpers import choose, encode_pack, with_policy
 PARAMS = HermesParams()
 
 
-def test_layer_split_and_depth_interpolation_follow_the_paper():
-    roles = layer_roles(28, 0.1, 0.3)
-    assert [r for r, _ in roles].count("shallow") == 3 and [r for r, _ in roles].count("deep") == 8
-    middle = [p for r, p in roles if r == "middle"]
-    assert middle[0] == 0.0 and middle[-1] == 1.0
+def test_layer_split_and_depth_interpolation_follow_the_authors_code():
+    """Shallow: the first int(0.1 L) layers; deep from int(0.7 L); middle layer i of n: p = i/n."""
+    for layers, shallow, deep in ((28, 2, 9), (24, 2, 8), (32, 3, 10), (10, 1, 3)):
+        roles = [r for r, _ in layer_roles(layers, 0.1, 0.3)]
+        assert roles.count("shallow") == shallow and roles.count("deep") == deep, layers
+        assert roles == sorted(roles, key=["shallow", "middle", "deep"].index)
+    middle = [p for r, p in layer_roles(28, 0.1, 0.3) if r == "middle"]
+    assert len(middle) == 17 and middle[0] == 0.0 and middle[-1] == pytest.approx(16 / 17)
     assert mix_for("middle", 0.0, PARAMS) == (1.0, 20.0)
     a, k = mix_for("middle", 1.0, PARAMS)
     assert a == pytest.approx(0.1) and k == pytest.approx(0.5)
     assert mix_for("shallow", 0.0, PARAMS)[0] == 1.0 and mix_for("deep", 1.0, PARAMS)[0] == 0.0
-    assert [r for r, _ in layer_roles(4, 0.1, 0.3)] == ["shallow", "middle", "middle", "deep"]
+    assert [r for r, _ in layer_roles(4, 0.1, 0.3)] == ["middle", "middle", "deep", "deep"]
 
 
 def test_recency_wins_in_shallow_layers_and_an_attended_old_token_survives_in_deep_ones():
@@ -51,6 +54,7 @@ def test_recency_wins_in_shallow_layers_and_an_attended_old_token_survives_in_de
     assert 1 in deep.tolist()
     curve = recency_curve(5, 20.0)
     assert curve[-1] == 1.0 and bool((curve[1:] > curve[:-1]).all())
+    assert curve[0].item() == pytest.approx(math.exp(-20.0))  # age normalised by n - 1
 
 
 def test_smoothing_pulls_a_shallow_choice_towards_the_deeper_layer():
@@ -137,7 +141,8 @@ def test_eager_reindex_compacts_positions_and_rerotates_keys_lazy_keeps_them(bac
         )  # the question comes after the compacted stream
         if backbone.position_dims == 1:
             assert (
-                out.layout["next_position"] == prefix + keys.shape[1] + out.suffix.layer_counts[0]
+                out.layout["next_position"]
+                == prefix + keys.shape[1] + 1 + out.suffix.layer_counts[0]  # 1: the summary slot
             )
             assert out.layout["position_shift"] > 0
         for j in range(pos.shape[1]):  # every kept key is some stream key rotated to its new slot
@@ -180,13 +185,31 @@ def test_deep_layers_stream_on_with_their_summary_token_in_the_running_cache(bac
                 assert kept[layer] == 39 and lengths[layer] == prefix + 1 + kept[layer]
             else:
                 assert kept[layer] == 40 and lengths[layer] == prefix + kept[layer]
-    summary = out.blocks[0]
+    summary = out.blocks[-1]  # after the kept tokens, in time and in position
     deep = [layer for layer, role in enumerate(roles) if role == "deep"]
     assert summary.granularity == "summary" and sorted(policy.summary) == deep
+    for layer in deep:
+        kept = torch.cat([b.positions[layer] for b in out.blocks[:-1]], dim=1)
+        assert summary.positions[layer].flatten().tolist() == [int(kept.max()) + 1] * len(kept)
+    # eager compaction left the slot after the summary to the suffix
+    assert int(out.suffix.positions[0].min()) > max(
+        int(summary.positions[layer].max()) for layer in deep
+    )
     for layer, front in zip(
         sorted(policy.summary), snapshots[-1][2]
     ):  # the pack's summary is the cache's
         assert torch.equal(summary.keys[layer][:, 0], front)
+
+
+def test_the_summary_can_sit_right_after_the_prompt_instead(backbones):
+    backbone = backbones["tiny-llava-ov"]
+    media = load_media("samples/clip.mp4", fps=8, max_frames=32)
+    choice = choose("hermes", budget_tokens=40, chunk_frames=4, summary_at="after_prompt")
+    out = encode_media(backbone, media, choice)
+    summary = out.blocks[0]
+    prefix = out.prefix.layer_counts[0]
+    assert summary.granularity == "summary" and summary.steps == (0, 0)
+    assert {int(p.max()) for p in summary.positions if p.numel()} == {prefix}
 
 
 def test_pack_never_exceeds_the_budget_over_a_long_stream_and_ask_runs_in_a_new_process(

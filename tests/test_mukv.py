@@ -31,6 +31,8 @@ def test_frequency_signal_ranks_a_jump_above_a_flat_run(mode):
     signal = frequency_signal(keys, mode)
     assert int(signal.argmax()) == 9 or (mode == "diff" and int(signal.argmax()) in (9, 10))
     assert signal[9] > signal[2:6].max()
+    if mode == "diff":  # the authors' torch.diff(k, prepend=k[:1]): the first token changed nothing
+        assert signal[0] == 0 and signal[1] == 0
 
 
 def test_fusion_and_top_k_keep_temporal_order_and_exact_count():

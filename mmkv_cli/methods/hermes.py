@@ -3,14 +3,19 @@
 Whenever the visual part of the running cache exceeds the budget, every layer is cut back to it.
 Shallow layers keep the newest tokens (a forgetting curve), deep layers the tokens a generic
 guidance prompt attends to, middle layers a depth-interpolated mix; scores are smoothed deep ->
-shallow and each layer keeps its own top-k. What deep layers evict is folded into one summary token,
-kept in the running cache right after the prompt. Positions stay (`lazy`, compacted only near the
-model's position limit) or are compacted at every compression (`eager`), keys re-rotated by the
-change. Everything kept goes into the pack; ask uses all of it (no retrieval).
+shallow and each layer keeps its own top-k. What deep layers evict is folded into one summary token
+that stays in the running cache; by default its position follows the layer's last kept token, as in
+the authors' code. Positions stay (`lazy`, compacted only near the model's position limit) or are
+compacted at every compression (`eager`), keys re-rotated by the change. Everything kept goes into
+the pack; ask uses all of it (no retrieval).
+
+Smoothing pairs a layer's score with the deeper layer's score of the same stream token, as the paper
+means; the authors' code pairs cache slots, which hold different tokens once layers diverge.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -50,13 +55,20 @@ class HermesParams(GuidedParams):
     )
     smoothing: Smoothing = knob(Smoothing(), "cross-layer smoothing g per role, deep -> shallow")
     summary: bool = knob(True, "deep layers fold what they evict into one summary token")
+    summary_at: Literal["after_kept", "after_prompt"] = knob(
+        "after_kept",
+        "where the summary token sits: after the layer's last kept token (the authors' code) or "
+        "right after the prompt, before the stream",
+    )
     reindex: Literal["eager", "lazy"] = knob(
         "eager",
         "eager: compact positions at every compression (offline); "
         "lazy: only near the position limit (streaming)",
     )
     reindex_at: int | None = knob(
-        None, "lazy threshold (null: 0.9 x the model's max_position_embeddings)", low=1
+        None,
+        "lazy threshold (null: the model's max_position_embeddings - 1024, as the authors' code)",
+        low=1,
     )
 
 
@@ -64,21 +76,26 @@ class HermesParams(GuidedParams):
 
 
 def layer_roles(layers: int, shallow: float, deep: float) -> list[tuple[str, float]]:
-    """(role, depth fraction p within the middle layers) per layer; at least one shallow and one
-    deep layer."""
-    n_shallow = max(1, round(shallow * layers))
-    n_deep = max(1, round(deep * layers))
-    n_middle = max(0, layers - n_shallow - n_deep)
+    """(role, depth fraction p within the middle layers) per layer, split as the authors' code does:
+    the first int(shallow L) layers are shallow, deep ones start at int((1 - deep) L), and middle
+    layer i (from 0) of n sits at p = i / n."""
+    n_shallow = _floor(shallow * layers)
+    deep_start = max(n_shallow, _floor((1 - deep) * layers))
+    n_middle = deep_start - n_shallow
     roles = []
     for layer in range(layers):
         if layer < n_shallow:
             roles.append(("shallow", 0.0))
-        elif layer >= layers - n_deep:
+        elif layer >= deep_start:
             roles.append(("deep", 1.0))
         else:
-            i = layer - n_shallow
-            roles.append(("middle", i / (n_middle - 1) if n_middle > 1 else 0.5))
+            roles.append(("middle", (layer - n_shallow) / n_middle))
     return roles
+
+
+def _floor(x: float) -> int:
+    """int() of a share times a layer count, immune to 0.7 * 10 = 6.9999999."""
+    return int(math.floor(x + 1e-9))
 
 
 def mix_for(role: str, p: float, params: HermesParams) -> tuple[float, float]:
@@ -93,8 +110,9 @@ def mix_for(role: str, p: float, params: HermesParams) -> tuple[float, float]:
 
 
 def recency_curve(count: int, k: float) -> torch.Tensor:
-    """exp(-k d) over `count` tokens in cache order, d = normalised age (0 for the newest)."""
-    age = (count - 1 - torch.arange(count, dtype=torch.float32)) / max(1, count)
+    """exp(-k d) over `count` tokens in cache order, d = age / (count - 1): 0 for the newest, 1 for
+    the oldest."""
+    age = (count - 1 - torch.arange(count, dtype=torch.float32)) / max(1, count - 1)
     return torch.exp(-k * age)
 
 
@@ -151,7 +169,7 @@ class HermesMemory(KeepAll):
     def __init__(self, params: HermesParams, budget: Budget, context):
         super().__init__(params, budget, context)
         self.summary: dict[int, tuple] = {}  # deep layer -> (key, value, count)
-        self.summary_position: torch.Tensor | None = None  # [P, 1] where the summary token sits
+        self.summary_position: dict[int, torch.Tensor] = {}  # deep layer -> [P] its summary's slot
 
     def after_chunk(self, state: StreamState) -> None:
         cap = self.budget.tokens_of(state.total)
@@ -181,6 +199,7 @@ class HermesMemory(KeepAll):
         ]
         gammas = [self.params.smoothing.of(role) for role, _ in roles]
         scores = smooth_deep_to_shallow(scores, state.cache.index, gammas, state.total)
+        evicted = {}  # deep layer -> what it lets go, folded once positions settle
         for layer, (role, _) in enumerate(roles):
             folds = self.params.summary and role == "deep"
             keep = cap - 1 if folds else cap  # the summary token is the cap-th
@@ -188,43 +207,51 @@ class HermesMemory(KeepAll):
                 continue
             local = top_in_order(scores[layer], keep)
             if folds:
-                self._fold(state, layer, local)
+                evicted[layer] = _evicted(state, layer, local)
             state.cache.retain(layer, local)
         if self._should_reindex(state):
             self._reindex(state)
+        for layer in sorted(set(self.summary) | set(evicted)):
+            self._fold(state, layer, evicted.get(layer))
 
-    def _fold(self, state: StreamState, layer: int, kept_local: torch.Tensor) -> None:
-        keys, values = state.cache.visual(layer)
-        gone = torch.ones(keys.shape[1], dtype=torch.bool)
-        gone[kept_local] = False
-        gone = gone.nonzero().squeeze(1)
+    def _summary_slot(self, state: StreamState, layer: int) -> torch.Tensor:
+        """[P] where a deep layer's summary sits: one past the layer's furthest kept position on
+        every axis (as text follows a video), or the stream's first visual position."""
+        kept = state.cache.positions[layer]
+        first = state.layout_positions[:, 0]
+        if self.params.summary_at == "after_prompt" or not kept.numel():
+            return first.clone()
+        return torch.full_like(first, int(kept.max()) + 1)
+
+    def _fold(self, state: StreamState, layer: int, gone: tuple | None) -> None:
+        """Move the layer's summary to its slot and fold what it just evicted into it."""
         inv_freq, axes = state.rope
-        if self.summary_position is None:  # the summary sits at the first visual position
-            self.summary_position = state.layout_positions[:, :1].clone()
-        at = gone.to(keys.device)
-        self.summary[layer] = fold_into_summary(
-            keys[:, at].cpu(),
-            values[:, at].cpu(),
-            state.cache.positions[layer][:, gone],
-            self.summary_position[:, 0],
-            inv_freq,
-            axes,
-            self.summary.get(layer),
-        )
-        # The summary lives in the running cache, right after the prompt, so what streams in later
-        # attends to it (the paper writes it back into the KV cache).
-        key, value, _ = self.summary[layer]
+        target = self._summary_slot(state, layer)
+        previous = self.summary.get(layer)
+        if previous is not None:
+            key, value, count = previous
+            delta = (target - self.summary_position[layer]).view(-1, 1)
+            previous = (rotate_keys(key, delta, inv_freq, axes), value, count)
+        if gone is not None:
+            keys, values, positions = gone
+            previous = fold_into_summary(keys, values, positions, target, inv_freq, axes, previous)
+        self.summary[layer] = previous
+        self.summary_position[layer] = target
+        # The summary lives in the running cache (first after the prompt: cache order does not
+        # matter, its position does), so what streams in later attends to it, as the paper writes
+        # it back into the KV cache.
+        key, value, _ = previous
         state.cache.insert_front(layer, key, value)
 
     def _should_reindex(self, state: StreamState) -> bool:
         if self.params.reindex == "eager":
             return True
-        limit = self.params.reindex_at or int(0.9 * state.position_limit)
+        limit = self.params.reindex_at or max(1, state.position_limit - 1024)
         return int(state.placed(0, state.seen).max()) > limit
 
     def _reindex(self, state: StreamState) -> None:
         """Compact every layer's visual positions right after the prompt, re-rotate the cached keys,
-        and move the rest of the stream up to follow them."""
+        and move the rest of the stream up to follow them (and the summary slot after them)."""
         inv_freq, axes = state.rope
         start = state.cache.prompt_len
         top = start - 1
@@ -235,7 +262,9 @@ class HermesMemory(KeepAll):
             moved = rotate_keys(keys, (new - old).to(keys.device), inv_freq, axes)
             state.cache.replace(layer, keys=moved, positions=new)
             if new.numel():
-                top = max(top, int(new[0].max()))
+                top = max(top, int(new.max()))
+        if self.params.summary and self.params.summary_at == "after_kept":
+            top += 1  # a deep layer's summary may take the slot after its kept tokens
         # The next token (a visual step or the suffix) takes the temporal slot after the compacted
         # ones.
         upcoming = int(state.layout_positions[0, state.seen])
@@ -247,32 +276,47 @@ class HermesMemory(KeepAll):
             return blocks
         shape = state.cache.visual(0)[0]
         empty = torch.zeros(shape.shape[0], 0, shape.shape[2], dtype=shape.dtype)
+        dims = state.layout_positions.shape[0]
         keys, values, positions = [], [], []
         for layer in range(state.layers):
             if layer in self.summary:
                 k, v, _ = self.summary[layer]
                 keys.append(k.to(shape.dtype))
                 values.append(v.to(shape.dtype))
-                positions.append(self.summary_position.clone())
+                positions.append(self.summary_position[layer].view(dims, 1).clone())
             else:
                 keys.append(empty)
                 values.append(empty.clone())
-                positions.append(self.summary_position[:, :0].clone())
-        first = step_times[0][0]
+                positions.append(torch.zeros(dims, 0, dtype=torch.long))
+        # After the kept tokens, the summary is the stream's last block (a question asked before the
+        # end does not see it); after the prompt, its first.
+        last = self.params.summary_at == "after_kept"
+        step = len(step_times) if last else 0
+        moment = step_times[-1][1] if last else step_times[0][0]
         summary = Span(
             name="summary",
             keys=keys,
             values=values,
             positions=positions,
             granularity="summary",
-            steps=(0, 0),
-            time=(first, first),
+            steps=(step, step),
+            time=(moment, moment),
             representative=None,
         )
-        renamed = [summary, *blocks]
+        renamed = [*blocks, summary] if last else [summary, *blocks]
         for i, block in enumerate(renamed):
             block.name = block_name(i)
         return renamed
+
+
+def _evicted(state: StreamState, layer: int, kept_local: torch.Tensor) -> tuple:
+    """The visual K, V (on the host) and positions a layer is about to let go."""
+    keys, values = state.cache.visual(layer)
+    gone = torch.ones(keys.shape[1], dtype=torch.bool)
+    gone[kept_local] = False
+    gone = gone.nonzero().squeeze(1)
+    at = gone.to(keys.device)
+    return keys[:, at].cpu(), values[:, at].cpu(), state.cache.positions[layer][:, gone]
 
 
 METHOD = Method(

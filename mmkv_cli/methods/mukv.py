@@ -95,7 +95,7 @@ def frequency_signal(keys: torch.Tensor, mode: str = "fft") -> torch.Tensor:
     neighbours.
 
     fft: keep the upper half of the frequency bins along the tokens, back to tokens, |.| averaged
-    over D. diff: ||k_t - k_{t-1}|| (the first token scores as its successor's change).
+    over D. diff: ||k_t - k_{t-1}||, the first token 0 (the authors' diff with k_0 prepended).
     """
     keys = keys.float()
     n = keys.shape[0]
@@ -107,7 +107,7 @@ def frequency_signal(keys: torch.Tensor, mode: str = "fft") -> torch.Tensor:
         return torch.fft.irfft(spectrum, n=n, dim=0).abs().mean(dim=1)
     if mode == "diff":
         change = (keys[1:] - keys[:-1]).norm(dim=1)
-        return torch.cat([change[:1], change])
+        return torch.cat([change.new_zeros(1), change])
     raise ValueError(f"unknown frequency signal '{mode}' (fft, diff)")
 
 

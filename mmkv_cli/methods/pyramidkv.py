@@ -1,6 +1,12 @@
 """PyramidKV (Cai et al., 2024), visual tokens only: SnapKV's scores, budgets falling linearly with
 depth (more in shallow layers, where attention is spread; fewer in deep ones, where it is
-concentrated)."""
+concentrated).
+
+The schedule is the paper's arithmetic sequence (last layer budget / beta, first 2 budget - that);
+kvpress's PyramidKVPress computes the same line and agrees to within one token per layer. From the
+authors' KVCache-Factory code come only the clamp when the first layer would need more tokens than
+exist; their code also sets the observation window apart from the budget, which is not done here
+(the window is the guidance prompt or the question, never stored visual KV)."""
 
 from __future__ import annotations
 
@@ -27,9 +33,8 @@ def pyramid_budgets(
 ) -> list[int]:
     """Budgets falling linearly from the first layer to the last, averaging `per_layer`: the last
     layer keeps per_layer / beta, the first 2 per_layer - that. When the first would need more than
-    the `available` tokens, it keeps them all and the last layers get what is left of the average,
-    as the authors' code does, so a budget near 1 keeps nearly everything instead of a truncated
-    pyramid."""
+    the `available` tokens, it keeps them all and the last layers get what is left of the average
+    (the authors' clamp), so a budget near 1 keeps nearly everything, not a truncated pyramid."""
     if layers == 1:
         return [per_layer]
     low = per_layer / beta
