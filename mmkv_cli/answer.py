@@ -7,6 +7,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from mmkv_cli.ask_prune import AskPrune, prune_context
@@ -17,7 +18,7 @@ from mmkv_cli.generate import generate
 from mmkv_cli.methods.base import ContextPolicy
 from mmkv_cli.options import AskOptions
 from mmkv_cli.pack import PackReader
-from mmkv_cli.rope import compact_positions, rotate_keys
+from mmkv_cli.rope import compact_positions, rotate_keys, unrotate
 
 
 @dataclass
@@ -53,6 +54,7 @@ def build_cache(
     names: list[str],
     positions: str = "keep",
     ends_at: str | None = None,
+    per_layer: list[list[str]] | None = None,
 ):
     """Concatenate prefix + chosen blocks + suffix per layer into a fresh cache.
 
@@ -60,14 +62,15 @@ def build_cache(
     layer's context compacted to consecutive slots, keys re-rotated by the change, the question
     right after. ends_at: the last block shown by the question's moment. The stream ends there for
     this question, so the stored suffix (which attended to the whole stream) is left out and re-run,
-    with the question, just after the context: `lead` holds its embeddings and positions. Returns
+    with the question, just after the context: `lead` holds its embeddings and positions. per_layer:
+    the blocks of each layer, when retrieval chose them layer by layer. Returns
     (cache, context tokens, the question's first position, lead or None).
     """
     prefix = reader.span("prefix")
     layers = len(prefix.keys)
     parts = [(prefix.keys, prefix.values, prefix.positions)]
     if names:
-        parts.append(reader.gather(names))  # the chosen blocks, joined per layer in context order
+        parts.append(reader.gather(names, per_layer))  # joined per layer in context order
     if ends_at is None:
         suffix = reader.span("suffix")
         parts.append((suffix.keys, suffix.values, suffix.positions))
@@ -111,30 +114,37 @@ def build_cache(
 def question_vector(
     backbone: Backbone, reader: PackReader, ids: list[int], mode: str
 ) -> torch.Tensor:
-    """The question as one retrieval vector, from a forward over [init prompt + question] (no
-    video).
+    """The question as one retrieval vector per layer [layers, H_kv * D], from a forward over
+    [init prompt + question] (no video).
 
-    query_mean: the last layer's post-RoPE queries averaged over the question's tokens and over the
-    query heads sharing a KV head (so it lives where block representatives do, H_kv * D); last_key:
-    the last layer's key of the question's last token.
+    query_mean: each layer's queries averaged over the question's tokens and over the query heads
+    sharing a KV head (so it lives where block representatives do); last_key: each layer's key of
+    the question's last token. Both are rotated back to before RoPE, as the representatives of a v6
+    pack are (older packs averaged keys after RoPE: their question vectors stay rotated too).
     """
     prefix = reader.span("prefix")
     cache = backbone.cache_from_layers(prefix.keys, prefix.values)
-    last = len(prefix.keys) - 1
-    recorder = Recorder(layers={last}, queries=True)
-    with recording(recorder):
-        backbone.forward(
-            backbone.embed_ids(ids),
-            backbone.text_positions(prefix.layer_counts[0], len(ids)),
-            cache,
-        )
-    if mode == "last_key":
-        return cache.layers[last].keys[0, :, -1].float().reshape(-1).cpu()
-    if mode != "query_mean":
+    layers = len(prefix.keys)
+    if mode not in ("query_mean", "last_key"):
         raise UsageError(f"unknown query mode '{mode}' (query_mean, last_key)")
-    query = recorder.query[last][0].float().mean(dim=1)  # [H, D]
-    kv_heads = prefix.keys[last].shape[0]
-    return query.reshape(kv_heads, -1, query.shape[-1]).mean(dim=1).reshape(-1).cpu()
+    recorder = Recorder(layers=set(range(layers)), queries=mode == "query_mean")
+    positions = backbone.text_positions(prefix.layer_counts[0], len(ids))
+    with recording(recorder):
+        backbone.forward(backbone.embed_ids(ids), positions, cache)
+    inv_freq, axes = backbone.rope_tables()
+    rotated = reader.rotated_representatives
+    out = []
+    for layer in range(layers):
+        if mode == "last_key":
+            vector, at = cache.layers[layer].keys[0, :, -1:].float(), positions[:, -1:]
+        else:
+            vector, at = recorder.query[layer][0].float(), positions  # [H, q, D]
+        if not rotated:
+            vector = unrotate(vector, at.cpu(), inv_freq, axes)
+        vector = vector.mean(dim=1)  # [H, D]
+        kv_heads = prefix.keys[layer].shape[0]
+        out.append(vector.reshape(kv_heads, -1, vector.shape[-1]).mean(dim=1).reshape(-1).cpu())
+    return torch.stack(out)
 
 
 def _representatives(reader: PackReader) -> torch.Tensor:
@@ -170,7 +180,7 @@ def answer_from_pack(
     names = selection.names
     positions_mode = options.positions.value if options.positions else policy.position_mode
     cache, context, position, lead = build_cache(
-        backbone, reader, names, positions_mode, selection.ends_at
+        backbone, reader, names, positions_mode, selection.ends_at, selection.per_layer
     )
     embeds, positions = backbone.embed_ids(ids), backbone.text_positions(position, len(ids))
     if lead is not None:
@@ -183,11 +193,13 @@ def answer_from_pack(
     kv_tokens = None
     if prune:
         # the context's visual tokens per layer, from the table's columns (no per-block dicts)
-        chosen = [reader.blocks.index_of(n) for n in names]
         layers = len(cache.layers)
-        visual = (
-            reader.blocks.layer_totals()[chosen].sum(axis=0).tolist() if chosen else [0] * layers
-        )
+        totals = reader.blocks.layer_totals()
+        taken = selection.per_layer or [names] * layers
+        visual = [
+            int(totals[np.asarray([reader.blocks.index_of(n) for n in chosen], int), layer].sum())
+            for layer, chosen in enumerate(taken)
+        ]
         prefix_counts = reader.span("prefix").layer_counts
         kv_tokens = prune_context(
             cache, recorder.row, prefix_counts, visual, embeds.shape[1], prune

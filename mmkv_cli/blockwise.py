@@ -2,9 +2,12 @@
 prompt.
 
 Blocks of one granularity and length are independent given the init KV, so they run as one batch:
-the init KV is shared along the batch axis and each row sees only init + its own block. The last
-layer's attention column sums come from the recording attention function, a few query rows at a
-time.
+the init KV is shared along the batch axis and each row sees only init + its own block. As in the
+authors' code, every block is prefilled right after the init prompt (positions init_len + 0..g-1,
+compacted), whatever its place in the stream: its keys, its compression and its retrieval key do not
+depend on where it sits in the video. The kept keys are then rotated to their stream positions for
+the pack, whose keys always carry RoPE at their stored positions. The last layer's attention column
+sums come from the recording attention function, a few query rows at a time.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import torch
 from mmkv_cli.attention import Recorder, recording
 from mmkv_cli.backbones import Backbone, StreamLayout
 from mmkv_cli.methods.base import BlockPlan, BlockwiseMemory
-from mmkv_cli.methods.scoring import mean_key
+from mmkv_cli.methods.scoring import retrieval_key
 from mmkv_cli.pack import Span
+from mmkv_cli.rope import compact_positions, rotate_keys
 
 GRANULARITY_ORDER = {"segment": 0, "frame": 1, "patch": 2}
 
@@ -40,6 +44,15 @@ def chunk_plans(
     return plans
 
 
+def block_positions(stream: torch.Tensor, origins: torch.Tensor, first_step: int) -> torch.Tensor:
+    """Where a block is prefilled: its stream positions [P, N] moved as if its first step were the
+    stream's first, right after the init prompt (each step's first token is its origin on every
+    axis, so M-RoPE grids keep their shape and Qwen3-VL's stamped frames their layout). On 1-D RoPE
+    the block is then packed to init_len + 0..g-1, as the authors prefill it."""
+    moved = stream - (origins[:, first_step] - origins[:, 0]).view(-1, 1)
+    return compact_positions(moved, int(origins[0, 0])) if stream.shape[0] == 1 else moved
+
+
 def prefill_blocks(
     backbone: Backbone,
     policy: BlockwiseMemory,
@@ -49,14 +62,16 @@ def prefill_blocks(
     positions: torch.Tensor,
     plans: list[BlockPlan],
     step_times,
+    origins: torch.Tensor,
 ) -> tuple[list[Span], int]:
     """Prefill and compress every planned block of one chunk; returns the blocks and the peak batch
-    KV bytes."""
+    KV bytes. origins [P, steps]: the stream position of every step's first token."""
     groups: dict[tuple[str, int], list[BlockPlan]] = defaultdict(list)
     for plan in plans:
         groups[(plan.granularity, plan.tokens.numel())].append(plan)
     last = backbone.text_config.num_hidden_layers - 1
     init = prefix.layer_counts[0]
+    rope = backbone.rope_tables()
     blocks, peak = [], 0
     for (granularity, length), members in groups.items():
         # every row holds its own copy of the init KV
@@ -64,32 +79,43 @@ def prefill_blocks(
         for first in range(0, len(members), per_batch):
             batch = members[first : first + per_batch]
             index = torch.stack([plan.tokens for plan in batch])  # [B, N] within the chunk
+            stream = positions[:, index]  # [P, B, N] where the tokens sit in the stream
+            placed = torch.stack(
+                [
+                    block_positions(stream[:, b], origins, plan.steps[0])
+                    for b, plan in enumerate(batch)
+                ],
+                dim=1,
+            )
             cache = backbone.cache_from_layers(prefix.keys, prefix.values, batch=len(batch))
             recorder = Recorder(layers={last}, column_sums=True)
             with recording(recorder):
                 backbone.forward(
                     embeds[0, index.to(embeds.device)],
-                    positions[:, index],
+                    placed,
                     cache,
                     **backbone.select_extra(extra, index),
                 )
             peak = max(peak, sum(e.keys.numel() * e.keys.element_size() * 2 for e in cache.layers))
             attention = recorder.column_sum[last][:, init:].cpu()
             for row, plan in enumerate(batch):
-                keys = [e.keys[row, :, init:].cpu() for e in cache.layers]
-                values = [e.values[row, :, init:].cpu() for e in cache.layers]
-                keep = policy.choose(granularity, attention[row], keys[-1])
-                kept_keys = [k[:, keep] for k in keys]
+                keep = policy.choose(
+                    granularity, attention[row], cache.layers[last].keys[row, :, init:].cpu()
+                )
+                at = keep.to(cache.layers[last].keys.device)
+                kept_placed, kept_stream = placed[:, row, keep], stream[:, row, keep]
+                keys = [e.keys[row, :, init:][:, at] for e in cache.layers]
                 blocks.append(
                     Span(
                         name="",
-                        keys=kept_keys,
-                        values=[v[:, keep] for v in values],
-                        positions=[positions[:, plan.tokens[keep]].cpu()] * len(keys),
+                        # stored at their stream positions (keys re-rotated from the prefill's)
+                        keys=[rotate_keys(k, kept_stream - kept_placed, *rope).cpu() for k in keys],
+                        values=[e.values[row, :, init:][:, at].cpu() for e in cache.layers],
+                        positions=[kept_stream.cpu()] * len(keys),
                         granularity=granularity,
                         steps=plan.steps,
                         time=(step_times[plan.steps[0]][0], step_times[plan.steps[1] - 1][1]),
-                        representative=mean_key(kept_keys[-1]),
+                        representative=retrieval_key(keys[-1:], [kept_placed], rope),
                         extra={"first": int(plan.tokens[0])},
                     )
                 )

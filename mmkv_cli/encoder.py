@@ -125,6 +125,10 @@ def encode_media(
     else:
         policy = method.streaming(choice.params, budget, context or EncodeContext(media.kind))
         done = encode_streaming(stream, policy, cache, prefix.layer_counts[0])
+        # read back: a policy may have merged evicted tokens into the prompt's KV (MEDA)
+        prefix = _span(
+            "prefix", done.cache, [0] * len(cache.layers), len(prefix_ids), layout.prefix
+        )
     suffix_positions = layout.suffix - done.shift  # a policy that compacted moved the rest up
     suffix_embeds = backbone.suffix_embeds()
     if suffix_embeds.shape[1]:
@@ -235,6 +239,8 @@ def encode_blockwise(stream: Stream, policy: BlockwiseMemory, prefix: Span, cach
     per_step = backbone.frames_per_step
     total = sum(layout.step_lengths)
     policy.begin(total)
+    starts = torch.cumsum(torch.tensor([0, *layout.step_lengths[:-1]]), 0)
+    origins = layout.visual[:, starts].cpu()  # every step's first token: where it is placed from
     blocks, seen, peak_kv = [], 0, 0
     for first_step, frames, done in stream.chunks(policy.segment_steps(per_step)):
         times = stream.step_times[first_step : first_step + len(frames) // per_step]
@@ -243,7 +249,7 @@ def encode_blockwise(stream: Stream, policy: BlockwiseMemory, prefix: Span, cach
         plans = chunk_plans(policy, layout, first_step, len(times), per_step)
         positions = layout.visual[:, seen : seen + n].cpu()
         made, peak = prefill_blocks(
-            backbone, policy, prefix, embeds, extra, positions, plans, stream.step_times
+            backbone, policy, prefix, embeds, extra, positions, plans, stream.step_times, origins
         )
         blocks += made
         seen += n

@@ -34,6 +34,12 @@ def rotate_keys(
     return out.to(keys.dtype)
 
 
+def unrotate(keys: torch.Tensor, positions: torch.Tensor, inv_freq, axes) -> torch.Tensor:
+    """Keys (or queries) [H, n, D] cached at positions [P, n] as they were before RoPE: each token
+    rotated back by its own position, so it no longer says where it sat."""
+    return rotate_keys(keys, -positions, inv_freq, axes)
+
+
 def compact_positions(positions: torch.Tensor, start: int) -> torch.Tensor:
     """Positions [P, n] of tokens in context order, packed into consecutive slots from `start`.
 

@@ -75,3 +75,27 @@ def test_meda_encode_keeps_about_rho_and_merges(backbones, model):
     keys_m = torch.cat([b.keys[2] for b in merged.blocks], dim=1)
     keys_d = torch.cat([b.keys[2] for b in dropped.blocks], dim=1)
     assert not torch.allclose(keys_m, keys_d)
+
+
+def test_evicted_visual_kv_may_merge_into_the_prompts_text_tokens(backbones):
+    """Paper Eq. 11: targets are kept text and visual tokens. Merged text KV is the pack's prefix
+    (and what the suffix was prefilled after); with visual-only targets the prompt is untouched."""
+    media = load_media("samples/clip.mp4", fps=8, max_frames=16)
+    backbone = backbones["tiny-llava-ov"]
+    out = {
+        into: encode_media(backbone, media, choose("meda", budget=0.25, merge_into=into))
+        for into in ("text_and_visual", "visual")
+    }
+    plain = encode_media(backbone, media, choose("meda", budget=0.25, merge=False))
+    for layer in range(4):
+        assert torch.equal(out["visual"].prefix.keys[layer], plain.prefix.keys[layer])
+    changed = [
+        not torch.equal(out["text_and_visual"].prefix.values[layer], plain.prefix.values[layer])
+        for layer in range(4)
+    ]
+    assert any(changed)
+    # a merged text slot is the mean of itself and what joined it: it moved towards visual KV
+    layer = changed.index(True)
+    before, after = plain.prefix.values[layer], out["text_and_visual"].prefix.values[layer]
+    moved = (before - after).abs().amax(dim=(0, 2)) > 0
+    assert 0 < int(moved.sum()) <= before.shape[1]

@@ -129,7 +129,7 @@ def test_retrieval_picks_the_block_holding_a_planted_needle(tmp_path, backbones,
     reader = PackReader(pack)
     question = "what color is the circle ?"
     ids = backbone.question_ids(question, reader.header["prompt"]["question"])
-    needle = question_vector(backbone, reader, ids, "query_mean")
+    needle = question_vector(backbone, reader, ids, "query_mean")[-1:]  # the last layer's
     segments = [reader.span(b["name"]) for b in reader.blocks]
     for seg, meta in zip(segments, reader.blocks):
         seg.representative = reader.representatives()[reader.blocks.index(meta)]

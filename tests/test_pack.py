@@ -22,7 +22,7 @@ def segment(name, counts, seed, dims=1, granularity=None):
         granularity=granularity,
         steps=(seed, seed + 1) if granularity else None,
         time=(float(seed), float(seed) + 0.5) if granularity else None,
-        representative=torch.randn(16, generator=g) if granularity else None,
+        representative=torch.randn(1, 16, generator=g) if granularity else None,
     )
 
 

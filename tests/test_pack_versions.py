@@ -60,7 +60,9 @@ def assert_reads_back(reader):
             positions[layer],
             torch.cat([blocks[1].positions[layer], blocks[0].positions[layer]], dim=1),
         )
-    assert torch.equal(reader.representatives(), torch.stack([b.representative for b in blocks]))
+    reps = reader.representatives()  # [blocks, layers stored, dim]; v2-v5 stored one layer's
+    assert reps.shape[1] == 1
+    assert torch.equal(reps[:, 0], torch.stack([b.representative.reshape(-1) for b in blocks]))
     assert [reader.blocks.kinds[c] for c in reader.blocks.codes()] == [
         "frame",
         "patch",
@@ -71,6 +73,7 @@ def test_a_v3_pack_reads_back_exactly():
     reader = PackReader(DATA / "v3.kvpack")
     assert reader.header["format_version"] == 3
     assert_reads_back(reader)
+    assert reader.rotated_representatives  # before v6 they were means of keys after RoPE
 
 
 def test_the_current_writer_reads_back_the_same_segments(tmp_path):
@@ -85,6 +88,7 @@ def test_the_current_writer_reads_back_the_same_segments(tmp_path):
     reader = PackReader(tmp_path / "now.kvpack")
     assert reader.header["format_version"] == FORMAT_VERSION
     assert_reads_back(reader)
+    assert not reader.rotated_representatives
 
 
 def test_a_series_the_pack_never_stored_is_one_clear_error():

@@ -7,6 +7,7 @@ from mmkv_cli.methods import (
     full,
     h2o,
     hermes,
+    infinipot,
     meda,
     mukv,
     pyramidkv,
@@ -20,5 +21,17 @@ __all__ = ["METHODS", "Budget", "EncodeContext", "Method", "Paper", "Selection"]
 
 METHODS: dict[str, Method] = {
     module.METHOD.name: module.METHOD
-    for module in (full, recency, rekv, mukv, hermes, snapkv, h2o, pyramidkv, aircache, meda)
+    for module in (
+        full,
+        recency,
+        rekv,
+        mukv,
+        hermes,
+        infinipot,
+        snapkv,
+        h2o,
+        pyramidkv,
+        aircache,
+        meda,
+    )
 }

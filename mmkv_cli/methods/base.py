@@ -166,9 +166,12 @@ class Selection:
     names: list[str]  # blocks entering the context, in context order
     explain: list[dict]  # per retrieved block: why it was chosen (empty when nothing was scored)
     ends_at: str | None = None  # with a question asked `at` a moment: the last block shown by then
+    # per-layer retrieval: for every layer the blocks it takes (a subset of names, in that order)
+    per_layer: list[list[str]] | None = None
 
 
-QuestionVector = Callable[[str], "torch.Tensor"]  # query mode -> [dim]
+# query mode -> [layers, dim]: the question's retrieval vector at every layer, before RoPE
+QuestionVector = Callable[[str], "torch.Tensor"]
 
 
 class ContextPolicy(Protocol):

@@ -5,14 +5,16 @@ E_l = E_TV + E_VT: the entropy of text rows over visual keys (the guidance promp
 plus that of visual rows over text keys (recorded chunk by chunk while streaming), heads averaged.
 ratio_l = softmax_l(E) * L * rho, clamped to [min_layer_ratio, 1]: layers whose attention is spread
 keep more. In a layer, a recent window and the top tokens by cumulative attention (3:1) are kept;
-every evicted token is merged into its most cosine-similar kept key of the same head, kept K and V
-becoming the mean of themselves and what merged in.
+every evicted token is merged into its most cosine-similar kept key of the same head, text (the
+prompt before the video, never evicted) or visual, as paper Eq. 11 and the authors' code allow; kept
+K and V become the mean of themselves and what merged in.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from mmkv_cli.attention import Recorder
 from mmkv_cli.lazy import torch
@@ -32,6 +34,10 @@ class MedaParams(GuidedParams):
         high=1,
     )
     merge: bool = knob(True, "evicted pairs merge into their most similar kept key (same head)")
+    merge_into: Literal["text_and_visual", "visual"] = knob(
+        "text_and_visual",
+        "merge targets: kept text and visual tokens (paper Eq. 11, authors' code) or visual only",
+    )
 
 
 # --- scoring: pure functions over tensors ---
@@ -138,11 +144,24 @@ class MedaMemory(KeepAll):
             scores = self.cumulative[layer][state.cache.index[layer]]
             local = recent_and_heavy(scores, keep, self.params.recent_share)
             if self.params.merge:
-                keys, values = state.cache.visual(layer)
-                merged_k, merged_v, _ = merge_evicted(keys.cpu(), values.cpu(), local)
-            state.cache.retain(layer, local)
-            if self.params.merge:
-                state.cache.replace(layer, merged_k, merged_v)
+                self._merge(state, layer, local)
+            else:
+                state.cache.retain(layer, local)
+
+    def _merge(self, state: StreamState, layer: int, local: torch.Tensor) -> None:
+        """Evict all but `local` and merge what goes into the kept text or visual tokens."""
+        keys, values = (t.cpu() for t in state.cache.visual(layer))
+        text = state.cache.prompt_len if self.params.merge_into == "text_and_visual" else 0
+        if text:  # the prompt's entries are candidates too (the text is always kept)
+            prompt_k, prompt_v = state.cache.prompt(layer)
+            keys = torch.cat([prompt_k.cpu(), keys], dim=1)
+            values = torch.cat([prompt_v.cpu(), values], dim=1)
+        kept = torch.cat([torch.arange(text), local + text])
+        merged_k, merged_v, _ = merge_evicted(keys, values, kept)
+        state.cache.retain(layer, local)
+        state.cache.replace(layer, merged_k[:, text:], merged_v[:, text:])
+        if text:
+            state.cache.replace_prompt(layer, merged_k[:, :text], merged_v[:, :text])
 
 
 METHOD = Method(

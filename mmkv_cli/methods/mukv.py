@@ -85,6 +85,9 @@ class MuKVParams:
     positions: Literal["keep", "reindex"] = knob(
         "keep", "keep the stored positions at ask, or compact them (keys re-rotated)"
     )
+    similarity: Literal["cosine", "dot"] = knob(
+        "cosine", "question against representative: cosine (the paper) or dot product"
+    )
 
 
 # --- scoring: pure functions over tensors ---
@@ -248,6 +251,7 @@ def context(params: MuKVParams) -> RetrievalContext:
             top_segments=params.top_segments,
             query=params.query,
             positions=params.positions,
+            similarity=params.similarity,
         )
     )
 

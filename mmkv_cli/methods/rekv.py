@@ -1,5 +1,7 @@
 """ReKV (the retrieval baseline of MuKV): the whole stream kept, one block per frame (temporal step)
-with its mean key as representative; at ask the top-k blocks by the question, in time order."""
+with its mean key before RoPE as representative; at ask the top-k blocks by the question's mean
+query before RoPE, in time order: one choice for every layer from the last layer's vectors, or (as
+the authors' code does) each layer its own from its own keys and queries."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Literal
 
 from mmkv_cli.methods.base import Method, Paper, StreamParams
 from mmkv_cli.methods.retrieval import RetrievalContext, RetrievalOptions
+from mmkv_cli.methods.scoring import retrieval_key
 from mmkv_cli.methods.stream import KeepAll, StreamState
 from mmkv_cli.spec import knob
 
@@ -27,6 +30,14 @@ class ReKVParams(StreamParams):
     positions: Literal["keep", "reindex"] = knob(
         "keep", "keep the stored positions at ask, or compact them (keys re-rotated)"
     )
+    similarity: Literal["cosine", "dot"] = knob(
+        "cosine", "question against representative: cosine (the paper) or dot product (the code)"
+    )
+    layers: Literal["last", "each"] = knob(
+        "last",
+        "last: the last layer's vectors choose the blocks of every layer; each: every layer picks "
+        "its own k blocks with its own vectors (the authors' code; stores a key per layer)",
+    )
 
 
 class ReKVMemory(KeepAll):
@@ -39,10 +50,21 @@ class ReKVMemory(KeepAll):
             if state.cache.count(layer) > window:
                 state.cache.offload(layer, state.cache.count(layer) - window)
 
+    def representative(self, keys, positions, rope):
+        if self.params.layers == "each":
+            return retrieval_key(keys, positions, rope)
+        return super().representative(keys, positions, rope)
+
 
 def context(params: ReKVParams) -> RetrievalContext:
     return RetrievalContext(
-        RetrievalOptions(k={"frame": params.k}, query=params.query, positions=params.positions)
+        RetrievalOptions(
+            k={"frame": params.k},
+            query=params.query,
+            positions=params.positions,
+            similarity=params.similarity,
+            layers=params.layers,
+        )
     )
 
 

@@ -1,7 +1,8 @@
-"""Block retrieval at ask (MuKV, ReKV): cosine scores of the question vector against the blocks'
-representatives; per granularity over-retrieve 2k, rerank patch/frame candidates against the top
-segments, keep k. A context policy, not a method: MuKV and ReKV both build one from their
-parameters."""
+"""Block retrieval at ask (MuKV, ReKV): cosine (or dot-product) scores of the question vector
+against the blocks' representatives, both taken before RoPE so neither says where it sat; per
+granularity over-retrieve 2k, rerank patch/frame candidates against the top segments, keep k. With
+layers "each", every layer makes that choice with its own vectors. A context policy, not a method:
+MuKV and ReKV both build one from their parameters."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import QuestionVector, Selection
 from mmkv_cli.methods.context import last_shown
-from mmkv_cli.methods.scoring import cosine_scores
+from mmkv_cli.methods.scoring import SIMILARITY, cosine_scores
 from mmkv_cli.pack.table import eligible_at
 
 if TYPE_CHECKING:
@@ -27,6 +29,8 @@ class RetrievalOptions:
     top_segments: int = 0  # segments whose mean representative reranks the others (0: no rerank)
     query: str = "query_mean"  # query_mean | last_key
     positions: str = "keep"  # keep | reindex
+    similarity: str = "cosine"  # cosine | dot
+    layers: str = "last"  # last: one choice from the last layer's vectors; each: one per layer
 
 
 @dataclass
@@ -104,27 +108,54 @@ class RetrievalContext:
         eligible = eligible_at(blocks, at)
         if not len(eligible):
             return Selection([], [])
-        index_all = torch.as_tensor(eligible)
-        table = reps()[index_all]
-        scores = cosine_scores(question_vector(o.query), table)
+        stored = reps()[torch.as_tensor(eligible)]  # [eligible, stored layers, dim]
+        query = question_vector(o.query)  # [layers, dim]
+        if o.layers == "each" and stored.shape[1] != query.shape[0]:
+            raise PackError(
+                f"this pack stores a retrieval key for {stored.shape[1]} of {query.shape[0]} "
+                "layers: per-layer retrieval needs a pack encoded with layers: each"
+            )
         codes = torch.as_tensor(blocks.codes()[eligible])
-        picks = retrieve(scores, table, (codes, blocks.kinds), o.k, o.rerank, o.top_segments)
+        chosen = [-1] if o.layers == "last" else range(query.shape[0])
+        per_layer = [self._pick(blocks, eligible, codes, stored[:, i], query[i]) for i in chosen]
+        best: dict[int, tuple[Retrieved, int]] = {}  # row -> its best pick and how many layers
+        for picks in per_layer:
+            for row, pick in picks.items():
+                held, count = best.get(row, (pick, 0))
+                best[row] = (pick if pick.score > held.score else held, count + 1)
         rank = {g: r for r, g in enumerate(("segment", "frame", "patch"))}
-        rows = eligible[[r.index for r in picks]].tolist() if picks else []
-        steps = blocks.start_steps()[rows].tolist()
-        times = blocks.times()[rows].tolist()
-        order = sorted(
-            range(len(picks)),
-            key=lambda j: (steps[j], rank.get(picks[j].granularity, 3), rows[j]),
+        rows = sorted(
+            best,
+            key=lambda r: (int(blocks.start_steps()[r]), rank.get(best[r][0].granularity, 3), r),
         )
-        explain = [
-            {
-                "block": blocks.name(rows[j]),
-                "granularity": picks[j].granularity,
-                "time": None if math.isnan(times[j][0]) else times[j],
-                "score": round(picks[j].score, 4),
-                "reranked": round(picks[j].reranked, 4),
+        times = blocks.times()
+        explain = []
+        for row in rows:
+            pick, count = best[row]
+            time = times[row].tolist()
+            entry = {
+                "block": blocks.name(row),
+                "granularity": pick.granularity,
+                "time": None if math.isnan(time[0]) else time,
+                "score": round(pick.score, 4),
+                "reranked": round(pick.reranked, 4),
             }
-            for j in order
-        ]
-        return Selection([e["block"] for e in explain], explain, last_shown(blocks, eligible, at))
+            if o.layers == "each":
+                entry["layers"] = count
+            explain.append(entry)
+        names = [e["block"] for e in explain]
+        layered = None
+        if o.layers == "each":
+            order = {row: i for i, row in enumerate(rows)}
+            layered = [
+                [blocks.name(r) for r in sorted(picks, key=order.__getitem__)]
+                for picks in per_layer
+            ]
+        return Selection(names, explain, last_shown(blocks, eligible, at), layered)
+
+    def _pick(self, blocks, eligible, codes, reps: torch.Tensor, query: torch.Tensor) -> dict:
+        """Table row -> Retrieved for the blocks one set of vectors picks."""
+        o = self.options
+        scores = SIMILARITY[o.similarity](query, reps)
+        picks = retrieve(scores, reps, (codes, blocks.kinds), o.k, o.rerank, o.top_segments)
+        return {int(eligible[p.index]): p for p in picks}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from mmkv_cli.lazy import torch
+from mmkv_cli.rope import unrotate
 
 
 def minmax(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -53,14 +54,32 @@ def keep_share(scores: list[torch.Tensor], share: float) -> list[torch.Tensor]:
     return [top_in_order(s, max(1, math.floor(share * s.numel()))) for s in scores]
 
 
-def mean_key(keys: torch.Tensor) -> torch.Tensor | None:
-    """A block's retrieval key: the mean of its kept last-layer keys [H_kv, n, D], heads
-    concatenated."""
-    if keys.shape[1] == 0:
+def retrieval_key(
+    keys: list[torch.Tensor], positions: list[torch.Tensor], rope: tuple
+) -> torch.Tensor | None:
+    """A block's position-free retrieval key: per given layer, the mean of its keys [H_kv, n, D]
+    rotated back to before RoPE by their positions [P, n], heads concatenated -> [layers, H_kv * D].
+    None when a layer holds none of the block's tokens."""
+    if any(k.shape[1] == 0 for k in keys):
         return None
-    return keys.float().mean(dim=1).reshape(-1)
+    inv_freq, axes = rope
+    return torch.stack(
+        [
+            unrotate(k.float(), p, inv_freq, axes).mean(dim=1).reshape(-1)
+            for k, p in zip(keys, positions)
+        ]
+    ).cpu()
 
 
 def cosine_scores(query: torch.Tensor, reps: torch.Tensor) -> torch.Tensor:
     """query [dim], reps [blocks, dim] -> [blocks] cosine similarity."""
     return torch.nn.functional.cosine_similarity(reps.float(), query.float().unsqueeze(0), dim=1)
+
+
+def dot_scores(query: torch.Tensor, reps: torch.Tensor) -> torch.Tensor:
+    """query [dim], reps [blocks, dim] -> [blocks] raw dot product (what ReKV's code calls its
+    cosine similarity)."""
+    return reps.float() @ query.float()
+
+
+SIMILARITY = {"cosine": cosine_scores, "dot": dot_scores}

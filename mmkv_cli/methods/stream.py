@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import Budget, EncodeContext
-from mmkv_cli.methods.scoring import mean_key
+from mmkv_cli.methods.scoring import retrieval_key
 from mmkv_cli.pack.format import Span, block_name
 
 if TYPE_CHECKING:
@@ -85,6 +85,16 @@ class RunningCache:
         self._splice(layer, self.visual_start(layer), self.count(layer), keys, values)
         if positions is not None:
             self.positions[layer] = positions.to(self.positions[layer])
+
+    def prompt(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's prompt K, V (the text before the stream) as [H_kv, prompt_len, D] views."""
+        entry = self.cache.layers[layer]
+        return entry.keys[0, :, : self.prompt_len], entry.values[0, :, : self.prompt_len]
+
+    def replace_prompt(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Overwrite this layer's prompt K and V (a policy that merges evicted tokens into text);
+        the pack's prefix is read back from the cache after the stream."""
+        self._splice(layer, 0, self.prompt_len, keys, values)
 
     def offload(self, layer: int, count: int) -> None:
         """Move this layer's `count` oldest visual entries out of the attention window to host
@@ -194,6 +204,13 @@ class KeepAll:
     def finish(self, state: StreamState) -> None:
         pass
 
+    def representative(
+        self, keys: list[torch.Tensor], positions: list[torch.Tensor], rope: tuple
+    ) -> torch.Tensor | None:
+        """A block's retrieval key from its per-layer keys and positions: by default the last
+        layer's, before RoPE ([1, H_kv * D])."""
+        return retrieval_key(keys[-1:], positions[-1:], rope)
+
     def make_blocks(self, state: StreamState, step_times: list[tuple[float, float]]) -> list[Span]:
         """Group what each layer kept by temporal step: one block per step still held by some
         layer."""
@@ -217,16 +234,17 @@ class KeepAll:
             if not any(counts[step] for *_, counts in per_layer):
                 continue  # evicted from every layer
             keys = [k[step] for k, *_ in per_layer]
+            positions = [p[step] for _, _, p, _ in per_layer]
             blocks.append(
                 Span(
                     name=block_name(len(blocks)),
                     keys=keys,
                     values=[v[step] for _, v, *_ in per_layer],
-                    positions=[p[step] for _, _, p, _ in per_layer],
+                    positions=positions,
                     granularity=self.granularity,
                     steps=(step, step + 1),
                     time=time,
-                    representative=mean_key(keys[-1]),
+                    representative=self.representative(keys, positions, state.rope),
                 )
             )
         return blocks

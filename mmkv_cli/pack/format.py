@@ -1,4 +1,4 @@
-"""The .kvpack format (v5): one safetensors file, a JSON header in its metadata, tensors by span.
+"""The .kvpack format (v6): one safetensors file, a JSON header in its metadata, tensors by span.
 
 A span is the per-layer KV of one stretch of the stream: the prefix (init prompt), one visual block,
 or the suffix. Each span holds its per-layer K, V and original positions concatenated along the
@@ -10,7 +10,7 @@ after another in "blocks.k/.v/.pos", each at its offset, so the tensor directory
 many blocks. Everything that grows with the video is a tensor, not header JSON: the block table
 (granularity, steps, time, offset, counts, checksum), the frame timestamps and the tokens per step;
 so opening a pack parses a few KB whatever its length. Block representatives sit together in "reps"
-[blocks, dim] so retrieval reads them without touching any block. See docs/kvpack.md.
+[blocks, layers, dim] so retrieval reads them without touching any block. See docs/kvpack.md.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 from mmkv_cli.lazy import torch
 
 FORMAT_NAME = "mmkv.kvpack"
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 # v2 kept the block table as JSON in the header; v2 and v3 stored K/V head-major ([H_kv, tokens, D])
 # and positions as [P, tokens], with timestamps and step lengths in the header; v2-v4 named the
 # prefix and suffix "segments" in the header (v5: "spans") and kept a fixed token budget among the
-# params.
-READABLE_VERSIONS = (2, 3, 4, 5)
+# params. v2-v5 stored one representative per block, [blocks, dim], the mean of keys after RoPE;
+# v6 stores [blocks, layers, dim] means of keys before RoPE ("space": "pre_rope").
+READABLE_VERSIONS = (2, 3, 4, 5, 6)
 BLOCKS = "blocks"  # tensors "blocks.k/.v/.pos": every block's tokens, one range each
 # Header lists that grow with the video, stored as tensors of these names (and dtypes) from v4 on.
 SERIES = {"media.timestamps": "float64", "layout.step_lengths": "int64"}
@@ -53,7 +54,7 @@ class Span:
     time: tuple[float, float] | None = (
         None  # seconds (or image / page index) of its first and last frame
     )
-    representative: torch.Tensor | None = None  # [dim] retrieval key
+    representative: torch.Tensor | None = None  # [layers, dim] retrieval key(s), before RoPE
     extra: dict = field(default_factory=dict)
 
     @property

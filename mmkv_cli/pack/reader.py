@@ -181,7 +181,16 @@ class PackReader:
         return list(value)
 
     def representatives(self) -> torch.Tensor | None:
-        return self._tensor("reps") if self.header.get("representatives") else None
+        """[blocks, layers, dim] retrieval keys (layers: 1 unless stored per layer), or None."""
+        if not self.header.get("representatives"):
+            return None
+        reps = self._tensor("reps")
+        return reps.unsqueeze(1) if reps.dim() == 2 else reps  # v2-v5: [blocks, dim]
+
+    @property
+    def rotated_representatives(self) -> bool:
+        """Whether the representatives are means of keys after RoPE (packs before v6)."""
+        return (self.header.get("representatives") or {}).get("space") != "pre_rope"
 
     def span(self, name: str) -> Span:
         """Load one span ("prefix", "suffix" or a block name), verifying its checksum."""
@@ -190,11 +199,12 @@ class PackReader:
         return self._spans[name]
 
     def gather(
-        self, names: list[str]
+        self, names: list[str], per_layer: list[list[str]] | None = None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Blocks `names` joined per layer, in that order: (keys, values, positions), each a list
         over layers of [H_kv, n, D] and [P, n] views (strided; concatenating them makes them
-        contiguous).
+        contiguous). per_layer: for every layer the names it takes instead (each a subset of
+        `names`, in context order), for retrieval that picks blocks layer by layer.
 
         A context of many blocks is read with one row gather per tensor from the memory map, not a
         dozen small reads per block; every block's checksum is still verified, on its own bytes.
@@ -215,20 +225,27 @@ class PackReader:
             ],
         )
         # A block's tokens are stored layer after layer: layer l of block i starts at offset_i +
-        # counts_i[:l].
-        # One row index for the whole context, layer-major, so each tensor is read with one gather.
+        # counts_i[:l]. One row index for the whole context, layer-major, so each tensor is read
+        # with one gather.
         starts = offsets[:, None] + np.cumsum(counts, axis=1) - counts
-        flat_starts, flat_counts = starts.T.reshape(-1), counts.T.reshape(-1)
+        layers = counts.shape[1]
+        if per_layer is None:
+            taken = [np.arange(len(names))] * layers
+        else:
+            where = {name: i for i, name in enumerate(names)}
+            taken = [np.asarray([where[n] for n in chosen], dtype=np.int64) for chosen in per_layer]
+        flat_starts = np.concatenate([starts[t, layer] for layer, t in enumerate(taken)])
+        flat_counts = np.concatenate([counts[t, layer] for layer, t in enumerate(taken)])
         rows = np.arange(flat_counts.sum()) + np.repeat(
             flat_starts - (np.cumsum(flat_counts) - flat_counts), flat_counts
         )
-        per_layer = counts.sum(axis=0).tolist()
+        per_layer_total = [int(counts[t, layer].sum()) for layer, t in enumerate(taken)]
         out = []
         for view, dtype in views:
-            taken = np.take(self._rows(view), rows, axis=0)  # a copy (faster than view[rows])
-            picked = torch.from_numpy(taken).view(getattr(torch, dtype))
-            self.bytes_read += picked.numel() * picked.element_size()
-            out.append([part.transpose(0, 1) for part in torch.split(picked, per_layer, dim=0)])
+            picked = np.take(self._rows(view), rows, axis=0)  # a copy (faster than view[rows])
+            part = torch.from_numpy(picked).view(getattr(torch, dtype))
+            self.bytes_read += part.numel() * part.element_size()
+            out.append([t.transpose(0, 1) for t in torch.split(part, per_layer_total, dim=0)])
         return out[0], out[1], out[2]
 
     def _verify(self, views: list, pending: list[tuple[str, int, int, np.ndarray]]) -> None:

@@ -118,14 +118,22 @@ def write_pack(
         small[f"{BLOCKS}.time"] = torch.tensor(times, dtype=torch.float64)
     reps = [b.representative for b in blocks if b.representative is not None]
     if reps and len(reps) == len(blocks):
-        small["reps"] = torch.stack(reps).float().contiguous()
+        small["reps"] = torch.stack([r.reshape(-1, r.shape[-1]) for r in reps]).float().contiguous()
     header = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         **header,
         "spans": spans_meta,
         "blocks": {"count": len(blocks), "granularities": kinds},
-        "representatives": {"dim": int(small["reps"].shape[1])} if "reps" in small else None,
+        "representatives": (
+            {
+                "dim": int(small["reps"].shape[2]),
+                "layers": int(small["reps"].shape[1]),
+                "space": "pre_rope",
+            }
+            if "reps" in small
+            else None
+        ),
     }
     text = json.dumps(header, sort_keys=True)
     metadata = {META_HEADER: text, META_HEADER_SHA: hashlib.sha256(text.encode()).hexdigest()}

@@ -1,0 +1,179 @@
+"""InfiniPot-V (Kim et al., NeurIPS 2025): continual, question-free compression under a memory cap.
+
+Frames stream into one running cache. Whenever the next chunk would push it past the cap, every
+layer is cut back so that the chunk fits: part of what stays is chosen by Temporal-axis Redundancy
+(TaR) - the newest frames are kept whole as the reference, and an older token scores high when its
+key differs from the keys at the same spatial place in those frames - and the rest by Value Norm
+(VaN): tokens whose values are large. No attention map and no prompt is needed.
+
+Departures from the authors' code (`kvcache_utils.py`): the pack keeps one token set per layer, so
+TaR and VaN are averaged over KV heads instead of selecting per head; the optional value-norm
+pooling is not offered. `reference: previous` scores against the previous frame instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from mmkv_cli.lazy import torch
+from mmkv_cli.methods.base import Budget, Method, Paper, StreamParams
+from mmkv_cli.methods.stream import KeepAll, StreamState
+from mmkv_cli.spec import knob
+
+
+@dataclass(frozen=True)
+class InfiniPotParams(StreamParams):
+    tar_share: float = knob(
+        0.5,
+        "share of the kept tokens chosen by TaR (the rest by value norm; tar_ratio)",
+        low=0,
+        high=1,
+    )
+    recent_share: float = knob(
+        0.25,
+        "share of the held frames that are TaR's reference, kept whole (query_ratio)",
+        low=0,
+        high=1,
+    )
+    reference: Literal["recent", "previous"] = knob(
+        "recent",
+        "TaR compares a token with the same place in the recent frames (the authors' code) or in "
+        "the previous frame",
+    )
+
+
+# --- scoring: pure functions over tensors ---
+
+
+def spatial_slots(steps: torch.Tensor) -> torch.Tensor:
+    """steps [n] (ascending) -> [n] each token's place within its step, counted from the step's
+    end, so a frame grid lines up across steps even after a varying text stamp before it."""
+    n = steps.numel()
+    last = torch.ones(n, dtype=torch.bool)
+    last[:-1] = steps[1:] != steps[:-1]
+    end = torch.flip(
+        torch.cummin(torch.flip(torch.where(last, torch.arange(n), n), [0]), 0)[0], [0]
+    )
+    return end - torch.arange(n)
+
+
+def recent_mask(steps: torch.Tensor, share: float) -> torch.Tensor:
+    """[n] True for the tokens of the newest ceil(share x held steps) steps (at least one)."""
+    held = torch.unique(steps)
+    count = max(1, math.ceil(share * held.numel())) if share > 0 else 0
+    return steps >= held[-count] if count else torch.zeros_like(steps, dtype=torch.bool)
+
+
+def tar_scores(
+    keys: torch.Tensor, steps: torch.Tensor, reference: torch.Tensor | str
+) -> torch.Tensor:
+    """Temporal-axis redundancy turned into a keep score: keys [H, n, D], steps [n] (ascending).
+
+    reference: a [n] mask of the reference tokens (recent frames): a token scores minus the mean
+    cosine similarity to the reference tokens at its spatial place, heads averaged. "previous":
+    minus the similarity to the same place in the previous held step (0 where there is none).
+    Higher means less redundant, more worth keeping.
+    """
+    unit = torch.nn.functional.normalize(keys.float(), dim=-1)
+    slots = spatial_slots(steps)
+    size = int(slots.max()) + 1 if slots.numel() else 0
+    score = torch.zeros(steps.numel())
+    if isinstance(reference, str):  # previous step
+        rank = torch.unique(steps, return_inverse=True)[1]
+        table = torch.full((int(rank.max()) + 1 if rank.numel() else 0, size), -1)
+        table[rank, slots] = torch.arange(steps.numel())
+        before = torch.where(rank > 0, table[(rank - 1).clamp_min(0), slots], -1)
+        has = before >= 0
+        cos = (unit[:, has] * unit[:, before[has]]).sum(dim=-1).mean(dim=0)
+        score[has] = -cos
+        return score
+    total = torch.zeros(steps.numel())
+    counted = torch.zeros(steps.numel())
+    for step in torch.unique(steps[reference]).tolist():
+        at = torch.full((size,), -1)
+        mine = (steps == step).nonzero().squeeze(1)
+        at[slots[mine]] = mine
+        other = at[slots]
+        has = other >= 0
+        total[has] += (unit[:, has] * unit[:, other[has]]).sum(dim=-1).mean(dim=0)
+        counted[has] += 1
+    return -total / counted.clamp_min(1)
+
+
+def value_norms(values: torch.Tensor) -> torch.Tensor:
+    """values [H, n, D] -> [n] L2 norm of each token's value, heads averaged (VaN)."""
+    return values.float().norm(dim=-1).mean(dim=0)
+
+
+def choose(
+    tar: torch.Tensor, van: torch.Tensor, reference: torch.Tensor, count: int, tar_share: float
+) -> torch.Tensor:
+    """Local indices (ascending) of `count` tokens: the reference tokens and the best by TaR up to
+    round(tar_share x count), then the best by value norm among the rest."""
+    n = tar.numel()
+    count = min(count, n)
+    tar_budget = round(tar_share * count)
+    keep = torch.zeros(n, dtype=torch.bool)
+    ref = reference.nonzero().squeeze(1)
+    keep[ref[max(0, ref.numel() - tar_budget) :]] = True  # the newest, if there are too many
+    spare = tar_budget - int(keep.sum())
+    if spare > 0:
+        keep[tar.masked_fill(keep, float("-inf")).topk(spare).indices] = True
+    rest = count - int(keep.sum())
+    if rest > 0:
+        keep[van.float().masked_fill(keep, float("-inf")).topk(rest).indices] = True
+    return keep.nonzero().squeeze(1)
+
+
+# --- the memory policy ---
+
+
+class InfiniPotMemory(KeepAll):
+    def __init__(self, params: InfiniPotParams, budget: Budget, context):
+        super().__init__(params, budget, context)
+        self.streamed = 0  # visual tokens seen at the previous chunk's end
+
+    def after_chunk(self, state: StreamState) -> None:
+        chunk = state.seen - self.streamed
+        self.streamed = state.seen
+        if state.seen >= state.total:
+            return  # the last chunk: finish() holds the pack to the cap
+        # leave room for a chunk like this one, so the running cache stays within the cap
+        room = max(1, self.budget.tokens_of(state.total) - chunk)
+        if state.cache.count(0) > room:
+            self._compress(state, room)
+
+    def finish(self, state: StreamState) -> None:
+        cap = self.budget.tokens_of(state.total)
+        if state.cache.count(0) > cap:
+            self._compress(state, cap)
+
+    def _compress(self, state: StreamState, count: int) -> None:
+        p = self.params
+        for layer in range(state.layers):
+            if state.cache.count(layer) <= count:
+                continue
+            keys, values = state.cache.visual(layer)
+            steps = state.token_step[state.cache.index[layer]]
+            reference = recent_mask(steps, p.recent_share if p.reference == "recent" else 0)
+            tar = tar_scores(
+                keys.cpu(), steps, reference if p.reference == "recent" else "previous"
+            )
+            kept = choose(tar, value_norms(values.cpu()), reference, count, p.tar_share)
+            state.cache.retain(layer, kept)
+
+
+METHOD = Method(
+    name="infinipot",
+    description="streaming under a memory cap: temporal redundancy and value norms, no question",
+    paper=Paper(
+        "InfiniPot-V: Memory-Constrained KV Cache Compression for Streaming Video Understanding",
+        2025,
+        "https://arxiv.org/abs/2506.15745",
+    ),
+    params=InfiniPotParams,
+    budget=Budget(tokens=4096),  # the authors' example: a ~4K-token cache
+    streaming=InfiniPotMemory,
+)

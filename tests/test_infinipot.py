@@ -1,0 +1,82 @@
+"""InfiniPot-V: temporal redundancy, value norms and the split between them on hand-made tensors;
+the running cache held under its cap while a long stream goes through."""
+
+import pytest
+import torch
+
+from mmkv_cli.methods.infinipot import (
+    choose,
+    recent_mask,
+    spatial_slots,
+    tar_scores,
+    value_norms,
+)
+from tests.helpers import choose as choose_method
+
+
+def test_slots_count_from_the_end_of_each_step():
+    # the second step has one more leading token (a Qwen3-VL time stamp): its grid still lines up
+    steps = torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    assert spatial_slots(steps).tolist() == [2, 1, 0, 3, 2, 1, 0]
+    assert recent_mask(torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), 0.25).tolist() == [0] * 6 + [1] * 2
+    assert recent_mask(torch.tensor([0, 1]), 0.0).tolist() == [False, False]
+
+
+def _grid(frames: int, tokens: int, dim: int = 8) -> torch.Tensor:
+    """Keys [1 head, frames * tokens, dim]: token t of every frame is the unit vector e_t."""
+    eye = torch.eye(dim)[:tokens]
+    return eye.repeat(frames, 1).unsqueeze(0)
+
+
+def test_a_token_that_repeats_the_recent_frames_is_redundant_one_that_changed_is_not():
+    keys = _grid(3, 4)
+    keys[0, 1] = torch.tensor([0, 0, 0, 0, 0, 0, 1.0, 0])  # frame 0, place 1: looked different
+    steps = torch.arange(3).repeat_interleave(4)
+    reference = recent_mask(steps, 0.34)  # the newest frame
+    score = tar_scores(keys, steps, reference)
+    assert score[1] == pytest.approx(0.0) and score[0] == pytest.approx(-1.0)
+    assert int(score[:8].argmax()) == 1
+    # against the previous frame: frame 1 place 1 now differs from frame 0 place 1 too
+    previous = tar_scores(keys, steps, "previous")
+    assert previous[:4].tolist() == [0.0] * 4  # nothing before the first frame
+    assert previous[5] == pytest.approx(0.0) and previous[4] == pytest.approx(-1.0)
+
+
+def test_value_norms_average_the_heads():
+    values = torch.zeros(2, 3, 4)
+    values[0, 1, 0], values[1, 1, 0] = 3.0, 1.0
+    assert value_norms(values).tolist() == [0.0, 2.0, 0.0]
+
+
+def test_the_split_keeps_the_reference_then_tar_then_value_norm():
+    tar = torch.tensor([0.0, -1.0, -0.1, -1.0, -1.0, -1.0, 0.0, 0.0])
+    van = torch.tensor([0.0, 9.0, 0.0, 5.0, 1.0, 0.0, 0.0, 0.0])
+    reference = torch.tensor([False] * 6 + [True] * 2)
+    kept = choose(tar, van, reference, count=6, tar_share=0.5)
+    # tar budget 3: the two reference tokens and token 0 (most novel); then 1, 3, 4 by value norm
+    assert kept.tolist() == [0, 1, 3, 4, 6, 7]
+    assert choose(tar, van, reference, count=2, tar_share=0.5).tolist() == [1, 7]
+    assert choose(tar, van, reference, count=20, tar_share=0.5).numel() == 8
+
+
+def test_a_long_stream_stays_under_the_cap_and_the_pack_holds_it(tmp_path, backbones):
+    from mmkv_cli.encoder import encode_media
+    from mmkv_cli.media import load_media
+    from mmkv_cli.synth import write_dataset
+
+    write_dataset(tmp_path / "set", clips=1, frames=64, seed=3, kind="normal")
+    media = load_media(str(tmp_path / "set" / "clips" / "clip_0000.mp4"), max_frames=64)
+    cap = 96  # 6 frames of 16 tokens; chunks of 4 frames (64 tokens)
+    choice = choose_method("infinipot", budget_tokens=cap, chunk_frames=4)
+    out = encode_media(backbones["tiny-llava-ov"], media, choice)
+    frames = media.num_frames
+    assert frames >= 24 and out.visual_tokens_total == frames * 16
+    kept = [sum(b.layer_counts[layer] for b in out.blocks) for layer in range(4)]
+    assert kept == [cap] * 4
+    per_token = 2 * 2 * 16 * 4 * 4  # K and V, 2 KV heads, head dim 16, float32, 4 layers
+    prompt = out.prefix.layer_counts[0]
+    assert out.stats["peak_kv_bytes"] <= (prompt + cap) * per_token  # never past the cap
+    # the newest frames are TaR's reference and stay whole
+    assert out.blocks[-1].layer_counts == [16] * 4 and out.blocks[-1].steps == (frames - 1, frames)
+    assert len(out.blocks) > 6  # older frames survive in part, not only the newest six
+    assert choose_method("infinipot", budget=0.1).budget.share == 0.1
