@@ -72,6 +72,7 @@ def prefill_blocks(
     last = backbone.text_config.num_hidden_layers - 1
     init = prefix.layer_counts[0]
     rope = backbone.rope_tables()
+    every_layer = policy.retrieval_layers == "each"
     blocks, peak = [], 0
     for (granularity, length), members in groups.items():
         # every row holds its own copy of the init KV
@@ -115,7 +116,9 @@ def prefill_blocks(
                         granularity=granularity,
                         steps=plan.steps,
                         time=(step_times[plan.steps[0]][0], step_times[plan.steps[1] - 1][1]),
-                        representative=retrieval_key(keys[-1:], [kept_placed], rope),
+                        representative=retrieval_key(
+                            keys if every_layer else keys[-1:], [kept_placed] * len(keys), rope
+                        ),
                         extra={"first": int(plan.tokens[0])},
                     )
                 )

@@ -207,12 +207,13 @@ def show_retrieved(retrieved: list[dict], used: list[str]) -> None:
             f"[dim]no retrieval: the context holds all {len(used)} stored blocks[/dim]"
         )
         return
+    layered = "layers" in retrieved[0]  # per-layer retrieval: how many layers took each block
     table = Table(title="retrieved blocks (context order)")
-    for column in ("block", "granularity", "time (s)", "score", "reranked"):
-        table.add_column(column, justify="right" if column in ("score", "reranked") else "left")
+    columns = ["block", "granularity", "time (s)", "score", "reranked"] + ["layers"] * layered
+    for column in columns:
+        table.add_column(column, justify="left" if column in columns[:3] else "right")
     for r in retrieved:
         span = f"{r['time'][0]:.1f}-{r['time'][1]:.1f}" if r.get("time") else "-"
-        table.add_row(
-            r["block"], r["granularity"], span, f"{r['score']:.3f}", f"{r['reranked']:.3f}"
-        )
+        row = [r["block"], r["granularity"], span, f"{r['score']:.3f}", f"{r['reranked']:.3f}"]
+        table.add_row(*row, *([str(r["layers"])] if layered else []))
     err_console.print(table)

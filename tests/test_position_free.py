@@ -187,10 +187,11 @@ def test_rekv_can_retrieve_layer_by_layer(tmp_path, backbones, clip):
         )
 
 
-def test_the_rekv_layers_preset_answers_end_to_end(tmp_path, backbones, clip):
+@pytest.mark.parametrize("method", ["rekv-layers", "mukv-layers"])
+def test_the_per_layer_presets_answer_end_to_end(tmp_path, backbones, clip, method):
     backbone = backbones["tiny-qwen2-vl"]
     pack = tmp_path / "l.kvpack"
-    encode_pack(clip, pack, method="rekv-layers", backbone=backbone, max_frames=8)
+    encode_pack(clip, pack, method=method, backbone=backbone, max_frames=8)
     assert PackReader(pack).representatives().shape[1] == 4
     answer = ask_pack(
         pack, "what color ?", backbone=backbone, max_new_tokens=2, budget=0.5, prune="snapkv"

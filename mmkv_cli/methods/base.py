@@ -135,6 +135,7 @@ class BlockwiseMemory(Protocol):
 
     batch_tokens: int  # tokens in one prefill batch's cache: rows x (init prompt + block)
     chunk_frames: int
+    retrieval_layers: str  # last: a block's retrieval key from its last layer; each: one per layer
 
     def begin(self, total: int) -> None:
         """Before any block: the stream will give `total` visual tokens."""

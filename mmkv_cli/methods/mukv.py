@@ -88,6 +88,11 @@ class MuKVParams:
     similarity: Literal["cosine", "dot"] = knob(
         "cosine", "question against representative: cosine (the paper) or dot product"
     )
+    layers: Literal["last", "each"] = knob(
+        "last",
+        "last: the last layer's vectors choose the blocks of every layer (the paper); each: every "
+        "layer picks its own, as ReKV's code does (stores a key per layer)",
+    )
 
 
 # --- scoring: pure functions over tensors ---
@@ -197,6 +202,7 @@ class MuKVMemory:
         self.params = params
         self.chunk_frames = params.chunk_frames
         self.batch_tokens = params.batch_tokens
+        self.retrieval_layers = params.layers
         # The budget is the pack's share of one stream: the three views' rho are scaled to sum to
         # it.
         self._budget = budget
@@ -252,6 +258,7 @@ def context(params: MuKVParams) -> RetrievalContext:
             query=params.query,
             positions=params.positions,
             similarity=params.similarity,
+            layers=params.layers,
         )
     )
 
