@@ -113,6 +113,59 @@ def context_policy(reader: PackReader) -> ContextPolicy:
     return chosen.context(params) if chosen.context is not None else WholeContext()
 
 
+class PackSession:
+    """One pack opened, its context policy built and its backbone loaded, for many questions: the
+    process pays for torch and the model once, not per question."""
+
+    def __init__(
+        self,
+        pack: str | Path,
+        *,
+        backbone: Backbone | None = None,
+        load: LoadOptions | None = None,
+    ):
+        from mmkv_cli.backbones import load_backbone
+
+        self.reader = PackReader(pack)
+        self.policy = context_policy(self.reader)
+        if backbone is None:
+            load = load or LoadOptions()
+            if load.model is None:
+                load = LoadOptions(
+                    self.reader.header["fingerprint"]["model"], load.device, load.dtype
+                )
+            backbone = load_backbone(load)
+        self.backbone = backbone
+
+    def ask(
+        self,
+        question: str,
+        options: AskOptions | None = None,
+        on_token: Callable[[str], None] | None = None,
+    ) -> Answer:
+        """Answer `question` from the pack alone; the media is never read again.
+
+        options.at: the question's moment (seconds, or the index of an image or page): only blocks
+        that start by then count. options.prune: a method that prunes the context's visual KV by
+        the question's attention before decoding, keeping options.prune_budget of it.
+        """
+        from mmkv_cli.answer import answer_from_pack
+        from mmkv_cli.ask_prune import ask_pruner
+
+        options = options or AskOptions()
+        if options.prune_budget is not None and not options.prune:
+            raise UsageError("--budget at ask only applies with --prune METHOD")
+        if options.generation.max_new_tokens < 1:
+            raise UsageError("--max-new-tokens must be at least 1")
+        pruner = ask_pruner(options.prune, options.prune_budget) if options.prune else None
+        before = self.reader.bytes_read
+        answer = answer_from_pack(
+            self.backbone, self.reader, self.policy, question, options, pruner, on_token
+        )
+        answer.bytes_read = self.reader.bytes_read - before  # this question's reads only
+        return answer
+
+
 def ask(
     pack: str | Path,
     question: str,
@@ -122,30 +175,27 @@ def ask(
     load: LoadOptions | None = None,
     on_token: Callable[[str], None] | None = None,
 ) -> Answer:
-    """Answer `question` from the pack alone; the media is never read again.
+    """One question: a PackSession used once."""
+    return PackSession(pack, backbone=backbone, load=load).ask(question, options, on_token)
 
-    options.at: the question's moment (seconds, or the index of an image or page): only blocks that
-    start by then count. options.prune: a method that prunes the context's visual KV by the
-    question's attention before decoding, keeping options.prune_budget of it.
-    """
-    from mmkv_cli.answer import answer_from_pack
-    from mmkv_cli.ask_prune import ask_pruner
-    from mmkv_cli.backbones import load_backbone
 
-    options = options or AskOptions()
-    if options.prune_budget is not None and not options.prune:
-        raise UsageError("--budget at ask only applies with --prune METHOD")
-    if options.generation.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens must be at least 1")
-    pruner = ask_pruner(options.prune, options.prune_budget) if options.prune else None
-    reader = PackReader(pack)
-    policy = context_policy(reader)
-    if backbone is None:
-        load = load or LoadOptions()
-        if load.model is None:
-            load = LoadOptions(reader.header["fingerprint"]["model"], load.device, load.dtype)
-        backbone = load_backbone(load)
-    return answer_from_pack(backbone, reader, policy, question, options, pruner, on_token)
+def answer_record(answer: Answer, question: str, at: float | None = None, ident=None) -> dict:
+    """An answer as `ask --json` prints it (one JSON object per question)."""
+    record = {"id": ident} if ident is not None else {}
+    return {
+        **record,
+        "question": question,
+        "at": at,
+        "answer": answer.answer,
+        "context_tokens": answer.context_tokens,
+        "ttft_s": answer.ttft_s,
+        "total_s": answer.total_s,
+        "decode_s_per_token": answer.decode_s_per_token,
+        "blocks": len(answer.blocks_used),
+        "bytes_read": answer.bytes_read,
+        "retrieved": answer.retrieved,
+        "kv_tokens_after_prune": answer.kv_tokens,
+    }
 
 
 def inspect(pack: str | Path) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from enum import Enum
 
 import typer
@@ -24,7 +25,7 @@ from mmkv_cli.cli_common import (
     model_names,
     run,
 )
-from mmkv_cli.errors import UsageError
+from mmkv_cli.errors import MmkvError, UsageError
 from mmkv_cli.options import (
     AskOptions,
     Dtype,
@@ -146,7 +147,14 @@ def encode(
 @app.command()
 def ask(
     pack: str = typer.Argument(..., help="A .kvpack written by `mmkv encode`."),
-    question: str = typer.Argument(..., help="The question; '-' reads it from stdin."),
+    questions: list[str] | None = typer.Argument(
+        None, help="One or more questions; '-' reads them from stdin, one per line."
+    ),
+    questions_file: str | None = typer.Option(
+        None,
+        "--questions",
+        help="A file of questions, one per line or JSONL {question, at?, id?}; '-' for stdin.",
+    ),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Longest answer, in tokens."),
     temperature: float = typer.Option(0.0, "--temperature", help="0: greedy; above: sampled."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass when sampling."),
@@ -178,12 +186,14 @@ def ask(
     dtype: Dtype = DtypeOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Answer QUESTION from a saved pack, without the media."""
+    """Answer questions from a saved pack, without the media: the model loads once for all of
+    them. --json prints one JSON object per question (JSONL), in input order."""
 
     def body() -> None:
         from mmkv_cli import api
+        from mmkv_cli.questions import gather
 
-        text = _read_question(question)
+        asked = gather(list(questions or []), questions_file)
         if temperature < 0 or not 0 < top_p <= 1:
             raise UsageError("--temperature must be >= 0 and --top-p in (0, 1]")
         options = AskOptions(
@@ -195,51 +205,56 @@ def ask(
                 max_new_tokens, temperature, top_p, seed, tuple(stop or ())
             ),
         )
-        load = load_options(model, device, dtype)
+        session = api.PackSession(pack, load=load_options(model, device, dtype))
+        failed = _answer_all(session, asked, options, as_json, explain)
+        if failed:
+            raise MmkvError(f"{failed} of {len(asked)} questions failed (see above)")
+
+    run(body)
+
+
+def _answer_all(session, asked: list, options: AskOptions, as_json: bool, explain: bool) -> int:
+    """Answer each question in order, streaming text (or one JSON line each); a question that
+    fails reports its one-line error and the others still run. Returns how many failed."""
+    from mmkv_cli import api
+    from mmkv_cli.display import err_console
+
+    def stream(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    failed = 0
+    for number, q in enumerate(asked, 1):
+        mine = replace(options, at=q.at if q.at is not None else options.at)
+        if len(asked) > 1 and not as_json:
+            err_console.print(f"[dim][{number}/{len(asked)}][/dim] {q.text}", highlight=False)
+        try:
+            answer = session.ask(q.text, mine, on_token=None if as_json else stream)
+        except MmkvError as err:
+            if len(asked) == 1:
+                raise
+            failed += 1
+            if as_json:
+                emit_json(
+                    {
+                        **({"id": q.id} if q.id is not None else {}),
+                        "question": q.text,
+                        "at": mine.at,
+                        "error": str(err),
+                    }
+                )
+            else:
+                err_console.print(f"[red]error:[/red] {err}", highlight=False)
+            continue
         if as_json:
-            answer = api.ask(pack, text, options, load=load)
-            emit_json(
-                {
-                    "question": text,
-                    "answer": answer.answer,
-                    "context_tokens": answer.context_tokens,
-                    "ttft_s": answer.ttft_s,
-                    "total_s": answer.total_s,
-                    "decode_s_per_token": answer.decode_s_per_token,
-                    "blocks": len(answer.blocks_used),
-                    "bytes_read": answer.bytes_read,
-                    "retrieved": answer.retrieved,
-                    "kv_tokens_after_prune": answer.kv_tokens,
-                }
-            )
-            return
-
-        def stream(piece: str) -> None:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-
-        answer = api.ask(pack, text, options, load=load, on_token=stream)
+            emit_json(api.answer_record(answer, q.text, mine.at, q.id))
+            continue
         sys.stdout.write("\n")
         if explain:
             from mmkv_cli.display import show_retrieved
 
             show_retrieved(answer.retrieved, answer.blocks_used)
-
-    run(body)
-
-
-def _read_question(question: str) -> str:
-    if question == "-":
-        try:
-            text = sys.stdin.read()
-        except UnicodeDecodeError:
-            raise UsageError("the question on stdin is not UTF-8 text") from None
-    else:
-        text = question
-    text = text.strip()
-    if not text:
-        raise UsageError("the question is empty")
-    return text
+    return failed
 
 
 @app.command()

@@ -1,0 +1,111 @@
+"""Questions for one load: from the command line, a file or stdin, one per line or JSONL.
+
+A line is a question, or a JSON object {"question", "at"?, "id"?}; blank lines are skipped. Every
+line is checked before any model is loaded, so a bad line 90 costs no answers to lines 1-89.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from mmkv_cli.errors import UsageError
+
+MAX_QUESTION_CHARS = 20_000  # a question is text for one prompt, not a document
+MAX_QUESTIONS = 100_000
+FIELDS = {"question", "at", "id"}
+
+
+@dataclass(frozen=True)
+class Question:
+    text: str
+    at: float | None = None  # overrides `--at` for this question
+    id: str | int | None = None  # echoed in the answer's JSON
+
+
+def parse_lines(lines: Iterable[str], where: str) -> list[Question]:
+    """Questions from text lines; `where` names the source in errors (a file name, "stdin")."""
+    out = []
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text:
+            continue
+        out.append(
+            _parse_json(text, f"{where}:{number}")
+            if text.startswith("{")
+            else _plain(text, f"{where}:{number}")
+        )
+        if len(out) > MAX_QUESTIONS:
+            raise UsageError(f"{where}: more than {MAX_QUESTIONS} questions")
+    return out
+
+
+def _plain(text: str, where: str) -> Question:
+    if len(text) > MAX_QUESTION_CHARS:
+        raise UsageError(f"{where}: the question is longer than {MAX_QUESTION_CHARS} characters")
+    return Question(text)
+
+
+def _parse_json(text: str, where: str) -> Question:
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{where}: not valid JSON ({err.msg})") from None
+    if not isinstance(row, dict):
+        raise UsageError(f"{where}: a JSON line must be an object with a 'question'")
+    unknown = sorted(set(row) - FIELDS)
+    if unknown:
+        raise UsageError(f"{where}: unknown key '{unknown[0]}' (question, at, id)")
+    question = row.get("question")
+    if not isinstance(question, str) or not question.strip():
+        raise UsageError(f"{where}: 'question' must be non-empty text")
+    at = row.get("at")
+    if at is not None and (
+        isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at) or at < 0
+    ):
+        raise UsageError(f"{where}: 'at' must be a number of seconds >= 0")
+    ident = row.get("id")
+    if ident is not None and (isinstance(ident, bool) or not isinstance(ident, str | int)):
+        raise UsageError(f"{where}: 'id' must be text or an integer")
+    return Question(_plain(question.strip(), where).text, None if at is None else float(at), ident)
+
+
+def read_stdin() -> list[str]:
+    try:
+        return sys.stdin.read().splitlines()
+    except UnicodeDecodeError:
+        raise UsageError("stdin is not UTF-8 text") from None
+
+
+def gather(arguments: list[str], file: str | None) -> list[Question]:
+    """The questions of one `ask`: the arguments in order ('-' reads stdin, one per line), then
+    the lines of `file` ('-': stdin). stdin can be read once."""
+    if arguments.count("-") + (file == "-") > 1:
+        raise UsageError("stdin can be read once: give '-' as one question or as --questions")
+    out = []
+    for argument in arguments:
+        if argument == "-":
+            out += parse_lines(read_stdin(), "stdin")
+        elif argument.strip():
+            out.append(_plain(argument.strip(), "the question"))
+        else:
+            raise UsageError("the question is empty")
+    if file is not None:
+        if file == "-":
+            out += parse_lines(read_stdin(), "stdin")
+        else:
+            path = Path(file)
+            try:
+                lines = path.read_text(encoding="utf-8").splitlines()
+            except FileNotFoundError:
+                raise UsageError(f"{file}: no such questions file") from None
+            except (OSError, UnicodeDecodeError) as err:
+                raise UsageError(f"{file}: cannot read it as UTF-8 text ({err})") from None
+            out += parse_lines(lines, path.name)
+    if not out:
+        raise UsageError("no question given (QUESTION..., '-' for stdin, or --questions FILE)")
+    return out

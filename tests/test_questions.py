@@ -1,0 +1,147 @@
+"""Many questions per load: parsing lines and JSONL, and `ask` answering them all with one model
+load, each as a single ask would."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from mmkv_cli.cli import app
+from mmkv_cli.errors import UsageError
+from mmkv_cli.questions import Question, gather, parse_lines
+from tests.conftest import SAMPLES
+from tests.helpers import ask_pack, encode_pack
+
+runner = CliRunner()
+
+
+def test_lines_are_questions_or_json_objects():
+    lines = [
+        "what color ?",
+        "",
+        '{"question": " where ? ", "at": 2, "id": "q7"}',
+        '{"question": "when ?", "id": 3}',
+    ]
+    assert parse_lines(lines, "f") == [
+        Question("what color ?"),
+        Question("where ?", 2.0, "q7"),
+        Question("when ?", None, 3),
+    ]
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"question": "a", ', "f:1: not valid JSON"),
+        ('{"q": "a"}', "f:1: unknown key 'q'"),
+        ('{"question": ""}', "'question' must be non-empty text"),
+        ('{"question": "a", "at": -1}', "'at' must be a number of seconds >= 0"),
+        ('{"question": "a", "at": "soon"}', "'at' must be a number"),
+        ('{"question": "a", "id": true}', "'id' must be text or an integer"),
+        ("[1, 2]", None),  # not an object: a plain question that happens to look like JSON
+        ("x" * 20_001, "longer than 20000 characters"),
+    ],
+)
+def test_bad_lines_are_refused_with_where_they_are(line, message):
+    if message is None:
+        assert parse_lines([line], "f") == [Question(line)]
+        return
+    with pytest.raises(UsageError, match=message):
+        parse_lines([line], "f")
+
+
+def test_stdin_is_read_once_and_something_must_be_asked(tmp_path):
+    with pytest.raises(UsageError, match="stdin can be read once"):
+        gather(["-"], "-")
+    with pytest.raises(UsageError, match="no question given"):
+        gather([], None)
+    with pytest.raises(UsageError, match="no such questions file"):
+        gather([], str(tmp_path / "nope.txt"))
+    (tmp_path / "q.txt").write_text("a ?\n\nb ?\n")
+    assert [q.text for q in gather(["first ?"], str(tmp_path / "q.txt"))] == [
+        "first ?",
+        "a ?",
+        "b ?",
+    ]
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory, backbones):
+    path = tmp_path_factory.mktemp("many") / "p.kvpack"
+    encode_pack(
+        SAMPLES / "clip.mp4", path, method="full", backbone=backbones["tiny-llava-ov"], max_frames=8
+    )
+    return path
+
+
+def test_one_ask_answers_every_question_as_single_asks_would(
+    pack, backbones, monkeypatch, tmp_path
+):
+    import mmkv_cli.backbones as backbones_module
+
+    loads = []
+    backbone = backbones["tiny-llava-ov"]
+    monkeypatch.setattr(
+        backbones_module, "load_backbone", lambda load: loads.append(load) or backbone
+    )
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(
+        '{"question": "what shape ?", "at": 1.0, "id": "b"}\nwhat happened first ?\n'
+    )
+    result = runner.invoke(
+        app,
+        [
+            "ask",
+            str(pack),
+            "what color is the circle ?",
+            "--questions",
+            str(questions),
+            "--json",
+            "--max-new-tokens",
+            "4",
+        ],
+    )
+    assert result.exit_code == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(loads) == 1  # the model loaded once for all three
+    assert [r["question"] for r in rows] == [
+        "what color is the circle ?",
+        "what shape ?",
+        "what happened first ?",
+    ]
+    assert rows[1]["id"] == "b" and rows[1]["at"] == 1.0 and "id" not in rows[0]
+    for row in rows:
+        alone = ask_pack(pack, row["question"], backbone=backbone, at=row["at"], max_new_tokens=4)
+        assert row["answer"] == alone.answer and row["context_tokens"] == alone.context_tokens
+    assert rows[1]["context_tokens"] < rows[0]["context_tokens"]  # asked at 1 s: fewer blocks
+
+
+def test_multi_line_stdin_is_one_question_per_line_and_a_failure_does_not_stop_the_rest(
+    pack, backbones, monkeypatch
+):
+    import mmkv_cli.backbones as backbones_module
+
+    monkeypatch.setattr(backbones_module, "load_backbone", lambda load: backbones["tiny-llava-ov"])
+    result = runner.invoke(
+        app,
+        ["ask", str(pack), "-", "--max-new-tokens", "2", "--json"],
+        input="what color ?\nwhat shape ?\n",
+    )
+    assert result.exit_code == 0, result.stderr
+    assert [json.loads(line)["question"] for line in result.stdout.splitlines()] == [
+        "what color ?",
+        "what shape ?",
+    ]
+    # an empty prompt after tokenisation fails alone: the others answer, the exit says so
+    monkeypatch.setattr(
+        backbones["tiny-llava-ov"].__class__,
+        "question_ids",
+        lambda self, text, template=None: [] if text == "boom" else [5, 6, 7],
+    )
+    result = runner.invoke(
+        app, ["ask", str(pack), "what ?", "boom", "why ?", "--max-new-tokens", "2", "--json"]
+    )
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert result.exit_code == 1 and "1 of 3 questions failed" in result.stderr
+    assert [("error" in r) for r in rows] == [False, True, False]
+    assert "empty after tokenisation" in rows[1]["error"]
