@@ -168,13 +168,17 @@ def answer_from_pack(
 ) -> Answer:
     check_compatible(reader, backbone)
     start = time.perf_counter()
-    ids = backbone.question_ids(question, reader.header["prompt"]["question"])
+    template = reader.header["prompt"]["question"]
+    ids = backbone.question_ids(question, template)
     if not ids:
         raise PackError("the question is empty after tokenisation")
+    # retrieval reads the question itself; the model reads it after the earlier turns
+    asked = ids
+    ids = backbone.turns_ids(options.history, template) + ids
     selection = policy.select(
         reader.blocks,
         lambda: _representatives(reader),
-        lambda mode: question_vector(backbone, reader, ids, mode),
+        lambda mode: question_vector(backbone, reader, asked, mode),
         options.at,
     )
     names = selection.names

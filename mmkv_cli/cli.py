@@ -13,7 +13,7 @@ from enum import Enum
 
 import typer
 
-from mmkv_cli import __version__, cli_study
+from mmkv_cli import __version__, cli_study, cli_talk
 from mmkv_cli.cli_common import (
     DeviceOpt,
     DtypeOpt,
@@ -345,6 +345,7 @@ def models(as_json: bool = JsonOpt) -> None:
 app.command()(cli_study.profile)
 app.command("eval")(cli_study.eval_)
 app.command()(cli_study.synth)
+app.command()(cli_talk.chat)
 
 
 def main() -> None:

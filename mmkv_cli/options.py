@@ -58,3 +58,5 @@ class AskOptions:
     prune_budget: float | None = None  # with prune: share of visual KV kept (None: its default)
     generation: GenerationOptions = field(default_factory=GenerationOptions)
     keep_logits: bool = False  # keep the first answer token's logits (tests, comparisons)
+    # earlier (question, answer) turns, oldest first: the question follows them, after the context
+    history: tuple[tuple[str, str], ...] = ()

@@ -49,6 +49,8 @@ class PromptPieces:
     prefix: str  # system + user turn, up to where the visual tokens go
     suffix_text: str  # text right after the visual tokens (may be empty)
     question: str  # template with {question}: the rest of the user turn and the answer prefix
+    # after an answer, what closes the assistant turn and opens the next user turn (chat follow-ups)
+    next_turn: str = "<|im_end|>\n<|im_start|>user\n"
 
     def as_dict(self) -> dict:
         return {"prefix": self.prefix, "suffix_text": self.suffix_text, "question": self.question}
@@ -111,6 +113,14 @@ class Backbone:
 
     def question_ids(self, question: str, template: str | None = None) -> list[int]:
         return self.text_ids((template or self.prompt.question).format(question=question))
+
+    def turns_ids(
+        self, turns: tuple[tuple[str, str], ...], template: str | None = None
+    ) -> list[int]:
+        """Earlier (question, answer) turns as the text a follow-up question comes after."""
+        form = template or self.prompt.question
+        text = "".join(form.format(question=q) + a + self.prompt.next_turn for q, a in turns)
+        return self.text_ids(text) if text else []
 
     def embed_ids(self, ids: list[int]) -> torch.Tensor:
         table = self.model.get_input_embeddings()
