@@ -346,6 +346,7 @@ app.command()(cli_study.profile)
 app.command("eval")(cli_study.eval_)
 app.command()(cli_study.synth)
 app.command()(cli_talk.chat)
+app.command()(cli_talk.serve)
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ import sys
 import typer
 
 from mmkv_cli.cli_common import DeviceOpt, DtypeOpt, load_options, model_names, run
+from mmkv_cli.errors import UsageError
 from mmkv_cli.options import AskOptions, Dtype, GenerationOptions
 
 
@@ -73,3 +74,43 @@ def _typed_lines():
         except EOFError:
             sys.stdout.write("\n")
             return
+
+
+def serve(
+    packs: str = typer.Option(".", "--packs", help="The folder whose *.kvpack files are served."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
+    port: int = typer.Option(8000, "--port", help="TCP port.", min=0, max=65535),
+    api_key: str | None = typer.Option(
+        None, "--api-key", envvar="MMKV_API_KEY", help="Require 'Authorization: Bearer KEY'."
+    ),
+    queue: int = typer.Option(16, "--queue", help="Requests that may wait; more get 503.", min=1),
+    models: int = typer.Option(2, "--models", help="Backbones kept loaded (LRU).", min=1),
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="Answer every pack with this model.", autocompletion=model_names
+    ),
+    device: str = DeviceOpt,
+    dtype: Dtype = DtypeOpt,
+) -> None:
+    """Serve the packs of a folder over an OpenAI-compatible HTTP API (/v1/chat/completions)."""
+
+    def body() -> None:
+        try:
+            import uvicorn
+
+            from mmkv_cli.serve import create_app
+        except ImportError as err:
+            raise UsageError(
+                f"mmkv serve needs the serve extra: pip install 'mmkv[serve]' ({err.name})"
+            ) from None
+        from mmkv_cli.display import err_console
+
+        app = create_app(
+            packs, load_options(model, device, dtype), api_key=api_key, models=models, queue=queue
+        )
+        count = len(app.state.packs.names())
+        err_console.print(
+            f"serving {count} packs from {packs} on http://{host}:{port}/v1", highlight=False
+        )
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+
+    run(body)

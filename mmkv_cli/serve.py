@@ -1,0 +1,411 @@
+"""`mmkv serve`: packs answered over HTTP, OpenAI-compatible (FastAPI + uvicorn, `mmkv[serve]`).
+
+`model` in a request names a pack under `--packs`. Backbones stay loaded (a small LRU by the model a
+pack names) and pack readers stay open, so a request costs the answer, not the load. Model calls run
+one at a time on one worker thread (a device does one forward at a time anyway); a bounded count of
+waiting requests answers 503 with Retry-After instead of queueing without limit. Every error is a
+JSON body with the same one line the CLI would print.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import re
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from mmkv_cli.errors import MmkvError, ModelError, PackError, UsageError
+from mmkv_cli.options import AskOptions, GenerationOptions, LoadOptions
+
+PACK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MAX_BODY_BYTES = 1 << 20  # a chat request is text: 1 MiB is generous
+STATUS = {UsageError: 400, PackError: 422, ModelError: 503}
+
+
+class Part(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[Part] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text or "" for p in self.content if p.type == "text")
+        return self.content or ""
+
+
+class ChatRequest(BaseModel):
+    """The OpenAI chat-completions body, plus mmkv's own fields (at, prune, budget, explain)."""
+
+    model_config = ConfigDict(extra="ignore")  # clients send fields mmkv has no use for
+
+    model: str = Field(max_length=200)
+    messages: list[Message] = Field(min_length=1, max_length=256)
+    stream: bool = False
+    max_tokens: int | None = Field(None, ge=1, le=4096)
+    max_completion_tokens: int | None = Field(None, ge=1, le=4096)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    at: float | None = Field(None, ge=0)
+    prune: Literal["aircache", "snapkv", "pyramidkv"] | None = None
+    budget: float | None = Field(None, gt=0, le=1)
+    explain: bool = False
+
+    def conversation(self) -> tuple[str, tuple[tuple[str, str], ...]]:
+        """The last user message, and the (user, assistant) turns before it."""
+        talk = [m for m in self.messages if m.role in ("user", "assistant")]
+        if not talk or talk[-1].role != "user" or not talk[-1].text().strip():
+            raise UsageError("the last message must be a user message with text")
+        turns, question = [], None
+        for message in talk[:-1]:
+            if message.role == "user":
+                question = message.text()
+            elif question is not None:
+                turns.append((question, message.text()))
+                question = None
+        return talk[-1].text().strip(), tuple(turns)
+
+    def options(self) -> AskOptions:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return AskOptions(
+            at=self.at,
+            prune=self.prune,
+            prune_budget=self.budget,
+            generation=GenerationOptions(
+                self.max_completion_tokens or self.max_tokens or 256,
+                self.temperature or 0.0,
+                self.top_p or 1.0,
+                self.seed,
+                stop,
+            ),
+        )
+
+
+class Busy(Exception):
+    """The waiting line is full."""
+
+
+class Packs:
+    """Pack sessions by name, their backbones in a small LRU, every model call on one thread."""
+
+    def __init__(self, folder: Path, load: LoadOptions, models: int = 2, queue: int = 16):
+        self.folder = folder.resolve()
+        self.load = load
+        self.capacity = max(1, models)
+        self.limit = max(1, queue)
+        self.backbones: OrderedDict[str, object] = OrderedDict()
+        self.sessions: dict[str, tuple[tuple, object]] = {}
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="mmkv-model")
+        self.pending = 0
+        self.lock = threading.Lock()
+
+    def path(self, name: str) -> Path:
+        """The pack `name` under the folder: a plain file name, never a way out of it."""
+        stem = name[: -len(".kvpack")] if name.endswith(".kvpack") else name
+        if not PACK_NAME.fullmatch(stem) or ".." in stem:
+            raise LookupError(f"no pack named '{name}'")
+        path = (self.folder / f"{stem}.kvpack").resolve()
+        if path.parent != self.folder or not path.is_file():
+            raise LookupError(f"no pack named '{name}'")
+        return path
+
+    def names(self) -> list[str]:
+        out = []
+        for path in sorted(self.folder.glob("*.kvpack")):
+            try:
+                self.path(path.stem)
+            except LookupError:
+                continue  # a link out of the folder, or an odd name
+            out.append(path.stem)
+        return out
+
+    async def run(self, job):
+        """Run `job` on the model thread, or refuse at once when the line is full."""
+        with self.lock:
+            if self.pending >= self.limit:
+                raise Busy
+            self.pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.worker, job)
+        finally:
+            with self.lock:
+                self.pending -= 1
+
+    def session(self, name: str):
+        """The open session of pack `name` (model thread only): reopened when the file changed."""
+        from mmkv_cli.api import PackSession
+        from mmkv_cli.pack import PackReader
+
+        path = self.path(name)
+        stat = path.stat()
+        key = (stat.st_mtime_ns, stat.st_size)
+        held = self.sessions.get(name)
+        if held and held[0] == key:
+            return held[1]
+        model = self.load.model or PackReader(path).header["fingerprint"]["model"]
+        session = PackSession(path, backbone=self._backbone(model))
+        self.sessions[name] = (key, session)
+        return session
+
+    def _backbone(self, model: str):
+        from mmkv_cli.backbones import load_backbone
+
+        if model in self.backbones:
+            self.backbones.move_to_end(model)
+            return self.backbones[model]
+        backbone = load_backbone(replace(self.load, model=model))
+        self.backbones[model] = backbone
+        while len(self.backbones) > self.capacity:
+            gone, _ = self.backbones.popitem(last=False)
+            self.sessions = {n: s for n, s in self.sessions.items() if s[1].backbone is not gone}
+        return backbone
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", headers=None):
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def create_app(
+    folder: str | Path,
+    load: LoadOptions | None = None,
+    *,
+    api_key: str | None = None,
+    models: int = 2,
+    queue: int = 16,
+) -> FastAPI:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UsageError(f"--packs: no such folder: {folder}")
+    packs = Packs(folder, load or LoadOptions(), models, queue)
+    app = FastAPI(title="mmkv", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.packs = packs
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if request.method == "POST" and length is None:
+            return _error(411, "a request body needs a Content-Length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            return _error(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+        if api_key and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return _error(
+                    401,
+                    "missing or wrong API key (Authorization: Bearer KEY)",
+                    "authentication_error",
+                )
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError):
+        first = err.errors()[0] if err.errors() else {}
+        if first.get("type") == "json_invalid":
+            return _error(400, "the request body is not valid JSON")
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return _error(400, f"{where or 'body'}: {first.get('msg', 'invalid')}")
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, err: Exception):
+        first = str(err).splitlines()[0] if str(err) else ""
+        return _error(500, f"internal error: {type(err).__name__}: {first}", "server_error")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "packs": len(packs.names()), "models_loaded": list(packs.backbones)}
+
+    @app.get("/v1/models")
+    async def list_models():
+        from mmkv_cli.api import inspect
+
+        data = []
+        for name in packs.names():
+            try:
+                info = inspect(packs.path(name))
+            except (MmkvError, LookupError) as err:
+                info = {"error": str(err)}
+            data.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "owned_by": "mmkv",
+                    "created": 0,
+                    "mmkv": _summary(info),
+                }
+            )
+        return {"object": "list", "data": data}
+
+    @app.get("/v1/packs/{name}")
+    async def pack_info(name: str):
+        from mmkv_cli.api import inspect
+
+        try:
+            return inspect(packs.path(name))
+        except LookupError as err:
+            return _error(404, str(err), "not_found_error")
+        except MmkvError as err:
+            return _error(STATUS.get(type(err), 400), str(err))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest):
+        try:
+            packs.path(body.model)
+            question, turns = body.conversation()
+        except LookupError as err:
+            return _error(404, str(err), "not_found_error")
+        except UsageError as err:
+            return _error(400, str(err))
+        options = replace(body.options(), history=turns)
+        created, ident = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        if body.stream:
+            return await _stream(packs, body, question, options, created, ident)
+        try:
+            answer = await packs.run(lambda: packs.session(body.model).ask(question, options))
+        except Busy:
+            return _error(
+                503,
+                "busy: too many requests waiting, retry shortly",
+                "server_error",
+                {"Retry-After": "1"},
+            )
+        except MmkvError as err:
+            return _error(STATUS.get(type(err), 400), str(err))
+        return _completion(body, answer, created, ident)
+
+    return app
+
+
+def _summary(info: dict) -> dict:
+    keys = (
+        "model",
+        "method",
+        "budget",
+        "media",
+        "visual_tokens_total",
+        "visual_kv_share",
+        "blocks",
+        "bytes",
+        "error",
+    )
+    return {k: info[k] for k in keys if k in info}
+
+
+def _finish(body: ChatRequest, answer) -> str:
+    limit = body.options().generation.max_new_tokens
+    return "length" if len(answer.token_ids) >= limit else "stop"
+
+
+def _extra(body: ChatRequest, answer) -> dict:
+    extra = {"ttft_s": answer.ttft_s, "blocks": len(answer.blocks_used)}
+    if body.explain:
+        extra["retrieved"] = answer.retrieved
+    return extra
+
+
+def _completion(body: ChatRequest, answer, created: int, ident: str) -> dict:
+    return {
+        "id": ident,
+        "object": "chat.completion",
+        "created": created,
+        "model": body.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": answer.answer},
+                "finish_reason": _finish(body, answer),
+            }
+        ],
+        "usage": {
+            "prompt_tokens": answer.context_tokens,
+            "completion_tokens": len(answer.token_ids),
+            "total_tokens": answer.context_tokens + len(answer.token_ids),
+        },
+        "mmkv": _extra(body, answer),
+    }
+
+
+class _Gone(Exception):
+    """The client left: stop generating."""
+
+
+async def _stream(
+    packs: Packs, body: ChatRequest, question: str, options: AskOptions, created: int, ident: str
+):
+    """SSE chunks as tokens come from the model thread; a client that leaves ends the generation."""
+    loop = asyncio.get_running_loop()
+    pieces: asyncio.Queue = asyncio.Queue()
+    gone = threading.Event()
+
+    def on_token(piece: str) -> None:
+        if gone.is_set():
+            raise _Gone
+        loop.call_soon_threadsafe(pieces.put_nowait, ("piece", piece))
+
+    def job():
+        return packs.session(body.model).ask(question, options, on_token=on_token)
+
+    def chunk(delta: dict, finish: str | None = None, extra: dict | None = None) -> str:
+        data = {
+            "id": ident,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": body.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+        if extra is not None:
+            data["mmkv"] = extra
+        return f"data: {json.dumps(data)}\n\n"
+
+    try:
+        task = asyncio.ensure_future(packs.run(job))
+        await asyncio.sleep(0)  # let run() refuse at once when the line is full
+        if task.done() and isinstance(task.exception(), Busy):
+            raise Busy
+    except Busy:
+        return _error(
+            503,
+            "busy: too many requests waiting, retry shortly",
+            "server_error",
+            {"Retry-After": "1"},
+        )
+    task.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, ("done", None)))
+
+    async def events():
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            while True:
+                kind, piece = await pieces.get()
+                if kind == "done":
+                    break
+                yield chunk({"content": piece})
+            error = task.exception()
+            if error is not None:
+                message = str(error) if isinstance(error, MmkvError) else "internal error"
+                yield f"data: {json.dumps({'error': {'message': message}})}\n\n"
+            else:
+                answer = task.result()
+                yield chunk({}, _finish(body, answer), _extra(body, answer))
+            yield "data: [DONE]\n\n"
+        finally:
+            gone.set()
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,226 @@
+"""`mmkv serve`: a live server on loopback answers the openai client (plain and streamed) exactly as
+`ask` does, 8 concurrent streams match a sequential run, and bad requests get the right status while
+the server stays up."""
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from mmkv_cli import api
+from tests.conftest import ROOT, SAMPLES
+from tests.helpers import encode_pack
+
+QUESTIONS = ["what color is the circle ?", "which shape appeared first ?", "what happened last ?"]
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("served")
+    encode_pack(SAMPLES / "clip.mp4", folder / "clip.kvpack", "demo")
+    encode_pack(SAMPLES / "clip.mp4", folder / "clip-mukv.kvpack", "demo", "mukv")
+    outside = tmp_path_factory.mktemp("outside")
+    encode_pack(SAMPLES / "clip.mp4", outside / "secret.kvpack", "demo")
+    (folder / "escape.kvpack").symlink_to(outside / "secret.kvpack")  # a link out of the folder
+    return folder
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(packs):
+    port = _free_port()
+    env = {**os.environ, "MMKV_API_KEY": ""}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mmkv_cli",
+            "serve",
+            "--packs",
+            str(packs),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    else:
+        process.kill()
+        pytest.fail(f"server did not start: {process.stderr.read()}")
+    yield base
+    process.terminate()
+    process.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def expected(packs):
+    """What `ask` answers in this process, the reference for every served answer."""
+    session = {name: api.PackSession(packs / f"{name}.kvpack") for name in ("clip", "clip-mukv")}
+    return {(name, q): s.ask(q).answer for name, s in session.items() for q in QUESTIONS}
+
+
+def test_the_openai_client_gets_asks_answers_plain_and_streamed(server, expected):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    assert {m.id for m in client.models.list()} == {"clip", "clip-mukv"}  # the link is not listed
+    for (name, question), answer in expected.items():
+        reply = client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": question}], max_tokens=32
+        )
+        assert reply.choices[0].message.content == answer
+        assert reply.choices[0].finish_reason == "stop" and reply.usage.prompt_tokens > 0
+        stream = client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": question}], stream=True
+        )
+        pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+        assert "".join(pieces).strip() == answer
+
+
+def test_eight_concurrent_streams_get_the_sequential_answers(server, expected):
+    jobs = [(name, q) for name, q in expected] * 2
+    jobs = jobs[:8]
+    got: dict[int, str] = {}
+
+    def one(i: int, name: str, question: str) -> None:
+        client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+        stream = client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": question}], stream=True
+        )
+        got[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices).strip()
+
+    threads = [threading.Thread(target=one, args=(i, *job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [got.get(i) for i in range(len(jobs))] == [expected[job] for job in jobs]
+
+
+def test_the_other_endpoints_and_extra_fields(server, packs):
+    assert httpx.get(f"{server}/health").json()["status"] == "ok"
+    info = httpx.get(f"{server}/v1/packs/clip").json()
+    assert info == json.loads(json.dumps(api.inspect((packs / "clip.kvpack").resolve())))
+    reply = httpx.post(
+        f"{server}/v1/chat/completions",
+        json={
+            "model": "clip-mukv",
+            "messages": [{"role": "user", "content": QUESTIONS[0]}],
+            "explain": True,
+            "at": 1.0,
+        },
+    ).json()
+    retrieved = reply["mmkv"]["retrieved"]
+    assert retrieved and all(r["time"][0] <= 1.0 for r in retrieved)
+
+
+@pytest.mark.parametrize(
+    "request_args, status",
+    [
+        (
+            {
+                "content": b'{"model": "clip", "messages": [',
+                "headers": {"content-type": "application/json"},
+            },
+            400,
+        ),
+        ({"json": {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}}, 404),
+        ({"json": {"model": "../clip", "messages": [{"role": "user", "content": "hi"}]}}, 404),
+        ({"json": {"model": "/etc/passwd", "messages": [{"role": "user", "content": "hi"}]}}, 404),
+        ({"json": {"model": "escape", "messages": [{"role": "user", "content": "hi"}]}}, 404),
+        ({"json": {"model": "clip", "messages": []}}, 400),
+        (
+            {
+                "json": {
+                    "model": "clip",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 0,
+                }
+            },
+            400,
+        ),
+        ({"json": {"model": "clip", "messages": [{"role": "assistant", "content": "hi"}]}}, 400),
+        ({"content": b"x" * (2 << 20), "headers": {"content-type": "application/json"}}, 413),
+    ],
+)
+def test_bad_requests_get_their_status_and_the_server_stays_up(server, request_args, status):
+    reply = httpx.post(f"{server}/v1/chat/completions", timeout=30, **request_args)
+    assert reply.status_code == status, reply.text
+    message = reply.json()["error"]["message"]
+    assert message and "\n" not in message and "Traceback" not in message
+    assert httpx.get(f"{server}/health").status_code == 200
+    for name in ("..", "..%2Fsecret", "escape"):
+        assert httpx.get(f"{server}/v1/packs/{name}").status_code == 404
+
+
+def _in_process(packs, **options):
+    from mmkv_cli.serve import create_app
+
+    app = create_app(packs, **options)
+    transport = httpx.ASGITransport(
+        app=app, raise_app_exceptions=False
+    )  # a served 500 stays a reply
+    return app, httpx.AsyncClient(transport=transport, base_url="http://mmkv")
+
+
+def test_a_key_is_required_when_set(packs):
+    async def go():
+        _, client = _in_process(packs, api_key="sesame")
+        async with client:
+            assert (await client.get("/health")).status_code == 200  # open, for probes
+            assert (await client.get("/v1/models")).status_code == 401
+            wrong = {"Authorization": "Bearer nope"}
+            assert (await client.get("/v1/models", headers=wrong)).status_code == 401
+            right = {"Authorization": "Bearer sesame"}
+            assert (await client.get("/v1/models", headers=right)).status_code == 200
+
+    asyncio.run(go())
+
+
+def test_a_full_queue_answers_503_with_retry_after(packs):
+    class Slow:
+        backbone = None
+
+        def ask(self, question, options, on_token=None):
+            time.sleep(0.5)
+            raise AssertionError("not reached by the refused request")
+
+    async def go():
+        app, client = _in_process(packs, queue=1)
+        app.state.packs.session = lambda name: Slow()
+        body = {"model": "clip", "messages": [{"role": "user", "content": "hi"}]}
+        async with client:
+            first = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
+            await asyncio.sleep(0.1)
+            refused = await client.post("/v1/chat/completions", json=body)
+            streamed = await client.post("/v1/chat/completions", json={**body, "stream": True})
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert streamed.status_code == 503
+            assert (await first).status_code == 500  # the slow job's own failure, one line
+            assert json.loads((await first).text)["error"]["message"].startswith("internal error")
+
+    asyncio.run(go())
