@@ -206,7 +206,7 @@ def test_a_full_queue_answers_503_with_retry_after(packs):
         backbone = None
 
         def ask(self, question, options, on_token=None):
-            time.sleep(0.5)
+            time.sleep(1.5)  # long enough for the next requests to find the line full
             raise AssertionError("not reached by the refused request")
 
     async def go():
