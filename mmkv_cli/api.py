@@ -119,14 +119,14 @@ class PackSession:
 
     def __init__(
         self,
-        pack: str | Path,
+        pack: str | Path | PackReader,
         *,
         backbone: Backbone | None = None,
         load: LoadOptions | None = None,
     ):
         from mmkv_cli.backbones import load_backbone
 
-        self.reader = PackReader(pack)
+        self.reader = pack if isinstance(pack, PackReader) else PackReader(pack)
         self.policy = context_policy(self.reader)
         if backbone is None:
             load = load or LoadOptions()

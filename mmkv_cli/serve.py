@@ -95,8 +95,9 @@ class Packs:
         held = self.sessions.get(name)
         if held and held[0] == key:
             return held[1]
-        model = self.load.model or PackReader(path).header["fingerprint"]["model"]
-        session = PackSession(path, backbone=self._backbone(model))
+        reader = PackReader(path)  # opened once: the session keeps it
+        model = self.load.model or reader.header["fingerprint"]["model"]
+        session = PackSession(reader, backbone=self._backbone(model))
         self.sessions[name] = (key, session)
         return session
 
@@ -109,7 +110,7 @@ class Packs:
         backbone = load_backbone(replace(self.load, model=model))
         self.backbones[model] = backbone
         while len(self.backbones) > self.capacity:
-            gone, _ = self.backbones.popitem(last=False)
+            _, gone = self.backbones.popitem(last=False)  # sessions on it go too, freeing it
             self.sessions = {n: s for n, s in self.sessions.items() if s[1].backbone is not gone}
         return backbone
 

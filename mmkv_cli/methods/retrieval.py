@@ -124,10 +124,8 @@ class RetrievalContext:
                 held, count = best.get(row, (pick, 0))
                 best[row] = (pick if pick.score > held.score else held, count + 1)
         rank = {g: r for r, g in enumerate(("segment", "frame", "patch"))}
-        rows = sorted(
-            best,
-            key=lambda r: (int(blocks.start_steps()[r]), rank.get(best[r][0].granularity, 3), r),
-        )
+        starts = blocks.start_steps()  # one column for the whole table, not one per compared row
+        rows = sorted(best, key=lambda r: (int(starts[r]), rank.get(best[r][0].granularity, 3), r))
         times = blocks.times()
         explain = []
         for row in rows:
