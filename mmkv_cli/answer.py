@@ -70,13 +70,14 @@ def build_cache(
     layers = len(prefix.keys)
     parts = [(prefix.keys, prefix.values, prefix.positions)]
     if names:
-        parts.append(reader.gather(names, per_layer))  # joined per layer in context order
+        # joined per layer in context order; a quantized pack's blocks decode on the model's device
+        parts.append(reader.gather(names, per_layer, backbone.device))
     if ends_at is None:
         suffix = reader.span("suffix")
         parts.append((suffix.keys, suffix.values, suffix.positions))
     keys, values, kept_positions = (
-        [torch.cat([p[i][layer] for p in parts], dim=1) for layer in range(layers)]
-        for i in range(3)
+        [torch.cat([p[i][layer].to(where) for p in parts], dim=1) for layer in range(layers)]
+        for i, where in enumerate((backbone.device, backbone.device, "cpu"))
     )
     # stored: never derived from the cache length
     stored_next = int(reader.header["layout"]["next_position"])

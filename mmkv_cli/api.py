@@ -46,8 +46,11 @@ def encode(
     from mmkv_cli.media import load_media
     from mmkv_cli.methods import EncodeContext
     from mmkv_cli.pack import write_pack
+    from mmkv_cli.pack.quant import QuantSpec
 
     options = options or EncodeOptions()
+    quant = QuantSpec(options.kv_bits, options.kv_group)
+    quant.check(1, 8)  # the bits and group alone, before the model loads
     output = Path(output)
     if Path(media).is_file() and Path(media).resolve() == output.resolve():
         raise UsageError(f"{output} is the media being encoded: pick another output")
@@ -55,6 +58,8 @@ def encode(
     choice = resolve_method(options.method).with_budget(options.budget, options.budget_tokens)
     choice = choice.with_guidance(options.guidance_prompt)
     backbone = backbone or load_backbone(load)
+    kv = backbone.kv_shape()
+    quant.check(kv["kv_heads"], kv["head_dim"])  # and against this model's width
     spec = backbone.spec
     fps = options.fps if options.fps is not None else spec.fps
     max_frames = options.max_frames if options.max_frames is not None else spec.max_frames
@@ -80,11 +85,11 @@ def encode(
         "prompt": backbone.prompt.as_dict(),
         "layout": encoded.layout,
         "rotary": backbone.rotary(),
-        "kv": backbone.kv_shape(),
+        "kv": kv,
         "visual_tokens_total": encoded.visual_tokens_total,
         "stats": {k: round(v, 4) if isinstance(v, float) else v for k, v in encoded.stats.items()},
     }
-    write_pack(output, header, encoded.prefix, encoded.blocks, encoded.suffix, force=options.force)
+    write_pack(output, header, encoded.prefix, encoded.blocks, encoded.suffix, options.force, quant)
     return {**inspect(output), **encoded.stats}
 
 

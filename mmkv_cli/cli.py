@@ -18,6 +18,8 @@ from mmkv_cli.cli_common import (
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
+    KvBitsOpt,
+    KvGroupOpt,
     ModelOpt,
     emit_json,
     load_options,
@@ -101,6 +103,8 @@ def encode(
     ),
     max_frames: int | None = typer.Option(None, "--max-frames", help="At most this many frames."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
+    kv_bits: int = KvBitsOpt,
+    kv_group: int = KvGroupOpt,
     model: str | None = ModelOpt,
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
@@ -113,7 +117,15 @@ def encode(
         from mmkv_cli.display import encode_progress, encoded_line, out_console
 
         options = EncodeOptions(
-            method, budget, budget_tokens, fps, max_frames, guidance_prompt, force
+            method,
+            budget,
+            budget_tokens,
+            fps,
+            max_frames,
+            guidance_prompt,
+            force,
+            kv_bits=kv_bits,
+            kv_group=kv_group,
         )
         load = load_options(model, device, dtype)
         if as_json:

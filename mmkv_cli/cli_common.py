@@ -42,6 +42,14 @@ DeviceOpt = typer.Option(
     "auto", "--device", help="auto, cpu, cuda or cuda:N.", autocompletion=devices
 )
 DtypeOpt = typer.Option(Dtype.auto, "--dtype", help="Weights' dtype (auto: bf16 on CUDA).")
+KvBitsOpt = typer.Option(
+    16,
+    "--kv-bits",
+    help="Bits per stored visual K/V value: 16 (as computed), 8, 4 or 2 (KIVI layout).",
+)
+KvGroupOpt = typer.Option(
+    64, "--kv-group", help="Quantization group: tokens per key group, channels per value group."
+)
 
 
 def quiet() -> None:

@@ -39,6 +39,8 @@ class EncodeOptions:
     max_frames: int | None = None  # None: the model's
     guidance_prompt: str | None = None  # for methods that score by a prompt (None: by media kind)
     force: bool = False  # replace an existing output
+    kv_bits: int = 16  # bits per stored visual K/V value: 16 (as computed), 8, 4 or 2
+    kv_group: int = 64  # quantization group: tokens per key group, channels per value group
 
 
 @dataclass(frozen=True)

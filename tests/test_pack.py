@@ -62,12 +62,13 @@ def test_reader_is_lazy(tmp_path):
     path = tmp_path / "a.kvpack"
     write(path)
     reader = PackReader(path)
-    table = 2 * (4 + 3) * 8 + 2 * 2 * 8 + 2 * 32  # the block table: rows, times, checksums
+    table = 2 * (7 + 3) * 8 + 2 * 2 * 8 + 2 * 32  # the block table: rows, times, checksums
     assert reader.bytes_read == table
     reader.representatives()
     assert reader.bytes_read == table + 2 * 16 * 4  # and the representatives, nothing else
     reader.span("b1")
-    assert reader.bytes_read == table + 2 * 16 * 4 + 2 * (8 * 2 * 8 * 4) + 8 * 3 * 8
+    # b1's K and V, and its int32 positions (per layer: its layers keep different tokens)
+    assert reader.bytes_read == table + 2 * 16 * 4 + 2 * (8 * 2 * 8 * 4) + 8 * 3 * 4
 
 
 def test_header_does_not_grow_with_the_video(tmp_path):

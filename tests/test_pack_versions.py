@@ -1,5 +1,5 @@
-"""Older packs stay readable: tests/data/v3.kvpack was written by the format-v3 writer from
-`fixture_segment`."""
+"""Older packs stay readable: tests/data/v3.kvpack and v6.kvpack were written by the format-v3 and
+format-v6 writers from `fixture()`."""
 
 from pathlib import Path
 
@@ -44,7 +44,7 @@ def fixture():
     )
 
 
-def assert_reads_back(reader):
+def assert_reads_back(reader, rep_layers=1):
     prefix, blocks, suffix = fixture()
     for original in (prefix, suffix, *blocks):
         loaded = reader.span(original.name)
@@ -61,7 +61,7 @@ def assert_reads_back(reader):
             torch.cat([blocks[1].positions[layer], blocks[0].positions[layer]], dim=1),
         )
     reps = reader.representatives()  # [blocks, layers stored, dim]; v2-v5 stored one layer's
-    assert reps.shape[1] == 1
+    assert reps.shape[1] == rep_layers
     assert torch.equal(reps[:, 0], torch.stack([b.representative.reshape(-1) for b in blocks]))
     assert [reader.blocks.kinds[c] for c in reader.blocks.codes()] == [
         "frame",
@@ -74,6 +74,14 @@ def test_a_v3_pack_reads_back_exactly():
     assert reader.header["format_version"] == 3
     assert_reads_back(reader)
     assert reader.rotated_representatives  # before v6 they were means of keys after RoPE
+
+
+def test_a_v6_pack_reads_back_exactly():
+    reader = PackReader(DATA / "v6.kvpack")
+    assert reader.header["format_version"] == 6
+    assert reader.quant is None  # int64 positions per layer, K/V as computed
+    assert_reads_back(reader)
+    assert not reader.rotated_representatives
 
 
 def test_the_current_writer_reads_back_the_same_segments(tmp_path):

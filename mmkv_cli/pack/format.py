@@ -1,4 +1,4 @@
-"""The .kvpack format (v6): one safetensors file, a JSON header in its metadata, tensors by span.
+"""The .kvpack format (v7): one safetensors file, a JSON header in its metadata, tensors by span.
 
 A span is the per-layer KV of one stretch of the stream: the prefix (init prompt), one visual block,
 or the suffix. Each span holds its per-layer K, V and original positions concatenated along the
@@ -10,7 +10,9 @@ after another in "blocks.k/.v/.pos", each at its offset, so the tensor directory
 many blocks. Everything that grows with the video is a tensor, not header JSON: the block table
 (granularity, steps, time, offset, counts, checksum), the frame timestamps and the tokens per step;
 so opening a pack parses a few KB whatever its length. Block representatives sit together in "reps"
-[blocks, layers, dim] so retrieval reads them without touching any block. See docs/kvpack.md.
+[blocks, layers, dim] so retrieval reads them without touching any block. From v7 the blocks' K/V
+may be quantized (pack/quant.py: codes in "blocks.k/.v", scales in "blocks.kq/.vq"), positions are
+int32 and stored once for a span whose layers all keep the same tokens. See docs/kvpack.md.
 """
 
 from __future__ import annotations
@@ -21,20 +23,26 @@ from dataclasses import dataclass, field
 from mmkv_cli.lazy import torch
 
 FORMAT_NAME = "mmkv.kvpack"
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 # v2 kept the block table as JSON in the header; v2 and v3 stored K/V head-major ([H_kv, tokens, D])
 # and positions as [P, tokens], with timestamps and step lengths in the header; v2-v4 named the
 # prefix and suffix "segments" in the header (v5: "spans") and kept a fixed token budget among the
 # params. v2-v5 stored one representative per block, [blocks, dim], the mean of keys after RoPE;
-# v6 stores [blocks, layers, dim] means of keys before RoPE ("space": "pre_rope").
-READABLE_VERSIONS = (2, 3, 4, 5, 6)
+# v6 stores [blocks, layers, dim] means of keys before RoPE ("space": "pre_rope"). v2-v6 stored
+# positions int64, once per layer, and K/V only as computed (no "quant").
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7)
 BLOCKS = "blocks"  # tensors "blocks.k/.v/.pos": every block's tokens, one range each
 # Header lists that grow with the video, stored as tensors of these names (and dtypes) from v4 on.
 SERIES = {"media.timestamps": "float64", "layout.step_lengths": "int64"}
-# Block table, one row per block: "blocks.table" int64 [N, 4 + layers] = (granularity index, first
-# step, stop step, offset, layer counts...), "blocks.time" float64 [N, 2] (NaN: none),
-# "blocks.sha256" uint8 [N, 32].
-TABLE_COLUMNS = 4
+# Block table, one row per block: "blocks.table" int64 [N, 7 + layers] = (granularity index, first
+# step, stop step, offset, position offset, positions shared (0/1), first key group, layer
+# counts...), "blocks.time" float64 [N, 2] (NaN: none), "blocks.sha256" uint8 [N, 32]. v3-v6 had
+# the first four columns only.
+TABLE_COLUMNS = 7
+OLD_TABLE_COLUMNS = 4
+# The stored tensors of a span, in the order its checksum covers them: keys, values, positions,
+# then (quantized packs) the keys' and the values' scales and zero points.
+PARTS = ("k", "v", "pos", "kq", "vq")
 META_HEADER = "mmkv"
 META_HEADER_SHA = "mmkv_sha256"
 
@@ -75,7 +83,10 @@ class Span:
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
     """A tensor's bytes as stored, without copying a contiguous tensor."""
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    flat = t.contiguous().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # a size-1 tensor may keep any stride
+        flat = flat.new_empty(flat.shape).copy_(flat)
+    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def tensors_sha256(tensors: list[torch.Tensor]) -> str:

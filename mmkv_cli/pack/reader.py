@@ -12,13 +12,15 @@ from pathlib import Path
 
 import numpy as np
 
-from mmkv_cli.errors import PackError
+from mmkv_cli.errors import MmkvError, PackError
 from mmkv_cli.lazy import torch
 from mmkv_cli.pack.format import (
     BLOCKS,
     FORMAT_NAME,
     META_HEADER,
     META_HEADER_SHA,
+    OLD_TABLE_COLUMNS,
+    PARTS,
     READABLE_VERSIONS,
     SERIES,
     TABLE_COLUMNS,
@@ -26,7 +28,8 @@ from mmkv_cli.pack.format import (
     split_layers,
     tensors_sha256,
 )
-from mmkv_cli.pack.table import BlockTable
+from mmkv_cli.pack.quant import QuantSpec, dequantize_keys, dequantize_values
+from mmkv_cli.pack.table import BlockRows, BlockTable
 
 # Blocks this large on average are checksummed on up to HASH_THREADS threads. Small ones are not:
 # hashing many small buffers on threads churns the GIL (2 cores, 1024 blocks of 17 KB: 22 -> 25 ms;
@@ -92,6 +95,8 @@ class PackReader:
                 f"v{', v'.join(map(str, READABLE_VERSIONS))}"
             )
         self._token_major = version >= 4  # v2/v3 stored K/V head-major, positions [P, tokens]
+        self._columns = TABLE_COLUMNS if version >= 7 else OLD_TABLE_COLUMNS
+        self.quant = self._quant(self.header.get("quant"))
         self.bytes_read = 0
         self._spans: dict[str, Span] = {}
         # v2-v4 called the prefix and suffix "segments"
@@ -111,16 +116,32 @@ class PackReader:
         if not meta["count"]:
             return BlockTable(
                 meta["granularities"],
-                np.zeros((0, TABLE_COLUMNS + layers), dtype=np.int64),
+                np.zeros((0, self._columns + layers), dtype=np.int64),
                 np.zeros((0, 2), dtype=np.float64),
                 np.zeros((0, 32), dtype=np.uint8),
+                columns=self._columns,
             )
         return BlockTable(
             meta["granularities"],
             self._array(f"{BLOCKS}.table"),
             self._array(f"{BLOCKS}.time"),
             self._array(f"{BLOCKS}.sha256"),
+            columns=self._columns,
         )
+
+    def _quant(self, stored) -> QuantSpec | None:
+        """How the blocks' K/V are stored: None when as computed (every pack before v7)."""
+        if stored is None:
+            return None
+        try:
+            quant = QuantSpec(int(stored["bits"]), int(stored["group"]))
+            if stored.get("scale_dtype") != "float16" or not quant.quantized:
+                raise ValueError
+            kv = self.header["kv"]
+            quant.check(int(kv["kv_heads"]), int(kv["head_dim"]))
+        except (KeyError, TypeError, ValueError, MmkvError):
+            raise PackError(f"{self.path} is corrupted (bad quantization header)") from None
+        return quant
 
     @property
     def blocks(self) -> BlockTable:
@@ -184,7 +205,7 @@ class PackReader:
         """[blocks, layers, dim] retrieval keys (layers: 1 unless stored per layer), or None."""
         if not self.header.get("representatives"):
             return None
-        reps = self._tensor("reps")
+        reps = self._tensor("reps").float()  # v7 keeps them in the KV's dtype
         return reps.unsqueeze(1) if reps.dim() == 2 else reps  # v2-v5: [blocks, dim]
 
     @property
@@ -192,19 +213,28 @@ class PackReader:
         """Whether the representatives are means of keys after RoPE (packs before v6)."""
         return (self.header.get("representatives") or {}).get("space") != "pre_rope"
 
-    def span(self, name: str) -> Span:
-        """Load one span ("prefix", "suffix" or a block name), verifying its checksum."""
-        if name not in self._spans:
-            self._spans[name] = self._load_span(name)
-        return self._spans[name]
+    def span(self, name: str, keep: bool = True) -> Span:
+        """Load one span ("prefix", "suffix" or a block name), verifying its checksum. keep: hold
+        it for the next call (a pass over every block, as convert makes, would hold them all)."""
+        if name in self._spans:
+            return self._spans[name]
+        loaded = self._load_span(name)
+        if keep:
+            self._spans[name] = loaded
+        return loaded
 
     def gather(
-        self, names: list[str], per_layer: list[list[str]] | None = None
+        self,
+        names: list[str],
+        per_layer: list[list[str]] | None = None,
+        device: torch.device | str | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Blocks `names` joined per layer, in that order: (keys, values, positions), each a list
-        over layers of [H_kv, n, D] and [P, n] views (strided; concatenating them makes them
-        contiguous). per_layer: for every layer the names it takes instead (each a subset of
-        `names`, in context order), for retrieval that picks blocks layer by layer.
+        over layers of [H_kv, n, D] and [P, n] int64. per_layer: for every layer the names it takes
+        instead (each a subset of `names`, in context order), for retrieval that picks blocks layer
+        by layer. A quantized pack's K/V are dequantized on `device` (default: the CPU), only the
+        rows read; an unquantized pack's are CPU views (strided; concatenating makes them
+        contiguous).
 
         A context of many blocks is read with one row gather per tensor from the memory map, not a
         dozen small reads per block; every block's checksum is still verified, on its own bytes.
@@ -214,56 +244,79 @@ class PackReader:
         indices = [self._blocks.index_of(name) for name in names]
         if None in indices:
             raise PackError(f"{self.path} has no block {names[indices.index(None)]}")
-        offsets, counts, digests = self._blocks.spans(indices)
-        views = [self._view(f"{BLOCKS}.{part}") for part in ("k", "v", "pos")]
-        self._verify(
-            views,
-            [
-                (name, int(start), int(total), stored)
-                for name, start, total, stored in zip(names, offsets, counts.sum(axis=1), digests)
-                if name not in self._verified
-            ],
-        )
-        # A block's tokens are stored layer after layer: layer l of block i starts at offset_i +
-        # counts_i[:l]. One row index for the whole context, layer-major, so each tensor is read
-        # with one gather.
-        starts = offsets[:, None] + np.cumsum(counts, axis=1) - counts
-        layers = counts.shape[1]
+        where = BlockRows(self._blocks, indices, self.quant.group if self.quant else 1)
+        if not where.consistent():
+            raise PackError(f"{self.path} is corrupted (shared positions with unequal counts)")
+        views = {part: self._view(f"{BLOCKS}.{part}") for part in self._block_parts()}
+        self._verify(views, where, [i for i, n in enumerate(names) if n not in self._verified])
+        for name in names:
+            self._verified.add(name)
         if per_layer is None:
-            taken = [np.arange(len(names))] * layers
+            taken = [np.arange(len(names))] * where.layers
         else:
-            where = {name: i for i, name in enumerate(names)}
-            taken = [np.asarray([where[n] for n in chosen], dtype=np.int64) for chosen in per_layer]
-        flat_starts = np.concatenate([starts[t, layer] for layer, t in enumerate(taken)])
-        flat_counts = np.concatenate([counts[t, layer] for layer, t in enumerate(taken)])
-        rows = np.arange(flat_counts.sum()) + np.repeat(
-            flat_starts - (np.cumsum(flat_counts) - flat_counts), flat_counts
-        )
-        per_layer_total = [int(counts[t, layer].sum()) for layer, t in enumerate(taken)]
-        out = []
-        for view, dtype in views:
-            picked = np.take(self._rows(view), rows, axis=0)  # a copy (faster than view[rows])
-            part = torch.from_numpy(picked).view(getattr(torch, dtype))
-            self.bytes_read += part.numel() * part.element_size()
-            out.append([t.transpose(0, 1) for t in torch.split(part, per_layer_total, dim=0)])
-        return out[0], out[1], out[2]
+            at = {name: i for i, name in enumerate(names)}
+            taken = [np.asarray([at[n] for n in chosen], dtype=np.int64) for chosen in per_layer]
+        rows = where.token_rows(taken)
+        totals = [int(where.counts[t, layer].sum()) for layer, t in enumerate(taken)]
+        positions = self._pick(views["pos"], where.position_rows(taken)).to(torch.int64)
+        positions = [p.T for p in torch.split(positions, totals)]
+        if self.quant is None:
+            keys, values = (self._pick(views[part], rows) for part in ("k", "v"))
+            return (
+                [t.transpose(0, 1) for t in torch.split(keys, totals)],
+                [t.transpose(0, 1) for t in torch.split(values, totals)],
+                positions,
+            )
+        groups, expand = where.key_group_rows(taken)
+        stored = [self._pick(views[p], rows).to(device) for p in ("k", "v", "vq")]
+        key_scales = self._pick(views["kq"], groups).to(device)
+        expand = torch.from_numpy(expand).to(device)
+        dtype = getattr(torch, self.header["kv"]["dtype"])
+        keys, values, first = [], [], 0
+        for total in totals:  # one layer at a time: float copies of a layer only
+            span = slice(first, first + total)
+            scales = key_scales[expand[span]]
+            found = dequantize_keys(stored[0][span], scales, self.quant.bits, dtype)
+            keys.append(found.transpose(0, 1))
+            found = dequantize_values(stored[1][span], stored[2][span], self.quant.bits, dtype)
+            values.append(found.transpose(0, 1))
+            first += total
+        return keys, values, positions
 
-    def _verify(self, views: list, pending: list[tuple[str, int, int, np.ndarray]]) -> None:
-        """Check each pending block's sha256 against the table. A large read is hashed on several
-        threads (hashlib lets go of the GIL on big buffers): on a real backbone the checksums of a
-        retrieved context (hundreds of MB) would otherwise cost more than reading it."""
+    def _block_parts(self) -> tuple[str, ...]:
+        return PARTS if self.quant else PARTS[:3]
+
+    def _pick(self, view: tuple[np.ndarray, str], rows: np.ndarray) -> torch.Tensor:
+        """Rows `rows` of a block tensor, copied out of the map (a copy is faster than
+        view[rows])."""
+        array, dtype = view
+        picked = np.take(self._rows(array), rows, axis=0)
+        self.bytes_read += picked.nbytes
+        return torch.from_numpy(picked).view(getattr(torch, dtype))
+
+    def _verify(self, views: dict, where: BlockRows, pending: list[int]) -> None:
+        """Check the sha256 of the blocks at `pending` (positions in `where`) against the table.
+        A large read is hashed on several threads (hashlib lets go of the GIL on big buffers): on
+        a real backbone the checksums of a retrieved context (hundreds of MB) would otherwise cost
+        more than reading it."""
+
+        def ranges(i: int) -> list[tuple[np.ndarray, int, int]]:
+            return [(views[part][0], *where.block_range(part, i)) for part in views]
 
         def digests(items):
             out = []
-            for _, start, total, _ in items:
+            for i in items:
                 h = hashlib.sha256()
-                for view, _ in views:
-                    h.update(self._block_bytes(view, start, start + total))
+                for view, start, stop in ranges(i):
+                    h.update(self._block_bytes(view, start, stop))
                 out.append(h.digest())
             return out
 
-        row_bytes = sum(view.nbytes // max(1, self._rows(view).shape[0]) for view, _ in views)
-        size = row_bytes * sum(total for _, _, total, _ in pending)
+        size = sum(
+            (stop - start) * (view.nbytes // max(1, view.shape[0 if self._token_major else 1]))
+            for i in pending
+            for view, start, stop in ranges(i)
+        )
         big = pending and size // len(pending) >= PARALLEL_HASH_BLOCK_BYTES
         workers = min(HASH_THREADS, os.cpu_count() or 1, len(pending)) if big else 1
         # one run of consecutive blocks per thread: a task per block costs more than it hashes
@@ -279,10 +332,10 @@ class PackReader:
                 ]
         else:
             got = digests(pending)
-        for (name, _, _, stored), found in zip(pending, got):
-            if found != stored.tobytes():
+        for i, found in zip(pending, got):
+            if found != where.digests[i].tobytes():
+                name = self._blocks.name(where.indices[i])
                 raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
-            self._verified.add(name)
 
     def _rows(self, view: np.ndarray) -> np.ndarray:
         """A block tensor with tokens on the first axis (v2/v3 kept them second)."""
@@ -310,9 +363,13 @@ class PackReader:
             if tensors_sha256([k, v, pos]) != meta["sha256"]:
                 raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
             counts = meta["layer_counts"]
+            if meta.get("shared_positions"):  # v7: one layer's rows serve them all
+                if len(set(counts)) > 1 or pos.shape[0] != counts[0]:
+                    raise PackError(f"{self.path} is corrupted (positions of {name})")
+                pos = pos.repeat(len(counts), 1)
             keys, values, positions = (
                 [t.contiguous() for t in split_layers(part, counts, self._token_major)]
-                for part in (k, v, pos)
+                for part in (k, v, pos.to(torch.int64))
             )
         return Span(
             name=name,

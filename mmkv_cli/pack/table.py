@@ -13,12 +13,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mmkv_cli.pack.format import TABLE_COLUMNS, block_name
+from mmkv_cli.pack.format import OLD_TABLE_COLUMNS, TABLE_COLUMNS, block_name
 
 
 class BlockTable(Sequence):
-    """Table arrays (v3 on): rows [N, 4 + layers] int64, times [N, 2] float64 (NaN: none), digests
-    [N, 32] uint8. Numpy, so that `inspect` reads a pack without importing torch."""
+    """Table arrays (v3 on): rows [N, columns + layers] int64 (columns: 7 from v7, 4 before),
+    times [N, 2] float64 (NaN: none), digests [N, 32] uint8. Numpy, so that `inspect` reads a pack
+    without importing torch."""
 
     def __init__(
         self,
@@ -27,8 +28,10 @@ class BlockTable(Sequence):
         times: np.ndarray,
         digests: np.ndarray,
         names: list[str] | None = None,
+        columns: int = TABLE_COLUMNS,
     ):
         self.kinds = list(kinds)
+        self.columns = columns
         self._rows, self._times, self._digests = (np.asarray(a) for a in (rows, times, digests))
         self._names = names  # v2 packs named blocks freely; later ones name them b<row>
         self._cache: dict[int, dict] = {}
@@ -60,7 +63,7 @@ class BlockTable(Sequence):
                 "steps": row[1:3] if row[1] >= 0 else None,
                 "time": None if math.isnan(time[0]) else time,
                 "offset": row[3],
-                "layer_counts": row[TABLE_COLUMNS:],
+                "layer_counts": row[self.columns :],
                 "sha256": self._digests[index].tobytes().hex(),
             }
         return self._cache[index]
@@ -85,11 +88,21 @@ class BlockTable(Sequence):
         """For blocks `indices`: offsets [n], per-layer counts [n, layers] and sha256 digests [n,
         32]."""
         rows = self._rows[indices]
-        return rows[:, 3], rows[:, TABLE_COLUMNS:], self._digests[indices]
+        return rows[:, 3], rows[:, self.columns :], self._digests[indices]
+
+    def storage(self, indices) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For blocks `indices` (v7 on): the first row of their positions, whether one set of
+        positions serves every layer, and their first key group (quantized packs). Before v7:
+        positions at the token offset, once per layer, and no key groups."""
+        rows = self._rows[indices]
+        if self.columns == OLD_TABLE_COLUMNS:
+            zeros = np.zeros(len(rows), dtype=np.int64)
+            return rows[:, 3], zeros, zeros
+        return rows[:, 4], rows[:, 5], rows[:, 6]
 
     def layer_totals(self) -> np.ndarray:
         """[N, layers] tokens each block keeps per layer."""
-        return self._rows[:, TABLE_COLUMNS:]
+        return self._rows[:, self.columns :]
 
     @classmethod
     def from_dicts(cls, blocks: list[dict]) -> BlockTable:
@@ -112,6 +125,7 @@ class BlockTable(Sequence):
             np.asarray(times, dtype=np.float64).reshape(len(blocks), 2),
             np.asarray(digests, dtype=np.uint8).reshape(len(blocks), 32),
             names=[b["name"] for b in blocks],
+            columns=OLD_TABLE_COLUMNS,
         )
 
 
@@ -122,3 +136,68 @@ def eligible_at(table: BlockTable, at: float | None) -> np.ndarray:
     if at is not None:
         chosen = np.flatnonzero(np.nan_to_num(table.start_times(), nan=0.0) <= at)
     return chosen[np.argsort(table.start_steps()[chosen], kind="stable")]
+
+
+def run_rows(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The rows of runs [start, start + count), one after another, as one index array."""
+    return np.arange(int(counts.sum())) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
+
+
+class BlockRows:
+    """Where some blocks' rows are in each stored block tensor. A block keeps its layers' tokens
+    one layer after another: layer l of block i starts at offset_i + counts_i[:l] in K, V and the
+    value scales, at its position offset (+ the same, unless one set of positions serves every
+    layer) in positions, and its key groups run per layer from its first key group."""
+
+    def __init__(self, table: BlockTable, indices: list[int], group: int):
+        self.indices = indices
+        self.offsets, self.counts, self.digests = table.spans(indices)
+        self.position_offsets, self.shared, self.first_groups = table.storage(indices)
+        self.group = group
+        self.layers = self.counts.shape[1]
+        before = np.cumsum(self.counts, axis=1) - self.counts
+        self.token_starts = self.offsets[:, None] + before
+        self.position_starts = self.position_offsets[:, None] + np.where(
+            self.shared[:, None] == 1, 0, before
+        )
+        self.groups = -(-self.counts // group)
+        self.group_starts = (
+            self.first_groups[:, None] + np.cumsum(self.groups, axis=1) - self.groups
+        )
+
+    def consistent(self) -> bool:
+        """Whether every block said to share its positions keeps the same count in every layer."""
+        shared = self.shared == 1
+        return not (self.counts[shared] != self.counts[shared][:, :1]).any()
+
+    def block_range(self, part: str, i: int) -> tuple[int, int]:
+        """Block i's row range [start, stop) in the block tensor of `part`."""
+        total = int(self.counts[i].sum())
+        if part == "pos":
+            stop = int(self.counts[i, 0]) if self.shared[i] else total
+            return int(self.position_offsets[i]), int(self.position_offsets[i]) + stop
+        if part == "kq":
+            return int(self.first_groups[i]), int(self.first_groups[i] + self.groups[i].sum())
+        return int(self.offsets[i]), int(self.offsets[i]) + total
+
+    def _runs(self, starts: np.ndarray, taken: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        # layer-major: every layer's taken blocks in context order, so a tensor is read in one go
+        firsts = np.concatenate([starts[t, layer] for layer, t in enumerate(taken)])
+        counts = np.concatenate([self.counts[t, layer] for layer, t in enumerate(taken)])
+        return firsts, counts
+
+    def token_rows(self, taken: list[np.ndarray]) -> np.ndarray:
+        """Rows of K, V and value scales for layer l taking blocks taken[l], layer after layer."""
+        return run_rows(*self._runs(self.token_starts, taken))
+
+    def position_rows(self, taken: list[np.ndarray]) -> np.ndarray:
+        return run_rows(*self._runs(self.position_starts, taken))
+
+    def key_group_rows(self, taken: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """(the key-scale rows the tokens use, each once, and every token's index into them)."""
+        firsts, counts = self._runs(self.group_starts, taken)
+        within = run_rows(np.zeros_like(firsts), counts)  # each token's place in its run
+        groups = np.repeat(firsts, counts) + within // self.group
+        change = np.ones(len(groups), dtype=bool)
+        change[1:] = groups[1:] != groups[:-1]
+        return groups[change], np.cumsum(change) - 1

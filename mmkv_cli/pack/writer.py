@@ -7,6 +7,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 
 from mmkv_cli.errors import OutputExistsError, PackError
@@ -17,12 +18,15 @@ from mmkv_cli.pack.format import (
     FORMAT_VERSION,
     META_HEADER,
     META_HEADER_SHA,
+    PARTS,
     SERIES,
     Span,
     block_name,
     raw_bytes,
     tensors_sha256,
 )
+from mmkv_cli.pack.quant import QuantSpec, quantize_keys, quantize_values
+from mmkv_cli.pack.stored import shares_positions, store, stored_positions
 
 
 def check_writable(path: Path, force: bool) -> None:
@@ -61,41 +65,18 @@ SAFETENSORS_DTYPES = {
     "int32": "I32",
     "uint8": "U8",
 }
+ELEMENT_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "U8": 1}
 
 
 def _dtype_code(t: torch.Tensor) -> str:
     return SAFETENSORS_DTYPES[str(t.dtype).replace("torch.", "")]
 
 
-def write_pack(
-    path: Path,
-    header: dict,
-    prefix: Span,
-    blocks: list[Span],
-    suffix: Span,
-    force: bool = False,
-) -> int:
-    """Write header + spans to `path` atomically; returns the file size in bytes.
-
-    The file is a safetensors file written here directly: the directory first, then every tensor's
-    bytes in order, the blocks streamed one at a time (a pack of an hour of video is many GB: it is
-    never assembled in memory, only each block's contiguous copy while it is written and hashed).
-    """
-    check_writable(path, force)
-    small: dict[str, torch.Tensor] = {}
-    spans_meta = {}
-    for seg in (prefix, suffix):
-        packed = seg.packed()
-        small.update(packed)
-        spans_meta[seg.name] = {
-            "layer_counts": seg.layer_counts,
-            "sha256": tensors_sha256(list(packed.values())),
-        }
-    header, series = split_series(header)
-    small.update(series)
-    # All blocks share three tensors (a few safetensors entries, whatever the video length); each
-    # block is a contiguous row range of them, read by slicing the memory map.
-    kinds, table, times, offset = [], [], [], 0
+def _table(blocks: list[Span], quant: QuantSpec) -> tuple[list[str], list, list, list[int]]:
+    """(granularity names, table rows, times, rows of blocks.k, .pos, .kq) for `blocks`, read from
+    their counts and positions only (no K/V copy)."""
+    kinds, table, times = [], [], []
+    offset = positions = groups = 0
     for index, block in enumerate(blocks):
         if block.name != block_name(index):  # readers name blocks by their row in the table
             raise PackError(
@@ -103,28 +84,118 @@ def write_pack(
             )
         if block.granularity not in kinds:
             kinds.append(block.granularity)
+        counts = block.layer_counts
+        shared = shares_positions(block)
         steps = list(block.steps) if block.steps else [-1, -1]
-        table.append([kinds.index(block.granularity), *steps, offset, *block.layer_counts])
+        table.append(
+            [kinds.index(block.granularity), *steps, offset, positions, int(shared), groups]
+            + counts
+        )
         times.append([round(float(t), 4) for t in block.time] if block.time else [float("nan")] * 2)
-        offset += sum(block.layer_counts)
-    streamed: dict[str, tuple[str, list[int], int]] = {}  # block tensors: dtype, shape, bytes
+        offset += sum(counts)
+        positions += counts[0] if shared else sum(counts)
+        if quant.quantized:
+            groups += sum(-(-n // quant.group) for n in counts)
+    return kinds, table, times, [offset, positions, groups]
+
+
+def _block_bytes(blocks: list[Span], quant: QuantSpec, digests: list):
+    """Every block tensor's bytes in file order (all blocks' K, then V, positions, key scales,
+    value scales), each block's digest updated as they go. One block is quantized at a time; its
+    scales (a 32nd of its fp16 size) wait for their own pass."""
+    scales: dict[str, list] = {"kq": [], "vq": []}
+    for part in PARTS if quant.quantized else PARTS[:3]:
+        for index, (block, digest) in enumerate(zip(blocks, digests)):
+            if part in scales:
+                data = scales[part][index]
+            elif part == "pos":
+                data = stored_positions(block)[0]
+            elif not quant.quantized:
+                data = block.part(0 if part == "k" else 1)
+            elif part == "k":
+                counts = block.layer_counts
+                data, kept = quantize_keys(block.part(0), counts, quant.bits, quant.group)
+                scales["kq"].append(kept)
+            else:
+                heads, dim = block.keys[0].shape[0], block.keys[0].shape[2]
+                group = quant.value_group(heads, dim)
+                data, kept = quantize_values(block.part(1), quant.bits, group)
+                scales["vq"].append(kept)
+            raw = raw_bytes(data)
+            digest.update(raw)
+            yield raw
+
+
+def _block_tensors(blocks: list[Span], quant: QuantSpec, rows: list[int]) -> dict:
+    """name -> (safetensors dtype, shape) of the shared block tensors, from the first block."""
+    first = blocks[0]
+    heads, dim = first.keys[0].shape[0], first.keys[0].shape[2]
+    kv_code = "U8" if quant.quantized else _dtype_code(first.keys[0])
+    width = dim * quant.bits // 8 if quant.quantized else dim
+    out = {
+        f"{BLOCKS}.k": (kv_code, [rows[0], heads, width]),
+        f"{BLOCKS}.v": (kv_code, [rows[0], heads, width]),
+        f"{BLOCKS}.pos": ("I32", [rows[1], first.positions[0].shape[0]]),
+    }
+    if quant.quantized:
+        out[f"{BLOCKS}.kq"] = ("F16", [rows[2], 2, heads, dim])
+        groups = heads * dim // quant.value_group(heads, dim)
+        out[f"{BLOCKS}.vq"] = ("F16", [rows[0], groups, 2])
+    return out
+
+
+def write_pack(
+    path: Path,
+    header: dict,
+    prefix: Span,
+    blocks: Sequence[Span],
+    suffix: Span,
+    force: bool = False,
+    quant: QuantSpec | None = None,
+) -> int:
+    """Write header + spans to `path` atomically; returns the file size in bytes. quant: how the
+    blocks' K/V are stored (None: as computed); the prefix and suffix always are as computed.
+
+    The file is a safetensors file written here directly: the directory first, then every tensor's
+    bytes in order, the blocks streamed one at a time (a pack of an hour of video is many GB: it is
+    never assembled in memory, only each block's contiguous copy while it is written and hashed).
+    `blocks` may be a lazy sequence that loads a block when indexed (convert): it is read a few
+    times, once per stored tensor.
+    """
+    check_writable(path, force)
+    quant = quant or QuantSpec()
+    small: dict[str, torch.Tensor] = {}
+    spans_meta = {}
+    for seg in (prefix, suffix):
+        stored = store(seg, quant, full_precision=True)
+        small.update({f"{seg.name}.{part}": t for part, t in stored.parts.items()})
+        spans_meta[seg.name] = {
+            "layer_counts": seg.layer_counts,
+            "shared_positions": stored.shared_positions,
+            "sha256": tensors_sha256(list(stored.parts.values())),
+        }
+    header, series = split_series(header)
+    small.update(series)
+    # All blocks share a few tensors (a handful of safetensors entries, whatever the video
+    # length); each block is a contiguous row range of each of them.
+    kinds, table, times, rows = _table(blocks, quant)
+    streamed: dict[str, tuple[str, list[int]]] = {}
     if blocks:
-        for part, name in enumerate(("k", "v", "pos")):
-            sample = blocks[0].part(part)
-            shape = [offset, *sample.shape[1:]]
-            nbytes = math.prod(shape) * sample.element_size()
-            streamed[f"{BLOCKS}.{name}"] = (_dtype_code(sample), shape, nbytes)
+        streamed = _block_tensors(blocks, quant, rows)
         small[f"{BLOCKS}.table"] = torch.tensor(table, dtype=torch.int64)
         small[f"{BLOCKS}.time"] = torch.tensor(times, dtype=torch.float64)
-    reps = [b.representative for b in blocks if b.representative is not None]
+    reps = [b.representative for b in blocks if b.representative is not None] if blocks else []
     if reps and len(reps) == len(blocks):
-        small["reps"] = torch.stack([r.reshape(-1, r.shape[-1]) for r in reps]).float().contiguous()
+        # in the KV's own dtype: retrieval keys need no more precision than the keys they average
+        dtype = prefix.keys[0].dtype if prefix.keys else torch.float32
+        small["reps"] = torch.stack([r.reshape(-1, r.shape[-1]) for r in reps]).to(dtype)
     header = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         **header,
         "spans": spans_meta,
         "blocks": {"count": len(blocks), "granularities": kinds},
+        "quant": quant.as_header(),
         "representatives": (
             {
                 "dim": int(small["reps"].shape[2]),
@@ -149,8 +220,8 @@ def write_pack(
 
     for name, tensor in small.items():
         place(name, _dtype_code(tensor), list(tensor.shape), tensor.numel() * tensor.element_size())
-    for name, (code, shape, nbytes) in streamed.items():
-        place(name, code, shape, nbytes)
+    for name, (code, shape) in streamed.items():
+        place(name, code, shape, math.prod(shape) * ELEMENT_BYTES[code])
     if blocks:
         place(f"{BLOCKS}.sha256", "U8", [len(blocks), 32], 32 * len(blocks))
     head = json.dumps(directory, separators=(",", ":")).encode()
@@ -163,12 +234,8 @@ def write_pack(
             for tensor in small.values():
                 fh.write(raw_bytes(tensor))
             digests = [hashlib.sha256() for _ in blocks]
-            # all K, then all V, then all positions; each block hashed in turn
-            for part in range(3):
-                for block, digest in zip(blocks, digests):
-                    data = raw_bytes(block.part(part))
-                    fh.write(data)
-                    digest.update(data)
+            for data in _block_bytes(blocks, quant, digests):
+                fh.write(data)
             fh.write(b"".join(d.digest() for d in digests))
             fh.flush()
             os.fsync(fh.fileno())

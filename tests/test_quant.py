@@ -1,0 +1,217 @@
+"""Quantized KV: the scoring-free maths on tensors, then packs written quantized and read back."""
+
+import pytest
+import torch
+
+from mmkv_cli.errors import PackError, UsageError
+from mmkv_cli.pack import PackReader, Span, write_pack
+from mmkv_cli.pack.quant import (
+    QuantSpec,
+    dequantize_keys,
+    dequantize_values,
+    key_groups,
+    pack_codes,
+    quantize_keys,
+    quantize_values,
+    unpack_codes,
+)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_codes_pack_and_unpack_exactly(bits):
+    codes = torch.randint(0, 1 << bits, (5, 2, 16), dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.shape == (5, 2, 16 * bits // 8) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_codes(packed, bits), codes)
+
+
+def test_key_groups_restart_at_every_layer_run():
+    # layers keep 5, 0 and 3 tokens; groups of 2 tokens
+    assert key_groups([5, 0, 3], 2).tolist() == [0, 0, 1, 1, 2, 3, 3, 4]
+
+
+def _expanded(scales, counts, group):
+    return scales[key_groups(counts, group)]
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_round_trip_error_is_at_most_half_a_step(bits):
+    g = torch.Generator().manual_seed(bits)
+    counts = [70, 33]
+    keys = torch.randn(sum(counts), 2, 64, generator=g) * 3
+    values = torch.randn(sum(counts), 2, 64, generator=g)
+    codes, scales = quantize_keys(keys, counts, bits, 64)
+    assert codes.shape == (103, 2, 64 * bits // 8) and scales.shape == (2 + 1, 2, 2, 64)
+    back = dequantize_keys(codes, _expanded(scales, counts, 64), bits, torch.float32)
+    step = _expanded(scales, counts, 64)[:, 0].float()
+    assert ((back - keys).abs() <= step / 2 + 1e-2 * step + 1e-6).all()
+    codes, scales = quantize_values(values, bits, 64)
+    assert scales.shape == (103, 2, 2)  # per token, one group per 64 channels
+    back = dequantize_values(codes, scales, bits, torch.float32)
+    step = scales[..., 0].float().repeat_interleave(64, dim=1).reshape(103, 2, 64)
+    assert ((back - values).abs() <= step / 2 + 1e-2 * step + 1e-6).all()
+
+
+def test_a_layers_outlier_does_not_widen_another_layers_scale():
+    keys = torch.randn(8, 1, 8)
+    quiet = dequantize_keys(*_round(keys, [4, 4]), torch.float32)
+    keys[0, 0, 0] = 1000.0  # layer 0's first token
+    loud = dequantize_keys(*_round(keys, [4, 4]), torch.float32)
+    assert torch.equal(quiet[4:], loud[4:])  # layer 1's keys decode as before
+
+
+def _round(keys, counts, bits=4, group=64):
+    codes, scales = quantize_keys(keys, counts, bits, group)
+    return codes, _expanded(scales, counts, group), bits
+
+
+def test_constant_channels_decode_exactly():
+    keys = torch.full((6, 2, 8), 0.5)
+    assert torch.equal(dequantize_keys(*_round(keys, [6]), torch.float32), keys)
+
+
+def test_settings_the_width_cannot_take_are_refused():
+    QuantSpec(4, 64).check(2, 64)
+    QuantSpec(2, 256).check(2, 64)  # a value group wider than a token: the whole token
+    with pytest.raises(UsageError, match="does not divide"):
+        QuantSpec(4, 48).check(2, 64)
+    with pytest.raises(UsageError, match="--kv-bits"):
+        QuantSpec(3, 64).check(2, 64)
+    with pytest.raises(UsageError, match="float16"):
+        quantize_values(torch.full((1, 1, 8), 1e6), 4, 8)
+
+
+def span(name, counts, seed, granularity=None, shared=True):
+    g = torch.Generator().manual_seed(seed)
+    return Span(
+        name=name,
+        keys=[torch.randn(2, n, 16, generator=g) for n in counts],
+        values=[torch.randn(2, n, 16, generator=g) for n in counts],
+        positions=[
+            (torch.arange(n) + (0 if shared else layer)).expand(3, -1).clone()
+            for layer, n in enumerate(counts)
+        ],
+        granularity=granularity,
+        steps=(seed, seed + 1) if granularity else None,
+        time=(float(seed), float(seed) + 0.5) if granularity else None,
+        representative=torch.randn(1, 32, generator=g) if granularity else None,
+    )
+
+
+HEADER = {
+    "fingerprint": {"model": "m"},
+    "method": {"name": "full"},
+    "kv": {"layers": 3, "kv_heads": 2, "head_dim": 16, "dtype": "float32"},
+}
+
+
+def write(path, quant=None):
+    blocks = [
+        span("b0", [20, 20, 20], 1, "frame"),
+        span("b1", [9, 4, 0], 2, "patch"),
+        span("b2", [5, 5, 5], 3, "frame", shared=False),
+    ]
+    write_pack(
+        path, HEADER, span("prefix", [3] * 3, 0), blocks, span("suffix", [1] * 3, 9), False, quant
+    )
+    return blocks
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_a_quantized_pack_reads_back_its_dequantized_kv(tmp_path, bits):
+    blocks = write(tmp_path / "q.kvpack", QuantSpec(bits, 8))
+    reader = PackReader(tmp_path / "q.kvpack")
+    assert reader.quant == QuantSpec(bits, 8) and reader.header["quant"]["bits"] == bits
+    names = ["b2", "b0", "b1"]
+    keys, values, positions = reader.gather(names)
+    for layer in range(3):
+        want_keys, want_values = [], []
+        for name in names:
+            block = blocks[int(name[1:])]
+            counts = block.layer_counts
+            codes, scales = quantize_keys(block.part(0), counts, bits, 8)
+            k = dequantize_keys(codes, _expanded(scales, counts, 8), bits, torch.float32)
+            v = dequantize_values(*quantize_values(block.part(1), bits, 8), bits, torch.float32)
+            first = sum(counts[:layer])
+            want_keys.append(k[first : first + counts[layer]].transpose(0, 1))
+            want_values.append(v[first : first + counts[layer]].transpose(0, 1))
+        assert torch.equal(keys[layer], torch.cat(want_keys, dim=1))
+        assert torch.equal(values[layer], torch.cat(want_values, dim=1))
+        want = torch.cat([blocks[int(n[1:])].positions[layer] for n in names], dim=1)
+        assert torch.equal(positions[layer], want) and positions[layer].dtype == torch.int64
+    # the prefix stays exact (as computed)
+    assert torch.equal(reader.span("prefix").keys[1], span("prefix", [3] * 3, 0).keys[1])
+
+
+def test_per_layer_gathers_read_each_layers_blocks(tmp_path):
+    write(tmp_path / "q.kvpack", QuantSpec(4, 8))
+    reader = PackReader(tmp_path / "q.kvpack")
+    whole = reader.gather(["b0", "b2"])
+    keys, _, positions = reader.gather(["b0", "b2"], [["b0", "b2"], ["b2"], ["b0"]])
+    assert torch.equal(keys[0], whole[0][0])
+    assert torch.equal(keys[1], whole[0][1][:, 20:]) and torch.equal(keys[2], whole[0][2][:, :20])
+    assert torch.equal(positions[1], whole[2][1][:, 20:])
+
+
+def test_positions_are_int32_and_stored_once_when_layers_agree(tmp_path):
+    write(tmp_path / "p.kvpack")
+    reader = PackReader(tmp_path / "p.kvpack")
+    entry = reader._entries["blocks.pos"]
+    # b0 shares (20 rows), b1 differs by layer (13), b2's layers sit at other positions (15)
+    assert entry["dtype"] == "I32" and entry["shape"] == [20 + 13 + 15, 3]
+    assert reader._entries["prefix.pos"]["shape"] == [3, 3]
+
+
+@pytest.mark.parametrize("part", ["blocks.k", "blocks.kq", "blocks.vq", "blocks.pos"])
+def test_every_stored_part_of_a_block_is_checksummed(tmp_path, part):
+    path = tmp_path / "q.kvpack"
+    write(path, QuantSpec(4, 8))
+    reader = PackReader(path)
+    start = reader._data_start + reader._entries[part]["data_offsets"][0]
+    with open(path, "r+b") as fh:
+        fh.seek(start + 1)
+        byte = fh.read(1)
+        fh.seek(start + 1)
+        fh.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(PackError, match="checksum mismatch in b0"):
+        PackReader(path).gather(["b0"])
+
+
+def test_quantized_packs_are_smaller_by_their_bits(tmp_path):
+    sizes = {}
+    for bits in (16, 8, 4, 2):
+        path = tmp_path / f"{bits}.kvpack"
+        g = torch.Generator().manual_seed(0)
+        blocks = [
+            Span(
+                f"b{i}",
+                [torch.randn(2, 196, 64, generator=g).half() for _ in range(2)],
+                [torch.randn(2, 196, 64, generator=g).half() for _ in range(2)],
+                [torch.arange(196).unsqueeze(0) + 196 * i] * 2,
+                "frame",
+                (i, i + 1),
+                (i, i),
+            )
+            for i in range(16)
+        ]
+        tiny = Span(
+            "prefix",
+            [torch.zeros(2, 1, 64).half()] * 2,
+            [torch.zeros(2, 1, 64).half()] * 2,
+            [torch.zeros(1, 1, dtype=torch.int64)] * 2,
+        )
+        write_pack(
+            path,
+            HEADER,
+            tiny,
+            blocks,
+            Span("suffix", tiny.keys, tiny.values, tiny.positions),
+            False,
+            QuantSpec(bits, 64),
+        )
+        sizes[bits] = path.stat().st_size
+    # codes, an fp16 scale and zero per 64 values (0.5 bit a value; the keys' last group of 4
+    # tokens in 196 costs as much as a full one) and the positions, once for both layers
+    for bits in (8, 4, 2):
+        key_bits, value_bits = bits + 4 * 32 / 196, bits + 32 / 64
+        assert sizes[bits] / sizes[16] < ((key_bits + value_bits) / 2 + 0.1) / 16  # + positions
