@@ -95,6 +95,12 @@ def encode(
 
 def context_policy(reader: PackReader) -> ContextPolicy:
     """The context policy of the method a pack names, with the parameters it was encoded with."""
+    chosen, params = stored_method(reader)
+    return chosen.context(params) if chosen.context is not None else WholeContext()
+
+
+def stored_method(reader: PackReader):
+    """(the method a pack names, its typed parameters as the pack stores them)."""
     method = reader.header.get("method") or {}
     implements = method.get("implements") or method.get("name")
     if implements not in METHODS:
@@ -115,7 +121,7 @@ def context_policy(reader: PackReader) -> ContextPolicy:
                     continue
     except UsageError as err:
         raise PackError(f"{reader.path}: {err}") from None
-    return chosen.context(params) if chosen.context is not None else WholeContext()
+    return chosen, params
 
 
 class PackSession:
@@ -209,9 +215,12 @@ def inspect(pack: str | Path) -> dict:
     reader = PackReader(pack)
     h = reader.header
     kv = h["kv"]
-    per_token = 2 * kv["kv_heads"] * kv["head_dim"] * BYTES_PER_VALUE.get(kv["dtype"], 2)
     counts = reader.blocks.layer_totals()  # [blocks, layers]
     per_layer = counts.sum(axis=0).tolist() if len(counts) else [0] * kv["layers"]
+    # K + V (+ their quantization scales) per token per layer, as stored
+    stored = reader.stored_bytes(["blocks.k", "blocks.v", "blocks.kq", "blocks.vq"])
+    as_computed = 2 * kv["kv_heads"] * kv["head_dim"] * BYTES_PER_VALUE.get(kv["dtype"], 2)
+    per_token = stored / max(1, int(counts.sum())) if len(counts) else as_computed
     total = h["visual_tokens_total"]
     codes = reader.blocks.codes()
     granularities: dict[str, dict] = {}
@@ -222,7 +231,7 @@ def inspect(pack: str | Path) -> dict:
             "blocks": int(mine.shape[0]),
             "tokens": round(tokens, 2),  # per layer, averaged over layers
             "stream_share": round(tokens / max(1, total), 4),
-            "bytes": int(mine.sum()) * per_token,
+            "bytes": round(int(mine.sum()) * per_token),
         }
     kept = sum(per_layer) / max(1, len(per_layer))
     method = h["method"]
@@ -247,7 +256,12 @@ def inspect(pack: str | Path) -> dict:
         "overlapping_views": views if len(views) > 1 else [],
         "prompt_tokens": spans["prefix"]["layer_counts"][0] + spans["suffix"]["layer_counts"][0],
         "bytes": reader.size,
-        "kv_bytes": int(sum(per_layer)) * per_token,
+        "kv_bytes": round(int(sum(per_layer)) * per_token),
+        "kv_bits": (h.get("quant") or {}).get("bits", 16),
+        "kv_group": (h.get("quant") or {}).get("group"),
+        "kv_dtype": kv["dtype"],
+        "kv_bytes_per_token": round(per_token, 2),  # per layer, K + V and their scales
+        "kv_bytes_per_token_as_computed": as_computed,
         "layers": [{"index": i, "tokens_kept": int(n)} for i, n in enumerate(per_layer)],
         "granularities": granularities,
         "positions": {

@@ -13,7 +13,7 @@ from enum import Enum
 
 import typer
 
-from mmkv_cli import __version__, cli_study, cli_talk
+from mmkv_cli import __version__, cli_pack, cli_study, cli_talk
 from mmkv_cli.cli_common import (
     DeviceOpt,
     DtypeOpt,
@@ -359,6 +359,7 @@ app.command("eval")(cli_study.eval_)
 app.command()(cli_study.synth)
 app.command()(cli_talk.chat)
 app.command()(cli_talk.serve)
+app.command()(cli_pack.convert)
 
 
 def main() -> None:

@@ -108,6 +108,26 @@ def kept_label(info: dict) -> str:
     return f"{share}, as {len(views)} overlapping views of the stream ({parts})"
 
 
+def storage_label(info: dict) -> str:
+    """How the visual KV is stored: bits, group and bytes per token per layer."""
+    per_token = f"{info['kv_bytes_per_token']:g} bytes a token per layer"
+    if info["kv_bits"] == 16:
+        return f"{info['kv_dtype']}, as computed, {per_token}"
+    ratio = info["kv_bytes_per_token"] / max(1, info["kv_bytes_per_token_as_computed"])
+    return (
+        f"{info['kv_bits']}-bit, groups of {info['kv_group']} (fp16 scale and zero), {per_token} "
+        f"({ratio:.1%} of {info['kv_dtype']})"
+    )
+
+
+def converted_line(info: dict) -> str:
+    bits = "as computed" if info["kv_bits"] == 16 else f"{info['kv_bits']}-bit"
+    return (
+        f"wrote {info['path']}: {info['blocks']} of {info['source_blocks']} blocks, {bits}, "
+        f"{human_bytes(info['bytes'])} ({info['bytes'] / info['source_bytes']:.1%} of the source)"
+    )
+
+
 def encoded_line(info: dict) -> str:
     return (
         f"wrote {info['path']}: {info['method']} ({budget_label(info)}), {kept_label(info)}, "
@@ -134,6 +154,7 @@ def show_inspect(info: dict) -> None:
             "size",
             f"{human_bytes(info['bytes'])} on disk, {human_bytes(info['kv_bytes'])} visual KV",
         ),
+        ("KV storage", storage_label(info)),
         (
             "positions",
             f"{info['positions']['dims']}-D, "

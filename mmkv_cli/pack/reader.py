@@ -151,6 +151,11 @@ class PackReader:
         index = self._blocks.index_of(name)
         return None if index is None else self._blocks[index]
 
+    def stored_bytes(self, names: list[str]) -> int:
+        """Bytes the tensors `names` take in the file (0 for those it does not hold)."""
+        spans = [self._entries[n]["data_offsets"] for n in names if n in self._entries]
+        return sum(stop - start for start, stop in spans)
+
     @property
     def size(self) -> int:
         return self.path.stat().st_size
@@ -213,12 +218,13 @@ class PackReader:
         """Whether the representatives are means of keys after RoPE (packs before v6)."""
         return (self.header.get("representatives") or {}).get("space") != "pre_rope"
 
-    def span(self, name: str, keep: bool = True) -> Span:
+    def span(self, name: str, keep: bool = True, dtype: torch.dtype | None = None) -> Span:
         """Load one span ("prefix", "suffix" or a block name), verifying its checksum. keep: hold
-        it for the next call (a pass over every block, as convert makes, would hold them all)."""
+        it for the next call (a pass over every block, as convert makes, would hold them all).
+        dtype: what a quantized block decodes into (default: the KV's dtype)."""
         if name in self._spans:
             return self._spans[name]
-        loaded = self._load_span(name)
+        loaded = self._load_span(name, dtype)
         if keep:
             self._spans[name] = loaded
         return loaded
@@ -228,6 +234,7 @@ class PackReader:
         names: list[str],
         per_layer: list[list[str]] | None = None,
         device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Blocks `names` joined per layer, in that order: (keys, values, positions), each a list
         over layers of [H_kv, n, D] and [P, n] int64. per_layer: for every layer the names it takes
@@ -271,7 +278,7 @@ class PackReader:
         stored = [self._pick(views[p], rows).to(device) for p in ("k", "v", "vq")]
         key_scales = self._pick(views["kq"], groups).to(device)
         expand = torch.from_numpy(expand).to(device)
-        dtype = getattr(torch, self.header["kv"]["dtype"])
+        dtype = dtype or getattr(torch, self.header["kv"]["dtype"])
         keys, values, first = [], [], 0
         for total in totals:  # one layer at a time: float copies of a layer only
             span = slice(first, first + total)
@@ -348,7 +355,7 @@ class PackReader:
             return view[start:stop]  # contiguous: hashed straight from the memory map
         return np.ascontiguousarray(view[:, start:stop])
 
-    def _load_span(self, name: str) -> Span:
+    def _load_span(self, name: str, dtype: torch.dtype | None = None) -> Span:
         meta = self.spans_meta.get(name) or self._block_meta(name)
         if meta is None:
             raise PackError(f"{self.path} has no span {name}")
@@ -356,7 +363,7 @@ class PackReader:
         # a block: its token range of the shared block tensors, read and checked by gather
         if "offset" in meta:
             keys, values, positions = (
-                [t.contiguous() for t in part] for part in self.gather([name])
+                [t.contiguous() for t in part] for part in self.gather([name], dtype=dtype)
             )
         else:
             k, v, pos = (self._tensor(f"{name}.{part}") for part in ("k", "v", "pos"))

@@ -152,9 +152,11 @@ def write_pack(
     suffix: Span,
     force: bool = False,
     quant: QuantSpec | None = None,
+    reps_space: str = "pre_rope",
 ) -> int:
     """Write header + spans to `path` atomically; returns the file size in bytes. quant: how the
     blocks' K/V are stored (None: as computed); the prefix and suffix always are as computed.
+    reps_space: what the representatives are means of ("post_rope": a pack before v6, converted).
 
     The file is a safetensors file written here directly: the directory first, then every tensor's
     bytes in order, the blocks streamed one at a time (a pack of an hour of video is many GB: it is
@@ -200,7 +202,7 @@ def write_pack(
             {
                 "dim": int(small["reps"].shape[2]),
                 "layers": int(small["reps"].shape[1]),
-                "space": "pre_rope",
+                "space": reps_space,
             }
             if "reps" in small
             else None

@@ -1,0 +1,41 @@
+"""Typer commands that work on packs alone, without a model: convert."""
+
+from __future__ import annotations
+
+import typer
+
+from mmkv_cli.cli_common import JsonOpt, emit_json, run
+
+
+def convert(
+    source: str = typer.Argument(..., help="The .kvpack to convert."),
+    output: str = typer.Argument(..., help="The .kvpack to write."),
+    kv_bits: int = typer.Option(
+        ..., "--kv-bits", help="Bits per stored visual K/V value: 16 (as computed), 8, 4 or 2."
+    ),
+    kv_group: int = typer.Option(
+        64, "--kv-group", help="Quantization group: tokens per key group, channels per value group."
+    ),
+    start: float | None = typer.Option(
+        None, "--from", help="Keep only blocks showing this second or later."
+    ),
+    stop: float | None = typer.Option(
+        None, "--to", help="Keep only blocks showing this second or earlier."
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="Replace an existing output; allow raising the precision."
+    ),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Store a pack's KV at other bits, or cut out a time range, without the model. The new pack
+    is written atomically; the source is never touched."""
+
+    def body() -> None:
+        from mmkv_cli.convert import convert as convert_pack
+        from mmkv_cli.display import converted_line, out_console
+        from mmkv_cli.pack.quant import QuantSpec
+
+        info = convert_pack(source, output, QuantSpec(kv_bits, kv_group), start, stop, force)
+        emit_json(info) if as_json else out_console.print(converted_line(info), highlight=False)
+
+    run(body)

@@ -1,0 +1,147 @@
+"""convert: re-store an existing pack's KV at other bits, or cut out a time range, without the
+model. The header, table and representatives carry over; blocks stream one at a time."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from mmkv_cli.errors import PackError, UsageError
+from mmkv_cli.lazy import torch
+from mmkv_cli.pack import PackReader, Span, check_writable
+from mmkv_cli.pack.format import SERIES, block_name
+from mmkv_cli.pack.quant import QuantSpec
+from mmkv_cli.spec import as_plain
+
+# header sections the writer makes again from what it is given
+WRITTEN = ("format", "format_version", "spans", "blocks", "quant", "representatives", "segments")
+
+
+class _Blocks(Sequence):
+    """The kept blocks of a pack, each loaded (and checked) when indexed, held by nobody: the writer
+    reads each a few times, but never holds more than one."""
+
+    def __init__(self, reader: PackReader, rows: np.ndarray, dtype):
+        self.reader, self.rows, self.dtype = reader, rows, dtype
+        self.reps = reader.representatives()
+        self._last: tuple[int, Span] | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> Span:
+        if self._last is not None and self._last[0] == i:  # the table pass reads a block twice
+            return self._last[1]
+        row = int(self.rows[i])
+        loaded = self.reader.span(self.reader.blocks.name(row), keep=False, dtype=self.dtype)
+        rep = self.reps[row].to(self.dtype) if self.reps is not None else None
+        block = replace(loaded, name=block_name(i), representative=rep)
+        self._last = (i, block)
+        return block
+
+
+def kept_rows(reader: PackReader, start: float | None, stop: float | None) -> np.ndarray:
+    """The blocks that show any of [start, stop] (every block when neither is given). A block
+    with no time (HERMES' summary of everything it evicted) is dropped from a cut: it holds the
+    whole stream's past, not the range's."""
+    for name, value in (("--from", start), ("--to", stop)):
+        if value is not None and (not math.isfinite(value) or value < 0):
+            raise UsageError(f"{name} must be a finite number of seconds, 0 or more")
+    if start is not None and stop is not None and stop < start:
+        raise UsageError("--to must not come before --from")
+    times = reader.blocks.times()
+    if start is None and stop is None:
+        return np.arange(len(reader.blocks))
+    first, last = times[:, 0], times[:, 1]
+    low = -math.inf if start is None else start
+    high = math.inf if stop is None else stop
+    keep = ~np.isnan(first) & (first <= high) & (last >= low)
+    rows = np.flatnonzero(keep)
+    if not len(rows):
+        raise UsageError(f"no block of {reader.path} lies between {low:g} s and {high:g} s")
+    return rows
+
+
+def convert(
+    source: str | Path,
+    output: str | Path,
+    quant: QuantSpec,
+    start: float | None = None,
+    stop: float | None = None,
+    force: bool = False,
+) -> dict:
+    """Write `source`'s KV to `output` at quant.bits (and only the blocks in [start, stop]).
+    Refuses to raise the precision (the bits lost stay lost; the pack only grows) unless `force`,
+    which also replaces an existing output. Returns what was written."""
+    from mmkv_cli.api import stored_method
+    from mmkv_cli.pack import write_pack
+
+    output = Path(output)
+    reader = PackReader(source)
+    if output.exists() and output.resolve() == reader.path.resolve():
+        raise UsageError(f"{output} is the pack being converted: pick another output")
+    check_writable(output, force)
+    had = reader.quant.bits if reader.quant else 16
+    if quant.bits > had and not force:
+        raise UsageError(
+            f"{reader.path} stores {had}-bit KV: {quant.bits} bits cannot bring back what was lost "
+            "and only makes the pack bigger (pass --force to do it anyway)"
+        )
+    prefix = reader.span("prefix")  # stored as computed: the KV's true width and dtype
+    quant.check(int(prefix.keys[0].shape[0]), int(prefix.keys[0].shape[2]))
+    rows = kept_rows(reader, start, stop)
+    header = {k: v for k, v in reader.header.items() if k not in WRITTEN}
+    _, params = stored_method(reader)
+    header["method"] = {**header["method"], "params": as_plain(params)}
+    for name in SERIES:  # the writer stores these lists as tensors again
+        section, key = name.split(".")
+        try:
+            values = reader.series(name)
+        except PackError:  # a pack that never stored it
+            continue
+        header[section] = {**(header.get(section) or {}), key: values}
+    header["kv"] = {  # from the stored tensors themselves
+        **(header.get("kv") or {}),
+        "layers": len(prefix.keys),
+        "kv_heads": int(prefix.keys[0].shape[0]),
+        "head_dim": int(prefix.keys[0].shape[2]),
+        "dtype": str(prefix.keys[0].dtype).replace("torch.", ""),
+    }
+    header["converted"] = {
+        "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "source": str(reader.path),
+        "source_format_version": reader.header["format_version"],
+        "source_kv_bits": had,
+        "range": None if start is None and stop is None else [start, stop],
+        "blocks_kept": int(len(rows)),
+        "blocks_source": len(reader.blocks),
+    }
+    # decode in float32 for a re-quantization (no rounding to the KV's dtype in between); keep the
+    # KV's dtype when storing as computed
+    dtype = torch.float32 if quant.quantized else prefix.keys[0].dtype
+    blocks = _Blocks(reader, rows, dtype)
+    size = write_pack(
+        output,
+        header,
+        prefix,
+        blocks,
+        reader.span("suffix"),
+        force,
+        quant,
+        "post_rope" if reader.rotated_representatives else "pre_rope",
+    )
+    return {
+        "path": str(output),
+        "bytes": size,
+        "source_bytes": reader.size,
+        "blocks": len(blocks),
+        "source_blocks": len(reader.blocks),
+        "kv_bits": quant.bits,
+        "kv_group": quant.group if quant.quantized else None,
+        "source_kv_bits": had,
+    }
