@@ -6,9 +6,26 @@ from enum import Enum
 
 import typer
 
-from mmkv_cli.cli_common import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, emit_json, load_options, run
+from mmkv_cli.cli_common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    KvBitsOpt,
+    KvGroupOpt,
+    ModelOpt,
+    emit_json,
+    load_options,
+    run,
+)
 from mmkv_cli.errors import UsageError
 from mmkv_cli.options import Dtype, EncodeOptions, Positions
+
+
+def parse_ints(text: str, option: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{option} takes comma-separated whole numbers, not '{text}'") from None
 
 
 class ClipKind(str, Enum):
@@ -30,6 +47,10 @@ def profile(
     fps: float | None = typer.Option(None, "--fps"),
     max_frames: int | None = typer.Option(None, "--max-frames"),
     plot: str | None = typer.Option(None, "--plot", help="Write a PNG of the ratios to full."),
+    kv_bits: str = typer.Option(
+        "16", "--kv-bits", help="Comma-separated stored bits to compare (16, 8, 4, 2)."
+    ),
+    kv_group: int = KvGroupOpt,
     model: str | None = ModelOpt,
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
@@ -42,7 +63,10 @@ def profile(
         from mmkv_cli.display import show_profile
 
         names = [m.strip() for m in methods.split(",") if m.strip()]
-        media_options = EncodeOptions(budget=budget, fps=fps, max_frames=max_frames)
+        bits = parse_ints(kv_bits, "--kv-bits")
+        media_options = EncodeOptions(
+            budget=budget, fps=fps, max_frames=max_frames, kv_group=kv_group
+        )
         result = prof.profile(
             media,
             names,
@@ -50,6 +74,7 @@ def profile(
             question,
             max_new_tokens,
             load_options(model, device, dtype),
+            kv_bits=bits,
         )
         if plot:
             prof.plot(result, plot)
@@ -79,6 +104,7 @@ def eval_(
     limit: int | None = typer.Option(None, "--limit", help="Only the first N questions."),
     fps: float | None = typer.Option(None, "--fps"),
     max_frames: int | None = typer.Option(None, "--max-frames"),
+    kv_bits: int = KvBitsOpt,
     model: str | None = ModelOpt,
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
@@ -100,12 +126,13 @@ def eval_(
             max_frames=max_frames,
             positions=positions,
             max_new_tokens=max_new_tokens,
+            kv_bits=kv_bits,
         )
         result = ev.evaluate(
             qa_file, names, levels, out, settings, load_options(model, device, dtype), limit
         )
         if as_json:
-            fields = ("method", "budget", "kept", "accuracy", "by_type", "n")
+            fields = ("method", "budget", "kv_bits", "kept", "accuracy", "by_type", "n")
             emit_json(
                 {
                     "runs": [{k: r.get(k) for k in fields} for r in result["runs"]],

@@ -190,26 +190,49 @@ def show_profile(result: dict) -> None:
         ("TTFT", "ttft_s", lambda v: f"{1000 * v:.1f}ms"),
         ("decode/tok", "decode_s_per_token", lambda v: f"{1000 * v:.1f}ms"),
     ]
+    compared = columns
     measured = Table(
         title=f"profile: {result['model']} on {result['device']}", title_justify="left"
     )
     ratios = Table(title=f"ratio to {result['reference']}", title_justify="left")
-    for table in (measured, ratios):
+    for table, shown in ((measured, columns), (ratios, compared)):
         table.add_column("method")
-        for title, _, _ in columns:
+        for title, _, _ in shown:
             table.add_column(title, justify="right")
     for r in result["methods"]:
         label = short_label(r)
+        if r.get("kv_bits", 16) != 16:
+            label += f" {r['kv_bits']}b"
         measured.add_row(label, *(fmt(r[key]) for _, key, fmt in columns))
         ratios.add_row(
             label,
             *(
                 "-" if r["ratio"][key] is None else f"{r['ratio'][key]:.2f}"
-                for _, key, _ in columns
+                for _, key, _ in compared
             ),
         )
     out_console.print(measured)
     out_console.print(ratios)
+    if any(r.get("kv_bits", 16) != 16 for r in result["methods"]):
+        show_quantization(result)
+
+
+def show_quantization(result: dict) -> None:
+    """How far quantization moved each method's first answer token from the same method's pack at
+    the first bits profiled."""
+    first = result["methods"][0].get("kv_bits", 16)
+    table = Table(title=f"first answer token against {first} bits", title_justify="left")
+    for col in ("method", "bits", "pack", "KL (nats)", "top-1"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for r in result["methods"]:
+        table.add_row(
+            short_label(r),
+            str(r["kv_bits"]),
+            human_bytes(r["bytes"]),
+            f"{r['first_token_kl']:.5f}",
+            "same" if r["top1_agrees"] else "differs",
+        )
+    out_console.print(table)
 
 
 def show_listing(title: str, rows: list[dict], columns: list[str]) -> None:

@@ -176,9 +176,10 @@ def chance_level(kind: str, options: int) -> float | None:
     return chance(kind) if kind in QUESTION_TYPES else None
 
 
-def run_folder(out: Path, model: str, method: str, budget: float) -> Path:
+def run_folder(out: Path, model: str, method: str, budget: float, kv_bits: int = 16) -> Path:
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model)
-    return out / safe / f"{method}-b{budget:g}"
+    stored = "" if kv_bits == 16 else f"-kv{kv_bits}"
+    return out / safe / f"{method}-b{budget:g}{stored}"
 
 
 def _done(predictions: Path) -> dict[str, dict]:
@@ -208,6 +209,7 @@ class EvalSettings:
     max_frames: int | None = None
     positions: Positions | None = None
     max_new_tokens: int = 8
+    kv_bits: int = 16  # bits per stored visual K/V value (16: as computed)
 
 
 def evaluate(
@@ -241,7 +243,9 @@ def evaluate(
         for name, budget in plan:
             label = f"{name} b{budget if budget is not None else 1:g}"
             task = bar.add_task(label, total=clips)
-            folder = run_folder(root, model, name, budget if budget is not None else 1.0)
+            folder = run_folder(
+                root, model, name, budget if budget is not None else 1.0, settings.kv_bits
+            )
             runs.append(
                 evaluate_run(
                     items,
@@ -284,13 +288,19 @@ def evaluate_run(
         "max_frames": settings.max_frames,
         "positions": settings.positions.value if settings.positions else None,
         "max_new_tokens": settings.max_new_tokens,
+        "kv_bits": settings.kv_bits,
     }
     (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     clips: dict[str, list[Item]] = {}
     for item in items:
         clips.setdefault(item.video, []).append(item)
     encoding = EncodeOptions(
-        method, budget, fps=settings.fps, max_frames=settings.max_frames, force=True
+        method,
+        budget,
+        fps=settings.fps,
+        max_frames=settings.max_frames,
+        force=True,
+        kv_bits=settings.kv_bits,
     )
     generation = GenerationOptions(max_new_tokens=settings.max_new_tokens)
     with predictions.open("a") as sink, tempfile.TemporaryDirectory(prefix="mmkv-eval-") as tmp:
@@ -329,6 +339,7 @@ def evaluate_run(
     result = {
         "method": method,
         "budget": budget if budget is not None else 1.0,
+        "kv_bits": settings.kv_bits,
         **metrics(rows, chance_level),
     }
     (folder / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -3,6 +3,7 @@ against method."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 import threading
@@ -16,6 +17,7 @@ from mmkv_cli import api
 from mmkv_cli.backbones import load_backbone
 from mmkv_cli.errors import UsageError
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
+from mmkv_cli.pack.quant import QuantSpec
 from mmkv_cli.presets import resolve_method
 
 METRICS = [
@@ -77,15 +79,24 @@ def profile(
     max_new_tokens: int = 16,
     load: LoadOptions | None = None,
     progress=None,
+    kv_bits: list[int] | None = None,
 ) -> dict:
-    """Encode `media` once per method (options.budget for every compressing one, each method's own
-    otherwise), ask `question` from each pack, and compare everything with full's figures."""
+    """Encode `media` once per method and per stored bits (options.budget for every compressing
+    method, each method's own otherwise), ask `question` from each pack, and compare everything
+    with full's figures at the first bits. Each quantized pack's first answer token is compared
+    with the same method's pack at the first bits listed (KL divergence, top-1 agreement)."""
     if not methods:
         raise UsageError("--methods needs at least one method")
+    kv_bits = kv_bits or [16]
     choices = {name: resolve_method(name) for name in methods}  # unknown names fail before loading
+    for bits in kv_bits:
+        QuantSpec(bits, options.kv_group).check(1, 8)
     backbone = load_backbone(load)
-    asking = AskOptions(generation=GenerationOptions(max_new_tokens=max_new_tokens))
+    asking = AskOptions(
+        generation=GenerationOptions(max_new_tokens=max_new_tokens), keep_logits=True
+    )
     rows = []
+    logits: dict[str, torch.Tensor] = {}  # each method's first answer logits at the first bits
 
     def encode_options(name: str, **extra) -> EncodeOptions:
         budget = None if choices[name].method.keeps_all else options.budget
@@ -97,14 +108,18 @@ def profile(
         warm = Path(tmp) / "warmup.kvpack"
         api.encode(media, warm, encode_options(methods[0], max_frames=2), backbone=backbone)
         api.ask(warm, question, AskOptions(generation=GenerationOptions(2)), backbone=backbone)
-        for name in methods:
-            pack = Path(tmp) / f"{name}.kvpack"
+        for name, bits in itertools.product(methods, kv_bits):
+            pack = Path(tmp) / f"{name}-{bits}.kvpack"
             with PeakMemory(backbone.device) as mem:
-                summary = api.encode(media, pack, encode_options(name), backbone=backbone)
+                made = encode_options(name, kv_bits=bits)
+                summary = api.encode(media, pack, made, backbone=backbone)
             answer = api.ask(pack, question, asking, backbone=backbone)
+            first = logits.setdefault(name, answer.first_logits)
             rows.append(
                 {
                     "method": name,
+                    "kv_bits": bits,
+                    **first_token_change(first, answer.first_logits),
                     "budget": summary["budget"],
                     "budget_tokens": summary["budget_tokens"],
                     "encode_s": summary["encode_s"],
@@ -120,7 +135,9 @@ def profile(
             )
             if progress:
                 progress(name)
-    reference = next((r for r in rows if r["method"] == "full"), rows[0])
+    reference = next(
+        (r for r in rows if r["method"] == "full" and r["kv_bits"] == kv_bits[0]), rows[0]
+    )
     for row in rows:
         row["ratio"] = {m: (row[m] / reference[m] if reference[m] else None) for m in METRICS}
     return {
@@ -129,9 +146,18 @@ def profile(
         "media": media,
         "question": question,
         "reference": reference["method"],
+        "reference_kv_bits": reference["kv_bits"],
         "methods": rows,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+def first_token_change(reference: torch.Tensor, logits: torch.Tensor) -> dict:
+    """How far a pack's first answer token distribution moved from a reference pack's: KL(ref ||
+    this) in nats, and whether the most likely token is the same."""
+    ref, mine = reference.float().log_softmax(-1), logits.float().log_softmax(-1)
+    kl = torch.nn.functional.kl_div(mine, ref, log_target=True, reduction="sum")
+    return {"first_token_kl": float(kl), "top1_agrees": bool(ref.argmax() == mine.argmax())}
 
 
 def plot(result: dict, path: str | Path) -> None:
@@ -140,7 +166,10 @@ def plot(result: dict, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["method"] for r in result["methods"]]
+    names = [
+        r["method"] if r["kv_bits"] == 16 else f"{r['method']}/{r['kv_bits']}b"
+        for r in result["methods"]
+    ]
     shown = ["encode_s", "bytes", "peak_mem_bytes", "ttft_s", "decode_s_per_token"]
     fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 3.2))
     for ax, metric in zip(axes, shown):

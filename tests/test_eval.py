@@ -136,6 +136,11 @@ def test_eval_runs_each_method_once_per_budget_and_resumes(tmp_path):
     assert len({r["key"] for r in rows}) == 12
     assert json.loads((folder / "metrics.json").read_text())["n"] == 12
     assert rows[:10] == [json.loads(x) for x in lines[:10]]  # earlier answers kept, not recomputed
+    # a quantized run has a folder of its own: its answers never mix with the 16-bit ones
+    quantized = runner.invoke(app, [*args[:5], "full", *args[6:], "--kv-bits", "4"])
+    assert quantized.exit_code == 0, quantized.output
+    assert json.loads(quantized.stdout)["runs"][0]["n"] == 12
+    assert json.loads((root / "full-b1-kv4" / "config.json").read_text())["kv_bits"] == 4
 
 
 def test_eval_errors_are_one_line(tmp_path):

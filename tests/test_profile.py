@@ -40,3 +40,34 @@ def test_profile_json_and_plot(tmp_path):
     for row in out["methods"]:
         assert row["encode_s"] > 0 and row["ttft_s"] > 0 and row["peak_mem_bytes"] >= 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_compares_stored_bits_side_by_side():
+    result = CliRunner().invoke(
+        app,
+        [
+            "profile",
+            str(SAMPLES / "clip.mp4"),
+            "-m",
+            "demo",
+            "--methods",
+            "full",
+            "--kv-bits",
+            "16,8,2",
+            "--max-frames",
+            "8",
+            "--max-new-tokens",
+            "2",
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)["methods"]
+    assert [r["kv_bits"] for r in rows] == [16, 8, 2]
+    assert rows[0]["first_token_kl"] == 0 and rows[0]["top1_agrees"]
+    assert rows[2]["ratio"]["bytes"] < rows[1]["ratio"]["bytes"] < 1.0
+    assert rows[2]["first_token_kl"] >= 0
+    shown = CliRunner().invoke(
+        app, ["profile", str(SAMPLES / "clip.mp4"), "-m", "demo", "--kv-bits", "16,x"]
+    )
+    assert shown.exit_code == 2 and "--kv-bits takes" in shown.output
