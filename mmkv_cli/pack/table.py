@@ -170,15 +170,18 @@ class BlockRows:
         shared = self.shared == 1
         return not (self.counts[shared] != self.counts[shared][:, :1]).any()
 
-    def block_range(self, part: str, i: int) -> tuple[int, int]:
-        """Block i's row range [start, stop) in the block tensor of `part`."""
-        total = int(self.counts[i].sum())
+    def block_ranges(self, part: str) -> list[tuple[int, int]]:
+        """Every block's row range [start, stop) in the block tensor of `part`."""
+        totals = self.counts.sum(axis=1)
         if part == "pos":
-            stop = int(self.counts[i, 0]) if self.shared[i] else total
-            return int(self.position_offsets[i]), int(self.position_offsets[i]) + stop
-        if part == "kq":
-            return int(self.first_groups[i]), int(self.first_groups[i] + self.groups[i].sum())
-        return int(self.offsets[i]), int(self.offsets[i]) + total
+            starts = self.position_offsets
+            stops = starts + np.where(self.shared == 1, self.counts[:, 0], totals)
+        elif part == "kq":
+            starts = self.first_groups
+            stops = starts + self.groups.sum(axis=1)
+        else:
+            starts, stops = self.offsets, self.offsets + totals
+        return list(zip(starts.tolist(), stops.tolist()))
 
     def _runs(self, starts: np.ndarray, taken: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         # layer-major: every layer's taken blocks in context order, so a tensor is read in one go

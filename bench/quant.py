@@ -1,0 +1,187 @@
+"""Quantized packs (issue 15): size, answer drift, accuracy and ask latency at 8, 4 and 2 bits.
+
+    python bench/quant.py [--frames 16] [--ttft-frames 128] [--ttft-layers 2] [--clips 12]
+
+1. Size at real widths: rehearsal LLaVA-OV-0.5B (2 KV heads x 64) and 7B (4 x 128) in bf16 at one
+   layer (bytes per token and layer do not depend on depth), full and recency at 0.1, the 16-bit
+   pack converted to 8/4/2 bits: pack bytes / 16-bit pack bytes, and the 16-bit pack's bytes /
+   its physical KV (tokens held x layers x 2 x heads x head dim x 2 bytes).
+2. Answer drift on the demo backbone (fp32 KV as computed): the first answer token's KL divergence
+   and top-1 agreement against the unquantized pack, over the sample clip and a fresh synthetic set.
+3. `mmkv eval` accuracy at 16/8/4/2 bits on the same fresh clips (full and mukv).
+4. Ask TTFT from a 4-bit pack / from the bf16 pack, rehearsal 0.5B on the CPU (the whole stream
+   read and dequantized: full keeps every block).
+Writes bench/results/quant.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mmkv_cli import api  # noqa: E402
+from mmkv_cli.backbones import load_backbone  # noqa: E402
+from mmkv_cli.convert import convert  # noqa: E402
+from mmkv_cli.evaluate import EvalSettings, evaluate, load_items, prompt_for  # noqa: E402
+from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions  # noqa: E402
+from mmkv_cli.pack.quant import QuantSpec  # noqa: E402
+from mmkv_cli.profile import first_token_change  # noqa: E402
+from mmkv_cli.synth import write_dataset  # noqa: E402
+
+BITS = (8, 4, 2)
+CLIP = ROOT / "samples" / "clip.mp4"
+LOGITS = AskOptions(generation=GenerationOptions(max_new_tokens=1), keep_logits=True)
+
+
+def sizes(work: Path, video: Path, frames: int) -> list[dict]:
+    rows = []
+    for model in ("rehearsal-llava-ov-0.5b", "rehearsal-llava-ov-7b"):
+        backbone = load_backbone(LoadOptions(model, "cpu", "bfloat16", layers=1))
+        kv = backbone.kv_shape()
+        for method, budget in (("full", None), ("recency", 0.1)):
+            base = work / f"{model}-{method}-16.kvpack"
+            options = EncodeOptions(method, budget, fps=2.0, max_frames=frames, force=True)
+            info = api.encode(str(video), base, options, backbone=backbone)
+            held = sum(layer["tokens_kept"] for layer in info["layers"])
+            held += info["prompt_tokens"] * len(info["layers"])
+            physical = held * 2 * kv["kv_heads"] * kv["head_dim"] * 2
+            row = {
+                "model": model,
+                "kv": f"{kv['kv_heads']}x{kv['head_dim']}",
+                "method": method if budget is None else f"{method}@{budget}",
+                "frames": frames,
+                "bytes_16": info["bytes"],
+                "overhead_16": info["bytes"] / physical,
+            }
+            for bits in BITS:
+                out = work / f"{model}-{method}-{bits}.kvpack"
+                row[f"ratio_{bits}"] = convert(base, out, QuantSpec(bits))["bytes"] / info["bytes"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def drift(work: Path, qa_file: Path) -> dict:
+    """First-token KL and top-1 agreement, quantized vs unquantized, on the demo backbone."""
+    backbone = load_backbone(LoadOptions("demo", "cpu"))
+    items = load_items(qa_file)
+    asked: dict[str, list[str]] = {str(CLIP): ["which shape appeared first ?"]}
+    for item in items:
+        asked.setdefault(item.video, []).append(prompt_for(item))
+    out: dict[int, list[dict]] = {bits: [] for bits in BITS}
+    for n, (video, questions) in enumerate(asked.items()):
+        base = work / f"drift-{n}-16.kvpack"
+        api.encode(video, base, EncodeOptions("full", force=True), backbone=backbone)
+        packs = {16: api.PackSession(base, backbone=backbone)}
+        for bits in BITS:
+            path = work / f"drift-{n}-{bits}.kvpack"
+            convert(base, path, QuantSpec(bits), force=True)
+            packs[bits] = api.PackSession(path, backbone=backbone)
+        for question in questions:
+            reference = packs[16].ask(question, LOGITS).first_logits
+            for bits in BITS:
+                logits = packs[bits].ask(question, LOGITS).first_logits
+                out[bits].append(first_token_change(reference, logits))
+    return {
+        bits: {
+            "questions": len(rows),
+            "kl_mean": statistics.fmean(r["first_token_kl"] for r in rows),
+            "kl_max": max(r["first_token_kl"] for r in rows),
+            "top1_agreement": statistics.fmean(r["top1_agrees"] for r in rows),
+        }
+        for bits, rows in out.items()
+    }
+
+
+def accuracy(work: Path, qa_file: Path) -> list[dict]:
+    runs = []
+    for bits in (16, *BITS):
+        settings = EvalSettings(max_new_tokens=8, kv_bits=bits)
+        result = evaluate(
+            str(qa_file),
+            ["full", "mukv"],
+            [0.5],
+            work / "eval",
+            settings,
+            LoadOptions("demo", "cpu"),
+        )
+        for run in result["runs"]:
+            row = {k: run[k] for k in ("method", "budget", "kv_bits", "accuracy", "n")}
+            runs.append(row)
+            print(json.dumps(row), flush=True)
+    return runs
+
+
+def ttft(work: Path, video: Path, frames: int, layers: int) -> dict:
+    backbone = load_backbone(LoadOptions("rehearsal-llava-ov-0.5b", "cpu", "bfloat16", layers))
+    base = work / "ttft-16.kvpack"
+    options = EncodeOptions("full", fps=2.0, max_frames=frames, force=True)
+    api.encode(str(video), base, options, backbone=backbone)
+    packs = {16: base}
+    for bits in (8, 4):
+        packs[bits] = work / f"ttft-{bits}.kvpack"
+        convert(base, packs[bits], QuantSpec(bits), force=True)
+    one = AskOptions(generation=GenerationOptions(max_new_tokens=1))
+    times = {}
+    for bits, pack in packs.items():
+        session = api.PackSession(pack, backbone=backbone)
+        session.ask("what happened first ?", one)  # warm: page cache, first allocations
+        # a fresh reader per ask, as a new `mmkv ask` has: nothing verified or cached yet
+        samples = [
+            api.PackSession(pack, backbone=backbone).ask("what happened first ?", one).ttft_s
+            for _ in range(7)
+        ]
+        times[bits] = {"ttft_s": statistics.median(samples), "bytes": pack.stat().st_size}
+    return {
+        "model": "rehearsal-llava-ov-0.5b",
+        "layers": layers,
+        "frames": frames,
+        "tokens": frames * 196,
+        "by_bits": times,
+        "ttft_ratio_4_over_16": times[4]["ttft_s"] / times[16]["ttft_s"],
+        "ttft_ratio_8_over_16": times[8]["ttft_s"] / times[16]["ttft_s"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--frames", type=int, default=16)
+    parser.add_argument("--ttft-frames", type=int, default=128)
+    parser.add_argument("--ttft-layers", type=int, default=2)
+    parser.add_argument("--clips", type=int, default=12)
+    parser.add_argument("--seed", type=int, default=2040)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory(prefix="mmkv-quant-") as tmp:
+        work = Path(tmp)
+        write_dataset(work / "long", 1, max(args.frames, args.ttft_frames), 5, kind="normal")
+        video = work / "long" / "clips" / "clip_0000.mp4"
+        write_dataset(work / "set", args.clips, 64, args.seed, kind="mixed")
+        qa_file = work / "set" / "qa.jsonl"
+        result = {
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "sizes": sizes(work, video, args.frames),
+            "drift": drift(work, qa_file),
+            "accuracy": accuracy(work, qa_file),
+            "ttft": ttft(work, video, args.ttft_frames, args.ttft_layers),
+            "synthetic_set": {"clips": args.clips, "frames": 64, "seed": args.seed},
+        }
+    print(json.dumps(result["drift"], indent=1))
+    print(json.dumps(result["ttft"], indent=1))
+    out = ROOT / "bench" / "results" / "quant.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
