@@ -2,10 +2,11 @@
 
     python bench/quant.py [--frames 16] [--ttft-frames 128] [--ttft-layers 2] [--clips 12]
 
-1. Size at real widths: rehearsal LLaVA-OV-0.5B (2 KV heads x 64) and 7B (4 x 128) in bf16 at one
-   layer (bytes per token and layer do not depend on depth), full and recency at 0.1, the 16-bit
-   pack converted to 8/4/2 bits: pack bytes / 16-bit pack bytes, and the 16-bit pack's bytes /
-   its physical KV (tokens held x layers x 2 x heads x head dim x 2 bytes).
+1. Size at real widths: rehearsal LLaVA-OV-0.5B (2 KV heads x 64, all 24 layers) and 7B (4 x 128,
+   4 of its 28 layers: the 7B weights would not fit this machine) in bf16, full and recency at
+   0.1, the 16-bit pack converted to 8/4/2 bits with groups of 64 and of 128: pack bytes / 16-bit
+   pack bytes, and the 16-bit pack's bytes / its physical KV (tokens held x layers x 2 x heads x
+   head dim x 2 bytes). Positions are stored once for all layers, so depth matters a little.
 2. Answer drift on the demo backbone (fp32 KV as computed): the first answer token's KL divergence
    and top-1 agreement against the unquantized pack, over the sample clip and a fresh synthetic set.
 3. `mmkv eval` accuracy at 16/8/4/2 bits on the same fresh clips (full and mukv).
@@ -45,8 +46,8 @@ LOGITS = AskOptions(generation=GenerationOptions(max_new_tokens=1), keep_logits=
 
 def sizes(work: Path, video: Path, frames: int) -> list[dict]:
     rows = []
-    for model in ("rehearsal-llava-ov-0.5b", "rehearsal-llava-ov-7b"):
-        backbone = load_backbone(LoadOptions(model, "cpu", "bfloat16", layers=1))
+    for model, layers in (("rehearsal-llava-ov-0.5b", None), ("rehearsal-llava-ov-7b", 4)):
+        backbone = load_backbone(LoadOptions(model, "cpu", "bfloat16", layers=layers))
         kv = backbone.kv_shape()
         for method, budget in (("full", None), ("recency", 0.1)):
             base = work / f"{model}-{method}-16.kvpack"
@@ -58,16 +59,22 @@ def sizes(work: Path, video: Path, frames: int) -> list[dict]:
             row = {
                 "model": model,
                 "kv": f"{kv['kv_heads']}x{kv['head_dim']}",
+                "layers": kv["layers"],
                 "method": method if budget is None else f"{method}@{budget}",
                 "frames": frames,
                 "bytes_16": info["bytes"],
                 "overhead_16": info["bytes"] / physical,
             }
             for bits in BITS:
-                out = work / f"{model}-{method}-{bits}.kvpack"
-                row[f"ratio_{bits}"] = convert(base, out, QuantSpec(bits))["bytes"] / info["bytes"]
+                for group in (64, 128):
+                    out = work / f"{model}-{method}-{bits}-{group}.kvpack"
+                    made = convert(base, out, QuantSpec(bits, group))["bytes"]
+                    row[f"ratio_{bits}_g{group}"] = made / info["bytes"]
+                    out.unlink()
             rows.append(row)
             print(json.dumps(row), flush=True)
+            base.unlink()
+        del backbone
     return rows
 
 
