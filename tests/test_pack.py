@@ -26,7 +26,11 @@ def segment(name, counts, seed, dims=1, granularity=None):
     )
 
 
-HEADER = {"fingerprint": {"model": "m"}, "method": {"name": "full", "budget": 1.0}, "kv": {}}
+def kv(layers=3, dtype="float32"):
+    return {"layers": layers, "kv_heads": 2, "head_dim": 8, "dtype": dtype}
+
+
+HEADER = {"fingerprint": {"model": "m"}, "method": {"name": "full", "budget": 1.0}, "kv": kv()}
 
 
 def write(path, force=False):
@@ -78,6 +82,7 @@ def test_header_does_not_grow_with_the_video(tmp_path):
         path = tmp_path / f"{count}.kvpack"
         header = {
             **HEADER,
+            "kv": kv(1),
             "media": {"frames": count, "timestamps": [i / 2 for i in range(count)]},
             "layout": {"steps": count, "step_lengths": [1] * count},
         }
@@ -226,7 +231,7 @@ def test_half_precision_blocks_read_back_exactly(tmp_path, dtype):
     ]
     write_pack(
         tmp_path / "h.kvpack",
-        HEADER,
+        {**HEADER, "kv": kv(3, str(dtype).replace("torch.", ""))},
         half(segment("prefix", [5, 5, 5], 0)),
         blocks,
         half(segment("suffix", [1, 1, 1], 9)),

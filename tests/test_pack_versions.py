@@ -89,8 +89,8 @@ def test_the_current_writer_reads_back_the_same_segments(tmp_path):
     header = {
         "fingerprint": {"model": "m"},
         "method": {"name": "full", "budget": 1.0},
-        "kv": {},
-        "layout": {"next_position": 20},
+        "kv": {"layers": 3, "kv_heads": 2, "head_dim": 8, "dtype": "float32"},
+        "layout": {"next_position": 20, "position_dims": 3},
     }
     write_pack(tmp_path / "now.kvpack", header, prefix, blocks, suffix)
     reader = PackReader(tmp_path / "now.kvpack")

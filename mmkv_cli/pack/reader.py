@@ -28,6 +28,16 @@ from mmkv_cli.pack.format import (
     split_layers,
     tensors_sha256,
 )
+from mmkv_cli.pack.integrity import (
+    KV_DTYPES,
+    MAX_HEADER_BYTES,
+    check_directory,
+    check_header,
+    check_spans,
+    check_table,
+    expect,
+    index_digest,
+)
 from mmkv_cli.pack.quant import QuantSpec, dequantize
 from mmkv_cli.pack.table import BlockRows, BlockTable
 
@@ -50,22 +60,25 @@ _DTYPES = {
 }
 
 
-def _read_safetensors_header(path: Path) -> tuple[dict, int]:
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) < 8:
-            raise PackError(f"{path} is not a kvpack (empty or truncated)")
-        (length,) = struct.unpack("<Q", raw)
-        if length <= 0 or 8 + length > size:
-            raise PackError(f"{path} is not a kvpack, or it is truncated")
-        try:
-            header = json.loads(fh.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise PackError(f"{path} is corrupted (unreadable header)") from err
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-    if 8 + length + max(ends, default=0) != size:
-        raise PackError(f"{path} is truncated or has trailing garbage ({size} bytes on disk)")
+def _read_safetensors_header(fh, path: Path) -> tuple[dict, int]:
+    """The safetensors directory of the open file `fh`, checked; and where the data starts."""
+    size = os.fstat(fh.fileno()).st_size
+    raw = os.pread(fh.fileno(), 8, 0)
+    if len(raw) < 8:
+        raise PackError(f"{path} is not a kvpack (empty or truncated)")
+    (length,) = struct.unpack("<Q", raw)
+    if length <= 0 or 8 + length > size:
+        raise PackError(f"{path} is not a kvpack, or it is truncated")
+    if length > MAX_HEADER_BYTES:  # refused before it is read: a kvpack's is a few KB
+        raise PackError(f"{path} is not a kvpack (a {length:,}-byte header)")
+    try:
+        header = json.loads(os.pread(fh.fileno(), length, 8))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise PackError(f"{path} is corrupted (unreadable header)") from err
+    if not isinstance(header, dict):
+        raise PackError(f"{path} is corrupted (unreadable header)")
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    check_directory(entries, size - 8 - length, str(path))
     return header, 8 + length
 
 
@@ -74,26 +87,39 @@ class PackReader:
         self.path = Path(path)
         if not self.path.is_file():
             raise PackError(f"no such pack: {self.path}")
-        raw, self._data_start = _read_safetensors_header(self.path)
+        # Everything is read through this one descriptor: a pack replaced under the reader (an
+        # encode --force, a sync) leaves it reading the file it opened, whole.
+        try:
+            self._file = open(self.path, "rb")  # noqa: SIM115 (held for the reader's life)
+        except OSError as err:
+            raise PackError(f"cannot read {self.path}: {err.strerror or err}") from None
+        self._opened_size = os.fstat(self._file.fileno()).st_size
+        raw, self._data_start = _read_safetensors_header(self._file, self.path)
         self._entries = {k: v for k, v in raw.items() if k != "__metadata__"}
         self._map: np.memmap | None = None  # the whole file, mapped on the first block read
         self._views: dict[str, tuple[np.ndarray, str]] = {}  # name -> (view, torch dtype name)
         self._verified: set[str] = set()  # blocks whose checksum gather() has checked
+        self._small: dict[str, np.ndarray] = {}  # small tensors' bytes read on open
         meta = raw.get("__metadata__") or {}
-        text = meta.get(META_HEADER)
-        if text is None:
+        text = meta.get(META_HEADER) if isinstance(meta, dict) else None
+        if not isinstance(text, str):
             raise PackError(f"{self.path} is a safetensors file but not a kvpack")
         if hashlib.sha256(text.encode()).hexdigest() != meta.get(META_HEADER_SHA):
             raise PackError(f"{self.path} is corrupted (header checksum mismatch)")
-        self.header = json.loads(text)
-        if self.header.get("format") != FORMAT_NAME:
+        try:
+            self.header = json.loads(text)
+        except (json.JSONDecodeError, RecursionError):
+            raise PackError(f"{self.path} is corrupted (unreadable header)") from None
+        if not isinstance(self.header, dict) or self.header.get("format") != FORMAT_NAME:
             raise PackError(f"{self.path} is not a kvpack")
         version = self.header.get("format_version")
-        if version not in READABLE_VERSIONS:
+        if version not in READABLE_VERSIONS or type(version) is not int:
             raise PackError(
-                f"{self.path} is kvpack format v{version}; this mmkv reads "
+                f"{self.path} is kvpack format v{str(version)[:10]}; this mmkv reads "
                 f"v{', v'.join(map(str, READABLE_VERSIONS))}"
             )
+        where = str(self.path)
+        check_header(self.header, version, where)
         self._token_major = version >= 4  # v2/v3 stored K/V head-major, positions [P, tokens]
         self._columns = TABLE_COLUMNS if version >= 7 else OLD_TABLE_COLUMNS
         self.quant = self._quant(self.header.get("quant"))
@@ -101,12 +127,92 @@ class PackReader:
         self._spans: dict[str, Span] = {}
         # v2-v4 called the prefix and suffix "segments"
         self.spans_meta = self.header.get("spans" if version >= 5 else "segments") or {}
-        if "prefix" not in self.spans_meta or "suffix" not in self.spans_meta:
+        if not isinstance(self.spans_meta, dict) or not {"prefix", "suffix"} <= set(
+            self.spans_meta
+        ):
             raise PackError(f"{self.path} is corrupted (no prefix or suffix)")
+        if version >= 7:
+            check_spans(self.spans_meta, self.header["kv"]["layers"], where)
+            self._check_index()
         # v2 kept the table as JSON in the header
-        self._blocks = (
-            BlockTable.from_dicts(self.header["blocks"]) if version == 2 else self._block_table()
+        try:
+            self._blocks = (
+                BlockTable.from_dicts(self.header["blocks"])
+                if version == 2
+                else self._block_table()
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as err:
+            raise PackError(f"{self.path} is corrupted (block table: {err})") from None
+        if version >= 7:
+            self._check_tensors()
+
+    def _check_index(self) -> None:
+        """The header's digest of the directory and the small tensors no other checksum covers."""
+
+        def read(name: str) -> np.ndarray:
+            self._small[name] = self._raw(name)  # kept: the table is read from these bytes
+            return self._small[name]
+
+        found = index_digest(self._entries, read)
+        if found != self.header["integrity"]["index"]:
+            raise PackError(f"{self.path} is corrupted (index digest mismatch)")
+
+    def _raw(self, name: str) -> np.ndarray:
+        """Tensor `name`'s stored bytes, read whole."""
+        start, stop = (self._data_start + o for o in self._entries[name]["data_offsets"])
+        data = os.pread(self._file.fileno(), stop - start, start)
+        self.bytes_read += len(data)
+        return np.frombuffer(bytearray(data), dtype=np.uint8)  # writable, as a numpy copy is
+
+    def _check_tensors(self) -> None:
+        """Every tensor's dtype and shape as the header and the table say (v7): nothing is
+        allocated from a count that the tensors do not bear out."""
+        kv, where, entries = self.header["kv"], str(self.path), self._entries
+        heads, dim, code = kv["kv_heads"], kv["head_dim"], KV_DTYPES[kv["dtype"]]
+        dims = (self.header.get("layout") or {}).get("position_dims")
+        for name in ("prefix", "suffix"):
+            meta = self.spans_meta[name]
+            total = sum(meta["layer_counts"])
+            rows = meta["layer_counts"][0] if meta.get("shared_positions") else total
+            if meta.get("shared_positions") and len(set(meta["layer_counts"])) > 1:
+                raise PackError(f"{where} is corrupted (positions of {name})")
+            for part in ("k", "v"):
+                expect(entries, f"{name}.{part}", code, [total, heads, dim], where)
+            expect(entries, f"{name}.pos", "I32", [rows, dims], where)
+        count, layers = len(self._blocks), kv["layers"]
+        if count != self.header["blocks"]["count"]:
+            raise PackError(f"{where} is corrupted (block count)")
+        if not count:
+            return
+        expect(entries, f"{BLOCKS}.table", "I64", [count, TABLE_COLUMNS + layers], where)
+        expect(entries, f"{BLOCKS}.time", "F64", [count, 2], where)
+        expect(entries, f"{BLOCKS}.sha256", "U8", [count, 32], where)
+        kinds = len(self.header["blocks"]["granularities"])
+        if (self._blocks.codes() >= kinds).any():
+            raise PackError(f"{where} is corrupted (granularity codes)")
+        sizes = check_table(
+            self._blocks.rows(), self._blocks.times(), self.quant.group if self.quant else 0, where
         )
+        width = dim * self.quant.bits // 8 if self.quant else dim
+        for part in ("k", "v"):
+            expect(
+                entries,
+                f"{BLOCKS}.{part}",
+                "U8" if self.quant else code,
+                [sizes["tokens"], heads, width],
+                where,
+            )
+        expect(entries, f"{BLOCKS}.pos", "I32", [sizes["positions"], dims], where)
+        if self.quant:
+            groups = heads * dim // self.quant.value_group(heads, dim)
+            expect(entries, f"{BLOCKS}.kq", "F16", [sizes["groups"], 2, heads, dim], where)
+            expect(entries, f"{BLOCKS}.vq", "F16", [sizes["tokens"], groups, 2], where)
+        reps = self.header.get("representatives")
+        if reps:
+            stored = reps.get("layers")
+            if stored not in (1, layers) or reps["dim"] != heads * dim:
+                raise PackError(f"{where} is corrupted (representatives)")
+            expect(entries, "reps", code, [count, stored, heads * dim], where)
 
     def _block_table(self) -> BlockTable:
         """The block table (v3 on): three small tensors, read whole (a few dozen bytes per
@@ -158,10 +264,20 @@ class PackReader:
 
     @property
     def size(self) -> int:
-        return self.path.stat().st_size
+        return self._opened_size
+
+    def _still_whole(self) -> None:
+        """Reading a mapped file that shrank would kill the process (SIGBUS): a pack cut short in
+        place while it is read is one clear error instead."""
+        if os.fstat(self._file.fileno()).st_size != self._opened_size:
+            raise PackError(f"{self.path} changed while it was being read")
 
     def _array(self, name: str) -> np.ndarray:
         """Tensor `name` read whole into memory, as numpy (no torch needed)."""
+        if name in self._small:  # read (and digested) on open
+            entry = self._entries[name]
+            np_dtype = _DTYPES[entry["dtype"]][0]
+            return self._small.pop(name).view(np_dtype).reshape(entry["shape"])
         view, _ = self._view(name)
         out = np.array(view)
         self.bytes_read += out.nbytes
@@ -181,8 +297,9 @@ class PackReader:
                 raise PackError(
                     f"{self.path} is corrupted: tensor {name} missing or of an unknown type"
                 )
-            if self._map is None:
-                self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+            self._still_whole()
+            if self._map is None:  # the descriptor opened, not the path: replacement-proof
+                self._map = np.memmap(self._file, dtype=np.uint8, mode="r")
             start, stop = (self._data_start + o for o in entry["data_offsets"])
             np_dtype, torch_dtype = _DTYPES[entry["dtype"]]
             # a plain array over the map: memmap's own indexing is slow
@@ -210,7 +327,12 @@ class PackReader:
         """[blocks, layers, dim] retrieval keys (layers: 1 unless stored per layer), or None."""
         if not self.header.get("representatives"):
             return None
-        reps = self._tensor("reps").float()  # v7 keeps them in the KV's dtype
+        stored = self._array("reps")
+        digest = (self.header.get("integrity") or {}).get("reps")
+        if digest is not None and hashlib.sha256(stored).hexdigest() != digest:
+            raise PackError(f"{self.path} is corrupted (checksum mismatch in reps)")
+        dtype = getattr(torch, self._view("reps")[1])
+        reps = torch.from_numpy(stored).view(dtype).float()  # v7 keeps them in the KV's dtype
         return reps.unsqueeze(1) if reps.dim() == 2 else reps  # v2-v5: [blocks, dim]
 
     @property
@@ -255,6 +377,7 @@ class PackReader:
         if not where.consistent():
             raise PackError(f"{self.path} is corrupted (shared positions with unequal counts)")
         views = {part: self._view(f"{BLOCKS}.{part}") for part in self._block_parts()}
+        self._still_whole()
         self._verify(views, where, [i for i, n in enumerate(names) if n not in self._verified])
         for name in names:
             self._verified.add(name)

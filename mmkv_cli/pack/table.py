@@ -68,6 +68,10 @@ class BlockTable(Sequence):
             }
         return self._cache[index]
 
+    def rows(self) -> np.ndarray:
+        """[N, columns + layers] the table's integer rows."""
+        return self._rows
+
     def codes(self) -> np.ndarray:
         """[N] each block's granularity as an index into `kinds`."""
         return self._rows[:, 0]

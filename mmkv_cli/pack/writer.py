@@ -25,6 +25,7 @@ from mmkv_cli.pack.format import (
     raw_bytes,
     tensors_sha256,
 )
+from mmkv_cli.pack.integrity import index_digest
 from mmkv_cli.pack.quant import QuantSpec, quantize_keys, quantize_values
 from mmkv_cli.pack.stored import shares_positions, store, stored_positions
 
@@ -191,6 +192,24 @@ def write_pack(
         # in the KV's own dtype: retrieval keys need no more precision than the keys they average
         dtype = prefix.keys[0].dtype if prefix.keys else torch.float32
         small["reps"] = torch.stack([r.reshape(-1, r.shape[-1]) for r in reps]).to(dtype)
+    # The directory first: the header's index digest covers it and the small tensors in it.
+    entries: dict = {}
+    at = 0
+
+    def place(name: str, code: str, shape: list[int], nbytes: int) -> None:
+        nonlocal at
+        entries[name] = {"dtype": code, "shape": shape, "data_offsets": [at, at + nbytes]}
+        at += nbytes
+
+    for name, tensor in small.items():
+        place(name, _dtype_code(tensor), list(tensor.shape), tensor.numel() * tensor.element_size())
+    for name, (code, shape) in streamed.items():
+        place(name, code, shape, math.prod(shape) * ELEMENT_BYTES[code])
+    if blocks:
+        place(f"{BLOCKS}.sha256", "U8", [len(blocks), 32], 32 * len(blocks))
+    integrity = {"index": index_digest(entries, lambda name: raw_bytes(small[name]))}
+    if "reps" in small:
+        integrity["reps"] = hashlib.sha256(raw_bytes(small["reps"])).hexdigest()
     header = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -207,25 +226,11 @@ def write_pack(
             if "reps" in small
             else None
         ),
+        "integrity": integrity,
     }
     text = json.dumps(header, sort_keys=True)
     metadata = {META_HEADER: text, META_HEADER_SHA: hashlib.sha256(text.encode()).hexdigest()}
-
-    # The directory: small tensors, then the streamed block tensors, then the blocks' digests.
-    directory: dict = {"__metadata__": metadata}
-    at = 0
-
-    def place(name: str, code: str, shape: list[int], nbytes: int) -> None:
-        nonlocal at
-        directory[name] = {"dtype": code, "shape": shape, "data_offsets": [at, at + nbytes]}
-        at += nbytes
-
-    for name, tensor in small.items():
-        place(name, _dtype_code(tensor), list(tensor.shape), tensor.numel() * tensor.element_size())
-    for name, (code, shape) in streamed.items():
-        place(name, code, shape, math.prod(shape) * ELEMENT_BYTES[code])
-    if blocks:
-        place(f"{BLOCKS}.sha256", "U8", [len(blocks), 32], 32 * len(blocks))
+    directory = {"__metadata__": metadata, **entries}
     head = json.dumps(directory, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # safetensors pads its header to 8 bytes
 

@@ -1,0 +1,199 @@
+"""A pack is untrusted input: what is checked before anything in it is used.
+
+Three layers. The safetensors directory: every entry a known dtype, a sane shape, its byte range
+exactly its shape's size, the ranges tiling the data without gaps or overlap. The header: a schema
+of types and ranges for every field a reader or `ask` uses. The tensors: each one's dtype and shape
+follow from the header (layers, KV heads, head dim, position dims, counts), and the block table's
+offsets are exactly the running sums the writer makes. On top, one digest in the header ("index")
+covers the directory and every small tensor that no per-block or per-span checksum covers (table,
+times, checksums, series); "reps" covers the representatives, checked when they are read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+
+import numpy as np
+
+from mmkv_cli.errors import PackError
+
+MAX_HEADER_BYTES = 16 << 20  # safetensors directory + mmkv header; real ones are a few KB
+MAX_DIMS = 8
+MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 1024, 1024, 4096
+ELEMENT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1}
+KV_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+# small tensors covered by the header's index digest (present ones, in this order)
+# (blocks.sha256 is not: it is written after the blocks, and a flip in it fails its block's check)
+INDEXED = ("blocks.table", "blocks.time", "media.timestamps", "layout.step_lengths")
+HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def check_directory(entries: dict, data_bytes: int, where: str) -> None:
+    """Every tensor entry well formed, their byte ranges tiling [0, data_bytes) exactly."""
+    ranges = []
+    for name, entry in entries.items():
+        if not isinstance(entry, dict) or len(name) > 128:
+            raise PackError(f"{where} is corrupted (bad tensor entry {name[:40]!r})")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in ELEMENT_BYTES:
+            raise PackError(f"{where} is corrupted (tensor {name} has unknown dtype {dtype!r})")
+        if not _ints(shape, 0, 1 << 40) or len(shape) > MAX_DIMS:
+            raise PackError(f"{where} is corrupted (tensor {name} has a bad shape)")
+        if not _ints(offsets, 0, data_bytes) or len(offsets) != 2:
+            raise PackError(f"{where} is corrupted (tensor {name} has bad offsets)")
+        if offsets[1] - offsets[0] != math.prod(shape) * ELEMENT_BYTES[dtype]:
+            raise PackError(f"{where} is corrupted (tensor {name}'s size does not match its shape)")
+        ranges.append(offsets)
+    at = 0
+    for start, stop in sorted(ranges):
+        if start != at:
+            raise PackError(f"{where} is corrupted (tensor byte ranges overlap or leave gaps)")
+        at = stop
+    if at != data_bytes:
+        raise PackError(f"{where} is truncated or has trailing garbage")
+
+
+def directory_text(entries: dict) -> bytes:
+    """The directory as the index digest covers it: names, dtypes, shapes and offsets."""
+    plain = {n: [e["dtype"], e["shape"], e["data_offsets"]] for n, e in sorted(entries.items())}
+    return json.dumps(plain, separators=(",", ":")).encode()
+
+
+def index_digest(entries: dict, tensor_bytes) -> str:
+    """sha256 of the directory and the indexed tensors' bytes; tensor_bytes(name) gives them."""
+    h = hashlib.sha256(directory_text(entries))
+    for name in INDEXED:
+        if name in entries:
+            h.update(tensor_bytes(name))
+    return h.hexdigest()
+
+
+def _ints(value, low: int, high: int) -> bool:
+    return (
+        isinstance(value, list)
+        and all(type(v) is int and low <= v <= high for v in value)
+        and len(value) < 1 << 16
+    )
+
+
+def _need(ok: bool, where: str, what: str) -> None:
+    if not ok:
+        raise PackError(f"{where} is corrupted ({what})")
+
+
+def _section(header: dict, key: str, where: str, required: bool = False) -> dict:
+    value = header.get(key)
+    if value is None and not required:
+        return {}
+    _need(isinstance(value, dict), where, f"'{key}' is not a mapping")
+    return value
+
+
+def _is_int(value, low: int = 0, high: int = 1 << 62) -> bool:
+    return type(value) is int and low <= value <= high
+
+
+def check_header(header: dict, version: int, where: str) -> None:
+    """Types and ranges of every header field a reader or `ask` uses (those older versions lack
+    may be absent; present ones are checked the same)."""
+    current = version >= 7
+    kv = _section(header, "kv", where, required=current)
+    if current or kv:
+        _need(_is_int(kv.get("layers"), 1, MAX_LAYERS), where, "kv.layers")
+        _need(_is_int(kv.get("kv_heads"), 1, MAX_HEADS), where, "kv.kv_heads")
+        _need(_is_int(kv.get("head_dim"), 2, MAX_HEAD_DIM), where, "kv.head_dim")
+        _need(kv.get("dtype") in KV_DTYPES, where, f"kv.dtype {str(kv.get('dtype'))[:20]!r}")
+    prompt = _section(header, "prompt", where)
+    if "question" in prompt:
+        question = prompt["question"]
+        _need(
+            isinstance(question, str) and question.count("{question}") == 1,
+            where,
+            "the question template must hold '{question}' once",
+        )
+    layout = _section(header, "layout", where)
+    if "next_position" in layout:
+        _need(_is_int(layout["next_position"], 0, 2**31 - 1), where, "layout.next_position")
+    if "position_dims" in layout:
+        _need(layout["position_dims"] in (1, 3), where, "layout.position_dims")
+    fingerprint = _section(header, "fingerprint", where)
+    for key in ("model", "family", "config_sha256", "weights_sha256"):
+        value = fingerprint.get(key)
+        _need(value is None or (isinstance(value, str) and len(value) <= 512), where, key)
+    method = _section(header, "method", where)
+    for key in ("name", "implements"):
+        value = method.get(key)
+        _need(value is None or (isinstance(value, str) and len(value) <= 128), where, key)
+    _need(isinstance(method.get("params", {}), dict), where, "method.params")
+    if "visual_tokens_total" in header:
+        _need(_is_int(header["visual_tokens_total"]), where, "visual_tokens_total")
+    blocks = _section(header, "blocks", where, required=version >= 3)
+    if version >= 3:
+        _need(_is_int(blocks.get("count"), 0, 1 << 40), where, "blocks.count")
+        kinds = blocks.get("granularities")
+        _need(
+            isinstance(kinds, list)
+            and len(kinds) <= 64
+            and all(isinstance(k, str) and len(k) <= 32 for k in kinds),
+            where,
+            "blocks.granularities",
+        )
+    reps = header.get("representatives")
+    if reps is not None:
+        _need(isinstance(reps, dict) and _is_int(reps.get("dim"), 1, 1 << 20), where, "reps")
+    if current:
+        digests = _section(header, "integrity", where, required=True)
+        _need(
+            isinstance(digests.get("index"), str) and HEX64.fullmatch(digests["index"]),
+            where,
+            "integrity",
+        )
+
+
+def check_spans(spans: dict, layers: int, where: str) -> None:
+    for name in ("prefix", "suffix"):
+        meta = spans.get(name)
+        _need(isinstance(meta, dict), where, f"no {name}")
+        counts = meta.get("layer_counts")
+        _need(_ints(counts, 0, 1 << 40) and len(counts) == layers, where, f"{name} counts")
+        sha = meta.get("sha256")
+        _need(isinstance(sha, str) and HEX64.fullmatch(sha) is not None, where, f"{name} sha256")
+        _need(isinstance(meta.get("shared_positions", False), bool), where, f"{name} positions")
+
+
+def expect(entries: dict, name: str, dtype: str | tuple, shape: list, where: str) -> None:
+    """Tensor `name` exists with this dtype and shape (None in `shape`: any size there)."""
+    entry = entries.get(name)
+    _need(entry is not None, where, f"tensor {name} missing")
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    got = entry["shape"]
+    fits = len(got) == len(shape) and all(w is None or w == g for w, g in zip(shape, got))
+    _need(entry["dtype"] in dtypes and fits, where, f"tensor {name} is not {dtypes[0]} {shape}")
+
+
+def check_table(rows: np.ndarray, times: np.ndarray, group: int, where: str) -> dict:
+    """The v7 block table against itself: every offset the running sum the writer makes, counts
+    and steps in range, granularity codes known. Returns the rows each block tensor must have."""
+    counts = rows[:, 7:]
+    _need((counts >= 0).all() and (rows[:, 0] >= 0).all(), where, "negative table entries")
+    totals = counts.sum(axis=1)
+    shared = rows[:, 5]
+    _need(np.isin(shared, (0, 1)).all(), where, "table flags")
+    same = (counts == counts[:, :1]).all(axis=1)
+    _need(same[shared == 1].all(), where, "shared positions with unequal layer counts")
+    position_rows = np.where(shared == 1, counts[:, 0], totals)
+    groups = (-(-counts // group)).sum(axis=1) if group else np.zeros_like(totals)
+    for column, sizes, what in ((3, totals, "offsets"), (4, position_rows, "position offsets")):
+        _need(np.array_equal(rows[:, column], np.cumsum(sizes) - sizes), where, f"table {what}")
+    _need(np.array_equal(rows[:, 6], np.cumsum(groups) - groups), where, "table key groups")
+    first, stop = rows[:, 1], rows[:, 2]
+    _need(((first == -1) & (stop == -1) | (first >= 0) & (stop >= first)).all(), where, "steps")
+    _need(not np.isinf(times).any(), where, "block times")
+    return {
+        "tokens": int(totals.sum()),
+        "positions": int(position_rows.sum()),
+        "groups": int(groups.sum()),
+    }
