@@ -7,6 +7,7 @@ ask import the model side when they run.
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -124,6 +125,26 @@ def stored_method(reader: PackReader):
     return chosen, params
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
+
+
+def pack_model(reader: PackReader) -> str:
+    """The model a pack names, when it may be loaded on the pack's word: a preset known here, or a
+    hub id. Never a path: a stranger's pack must not point `ask` at any checkpoint or file on this
+    machine (--model chooses one explicitly)."""
+    from mmkv_cli.presets import model_names
+
+    named = (reader.header.get("fingerprint") or {}).get("model")
+    if isinstance(named, str) and named in model_names():
+        return named
+    if isinstance(named, str) and HUB_ID.fullmatch(named) and not Path(named).exists():
+        return named
+    raise PackError(
+        f"{reader.path} names the model {str(named)[:80]!r}, which is neither a preset here nor a "
+        "hub id: pass --model to choose the checkpoint"
+    )
+
+
 class PackSession:
     """One pack opened, its context policy built and its backbone loaded, for many questions: the
     process pays for torch and the model once, not per question."""
@@ -142,9 +163,7 @@ class PackSession:
         if backbone is None:
             load = load or LoadOptions()
             if load.model is None:
-                load = LoadOptions(
-                    self.reader.header["fingerprint"]["model"], load.device, load.dtype
-                )
+                load = LoadOptions(pack_model(self.reader), load.device, load.dtype)
             backbone = load_backbone(load)
         self.backbone = backbone
 
@@ -206,6 +225,40 @@ def answer_record(answer: Answer, question: str, at: float | None = None, ident=
         "bytes_read": answer.bytes_read,
         "retrieved": answer.retrieved,
         "kv_tokens_after_prune": answer.kv_tokens,
+    }
+
+
+def verify(pack: str | Path) -> dict:
+    """Every byte of a pack read and checked (inspect stays lazy): the header and directory on
+    open, the prefix, suffix and representatives, and every block against its checksum. Returns
+    the faults found, each naming the block or tensor; none means the pack is whole."""
+    reader = PackReader(pack)  # a fault here is one clear error: nothing after it can be trusted
+    faults = []
+    for name in ("prefix", "suffix"):
+        try:
+            reader.span(name)
+        except PackError as err:
+            faults.append(f"{name}: {err}")
+    try:
+        reader.representatives()
+    except PackError as err:
+        faults.append(f"representatives: {err}")
+    if len(reader.blocks) and reader.header["format_version"] >= 4:
+        faults += reader.block_faults()
+    elif len(reader.blocks):  # head-major packs: block by block
+        for index in range(len(reader.blocks)):
+            try:
+                reader.span(reader.blocks.name(index), keep=False)
+            except PackError as err:
+                faults.append(f"block {reader.blocks.name(index)}: {err}")
+    return {
+        "path": str(reader.path),
+        "format_version": reader.header["format_version"],
+        "blocks": len(reader.blocks),
+        "bytes": reader.size,
+        "bytes_checked": reader.bytes_read,
+        "ok": not faults,
+        "faults": faults,
     }
 
 

@@ -360,6 +360,7 @@ app.command()(cli_study.synth)
 app.command()(cli_talk.chat)
 app.command()(cli_talk.serve)
 app.command()(cli_pack.convert)
+app.command()(cli_pack.verify)
 
 
 def main() -> None:

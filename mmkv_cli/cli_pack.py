@@ -1,4 +1,4 @@
-"""Typer commands that work on packs alone, without a model: convert."""
+"""Typer commands that work on packs alone, without a model: convert, verify."""
 
 from __future__ import annotations
 
@@ -37,5 +37,33 @@ def convert(
 
         info = convert_pack(source, output, QuantSpec(kv_bits, kv_group), start, stop, force)
         emit_json(info) if as_json else out_console.print(converted_line(info), highlight=False)
+
+    run(body)
+
+
+def verify(pack: str = typer.Argument(..., help="A .kvpack."), as_json: bool = JsonOpt) -> None:
+    """Read and check every byte of a pack; report each fault (block, tensor) and exit 4 on any.
+    `inspect` stays lazy: it reads the header and table only."""
+
+    def body() -> None:
+        from mmkv_cli import api
+        from mmkv_cli.display import human_bytes, out_console
+        from mmkv_cli.errors import PackError
+
+        report = api.verify(pack)
+        if as_json:
+            emit_json(report)
+        elif report["ok"]:
+            out_console.print(
+                f"ok: {report['path']}, {report['blocks']} blocks, "
+                f"{human_bytes(report['bytes_checked'])} checked",
+                highlight=False,
+            )
+        else:
+            for fault in report["faults"]:
+                out_console.print(f"fault: {fault}", highlight=False)
+        if not report["ok"]:
+            count = len(report["faults"])
+            raise PackError(f"{report['path']}: {count} fault{'' if count == 1 else 's'}")
 
     run(body)

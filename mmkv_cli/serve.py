@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from mmkv_cli.api import pack_model
 from mmkv_cli.errors import MmkvError, ModelError, PackError, UsageError
 from mmkv_cli.options import AskOptions, LoadOptions
 from mmkv_cli.serve_request import ChatRequest
@@ -96,7 +97,7 @@ class Packs:
         if held and held[0] == key:
             return held[1]
         reader = PackReader(path)  # opened once: the session keeps it
-        model = self.load.model or reader.header["fingerprint"]["model"]
+        model = self.load.model or pack_model(reader)
         session = PackSession(reader, backbone=self._backbone(model))
         self.sessions[name] = (key, session)
         return session

@@ -141,10 +141,10 @@ def test_corrupted_tensor_fails_its_checksum(tmp_path, monkeypatch, threaded):
 
     pools = []
     if threaded:  # hash even this small read on threads, as a large real-model context is
-        monkeypatch.setattr("mmkv_cli.pack.reader.PARALLEL_HASH_BLOCK_BYTES", 0)
+        monkeypatch.setattr("mmkv_cli.pack.hashing.PARALLEL_HASH_BLOCK_BYTES", 0)
         monkeypatch.setattr("os.cpu_count", lambda: 4)
         monkeypatch.setattr(
-            "mmkv_cli.pack.reader.ThreadPoolExecutor",
+            "mmkv_cli.pack.hashing.ThreadPoolExecutor",
             lambda workers: pools.append(workers) or ThreadPoolExecutor(workers),
         )
     path = tmp_path / "a.kvpack"

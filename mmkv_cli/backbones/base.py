@@ -56,6 +56,12 @@ class PromptPieces:
         return {"prefix": self.prefix, "suffix_text": self.suffix_text, "question": self.question}
 
 
+def fill(template: str, question: str) -> str:
+    """The question in its template. Plain replacement, not str.format: a template may come from a
+    stranger's pack, and braces in it or in the question must stay text."""
+    return template.replace("{question}", question, 1)
+
+
 class Backbone:
     """Adapter over a transformers vision-language model. Subclasses fill in the family
     specifics."""
@@ -112,14 +118,14 @@ class Backbone:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
     def question_ids(self, question: str, template: str | None = None) -> list[int]:
-        return self.text_ids((template or self.prompt.question).format(question=question))
+        return self.text_ids(fill(template or self.prompt.question, question))
 
     def turns_ids(
         self, turns: tuple[tuple[str, str], ...], template: str | None = None
     ) -> list[int]:
         """Earlier (question, answer) turns as the text a follow-up question comes after."""
         form = template or self.prompt.question
-        text = "".join(form.format(question=q) + a + self.prompt.next_turn for q, a in turns)
+        text = "".join(fill(form, q) + a + self.prompt.next_turn for q, a in turns)
         return self.text_ids(text) if text else []
 
     def embed_ids(self, ids: list[int]) -> torch.Tensor:

@@ -19,6 +19,7 @@ import re
 import numpy as np
 
 from mmkv_cli.errors import PackError
+from mmkv_cli.pack.format import BLOCKS, TABLE_COLUMNS
 
 MAX_HEADER_BYTES = 16 << 20  # safetensors directory + mmkv header; real ones are a few KB
 MAX_DIMS = 8
@@ -197,3 +198,52 @@ def check_table(rows: np.ndarray, times: np.ndarray, group: int, where: str) -> 
         "positions": int(position_rows.sum()),
         "groups": int(groups.sum()),
     }
+
+
+def check_tensors(header: dict, entries: dict, spans: dict, table, quant, where: str) -> None:
+    """Every tensor's dtype and shape as the header and the table say (v7): nothing is
+    allocated from a count that the tensors do not bear out."""
+    kv = header["kv"]
+    heads, dim, code = kv["kv_heads"], kv["head_dim"], KV_DTYPES[kv["dtype"]]
+    dims = (header.get("layout") or {}).get("position_dims")
+    for name in ("prefix", "suffix"):
+        meta = spans[name]
+        total = sum(meta["layer_counts"])
+        rows = meta["layer_counts"][0] if meta.get("shared_positions") else total
+        if meta.get("shared_positions") and len(set(meta["layer_counts"])) > 1:
+            raise PackError(f"{where} is corrupted (positions of {name})")
+        for part in ("k", "v"):
+            expect(entries, f"{name}.{part}", code, [total, heads, dim], where)
+        expect(entries, f"{name}.pos", "I32", [rows, dims], where)
+    count, layers = len(table), kv["layers"]
+    if count != header["blocks"]["count"]:
+        raise PackError(f"{where} is corrupted (block count)")
+    if not count:
+        return
+    expect(entries, f"{BLOCKS}.table", "I64", [count, TABLE_COLUMNS + layers], where)
+    expect(entries, f"{BLOCKS}.time", "F64", [count, 2], where)
+    expect(entries, f"{BLOCKS}.sha256", "U8", [count, 32], where)
+    kinds = len(header["blocks"]["granularities"])
+    if (table.codes() >= kinds).any():
+        raise PackError(f"{where} is corrupted (granularity codes)")
+    sizes = check_table(table.rows(), table.times(), quant.group if quant else 0, where)
+    width = dim * quant.bits // 8 if quant else dim
+    for part in ("k", "v"):
+        expect(
+            entries,
+            f"{BLOCKS}.{part}",
+            "U8" if quant else code,
+            [sizes["tokens"], heads, width],
+            where,
+        )
+    expect(entries, f"{BLOCKS}.pos", "I32", [sizes["positions"], dims], where)
+    if quant:
+        groups = heads * dim // quant.value_group(heads, dim)
+        expect(entries, f"{BLOCKS}.kq", "F16", [sizes["groups"], 2, heads, dim], where)
+        expect(entries, f"{BLOCKS}.vq", "F16", [sizes["tokens"], groups, 2], where)
+    reps = header.get("representatives")
+    if reps:
+        stored = reps.get("layers")
+        if stored not in (1, layers) or reps["dim"] != heads * dim:
+            raise PackError(f"{where} is corrupted (representatives)")
+        expect(entries, "reps", code, [count, stored, heads * dim], where)

@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -28,24 +27,17 @@ from mmkv_cli.pack.format import (
     split_layers,
     tensors_sha256,
 )
+from mmkv_cli.pack.hashing import mismatched
 from mmkv_cli.pack.integrity import (
-    KV_DTYPES,
     MAX_HEADER_BYTES,
     check_directory,
     check_header,
     check_spans,
-    check_table,
-    expect,
+    check_tensors,
     index_digest,
 )
 from mmkv_cli.pack.quant import QuantSpec, dequantize
 from mmkv_cli.pack.table import BlockRows, BlockTable
-
-# Blocks this large on average are checksummed on up to HASH_THREADS threads. Small ones are not:
-# hashing many small buffers on threads churns the GIL (2 cores, 1024 blocks of 17 KB: 22 -> 25 ms;
-# 64 blocks of 5.6 MB, a real backbone's size: 204 -> 105 ms).
-PARALLEL_HASH_BLOCK_BYTES = 1 << 20
-HASH_THREADS = 8
 
 # safetensors dtype -> the numpy dtype its bytes are read as, and the torch dtype they are viewed as
 # after
@@ -144,7 +136,14 @@ class PackReader:
         except (KeyError, TypeError, ValueError, IndexError) as err:
             raise PackError(f"{self.path} is corrupted (block table: {err})") from None
         if version >= 7:
-            self._check_tensors()
+            check_tensors(
+                self.header,
+                self._entries,
+                self.spans_meta,
+                self._blocks,
+                self.quant,
+                str(self.path),
+            )
 
     def _check_index(self) -> None:
         """The header's digest of the directory and the small tensors no other checksum covers."""
@@ -163,56 +162,6 @@ class PackReader:
         data = os.pread(self._file.fileno(), stop - start, start)
         self.bytes_read += len(data)
         return np.frombuffer(bytearray(data), dtype=np.uint8)  # writable, as a numpy copy is
-
-    def _check_tensors(self) -> None:
-        """Every tensor's dtype and shape as the header and the table say (v7): nothing is
-        allocated from a count that the tensors do not bear out."""
-        kv, where, entries = self.header["kv"], str(self.path), self._entries
-        heads, dim, code = kv["kv_heads"], kv["head_dim"], KV_DTYPES[kv["dtype"]]
-        dims = (self.header.get("layout") or {}).get("position_dims")
-        for name in ("prefix", "suffix"):
-            meta = self.spans_meta[name]
-            total = sum(meta["layer_counts"])
-            rows = meta["layer_counts"][0] if meta.get("shared_positions") else total
-            if meta.get("shared_positions") and len(set(meta["layer_counts"])) > 1:
-                raise PackError(f"{where} is corrupted (positions of {name})")
-            for part in ("k", "v"):
-                expect(entries, f"{name}.{part}", code, [total, heads, dim], where)
-            expect(entries, f"{name}.pos", "I32", [rows, dims], where)
-        count, layers = len(self._blocks), kv["layers"]
-        if count != self.header["blocks"]["count"]:
-            raise PackError(f"{where} is corrupted (block count)")
-        if not count:
-            return
-        expect(entries, f"{BLOCKS}.table", "I64", [count, TABLE_COLUMNS + layers], where)
-        expect(entries, f"{BLOCKS}.time", "F64", [count, 2], where)
-        expect(entries, f"{BLOCKS}.sha256", "U8", [count, 32], where)
-        kinds = len(self.header["blocks"]["granularities"])
-        if (self._blocks.codes() >= kinds).any():
-            raise PackError(f"{where} is corrupted (granularity codes)")
-        sizes = check_table(
-            self._blocks.rows(), self._blocks.times(), self.quant.group if self.quant else 0, where
-        )
-        width = dim * self.quant.bits // 8 if self.quant else dim
-        for part in ("k", "v"):
-            expect(
-                entries,
-                f"{BLOCKS}.{part}",
-                "U8" if self.quant else code,
-                [sizes["tokens"], heads, width],
-                where,
-            )
-        expect(entries, f"{BLOCKS}.pos", "I32", [sizes["positions"], dims], where)
-        if self.quant:
-            groups = heads * dim // self.quant.value_group(heads, dim)
-            expect(entries, f"{BLOCKS}.kq", "F16", [sizes["groups"], 2, heads, dim], where)
-            expect(entries, f"{BLOCKS}.vq", "F16", [sizes["tokens"], groups, 2], where)
-        reps = self.header.get("representatives")
-        if reps:
-            stored = reps.get("layers")
-            if stored not in (1, layers) or reps["dim"] != heads * dim:
-                raise PackError(f"{where} is corrupted (representatives)")
-            expect(entries, "reps", code, [count, stored, heads * dim], where)
 
     def _block_table(self) -> BlockTable:
         """The block table (v3 on): three small tensors, read whole (a few dozen bytes per
@@ -421,50 +370,29 @@ class PackReader:
         self.bytes_read += picked.nbytes
         return torch.from_numpy(picked).view(getattr(torch, dtype))
 
+    def block_faults(self, chunk: int = 1024) -> list[str]:
+        """Every block checked against its checksum (verify): the names of those that fail."""
+        faults = []
+        views = {part: self._view(f"{BLOCKS}.{part}") for part in self._block_parts()}
+        for first in range(0, len(self._blocks), chunk):
+            indices = list(range(first, min(len(self._blocks), first + chunk)))
+            where = BlockRows(self._blocks, indices, self.quant.group if self.quant else 1)
+            self._still_whole()
+            for i in mismatched(views, where, list(range(len(indices))), self._block_bytes, True):
+                faults.append(f"block {self._blocks.name(indices[i])}: checksum mismatch")
+            self.bytes_read += sum(
+                int(np.prod(view[0].shape[1:])) * view[0].itemsize * (stop - start)
+                for part, view in views.items()
+                for start, stop in where.block_ranges(part)
+            )
+        return faults
+
     def _verify(self, views: dict, where: BlockRows, pending: list[int]) -> None:
-        """Check the sha256 of the blocks at `pending` (positions in `where`) against the table.
-        A large read is hashed on several threads (hashlib lets go of the GIL on big buffers): on
-        a real backbone the checksums of a retrieved context (hundreds of MB) would otherwise cost
-        more than reading it."""
-
-        spans = {part: where.block_ranges(part) for part in views}
-
-        def ranges(i: int) -> list[tuple[np.ndarray, int, int]]:
-            return [(views[part][0], *spans[part][i]) for part in views]
-
-        def digests(items):
-            out = []
-            for i in items:
-                h = hashlib.sha256()
-                for view, start, stop in ranges(i):
-                    h.update(self._block_bytes(view, start, stop))
-                out.append(h.digest())
-            return out
-
-        size = sum(
-            (stop - start) * (view.nbytes // max(1, view.shape[0 if self._token_major else 1]))
-            for i in pending
-            for view, start, stop in ranges(i)
-        )
-        big = pending and size // len(pending) >= PARALLEL_HASH_BLOCK_BYTES
-        workers = min(HASH_THREADS, os.cpu_count() or 1, len(pending)) if big else 1
-        # one run of consecutive blocks per thread: a task per block costs more than it hashes
-        if workers > 1:
-            step = -(-len(pending) // workers)
-            with ThreadPoolExecutor(workers) as pool:
-                got = [
-                    d
-                    for run in pool.map(
-                        digests, [pending[i : i + step] for i in range(0, len(pending), step)]
-                    )
-                    for d in run
-                ]
-        else:
-            got = digests(pending)
-        for i, found in zip(pending, got):
-            if found != where.digests[i].tobytes():
-                name = self._blocks.name(where.indices[i])
-                raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
+        """Check the sha256 of the blocks at `pending` (positions in `where`) against the table."""
+        bad = mismatched(views, where, pending, self._block_bytes, self._token_major)
+        if bad:
+            name = self._blocks.name(where.indices[bad[0]])
+            raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
 
     def _rows(self, view: np.ndarray) -> np.ndarray:
         """A block tensor with tokens on the first axis (v2/v3 kept them second)."""
