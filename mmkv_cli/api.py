@@ -158,7 +158,10 @@ class PackSession:
     ):
         from mmkv_cli.backbones import load_backbone
 
+        from mmkv_cli.pack.integrity import check_askable
+
         self.reader = pack if isinstance(pack, PackReader) else PackReader(pack)
+        check_askable(self.reader.header, str(self.reader.path))
         self.policy = context_policy(self.reader)
         if backbone is None:
             load = load or LoadOptions()

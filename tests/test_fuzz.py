@@ -1,0 +1,65 @@
+"""2,000 seeded mutants of real packs, asked from: none may end in an internal error, and none whose
+bytes were damaged (not re-sealed by a forger) may answer differently without saying so."""
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from mmkv_cli import api
+from mmkv_cli.errors import MmkvError
+from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions
+from tests.mutants import KINDS, mutate
+
+ASK = AskOptions(generation=GenerationOptions(max_new_tokens=1), keep_logits=True)
+QUESTION = "which shape appeared first ?"
+
+
+@pytest.fixture(scope="module")
+def subjects(clip, tmp_path_factory):
+    """The demo backbone and two packs of the sample clip: full as computed, mukv at 4 bits (its
+    representatives, key and value scales and per-block tables)."""
+    from mmkv_cli.backbones import load_backbone
+    from mmkv_cli.options import LoadOptions
+
+    backbone = load_backbone(LoadOptions("demo", "cpu"))
+    tmp = tmp_path_factory.mktemp("fuzz")
+    made = []
+    for method, bits in (("full", 16), ("mukv", 4)):
+        path = tmp / f"{method}.kvpack"
+        options = EncodeOptions(method, max_frames=8, kv_bits=bits, kv_group=8)
+        api.encode(clip, path, options, backbone=backbone)
+        reference = api.ask(path, QUESTION, ASK, backbone=backbone).first_logits
+        made.append((path.read_bytes(), reference))
+    return backbone, made
+
+
+def outcome(raw: bytes, reference, backbone, path) -> str:
+    path.write_bytes(raw)
+    try:
+        answer = api.PackSession(path, backbone=backbone).ask(QUESTION, ASK)
+    except MmkvError:
+        return "refused"
+    except Exception as err:  # noqa: BLE001 (what the test is looking for)
+        return f"internal: {type(err).__name__}: {err}"
+    return "same" if torch.equal(answer.first_logits, reference) else "changed"
+
+
+def test_mutated_packs_are_refused_or_answer_as_before(subjects, tmp_path):
+    backbone, made = subjects
+    rng = random.Random(2026)
+    kinds = sorted(KINDS)
+    seen, bad = Counter(), []
+    for n in range(2000):
+        kind = kinds[n % len(kinds)]
+        raw, reference = made[n // len(kinds) % len(made)]
+        result = outcome(mutate(raw, kind, rng), reference, backbone, tmp_path / "m.kvpack")
+        seen[kind, result.split(":")[0]] += 1
+        if result.startswith("internal") or (result == "changed" and not KINDS[kind]):
+            bad.append((n, kind, result))
+    assert not bad, bad[:10]
+    # every kind of damage was caught somewhere, and most of it at once
+    for kind, resealed in KINDS.items():
+        assert seen[kind, "refused"] > 0, kind
+    assert sum(v for (k, r), v in seen.items() if r == "refused") > 1000
