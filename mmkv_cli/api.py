@@ -157,7 +157,6 @@ class PackSession:
         load: LoadOptions | None = None,
     ):
         from mmkv_cli.backbones import load_backbone
-
         from mmkv_cli.pack.integrity import check_askable
 
         self.reader = pack if isinstance(pack, PackReader) else PackReader(pack)

@@ -60,6 +60,6 @@ def test_mutated_packs_are_refused_or_answer_as_before(subjects, tmp_path):
             bad.append((n, kind, result))
     assert not bad, bad[:10]
     # every kind of damage was caught somewhere, and most of it at once
-    for kind, resealed in KINDS.items():
+    for kind in KINDS:
         assert seen[kind, "refused"] > 0, kind
     assert sum(v for (k, r), v in seen.items() if r == "refused") > 1000
