@@ -106,7 +106,8 @@ def check_header(header: dict, version: int, where: str) -> None:
         _need(_is_int(kv.get("layers"), 1, MAX_LAYERS), where, "kv.layers")
         _need(_is_int(kv.get("kv_heads"), 1, MAX_HEADS), where, "kv.kv_heads")
         _need(_is_int(kv.get("head_dim"), 2, MAX_HEAD_DIM), where, "kv.head_dim")
-        _need(kv.get("dtype") in KV_DTYPES, where, f"kv.dtype {str(kv.get('dtype'))[:20]!r}")
+        dtype = kv.get("dtype")
+        _need(isinstance(dtype, str) and dtype in KV_DTYPES, where, f"kv.dtype {str(dtype)[:20]!r}")
     prompt = _section(header, "prompt", where)
     if "question" in prompt:
         question = prompt["question"]

@@ -21,6 +21,7 @@ from mmkv_cli.lazy import torch
 
 BITS = (16, 8, 4, 2)  # 16: not quantized (the backbone's own dtype)
 FLOAT16_MAX = 65504.0
+MAX_GROUP = 1 << 16
 CHUNK_TOKENS = 2048  # tokens dequantized at a time on a CPU (their float32 copies fit in cache)
 
 
@@ -43,8 +44,8 @@ class QuantSpec:
         """Refuse a setting this KV width cannot take, before any work."""
         if self.bits not in BITS:
             raise UsageError(f"--kv-bits must be one of {', '.join(map(str, BITS))}")
-        if self.group < 1:
-            raise UsageError("--kv-group must be a positive number of tokens / channels")
+        if not 1 <= self.group <= MAX_GROUP:
+            raise UsageError(f"--kv-group must be a number of tokens / channels, 1 to {MAX_GROUP}")
         if not self.quantized:
             return
         width = kv_heads * head_dim
