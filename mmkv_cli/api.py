@@ -7,6 +7,8 @@ ask import the model side when they run.
 from __future__ import annotations
 
 import datetime as dt
+import math
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -53,8 +55,7 @@ def encode(
     quant = QuantSpec(options.kv_bits, options.kv_group)
     quant.check(1, 8)  # the bits and group alone, before the model loads
     output = Path(output)
-    if Path(media).is_file() and Path(media).resolve() == output.resolve():
-        raise UsageError(f"{output} is the media being encoded: pick another output")
+    refuse_input_as_output(media, output)
     check_writable(output, options.force)  # fail before any expensive work
     choice = resolve_method(options.method).with_budget(options.budget, options.budget_tokens)
     choice = choice.with_guidance(options.guidance_prompt)
@@ -92,6 +93,23 @@ def encode(
     }
     write_pack(output, header, encoded.prefix, encoded.blocks, encoded.suffix, options.force, quant)
     return {**inspect(output), **encoded.stats}
+
+
+def refuse_input_as_output(media: str, output: Path) -> None:
+    """The output may not be the media, nor any image of a folder or glob being encoded: the same
+    file by inode (a hard link, a symlink to it), not only by name. --force never overrides this."""
+    from mmkv_cli.media.stills import image_paths
+
+    if not output.exists():
+        return
+    inputs = [Path(media)] if Path(media).is_file() else image_paths(media)
+    for source in inputs:
+        try:
+            same = os.path.samefile(source, output)
+        except OSError:
+            continue
+        if same:
+            raise UsageError(f"{output} is the media being encoded ({source}): pick another output")
 
 
 def context_policy(reader: PackReader) -> ContextPolicy:
@@ -185,6 +203,12 @@ class PackSession:
         from mmkv_cli.ask_prune import ask_pruner
 
         options = options or AskOptions()
+        if options.at is not None and not (math.isfinite(options.at) and options.at >= 0):
+            raise UsageError("--at must be a finite number of seconds (or an index), 0 or more")
+        try:
+            question.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("the question is not valid UTF-8 text") from None
         if options.prune_budget is not None and not options.prune:
             raise UsageError("--budget at ask only applies with --prune METHOD")
         if options.generation.max_new_tokens < 1:

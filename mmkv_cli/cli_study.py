@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import Path
 
 import typer
 
@@ -64,6 +65,8 @@ def profile(
 
         names = [m.strip() for m in methods.split(",") if m.strip()]
         bits = parse_ints(kv_bits, "--kv-bits")
+        if plot and not Path(plot).resolve().parent.is_dir():  # before the work, not after
+            raise UsageError(f"cannot write the plot {plot}: its folder does not exist")
         media_options = EncodeOptions(
             budget=budget, fps=fps, max_frames=max_frames, kv_group=kv_group
         )
@@ -77,7 +80,10 @@ def profile(
             kv_bits=bits,
         )
         if plot:
-            prof.plot(result, plot)
+            try:
+                prof.plot(result, plot)
+            except OSError as err:
+                raise UsageError(f"cannot write the plot {plot}: {err.strerror or err}") from None
             result["plot"] = plot
         emit_json(result) if as_json else show_profile(result)
 

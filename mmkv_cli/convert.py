@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -83,7 +84,7 @@ def convert(
 
     output = Path(output)
     reader = PackReader(source)
-    if output.exists() and output.resolve() == reader.path.resolve():
+    if output.exists() and os.path.samefile(output, reader.path):  # a link to it counts too
         raise UsageError(f"{output} is the pack being converted: pick another output")
     check_writable(output, force)
     had = reader.quant.bits if reader.quant else 16

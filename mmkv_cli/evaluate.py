@@ -9,9 +9,11 @@ match on the normalised answer, or the option letter for multiple choice.
 from __future__ import annotations
 
 import json
+import math
 import re
-import tempfile
+import shutil
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +64,10 @@ def _option_letter(answer, options: list[str]) -> str:
 
 def _item(video: Path, question: str, answer, options, at, kind) -> Item:
     options = [str(o) for o in (options or [])]
+    if at is not None and (
+        isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at) or at < 0
+    ):
+        raise UsageError(f"the moment of '{str(question)[:60]}' is not a number of seconds: {at!r}")
     gold = _option_letter(answer, options) if options else normalise(answer)
     return Item(
         str(video),
@@ -176,6 +182,14 @@ def chance_level(kind: str, options: int) -> float | None:
     return chance(kind) if kind in QUESTION_TYPES else None
 
 
+@contextmanager
+def _removed_after(folder: Path):
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def run_folder(out: Path, model: str, method: str, budget: float, kv_bits: int = 16) -> Path:
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model)
     stored = "" if kv_bits == 16 else f"-kv{kv_bits}"
@@ -235,8 +249,10 @@ def evaluate(
     if not items:
         raise UsageError(f"{qa_file} holds no questions")
     model = load.model or default_model()
-    backbone = load_backbone(load)
     root = Path(out)
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"{root} is a file: --out names the folder results go to")
+    backbone = load_backbone(load)
     runs = []
     clips = len({i.video for i in items})
     with eval_progress() as bar:
@@ -303,7 +319,12 @@ def evaluate_run(
         kv_bits=settings.kv_bits,
     )
     generation = GenerationOptions(max_new_tokens=settings.max_new_tokens)
-    with predictions.open("a") as sink, tempfile.TemporaryDirectory(prefix="mmkv-eval-") as tmp:
+    # packs are made in the run folder, not /tmp: a killed run leaves nothing elsewhere, and the
+    # next run of this folder clears what it left
+    work = folder / ".work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    with predictions.open("a") as sink, _removed_after(work) as tmp:
         for n, (video, asked) in enumerate(clips.items()):
             todo = [i for i in asked if i.key not in done]
             if todo:

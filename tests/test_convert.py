@@ -110,7 +110,7 @@ def test_convert_never_writes_over_its_source_or_an_existing_pack(packs, tmp_pat
         convert(made[16], tmp_path / "taken.kvpack", QuantSpec(8))
     assert made[16].read_bytes() == before
     assert (tmp_path / "taken.kvpack").read_bytes() == b"keep me"
-    assert not list(tmp_path.glob(".*.tmp"))
+    assert not list(tmp_path.glob(".*.mmkv-partial"))
 
 
 def test_an_old_pack_converts_and_keeps_what_its_representatives_mean(tmp_path):

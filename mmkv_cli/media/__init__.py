@@ -23,6 +23,8 @@ def load_media(spec: str, fps: float = 1.0, max_frames: int = 64, backend: str =
         return load_images(spec, max_frames)
     if not path.exists():
         raise MediaError(f"no such file or folder: {spec}")
+    if not (path.is_file() or path.is_dir()):  # a FIFO or device would block or never end
+        raise MediaError(f"{spec} is not a regular file or folder")
     if path.is_dir() or path.suffix.lower() in IMAGE_SUFFIXES:
         return (
             load_images(spec, max_frames) if path.is_dir() else load_images(str(path), max_frames)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob as globlib
+import math
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,9 @@ def _same_size(images: list[Image.Image]) -> np.ndarray:
     )
 
 
+MAX_PAGE_PIXELS = 4_000_000  # a rendered PDF page at most (2000 x 2000)
+
+
 def _thin(count: int, max_frames: int) -> list[int]:
     if not max_frames or count <= max_frames:
         return list(range(count))
@@ -47,7 +51,7 @@ def load_images(spec: str, max_frames: int) -> Media:
     picks = _thin(len(paths), max_frames)
     try:
         frames = _same_size([Image.open(paths[i]) for i in picks])
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
         raise MediaError(f"cannot read image in {spec}: {err}") from err
     return Media(
         kind="images",
@@ -58,13 +62,21 @@ def load_images(spec: str, max_frames: int) -> Media:
     )
 
 
+def page_scale(width_pt: float, height_pt: float, scale: float) -> float:
+    """The render scale for a page of this size: `scale` (1: 72 dpi), less where the page would
+    exceed MAX_PAGE_PIXELS (a tiny PDF can declare pages of 14,400 points a side: 6.7 GB of pixels
+    at 1:1). The processors resize every page to a few hundred pixels a side anyway."""
+    area = max(1.0, float(width_pt) * float(height_pt))
+    return min(scale, math.sqrt(MAX_PAGE_PIXELS / area))
+
+
 def load_pdf(path: Path, max_frames: int, scale: float = 1.0) -> Media:
     import pypdfium2 as pdfium
 
     try:
         doc = pdfium.PdfDocument(str(path))
         picks = _thin(len(doc), max_frames)
-        pages = [doc[i].render(scale=scale).to_pil() for i in picks]
+        pages = [doc[i].render(scale=page_scale(*doc[i].get_size(), scale)).to_pil() for i in picks]
     except Exception as err:  # pdfium raises PdfiumError and plain OSError
         raise MediaError(f"cannot read PDF {path}: {err}") from err
     if not pages:

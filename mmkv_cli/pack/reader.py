@@ -189,7 +189,9 @@ class PackReader:
         if stored is None:
             return None
         try:
-            if not all(type(stored.get(k)) is int for k in ("bits", "group")):
+            if not isinstance(stored, dict) or not all(
+                type(stored.get(k)) is int for k in ("bits", "group")
+            ):
                 raise ValueError
             quant = QuantSpec(stored["bits"], stored["group"])
             if stored.get("scale_dtype") != "float16" or not quant.quantized:

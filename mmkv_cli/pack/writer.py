@@ -8,9 +8,10 @@ import math
 import os
 import struct
 from collections.abc import Sequence
+from glob import escape as glob_escape
 from pathlib import Path
 
-from mmkv_cli.errors import OutputExistsError, PackError
+from mmkv_cli.errors import OutputExistsError, PackError, UsageError
 from mmkv_cli.lazy import torch
 from mmkv_cli.pack.format import (
     BLOCKS,
@@ -39,7 +40,30 @@ def check_writable(path: Path, force: bool) -> None:
         raise OutputExistsError(f"{path} is a folder, not a pack file")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
-        raise PackError(f"cannot write {path}: folder {parent} does not exist")
+        raise UsageError(f"cannot write {path}: folder {parent} does not exist")
+
+
+TEMP_SUFFIX = ".mmkv-partial"  # .NAME.PID.mmkv-partial: a pack being written by process PID
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # someone else's process, or unknowable: leave its file be
+    return True
+
+
+def sweep_stale(path: Path) -> None:
+    """Remove partial packs for `path` left by writers that died (kill -9 in the write window):
+    each names its process, and a process that no longer runs will never finish it."""
+    parent = path.parent if str(path.parent) else Path(".")
+    for partial in parent.glob(f".{glob_escape(path.name)}.*{TEMP_SUFFIX}"):
+        pid = partial.name[len(path.name) + 2 : -len(TEMP_SUFFIX)]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            partial.unlink(missing_ok=True)
 
 
 def split_series(header: dict) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -234,7 +258,8 @@ def write_pack(
     head = json.dumps(directory, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # safetensors pads its header to 8 bytes
 
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    sweep_stale(path)
+    tmp = path.parent / f".{path.name}.{os.getpid()}{TEMP_SUFFIX}"
     try:
         with open(tmp, "wb") as fh:  # mode: 0666 less the umask, as any new file
             fh.write(struct.pack("<Q", len(head)) + head)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from fractions import Fraction
 from pathlib import Path
@@ -59,6 +60,10 @@ def write_dataset(
         raise UsageError("synth needs at least 1 clip of at least 4 frames")
     if kind not in KINDS:
         raise UsageError(f"unknown clip kind '{kind}' ({', '.join(KINDS)})")
+    if not (math.isfinite(fps) and fps > 0):
+        raise UsageError("--fps must be a positive number of frames a second")
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise UsageError(f"{out_dir} is a file: synth writes a folder (clips/ and qa.jsonl)")
     if kind == "needle" and frames < 16:
         raise UsageError("needle clips need at least 16 frames")
     out = Path(out_dir)
