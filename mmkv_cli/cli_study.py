@@ -110,6 +110,9 @@ def eval_(
     limit: int | None = typer.Option(None, "--limit", help="Only the first N questions."),
     fps: float | None = typer.Option(None, "--fps"),
     max_frames: int | None = typer.Option(None, "--max-frames"),
+    fresh: bool = typer.Option(
+        False, "--fresh", help="Start the runs over: drop answers earlier runs left in OUT."
+    ),
     kv_bits: int = KvBitsOpt,
     model: str | None = ModelOpt,
     device: str = DeviceOpt,
@@ -134,9 +137,8 @@ def eval_(
             max_new_tokens=max_new_tokens,
             kv_bits=kv_bits,
         )
-        result = ev.evaluate(
-            qa_file, names, levels, out, settings, load_options(model, device, dtype), limit
-        )
+        load = load_options(model, device, dtype)
+        result = ev.evaluate(qa_file, names, levels, out, settings, load, limit, fresh)
         if as_json:
             fields = ("method", "budget", "kv_bits", "kept", "accuracy", "by_type", "n")
             emit_json(

@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from mmkv_cli.errors import UsageError
+from mmkv_cli.eval_runs import open_run, questions_digest, run_folder, work_folder
 from mmkv_cli.options import (
     AskOptions,
     EncodeOptions,
@@ -182,37 +181,7 @@ def chance_level(kind: str, options: int) -> float | None:
     return chance(kind) if kind in QUESTION_TYPES else None
 
 
-@contextmanager
-def _removed_after(folder: Path):
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def run_folder(out: Path, model: str, method: str, budget: float, kv_bits: int = 16) -> Path:
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model)
-    stored = "" if kv_bits == 16 else f"-kv{kv_bits}"
-    return out / safe / f"{method}-b{budget:g}{stored}"
-
-
-def _done(predictions: Path) -> dict[str, dict]:
-    """Answers already given. A line cut short by an interrupted run is dropped (the file rewritten
-    without it, atomically, so new answers never glue onto it): that question is asked again."""
-    if not predictions.exists():
-        return {}
-    rows, clean = {}, True
-    for line in predictions.read_text().splitlines():
-        try:
-            row = json.loads(line)
-            rows[row["key"]] = row
-        except (json.JSONDecodeError, KeyError, TypeError):
-            clean = False
-    if not clean or not predictions.read_text().endswith("\n"):
-        tmp = predictions.with_name(predictions.name + ".part")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows.values()))
-        tmp.replace(predictions)
-    return rows
+FINGERPRINT = ("family", "config_sha256", "weights_sha256")  # what makes the model this model
 
 
 @dataclass(frozen=True)
@@ -234,8 +203,11 @@ def evaluate(
     settings: EvalSettings,
     load: LoadOptions,
     limit: int | None = None,
+    fresh: bool = False,
 ) -> dict:
-    """Every method at every budget (methods that keep everything once) over the question set."""
+    """Every method at every budget (methods that keep everything once) over the question set.
+    fresh: drop the answers earlier runs left in these run folders (else they are reused, when
+    made under the same settings, and the run refused when not)."""
     from mmkv_cli.backbones import load_backbone
     from mmkv_cli.display import eval_progress
     from mmkv_cli.presets import check_budget, default_model, resolve_method
@@ -272,6 +244,7 @@ def evaluate(
                     budget,
                     settings,
                     on_clip=lambda n, task=task: bar.update(task, completed=n),
+                    fresh=fresh,
                 )
             )
     figure = run_folder(root, model, "x", 1).parent / "accuracy_vs_budget.png"
@@ -288,25 +261,30 @@ def evaluate_run(
     budget: float | None,
     settings: EvalSettings,
     on_clip: Callable[[int], None] | None = None,
+    fresh: bool = False,
 ) -> dict:
     """One method at one budget (None: its own, for methods that keep everything) over every item;
     resumes from folder/predictions.jsonl."""
     from mmkv_cli import api
+    from mmkv_cli.presets import resolve_method
+    from mmkv_cli.spec import as_plain
 
-    folder.mkdir(parents=True, exist_ok=True)
     predictions = folder / "predictions.jsonl"
-    done = _done(predictions)
+    fingerprint = backbone.fingerprint()
     config = {
         "model": model,
+        "model_fingerprint": {k: fingerprint.get(k) for k in FINGERPRINT},
         "method": method,
+        "params": as_plain(resolve_method(method).params),
         "budget": budget if budget is not None else 1.0,
         "fps": settings.fps,
         "max_frames": settings.max_frames,
         "positions": settings.positions.value if settings.positions else None,
         "max_new_tokens": settings.max_new_tokens,
         "kv_bits": settings.kv_bits,
+        "questions_sha256": questions_digest(items),
     }
-    (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    done = open_run(folder, config, fresh)
     clips: dict[str, list[Item]] = {}
     for item in items:
         clips.setdefault(item.video, []).append(item)
@@ -319,12 +297,7 @@ def evaluate_run(
         kv_bits=settings.kv_bits,
     )
     generation = GenerationOptions(max_new_tokens=settings.max_new_tokens)
-    # packs are made in the run folder, not /tmp: a killed run leaves nothing elsewhere, and the
-    # next run of this folder clears what it left
-    work = folder / ".work"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
-    with predictions.open("a") as sink, _removed_after(work) as tmp:
+    with predictions.open("a") as sink, work_folder(folder) as tmp:
         for n, (video, asked) in enumerate(clips.items()):
             todo = [i for i in asked if i.key not in done]
             if todo:
@@ -356,7 +329,12 @@ def evaluate_run(
                     done[item.key] = row
             if on_clip:
                 on_clip(n + 1)
-    rows = [done[i.key] for i in items if i.key in done]
+    # scored against the gold answers as they are now, whatever they were when answered
+    rows = [
+        {**done[i.key], "answer": i.answer, "correct": done[i.key]["prediction"] == i.answer}
+        for i in items
+        if i.key in done
+    ]
     result = {
         "method": method,
         "budget": budget if budget is not None else 1.0,

@@ -136,6 +136,30 @@ def test_eval_runs_each_method_once_per_budget_and_resumes(tmp_path):
     assert len({r["key"] for r in rows}) == 12
     assert json.loads((folder / "metrics.json").read_text())["n"] == 12
     assert rows[:10] == [json.loads(x) for x in lines[:10]]  # earlier answers kept, not recomputed
+    # other settings never reuse these answers: refused, until --fresh starts the run over
+    longer = runner.invoke(app, [*args, "--max-new-tokens", "3"])
+    assert longer.exit_code == 2 and "max_new_tokens" in longer.output, longer.output
+    assert (folder / "predictions.jsonl").read_text().count("\n") == 12  # untouched
+    fresh = runner.invoke(app, [*args, "--max-new-tokens", "3", "--fresh"])
+    assert fresh.exit_code == 0, fresh.output
+    assert json.loads((folder / "config.json").read_text())["max_new_tokens"] == 3
+    # a corrected gold answer rescored without asking again
+    qa = tmp_path / "set" / "qa.jsonl"
+    items = [json.loads(line) for line in qa.read_text().splitlines()]
+    items[0]["answer"] = "surely not this"
+    qa.write_text("".join(json.dumps(i) + "\n" for i in items))
+    again = runner.invoke(app, [*args, "--max-new-tokens", "3"])
+    assert again.exit_code == 0, again.output
+    rows = [json.loads(x) for x in (folder / "predictions.jsonl").read_text().splitlines()]
+    assert len(rows) == 12  # nothing asked again
+    first = next(
+        r
+        for r in rows
+        if r["video"].endswith(items[0]["video"]) and r["question"] == items[0]["question"]
+    )
+    before = json.loads(fresh.stdout)["runs"][2]["accuracy"]
+    after = json.loads((folder / "metrics.json").read_text())["accuracy"]
+    assert after == pytest.approx(before - (1 / 12 if first["correct"] else 0))
     # a quantized run has a folder of its own: its answers never mix with the 16-bit ones
     quantized = runner.invoke(app, [*args[:5], "full", *args[6:], "--kv-bits", "4"])
     assert quantized.exit_code == 0, quantized.output
