@@ -45,6 +45,7 @@ def encode(
     """Encode `media` into a .kvpack at `output`; returns a summary (the inspect view plus
     timings)."""
     from mmkv_cli.backbones import load_backbone
+    from mmkv_cli.checkpoint import Checkpointing
     from mmkv_cli.encoder import encode_media
     from mmkv_cli.media import load_media
     from mmkv_cli.methods import EncodeContext
@@ -69,7 +70,20 @@ def encode(
     if on_start:
         on_start(source.num_frames)
     context = EncodeContext(source.kind, options.guidance_prompt)
-    encoded = encode_media(backbone, source, choice, context, progress)
+    fingerprint = backbone.fingerprint()
+    identity = {  # everything that makes this encode's state this encode's
+        "media": source.digest,
+        "frames": source.num_frames,
+        "model": [fingerprint.get(k) for k in ("family", "config_sha256", "weights_sha256")],
+        "method": choice.name,
+        "params": as_plain(choice.params),
+        "budget": None if choice.budget is None else [choice.budget.share, choice.budget.tokens],
+        "guidance_prompt": options.guidance_prompt,
+        "fps": fps,
+        "max_frames": max_frames,
+    }
+    checkpoint = Checkpointing.open(output, options.checkpoint_every, options.resume, identity)
+    encoded = encode_media(backbone, source, choice, context, progress, checkpoint)
     budget = choice.budget
     header = {
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -92,6 +106,7 @@ def encode(
         "stats": {k: round(v, 4) if isinstance(v, float) else v for k, v in encoded.stats.items()},
     }
     write_pack(output, header, encoded.prefix, encoded.blocks, encoded.suffix, options.force, quant)
+    checkpoint.remove()  # the pack is whole: the state it was saved for is done
     return {**inspect(output), **encoded.stats}
 
 

@@ -105,6 +105,14 @@ def encode(
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
     kv_bits: int = KvBitsOpt,
     kv_group: int = KvGroupOpt,
+    checkpoint_every: int = typer.Option(
+        0,
+        "--checkpoint-every",
+        help="Save the streaming state every N chunks beside the output (a killed encode resumes).",
+    ),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue from the checkpoint an interrupted encode left."
+    ),
     model: str | None = ModelOpt,
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
@@ -126,6 +134,8 @@ def encode(
             force,
             kv_bits=kv_bits,
             kv_group=kv_group,
+            checkpoint_every=checkpoint_every,
+            resume=resume,
         )
         load = load_options(model, device, dtype)
         if as_json:

@@ -14,6 +14,13 @@ import torch
 from mmkv_cli.attention import Recorder, recording
 from mmkv_cli.backbones import Backbone, StreamLayout
 from mmkv_cli.blockwise import chunk_plans, order_blocks, prefill_blocks
+from mmkv_cli.checkpoint import (
+    Checkpointing,
+    blocks_from,
+    blocks_tensors,
+    restore_running_cache,
+    running_cache_tensors,
+)
 from mmkv_cli.errors import MediaError
 from mmkv_cli.media import Media
 from mmkv_cli.methods import Budget, EncodeContext
@@ -58,13 +65,14 @@ class Stream:
     chunk_frames: int
     progress: Progress | None
 
-    def chunks(self, unit_steps: int):
+    def chunks(self, unit_steps: int, skip: int = 0):
         """(first step, frames, frames done after it) of every chunk: whole multiples of
-        `unit_steps` temporal steps, the last frame repeated to fill the last step."""
+        `unit_steps` temporal steps, the last frame repeated to fill the last step. skip: chunks
+        a resumed encode already has (their frames are not even read)."""
         per_step = self.backbone.frames_per_step
         unit = per_step * unit_steps
         size = max(unit, self.chunk_frames - self.chunk_frames % unit)
-        for first in range(0, self.media.num_frames, size):
+        for first in range(skip * size, self.media.num_frames, size):
             frames = self.media.read(first, first + size)
             yield first // per_step, _padded(frames, per_step), first + len(frames)
 
@@ -102,6 +110,7 @@ def encode_media(
     choice: MethodChoice,
     context: EncodeContext | None = None,
     progress: Progress | None = None,
+    checkpoint: Checkpointing | None = None,
 ) -> Encoded:
     if media.num_frames == 0:
         raise MediaError(f"no frames in {media.source}")
@@ -121,10 +130,11 @@ def encode_media(
     budget = choice.budget or Budget(share=1.0)
     method = choice.method
     if method.blockwise is not None:
-        done = encode_blockwise(stream, method.blockwise(choice.params, budget), prefix, cache)
+        memory = method.blockwise(choice.params, budget)
+        done = encode_blockwise(stream, memory, prefix, cache, checkpoint)
     else:
         policy = method.streaming(choice.params, budget, context or EncodeContext(media.kind))
-        done = encode_streaming(stream, policy, cache, prefix.layer_counts[0])
+        done = encode_streaming(stream, policy, cache, prefix.layer_counts[0], checkpoint)
         # read back: a policy may have merged evicted tokens into the prompt's KV (MEDA)
         prefix = _span(
             "prefix", done.cache, [0] * len(cache.layers), len(prefix_ids), layout.prefix
@@ -158,8 +168,15 @@ def encode_media(
     )
 
 
-def encode_streaming(stream: Stream, policy: StreamingMemory, cache, prompt_len: int) -> Streamed:
-    """One running cache over the whole stream; the policy may evict after every chunk."""
+def encode_streaming(
+    stream: Stream,
+    policy: StreamingMemory,
+    cache,
+    prompt_len: int,
+    checkpoint: Checkpointing | None = None,
+) -> Streamed:
+    """One running cache over the whole stream; the policy may evict after every chunk. With
+    `checkpoint`, the state is saved every N chunks, and a resume starts where it was saved."""
     backbone, layout = stream.backbone, stream.layout
     lengths = torch.tensor(layout.step_lengths)
     total = int(lengths.sum())
@@ -178,8 +195,14 @@ def encode_streaming(stream: Stream, policy: StreamingMemory, cache, prompt_len:
         rope=backbone.rope_tables(),
     )
     state.attend = lambda text, rows=False: text_attention(backbone, state, text, rows)
-    peak_kv = 0
-    for first_step, frames, done in stream.chunks(1):
+    peak_kv, skip = 0, 0
+    if checkpoint and checkpoint.restored:
+        progress, tensors = checkpoint.restored
+        restore_running_cache(running, tensors)
+        policy.restore({k[7:]: v for k, v in tensors.items() if k.startswith("policy.")})
+        state.seen, state.shift = progress["seen"], progress["shift"]
+        peak_kv, skip = progress["peak_kv"], progress["chunks"]
+    for number, (first_step, frames, done) in enumerate(stream.chunks(1, skip), start=skip + 1):
         steps = stream.step_times[first_step : first_step + len(frames) // backbone.frames_per_step]
         embeds, extra = backbone.visual_chunk(frames, steps, layout)
         n = embeds.shape[1]
@@ -194,6 +217,12 @@ def encode_streaming(stream: Stream, policy: StreamingMemory, cache, prompt_len:
         peak_kv = max(peak_kv, running.kv_bytes())
         policy.after_chunk(state)
         stream.report(done, state.seen)
+        if checkpoint and checkpoint.due(number) and state.seen < total:
+            progress = {"chunks": number, "seen": state.seen, "shift": state.shift}
+            saved = {f"policy.{k}": v for k, v in policy.saved().items()}
+            checkpoint.save(
+                {**progress, "peak_kv": peak_kv}, running_cache_tensors(running) | saved
+            )
     _check_count(stream.media, state.seen, total)
     policy.finish(state)
     blocks = policy.make_blocks(state, stream.step_times)
@@ -232,17 +261,28 @@ def text_attention(backbone: Backbone, state: StreamState, text: str, rows: bool
     ]
 
 
-def encode_blockwise(stream: Stream, policy: BlockwiseMemory, prefix: Span, cache) -> Streamed:
+def encode_blockwise(
+    stream: Stream,
+    policy: BlockwiseMemory,
+    prefix: Span,
+    cache,
+    checkpoint: Checkpointing | None = None,
+) -> Streamed:
     """Independent blocks after the init prompt, whole segments per chunk; the suffix follows the
-    init prompt."""
+    init prompt. With `checkpoint`, the blocks made so far are saved every N chunks."""
     backbone, layout = stream.backbone, stream.layout
     per_step = backbone.frames_per_step
     total = sum(layout.step_lengths)
     policy.begin(total)
     starts = torch.cumsum(torch.tensor([0, *layout.step_lengths[:-1]]), 0)
     origins = layout.visual[:, starts].cpu()  # every step's first token: where it is placed from
-    blocks, seen, peak_kv = [], 0, 0
-    for first_step, frames, done in stream.chunks(policy.segment_steps(per_step)):
+    blocks, seen, peak_kv, skip = [], 0, 0, 0
+    if checkpoint and checkpoint.restored:
+        progress, tensors = checkpoint.restored
+        blocks = blocks_from(tensors, progress["blocks"])
+        seen, peak_kv, skip = progress["seen"], progress["peak_kv"], progress["chunks"]
+    unit = policy.segment_steps(per_step)
+    for number, (first_step, frames, done) in enumerate(stream.chunks(unit, skip), start=skip + 1):
         times = stream.step_times[first_step : first_step + len(frames) // per_step]
         embeds, extra = backbone.visual_chunk(frames, times, layout)
         n = embeds.shape[1]
@@ -255,6 +295,10 @@ def encode_blockwise(stream: Stream, policy: BlockwiseMemory, prefix: Span, cach
         seen += n
         peak_kv = max(peak_kv, peak)
         stream.report(done, seen)
+        if checkpoint and checkpoint.due(number) and seen < total:
+            tensors, rows = blocks_tensors(blocks)
+            progress = {"chunks": number, "seen": seen, "peak_kv": peak_kv, "blocks": rows}
+            checkpoint.save(progress, tensors)
     _check_count(stream.media, seen, total)
     return Streamed(order_blocks(blocks), cache, prefix.layer_counts, peak_kv)
 

@@ -41,6 +41,8 @@ class EncodeOptions:
     force: bool = False  # replace an existing output
     kv_bits: int = 16  # bits per stored visual K/V value: 16 (as computed), 8, 4 or 2
     kv_group: int = 64  # quantization group: tokens per key group, channels per value group
+    checkpoint_every: int = 0  # save the streaming state every N chunks beside the output (0: no)
+    resume: bool = False  # continue from the checkpoint an interrupted encode left
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,13 @@ class StreamingMemory(Protocol):
     def make_blocks(self, state: StreamState, step_times: list[tuple[float, float]]) -> list[Span]:
         """What the cache holds at the end, as the pack's blocks in time order."""
 
+    def saved(self) -> dict[str, torch.Tensor]:
+        """The policy's own state between chunks as named tensors, for a resumable encode's
+        checkpoint (the running cache is saved apart)."""
+
+    def restore(self, saved: dict[str, torch.Tensor]) -> None:
+        """Take back the state `saved()` gave."""
+
 
 @dataclass
 class BlockPlan:

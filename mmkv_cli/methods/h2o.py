@@ -35,6 +35,12 @@ class H2OMemory(TopKAtEnd):
             sums = recorder.column_sum[layer][0, start : start + state.cache.count(layer)]
             accumulate(self.cumulative[layer], sums.cpu(), state.cache.index[layer])
 
+    def saved(self) -> dict[str, torch.Tensor]:
+        return {f"cumulative.{i}": c for i, c in enumerate(self.cumulative)}
+
+    def restore(self, saved: dict[str, torch.Tensor]) -> None:
+        self.cumulative = [saved[f"cumulative.{i}"] for i in range(len(saved))]
+
     def layer_scores(self, state: StreamState) -> list[torch.Tensor]:
         return [self.cumulative[layer][state.cache.index[layer]] for layer in range(state.layers)]
 

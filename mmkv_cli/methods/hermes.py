@@ -171,6 +171,26 @@ class HermesMemory(KeepAll):
         self.summary: dict[int, tuple] = {}  # deep layer -> (key, value, count)
         self.summary_position: dict[int, torch.Tensor] = {}  # deep layer -> [P] its summary's slot
 
+    def saved(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for layer, position in self.summary_position.items():
+            out[f"position.{layer}"] = position
+            if self.summary.get(layer) is not None:  # a slot with nothing folded in yet
+                key, value, count = self.summary[layer]
+                out |= {f"key.{layer}": key, f"value.{layer}": value}
+                out[f"count.{layer}"] = torch.tensor(count)
+        return out
+
+    def restore(self, saved: dict[str, torch.Tensor]) -> None:
+        layers = [int(name.split(".")[1]) for name in saved if name.startswith("position.")]
+        self.summary_position = {n: saved[f"position.{n}"] for n in layers}
+        self.summary = {
+            n: (saved[f"key.{n}"], saved[f"value.{n}"], int(saved[f"count.{n}"]))
+            if f"key.{n}" in saved
+            else None
+            for n in layers
+        }
+
     def after_chunk(self, state: StreamState) -> None:
         cap = self.budget.tokens_of(state.total)
         if state.cache.count(0) > cap:

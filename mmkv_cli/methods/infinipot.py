@@ -135,6 +135,12 @@ class InfiniPotMemory(KeepAll):
         super().__init__(params, budget, context)
         self.streamed = 0  # visual tokens seen at the previous chunk's end
 
+    def saved(self) -> dict[str, torch.Tensor]:
+        return {"streamed": torch.tensor(self.streamed)}
+
+    def restore(self, saved: dict[str, torch.Tensor]) -> None:
+        self.streamed = int(saved["streamed"])
+
     def after_chunk(self, state: StreamState) -> None:
         chunk = state.seen - self.streamed
         self.streamed = state.seen

@@ -129,6 +129,18 @@ class MedaMemory(KeepAll):
             self.vt_entropy[layer] += float(recorder.reduced[layer]["vt_entropy"][0])
         self.visual_rows = state.seen
 
+    def saved(self) -> dict[str, torch.Tensor]:
+        out = {f"cumulative.{i}": c for i, c in enumerate(self.cumulative)}
+        out["vt_entropy"] = torch.tensor(self.vt_entropy, dtype=torch.float64)  # exact floats
+        out["visual_rows"] = torch.tensor(self.visual_rows)
+        return out
+
+    def restore(self, saved: dict[str, torch.Tensor]) -> None:
+        layers = len(saved) - 2
+        self.cumulative = [saved[f"cumulative.{i}"] for i in range(layers)]
+        self.vt_entropy = saved["vt_entropy"].tolist()
+        self.visual_rows = int(saved["visual_rows"])
+
     def finish(self, state: StreamState) -> None:
         guidance = self.context.guidance(self.params.guidance_prompt)
         rows, visual, _ = state.attend(guidance, rows=True)

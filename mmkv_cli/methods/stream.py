@@ -201,6 +201,12 @@ class KeepAll:
     def after_chunk(self, state: StreamState) -> None:
         pass
 
+    def saved(self) -> dict[str, torch.Tensor]:
+        return {}  # keeping everything needs no memory of its own
+
+    def restore(self, saved: dict[str, torch.Tensor]) -> None:
+        pass
+
     def finish(self, state: StreamState) -> None:
         pass
 
