@@ -58,6 +58,7 @@ def encode(
     output = Path(output)
     refuse_input_as_output(media, output)
     check_writable(output, options.force)  # fail before any expensive work
+    Checkpointing.refuse_overwrite(output, options.checkpoint_every, options.resume)
     choice = resolve_method(options.method).with_budget(options.budget, options.budget_tokens)
     choice = choice.with_guidance(options.guidance_prompt)
     backbone = backbone or load_backbone(load)

@@ -43,14 +43,21 @@ class Checkpointing:
     def open(cls, output: Path, every: int, resume: bool, identity: dict) -> Checkpointing:
         if every < 0:
             raise UsageError("--checkpoint-every must be 0 (never) or a number of chunks")
+        cls.refuse_overwrite(output, every, resume)
         path = checkpoint_path(output)
         found = load(path, identity) if resume and path.exists() else None
-        if not resume and path.exists() and every:
+        return cls(path, every, identity, found)
+
+    @staticmethod
+    def refuse_overwrite(output: Path, every: int, resume: bool) -> None:
+        """An interrupted encode's checkpoint is not overwritten by a new checkpointing encode
+        that was not asked to resume it (checked before the model loads)."""
+        path = checkpoint_path(output)
+        if not resume and every and path.exists():
             raise UsageError(
                 f"{path} holds an interrupted encode of {output}: pass --resume to continue it, "
                 "or delete it to start over"
             )
-        return cls(path, every, identity, found)
 
     def due(self, chunks_done: int) -> bool:
         return self.every > 0 and chunks_done % self.every == 0

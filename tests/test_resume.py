@@ -1,0 +1,156 @@
+"""Resumable encodes, and what a kill at any moment leaves: never a partial pack under its name,
+never litter for long, and a resumed encode writes the pack an uninterrupted one would."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mmkv_cli import api
+from mmkv_cli.checkpoint import checkpoint_path
+from mmkv_cli.errors import PackError, UsageError
+from mmkv_cli.options import EncodeOptions
+from mmkv_cli.pack import PackReader
+from mmkv_cli.synth import write_dataset
+
+MMKV = [sys.executable, "-m", "mmkv_cli"]
+OPTIONS = {"max_frames": 48, "fps": 2.0, "force": True}
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from mmkv_cli.backbones import load_backbone
+    from mmkv_cli.options import LoadOptions
+
+    tmp = tmp_path_factory.mktemp("resume")
+    write_dataset(tmp / "set", 2, 48, 3, kind="normal")
+    return load_backbone(LoadOptions("demo", "cpu")), tmp
+
+
+def same_pack(a: Path, b: Path) -> bool:
+    """Every tensor byte and every header field equal, apart from when it was made and how long
+    it took."""
+    ra, rb = PackReader(a), PackReader(b)
+    skip = ("created", "stats")
+    if {k: v for k, v in ra.header.items() if k not in skip} != {
+        k: v for k, v in rb.header.items() if k not in skip
+    }:
+        return False
+    return ra._entries == rb._entries and all(
+        ra._raw(name).tobytes() == rb._raw(name).tobytes() for name in ra._entries
+    )
+
+
+@pytest.mark.parametrize("method", ["hermes", "h2o", "meda", "infinipot", "rekv", "mukv"])
+def test_an_interrupted_encode_resumes_to_the_same_pack(world, method):
+    backbone, tmp = world
+    video = str(tmp / "set" / "clips" / "clip_0000.mp4")
+    whole = tmp / f"{method}-whole.kvpack"
+    api.encode(video, whole, EncodeOptions(method, **OPTIONS), backbone=backbone)
+    cut = tmp / f"{method}-cut.kvpack"
+    calls = []
+
+    def stop_after_two_chunks(frames, tokens):
+        calls.append(frames)
+        if len(calls) == 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        options = EncodeOptions(method, checkpoint_every=1, **OPTIONS)
+        api.encode(video, cut, options, backbone=backbone, progress=stop_after_two_chunks)
+    assert checkpoint_path(cut).exists() and not cut.exists()
+    resumed = EncodeOptions(method, checkpoint_every=1, resume=True, **OPTIONS)
+    api.encode(video, cut, resumed, backbone=backbone)
+    assert same_pack(whole, cut)
+    assert not checkpoint_path(cut).exists()  # removed once the pack is written
+
+
+def test_a_checkpoint_of_another_encode_is_refused(world):
+    backbone, tmp = world
+    video = str(tmp / "set" / "clips" / "clip_0000.mp4")
+    out = tmp / "other.kvpack"
+
+    calls = []
+
+    def stop(frames, tokens):  # after the first chunk's checkpoint
+        calls.append(frames)
+        if len(calls) == 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        options = EncodeOptions("hermes", checkpoint_every=1, **OPTIONS)
+        api.encode(video, out, options, backbone=backbone, progress=stop)
+    with pytest.raises(UsageError, match="pass --resume"):  # not overwritten by mistake
+        options = EncodeOptions("hermes", checkpoint_every=1, **OPTIONS)
+        api.encode(video, out, options, backbone=backbone)
+    with pytest.raises(UsageError, match="budget"):
+        options = EncodeOptions("hermes", budget=0.5, resume=True, **OPTIONS)
+        api.encode(video, out, options, backbone=backbone)
+    data = bytearray(checkpoint_path(out).read_bytes())
+    data[-3] ^= 0xFF
+    checkpoint_path(out).write_bytes(bytes(data))
+    with pytest.raises(PackError, match="checkpoint|corrupted"):
+        api.encode(video, out, EncodeOptions("hermes", resume=True, **OPTIONS), backbone=backbone)
+
+
+def _run(args, cwd, **kw):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([*MMKV, *args], cwd=cwd, env=env, **kw)
+
+
+def _kill_after(process, seconds: float) -> None:
+    time.sleep(seconds)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
+def test_killed_encodes_leave_no_partial_pack_and_resume_exactly(world):
+    backbone, tmp = world
+    video = str(tmp / "set" / "clips" / "clip_0001.mp4")
+    whole = tmp / "kill-whole.kvpack"
+    api.encode(video, whole, EncodeOptions("hermes", **OPTIONS), backbone=backbone)
+    rng = random.Random(18)
+    out = tmp / "killed.kvpack"
+    base = ["encode", video, "-m", "demo", "--method", "hermes", "--max-frames", "48"]
+    for attempt in range(2):
+        out.unlink(missing_ok=True)
+        checkpoint_path(out).unlink(missing_ok=True)
+        process = _run([*base, "--fps", "2", "-o", str(out), "--checkpoint-every", "1"], tmp)
+        _kill_after(process, rng.uniform(2.0, 5.0))
+        assert not out.exists() or same_pack(whole, out), attempt  # never a partial pack
+        if not out.exists():
+            args = [*base, "--fps", "2", "-o", str(out), "--checkpoint-every", "1", "--resume"]
+            done = _run(args, tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            assert done.wait() == 0, done.stderr.read()
+        assert same_pack(whole, out) and not checkpoint_path(out).exists()
+    # without checkpoints, a kill in the write window leaves a partial pack of a dead process; the
+    # next write to that name sweeps it
+    partial = tmp / f".killed.kvpack.{2**22 + 17}.mmkv-partial"
+    partial.write_bytes(b"half a pack")
+    done = _run([*base, "--fps", "2", "-o", str(out), "--force"], tmp, stdout=subprocess.DEVNULL)
+    assert done.wait() == 0 and not partial.exists()
+    assert not [p for p in tmp.iterdir() if p.name.endswith(".mmkv-partial")]
+
+
+def test_a_killed_eval_leaves_nothing_outside_its_folder_and_finishes_on_rerun(world):
+    _, tmp = world
+    before = {p.name for p in Path("/tmp").iterdir() if p.name.startswith("mmkv-eval")}
+    args = ["eval", str(tmp / "set" / "qa.jsonl"), "-m", "demo", "--methods", "recency"]
+    args += ["--budgets", "0.5", "--max-new-tokens", "2", "-o", str(tmp / "ev")]
+    process = _run(args, tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _kill_after(process, 4.0)
+    after = {p.name for p in Path("/tmp").iterdir() if p.name.startswith("mmkv-eval")}
+    assert after == before
+    done = _run(args, tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert done.wait() == 0, done.stderr.read()
+    run = tmp / "ev" / "demo" / "recency-b0.5"
+    assert (run / "metrics.json").exists() and not (run / ".work").exists()
