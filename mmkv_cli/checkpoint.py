@@ -19,6 +19,7 @@ from pathlib import Path
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.lazy import torch
 from mmkv_cli.pack.format import Span, tensors_sha256
+from mmkv_cli.pack.writer import sweep_stale
 
 SUFFIX = ".mmkv-checkpoint"
 FORMAT, VERSION = "mmkv.checkpoint", 1
@@ -82,6 +83,7 @@ def save(path: Path, identity: dict, progress: dict, tensors: dict[str, torch.Te
         "progress": progress,
         "sha256": tensors_sha256(list(plain.values())),
     }
+    sweep_stale(path, path.name, ".part")  # partial checkpoints of killed encodes
     partial = path.with_name(f"{path.name}.{os.getpid()}.part")
     try:
         save_file(plain, str(partial), metadata={META: json.dumps(meta, sort_keys=True)})

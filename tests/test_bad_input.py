@@ -169,3 +169,25 @@ def test_a_pack_replaced_while_it_is_read_is_read_whole(pack, tmp_path, clip):
     api.encode(clip, other, EncodeOptions("recency", 0.25, max_frames=8), backbone=backbone)
     os.replace(other, path)  # as encode --force does
     assert session.ask("which shape appeared first ?").answer == before
+
+
+def test_a_full_disk_is_exit_4_with_the_reason_and_the_old_pack_intact(pack, clip, tmp_path):
+    import errno
+
+    path = tmp_path / "p.kvpack"
+    path.write_bytes(Path(pack).read_bytes())
+    before = path.read_bytes()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    args = ["encode", clip, "-m", "demo", "--max-frames", "4", "-o", str(path), "--force"]
+    real = os.fsync
+    os.fsync = full
+    try:
+        result = CliRunner().invoke(app, args)
+    finally:
+        os.fsync = real
+    assert result.exit_code == 4 and "No space left on device" in result.output
+    assert path.read_bytes() == before
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(TEMP_SUFFIX)]

@@ -56,12 +56,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale(path: Path) -> None:
-    """Remove partial packs for `path` left by writers that died (kill -9 in the write window):
-    each names its process, and a process that no longer runs will never finish it."""
+def sweep_stale(path: Path, prefix: str | None = None, suffix: str = TEMP_SUFFIX) -> None:
+    """Remove partial files for `path` (named PREFIX.PID SUFFIX, by default .NAME.PID.mmkv-partial)
+    left by writers that died (kill -9 in the write window): each names its process, and a process
+    that no longer runs will never finish it."""
     parent = path.parent if str(path.parent) else Path(".")
-    for partial in parent.glob(f".{glob_escape(path.name)}.*{TEMP_SUFFIX}"):
-        pid = partial.name[len(path.name) + 2 : -len(TEMP_SUFFIX)]
+    prefix = prefix if prefix is not None else f".{path.name}"
+    for partial in parent.glob(f"{glob_escape(prefix)}.*{suffix}"):
+        pid = partial.name[len(prefix) + 1 : -len(suffix)]
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             partial.unlink(missing_ok=True)
 
