@@ -14,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
+import struct
 
 import numpy as np
 
@@ -30,6 +32,28 @@ KV_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 # (blocks.sha256 is not: it is written after the blocks, and a flip in it fails its block's check)
 INDEXED = ("blocks.table", "blocks.time", "media.timestamps", "layout.step_lengths")
 HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def read_directory(fh, path) -> tuple[dict, int]:
+    """The safetensors directory of the open file `fh`, checked; and where the data starts."""
+    size = os.fstat(fh.fileno()).st_size
+    raw = os.pread(fh.fileno(), 8, 0)
+    if len(raw) < 8:
+        raise PackError(f"{path} is not a kvpack (empty or truncated)")
+    (length,) = struct.unpack("<Q", raw)
+    if length <= 0 or 8 + length > size:
+        raise PackError(f"{path} is not a kvpack, or it is truncated")
+    if length > MAX_HEADER_BYTES:  # refused before it is read: a kvpack's is a few KB
+        raise PackError(f"{path} is not a kvpack (a {length:,}-byte header)")
+    try:
+        header = json.loads(os.pread(fh.fileno(), length, 8))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise PackError(f"{path} is corrupted (unreadable header)") from err
+    if not isinstance(header, dict):
+        raise PackError(f"{path} is corrupted (unreadable header)")
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    check_directory(entries, size - 8 - length, str(path))
+    return header, 8 + length
 
 
 def check_directory(entries: dict, data_bytes: int, where: str) -> None:

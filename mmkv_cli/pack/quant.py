@@ -57,6 +57,27 @@ class QuantSpec:
         if head_dim % (8 // self.bits):
             raise UsageError(f"head dim {head_dim} cannot be packed at {self.bits} bits")
 
+    @classmethod
+    def from_header(cls, stored, kv, where: str) -> QuantSpec | None:
+        """A pack header's `quant`, checked against its `kv`: None when the K/V are stored as
+        computed (every pack before v7)."""
+        from mmkv_cli.errors import PackError
+
+        if stored is None:
+            return None
+        try:
+            if not isinstance(stored, dict) or not all(
+                type(stored.get(k)) is int for k in ("bits", "group")
+            ):
+                raise ValueError
+            quant = cls(stored["bits"], stored["group"])
+            if stored.get("scale_dtype") != "float16" or not quant.quantized:
+                raise ValueError
+            quant.check(int(kv["kv_heads"]), int(kv["head_dim"]))
+        except (KeyError, TypeError, ValueError, UsageError):
+            raise PackError(f"{where} is corrupted (bad quantization header)") from None
+        return quant
+
     def as_header(self) -> dict | None:
         if not self.quantized:
             return None

@@ -6,12 +6,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 from pathlib import Path
 
 import numpy as np
 
-from mmkv_cli.errors import MmkvError, PackError
+from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
 from mmkv_cli.pack.format import (
     BLOCKS,
@@ -29,12 +28,11 @@ from mmkv_cli.pack.format import (
 )
 from mmkv_cli.pack.hashing import mismatched
 from mmkv_cli.pack.integrity import (
-    MAX_HEADER_BYTES,
-    check_directory,
     check_header,
     check_spans,
     check_tensors,
     index_digest,
+    read_directory,
 )
 from mmkv_cli.pack.quant import QuantSpec, dequantize
 from mmkv_cli.pack.table import BlockRows, BlockTable
@@ -52,28 +50,6 @@ _DTYPES = {
 }
 
 
-def _read_safetensors_header(fh, path: Path) -> tuple[dict, int]:
-    """The safetensors directory of the open file `fh`, checked; and where the data starts."""
-    size = os.fstat(fh.fileno()).st_size
-    raw = os.pread(fh.fileno(), 8, 0)
-    if len(raw) < 8:
-        raise PackError(f"{path} is not a kvpack (empty or truncated)")
-    (length,) = struct.unpack("<Q", raw)
-    if length <= 0 or 8 + length > size:
-        raise PackError(f"{path} is not a kvpack, or it is truncated")
-    if length > MAX_HEADER_BYTES:  # refused before it is read: a kvpack's is a few KB
-        raise PackError(f"{path} is not a kvpack (a {length:,}-byte header)")
-    try:
-        header = json.loads(os.pread(fh.fileno(), length, 8))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise PackError(f"{path} is corrupted (unreadable header)") from err
-    if not isinstance(header, dict):
-        raise PackError(f"{path} is corrupted (unreadable header)")
-    entries = {k: v for k, v in header.items() if k != "__metadata__"}
-    check_directory(entries, size - 8 - length, str(path))
-    return header, 8 + length
-
-
 class PackReader:
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -86,7 +62,7 @@ class PackReader:
         except OSError as err:
             raise PackError(f"cannot read {self.path}: {err.strerror or err}") from None
         self._opened_size = os.fstat(self._file.fileno()).st_size
-        raw, self._data_start = _read_safetensors_header(self._file, self.path)
+        raw, self._data_start = read_directory(self._file, self.path)
         self._entries = {k: v for k, v in raw.items() if k != "__metadata__"}
         self._map: np.memmap | None = None  # the whole file, mapped on the first block read
         self._views: dict[str, tuple[np.ndarray, str]] = {}  # name -> (view, torch dtype name)
@@ -114,7 +90,7 @@ class PackReader:
         check_header(self.header, version, where)
         self._token_major = version >= 4  # v2/v3 stored K/V head-major, positions [P, tokens]
         self._columns = TABLE_COLUMNS if version >= 7 else OLD_TABLE_COLUMNS
-        self.quant = self._quant(self.header.get("quant"))
+        self.quant = QuantSpec.from_header(self.header.get("quant"), self.header.get("kv"), where)
         self.bytes_read = 0
         self._spans: dict[str, Span] = {}
         # v2-v4 called the prefix and suffix "segments"
@@ -183,24 +159,6 @@ class PackReader:
             self._array(f"{BLOCKS}.sha256"),
             columns=self._columns,
         )
-
-    def _quant(self, stored) -> QuantSpec | None:
-        """How the blocks' K/V are stored: None when as computed (every pack before v7)."""
-        if stored is None:
-            return None
-        try:
-            if not isinstance(stored, dict) or not all(
-                type(stored.get(k)) is int for k in ("bits", "group")
-            ):
-                raise ValueError
-            quant = QuantSpec(stored["bits"], stored["group"])
-            if stored.get("scale_dtype") != "float16" or not quant.quantized:
-                raise ValueError
-            kv = self.header["kv"]
-            quant.check(int(kv["kv_heads"]), int(kv["head_dim"]))
-        except (KeyError, TypeError, ValueError, MmkvError):
-            raise PackError(f"{self.path} is corrupted (bad quantization header)") from None
-        return quant
 
     @property
     def blocks(self) -> BlockTable:
