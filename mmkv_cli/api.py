@@ -89,7 +89,7 @@ def encode(
     header = {
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "mmkv_version": __version__,
-        "fingerprint": backbone.fingerprint(),
+        "fingerprint": fingerprint,
         "method": {
             "name": choice.name,
             "implements": choice.method.name,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from mmkv_cli.cli_common import JsonOpt, emit_json, run
+from mmkv_cli.cli_common import JsonOpt, KvGroupOpt, emit_json, run
 
 
 def convert(
@@ -13,9 +13,7 @@ def convert(
     kv_bits: int = typer.Option(
         ..., "--kv-bits", help="Bits per stored visual K/V value: 16 (as computed), 8, 4 or 2."
     ),
-    kv_group: int = typer.Option(
-        64, "--kv-group", help="Quantization group: tokens per key group, channels per value group."
-    ),
+    kv_group: int = KvGroupOpt,
     start: float | None = typer.Option(
         None, "--from", help="Keep only blocks showing this second or later."
     ),

@@ -30,20 +30,15 @@ class _Blocks(Sequence):
     def __init__(self, reader: PackReader, rows: np.ndarray, dtype):
         self.reader, self.rows, self.dtype = reader, rows, dtype
         self.reps = reader.representatives()
-        self._last: tuple[int, Span] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, i: int) -> Span:
-        if self._last is not None and self._last[0] == i:  # the table pass reads a block twice
-            return self._last[1]
         row = int(self.rows[i])
         loaded = self.reader.span(self.reader.blocks.name(row), keep=False, dtype=self.dtype)
         rep = self.reps[row].to(self.dtype) if self.reps is not None else None
-        block = replace(loaded, name=block_name(i), representative=rep)
-        self._last = (i, block)
-        return block
+        return replace(loaded, name=block_name(i), representative=rep)
 
 
 def kept_rows(reader: PackReader, start: float | None, stop: float | None) -> np.ndarray:

@@ -285,8 +285,6 @@ class PackReader:
         if None in indices:
             raise PackError(f"{self.path} has no block {names[indices.index(None)]}")
         where = BlockRows(self._blocks, indices, self.quant.group if self.quant else 1)
-        if not where.consistent():
-            raise PackError(f"{self.path} is corrupted (shared positions with unequal counts)")
         views = {part: self._view(f"{BLOCKS}.{part}") for part in self._block_parts()}
         self._still_whole()
         self._verify(views, where, [i for i, n in enumerate(names) if n not in self._verified])

@@ -1,26 +1,13 @@
-"""What a span becomes on disk (v7): K/V as computed or quantized, positions int32 and stored once
-when every layer keeps the same tokens."""
+"""What a span becomes on disk (v7): positions int32 and stored once when every layer keeps the
+same tokens."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
 from mmkv_cli.pack.format import Span
-from mmkv_cli.pack.quant import QuantSpec, quantize_keys, quantize_values
 
 INT32_MAX = 2**31 - 1
-
-
-@dataclass
-class StoredSpan:
-    """A span's stored tensors by part ("k", "v", "pos", and "kq", "vq" when quantized), token
-    rows first."""
-
-    parts: dict[str, torch.Tensor]
-    shared_positions: bool  # one set of position rows serves every layer
-    key_groups: int  # rows of "kq" (0 unless quantized)
 
 
 def shares_positions(span: Span) -> bool:
@@ -39,18 +26,9 @@ def stored_positions(span: Span) -> tuple[torch.Tensor, bool]:
     return rows.to(torch.int32).contiguous(), shared
 
 
-def store(span: Span, quant: QuantSpec, full_precision: bool = False) -> StoredSpan:
-    """The tensors `span` is written as. full_precision: K/V as computed even in a quantized pack
-    (the prefix and suffix: a few dozen tokens, where the attention sink lives)."""
+def store(span: Span) -> tuple[dict[str, torch.Tensor], bool]:
+    """The prefix's or suffix's stored tensors by part ("k", "v", "pos") and whether its positions
+    are stored once: K/V stay as computed even in a quantized pack (a few dozen prompt tokens,
+    where the attention sink lives). Blocks are stored by the writer, one pass per tensor."""
     positions, shared = stored_positions(span)
-    keys, values = span.part(0), span.part(1)
-    if not quant.quantized or full_precision:
-        return StoredSpan({"k": keys, "v": values, "pos": positions}, shared, 0)
-    heads, dim = keys.shape[1], keys.shape[2]
-    key_codes, key_scales = quantize_keys(keys, span.layer_counts, quant.bits, quant.group)
-    value_codes, value_scales = quantize_values(values, quant.bits, quant.value_group(heads, dim))
-    return StoredSpan(
-        {"k": key_codes, "v": value_codes, "pos": positions, "kq": key_scales, "vq": value_scales},
-        shared,
-        int(key_scales.shape[0]),
-    )
+    return {"k": span.part(0), "v": span.part(1), "pos": positions}, shared

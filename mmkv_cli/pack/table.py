@@ -169,11 +169,6 @@ class BlockRows:
             self.first_groups[:, None] + np.cumsum(self.groups, axis=1) - self.groups
         )
 
-    def consistent(self) -> bool:
-        """Whether every block said to share its positions keeps the same count in every layer."""
-        shared = self.shared == 1
-        return not (self.counts[shared] != self.counts[shared][:, :1]).any()
-
     def block_ranges(self, part: str) -> list[tuple[int, int]]:
         """Every block's row range [start, stop) in the block tensor of `part`."""
         totals = self.counts.sum(axis=1)

@@ -196,12 +196,12 @@ def write_pack(
     small: dict[str, torch.Tensor] = {}
     spans_meta = {}
     for seg in (prefix, suffix):
-        stored = store(seg, quant, full_precision=True)
-        small.update({f"{seg.name}.{part}": t for part, t in stored.parts.items()})
+        parts, shared = store(seg)
+        small.update({f"{seg.name}.{part}": t for part, t in parts.items()})
         spans_meta[seg.name] = {
             "layer_counts": seg.layer_counts,
-            "shared_positions": stored.shared_positions,
-            "sha256": tensors_sha256(list(stored.parts.values())),
+            "shared_positions": shared,
+            "sha256": tensors_sha256(list(parts.values())),
         }
     header, series = split_series(header)
     small.update(series)
