@@ -116,6 +116,13 @@ class Packs:
         return backbone
 
 
+def _busy():
+    """503 with Retry-After: the line of waiting requests is full."""
+    return _error(
+        503, "busy: too many requests waiting, retry shortly", "server_error", {"Retry-After": "1"}
+    )
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error", headers=None):
     body = {"error": {"message": message, "type": kind, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
@@ -218,12 +225,7 @@ def create_app(
         try:
             answer = await packs.run(lambda: packs.session(body.model).ask(question, options))
         except Busy:
-            return _error(
-                503,
-                "busy: too many requests waiting, retry shortly",
-                "server_error",
-                {"Retry-After": "1"},
-            )
+            return _busy()
         except MmkvError as err:
             return _error(STATUS.get(type(err), 400), str(err))
         return _completion(body, answer, created, ident)
@@ -318,12 +320,7 @@ async def _stream(
         if task.done() and isinstance(task.exception(), Busy):
             raise Busy
     except Busy:
-        return _error(
-            503,
-            "busy: too many requests waiting, retry shortly",
-            "server_error",
-            {"Retry-After": "1"},
-        )
+        return _busy()
     task.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, ("done", None)))
 
     async def events():
