@@ -32,6 +32,7 @@ class Answer:
     blocks_used: list[str]
     retrieved: list[dict] = field(default_factory=list)
     bytes_read: int = 0
+    bytes_fetched: int = 0  # brought over the network from a remote pack (its open counts too)
     kv_tokens: list[int] | None = None  # per layer, after pruning at ask (None: not pruned)
     first_logits: torch.Tensor | None = field(default=None, repr=False)
 

@@ -23,6 +23,7 @@ from mmkv_cli.options import AskOptions, EncodeOptions, LoadOptions
 from mmkv_cli.pack import PackReader, check_writable
 from mmkv_cli.presets import resolve_method
 from mmkv_cli.spec import as_plain, override
+from mmkv_cli.storage import is_url, local_path
 
 if TYPE_CHECKING:
     from mmkv_cli.answer import Answer
@@ -41,9 +42,11 @@ def encode(
     load: LoadOptions | None = None,
     progress: EncodeProgress | None = None,
     on_start: Callable[[int], None] | None = None,
+    shown_as: str | None = None,
 ) -> dict:
     """Encode `media` into a .kvpack at `output`; returns a summary (the inspect view plus
-    timings)."""
+    timings). Either may be a URL (s3://...): remote media is downloaded first, a remote pack is
+    written here and published whole. shown_as: the media's name in the pack (its URL)."""
     from mmkv_cli.backbones import load_backbone
     from mmkv_cli.checkpoint import Checkpointing
     from mmkv_cli.encoder import encode_media
@@ -53,9 +56,11 @@ def encode(
     from mmkv_cli.pack.quant import QuantSpec
 
     options = options or EncodeOptions()
+    if is_url(output) or is_url(media):
+        return _encode_remote(media, str(output), options, backbone, load, progress, on_start)
     quant = QuantSpec(options.kv_bits, options.kv_group)
     quant.check(1, 8)  # the bits and group alone, before the model loads
-    output = Path(output)
+    output = local_path(output)
     refuse_input_as_output(media, output)
     check_writable(output, options.force)  # fail before any expensive work
     Checkpointing.refuse_overwrite(output, options.checkpoint_every, options.resume)
@@ -68,6 +73,7 @@ def encode(
     fps = options.fps if options.fps is not None else spec.fps
     max_frames = options.max_frames if options.max_frames is not None else spec.max_frames
     source = load_media(media, fps=fps, max_frames=max_frames)
+    source.source = shown_as or source.source
     if on_start:
         on_start(source.num_frames)
     context = EncodeContext(source.kind, options.guidance_prompt)
@@ -109,6 +115,32 @@ def encode(
     write_pack(output, header, encoded.prefix, encoded.blocks, encoded.suffix, options.force, quant)
     checkpoint.remove()  # the pack is whole: the state it was saved for is done
     return {**inspect(output), **encoded.stats}
+
+
+def _encode_remote(media, output, options, backbone, load, progress, on_start) -> dict:
+    """encode with remote media, or a remote output, staged through local temporary files."""
+    from contextlib import nullcontext
+
+    from mmkv_cli.storage import local_copy, staged_upload
+
+    if is_url(output) and (options.checkpoint_every or options.resume):
+        raise UsageError(
+            "--checkpoint-every and --resume need a local output (checkpoints sit beside it)"
+        )
+    fetched = local_copy(media) if is_url(media) else nullcontext(local_path(media))
+    staged = staged_upload(output, options.force) if is_url(output) else nullcontext(output)
+    with staged as target, fetched as local_media:
+        done = encode(
+            str(local_media),
+            target,
+            options,
+            backbone=backbone,
+            load=load,
+            progress=progress,
+            on_start=on_start,
+            shown_as=media,
+        )
+    return {**done, "path": output}
 
 
 def refuse_input_as_output(media: str, output: Path) -> None:
@@ -202,6 +234,7 @@ class PackSession:
                 load = LoadOptions(pack_model(self.reader), load.device, load.dtype)
             backbone = load_backbone(load)
         self.backbone = backbone
+        self._fetched = 0  # the remote pack's bytes already charged to a question (none yet)
 
     def ask(
         self,
@@ -235,6 +268,8 @@ class PackSession:
             self.backbone, self.reader, self.policy, question, options, pruner, on_token
         )
         answer.bytes_read = self.reader.bytes_read - before  # this question's reads only
+        fetched = self.reader.source.fetched or 0
+        answer.bytes_fetched, self._fetched = fetched - self._fetched, fetched
         return answer
 
 
@@ -265,6 +300,7 @@ def answer_record(answer: Answer, question: str, at: float | None = None, ident=
         "decode_s_per_token": answer.decode_s_per_token,
         "blocks": len(answer.blocks_used),
         "bytes_read": answer.bytes_read,
+        "bytes_fetched": answer.bytes_fetched,
         "retrieved": answer.retrieved,
         "kv_tokens_after_prune": answer.kv_tokens,
     }

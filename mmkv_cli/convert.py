@@ -18,6 +18,7 @@ from mmkv_cli.pack import PackReader, Span, check_writable
 from mmkv_cli.pack.format import SERIES, block_name
 from mmkv_cli.pack.quant import QuantSpec
 from mmkv_cli.spec import as_plain
+from mmkv_cli.storage import is_url, local_path, staged_upload
 
 # header sections the writer makes again from what it is given
 WRITTEN = ("format", "format_version", "spans", "blocks", "quant", "representatives", "segments")
@@ -77,9 +78,17 @@ def convert(
     from mmkv_cli.api import stored_method
     from mmkv_cli.pack import write_pack
 
-    output = Path(output)
+    if is_url(output):  # written here, then published whole
+        if str(output) == str(source):
+            raise UsageError(f"{output} is the pack being converted: pick another output")
+        with staged_upload(str(output), force) as local:
+            done = convert(source, local, quant, start, stop, force)
+        return {**done, "path": str(output)}
+    output = local_path(output)
     reader = PackReader(source)
-    if output.exists() and os.path.samefile(output, reader.path):  # a link to it counts too
+    if (
+        reader.source.local and output.exists() and os.path.samefile(output, reader.path)
+    ):  # a link to it counts too
         raise UsageError(f"{output} is the pack being converted: pick another output")
     check_writable(output, force)
     had = reader.quant.bits if reader.quant else 16

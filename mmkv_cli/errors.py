@@ -36,3 +36,9 @@ class OutputExistsError(MmkvError):
     """Refusing to overwrite an existing file without --force."""
 
     exit_code = 6
+
+
+class StorageError(MmkvError):
+    """Object storage cannot be reached, refuses access, or its driver is not installed."""
+
+    exit_code = 7

@@ -22,3 +22,39 @@ def backbones():
 @pytest.fixture(scope="session")
 def clip() -> str:
     return str(SAMPLES / "clip.mp4")
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 API (moto's server mode) on a free loopback port, with the environment s3fs reads
+    pointed at it; a bucket `packs` exists. Yields the endpoint URL."""
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL_S3": endpoint,
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem().mkdir("packs")
+    yield endpoint
+    server.stop()
+    s3fs.S3FileSystem.clear_instance_cache()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -34,9 +34,12 @@ INDEXED = ("blocks.table", "blocks.time", "media.timestamps", "layout.step_lengt
 HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
-def read_directory(fh, path) -> tuple[dict, int]:
-    """The safetensors directory of the open file `fh`, checked; and where the data starts."""
+def read_directory(fh, path, ensure=None) -> tuple[dict, int]:
+    """The safetensors directory of the open file `fh`, checked; and where the data starts.
+    ensure(ranges): makes byte ranges readable first (a remote pack's mirror)."""
     size = os.fstat(fh.fileno()).st_size
+    if ensure is not None:
+        ensure([(0, 8)])
     raw = os.pread(fh.fileno(), 8, 0)
     if len(raw) < 8:
         raise PackError(f"{path} is not a kvpack (empty or truncated)")
@@ -45,6 +48,8 @@ def read_directory(fh, path) -> tuple[dict, int]:
         raise PackError(f"{path} is not a kvpack, or it is truncated")
     if length > MAX_HEADER_BYTES:  # refused before it is read: a kvpack's is a few KB
         raise PackError(f"{path} is not a kvpack (a {length:,}-byte header)")
+    if ensure is not None:
+        ensure([(8, 8 + length)])
     try:
         header = json.loads(os.pread(fh.fileno(), length, 8))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:

@@ -35,6 +35,7 @@ from mmkv_cli.pack.integrity import (
     read_directory,
 )
 from mmkv_cli.pack.quant import QuantSpec, dequantize
+from mmkv_cli.pack.source import open_pack_file
 from mmkv_cli.pack.table import BlockRows, BlockTable
 
 # safetensors dtype -> the numpy dtype its bytes are read as, and the torch dtype they are viewed as
@@ -52,17 +53,13 @@ _DTYPES = {
 
 class PackReader:
     def __init__(self, path: str | Path):
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise PackError(f"no such pack: {self.path}")
         # Everything is read through this one descriptor: a pack replaced under the reader (an
-        # encode --force, a sync) leaves it reading the file it opened, whole.
-        try:
-            self._file = open(self.path, "rb")  # noqa: SIM115 (held for the reader's life)
-        except OSError as err:
-            raise PackError(f"cannot read {self.path}: {err.strerror or err}") from None
-        self._opened_size = os.fstat(self._file.fileno()).st_size
-        raw, self._data_start = read_directory(self._file, self.path)
+        # encode --force, a sync) leaves it reading the file it opened, whole. A pack on object
+        # storage is a sparse local mirror, filled by range requests just before each read.
+        self.source, self.path = open_pack_file(path)
+        self._file = self.source.file
+        self._opened_size = self.source.size
+        raw, self._data_start = read_directory(self._file, self.path, self.source.ensure)
         self._entries = {k: v for k, v in raw.items() if k != "__metadata__"}
         self._map: np.memmap | None = None  # the whole file, mapped on the first block read
         self._views: dict[str, tuple[np.ndarray, str]] = {}  # name -> (view, torch dtype name)
@@ -135,6 +132,7 @@ class PackReader:
     def _raw(self, name: str) -> np.ndarray:
         """Tensor `name`'s stored bytes, read whole."""
         start, stop = (self._data_start + o for o in self._entries[name]["data_offsets"])
+        self.source.ensure([(start, stop)])
         data = os.pread(self._file.fileno(), stop - start, start)
         self.bytes_read += len(data)
         return np.frombuffer(bytearray(data), dtype=np.uint8)  # writable, as a numpy copy is
@@ -190,6 +188,7 @@ class PackReader:
             np_dtype = _DTYPES[entry["dtype"]][0]
             return self._small.pop(name).view(np_dtype).reshape(entry["shape"])
         view, _ = self._view(name)
+        self.source.ensure([self._tensor_range(name)])
         out = np.array(view)
         self.bytes_read += out.nbytes
         return out
@@ -287,6 +286,7 @@ class PackReader:
         where = BlockRows(self._blocks, indices, self.quant.group if self.quant else 1)
         views = {part: self._view(f"{BLOCKS}.{part}") for part in self._block_parts()}
         self._still_whole()
+        self._fetch(where)
         self._verify(views, where, [i for i, n in enumerate(names) if n not in self._verified])
         for name in names:
             self._verified.add(name)
@@ -319,6 +319,27 @@ class PackReader:
             positions,
         )
 
+    def _tensor_range(self, name: str) -> tuple[int, int]:
+        """Tensor `name`'s absolute byte range in the file."""
+        start, stop = self._entries[name]["data_offsets"]
+        return self._data_start + start, self._data_start + stop
+
+    def _fetch(self, where: BlockRows) -> None:
+        """Bring the blocks' rows of every block tensor within reach (remote: theirs alone)."""
+        if self.source.local:
+            return  # nothing to fetch
+        ranges = []
+        for part in self._block_parts():
+            name = f"{BLOCKS}.{part}"
+            start, stop = self._tensor_range(name)
+            shape = self._entries[name]["shape"]
+            if not self._token_major or not shape or not shape[0]:  # v2/v3: whole tensors
+                ranges.append((start, stop))
+                continue
+            row = (stop - start) // shape[0]
+            ranges += [(start + a * row, start + b * row) for a, b in where.block_ranges(part)]
+        self.source.ensure(ranges)
+
     def _block_parts(self) -> tuple[str, ...]:
         return PARTS if self.quant else PARTS[:3]
 
@@ -338,6 +359,7 @@ class PackReader:
             indices = list(range(first, min(len(self._blocks), first + chunk)))
             where = BlockRows(self._blocks, indices, self.quant.group if self.quant else 1)
             self._still_whole()
+            self._fetch(where)
             for i in mismatched(views, where, list(range(len(indices))), self._block_bytes, True):
                 faults.append(f"block {self._blocks.name(indices[i])}: checksum mismatch")
             self.bytes_read += sum(

@@ -1,0 +1,50 @@
+"""Where a pack's bytes come from: a local file, or an object read by ranges (storage.RemoteFile).
+The reader reads both through one descriptor and asks for the ranges it is about to read first."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import IO, Protocol
+
+from mmkv_cli.errors import PackError
+from mmkv_cli.storage import RemoteFile, is_url, local_path
+
+
+class PackFile(Protocol):
+    file: IO[bytes]  # read by os.pread and a memory map of its descriptor
+    size: int  # bytes, when opened
+    local: bool  # a file on this machine (False: an object read by ranges)
+    fetched: int | None  # bytes brought over the network (None: a local file)
+
+    def ensure(self, ranges: list[tuple[int, int]]) -> None:
+        """Make the absolute byte ranges `ranges` readable through `file`."""
+
+    def close(self) -> None: ...
+
+
+class LocalFile:
+    def __init__(self, path: Path):
+        if not path.is_file():
+            raise PackError(f"no such pack: {path}")
+        try:
+            self.file = open(path, "rb")  # noqa: SIM115 (held for the reader's life)
+        except OSError as err:
+            raise PackError(f"cannot read {path}: {err.strerror or err}") from None
+        self.size = os.fstat(self.file.fileno()).st_size
+        self.local = True
+        self.fetched = None
+
+    def ensure(self, ranges: list[tuple[int, int]]) -> None:
+        return None  # every byte is already here
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def open_pack_file(target: str | Path) -> tuple[PackFile, str | Path]:
+    """(the pack's bytes, the name errors call it by)."""
+    if is_url(target):
+        return RemoteFile(str(target)), str(target)
+    path = local_path(target)
+    return LocalFile(path), path

@@ -1,0 +1,115 @@
+"""Packs on object storage: a real S3 API (moto's server) on loopback, read by ranges."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mmkv_cli import api
+from mmkv_cli.errors import OutputExistsError, PackError, StorageError
+from mmkv_cli.options import AskOptions, EncodeOptions, LoadOptions
+from mmkv_cli.storage import Intervals, is_url, merged
+from tests.conftest import ROOT, SAMPLES
+
+
+def test_intervals_fetch_only_what_is_missing():
+    held = Intervals()
+    held.add(10, 20)
+    held.add(30, 40)
+    assert held.missing(0, 50) == [(0, 10), (20, 30), (40, 50)]
+    assert held.missing(12, 18) == []
+    held.add(18, 32)  # joins both
+    assert (held.starts, held.stops) == ([10], [40])
+    assert held.missing(5, 45) == [(5, 10), (40, 45)]
+    assert merged([(50, 60), (0, 10), (12, 20), (5, 8)], gap=2) == [(0, 20), (50, 60)]
+
+
+def test_urls_and_local_paths():
+    assert is_url("s3://b/k.kvpack") and is_url("memory://x") and is_url("gs://b/x")
+    assert not is_url("file:///tmp/x.kvpack") and not is_url("/tmp/x") and not is_url("C:/x")
+
+
+@pytest.fixture(scope="module")
+def s3_packs(s3_server, tmp_path_factory):
+    """The sample clip as a MuKV pack, encoded straight to S3, and the same encode kept locally."""
+    load = LoadOptions("demo", "cpu")
+    options = EncodeOptions(method="mukv")
+    url = "s3://packs/clips/clip-mukv.kvpack"
+    done = api.encode(str(SAMPLES / "clip.mp4"), url, options, load=load)
+    local = tmp_path_factory.mktemp("local") / "clip-mukv.kvpack"
+    api.encode(str(SAMPLES / "clip.mp4"), local, options, load=load)
+    return url, local, done
+
+
+def test_encode_to_s3_publishes_the_same_pack(s3_packs):
+    import s3fs
+
+    url, local, done = s3_packs
+    assert done["path"] == url
+    fs = s3fs.S3FileSystem()
+    assert fs.size(url) == local.stat().st_size == done["bytes"]
+    # nothing but the pack is left under the prefix (no partial object)
+    assert fs.ls("packs/clips") == ["packs/clips/clip-mukv.kvpack"]
+    remote, here = api.inspect(url), api.inspect(local)
+    for key in ("blocks", "visual_tokens_kept", "kv_bytes", "granularities"):
+        assert remote[key] == here[key]
+
+
+def test_ask_from_s3_matches_local_and_fetches_little(s3_packs):
+    url, local, _ = s3_packs
+    options = AskOptions(keep_logits=True)
+    session = api.PackSession(url, load=LoadOptions("demo", "cpu"))
+    remote = session.ask("which shape appeared last ?", options)
+    here = api.ask(local, "which shape appeared last ?", options, load=LoadOptions("demo", "cpu"))
+    assert remote.answer == here.answer
+    assert torch.equal(remote.first_logits, here.first_logits)
+    assert remote.blocks_used == here.blocks_used
+    assert 0 < remote.bytes_fetched < session.reader.size
+    again = session.ask("which shape appeared last ?", options)  # its blocks are held now
+    assert again.bytes_fetched == 0 and again.answer == remote.answer
+    assert api.verify(url)["ok"]
+
+
+def test_a_corrupt_object_is_named_and_an_existing_key_is_kept(s3_packs, tmp_path):
+    import s3fs
+
+    url, local, _ = s3_packs
+    fs = s3fs.S3FileSystem()
+    data = bytearray(local.read_bytes())
+    data[-100] ^= 0xFF  # inside the last tensor's bytes
+    bad = "s3://packs/bad/clip.kvpack"
+    fs.pipe(bad, bytes(data))
+    report = api.verify(bad)
+    assert not report["ok"] and report["faults"]
+    with pytest.raises(OutputExistsError):
+        api.encode(str(SAMPLES / "clip.mp4"), url, EncodeOptions(method="full"))
+    with pytest.raises(PackError, match="no such pack"):
+        api.inspect("s3://packs/missing.kvpack")
+    with pytest.raises(StorageError, match="no bucket"):
+        api.encode(str(SAMPLES / "clip.mp4"), "s3://nobucket/x.kvpack", EncodeOptions())
+
+
+def test_cli_ask_json_reports_bytes_fetched(s3_packs):
+    url, _, _ = s3_packs
+    result = subprocess.run(
+        [sys.executable, "-m", "mmkv_cli", "ask", url, "which shape appeared last ?", "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert 0 < record["bytes_fetched"] <= json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "mmkv_cli", "inspect", url, "--json"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        ).stdout
+    )["bytes"]
