@@ -94,22 +94,20 @@ def test_a_corrupt_object_is_named_and_an_existing_key_is_kept(s3_packs, tmp_pat
 
 def test_cli_ask_json_reports_bytes_fetched(s3_packs):
     url, _, _ = s3_packs
-    result = subprocess.run(
-        [sys.executable, "-m", "mmkv_cli", "ask", url, "which shape appeared last ?", "--json"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    record = json.loads(result.stdout)
-    assert 0 < record["bytes_fetched"] <= json.loads(
-        subprocess.run(
-            [sys.executable, "-m", "mmkv_cli", "inspect", url, "--json"],
+
+    def mmkv(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "mmkv_cli", *args],
             capture_output=True,
             text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},  # the moto endpoint's variables included
             cwd=ROOT,
-            timeout=120,
-        ).stdout
-    )["bytes"]
+            timeout=300,
+        )
+
+    asked = mmkv("ask", url, "which shape appeared last ?", "--json")
+    assert asked.returncode == 0, asked.stderr
+    size = json.loads(mmkv("inspect", url, "--json").stdout)["bytes"]
+    assert 0 < json.loads(asked.stdout)["bytes_fetched"] <= size
+    missing = mmkv("ask", "s3://packs/none.kvpack", "what ?")
+    assert missing.returncode == 4 and missing.stderr.strip().count("\n") == 0
