@@ -13,7 +13,7 @@ from enum import Enum
 
 import typer
 
-from mmkv_cli import __version__, cli_pack, cli_study, cli_talk
+from mmkv_cli import __version__, cli_batch, cli_pack, cli_study, cli_talk
 from mmkv_cli.cli_common import (
     DeviceOpt,
     DtypeOpt,
@@ -371,6 +371,7 @@ app.command()(cli_talk.chat)
 app.command()(cli_talk.serve)
 app.command()(cli_pack.convert)
 app.command()(cli_pack.verify)
+app.command()(cli_batch.batch)
 
 
 def main() -> None:

@@ -1,0 +1,138 @@
+"""Typer command: mmkv batch (many media to packs, in-process or on Ray)."""
+
+from __future__ import annotations
+
+import time
+
+import typer
+
+from mmkv_cli.cli_common import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    KvBitsOpt,
+    KvGroupOpt,
+    ModelOpt,
+    emit_json,
+    load_options,
+    method_names,
+    run,
+)
+from mmkv_cli.options import Dtype, EncodeOptions
+
+
+def batch(
+    manifest: str = typer.Argument(
+        ...,
+        help="A folder, a glob, a bucket prefix (s3://b/videos/), or a JSONL/CSV file with a media "
+        "column and optional per-row options (method, budget, budget_tokens, fps, max_frames, "
+        "kv_bits, kv_group, guidance_prompt, id).",
+    ),
+    out: str = typer.Option(
+        ..., "--out", help="Folder or URL prefix the packs and batch.jsonl go to."
+    ),
+    method: str = typer.Option("full", "--method", autocompletion=method_names),
+    budget: float | None = typer.Option(None, "--budget", help="Share of visual tokens kept."),
+    budget_tokens: int | None = typer.Option(None, "--budget-tokens"),
+    fps: float | None = typer.Option(None, "--fps"),
+    max_frames: int | None = typer.Option(None, "--max-frames"),
+    kv_bits: int = KvBitsOpt,
+    kv_group: int = KvGroupOpt,
+    ray: str | None = typer.Option(
+        None,
+        "--ray",
+        help="Run on Ray: local (start one here), auto (this node's cluster) or an address "
+        "(ray://head:10001). Without it, items run here one after another.",
+    ),
+    workers: int = typer.Option(1, "--workers", help="Ray actors, one backbone each."),
+    cpus_per_worker: float = typer.Option(1.0, "--cpus-per-worker"),
+    gpus_per_worker: float = typer.Option(0.0, "--gpus-per-worker"),
+    model: str | None = ModelOpt,
+    device: str = DeviceOpt,
+    dtype: Dtype = DtypeOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Encode many media into content-addressed packs under OUT; a rerun skips what is done. One
+    bad file fails only its row of OUT/batch.jsonl; the exit is 1 when any row failed."""
+
+    def body() -> None:
+        from mmkv_cli.batch.driver import run_batch, summary
+        from mmkv_cli.batch.manifest import read_manifest
+        from mmkv_cli.batch.run import BatchSettings
+        from mmkv_cli.errors import MmkvError
+
+        items = read_manifest(manifest)
+        options = EncodeOptions(
+            method, budget, budget_tokens, fps, max_frames, kv_bits=kv_bits, kv_group=kv_group
+        )
+        settings = BatchSettings(load_options(model, device, dtype), options, out)
+        started = time.perf_counter()
+        with _progress() as progress:
+            task = progress.add_task("batch", total=len(items), failed=0)
+
+            def on_row(row: dict) -> None:
+                failed = progress.tasks[0].fields["failed"] + (row["status"] == "failed")
+                progress.update(task, advance=1, failed=failed)
+
+            rows = run_batch(
+                items,
+                settings,
+                ray=ray,
+                workers=workers,
+                cpus_per_worker=cpus_per_worker,
+                gpus_per_worker=gpus_per_worker,
+                on_row=on_row,
+            )
+        report = summary(rows, len(items), time.perf_counter() - started)
+        emit_json(report) if as_json else _show(report, out)
+        if report["failed"]:
+            raise MmkvError(
+                f"{report['failed']} of {len(items)} items failed "
+                f"(see {out.rstrip('/')}/batch.jsonl)"
+            )
+
+    run(body)
+
+
+def _progress():
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from mmkv_cli.display import err_console
+
+    return Progress(
+        TextColumn("[bold]batch"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("items, {task.fields[failed]} failed"),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=err_console,
+        transient=True,
+    )
+
+
+def _show(report: dict, out: str) -> None:
+    from rich import box
+    from rich.table import Table
+
+    from mmkv_cli.display import human_bytes, out_console
+
+    table = Table(title=f"batch: {out}", title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("items", "ok", "skipped", "failed", "written", "items/min"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        *(str(report[k]) for k in ("items", "ok", "skipped", "failed")),
+        human_bytes(report["bytes_written"]),
+        str(report["items_per_minute"]),
+    )
+    out_console.print(table)
+    for failure in report["failures"]:
+        out_console.print(f"failed: {failure['media']}: {failure['error']}", highlight=False)
