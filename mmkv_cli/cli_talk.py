@@ -77,7 +77,11 @@ def _typed_lines():
 
 
 def serve(
-    packs: str = typer.Option(".", "--packs", help="The folder whose *.kvpack files are served."),
+    packs: str = typer.Option(
+        ".",
+        "--packs",
+        help="The folder or bucket prefix (s3://b/packs/) whose *.kvpack files are served.",
+    ),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
     port: int = typer.Option(8000, "--port", help="TCP port.", min=0, max=65535),
     api_key: str | None = typer.Option(

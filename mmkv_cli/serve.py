@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import re
 import threading
 import time
 import uuid
@@ -29,8 +28,8 @@ from mmkv_cli.api import pack_model
 from mmkv_cli.errors import MmkvError, ModelError, PackError, UsageError
 from mmkv_cli.options import AskOptions, LoadOptions
 from mmkv_cli.serve_request import ChatRequest
+from mmkv_cli.shelf import Shelf, shelf
 
-PACK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_BODY_BYTES = 1 << 20  # a chat request is text: 1 MiB is generous
 STATUS = {UsageError: 400, PackError: 422, ModelError: 503}
 
@@ -42,8 +41,8 @@ class Busy(Exception):
 class Packs:
     """Pack sessions by name, their backbones in a small LRU, every model call on one thread."""
 
-    def __init__(self, folder: Path, load: LoadOptions, models: int = 2, queue: int = 16):
-        self.folder = folder.resolve()
+    def __init__(self, shelf: Shelf, load: LoadOptions, models: int = 2, queue: int = 16):
+        self.shelf = shelf
         self.load = load
         self.capacity = max(1, models)
         self.limit = max(1, queue)
@@ -53,25 +52,12 @@ class Packs:
         self.pending = 0
         self.lock = threading.Lock()
 
-    def path(self, name: str) -> Path:
-        """The pack `name` under the folder: a plain file name, never a way out of it."""
-        stem = name[: -len(".kvpack")] if name.endswith(".kvpack") else name
-        if not PACK_NAME.fullmatch(stem) or ".." in stem:
-            raise LookupError(f"no pack named '{name}'")
-        path = (self.folder / f"{stem}.kvpack").resolve()
-        if path.parent != self.folder or not path.is_file():
-            raise LookupError(f"no pack named '{name}'")
-        return path
+    def path(self, name: str) -> str | Path:
+        """The pack `name` on the shelf (LookupError when there is none)."""
+        return self.shelf.locate(name)[0]
 
     def names(self) -> list[str]:
-        out = []
-        for path in sorted(self.folder.glob("*.kvpack")):
-            try:
-                self.path(path.stem)
-            except LookupError:
-                continue  # a link out of the folder, or an odd name
-            out.append(path.stem)
-        return out
+        return self.shelf.names()
 
     async def run(self, job):
         """Run `job` on the model thread, or refuse at once when the line is full."""
@@ -90,9 +76,7 @@ class Packs:
         from mmkv_cli.api import PackSession
         from mmkv_cli.pack import PackReader
 
-        path = self.path(name)
-        stat = path.stat()
-        key = (stat.st_mtime_ns, stat.st_size)
+        path, key = self.shelf.locate(name)
         held = self.sessions.get(name)
         if held and held[0] == key:
             return held[1]
@@ -136,10 +120,7 @@ def create_app(
     models: int = 2,
     queue: int = 16,
 ) -> FastAPI:
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise UsageError(f"--packs: no such folder: {folder}")
-    packs = Packs(folder, load or LoadOptions(), models, queue)
+    packs = Packs(shelf(folder), load or LoadOptions(), models, queue)
     app = FastAPI(title="mmkv", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.packs = packs
 

@@ -230,9 +230,10 @@ def test_an_evicted_backbone_takes_its_sessions_with_it(packs, monkeypatch):
     import mmkv_cli.backbones as backbones_module
     from mmkv_cli.options import LoadOptions
     from mmkv_cli.serve import Packs
+    from mmkv_cli.shelf import shelf
 
     monkeypatch.setattr(backbones_module, "load_backbone", lambda load: object())
-    held = Packs(packs, LoadOptions(), models=1)
+    held = Packs(shelf(packs), LoadOptions(), models=1)
     first = held._backbone("a")
     held.sessions["clip"] = ((0, 0), type("S", (), {"backbone": first})())
     assert held._backbone("a") is first and "clip" in held.sessions  # a hit keeps it

@@ -111,3 +111,53 @@ def test_cli_ask_json_reports_bytes_fetched(s3_packs):
     assert 0 < json.loads(asked.stdout)["bytes_fetched"] <= size
     missing = mmkv("ask", "s3://packs/none.kvpack", "what ?")
     assert missing.returncode == 4 and missing.stderr.strip().count("\n") == 0
+
+
+def test_serve_answers_from_a_bucket_prefix(s3_packs):
+    """A live server on loopback serving s3://packs/clips: the openai client sees the pack as a
+    model and gets the answer a local ask gives."""
+    openai = pytest.importorskip("openai")
+    import socket
+    import time
+
+    import httpx
+
+    url, local, _ = s3_packs
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mmkv_cli", "serve", "--packs", "s3://packs/clips/"]
+        + ["--port", str(port), "--device", "cpu"],
+        cwd=ROOT,
+        env={**os.environ, "MMKV_API_KEY": "", "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            process.kill()
+            pytest.fail(f"server did not start: {process.stderr.read()}")
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        assert [m.id for m in client.models.list().data] == ["clip-mukv"]
+        reply = client.chat.completions.create(
+            model="clip-mukv",
+            messages=[{"role": "user", "content": "which shape appeared last ?"}],
+            temperature=0,
+        )
+        expected = api.ask(local, "which shape appeared last ?", load=LoadOptions("demo", "cpu"))
+        assert reply.choices[0].message.content == expected.answer
+        missing = httpx.get(f"{base}/v1/packs/none")
+        assert missing.status_code == 404
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
