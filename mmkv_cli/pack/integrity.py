@@ -21,7 +21,14 @@ import struct
 import numpy as np
 
 from mmkv_cli.errors import PackError
-from mmkv_cli.pack.format import BLOCKS, TABLE_COLUMNS
+from mmkv_cli.pack.format import (
+    BLOCKS,
+    FORMAT_NAME,
+    META_HEADER,
+    META_HEADER_SHA,
+    READABLE_VERSIONS,
+    TABLE_COLUMNS,
+)
 
 MAX_HEADER_BYTES = 16 << 20  # safetensors directory + mmkv header; real ones are a few KB
 MAX_DIMS = 8
@@ -34,12 +41,15 @@ INDEXED = ("blocks.table", "blocks.time", "media.timestamps", "layout.step_lengt
 HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
+FIRST_READ = 64 << 10  # a kvpack's header is a few KB: fetched with the length in one request
+
+
 def read_directory(fh, path, ensure=None) -> tuple[dict, int]:
     """The safetensors directory of the open file `fh`, checked; and where the data starts.
     ensure(ranges): makes byte ranges readable first (a remote pack's mirror)."""
     size = os.fstat(fh.fileno()).st_size
-    if ensure is not None:
-        ensure([(0, 8)])
+    if ensure is not None:  # one request for the length and (usually) the whole header
+        ensure([(0, min(size, FIRST_READ))])
     raw = os.pread(fh.fileno(), 8, 0)
     if len(raw) < 8:
         raise PackError(f"{path} is not a kvpack (empty or truncated)")
@@ -59,6 +69,29 @@ def read_directory(fh, path, ensure=None) -> tuple[dict, int]:
     entries = {k: v for k, v in header.items() if k != "__metadata__"}
     check_directory(entries, size - 8 - length, str(path))
     return header, 8 + length
+
+
+def parse_header(meta, where: str) -> dict:
+    """The kvpack header from the safetensors metadata: its checksum, its JSON, its format and a
+    version this mmkv reads (the fields themselves are check_header's)."""
+    text = meta.get(META_HEADER) if isinstance(meta, dict) else None
+    if not isinstance(text, str):
+        raise PackError(f"{where} is a safetensors file but not a kvpack")
+    if hashlib.sha256(text.encode()).hexdigest() != meta.get(META_HEADER_SHA):
+        raise PackError(f"{where} is corrupted (header checksum mismatch)")
+    try:
+        header = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        raise PackError(f"{where} is corrupted (unreadable header)") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
+        raise PackError(f"{where} is not a kvpack")
+    version = header.get("format_version")
+    if version not in READABLE_VERSIONS or type(version) is not int:
+        raise PackError(
+            f"{where} is kvpack format v{str(version)[:10]}; this mmkv reads "
+            f"v{', v'.join(map(str, READABLE_VERSIONS))}"
+        )
+    return header
 
 
 def check_directory(entries: dict, data_bytes: int, where: str) -> None:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
@@ -14,12 +13,8 @@ from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
 from mmkv_cli.pack.format import (
     BLOCKS,
-    FORMAT_NAME,
-    META_HEADER,
-    META_HEADER_SHA,
     OLD_TABLE_COLUMNS,
     PARTS,
-    READABLE_VERSIONS,
     SERIES,
     TABLE_COLUMNS,
     Span,
@@ -32,10 +27,11 @@ from mmkv_cli.pack.integrity import (
     check_spans,
     check_tensors,
     index_digest,
+    parse_header,
     read_directory,
 )
 from mmkv_cli.pack.quant import QuantSpec, dequantize
-from mmkv_cli.pack.source import open_pack_file
+from mmkv_cli.pack.source import block_byte_ranges, open_pack_file
 from mmkv_cli.pack.table import BlockRows, BlockTable
 
 # safetensors dtype -> the numpy dtype its bytes are read as, and the torch dtype they are viewed as
@@ -65,24 +61,11 @@ class PackReader:
         self._views: dict[str, tuple[np.ndarray, str]] = {}  # name -> (view, torch dtype name)
         self._verified: set[str] = set()  # blocks whose checksum gather() has checked
         self._small: dict[str, np.ndarray] = {}  # small tensors' bytes read on open
-        meta = raw.get("__metadata__") or {}
-        text = meta.get(META_HEADER) if isinstance(meta, dict) else None
-        if not isinstance(text, str):
-            raise PackError(f"{self.path} is a safetensors file but not a kvpack")
-        if hashlib.sha256(text.encode()).hexdigest() != meta.get(META_HEADER_SHA):
-            raise PackError(f"{self.path} is corrupted (header checksum mismatch)")
-        try:
-            self.header = json.loads(text)
-        except (json.JSONDecodeError, RecursionError):
-            raise PackError(f"{self.path} is corrupted (unreadable header)") from None
-        if not isinstance(self.header, dict) or self.header.get("format") != FORMAT_NAME:
-            raise PackError(f"{self.path} is not a kvpack")
-        version = self.header.get("format_version")
-        if version not in READABLE_VERSIONS or type(version) is not int:
-            raise PackError(
-                f"{self.path} is kvpack format v{str(version)[:10]}; this mmkv reads "
-                f"v{', v'.join(map(str, READABLE_VERSIONS))}"
-            )
+        self.header = parse_header(raw.get("__metadata__"), str(self.path))
+        version = self.header["format_version"]
+        if version >= 4:  # remote: every small tensor in one request (not the blocks nor reps)
+            large = {f"{BLOCKS}.{part}" for part in PARTS} | {"reps"}
+            self.source.ensure([self._tensor_range(n) for n in self._entries if n not in large])
         where = str(self.path)
         check_header(self.header, version, where)
         self._token_major = version >= 4  # v2/v3 stored K/V head-major, positions [P, tokens]
@@ -326,19 +309,12 @@ class PackReader:
 
     def _fetch(self, where: BlockRows) -> None:
         """Bring the blocks' rows of every block tensor within reach (remote: theirs alone)."""
-        if self.source.local:
-            return  # nothing to fetch
-        ranges = []
-        for part in self._block_parts():
-            name = f"{BLOCKS}.{part}"
-            start, stop = self._tensor_range(name)
-            shape = self._entries[name]["shape"]
-            if not self._token_major or not shape or not shape[0]:  # v2/v3: whole tensors
-                ranges.append((start, stop))
-                continue
-            row = (stop - start) // shape[0]
-            ranges += [(start + a * row, start + b * row) for a, b in where.block_ranges(part)]
-        self.source.ensure(ranges)
+        if not self.source.local:
+            names = [f"{BLOCKS}.{part}" for part in self._block_parts()]
+            entries = {name: self._entries[name] for name in names}
+            self.source.ensure(
+                block_byte_ranges(entries, self._data_start, where, self._token_major)
+            )
 
     def _block_parts(self) -> tuple[str, ...]:
         return PARTS if self.quant else PARTS[:3]

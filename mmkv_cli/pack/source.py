@@ -48,3 +48,20 @@ def open_pack_file(target: str | Path) -> tuple[PackFile, str | Path]:
         return RemoteFile(str(target)), str(target)
     path = local_path(target)
     return LocalFile(path), path
+
+
+def block_byte_ranges(entries: dict, data_start: int, where, token_major: bool) -> list:
+    """The absolute byte ranges of blocks' rows (BlockRows `where`) in the block tensors
+    `entries` (name -> directory entry, named blocks.PART). Head-major packs (v2/v3) keep a
+    block's rows apart in every head: their tensors are taken whole."""
+    ranges = []
+    for name, entry in entries.items():
+        start, stop = (data_start + o for o in entry["data_offsets"])
+        rows = entry["shape"][0] if entry["shape"] else 0
+        if not token_major or not rows:
+            ranges.append((start, stop))
+            continue
+        row = (stop - start) // rows
+        part = name.rsplit(".", 1)[1]
+        ranges += [(start + a * row, start + b * row) for a, b in where.block_ranges(part)]
+    return ranges
