@@ -138,6 +138,31 @@ def test_batch_into_s3_and_ask_from_there(s3_server, videos, tmp_path):
     assert answer.answer and answer.bytes_fetched > 0
 
 
+def test_a_rerun_over_a_bucket_downloads_nothing_it_has_done(s3_server, tmp_path, monkeypatch):
+    import s3fs
+
+    from mmkv_cli import storage
+
+    fs = s3fs.S3FileSystem()
+    for name in ("a.mp4", "b.mp4"):
+        fs.put_file(str(SAMPLES / "clip.mp4"), f"packs/videos/{name}")
+    settings = BatchSettings(DEMO, EncodeOptions(method="full"), str(tmp_path / "out"))
+    items = read_manifest("s3://packs/videos/")
+    assert [i.media for i in items] == ["s3://packs/videos/a.mp4", "s3://packs/videos/b.mp4"]
+    assert [r["status"] for r in run_batch(items, settings)] == ["ok", "ok"]
+    fetched = []
+    real = storage.download
+    monkeypatch.setattr(
+        storage, "download", lambda url, into: fetched.append(url) or real(url, into)
+    )
+    assert [r["status"] for r in run_batch(items, settings)] == ["skipped", "skipped"]
+    assert fetched == []  # the ledger's digests of unchanged objects were reused
+    fs.pipe("packs/videos/b.mp4", (SAMPLES / "clip.mp4").read_bytes()[:-1000])  # b changes
+    rows = run_batch(items, settings)
+    assert fetched == ["s3://packs/videos/b.mp4"]
+    assert rows[0]["status"] == "skipped" and rows[1]["status"] in ("ok", "failed")
+
+
 def test_batch_on_a_local_ray_with_two_workers(videos, tmp_path):
     pytest.importorskip("ray")
     dest = tmp_path / "packs"

@@ -25,10 +25,22 @@ class Ledger:
     def __init__(self, dest: str):
         self.where = f"{dest.rstrip('/')}/{LEDGER}"
         self.remote = is_url(dest)
-        self._text = (read_text(self.where) or "") if self.remote else ""
-        self._flushed = time.monotonic()
         if not self.remote:
             local_path(dest).mkdir(parents=True, exist_ok=True)
+        before = read_text(self.where) if self.remote else _read(local_path(self.where))
+        self._text = (before or "") if self.remote else ""
+        self._flushed = time.monotonic()
+        self.known: dict[str, dict] = {}  # media -> its last known version and digest
+        for line in (before or "").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash: that item simply runs again
+            if isinstance(row, dict) and row.get("media_digest") and row.get("media_version"):
+                self.known[str(row.get("media"))] = {
+                    "version": row["media_version"],
+                    "digest": row["media_digest"],
+                }
 
     def add(self, row: dict) -> None:
         line = json.dumps(row, sort_keys=True) + "\n"
@@ -46,6 +58,13 @@ class Ledger:
         if self.remote:
             write_text(self.where, self._text)
             self._flushed = time.monotonic()
+
+
+def _read(path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return None
 
 
 def run_batch(
@@ -81,11 +100,14 @@ def run_batch(
         if ray is None:
             worker = BatchWorker(settings)
             for item in items:
-                finished(worker.run(item))
+                finished(worker.run(item, ledger.known.get(item.media)))
         else:
             from mmkv_cli.batch.on_ray import run_on_ray
 
-            run_on_ray(items, settings, ray, workers, cpus_per_worker, gpus_per_worker, finished)
+            known = ledger.known
+            run_on_ray(
+                items, settings, ray, workers, cpus_per_worker, gpus_per_worker, known, finished
+            )
     finally:
         ledger.flush()
     return rows

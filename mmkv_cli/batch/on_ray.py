@@ -49,6 +49,7 @@ def run_on_ray(
     workers: int,
     cpus: float,
     gpus: float,
+    known: dict[str, dict],
     finished: Callable[[dict], None],
 ) -> None:
     ray = _ray()
@@ -61,7 +62,7 @@ def run_on_ray(
 
     def submit(actor) -> None:
         item = queue.popleft()
-        pending[actor.run.remote(item)] = (actor, item)
+        pending[actor.run.remote(item, known.get(item.media))] = (actor, item)
 
     try:
         for actor in actors:

@@ -97,11 +97,13 @@ class BatchWorker:
         self.fingerprint = self.backbone.fingerprint()
         self.host = f"{socket.gethostname()}:{os.getpid()}"
 
-    def run(self, item: BatchItem) -> dict:
+    def run(self, item: BatchItem, known: dict | None = None) -> dict:
+        """known: what the ledger learnt of this media before ({"version", "digest"}): when the
+        media is unchanged its digest is reused, so a rerun neither downloads nor hashes it."""
         started = time.perf_counter()
         row = {"media": item.media, "id": item.id, "worker": self.host}
         try:
-            row.update(self._run(item))
+            row.update(self._run(item, known or {}, row))
         except MmkvError as err:
             row.update(status="failed", error=str(err))
         except Exception as err:  # one bad video never stops the batch: it is this row's error
@@ -111,25 +113,31 @@ class BatchWorker:
         row["at"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         return row
 
-    def _run(self, item: BatchItem) -> dict:
+    def _name(self, item: BatchItem, digest: str) -> tuple[str, str]:
+        options = self.settings.options_for(item)
+        name = pack_name(item.media, digest, self.fingerprint, options, self.backbone.spec)
+        return name, self.settings.target(name)
+
+    def _run(self, item: BatchItem, known: dict, row: dict) -> dict:
         from mmkv_cli import api
         from mmkv_cli.media.base import sha256_files
 
-        options = self.settings.options_for(item)
+        row["media_version"] = media_version(item.media)
+        if known.get("version") == row["media_version"] and known.get("digest"):
+            row["media_digest"] = known["digest"]
+            _, target = self._name(item, known["digest"])
+            if _present(target):
+                return {"status": "skipped", "pack": target, "bytes": _size(target)}
         fetched = local_copy(item.media) if is_url(item.media) else nullcontext(Path(item.media))
         with fetched as media:
-            if not media.is_file():
-                raise MmkvError(f"no such media: {item.media}")
-            name = pack_name(
-                item.media, sha256_files([media]), self.fingerprint, options, self.backbone.spec
-            )
-            target = self.settings.target(name)
+            row["media_digest"] = sha256_files([media])
+            _, target = self._name(item, row["media_digest"])
             if _present(target):
                 return {"status": "skipped", "pack": target, "bytes": _size(target)}
             done = api.encode(
                 str(media),
                 target,
-                replace(options, force=False),
+                replace(self.settings.options_for(item), force=False),
                 backbone=self.backbone,
                 shown_as=item.media,
             )
@@ -140,6 +148,24 @@ class BatchWorker:
             "frames": done["media"]["frames"],
             "encode_s": done.get("encode_s"),
         }
+
+
+def media_version(media: str) -> str:
+    """What changes when the media does: size and modification time (an object's ETag)."""
+    if is_url(media):
+        from mmkv_cli.storage import filesystem
+
+        fs, key = filesystem(media)
+        try:
+            info = fs.info(key)
+        except FileNotFoundError:
+            raise MmkvError(f"no such media: {media}") from None
+        return f"{info.get('size')}:{info.get('ETag') or info.get('mtime') or ''}"
+    try:
+        stat = Path(media).stat()
+    except OSError:
+        raise MmkvError(f"no such media: {media}") from None
+    return f"{stat.st_size}:{stat.st_mtime_ns}"
 
 
 def _present(target: str) -> bool:
