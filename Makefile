@@ -12,7 +12,7 @@ $(BIN)/mmkv: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[test,serve,ray,s3]'
+	$(BIN)/pip install -q -e '.[test,serve,ray,s3,eval]'
 	touch $(BIN)/mmkv
 
 setup: $(BIN)/mmkv

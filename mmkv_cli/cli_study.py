@@ -92,7 +92,19 @@ def profile(
 
 def eval_(
     qa_file: str = typer.Argument(
-        ..., help="Questions: JSONL {video, question, options?, answer, at?} or ReKV/MLVU JSON."
+        ...,
+        help="Questions: mmkv JSONL {video, question, options?, answer, at?}, MLVU/ReKV JSON, "
+        "Video-MME (parquet/JSON), EgoSchema questions.json, OVO-Bench JSON or MMLongBench-Doc "
+        "samples.json.",
+    ),
+    task: str | None = typer.Option(
+        None,
+        "--task",
+        help="The file's format when it does not tell: mmkv, mlvu, videomme, egoschema, "
+        "ovobench, mmlongbench-doc.",
+    ),
+    media: str | None = typer.Option(
+        None, "--media", help="Folder holding the videos or PDFs (default: the file's folder)."
     ),
     methods: str = typer.Option("full,recency", "--methods", help="Comma-separated methods."),
     budgets: str = typer.Option(
@@ -138,7 +150,9 @@ def eval_(
             kv_bits=kv_bits,
         )
         load = load_options(model, device, dtype)
-        result = ev.evaluate(qa_file, names, levels, out, settings, load, limit, fresh)
+        result = ev.evaluate(
+            qa_file, names, levels, out, settings, load, limit, fresh, task=task, media=media
+        )
         if as_json:
             fields = ("method", "budget", "kv_bits", "kept", "accuracy", "by_type", "n")
             emit_json(

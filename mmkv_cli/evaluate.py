@@ -9,14 +9,14 @@ match on the normalised answer, or the option letter for multiple choice.
 from __future__ import annotations
 
 import json
-import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from mmkv_cli.errors import UsageError
 from mmkv_cli.eval_runs import open_run, questions_digest, run_folder, work_folder
+from mmkv_cli.eval_sets.items import LETTERS, Item, correct, normalise, predicted
+from mmkv_cli.eval_sets.readers import TASKS, load_items
 from mmkv_cli.options import (
     AskOptions,
     EncodeOptions,
@@ -25,100 +25,7 @@ from mmkv_cli.options import (
     Positions,
 )
 
-LETTERS = "ABCDEFGHIJ"
-
-
-@dataclass(frozen=True)
-class Item:
-    video: str  # absolute path
-    question: str
-    answer: str  # normalised text, or an option letter when options are given
-    options: tuple[str, ...] = ()
-    at: float | None = None  # the question's moment (`ask --at`)
-    type: str = "all"
-
-    @property
-    def key(self) -> str:
-        return json.dumps([self.video, self.question, self.at])
-
-
-def normalise(text: str) -> str:
-    text = re.sub(r"[^a-z0-9 ]+", " ", str(text).lower())
-    words = [w for w in text.split() if w not in ("a", "an", "the")]
-    return " ".join(words)
-
-
-def _option_letter(answer, options: list[str]) -> str:
-    """The gold option as a letter: given as a letter, an index or the option's text."""
-    if isinstance(answer, int) and 0 <= answer < len(options):
-        return LETTERS[answer]
-    text = str(answer).strip()
-    if len(text) == 1 and text.upper() in LETTERS[: len(options)]:
-        return text.upper()
-    matches = [i for i, o in enumerate(options) if normalise(o) == normalise(text)]
-    if not matches:
-        raise UsageError(f"answer '{answer}' is none of the options {options}")
-    return LETTERS[matches[0]]
-
-
-def _item(video: Path, question: str, answer, options, at, kind) -> Item:
-    options = [str(o) for o in (options or [])]
-    if at is not None and (
-        isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at) or at < 0
-    ):
-        raise UsageError(f"the moment of '{str(question)[:60]}' is not a number of seconds: {at!r}")
-    gold = _option_letter(answer, options) if options else normalise(answer)
-    return Item(
-        str(video),
-        str(question),
-        gold,
-        tuple(options),
-        None if at is None else float(at),
-        str(kind or "all"),
-    )
-
-
-def load_items(path: str | Path) -> list[Item]:
-    """JSONL {video, question, options?, answer, at?, type?} (`timestamp` is read as `at`) or the
-    ReKV/MLVU JSON [{video_id, video_path, conversations: [{question, choices, answer}]}]; video
-    paths relative to the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"no question file at {path}")
-    base = path.parent
-    text = path.read_text()
-    try:
-        if path.suffix == ".jsonl":
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-            return [
-                _item(
-                    base / r["video"],
-                    r["question"],
-                    r["answer"],
-                    r.get("options"),
-                    r.get("at", r.get("timestamp")),
-                    r.get("type"),
-                )
-                for r in rows
-            ]
-        data = json.loads(text)
-        items = []
-        for entry in data if isinstance(data, list) else [data]:
-            video = base / entry.get("video_path", entry.get("video_id", ""))
-            for turn in entry["conversations"]:
-                items.append(
-                    _item(
-                        video,
-                        turn["question"],
-                        turn["answer"],
-                        turn.get("choices"),
-                        turn.get("at", turn.get("timestamp")),
-                        turn.get("question_type", entry.get("question_type")),
-                    )
-                )
-        return items
-    except (KeyError, TypeError, json.JSONDecodeError) as err:
-        raise UsageError(f"{path} is not in an eval format ({type(err).__name__}: {err})") from err
+__all__ = ["TASKS", "Item", "evaluate", "load_items", "normalise", "predicted", "prompt_for"]
 
 
 def prompt_for(item: Item) -> str:
@@ -126,20 +33,6 @@ def prompt_for(item: Item) -> str:
         return item.question
     listed = " ".join(f"{LETTERS[i]} . {o}" for i, o in enumerate(item.options))
     return f"{item.question} options : {listed} . answer with the option letter ."
-
-
-def predicted(item: Item, text: str) -> str:
-    """The model's answer in the gold answer's terms: a letter for multiple choice, else normalised
-    text."""
-    if not item.options:
-        return normalise(text)
-    head = re.match(r"\s*\(?([A-Ja-j])\b", text)
-    if head and head.group(1).upper() in LETTERS[: len(item.options)]:
-        return head.group(1).upper()
-    for i, option in enumerate(item.options):
-        if normalise(option) and normalise(option) == normalise(text):
-            return LETTERS[i]
-    return normalise(text)
 
 
 def kept_share(info: dict) -> float | None:
@@ -204,6 +97,8 @@ def evaluate(
     load: LoadOptions,
     limit: int | None = None,
     fresh: bool = False,
+    task: str | None = None,
+    media: str | None = None,
 ) -> dict:
     """Every method at every budget (methods that keep everything once) over the question set.
     fresh: drop the answers earlier runs left in these run folders (else they are reused, when
@@ -217,7 +112,7 @@ def evaluate(
     for name in methods:
         method = resolve_method(name).method  # unknown names fail here, before any work
         plan += [(name, None)] if method.keeps_all else [(name, b) for b in levels]
-    items = load_items(qa_file)[:limit]
+    items = load_items(qa_file, task, media)[:limit]
     if not items:
         raise UsageError(f"{qa_file} holds no questions")
     model = load.model or default_model()
@@ -319,7 +214,7 @@ def evaluate_run(
                         "answer": item.answer,
                         "prediction": guess,
                         "raw": answer.answer,
-                        "correct": guess == item.answer,
+                        "correct": correct(item, guess),
                         "context_tokens": answer.context_tokens,
                         "ttft_s": round(answer.ttft_s, 4),
                         "kept": kept,
@@ -330,11 +225,12 @@ def evaluate_run(
             if on_clip:
                 on_clip(n + 1)
     # scored against the gold answers as they are now, whatever they were when answered
-    rows = [
-        {**done[i.key], "answer": i.answer, "correct": done[i.key]["prediction"] == i.answer}
-        for i in items
-        if i.key in done
-    ]
+    rows = []
+    for i in items:
+        if i.key in done:
+            guess = predicted(i, done[i.key]["raw"])
+            rows.append({**done[i.key], "answer": i.answer, "prediction": guess})
+            rows[-1]["correct"] = correct(i, guess)
     result = {
         "method": method,
         "budget": budget if budget is not None else 1.0,
