@@ -177,6 +177,12 @@ def synth(
         ClipKind.mixed, "--kind", help="mixed: every other clip a needle."
     ),
     force: bool = typer.Option(False, "--force", help="Replace a set already in OUT_DIR."),
+    world: str = typer.Option(
+        "demo",
+        "--world",
+        help="demo: one centred shape a frame; grid: small moving shapes on a textured "
+        "background (for the demo-grid backbone), with 'where' questions.",
+    ),
     as_json: bool = JsonOpt,
 ) -> None:
     """Write synthetic shape clips and their questions (qa.jsonl, the `mmkv eval` format)."""
@@ -185,7 +191,9 @@ def synth(
         from mmkv_cli.display import out_console
         from mmkv_cli.synth import write_dataset
 
-        info = write_dataset(out_dir, clips, frames, seed, fps, kind=kind.value, force=force)
+        info = write_dataset(
+            out_dir, clips, frames, seed, fps, kind=kind.value, force=force, world_name=world
+        )
         if as_json:
             emit_json(info)
         else:

@@ -65,13 +65,13 @@ def metrics(rows: list[dict], chance: Callable[[str, int], float | None]) -> dic
 
 
 def chance_level(kind: str, options: int) -> float | None:
-    """Uniform guessing: 1/options for multiple choice, the synthetic world's answer space for its
-    types."""
-    from mmkv_cli.synth.world import QUESTION_TYPES, chance
+    """Uniform guessing: 1/options for multiple choice, the synthetic worlds' answer space for
+    their types."""
+    from mmkv_cli.synth.grid import GRID_QUESTION_TYPES, grid_chance
 
     if options:
         return 1 / options
-    return chance(kind) if kind in QUESTION_TYPES else None
+    return grid_chance(kind) if kind in GRID_QUESTION_TYPES else None
 
 
 FINGERPRINT = ("family", "config_sha256", "weights_sha256")  # what makes the model this model

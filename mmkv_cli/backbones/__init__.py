@@ -76,9 +76,9 @@ def load_backbone(options: LoadOptions | None = None) -> Backbone:
         )
         adapter, prompt = ADAPTERS[spec.family]
         return adapter(net, tokenizer, processor, name=name, spec=spec, prompt=prompt)
-    if spec is not None and spec.source in ("tiny", "demo"):  # built in code, no hub
-        if spec.source == "demo":
-            net, tokenizer, processor = build_demo()
+    if spec is not None and spec.source in ("tiny", "demo", "demo-grid"):  # built in code
+        if spec.source in ("demo", "demo-grid"):
+            net, tokenizer, processor = build_demo(grid=spec.source == "demo-grid")
         elif spec.family in TINY_BUILDERS:
             net, tokenizer, processor = TINY_BUILDERS[spec.family](spec.seed)
         else:

@@ -14,13 +14,16 @@ import torch
 from mmkv_cli.backbones.tiny import tiny_tokenizer
 from mmkv_cli.errors import ModelError
 
-WEIGHTS = Path(__file__).resolve().parent.parent / "assets" / "demo.safetensors"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+WEIGHTS = ASSETS / "demo.safetensors"
+GRID_WEIGHTS = ASSETS / "demo-grid.safetensors"
 FRAME_SIDE = 32  # the vision tower's input; 8 px patches pooled 2x2 -> 4 tokens per frame
+GRID_SIDE = 64  # demo-grid: 8 x 8 patches pooled 2x2 -> 4 x 4 = 16 tokens per frame
 
 
-def demo_architecture():
+def demo_architecture(frame_side: int = FRAME_SIDE):
     """(untrained model, tokenizer, video processor): the training script and the loader share
-    it."""
+    it. frame_side: FRAME_SIDE for demo, GRID_SIDE for demo-grid (the same networks otherwise)."""
     from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
     from transformers.models.llava_onevision.video_processing_llava_onevision import (
         LlavaOnevisionVideoProcessor,
@@ -50,7 +53,7 @@ def demo_architecture():
             intermediate_size=192,
             num_hidden_layers=3,
             num_attention_heads=4,
-            image_size=FRAME_SIDE,
+            image_size=frame_side,
             patch_size=8,
         ),
         image_token_index=ids("<image>"),
@@ -58,21 +61,21 @@ def demo_architecture():
         vision_feature_layer=-1,
         vision_feature_select_strategy="full",
     )
-    processor = LlavaOnevisionVideoProcessor(size={"height": FRAME_SIDE, "width": FRAME_SIDE})
+    processor = LlavaOnevisionVideoProcessor(size={"height": frame_side, "width": frame_side})
     torch.manual_seed(0)
     return LlavaOnevisionForConditionalGeneration(config), tokenizer, processor
 
 
-def build_demo(weights: Path | None = None):
-    """The trained demo model, ready for inference."""
+def build_demo(weights: Path | None = None, grid: bool = False):
+    """The trained demo (or demo-grid) model, ready for inference."""
     from safetensors.torch import load_file
 
-    path = weights or WEIGHTS
+    path = weights or (GRID_WEIGHTS if grid else WEIGHTS)
     if not path.is_file():
         raise ModelError(
             f"the demo backbone's weights are missing ({path}): build them with `make demo-model`"
         )
-    model, tokenizer, processor = demo_architecture()
+    model, tokenizer, processor = demo_architecture(GRID_SIDE if grid else FRAME_SIDE)
     try:
         missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
     except Exception as err:

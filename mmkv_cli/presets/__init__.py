@@ -179,7 +179,7 @@ def resolve_method(name: str, _seen: tuple[str, ...] = ()) -> MethodChoice:
 class ModelSpec:
     family: Family | None = knob(None, "the model family (required in a preset)")
     source: str = knob(
-        "", "HF id or local folder; 'tiny' or 'demo' for the built-in offline models"
+        "", "HF id or local folder; 'tiny', 'demo' or 'demo-grid' for the built-in offline models"
     )
     description: str = knob("", "one line for `mmkv models`")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(

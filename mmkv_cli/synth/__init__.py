@@ -11,19 +11,34 @@ from pathlib import Path
 import numpy as np
 
 from mmkv_cli.errors import UsageError
-from mmkv_cli.synth.world import Clip, needle_clip, normal_clip, questions, render_clip
+from mmkv_cli.synth import grid, world
+from mmkv_cli.synth.world import Clip
 
 KINDS = ("mixed", "normal", "needle")
+WORLDS = ("demo", "grid")  # demo: a centred shape filling the frame; grid: small ones on texture
 
 
-def make_clip(seed: int, index: int, frames: int, kind: str) -> tuple[Clip, list[dict]]:
+def make_clip(
+    seed: int, index: int, frames: int, kind: str, world_name: str = "demo"
+) -> tuple[Clip, list[dict]]:
     """Clip `index` of a dataset: its own generator, so any clip can be rebuilt without the
     others."""
     rng = np.random.default_rng([seed, index])
     if kind == "mixed":
         kind = "needle" if index % 2 == 1 and frames >= 16 else "normal"
-    clip = needle_clip(rng, frames) if kind == "needle" else normal_clip(rng, frames)
-    return clip, questions(clip, rng)
+    if world_name == "grid":
+        make = grid.grid_needle_clip if kind == "needle" else grid.grid_normal_clip
+        clip = make(rng, frames)
+        return clip, grid.grid_questions(clip, rng)
+    clip = world.needle_clip(rng, frames) if kind == "needle" else world.normal_clip(rng, frames)
+    return clip, world.questions(clip, rng)
+
+
+def render_frames(clip: Clip, world_name: str = "demo", size: int = 128) -> np.ndarray:
+    """uint8 [frames, size, size, 3] of a clip in its world."""
+    if world_name == "grid":
+        return grid.render_grid_clip(clip, size)
+    return world.render_clip(clip, size)
 
 
 def write_video(path: Path, frames: np.ndarray, fps: float) -> None:
@@ -55,7 +70,10 @@ def write_dataset(
     size: int = 128,
     kind: str = "mixed",
     force: bool = False,
+    world_name: str = "demo",
 ) -> dict:
+    if world_name not in WORLDS:
+        raise UsageError(f"unknown world '{world_name}' ({', '.join(WORLDS)})")
     if clips < 1 or frames < 4:
         raise UsageError("synth needs at least 1 clip of at least 4 frames")
     if kind not in KINDS:
@@ -74,9 +92,9 @@ def write_dataset(
     (out / "clips").mkdir(parents=True, exist_ok=True)
     rows = []
     for index in range(clips):
-        clip, qa = make_clip(seed, index, frames, kind)
+        clip, qa = make_clip(seed, index, frames, kind, world_name)
         name = f"clips/clip_{index:04d}.mp4"
-        write_video(out / name, render_clip(clip, size), fps)
+        write_video(out / name, render_frames(clip, world_name, size), fps)
         for q in qa:
             row = {
                 "video": name,
@@ -93,5 +111,6 @@ def write_dataset(
         "clips": clips,
         "frames": frames,
         "questions": len(rows),
+        "world": world_name,
         "qa": str(qa_path),
     }
