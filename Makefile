@@ -38,6 +38,12 @@ demo-model: setup
 	$(BIN)/python scripts/train_demo_model.py --init $(OUT)/demo-base.safetensors --out $(OUT)/demo.safetensors \
 		--steps 2000 --lr 3e-4 --curriculum 0 --seed 11
 	cp $(OUT)/demo.safetensors mmkv_cli/assets/demo.safetensors
+	# demo-grid (issue 19): the grid world at 16 tokens a frame, started from demo's weights (its
+	# patch position embeddings resized to the 8 x 8 patch grid); resumes from its .ckpt.
+	$(BIN)/python scripts/train_demo_model.py --world grid --init mmkv_cli/assets/demo.safetensors \
+		--vision-steps 0 --out $(OUT)/demo-grid.safetensors --steps 2400 --eval-every 300 \
+		--lr 5e-4 --frames 4,8,16,32,64
+	cp $(OUT)/demo-grid.safetensors mmkv_cli/assets/demo-grid.safetensors
 
 test: setup
 	$(BIN)/ruff check .

@@ -27,19 +27,23 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mmkv_cli.backbones.demo import demo_architecture  # noqa: E402
+from mmkv_cli.backbones.demo import FRAME_SIDE, GRID_SIDE, demo_architecture  # noqa: E402
 from mmkv_cli.backbones.llava_onevision import PROMPT  # noqa: E402
-from mmkv_cli.synth import make_clip  # noqa: E402
-from mmkv_cli.synth.world import Clip, Event, render, render_clip  # noqa: E402
+from mmkv_cli.synth import make_clip, render_frames  # noqa: E402
+from mmkv_cli.synth.world import Clip, Event  # noqa: E402
 
-TOKENS_PER_FRAME = 4
+# world -> (frame side the vision tower sees, tokens a frame becomes)
+WORLD_SHAPES = {"demo": (FRAME_SIDE, 4), "grid": (GRID_SIDE, 16)}
+IGNORE = -100  # padding of answers shorter than the batch's longest
 
 
 class Batches:
     """Prompt ids, pixels and answer ids for clips drawn from a seeded stream."""
 
-    def __init__(self, tokenizer, processor, video_id: int):
+    def __init__(self, tokenizer, processor, video_id: int, world: str = "demo"):
         self.tokenizer, self.processor, self.video_id = tokenizer, processor, video_id
+        self.world = world
+        self.per_frame = WORLD_SHAPES[world][1]
         self.prefix = self.ids(PROMPT.prefix)
         self.end = self.ids("<|im_end|>")
 
@@ -56,33 +60,31 @@ class Batches:
         frames = specs[0][2]
         videos, rows, answers, types = [], [], [], []
         for seed, index, count, kind in specs:
-            clip, qa = make_clip(seed, index, count, kind)
+            clip, qa = make_clip(seed, index, count, kind, self.world)
             q = qa[int(rng.integers(len(qa)))]
-            if (
-                q["type"] == "moment"
-            ):  # cut at the moment, blank frames first to keep the batch length
+            if q["type"] == "moment":  # cut at the moment, blank frames first: same batch length
                 clip = truncated(clip, q["frame"] + 1)
                 clip = shifted(clip, count - clip.frames)
-            videos.append(render_clip(clip))
-            answer = self.ids(q["answer"])
-            assert len(answer) == 1, q["answer"]
+            videos.append(render_frames(clip, self.world))
+            answer = self.ids(q["answer"]) + self.end  # answers are one or two words
             rows.append(
                 self.prefix
-                + [self.video_id] * (frames * TOKENS_PER_FRAME + 1)
+                + [self.video_id] * (frames * self.per_frame + 1)
                 + self.ids(PROMPT.question.format(question=q["question"]))
                 + answer
-                + self.end
             )
-            answers.append(answer + self.end)
+            answers.append(answer)
             types.append(q["type"])
         pixels = self.processor(videos=videos, return_tensors="pt")["pixel_values_videos"]
         # Questions differ in length: pad after the end token (causal attention never looks right),
         # and remember where each row's answer is predicted from.
         width = max(len(r) for r in rows)
         pad = self.tokenizer.pad_token_id
-        where = torch.tensor([len(r) - 3 for r in rows])
+        where = torch.tensor([len(r) - len(a) - 1 for r, a in zip(rows, answers)])
         ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
-        return ids, pixels, torch.tensor(answers), types, where
+        longest = max(len(a) for a in answers)
+        padded = torch.tensor([a + [IGNORE] * (longest - len(a)) for a in answers])
+        return ids, pixels, padded, types, where
 
     def make_multi(self, specs: list[tuple[int, int, int, str]], rng: np.random.Generator):
         """Every question of each clip in one row: [prompt | video | q1 a1 | q2 a2 | ...], each
@@ -90,24 +92,27 @@ class Batches:
         if asked alone. One forward supervises all of a clip's answers. Moment questions need a cut
         clip: a clip drawn for one of those carries only it."""
         frames = specs[0][2]
-        video_len = len(self.prefix) + frames * TOKENS_PER_FRAME + 1
+        video_len = len(self.prefix) + frames * self.per_frame + 1
         videos, rows, blocks, targets, types = [], [], [], [], []
         for seed, index, count, kind in specs:
-            clip, qa = make_clip(seed, index, count, kind)
+            clip, qa = make_clip(seed, index, count, kind, self.world)
             if kind == "normal" and rng.random() < 1 / 6:
                 q = next(x for x in qa if x["type"] == "moment")
                 clip = shifted(truncated(clip, q["frame"] + 1), count - q["frame"] - 1)
                 asked = [q]
             else:
                 asked = [x for x in qa if x["type"] != "moment"]
-            videos.append(render_clip(clip))
-            row = self.prefix + [self.video_id] * (frames * TOKENS_PER_FRAME + 1)
+            videos.append(render_frames(clip, self.world))
+            row = self.prefix + [self.video_id] * (frames * self.per_frame + 1)
             spans = []
             for q in asked:
-                answer = self.ids(q["answer"])
-                turn = self.ids(PROMPT.question.format(question=q["question"])) + answer + self.end
+                asking = self.ids(PROMPT.question.format(question=q["question"]))
+                answer = self.ids(q["answer"]) + self.end
+                turn = asking + answer
                 spans.append((len(row), len(row) + len(turn)))
-                targets.append((len(rows), len(row) + len(turn) - 3, answer[0], self.end[0]))
+                # every answer token and the end, each predicted from the position before it
+                first = len(row) + len(asking) - 1
+                targets += [(len(rows), first + t, token) for t, token in enumerate(answer)]
                 types.append(q["type"])
                 row = row + turn
             rows.append(row)
@@ -142,66 +147,72 @@ def truncated(clip: Clip, frames: int) -> Clip:
 
 
 def multi_loss(model, ids, pixels, mask, positions, targets) -> torch.Tensor:
+    """targets: [n, 3] (row, position, token): each answer token and end, where it is predicted."""
     hidden = model.model(
         input_ids=ids, pixel_values_videos=pixels, attention_mask=mask, position_ids=positions
     ).last_hidden_state
-    rows, where = targets[:, 0], targets[:, 1]
-    picked = torch.stack([hidden[rows, where], hidden[rows, where + 1]], dim=1)
-    logits = model.lm_head(picked).float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, 2:].reshape(-1))
+    logits = model.lm_head(hidden[targets[:, 0], targets[:, 1]]).float()
+    return F.cross_entropy(logits, targets[:, 2])
+
+
+def vision_example(rng: np.random.Generator, world: str, per_frame: int):
+    """One frame and, for each of its tokens, (shape, colour) or "none" (the last index of each):
+    the demo world's shape fills every token; a grid shape only those it covers."""
+    from mmkv_cli.synth import grid
+    from mmkv_cli.synth.world import COLOURS, SHAPES, render
+
+    empty = rng.random() < 0.1
+    none = (len(SHAPES), len(COLOURS))
+    if world == "grid":
+        s, c = int(rng.integers(len(SHAPES))), int(rng.integers(len(COLOURS)))
+        event = grid.placed(rng, SHAPES[s], list(COLOURS)[c], 0, 1)
+        clip = Clip("normal", 1, () if empty else (event,))
+        covered = set() if empty else set(grid.covered_tokens(event, 0))
+        labels = [(s, c) if k in covered else none for k in range(per_frame)]
+        return grid.render_grid(clip, 0), labels
+    if empty:
+        return render(Clip("normal", 1, ()), 0), [none] * per_frame
+    s, c = int(rng.integers(len(SHAPES))), int(rng.integers(len(COLOURS)))
+    x, y = float(rng.uniform(0.35, 0.65)), float(rng.uniform(0.35, 0.65))
+    event = Event(SHAPES[s], list(COLOURS)[c], 0, 1, x, y, 0.0, 0.0)
+    return render(Clip("normal", 1, (event,)), 0), [(s, c)] * per_frame
 
 
 def pretrain_vision(
-    model, processor, steps: int, batch: int, lr: float, seed: int, device: str
+    model, processor, steps: int, batch: int, lr: float, seed: int, device: str, world: str
 ) -> None:
-    """Stage 1: teach the vision tower + projector what a frame shows (shape, colour, or nothing),
-    with two linear heads on each of a frame's tokens, discarded afterwards. Stage 2 then only has
-    to learn to look things up, instead of learning to see through the answer loss alone."""
-    from mmkv_cli.synth.world import COLOURS, SHAPES, Clip, Event
+    """Stage 1: teach the vision tower + projector what each token of a frame shows (shape, colour,
+    or nothing) and, on the grid world, where the token is (its quadrant), with linear heads
+    discarded afterwards. Stage 2 then only has to learn to look things up, instead of learning to
+    see through the answer loss alone."""
+    from mmkv_cli.synth.world import COLOURS, SHAPES
 
-    shapes, colours = SHAPES + ["none"], list(COLOURS) + ["none"]
+    per_frame = WORLD_SHAPES[world][1]
+    side = int(round(per_frame**0.5))
     hidden = model.config.text_config.hidden_size
     heads = torch.nn.ModuleDict(
         {
-            "shape": torch.nn.Linear(hidden, len(shapes)),
-            "colour": torch.nn.Linear(hidden, len(colours)),
+            "shape": torch.nn.Linear(hidden, len(SHAPES) + 1),
+            "colour": torch.nn.Linear(hidden, len(COLOURS) + 1),
         }
-    ).to(device)
+    )
+    if world == "grid":
+        heads["quadrant"] = torch.nn.Linear(hidden, 4)
+    heads = heads.to(device)
+    # a token's quadrant, from its place in the row-major grid
+    quadrant = torch.tensor(
+        [int(k % side >= side / 2) + 2 * int(k // side >= side / 2) for k in range(per_frame)],
+        device=device,
+    )
     tower = [
         p for n, p in model.named_parameters() if "language_model" not in n and "lm_head" not in n
     ]
     opt = torch.optim.AdamW(tower + list(heads.parameters()), lr=lr, weight_decay=0.01)
     rng = np.random.default_rng([seed, 99])
     for step in range(steps):
-        images, labels = [], []
-        for _ in range(batch):
-            empty = rng.random() < 0.1
-            s, c = (
-                (len(SHAPES), len(COLOURS))
-                if empty
-                else (int(rng.integers(len(SHAPES))), int(rng.integers(len(COLOURS))))
-            )
-            events = (
-                ()
-                if empty
-                else (
-                    Event(
-                        SHAPES[s],
-                        colours[c],
-                        0,
-                        1,
-                        float(rng.uniform(0.35, 0.65)),
-                        float(rng.uniform(0.35, 0.65)),
-                        0.0,
-                        0.0,
-                    ),
-                )
-            )
-            images.append(render(Clip("normal", 1, events), 0))
-            labels.append((s, c))
-        pixels = processor(videos=[np.stack(images)], return_tensors="pt")["pixel_values_videos"][
-            0
-        ][:, None]
+        examples = [vision_example(rng, world, per_frame) for _ in range(batch)]
+        images = np.stack([image for image, _ in examples])
+        pixels = processor(videos=[images], return_tensors="pt")["pixel_values_videos"][0][:, None]
         config = model.config
         feats = model.model.get_video_features(
             pixels.to(device),
@@ -209,14 +220,14 @@ def pretrain_vision(
             vision_feature_select_strategy=config.vision_feature_select_strategy,
             return_dict=True,
         ).pooler_output  # [batch, tokens + newline, hidden]
-        # Every token of the frame on its own must tell what the frame shows: the language model
-        # then finds a shape by matching any one token, not a sum of four.
-        tokens = feats[:, :-1]
-        per_token = tokens.shape[1]
-        target = torch.tensor(labels, device=device).repeat_interleave(per_token, dim=0)
-        flat = tokens.reshape(-1, tokens.shape[-1])
+        # Every token on its own must tell what it shows: the language model then finds a shape
+        # by matching one token, not a sum over the frame.
+        flat = feats[:, :-1].reshape(-1, feats.shape[-1])
+        target = torch.tensor([label for _, labels in examples for label in labels], device=device)
         logits_s, logits_c = heads["shape"](flat), heads["colour"](flat)
         loss = F.cross_entropy(logits_s, target[:, 0]) + F.cross_entropy(logits_c, target[:, 1])
+        if world == "grid":
+            loss = loss + F.cross_entropy(heads["quadrant"](flat), quadrant.repeat(batch))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -242,13 +253,16 @@ def shifted(clip, frames: int):
 
 
 def answer_logits(
-    model, ids: torch.Tensor, pixels: torch.Tensor, where: torch.Tensor
+    model, ids: torch.Tensor, pixels: torch.Tensor, where: torch.Tensor, span: int
 ) -> torch.Tensor:
-    """Logits at the two positions that predict [answer, end] in each row: [B, 2, vocab]."""
+    """Logits at the `span` positions from `where` on, which predict [answer..., end] in each row
+    (a shorter answer's extra positions fall on padding or beyond): [B, span, vocab]."""
     hidden = model.model(input_ids=ids, pixel_values_videos=pixels).last_hidden_state
     rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
-    picked = hidden[rows, where.to(ids.device)[:, None] + torch.arange(2, device=ids.device)]
-    return model.lm_head(picked).float()
+    at = (where.to(ids.device)[:, None] + torch.arange(span, device=ids.device)).clamp(
+        max=ids.shape[1] - 1
+    )
+    return model.lm_head(hidden[rows, at]).float()
 
 
 @torch.no_grad()
@@ -259,8 +273,10 @@ def evaluate(model, batches: Batches, seed: int, clips: int, frames: int) -> dic
     for start in range(0, clips, 8):
         specs = [(seed, i, frames, "mixed") for i in range(start, min(clips, start + 8))]
         ids, pixels, answers, types, where = batches.make(specs, rng)
-        guess = answer_logits(model, ids, pixels, where)[:, 0].argmax(-1)
-        for t, ok in zip(types, (guess == answers[:, 0]).tolist()):
+        guess = answer_logits(model, ids, pixels, where, answers.shape[1]).argmax(-1)
+        # right when every answer token and the end are (what greedy decoding would produce)
+        whole = ((guess == answers) | (answers == IGNORE)).all(dim=1)
+        for t, ok in zip(types, whole.tolist()):
             right.setdefault(t, []).append(int(ok))
     model.train()
     scores = {t: sum(v) / len(v) for t, v in sorted(right.items())}
@@ -271,6 +287,9 @@ def evaluate(model, batches: Batches, seed: int, clips: int, frames: int) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="mmkv_cli/assets/demo.safetensors")
+    ap.add_argument(
+        "--world", choices=list(WORLD_SHAPES), default="demo", help="demo, or grid (demo-grid)"
+    )
     ap.add_argument("--steps", type=int, default=5000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -308,9 +327,9 @@ def main() -> None:
     log = out.with_name(out.stem + ".train.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    model, tokenizer, processor = demo_architecture()
+    model, tokenizer, processor = demo_architecture(WORLD_SHAPES[args.world][0])
     model.to(args.device).train()
-    batches = Batches(tokenizer, processor, model.config.video_token_id)
+    batches = Batches(tokenizer, processor, model.config.video_token_id, args.world)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     step, best = 0, -1.0
     if ckpt.is_file():
@@ -320,12 +339,17 @@ def main() -> None:
         step, best = int(state["step"]), float(state["best"])
         print(f"resumed at step {step} (best held-out {best:.3f})", flush=True)
     if step == 0 and args.init:
-        from safetensors.torch import load_file
-
-        model.load_state_dict(load_file(args.init))
+        load_init(model, args.init)
     if step == 0 and args.vision_steps:
         pretrain_vision(
-            model, processor, args.vision_steps, args.vision_batch, args.lr, args.seed, args.device
+            model,
+            processor,
+            args.vision_steps,
+            args.vision_batch,
+            args.lr,
+            args.seed,
+            args.device,
+            args.world,
         )
     lengths = [int(x) for x in args.frames.split(",")]
     started = time.time()
@@ -353,9 +377,13 @@ def main() -> None:
             group["lr"] = lr
         if args.one_question:
             ids, pixels, answers, _, where = batches.make(specs, rng)
-            logits = answer_logits(model, ids.to(args.device), pixels.to(args.device), where)
+            logits = answer_logits(
+                model, ids.to(args.device), pixels.to(args.device), where, answers.shape[1]
+            )
             loss = F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), answers.to(args.device).reshape(-1)
+                logits.reshape(-1, logits.shape[-1]),
+                answers.to(args.device).reshape(-1),
+                ignore_index=IGNORE,
             )
         else:
             ids, pixels, mask, positions, targets, _ = batches.make_multi(specs, rng)
@@ -390,6 +418,23 @@ def main() -> None:
                 ckpt,
             )
     print(f"done: best held-out overall {best:.3f}, weights in {out}", flush=True)
+
+
+def load_init(model, path: str) -> None:
+    """Start from trained weights; a vision tower trained at another frame size gets its patch
+    position embeddings resized (bilinear over the patch grid), so demo's weights can start
+    demo-grid: the patches see shapes at about the same scale."""
+    from safetensors.torch import load_file
+
+    weights = load_file(path)
+    own = model.state_dict()
+    for name, value in weights.items():
+        if name.endswith("position_embedding.weight") and value.shape != own[name].shape:
+            old, new = int(value.shape[0] ** 0.5), int(own[name].shape[0] ** 0.5)
+            grid = value.T.reshape(1, -1, old, old)
+            value = F.interpolate(grid, size=(new, new), mode="bilinear", align_corners=False)
+            weights[name] = value.reshape(-1, new * new).T.contiguous()
+    model.load_state_dict(weights)
 
 
 def save_weights(model, out: Path) -> None:

@@ -36,7 +36,7 @@ def _quadrant_of(event: Event) -> int:
     return int(event.x0 >= 0.5) + 2 * int(event.y0 >= 0.5)
 
 
-def _placed(rng: np.random.Generator, shape: str, colour: str, start: int, stop: int) -> Event:
+def placed(rng: np.random.Generator, shape: str, colour: str, start: int, stop: int) -> Event:
     """A small shape in a random quadrant, drifting slowly; render() keeps it inside it."""
     quadrant = int(rng.integers(4))
     x = (quadrant % 2) * 0.5 + float(rng.uniform(0.15, 0.35))
@@ -50,7 +50,7 @@ def grid_normal_clip(rng: np.random.Generator, frames: int, max_events: int = 5)
     shapes = rng.choice(SHAPES, size=count, replace=False)
     colours = rng.choice(list(COLOURS), size=count, replace=False)
     events = [
-        _placed(rng, str(s), str(c), a, b)
+        placed(rng, str(s), str(c), a, b)
         for s, c, (a, b) in zip(shapes, colours, _spans(rng, frames, count, 2))
     ]
     return Clip("normal", frames, tuple(events))
@@ -64,11 +64,11 @@ def grid_needle_clip(rng: np.random.Generator, frames: int) -> Clip:
         length = int(rng.integers(2, 9))
         shape = "cross" if rng.random() < 0.4 else str(rng.choice(fillers))
         colour = str(rng.choice(list(COLOURS)))
-        events.append(_placed(rng, shape, colour, cursor, min(frames, cursor + length)))
+        events.append(placed(rng, shape, colour, cursor, min(frames, cursor + length)))
         cursor += length
     length = int(rng.integers(1, 3))
     start = int(rng.integers(0, frames - length + 1))
-    needle = _placed(rng, NEEDLE, str(rng.choice(list(COLOURS))), start, start + length)
+    needle = placed(rng, NEEDLE, str(rng.choice(list(COLOURS))), start, start + length)
     kept = []
     for e in events:
         for a, b in ((e.start, min(e.stop, start)), (max(e.start, start + length), e.stop)):
@@ -158,13 +158,28 @@ def render_grid(clip: Clip, frame: int, size: int = 128, background=None) -> np.
         draw.ellipse((x - r, y - 0.7 * r, x + r, y + 0.7 * r), fill=colour)
     event = clip.shown_at(frame)
     if event is not None:
-        q = _quadrant_of(event)
-        lo_x, lo_y = (q % 2) * 0.5 + RADIUS, (q // 2) * 0.5 + RADIUS
-        t = frame - event.start
-        cx = np.clip(event.x0 + event.vx * t, lo_x, lo_x + 0.5 - 2 * RADIUS) * size
-        cy = np.clip(event.y0 + event.vy * t, lo_y, lo_y + 0.5 - 2 * RADIUS) * size
-        _draw(draw, event.shape, COLOURS[event.colour], cx, cy, RADIUS * size)
+        cx, cy = shape_centre(event, frame)
+        _draw(draw, event.shape, COLOURS[event.colour], cx * size, cy * size, RADIUS * size)
     return np.asarray(image)
+
+
+def shape_centre(event: Event, frame: int) -> tuple[float, float]:
+    """Where the shape is at `frame`, as fractions of the side: drifting, kept in its quadrant."""
+    q = _quadrant_of(event)
+    lo_x, lo_y = (q % 2) * 0.5 + RADIUS, (q // 2) * 0.5 + RADIUS
+    t = frame - event.start
+    cx = float(np.clip(event.x0 + event.vx * t, lo_x, lo_x + 0.5 - 2 * RADIUS))
+    cy = float(np.clip(event.y0 + event.vy * t, lo_y, lo_y + 0.5 - 2 * RADIUS))
+    return cx, cy
+
+
+def covered_tokens(event: Event, frame: int, side: int = 4) -> list[int]:
+    """The tokens (row-major on a side x side grid) the shape overlaps at `frame`."""
+    cx, cy = shape_centre(event, frame)
+    reach = 0.8 * RADIUS
+    cols = range(max(0, int((cx - reach) * side)), min(side, int((cx + reach) * side) + 1))
+    rows = range(max(0, int((cy - reach) * side)), min(side, int((cy + reach) * side) + 1))
+    return [r * side + c for r in rows for c in cols]
 
 
 def render_grid_clip(clip: Clip, size: int = 128) -> np.ndarray:
