@@ -91,6 +91,10 @@ def test_a_bad_option_is_refused_before_any_model_loads(videos, tmp_path):
     with pytest.raises(UsageError, match="list.jsonl:1: unknown method 'nosuch'"):
         run_batch(read_manifest(str(path)), settings)
     assert not (tmp_path / "o").exists()
+    path.write_text(f'{{"media": "{videos / "a.mp4"}"}}\n')
+    onto_a_file = BatchSettings(DEMO, EncodeOptions(), str(path))
+    with pytest.raises(UsageError, match="is a file"):
+        run_batch(read_manifest(str(path)), onto_a_file)
 
 
 def test_batch_in_process_resumes_and_names_packs_by_content(videos, tmp_path):

@@ -26,7 +26,13 @@ class Ledger:
         self.where = f"{dest.rstrip('/')}/{LEDGER}"
         self.remote = is_url(dest)
         if not self.remote:
-            local_path(dest).mkdir(parents=True, exist_ok=True)
+            folder = local_path(dest)
+            if folder.exists() and not folder.is_dir():
+                raise UsageError(f"--out {dest} is a file: it names the folder packs go to")
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise UsageError(f"--out: cannot make {dest}: {err.strerror or err}") from None
         before = read_text(self.where) if self.remote else _read(local_path(self.where))
         self._text = (before or "") if self.remote else ""
         self._flushed = time.monotonic()
