@@ -18,12 +18,12 @@ from mmkv_cli.synth.world import (
     COLOURS,
     COUNT_WORDS,
     NEEDLE,
-    SHAPES,
     Clip,
     Event,
     _draw,
-    _spans,
     chance,
+    needle_clip,
+    normal_clip,
 )
 
 QUADRANTS = ["top left", "top right", "bottom left", "bottom right"]
@@ -45,36 +45,13 @@ def placed(rng: np.random.Generator, shape: str, colour: str, start: int, stop: 
     return Event(shape, colour, start, stop, x, y, vx, vy)
 
 
-def grid_normal_clip(rng: np.random.Generator, frames: int, max_events: int = 5) -> Clip:
-    count = int(rng.integers(2, min(max_events, frames // 2) + 1))
-    shapes = rng.choice(SHAPES, size=count, replace=False)
-    colours = rng.choice(list(COLOURS), size=count, replace=False)
-    events = [
-        placed(rng, str(s), str(c), a, b)
-        for s, c, (a, b) in zip(shapes, colours, _spans(rng, frames, count, 2))
-    ]
-    return Clip("normal", frames, tuple(events))
+def grid_normal_clip(rng: np.random.Generator, frames: int) -> Clip:
+    return normal_clip(rng, frames, place=placed)
 
 
 def grid_needle_clip(rng: np.random.Generator, frames: int) -> Clip:
     """Distractors fill the clip (crosses, the look-alike, often); one star shows for 1-2 frames."""
-    fillers = [s for s in SHAPES if s != NEEDLE]
-    events, cursor = [], 0
-    while cursor < frames:
-        length = int(rng.integers(2, 9))
-        shape = "cross" if rng.random() < 0.4 else str(rng.choice(fillers))
-        colour = str(rng.choice(list(COLOURS)))
-        events.append(placed(rng, shape, colour, cursor, min(frames, cursor + length)))
-        cursor += length
-    length = int(rng.integers(1, 3))
-    start = int(rng.integers(0, frames - length + 1))
-    needle = placed(rng, NEEDLE, str(rng.choice(list(COLOURS))), start, start + length)
-    kept = []
-    for e in events:
-        for a, b in ((e.start, min(e.stop, start)), (max(e.start, start + length), e.stop)):
-            if b > a:
-                kept.append(Event(e.shape, e.colour, a, b, e.x0, e.y0, e.vx, e.vy))
-    return Clip("needle", frames, tuple(sorted(kept + [needle], key=lambda e: e.start)))
+    return needle_clip(rng, frames, place=placed)
 
 
 def grid_questions(clip: Clip, rng: np.random.Generator) -> list[dict]:

@@ -94,19 +94,22 @@ def _spans(
     return spans
 
 
-def normal_clip(rng: np.random.Generator, frames: int, max_events: int = 5) -> Clip:
-    """2..max_events shapes, each shape and colour at most once, shown one after another."""
+def normal_clip(
+    rng: np.random.Generator, frames: int, max_events: int = 5, place=_drifting
+) -> Clip:
+    """2..max_events shapes, each shape and colour at most once, shown one after another.
+    place(rng, shape, colour, start, stop): where an event sits and drifts (grid has its own)."""
     count = int(rng.integers(2, min(max_events, frames // 2) + 1))
     shapes = rng.choice(SHAPES, size=count, replace=False)
     colours = rng.choice(list(COLOURS), size=count, replace=False)
     events = [
-        _drifting(rng, str(s), str(c), a, b)
+        place(rng, str(s), str(c), a, b)
         for s, c, (a, b) in zip(shapes, colours, _spans(rng, frames, count, 2))
     ]
     return Clip("normal", frames, tuple(events))
 
 
-def needle_clip(rng: np.random.Generator, frames: int) -> Clip:
+def needle_clip(rng: np.random.Generator, frames: int, place=_drifting) -> Clip:
     """Distractor shapes (colours repeat) fill the clip; one star shows for 1-2 frames somewhere in
     it."""
     fillers = [s for s in SHAPES if s != NEEDLE]
@@ -115,14 +118,12 @@ def needle_clip(rng: np.random.Generator, frames: int) -> Clip:
         length = int(rng.integers(2, 9))
         shape = "cross" if rng.random() < 0.4 else str(rng.choice(fillers))
         events.append(
-            _drifting(
-                rng, shape, str(rng.choice(list(COLOURS))), cursor, min(frames, cursor + length)
-            )
+            place(rng, shape, str(rng.choice(list(COLOURS))), cursor, min(frames, cursor + length))
         )
         cursor += length
     length = int(rng.integers(1, 3))
     start = int(rng.integers(0, frames - length + 1))
-    needle = _drifting(rng, NEEDLE, str(rng.choice(list(COLOURS))), start, start + length)
+    needle = place(rng, NEEDLE, str(rng.choice(list(COLOURS))), start, start + length)
     # The needle replaces whatever was on screen during its frames.
     kept = []
     for e in events:
