@@ -3,6 +3,12 @@ reference a pack's answer is compared against."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
@@ -99,3 +105,42 @@ def ask_pack(pack, question, *, backbone=None, max_new_tokens=32, keep_logits=Fa
         generation=GenerationOptions(max_new_tokens), keep_logits=keep_logits, **options
     )
     return api.ask(pack, question, asking, backbone=backbone)
+
+
+@contextmanager
+def serving(packs: str):
+    """`mmkv serve --packs PACKS` in its own process on a free loopback port, without an API key;
+    yields its base URL once /health answers, and stops it afterwards."""
+    import httpx
+    import pytest
+
+    from tests.conftest import ROOT
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mmkv_cli", "serve", "--packs", packs, "--port", str(port)]
+        + ["--device", "cpu"],
+        cwd=ROOT,
+        env={**os.environ, "MMKV_API_KEY": ""},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            process.kill()
+            pytest.fail(f"server did not start: {process.stderr.read()}")
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=20)

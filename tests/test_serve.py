@@ -4,10 +4,6 @@ the server stays up."""
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -16,8 +12,8 @@ import openai
 import pytest
 
 from mmkv_cli import api
-from tests.conftest import ROOT, SAMPLES
-from tests.helpers import encode_pack
+from tests.conftest import SAMPLES
+from tests.helpers import encode_pack, serving
 
 QUESTIONS = ["what color is the circle ?", "which shape appeared first ?", "what happened last ?"]
 
@@ -33,49 +29,10 @@ def packs(tmp_path_factory):
     return folder
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(packs):
-    port = _free_port()
-    env = {**os.environ, "MMKV_API_KEY": ""}
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mmkv_cli",
-            "serve",
-            "--packs",
-            str(packs),
-            "--port",
-            str(port),
-            "--device",
-            "cpu",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    else:
-        process.kill()
-        pytest.fail(f"server did not start: {process.stderr.read()}")
-    yield base
-    process.terminate()
-    process.wait(timeout=20)
+    with serving(str(packs)) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

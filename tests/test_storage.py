@@ -13,6 +13,7 @@ from mmkv_cli.errors import OutputExistsError, PackError, StorageError
 from mmkv_cli.options import AskOptions, EncodeOptions, LoadOptions
 from mmkv_cli.storage import Intervals, is_url, merged
 from tests.conftest import ROOT, SAMPLES
+from tests.helpers import serving
 
 
 def test_intervals_fetch_only_what_is_missing():
@@ -117,36 +118,10 @@ def test_serve_answers_from_a_bucket_prefix(s3_packs):
     """A live server on loopback serving s3://packs/clips: the openai client sees the pack as a
     model and gets the answer a local ask gives."""
     openai = pytest.importorskip("openai")
-    import socket
-    import time
-
     import httpx
 
     url, local, _ = s3_packs
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "mmkv_cli", "serve", "--packs", "s3://packs/clips/"]
-        + ["--port", str(port), "--device", "cpu"],
-        cwd=ROOT,
-        env={**os.environ, "MMKV_API_KEY": "", "HF_HUB_OFFLINE": "1"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
-            process.kill()
-            pytest.fail(f"server did not start: {process.stderr.read()}")
+    with serving("s3://packs/clips/") as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
         assert [m.id for m in client.models.list().data] == ["clip-mukv"]
         reply = client.chat.completions.create(
@@ -158,6 +133,3 @@ def test_serve_answers_from_a_bucket_prefix(s3_packs):
         assert reply.choices[0].message.content == expected.answer
         missing = httpx.get(f"{base}/v1/packs/none")
         assert missing.status_code == 404
-    finally:
-        process.terminate()
-        process.wait(timeout=20)
