@@ -22,7 +22,8 @@ URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 WHOLE_ON_UPLOAD = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"}
 # Ranges closer than this are fetched as one request: a round trip costs more than 64 KiB.
 MERGE_GAP = 64 << 10
-EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "adlfs", "abfs": "adlfs"}
+# what to install for a scheme's fsspec driver
+DRIVERS = {"s3": "'mmkv[s3]'", "s3a": "'mmkv[s3]'", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs"}
 
 
 def is_url(target: str | Path) -> bool:
@@ -45,10 +46,8 @@ def filesystem(url: str):
         return fsspec.core.url_to_fs(url)
     except ImportError:
         scheme = URL.match(url).group(1).lower()
-        extra = EXTRAS.get(scheme, scheme)
-        raise StorageError(
-            f"{scheme}:// needs its fsspec driver: pip install 'mmkv[s3]' (or {extra})"
-        ) from None
+        driver = DRIVERS.get(scheme, "the fsspec driver for it")
+        raise StorageError(f"{scheme}:// needs its fsspec driver: pip install {driver}") from None
     except (ValueError, OSError) as err:
         raise StorageError(f"cannot open {url}: {_reason(err)}") from None
 

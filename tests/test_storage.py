@@ -133,3 +133,13 @@ def test_serve_answers_from_a_bucket_prefix(s3_packs):
         assert reply.choices[0].message.content == expected.answer
         missing = httpx.get(f"{base}/v1/packs/none")
         assert missing.status_code == 404
+
+
+def test_a_scheme_without_its_driver_says_what_to_install():
+    import importlib.util
+
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here")
+    with pytest.raises(StorageError, match="pip install gcsfs") as err:
+        api.inspect("gs://bucket/x.kvpack")
+    assert err.value.exit_code == 7
