@@ -2,8 +2,14 @@
 
 The language model runs on SDPA through an attention function registered as "mmkv". While a
 `Recorder` is active, that function also keeps, for the layers asked for, what a method needs: the
-post-RoPE queries, or the column sums of softmax(QK^T/sqrt(d)) over the query rows — computed a few
-query rows at a time, so memory never holds heads x n x n for the whole sequence.
+post-RoPE queries, or the column sums of softmax(QK^T/sqrt(d)) over the query rows, without ever
+holding heads x n x n for the whole sequence.
+
+On the CPU, recording runs on fused kernels: the layer's output and each row's log-sum-exp (lse)
+come from flash attention, and the column sums from a second flash pass with the roles swapped (the
+keys ask, the query rows answer, each biased by -lse), so no score block is written to memory.
+Elsewhere (CUDA), the scores are computed a few query rows at a time. Both are exact; the tests
+hold them to each other (fused_attention.py).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import contextvars
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from mmkv_cli import fused_attention as fused
 from mmkv_cli.lazy import torch
 
 NAME = "mmkv"
@@ -33,7 +40,8 @@ class Recorder:
     column_sums: bool = False
     queries: bool = False
     rows: bool = False
-    # name -> fn(block [B, rows, kv_len] head-mean attention) -> tensor, summed over a layer's rows
+    # name -> (key columns, fn(block [B, rows, columns] head-mean attention) -> tensor), summed
+    # over a layer's rows: a reducer reads only its own columns (MEDA: the prompt), not whole rows
     reducers: dict = field(default_factory=dict)
     # what was recorded, per layer: column sums [B, kv_len] and rows [B, q_len, kv_len] (float32),
     # reducer totals by name, queries [B, H, q_len, D]
@@ -80,6 +88,14 @@ def causal_rows(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch
 
 
 def _recorded_attention(recorder: Recorder, layer: int, query, key, value, scaling: float):
+    """The layer's output [B, q, H, D] and, into the recorder, what it asks for: on fused kernels on
+    the CPU (whole rows excepted: they are a question's few rows), else block by block."""
+    if query.device.type == "cpu" and not recorder.rows:
+        return fused.recorded(recorder, layer, query, key, value, scaling)
+    return _blockwise_recorded(recorder, layer, query, key, value, scaling)
+
+
+def _blockwise_recorded(recorder: Recorder, layer: int, query, key, value, scaling: float):
     """Attention computed here, block by block, from the same probabilities that are recorded:
     recording all rows (H2O, MEDA) then costs no second pass over QK^T. Returns [B, q, H, D]."""
     batch, heads, q_len, dim = query.shape
@@ -100,8 +116,8 @@ def _recorded_attention(recorder: Recorder, layer: int, query, key, value, scali
             sums = mean.sum(dim=1) if sums is None else sums + mean.sum(dim=1)
         if recorder.rows:
             rows.append(mean)
-        for name, fn in recorder.reducers.items():
-            got = fn(mean)
+        for name, (columns, fn) in recorder.reducers.items():
+            got = fn(mean[..., columns])
             totals[name] = totals[name] + got if name in totals else got
     if recorder.column_sums:
         recorder.column_sum[layer] = sums

@@ -42,6 +42,8 @@ class MedaParams(GuidedParams):
 
 # --- scoring: pure functions over tensors ---
 
+ALL = slice(None)
+
 
 def row_entropy(rows: torch.Tensor, columns: slice) -> torch.Tensor:
     """rows [..., r, k] attention -> [..., r] entropy of each row renormalised over `columns`."""
@@ -115,7 +117,7 @@ class MedaMemory(KeepAll):
         return Recorder(
             layers=set(range(state.layers)),
             column_sums=True,
-            reducers={"vt_entropy": lambda block: row_entropy(block, text).sum(dim=-1)},
+            reducers={"vt_entropy": (text, lambda block: row_entropy(block, ALL).sum(dim=-1))},
         )
 
     def observe(self, state: StreamState, recorder: Recorder) -> None:

@@ -1,0 +1,85 @@
+"""The CPU's fused recording path (flash attention with the roles swapped for column sums) against
+the block-by-block path CUDA takes: same output, same column sums, same reducers."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mmkv_cli import attention, fused_attention
+from mmkv_cli.attention import Recorder, recording
+
+
+def _reference(query, key, value):
+    """Attention and head-mean probabilities written out in full: [B, q, H, D], [B, q, k]."""
+    group = query.shape[1] // key.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1) for t in (key, value))
+    scores = query @ k.transpose(-1, -2) * query.shape[-1] ** -0.5
+    rows, keys = query.shape[2], key.shape[2]
+    visible = torch.arange(keys)[None, :] <= torch.arange(rows)[:, None] + (keys - rows)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return (probs @ v).transpose(1, 2), probs.mean(dim=1)
+
+
+@pytest.mark.parametrize(
+    "batch,heads,kv_heads,rows,keys",
+    [(1, 4, 2, 7, 30), (2, 6, 2, 5, 5), (1, 14, 2, 40, 300), (2, 4, 4, 9, 12)],
+)
+def test_fused_recording_equals_the_written_out_attention(batch, heads, kv_heads, rows, keys):
+    torch.manual_seed(rows + keys)
+    query = torch.randn(batch, heads, rows, 16) * 2  # sharp rows: small probabilities matter
+    key, value = torch.randn(batch, kv_heads, keys, 16), torch.randn(batch, kv_heads, keys, 16)
+    prompt = slice(0, min(6, keys))  # a reducer's columns, reaching into the rows' own keys
+    reducer = {"mass": (prompt, lambda block: block.sum(dim=-1).sum(dim=-1))}
+    expected_out, expected_probs = _reference(query, key, value)
+
+    fused = Recorder(layers={0}, column_sums=True, reducers=reducer)
+    blockwise = Recorder(layers={0}, column_sums=True, reducers=reducer)
+    out = fused_attention.recorded(fused, 0, query, key, value, 16**-0.5)
+    out_blocks = attention._blockwise_recorded(blockwise, 0, query, key, value, 16**-0.5)
+
+    assert torch.allclose(out, expected_out, atol=1e-5)
+    assert torch.allclose(out_blocks, expected_out, atol=1e-5)
+    sums = expected_probs.sum(dim=1)
+    assert torch.allclose(fused.column_sum[0], sums, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(blockwise.column_sum[0], sums, atol=1e-5, rtol=1e-4)
+    # every row is a distribution: the column sums add up to the number of rows
+    assert torch.allclose(fused.column_sum[0].sum(dim=-1), torch.full((batch,), float(rows)))
+    mass = expected_probs[..., prompt].sum(dim=(1, 2))
+    assert torch.allclose(fused.reduced[0]["mass"], mass, atol=1e-5)
+    assert torch.allclose(blockwise.reduced[0]["mass"], mass, atol=1e-5)
+
+
+def test_the_attention_function_takes_the_fused_path_on_the_cpu_and_keeps_the_dtype():
+    torch.manual_seed(3)
+    query = torch.randn(1, 4, 6, 8, dtype=torch.bfloat16)
+    key = torch.randn(1, 2, 20, 8, dtype=torch.bfloat16)
+    value = torch.randn(1, 2, 20, 8, dtype=torch.bfloat16)
+    recorder = Recorder(layers={0}, column_sums=True)
+    with recording(recorder):
+        out, _ = attention._attention(SimpleNamespace(layer_idx=0), query, key, value, None)
+    expected, probs = _reference(query.float(), key.float(), value.float())
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), expected, atol=2e-2)
+    assert torch.allclose(recorder.column_sum[0], probs.sum(dim=1), atol=1e-4)
+
+
+def test_column_sums_of_a_large_chunk_do_not_write_out_the_score_block(monkeypatch):
+    """The cached keys' sums come from the swapped flash pass: the explicit blocks only ever cover
+    the chunk's own keys (a chunk of 64 rows against 4,096 cached keys here)."""
+    seen = []
+    original = fused_attention.probability_blocks
+
+    def spy(query, key, lse, scaling, columns):
+        seen.append(columns.indices(key.shape[2]))
+        yield from original(query, key, lse, scaling, columns)
+
+    monkeypatch.setattr(fused_attention, "probability_blocks", spy)
+    query, key = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 4096 + 64, 8)
+    _, lse = fused_attention.lse_attention(query, key, key, 8**-0.5)
+    sums = fused_attention.column_sums(query, key, lse, 8**-0.5)
+    assert seen == [(4096, 4096 + 64, 1)]
+    assert torch.allclose(sums.sum(), torch.tensor(64.0), atol=1e-3)
