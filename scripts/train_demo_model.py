@@ -179,7 +179,15 @@ def vision_example(rng: np.random.Generator, world: str, per_frame: int):
 
 
 def pretrain_vision(
-    model, processor, steps: int, batch: int, lr: float, seed: int, device: str, world: str
+    model,
+    processor,
+    steps: int,
+    batch: int,
+    lr: float,
+    seed: int,
+    device: str,
+    world: str,
+    place_lr: float = 1.0,
 ) -> None:
     """Stage 1: teach the vision tower + projector what each token of a frame shows (shape, colour,
     or nothing) and, on the grid world, where the token is (its quadrant), with linear heads
@@ -204,10 +212,18 @@ def pretrain_vision(
         [int(k % side >= side / 2) + 2 * int(k // side >= side / 2) for k in range(per_frame)],
         device=device,
     )
-    tower = [
-        p for n, p in model.named_parameters() if "language_model" not in n and "lm_head" not in n
-    ]
-    opt = torch.optim.AdamW(tower + list(heads.parameters()), lr=lr, weight_decay=0.01)
+    tower = {
+        n: p
+        for n, p in model.named_parameters()
+        if "language_model" not in n and "lm_head" not in n
+    }
+    # Patch content outweighs the position embeddings about 100:1 at the tower's output when they
+    # start from demo's (whose frames never needed a place): at the base rate they take ~1,000
+    # steps to grow, so they learn faster here.
+    places = [p for n, p in tower.items() if n.endswith("position_embedding.weight")]
+    rest = [p for n, p in tower.items() if not n.endswith("position_embedding.weight")]
+    groups = [{"params": rest + list(heads.parameters())}, {"params": places, "lr": lr * place_lr}]
+    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.01)
     rng = np.random.default_rng([seed, 99])
     for step in range(steps):
         examples = [vision_example(rng, world, per_frame) for _ in range(batch)]
@@ -226,17 +242,20 @@ def pretrain_vision(
         target = torch.tensor([label for _, labels in examples for label in labels], device=device)
         logits_s, logits_c = heads["shape"](flat), heads["colour"](flat)
         loss = F.cross_entropy(logits_s, target[:, 0]) + F.cross_entropy(logits_c, target[:, 1])
+        places = quadrant.repeat(batch)
         if world == "grid":
-            loss = loss + F.cross_entropy(heads["quadrant"](flat), quadrant.repeat(batch))
+            logits_q = heads["quadrant"](flat)
+            loss = loss + F.cross_entropy(logits_q, places)
         opt.zero_grad()
         loss.backward()
         opt.step()
         if (step + 1) % 100 == 0:
             acc_s = (logits_s.argmax(-1) == target[:, 0]).float().mean().item()
             acc_c = (logits_c.argmax(-1) == target[:, 1]).float().mean().item()
+            acc_q = (logits_q.argmax(-1) == places).float().mean().item() if world == "grid" else 1
             print(
                 f"vision step {step + 1} loss {loss.item():.3f} "
-                f"shape acc {acc_s:.2f} colour acc {acc_c:.2f}",
+                f"shape acc {acc_s:.2f} colour acc {acc_c:.2f} quadrant acc {acc_q:.2f}",
                 flush=True,
             )
 
@@ -309,6 +328,12 @@ def main() -> None:
     )
     ap.add_argument("--vision-batch", type=int, default=128)
     ap.add_argument(
+        "--place-lr",
+        type=float,
+        default=1.0,
+        help="stage 1: the patch position embeddings' learning rate, times --lr",
+    )
+    ap.add_argument(
         "--init", default=None, help="start from these weights (--vision-steps 0 skips stage 1)"
     )
     ap.add_argument(
@@ -350,6 +375,7 @@ def main() -> None:
             args.seed,
             args.device,
             args.world,
+            args.place_lr,
         )
     lengths = [int(x) for x in args.frames.split(",")]
     started = time.time()
