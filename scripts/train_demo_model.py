@@ -224,6 +224,7 @@ def pretrain_vision(
     rest = [p for n, p in tower.items() if not n.endswith("position_embedding.weight")]
     groups = [{"params": rest + list(heads.parameters())}, {"params": places, "lr": lr * place_lr}]
     opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.01)
+    quadrants = quadrant.repeat(batch)  # the labels of a batch's tokens, frame after frame
     rng = np.random.default_rng([seed, 99])
     for step in range(steps):
         examples = [vision_example(rng, world, per_frame) for _ in range(batch)]
@@ -242,17 +243,18 @@ def pretrain_vision(
         target = torch.tensor([label for _, labels in examples for label in labels], device=device)
         logits_s, logits_c = heads["shape"](flat), heads["colour"](flat)
         loss = F.cross_entropy(logits_s, target[:, 0]) + F.cross_entropy(logits_c, target[:, 1])
-        places = quadrant.repeat(batch)
         if world == "grid":
             logits_q = heads["quadrant"](flat)
-            loss = loss + F.cross_entropy(logits_q, places)
+            loss = loss + F.cross_entropy(logits_q, quadrants)
         opt.zero_grad()
         loss.backward()
         opt.step()
         if (step + 1) % 100 == 0:
             acc_s = (logits_s.argmax(-1) == target[:, 0]).float().mean().item()
             acc_c = (logits_c.argmax(-1) == target[:, 1]).float().mean().item()
-            acc_q = (logits_q.argmax(-1) == places).float().mean().item() if world == "grid" else 1
+            acc_q = 1.0
+            if world == "grid":
+                acc_q = (logits_q.argmax(-1) == quadrants).float().mean().item()
             print(
                 f"vision step {step + 1} loss {loss.item():.3f} "
                 f"shape acc {acc_s:.2f} colour acc {acc_c:.2f} quadrant acc {acc_q:.2f}",
