@@ -56,12 +56,15 @@ def lse_attention(query, key, value, scaling: float):
     return out, lse
 
 
-def probability_blocks(query, key, lse, scaling: float, columns: slice):
+def probability_blocks(query, key, lse, scaling: float, columns: slice, stride: int = 1):
     """exp(QK^T * scale - lse) for the keys in `columns` (causal, queries last), a block of rows at
     a time: yields (first row, probs [B, H, rows, columns]). Each row's lse normalises it over all
-    keys, so these are the true attention probabilities of those columns."""
-    batch, heads, n, dim = query.shape
+    keys, so these are the true attention probabilities of those columns. stride: every Nth row
+    only (first row and rows then count the sampled rows)."""
     kv_heads, k_len = key.shape[1], key.shape[2]
+    past = k_len - query.shape[2]
+    query, lse = query[:, :, ::stride], lse[:, :, ::stride]
+    batch, heads, n, dim = query.shape
     group = heads // kv_heads
     first, stop, _ = columns.indices(k_len)
     keys_t = key[:, :, first:stop].float().transpose(-1, -2).unsqueeze(2)  # [B, H_kv, 1, D, c]
@@ -75,33 +78,36 @@ def probability_blocks(query, key, lse, scaling: float, columns: slice):
             batch, heads, count, -1
         )
         probs = scores.sub_(lse[:, :, start : start + count, None]).exp_()
-        row_at = torch.arange(start, start + count) + (k_len - n)
+        row_at = torch.arange(start, start + count) * stride + past
         yield start, probs.masked_fill_(keys_at[None, :] > row_at[:, None], 0.0)
 
 
-def column_sums(query, key, lse, scaling: float):
-    """Sum over the query rows of the head-mean attention each key receives -> [B, k]."""
+def column_sums(query, key, lse, scaling: float, stride: int = 1):
+    """Sum over the query rows of the head-mean attention each key receives -> [B, k]. stride N:
+    over every Nth row only, times N (an estimate, for a cheaper second pass)."""
     batch, heads, n, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     past = k_len - n
     sums = torch.zeros(batch, k_len)
     if past:
-        stacked = query.float().reshape(batch, kv_heads, -1, dim)
-        bias = (-lse).reshape(batch, kv_heads, 1, -1)
+        rows, row_lse = query[:, :, ::stride], lse[:, :, ::stride]
+        stacked = rows.float().reshape(batch, kv_heads, -1, dim)
+        bias = (-row_lse).reshape(batch, kv_heads, 1, -1)
         cached = key[:, :, :past].float().contiguous()
         # the swapped pass's output is not wanted; the stacked rows serve as its values
         _, swapped = _flash(cached, stacked, stacked, attn_mask=bias, scale=scaling)
         sums[:, :past] = swapped.exp().sum(dim=1) / heads
-    for _, probs in probability_blocks(query, key, lse, scaling, slice(past, k_len)):
+    own = slice(past, k_len)
+    for _, probs in probability_blocks(query, key, lse, scaling, own, stride):
         sums[:, past:] += probs.sum(dim=(1, 2)) / heads
-    return sums
+    return sums * stride
 
 
 def recorded(recorder: Recorder, layer: int, query, key, value, scaling: float):
     """The layer's output [B, q, H, D], recording column sums and reducers as asked."""
     out, lse = lse_attention(query, key, value, scaling)
     if recorder.column_sums:
-        recorder.column_sum[layer] = column_sums(query, key, lse, scaling)
+        recorder.column_sum[layer] = column_sums(query, key, lse, scaling, recorder.row_stride)
     if recorder.reducers:
         totals = recorder.reduced.setdefault(layer, {})
         for name, (columns, fn) in recorder.reducers.items():

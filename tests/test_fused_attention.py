@@ -73,9 +73,9 @@ def test_column_sums_of_a_large_chunk_do_not_write_out_the_score_block(monkeypat
     seen = []
     original = fused_attention.probability_blocks
 
-    def spy(query, key, lse, scaling, columns):
+    def spy(query, key, lse, scaling, columns, stride=1):
         seen.append(columns.indices(key.shape[2]))
-        yield from original(query, key, lse, scaling, columns)
+        yield from original(query, key, lse, scaling, columns, stride)
 
     monkeypatch.setattr(fused_attention, "probability_blocks", spy)
     query, key = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 4096 + 64, 8)
@@ -83,3 +83,24 @@ def test_column_sums_of_a_large_chunk_do_not_write_out_the_score_block(monkeypat
     sums = fused_attention.column_sums(query, key, lse, 8**-0.5)
     assert seen == [(4096, 4096 + 64, 1)]
     assert torch.allclose(sums.sum(), torch.tensor(64.0), atol=1e-3)
+
+
+@pytest.mark.parametrize("stride,rows,keys", [(3, 40, 300), (4, 7, 7), (2, 9, 50)])
+def test_a_row_stride_sums_every_nth_row_times_n_on_both_paths(stride, rows, keys, monkeypatch):
+    """The cheaper estimate: both paths sum exactly the sampled rows (every Nth of the chunk,
+    counted from its first) and scale by N, so they agree with each other and with the written-out
+    attention of those rows, whatever the block size."""
+    torch.manual_seed(stride * rows)
+    query = torch.randn(2, 4, rows, 16) * 2
+    key, value = torch.randn(2, 2, keys, 16), torch.randn(2, 2, keys, 16)
+    _, probs = _reference(query, key, value)
+    expected = probs[:, ::stride].sum(dim=1) * stride
+
+    fused = Recorder(layers={0}, column_sums=True, row_stride=stride)
+    blockwise = Recorder(layers={0}, column_sums=True, row_stride=stride)
+    fused_attention.recorded(fused, 0, query, key, value, 16**-0.5)
+    monkeypatch.setattr(attention, "QUERY_ROWS_PER_STEP", 5)  # blocks start off the sampled rows
+    attention._blockwise_recorded(blockwise, 0, query, key, value, 16**-0.5)
+    assert torch.allclose(fused.column_sum[0], expected, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(blockwise.column_sum[0], expected, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(expected, probs.sum(dim=1), atol=1e-3)  # a sample, not all rows

@@ -97,6 +97,16 @@ class GuidedParams(StreamParams):
     )
 
 
+def score_every_knob() -> int:
+    """The field of the methods that sum every prefill row's attention (H2O, MEDA)."""
+    return knob(
+        1,
+        "sum the attention of every Nth query row of a chunk, times N (1: every row, the paper; "
+        "N > 1: an estimate that brings encode time near a plain prefill's)",
+        low=1,
+    )
+
+
 # --- memory policies ---
 
 

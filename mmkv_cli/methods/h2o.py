@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from mmkv_cli.attention import Recorder
 from mmkv_cli.lazy import torch
-from mmkv_cli.methods.base import Budget, Method, Paper, StreamParams
+from mmkv_cli.methods.base import Budget, Method, Paper, StreamParams, score_every_knob
 from mmkv_cli.methods.scoring import accumulate
 from mmkv_cli.methods.stream import StreamState
 from mmkv_cli.methods.topk import TopKAtEnd
@@ -16,7 +16,7 @@ from mmkv_cli.methods.topk import TopKAtEnd
 
 @dataclass(frozen=True)
 class H2OParams(StreamParams):
-    pass
+    score_every: int = score_every_knob()
 
 
 class H2OMemory(TopKAtEnd):
@@ -25,7 +25,9 @@ class H2OMemory(TopKAtEnd):
         self.cumulative: list[torch.Tensor] = []
 
     def recorder(self, state: StreamState) -> Recorder:
-        return Recorder(layers=set(range(state.layers)), column_sums=True)
+        return Recorder(
+            layers=set(range(state.layers)), column_sums=True, row_stride=self.params.score_every
+        )
 
     def observe(self, state: StreamState, recorder: Recorder) -> None:
         if not self.cumulative:

@@ -18,7 +18,7 @@ from typing import Literal
 
 from mmkv_cli.attention import Recorder
 from mmkv_cli.lazy import torch
-from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper
+from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper, score_every_knob
 from mmkv_cli.methods.scoring import accumulate
 from mmkv_cli.methods.stream import KeepAll, StreamState
 from mmkv_cli.spec import knob
@@ -38,6 +38,7 @@ class MedaParams(GuidedParams):
         "text_and_visual",
         "merge targets: kept text and visual tokens (paper Eq. 11, authors' code) or visual only",
     )
+    score_every: int = score_every_knob()
 
 
 # --- scoring: pure functions over tensors ---
@@ -117,6 +118,7 @@ class MedaMemory(KeepAll):
         return Recorder(
             layers=set(range(state.layers)),
             column_sums=True,
+            row_stride=self.params.score_every,
             reducers={"vt_entropy": (text, lambda block: row_entropy(block, ALL).sum(dim=-1))},
         )
 
