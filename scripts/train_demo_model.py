@@ -188,6 +188,7 @@ def pretrain_vision(
     device: str,
     world: str,
     place_lr: float = 1.0,
+    frame_where: float = 0.0,
 ) -> None:
     """Stage 1: teach the vision tower + projector what each token of a frame shows (shape, colour,
     or nothing) and, on the grid world, where the token is (its quadrant), with linear heads
@@ -206,6 +207,8 @@ def pretrain_vision(
     )
     if world == "grid":
         heads["quadrant"] = torch.nn.Linear(hidden, 4)
+    if frame_where:
+        heads["frame_where"] = torch.nn.Linear(hidden, 5)  # the shape's quadrant, or no shape
     heads = heads.to(device)
     # a token's quadrant, from its place in the row-major grid
     quadrant = torch.tensor(
@@ -224,6 +227,7 @@ def pretrain_vision(
     rest = [p for n, p in tower.items() if not n.endswith("position_embedding.weight")]
     groups = [{"params": rest + list(heads.parameters())}, {"params": places, "lr": lr * place_lr}]
     opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.01)
+    none = (len(SHAPES), len(COLOURS))  # a token's label where no shape is
     quadrants = quadrant.repeat(batch)  # the labels of a batch's tokens, frame after frame
     rng = np.random.default_rng([seed, 99])
     for step in range(steps):
@@ -246,18 +250,30 @@ def pretrain_vision(
         if world == "grid":
             logits_q = heads["quadrant"](flat)
             loss = loss + F.cross_entropy(logits_q, quadrants)
+        if frame_where:
+            # The shape's quadrant read from the frame's *mean* token: every token carries its own
+            # place, so a mean over a frame (what a diffuse attention reads) cancels it; this puts
+            # the place into the tokens the shape covers, as colour is.
+            shown = [
+                [k for k, label in enumerate(labels) if label != none] for _, labels in examples
+            ]
+            where = torch.tensor([int(quadrant[k[0]]) if k else 4 for k in shown], device=device)
+            logits_w = heads["frame_where"](feats[:, :-1].mean(dim=1))
+            loss = loss + frame_where * F.cross_entropy(logits_w, where)
         opt.zero_grad()
         loss.backward()
         opt.step()
         if (step + 1) % 100 == 0:
             acc_s = (logits_s.argmax(-1) == target[:, 0]).float().mean().item()
             acc_c = (logits_c.argmax(-1) == target[:, 1]).float().mean().item()
-            acc_q = 1.0
+            acc_q = acc_w = 1.0
             if world == "grid":
                 acc_q = (logits_q.argmax(-1) == quadrants).float().mean().item()
+            if frame_where:
+                acc_w = (logits_w.argmax(-1) == where).float().mean().item()
             print(
-                f"vision step {step + 1} loss {loss.item():.3f} "
-                f"shape acc {acc_s:.2f} colour acc {acc_c:.2f} quadrant acc {acc_q:.2f}",
+                f"vision step {step + 1} loss {loss.item():.3f} shape acc {acc_s:.2f} "
+                f"colour acc {acc_c:.2f} quadrant acc {acc_q:.2f} frame where acc {acc_w:.2f}",
                 flush=True,
             )
 
@@ -336,6 +352,13 @@ def main() -> None:
         help="stage 1: the patch position embeddings' learning rate, times --lr",
     )
     ap.add_argument(
+        "--frame-where",
+        type=float,
+        default=0.0,
+        help="stage 1 (grid): weight of a head reading the shape's quadrant from a frame's mean "
+        "token",
+    )
+    ap.add_argument(
         "--init", default=None, help="start from these weights (--vision-steps 0 skips stage 1)"
     )
     ap.add_argument(
@@ -378,6 +401,7 @@ def main() -> None:
             args.device,
             args.world,
             args.place_lr,
+            args.frame_where,
         )
     lengths = [int(x) for x in args.frames.split(",")]
     started = time.time()
