@@ -27,123 +27,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mmkv_cli.backbones.demo import FRAME_SIDE, GRID_SIDE, demo_architecture  # noqa: E402
-from mmkv_cli.backbones.llava_onevision import PROMPT  # noqa: E402
-from mmkv_cli.synth import make_clip, render_frames  # noqa: E402
-from mmkv_cli.synth.world import Clip, Event  # noqa: E402
+from demo_batches import IGNORE, WORLD_SHAPES, Batches, stage2_batches, vision_example  # noqa: E402
 
-# world -> (frame side the vision tower sees, tokens a frame becomes)
-WORLD_SHAPES = {"demo": (FRAME_SIDE, 4), "grid": (GRID_SIDE, 16)}
-IGNORE = -100  # padding of answers shorter than the batch's longest
-
-
-class Batches:
-    """Prompt ids, pixels and answer ids for clips drawn from a seeded stream."""
-
-    def __init__(self, tokenizer, processor, video_id: int, world: str = "demo"):
-        self.tokenizer, self.processor, self.video_id = tokenizer, processor, video_id
-        self.world = world
-        self.per_frame = WORLD_SHAPES[world][1]
-        self.prefix = self.ids(PROMPT.prefix)
-        self.end = self.ids("<|im_end|>")
-
-    def ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def make(self, specs: list[tuple[int, int, int, str]], rng: np.random.Generator):
-        """specs: (seed, index, frames, kind); all the same frame count. One random question per
-        clip.
-
-        A moment question sees the clip up to its moment, so the clip is cut there (and moved later
-        by blank frames, so every clip of the batch still has `frames` frames).
-        """
-        frames = specs[0][2]
-        videos, rows, answers, types = [], [], [], []
-        for seed, index, count, kind in specs:
-            clip, qa = make_clip(seed, index, count, kind, self.world)
-            q = qa[int(rng.integers(len(qa)))]
-            if q["type"] == "moment":  # cut at the moment, blank frames first: same batch length
-                clip = truncated(clip, q["frame"] + 1)
-                clip = shifted(clip, count - clip.frames)
-            videos.append(render_frames(clip, self.world))
-            answer = self.ids(q["answer"]) + self.end  # answers are one or two words
-            rows.append(
-                self.prefix
-                + [self.video_id] * (frames * self.per_frame + 1)
-                + self.ids(PROMPT.question.format(question=q["question"]))
-                + answer
-            )
-            answers.append(answer)
-            types.append(q["type"])
-        pixels = self.processor(videos=videos, return_tensors="pt")["pixel_values_videos"]
-        # Questions differ in length: pad after the end token (causal attention never looks right),
-        # and remember where each row's answer is predicted from.
-        width = max(len(r) for r in rows)
-        pad = self.tokenizer.pad_token_id
-        where = torch.tensor([len(r) - len(a) - 1 for r, a in zip(rows, answers)])
-        ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
-        longest = max(len(a) for a in answers)
-        padded = torch.tensor([a + [IGNORE] * (longest - len(a)) for a in answers])
-        return ids, pixels, padded, types, where
-
-    def make_multi(self, specs: list[tuple[int, int, int, str]], rng: np.random.Generator):
-        """Every question of each clip in one row: [prompt | video | q1 a1 | q2 a2 | ...], each
-        question seeing the video and itself only (a 4-D mask) and starting at the same position, as
-        if asked alone. One forward supervises all of a clip's answers. Moment questions need a cut
-        clip: a clip drawn for one of those carries only it."""
-        frames = specs[0][2]
-        video_len = len(self.prefix) + frames * self.per_frame + 1
-        videos, rows, blocks, targets, types = [], [], [], [], []
-        for seed, index, count, kind in specs:
-            clip, qa = make_clip(seed, index, count, kind, self.world)
-            if kind == "normal" and rng.random() < 1 / 6:
-                q = next(x for x in qa if x["type"] == "moment")
-                clip = shifted(truncated(clip, q["frame"] + 1), count - q["frame"] - 1)
-                asked = [q]
-            else:
-                asked = [x for x in qa if x["type"] != "moment"]
-            videos.append(render_frames(clip, self.world))
-            row = self.prefix + [self.video_id] * (frames * self.per_frame + 1)
-            spans = []
-            for q in asked:
-                asking = self.ids(PROMPT.question.format(question=q["question"]))
-                answer = self.ids(q["answer"]) + self.end
-                turn = asking + answer
-                spans.append((len(row), len(row) + len(turn)))
-                # every answer token and the end, each predicted from the position before it
-                first = len(row) + len(asking) - 1
-                targets += [(len(rows), first + t, token) for t, token in enumerate(answer)]
-                types.append(q["type"])
-                row = row + turn
-            rows.append(row)
-            blocks.append(spans)
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.tokenizer.pad_token_id)
-        mask = torch.zeros(len(rows), 1, width, width, dtype=torch.bool)
-        positions = torch.zeros(len(rows), width, dtype=torch.long)
-        causal = torch.ones(width, width, dtype=torch.bool).tril()
-        for r, (row, spans) in enumerate(zip(rows, blocks)):
-            ids[r, : len(row)] = torch.tensor(row)
-            mask[r, 0, :video_len, :video_len] = causal[:video_len, :video_len]
-            positions[r, :video_len] = torch.arange(video_len)
-            for a, b in spans:
-                mask[r, 0, a:b, :video_len] = True
-                mask[r, 0, a:b, a:b] = causal[: b - a, : b - a]
-                positions[r, a:b] = torch.arange(video_len, video_len + b - a)
-            mask[r, 0, len(row) :, :] = causal[len(row) :, :]  # padding rows: anything valid
-        pixels = self.processor(videos=videos, return_tensors="pt")["pixel_values_videos"]
-        return ids, pixels, mask, positions, torch.tensor(targets), types
-
-
-def truncated(clip: Clip, frames: int) -> Clip:
-    """The clip as seen up to (not including) frame `frames`: what a question asked at that moment
-    sees."""
-    kept = tuple(
-        Event(e.shape, e.colour, e.start, min(e.stop, frames), e.x0, e.y0, e.vx, e.vy)
-        for e in clip.events
-        if e.start < frames
-    )
-    return Clip(clip.kind, frames, kept)
+from mmkv_cli.backbones.demo import demo_architecture  # noqa: E402
 
 
 def multi_loss(model, ids, pixels, mask, positions, targets) -> torch.Tensor:
@@ -153,29 +39,6 @@ def multi_loss(model, ids, pixels, mask, positions, targets) -> torch.Tensor:
     ).last_hidden_state
     logits = model.lm_head(hidden[targets[:, 0], targets[:, 1]]).float()
     return F.cross_entropy(logits, targets[:, 2])
-
-
-def vision_example(rng: np.random.Generator, world: str, per_frame: int):
-    """One frame and, for each of its tokens, (shape, colour) or "none" (the last index of each):
-    the demo world's shape fills every token; a grid shape only those it covers."""
-    from mmkv_cli.synth import grid
-    from mmkv_cli.synth.world import COLOURS, SHAPES, render
-
-    empty = rng.random() < 0.1
-    none = (len(SHAPES), len(COLOURS))
-    if world == "grid":
-        s, c = int(rng.integers(len(SHAPES))), int(rng.integers(len(COLOURS)))
-        event = grid.placed(rng, SHAPES[s], list(COLOURS)[c], 0, 1)
-        clip = Clip("normal", 1, () if empty else (event,))
-        covered = set() if empty else set(grid.covered_tokens(event, 0))
-        labels = [(s, c) if k in covered else none for k in range(per_frame)]
-        return grid.render_grid(clip, 0), labels
-    if empty:
-        return render(Clip("normal", 1, ()), 0), [none] * per_frame
-    s, c = int(rng.integers(len(SHAPES))), int(rng.integers(len(COLOURS)))
-    x, y = float(rng.uniform(0.35, 0.65)), float(rng.uniform(0.35, 0.65))
-    event = Event(SHAPES[s], list(COLOURS)[c], 0, 1, x, y, 0.0, 0.0)
-    return render(Clip("normal", 1, (event,)), 0), [(s, c)] * per_frame
 
 
 def pretrain_vision(
@@ -278,17 +141,6 @@ def pretrain_vision(
             )
 
 
-def shifted(clip, frames: int):
-    """The clip with `frames` empty frames before it."""
-    from mmkv_cli.synth.world import Clip, Event
-
-    events = tuple(
-        Event(e.shape, e.colour, e.start + frames, e.stop + frames, e.x0, e.y0, e.vx, e.vy)
-        for e in clip.events
-    )
-    return Clip(clip.kind, clip.frames + frames, events)
-
-
 def answer_logits(
     model, ids: torch.Tensor, pixels: torch.Tensor, where: torch.Tensor, span: int
 ) -> torch.Tensor:
@@ -310,7 +162,9 @@ def evaluate(model, batches: Batches, seed: int, clips: int, frames: int) -> dic
     for start in range(0, clips, 8):
         specs = [(seed, i, frames, "mixed") for i in range(start, min(clips, start + 8))]
         ids, pixels, answers, types, where = batches.make(specs, rng)
-        guess = answer_logits(model, ids, pixels, where, answers.shape[1]).argmax(-1)
+        device = model.lm_head.weight.device
+        logits = answer_logits(model, ids.to(device), pixels.to(device), where, answers.shape[1])
+        guess = logits.argmax(-1).cpu()
         # right when every answer token and the end are (what greedy decoding would produce)
         whole = ((guess == answers) | (answers == IGNORE)).all(dim=1)
         for t, ok in zip(types, whole.tolist()):
@@ -368,6 +222,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--workers", type=int, default=0, help="processes making stage-2 batches ahead (0: none)"
+    )
+    ap.add_argument(
+        "--minutes", type=float, default=0, help="stop after this long, checkpointed (0: no limit)"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -377,6 +237,7 @@ def main() -> None:
     log = out.with_name(out.stem + ".train.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
 
+    began = time.time()  # --minutes counts stage 1 too
     model, tokenizer, processor = demo_architecture(WORLD_SHAPES[args.world][0])
     model.to(args.device).train()
     batches = Batches(tokenizer, processor, model.config.video_token_id, args.world)
@@ -403,32 +264,23 @@ def main() -> None:
             args.place_lr,
             args.frame_where,
         )
-    lengths = [int(x) for x in args.frames.split(",")]
+    plan = dict(
+        seed=args.seed,
+        steps=args.steps,
+        batch=args.batch,
+        lengths=[int(x) for x in args.frames.split(",")],
+        curriculum=args.curriculum,
+        needle_share=args.needle_share,
+        one_question=args.one_question,
+    )
     started = time.time()
-    while step < args.steps:
-        rng = np.random.default_rng(
-            [args.seed, step]
-        )  # a step's batch depends on the step only: resumable
-        # Curriculum: short clips first (visual features and lookups are learnt cheaply), then
-        # longer ones.
-        grown = min(1.0, step / max(1, args.curriculum * args.steps))
-        allowed = lengths[: max(1, math.ceil(grown * len(lengths)))]
-        frames = int(rng.choice(allowed))
-        specs = [
-            (
-                args.seed * 1_000_003 + step,
-                b,
-                frames,
-                "needle" if frames >= 16 and rng.random() < args.needle_share else "normal",
-            )
-            for b in range(args.batch)
-        ]
+    for frames, tensors in stage2_batches(batches, plan, range(step, args.steps), args.workers):
         warm = min(1.0, (step + 1) / 200)
         lr = args.lr * warm * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in opt.param_groups:
             group["lr"] = lr
         if args.one_question:
-            ids, pixels, answers, _, where = batches.make(specs, rng)
+            ids, pixels, answers, _, where = tensors
             logits = answer_logits(
                 model, ids.to(args.device), pixels.to(args.device), where, answers.shape[1]
             )
@@ -438,7 +290,7 @@ def main() -> None:
                 ignore_index=IGNORE,
             )
         else:
-            ids, pixels, mask, positions, targets, _ = batches.make_multi(specs, rng)
+            ids, pixels, mask, positions, targets, _ = tensors
             loss = multi_loss(
                 model, *(t.to(args.device) for t in (ids, pixels, mask, positions, targets))
             )
@@ -453,7 +305,8 @@ def main() -> None:
                 f"{(time.time() - started) / 60:.1f} min",
                 flush=True,
             )
-        if step % args.eval_every == 0 or step == args.steps:
+        out_of_time = args.minutes and time.time() - began > 60 * args.minutes
+        if step % args.eval_every == 0 or step == args.steps or out_of_time:
             scores = evaluate(model, batches, seed=424242, clips=args.eval_clips, frames=64)
             with log.open("a") as fh:
                 fh.write(json.dumps({"step": step, "loss": round(loss.item(), 4), **scores}) + "\n")
@@ -469,6 +322,9 @@ def main() -> None:
                 {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "best": best},
                 ckpt,
             )
+        if out_of_time:
+            print(f"stopped at step {step}: --minutes {args.minutes} spent (resumable)", flush=True)
+            break
     print(f"done: best held-out overall {best:.3f}, weights in {out}", flush=True)
 
 
