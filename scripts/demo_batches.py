@@ -220,6 +220,6 @@ def stage2_batches(batches: Batches, plan: dict, steps: range, workers: int):
         )
         while waiting:
             yield waiting.popleft().get()
-            for s in todo:
-                waiting.append(pool.apply_async(_ahead_batch, (s,)))
-                break
+            following = next(todo, None)
+            if following is not None:
+                waiting.append(pool.apply_async(_ahead_batch, (following,)))
