@@ -58,7 +58,7 @@ demo-model: setup
 	# The shipped weights come from a third run, trained on a GPU (issue 19: about 10 minutes on
 	# one H100, 7 processes rendering clips; on 2 CPU cores the same 3,000 steps take about a day):
 	# a stage 1 whose head reads the shape's quadrant from a frame's mean token (--frame-where),
-	# then questions at batch 32 (held-out 0.90, "where" 0.68; the best eval, step 2,500).
+	# then questions at batch 32 (held-out 0.896, "where" 0.68; the best eval, step 2,500).
 	$(BIN)/python scripts/train_demo_model.py --world grid --init $(OUT)/demo-grid.safetensors \
 		--vision-steps 300 --frame-where 1 --place-lr 20 --out $(OUT)/demo-grid-gpu.safetensors \
 		--steps 3000 --batch 32 --eval-every 250 --eval-clips 96 --lr 1e-3 --curriculum 0 \

@@ -7,9 +7,11 @@ SET is a folder `mmkv synth --world grid` wrote; its clips are rebuilt from thei
 know, frame by frame, which of a frame's 16 tokens each shape covers. Every clip is encoded with
 each method into a pack, and the kept positions of every layer are read back from it. Printed per
 method: the share of kept visual tokens on a shape ("fg"; the stream's own share is the base rate),
-the share of frames that keep at least one token, and, on needle clips, the share of the needle's
+the share of frames that keep at least one token, when the kept tokens sit on average (0: the first
+frame, 1: the last), and, on needle clips, the share of the needle's
 tokens kept, averaged over layers. A method that finds the shapes keeps fg well above the base rate;
-one that keeps whole recent frames sits at it.
+one that keeps whole recent frames sits at it. A method that compacts the positions it keeps (hermes
+by default, `reindex: eager`) cannot be placed: its packs no longer say where a token came from.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, required=True, help="the seed `mmkv synth` was given")
     ap.add_argument("--frames", type=int, default=64, help="the --frames `mmkv synth` was given")
     ap.add_argument("--kind", default="mixed", help="the --kind `mmkv synth` was given")
-    ap.add_argument("--methods", default="recency,snapkv,h2o,meda,aircache,hermes,infinipot")
+    ap.add_argument("--methods", default="recency,snapkv,pyramidkv,h2o,meda,aircache,infinipot")
     ap.add_argument("--budget", type=float, default=0.1)
     ap.add_argument("--clips", type=int, default=8)
     args = ap.parse_args()
@@ -73,9 +75,9 @@ def main() -> None:
     videos = list(dict.fromkeys(r["video"] for r in rows))[: args.clips]
     kinds = {r["video"]: r["clip_kind"] for r in rows}
     backbone = load_backbone(LoadOptions("demo-grid", "cpu"))
-    print(f"{'method':<12} {'fg':>6} {'base':>6} {'frames':>7} {'needle':>7}")
+    print(f"{'method':<12} {'fg':>6} {'base':>6} {'frames':>7} {'when':>6} {'needle':>7}")
     for method in args.methods.split(","):
-        fg, base, touched, needles = [], [], [], []
+        fg, base, touched, when, needles = [], [], [], [], []
         for video in videos:
             index = int(Path(video).stem.split("_")[-1])  # clips/clip_0007.mp4: the 8th clip
             clip, _ = make_clip(args.seed, index, args.frames, args.kind, "grid")
@@ -92,11 +94,13 @@ def main() -> None:
             for kept in layers:
                 fg.append(on.reshape(-1)[kept].mean() if len(kept) else 0.0)
                 touched.append(len(np.unique(kept // PER_FRAME)) / clip.frames)
+                when.append((kept // PER_FRAME).mean() / (clip.frames - 1) if len(kept) else 0.5)
                 if needle.any():
                     needles.append(np.isin(np.flatnonzero(needle), kept).mean())
         cell = f"{np.mean(needles):7.2f}" if needles else f"{'':>7}"
         print(
-            f"{method:<12} {np.mean(fg):6.2f} {np.mean(base):6.2f} {np.mean(touched):7.2f} {cell}",
+            f"{method:<12} {np.mean(fg):6.2f} {np.mean(base):6.2f} {np.mean(touched):7.2f} "
+            f"{np.mean(when):6.2f} {cell}",
             flush=True,
         )
 
