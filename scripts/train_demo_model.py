@@ -9,7 +9,8 @@ the exact prompt layout the LLaVA-OV adapter uses at encode/ask time, every ques
 one row (a 4-D mask lets each see only the video and itself); the loss is on the answer words and
 end-of-turn tokens. A held-out set (other seeds, 64-frame clips) is scored every --eval-every steps;
 the best weights are kept. Deterministic for a given --seed and thread count. Resumes from --out +
-".ckpt".
+".ckpt". On a GPU (--device cuda), --workers N renders stage-2 batches in N processes ahead of the
+trainer (one core renders slower than a GPU trains), and --minutes stops, checkpointed, in time.
 """
 
 from __future__ import annotations
