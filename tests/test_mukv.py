@@ -299,3 +299,25 @@ def test_rekv_encodes_through_a_sliding_window_and_still_stores_every_token(back
     assert (
         slid.stats["peak_kv_bytes"] <= (prompt + 64 + 64) * per_token < whole.stats["peak_kv_bytes"]
     )
+
+
+def test_the_pack_takes_over_offloaded_entries_instead_of_copying_them():
+    # An hour's offloaded KV is GBs on the host: making the pack's blocks hands the archive over
+    # (in stream order, nothing dropped), so the host never holds it twice.
+    from transformers import DynamicCache
+
+    from mmkv_cli.methods.stream import RunningCache
+
+    cache = DynamicCache()
+    keys, values = torch.randn(1, 2, 2 + 6, 4), torch.randn(1, 2, 2 + 6, 4)
+    for layer in range(2):
+        cache.update(keys, values, layer)
+    running = RunningCache(cache, prompt_len=2, position_dims=1)
+    running.appended(torch.arange(6), torch.arange(2, 8).unsqueeze(0))
+    for layer in range(2):
+        running.offload(layer, 4)
+    k, v, positions, index = running.take_held(0)
+    assert torch.equal(k, keys[0, :, 2:]) and torch.equal(v, values[0, :, 2:])
+    assert index.tolist() == list(range(6)) and positions.tolist() == [list(range(2, 8))]
+    assert running.archive[0] == [] and len(running.archive[1]) == 1
+    assert running.take_held(0)[3].tolist() == [4, 5]  # what is left in the window, once

@@ -110,14 +110,21 @@ class RunningCache:
         )
         self.retain(layer, torch.arange(count, self.count(layer)))
 
-    def held(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def take_held(
+        self, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Everything this layer keeps for the pack, offloaded entries first: K, V [H_kv, n, D] on
-        the host, positions [P, n], stream indices [n]."""
+        the host, positions [P, n], stream indices [n]. The offloaded entries are handed over (the
+        layer's archive empties): at an hour of video they are GBs, and a second host copy of every
+        layer would double the encode's memory while the pack is made."""
         keys, values = self.visual(layer)
         parts = [
             *self.archive[layer],
             (keys.cpu(), values.cpu(), self.positions[layer], self.index[layer]),
         ]
+        self.archive[layer] = []
+        if len(parts) == 1:
+            return parts[0]
         return tuple(torch.cat([p[i] for p in parts], dim=-2 if i < 2 else -1) for i in range(4))
 
     def insert_front(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -223,15 +230,17 @@ class KeepAll:
         steps = len(step_times)
         per_layer = []
         for layer in range(state.layers):
-            keys, values, positions, index = state.cache.held(layer)
+            keys, values, positions, index = state.cache.take_held(layer)
             step = state.token_step[index]
-            order = torch.argsort(step, stable=True)
+            if not bool((step[1:] >= step[:-1]).all()):  # in stream order already: no copy
+                order = torch.argsort(step, stable=True)
+                keys, values, positions = keys[:, order], values[:, order], positions[:, order]
             counts = torch.bincount(step, minlength=steps).tolist()
             per_layer.append(
                 (
-                    torch.split(keys[:, order], counts, dim=1),
-                    torch.split(values[:, order], counts, dim=1),
-                    torch.split(positions[:, order], counts, dim=1),
+                    torch.split(keys, counts, dim=1),
+                    torch.split(values, counts, dim=1),
+                    torch.split(positions, counts, dim=1),
                     counts,
                 )
             )
