@@ -51,7 +51,11 @@ def test_encode_to_s3_publishes_the_same_pack(s3_packs):
     url, local, done = s3_packs
     assert done["path"] == url
     fs = s3fs.S3FileSystem()
-    assert fs.size(url) == local.stat().st_size == done["bytes"]
+    assert fs.size(url) == done["bytes"]  # the object is the whole pack this encode wrote
+    # The header holds each encode's own time (rounded to 4 decimals), so the local twin's size may
+    # differ by its JSON's padding (this flaked: 324288 against 324280); its content is compared
+    # below.
+    assert abs(local.stat().st_size - done["bytes"]) <= 64
     # nothing but the pack is left under the prefix (no partial object)
     assert fs.ls("packs/clips") == ["packs/clips/clip-mukv.kvpack"]
     remote, here = api.inspect(url), api.inspect(local)
