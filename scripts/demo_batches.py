@@ -135,8 +135,6 @@ def truncated(clip: Clip, frames: int) -> Clip:
 
 def shifted(clip, frames: int):
     """The clip with `frames` empty frames before it."""
-    from mmkv_cli.synth.world import Clip, Event
-
     events = tuple(
         Event(e.shape, e.colour, e.start + frames, e.stop + frames, e.x0, e.y0, e.vx, e.vy)
         for e in clip.events
@@ -195,7 +193,6 @@ _AHEAD: tuple[Batches, dict] | None = None  # a worker's (batches, plan), set be
 
 
 def _ahead_batch(step: int):
-    torch.set_num_threads(1)  # the workers share the cores: one thread each
     return stage2_batch(*_AHEAD, step)
 
 
@@ -213,7 +210,8 @@ def stage2_batches(batches: Batches, plan: dict, steps: range, workers: int):
 
     global _AHEAD
     _AHEAD = (batches, plan)
-    with mp.get_context("fork").Pool(workers) as pool:
+    # the workers share the cores: one torch thread each
+    with mp.get_context("fork").Pool(workers, torch.set_num_threads, (1,)) as pool:
         todo = iter(steps)
         waiting = collections.deque(
             pool.apply_async(_ahead_batch, (s,)) for s, _ in zip(todo, range(2 * workers))

@@ -31,6 +31,7 @@ from mmkv_cli.backbones import load_backbone  # noqa: E402
 from mmkv_cli.options import EncodeOptions, LoadOptions  # noqa: E402
 from mmkv_cli.pack import PackReader  # noqa: E402
 from mmkv_cli.synth import grid, make_clip  # noqa: E402
+from mmkv_cli.synth.world import NEEDLE  # noqa: E402
 
 PER_FRAME = 16  # demo-grid: 4 x 4 tokens a frame
 
@@ -43,7 +44,7 @@ def shape_tokens(clip) -> tuple[np.ndarray, np.ndarray]:
         for f in range(event.start, min(event.stop, clip.frames)):
             cells = grid.covered_tokens(event, f)
             on[f, cells] = True
-            if event.shape == "star" and clip.kind == "needle":
+            if event.shape == NEEDLE and clip.kind == "needle":
                 needle[f, cells] = True
     return on, needle
 
@@ -81,7 +82,8 @@ def main() -> None:
         for video in videos:
             index = int(Path(video).stem.split("_")[-1])  # clips/clip_0007.mp4: the 8th clip
             clip, _ = make_clip(args.seed, index, args.frames, args.kind, "grid")
-            assert clip.kind == kinds[video], "not the set `mmkv synth` made with these arguments"
+            if clip.kind != kinds[video]:
+                sys.exit(f"{video} is not the clip `mmkv synth` made with these arguments")
             on, needle = shape_tokens(clip)
             with tempfile.TemporaryDirectory() as tmp:
                 pack = Path(tmp) / "clip.kvpack"
