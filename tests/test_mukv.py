@@ -321,3 +321,22 @@ def test_the_pack_takes_over_offloaded_entries_instead_of_copying_them():
     assert index.tolist() == list(range(6)) and positions.tolist() == [list(range(2, 8))]
     assert running.archive[0] == [] and len(running.archive[1]) == 1
     assert running.take_held(0)[3].tolist() == [4, 5]  # what is left in the window, once
+
+
+def test_offloaded_entries_do_not_keep_the_cache_they_were_cut_from_alive():
+    # On the CPU, slicing the oldest entries and calling .cpu() gives a view of the whole cache
+    # tensor: every offload would then pin a window-sized tensor (ReKV at 512 frames grew the RSS
+    # by 30 MB a chunk at one layer). The archive must hold exactly its own entries.
+    from transformers import DynamicCache
+
+    from mmkv_cli.methods.stream import RunningCache
+
+    cache = DynamicCache()
+    cache.update(torch.randn(1, 2, 2 + 100, 4), torch.randn(1, 2, 2 + 100, 4), 0)
+    running = RunningCache(cache, prompt_len=2, position_dims=3)
+    running.appended(torch.arange(100), torch.arange(300).reshape(3, 100))
+    running.offload(0, 10)
+    k, v, positions, index = running.archive[0][0]
+    for held in (k, v, positions, index):
+        assert held.untyped_storage().nbytes() == held.numel() * held.element_size()
+    assert running.count(0) == 90

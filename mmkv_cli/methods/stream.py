@@ -100,12 +100,14 @@ class RunningCache:
         """Move this layer's `count` oldest visual entries out of the attention window to host
         memory; they still go into the pack (a sliding window at encode, as ReKV streams)."""
         keys, values = self.visual(layer)
+        # copies, never views: a view of the oldest entries would keep the whole cache tensor it
+        # was cut from alive (on the CPU, .cpu() returns the view itself), one per offload
         self.archive[layer].append(
             (
-                keys[:, :count].cpu(),
-                values[:, :count].cpu(),
-                self.positions[layer][:, :count],
-                self.index[layer][:count],
+                keys[:, :count].to("cpu", copy=True),
+                values[:, :count].to("cpu", copy=True),
+                self.positions[layer][:, :count].clone(),
+                self.index[layer][:count].clone(),
             )
         )
         self.retain(layer, torch.arange(count, self.count(layer)))
