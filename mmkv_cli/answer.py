@@ -34,7 +34,28 @@ class Answer:
     bytes_read: int = 0
     bytes_fetched: int = 0  # brought over the network from a remote pack (its open counts too)
     kv_tokens: list[int] | None = None  # per layer, after pruning at ask (None: not pruned)
+    # where the time to the first token went: select (question vector, retrieval), read (the
+    # chosen KV read, verified and on the device), prefill (the question's forward), first_token
+    phases_s: dict[str, float] = field(default_factory=dict)
     first_logits: torch.Tensor | None = field(default=None, repr=False)
+
+
+class PhaseClock:
+    """Seconds per phase of one ask. On CUDA each lap waits for the queued kernels first, so a
+    phase's time is the work it queued, not whatever the next one happened to wait for."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, name: str) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.phases[name] = now - self.last
+        self.last = now
+        return now
 
 
 def check_compatible(reader: PackReader, backbone: Backbone) -> None:
@@ -170,6 +191,7 @@ def answer_from_pack(
 ) -> Answer:
     check_compatible(reader, backbone)
     start = time.perf_counter()
+    clock = PhaseClock(backbone.device)
     template = reader.header["prompt"]["question"]
     ids = backbone.question_ids(question, template)
     if not ids:
@@ -184,10 +206,12 @@ def answer_from_pack(
         options.at,
     )
     names = selection.names
+    clock.lap("select")
     positions_mode = options.positions.value if options.positions else policy.position_mode
     cache, context, position, lead = build_cache(
         backbone, reader, names, positions_mode, selection.ends_at, selection.per_layer
     )
+    clock.lap("read")
     embeds, positions = backbone.embed_ids(ids), backbone.text_positions(position, len(ids))
     if lead is not None:
         embeds = torch.cat([lead[0], embeds], dim=1)
@@ -212,6 +236,7 @@ def answer_from_pack(
         )
     logits = backbone.logits(hidden[:, -1])[0]
     first_logits = logits.cpu().clone() if options.keep_logits else None
+    clock.lap("prefill")
     decode_start = 0.0  # when the first decode step began
 
     def step(token: int) -> torch.Tensor:
@@ -223,7 +248,7 @@ def answer_from_pack(
         position += 1
         return backbone.logits(out[:, -1])[0]
 
-    generation_start = time.perf_counter()
+    generation_start = clock.last
     made = generate(
         logits, step, backbone.decode, backbone.stop_ids(), options.generation, on_token
     )
@@ -242,4 +267,5 @@ def answer_from_pack(
         bytes_read=reader.bytes_read,
         first_logits=first_logits,
         kv_tokens=kv_tokens,
+        phases_s={**clock.phases, "first_token": made.first_token_s},
     )

@@ -296,6 +296,7 @@ def answer_record(answer: Answer, question: str, at: float | None = None, ident=
         "answer": answer.answer,
         "context_tokens": answer.context_tokens,
         "ttft_s": answer.ttft_s,
+        "ttft_phases_s": answer.phases_s,
         "total_s": answer.total_s,
         "decode_s_per_token": answer.decode_s_per_token,
         "blocks": len(answer.blocks_used),

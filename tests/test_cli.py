@@ -84,6 +84,11 @@ def test_ask_in_a_new_process_and_from_stdin(qwen_pack):
     out = json.loads(piped.stdout)  # the whole stdout is one JSON object
     assert set(out) >= {"answer", "context_tokens", "ttft_s", "total_s"}
     assert out["question"] == "what happened first ?" and out["ttft_s"] <= out["total_s"]
+    # the time to the first token, phase by phase: they add up to it
+    phases = out["ttft_phases_s"]
+    assert set(phases) == {"select", "read", "prefill", "first_token"}
+    assert all(v >= 0 for v in phases.values())
+    assert abs(sum(phases.values()) - out["ttft_s"]) < 1e-3
 
 
 def test_inspect_json_fields(qwen_pack):
