@@ -58,3 +58,103 @@ def test_bad_media_gives_media_errors(tmp_path):
         load_media(str(empty))
     with pytest.raises(MediaError, match="fps"):
         load_media(str(SAMPLES / "clip.mp4"), fps=0)
+
+
+def _gop_video(path: Path, count: int, fps: int = 30) -> np.ndarray:
+    """A video with B-frames and a key frame every 12 frames, each frame's number drawn in it."""
+    import av
+
+    frames = np.zeros((count, 32, 48, 3), np.uint8)
+    for i in range(count):
+        frames[i, :, : (i % 48) + 1] = 255  # a bar whose width counts the frames
+        frames[i, : (i // 48) + 1, :, 1] = 200
+    with av.open(str(path), "w", format=path.suffix[1:]) as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = 48, 32, "yuv420p"
+        stream.options = {"crf": "10", "g": "12", "bf": "2", "preset": "veryfast"}
+        for image in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return frames
+
+
+def _decode_all(path: Path) -> np.ndarray:
+    import av
+
+    with av.open(str(path)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+@pytest.mark.parametrize("name", ["gop.mp4", "gop.h264"])
+def test_pyav_reads_any_order_as_a_full_decode(tmp_path, name):
+    """Reads decode forward, seek to key frames, and go backwards: every frame is the one a plain
+    decode of the whole file gives at that time. A raw stream (no pts, no seeks) counts frames."""
+    path = tmp_path / name
+    _gop_video(path, 150)
+    truth = _decode_all(path)
+    for fps, cap in [(30.0, 0), (7.0, 0), (30.0, 40)]:
+        media = load_video(path, fps, cap, backend="pyav")
+        wanted = np.array(media.timestamps) * 30
+        picks = np.round(wanted).astype(int)
+        assert np.abs(wanted - picks).max() <= 0.5
+        spans = [(s, min(s + 6, media.num_frames)) for s in range(0, media.num_frames, 6)]
+        order = np.random.default_rng(int(fps) + cap).permutation(len(spans))
+        for i in [*range(len(spans)), *order]:  # forward first, then any order
+            start, stop = spans[i]
+            assert np.array_equal(media.read(start, stop), truth[picks[start:stop]]), (fps, i)
+
+
+def test_pyav_holds_one_chunk_of_frames(tmp_path):
+    """Opening a long video keeps no decoded frames: a chunk's read allocates about that chunk."""
+    import tracemalloc
+
+    path = tmp_path / "long.mp4"
+    _gop_video(path, 600)
+    frame_bytes = 32 * 48 * 3
+    load_video(path, 30.0, 0, backend="pyav").read(0, 1)  # imports done before measuring
+    tracemalloc.start()
+    try:
+        media = load_video(path, 30.0, 0, backend="pyav")
+        assert media.num_frames == 600
+        opened = tracemalloc.get_traced_memory()[0]  # held (the peak is the digest's 1 MB read)
+        tracemalloc.reset_peak()
+        for start in range(0, 600, 20):
+            media.read(start, start + 20)
+        reading = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert opened < 100 * frame_bytes  # the index only (the old loader kept all 600 frames)
+    assert reading < 3 * 20 * frame_bytes
+
+
+def test_image_sets_decode_as_read(tmp_path):
+    """A folder of images holds none of them after loading; a file that is no image is refused at
+    load, and one whose data is cut short is one MediaError at the read that meets it."""
+    import tracemalloc
+
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for i in range(120):
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(
+            tmp_path / f"{i:03d}.png"
+        )
+    tracemalloc.start()
+    try:
+        media = load_media(str(tmp_path), max_frames=0)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert media.num_frames == 120 and held < 20 * 64 * 64 * 3  # the old loader held all 120
+    assert np.array_equal(media.read(7, 8)[0], np.asarray(Image.open(tmp_path / "007.png")))
+    data = (tmp_path / "050.png").read_bytes()
+    (tmp_path / "050.png").write_bytes(data[: len(data) // 2])
+    media = load_media(str(tmp_path), max_frames=0)
+    assert media.read(0, 40).shape == (40, 64, 64, 3)
+    with pytest.raises(MediaError, match="cannot read image"):
+        media.read(40, 80)
+    (tmp_path / "060.png").write_bytes(b"not an image at all")
+    with pytest.raises(MediaError, match="cannot read image"):
+        load_media(str(tmp_path), max_frames=0)

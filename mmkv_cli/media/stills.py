@@ -24,15 +24,10 @@ def image_paths(spec: str) -> list[Path]:
     return sorted(found)
 
 
-def _same_size(images: list[Image.Image]) -> np.ndarray:
+def _rgb_at(image: Image.Image, size: tuple[int, int]) -> np.ndarray:
     # A video processor wants one frame size; the first frame sets it.
-    size = images[0].size
-    return np.stack(
-        [
-            np.asarray(im.convert("RGB").resize(size) if im.size != size else im.convert("RGB"))
-            for im in images
-        ]
-    )
+    rgb = image.convert("RGB")
+    return np.asarray(rgb.resize(size) if rgb.size != size else rgb)
 
 
 MAX_PAGE_PIXELS = 4_000_000  # a rendered PDF page at most (2000 x 2000)
@@ -45,21 +40,36 @@ def _thin(count: int, max_frames: int) -> list[int]:
 
 
 def load_images(spec: str, max_frames: int) -> Media:
+    """Images are decoded as they are read (a set of thousands of photos never sits in memory);
+    every picked file's header is checked now, before any work."""
     paths = image_paths(spec)
     if not paths:
         raise MediaError(f"no images found at {spec}")
     picks = _thin(len(paths), max_frames)
-    try:
-        frames = _same_size([Image.open(paths[i]) for i in picks])
-    except (OSError, ValueError, Image.DecompressionBombError) as err:
-        raise MediaError(f"cannot read image in {spec}: {err}") from err
+    picked = [paths[i] for i in picks]
+    size = _open_image(picked[0], lambda image: image.size)
+    for path in picked[1:]:
+        _open_image(path, lambda image: None)  # every header now, before any work
+
+    def read(start: int, stop: int) -> np.ndarray:
+        return np.stack([_open_image(p, lambda im: _rgb_at(im, size)) for p in picked[start:stop]])
+
     return Media(
         kind="images",
         source=spec,
         digest=sha256_files(paths),
         timestamps=[float(i) for i in picks],
-        _read=lambda start, stop: frames[start:stop],
+        _read=read,
     )
+
+
+def _open_image(path: Path, use):
+    """use(image) on an opened image file; any failure is that file's MediaError."""
+    try:
+        with Image.open(path) as image:
+            return use(image)
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        raise MediaError(f"cannot read image {path}: {err}") from err
 
 
 def page_scale(width_pt: float, height_pt: float, scale: float) -> float:
@@ -71,21 +81,34 @@ def page_scale(width_pt: float, height_pt: float, scale: float) -> float:
 
 
 def load_pdf(path: Path, max_frames: int, scale: float = 1.0) -> Media:
+    """Pages are rendered as they are read: a document of hundreds of pages holds one chunk."""
     import pypdfium2 as pdfium
+
+    def render(i: int) -> Image.Image:
+        return doc[picks[i]].render(scale=scales[i]).to_pil()
 
     try:
         doc = pdfium.PdfDocument(str(path))
         picks = _thin(len(doc), max_frames)
-        pages = [doc[i].render(scale=page_scale(*doc[i].get_size(), scale)).to_pil() for i in picks]
+        scales = [page_scale(*doc[i].get_size(), scale) for i in picks]
+        if not picks:
+            raise MediaError(f"no pages in {path}")
+        size = render(0).size  # a PDF that opens but cannot render fails now, not mid-encode
+    except MediaError:
+        raise
     except Exception as err:  # pdfium raises PdfiumError and plain OSError
         raise MediaError(f"cannot read PDF {path}: {err}") from err
-    if not pages:
-        raise MediaError(f"no pages in {path}")
-    frames = _same_size(pages)
+
+    def read(start: int, stop: int) -> np.ndarray:
+        try:
+            return np.stack([_rgb_at(render(i), size) for i in range(start, stop)])
+        except Exception as err:
+            raise MediaError(f"cannot read PDF {path}: {err}") from err
+
     return Media(
         kind="pdf",
         source=str(path),
         digest=sha256_files([path]),
         timestamps=[float(i) for i in picks],
-        _read=lambda start, stop: frames[start:stop],
+        _read=read,
     )

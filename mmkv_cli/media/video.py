@@ -12,6 +12,7 @@ import numpy as np
 
 from mmkv_cli.errors import MediaError
 from mmkv_cli.media.base import Media, sample_times, sha256_files
+from mmkv_cli.media.pyav_frames import FrameCursor, index_stream, nearest_frames
 
 
 @contextlib.contextmanager
@@ -77,32 +78,26 @@ def _load_with_decord(path: Path, fps: float, max_frames: int) -> Media:
 
 
 def _load_with_pyav(path: Path, fps: float, max_frames: int) -> Media:
-    import av
-
     try:
-        with native_stderr_silenced(), av.open(str(path)) as container:
-            if not container.streams.video:
-                raise MediaError(f"no frames could be read from {path}: it holds no video stream")
-            stream = container.streams.video[0]
-            frames, stamps = [], []
-            for frame in container.decode(stream):
-                frames.append(frame)
-                stamps.append(float(frame.time or 0.0))
-            if not frames:
-                raise MediaError(f"no frames could be read from {path}")
-            step = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1) if len(stamps) > 1 else 1.0
-            times = sample_times(stamps[-1] - stamps[0] + step, fps, max_frames)
-            picks = [int(np.argmin(np.abs(np.array(stamps) - stamps[0] - t))) for t in times]
-            # Decoded once: keep only the sampled frames, as RGB arrays.
-            images = (
-                np.stack([frames[i].to_ndarray(format="rgb24") for i in picks]) if picks else None
-            )
+        with native_stderr_silenced():
+            index = index_stream(str(path))
+        if not len(index.times):
+            raise MediaError(f"no frames could be read from {path}")
+        times = sample_times(index.duration, fps, max_frames)
+        picks = nearest_frames(index.times, times)
+        with native_stderr_silenced():
+            cursor = FrameCursor(str(path), index)
+            cursor.read(picks[:1])  # a file PyAV opens but cannot decode fails now, not mid-encode
     except MediaError:
         raise
     except Exception as err:
         raise MediaError(f"cannot read video {path}: {err}") from err
 
     def read(start: int, stop: int) -> np.ndarray:
-        return images[start:stop]
+        try:
+            with native_stderr_silenced():
+                return cursor.read(picks[start:stop])
+        except Exception as err:
+            raise MediaError(f"cannot read video {path}: {err}") from err
 
     return _media(path, times, read)
