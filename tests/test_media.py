@@ -129,6 +129,25 @@ def test_pyav_holds_one_chunk_of_frames(tmp_path):
     assert reading < 3 * 20 * frame_bytes
 
 
+def test_decord_leaves_torch_cpu_blas_alone(clip):
+    """Frames read with decord before torch's first matmul: the matmul runs (decord2's CUDA preload
+    would have put libnvblas in front of torch's BLAS and crashed the process)."""
+    import subprocess
+    import sys
+
+    script = (
+        "from pathlib import Path\n"
+        "from mmkv_cli.media.video import load_video\n"
+        f"load_video(Path({str(clip)!r}), 2.0, 4, backend='decord').read(0, 4)\n"
+        "import torch\n"
+        "print(bool(torch.nn.Linear(64, 64)(torch.ones(8, 64)).isfinite().all()))\n"
+        "print(any('nvblas' in line for line in open('/proc/self/maps')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-500:]
+    assert done.stdout.split() == ["True", "False"]
+
+
 def test_image_sets_decode_as_read(tmp_path):
     """A folder of images holds none of them after loading; a file that is no image is refused at
     load, and one whose data is cut short is one MediaError at the read that meets it."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -57,8 +58,32 @@ def _media(path: Path, times: list[float], read) -> Media:
     )
 
 
+def import_decord():
+    """decord, imported without its CUDA preload.
+
+    decord2 3.4 dlopens every library of the `nvidia` pip packages (torch's CUDA wheels) with
+    RTLD_GLOBAL before its own. One of them is libnvblas, which then takes over the BLAS symbols
+    torch's CPU kernels bind on first use: the next float32 matmul crashes the process on a host
+    without a GPU (dmlc/decord#293), and the whole CUDA stack costs about 400 MB of RSS. We read
+    frames on the CPU, which needs none of it, so the package is hidden while decord loads."""
+    if "decord" in sys.modules:
+        return sys.modules["decord"]
+    saved = sys.modules.get("nvidia")
+    hidden = types.ModuleType("nvidia")
+    hidden.__spec__ = None  # find_spec("nvidia") raises, and decord's preload gives up
+    sys.modules["nvidia"] = hidden
+    try:
+        import decord
+    finally:
+        if saved is None:
+            del sys.modules["nvidia"]
+        else:
+            sys.modules["nvidia"] = saved
+    return decord
+
+
 def _load_with_decord(path: Path, fps: float, max_frames: int) -> Media:
-    import decord
+    decord = import_decord()
 
     with native_stderr_silenced():
         reader = decord.VideoReader(str(path), ctx=decord.cpu(0))
