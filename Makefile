@@ -84,6 +84,7 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/quant.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/fuzz.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/batch.py
+	$(BIN)/python bench/media_read.py
 
 # Real scale (issue 16): rehearsal models at real width over 64-1800 frames. About 45 minutes on 2 CPU
 # cores at one layer; on a GPU run `python bench/scale.py --layers 0` for the full depth in bf16.
