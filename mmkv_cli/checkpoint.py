@@ -18,11 +18,12 @@ from pathlib import Path
 
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.lazy import torch
+from mmkv_cli.methods.archive import Archive
 from mmkv_cli.pack.format import Span, tensors_sha256
 from mmkv_cli.pack.writer import sweep_stale
 
 SUFFIX = ".mmkv-checkpoint"
-FORMAT, VERSION = "mmkv.checkpoint", 1
+FORMAT, VERSION = "mmkv.checkpoint", 2  # 2: the archive stored by column, in slabs
 META = "mmkv_checkpoint"
 
 
@@ -75,7 +76,7 @@ def save(path: Path, identity: dict, progress: dict, tensors: dict[str, torch.Te
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    plain = {name: t.detach().cpu().clone() for name, t in sorted(tensors.items())}
+    plain = _writable(tensors)
     meta = {
         "format": FORMAT,
         "version": VERSION,
@@ -93,6 +94,21 @@ def save(path: Path, identity: dict, progress: dict, tensors: dict[str, torch.Te
     except (OSError, SafetensorError) as err:
         partial.unlink(missing_ok=True)
         raise PackError(f"cannot write the checkpoint {path}: {err}") from None
+
+
+def _writable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors as safetensors writes them (contiguous, host, no storage shared), copying only
+    those that are not: an hour's archive written in place, not cloned whole at every save."""
+    out, storages = {}, set()
+    for name, tensor in sorted(tensors.items()):
+        tensor = tensor.detach().cpu()
+        storage = tensor.untyped_storage().data_ptr()
+        if not tensor.is_contiguous() or storage in storages:
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+            storage = tensor.untyped_storage().data_ptr()
+        storages.add(storage)
+        out[name] = tensor
+    return out
 
 
 def load(path: Path, identity: dict) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -133,9 +149,9 @@ def running_cache_tensors(running) -> dict[str, torch.Tensor]:
         out[f"cache.{layer}.k"], out[f"cache.{layer}.v"] = entry.keys, entry.values
         out[f"cache.{layer}.index"] = running.index[layer]
         out[f"cache.{layer}.pos"] = running.positions[layer]
-        for n, parts in enumerate(running.archive[layer]):
-            for name, tensor in zip(("k", "v", "pos", "index"), parts):
-                out[f"cache.{layer}.archive.{n}.{name}"] = tensor
+        for name, parts in running.archive[layer].parts().items():
+            for n, tensor in enumerate(parts):
+                out[f"cache.{layer}.archive.{name}.{n}"] = tensor
     return out
 
 
@@ -146,13 +162,12 @@ def restore_running_cache(running, tensors: dict[str, torch.Tensor]) -> None:
         entry.values = tensors[f"cache.{layer}.v"].to(entry.values)
         running.index[layer] = tensors[f"cache.{layer}.index"]
         running.positions[layer] = tensors[f"cache.{layer}.pos"]
-        archived, n = [], 0
-        while f"cache.{layer}.archive.{n}.k" in tensors:
-            archived.append(
-                tuple(tensors[f"cache.{layer}.archive.{n}.{p}"] for p in ("k", "v", "pos", "index"))
-            )
-            n += 1
-        running.archive[layer] = archived
+        archived = {name: [] for name in Archive.NAMES}
+        for name, parts in archived.items():
+            while (key := f"cache.{layer}.archive.{name}.{len(parts)}") in tensors:
+                parts.append(tensors[key])
+        running.archive[layer] = Archive()
+        running.archive[layer].extend(archived)
 
 
 def blocks_tensors(blocks: list[Span]) -> tuple[dict[str, torch.Tensor], list[dict]]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mmkv_cli.lazy import torch
+from mmkv_cli.methods.archive import Archive
 from mmkv_cli.methods.base import Budget, EncodeContext
 from mmkv_cli.methods.scoring import retrieval_key
 from mmkv_cli.pack.format import Span, block_name
@@ -33,8 +34,8 @@ class RunningCache:
         self.front = [0] * layers  # tokens between the prompt and the visual part (a summary token)
         self.index = [torch.empty(0, dtype=torch.long) for _ in range(layers)]
         self.positions = [torch.empty(position_dims, 0, dtype=torch.long) for _ in range(layers)]
-        # per layer, entries moved out of attention but kept for the pack: (K, V, positions, index)
-        self.archive: list[list[tuple]] = [[] for _ in range(layers)]
+        # per layer, entries moved out of attention but kept for the pack, on the host
+        self.archive = [Archive() for _ in range(layers)]
 
     @property
     def layers(self) -> int:
@@ -100,15 +101,13 @@ class RunningCache:
         """Move this layer's `count` oldest visual entries out of the attention window to host
         memory; they still go into the pack (a sliding window at encode, as ReKV streams)."""
         keys, values = self.visual(layer)
-        # copies, never views: a view of the oldest entries would keep the whole cache tensor it
-        # was cut from alive (on the CPU, .cpu() returns the view itself), one per offload
-        self.archive[layer].append(
-            (
-                keys[:, :count].to("cpu", copy=True),
-                values[:, :count].to("cpu", copy=True),
-                self.positions[layer][:, :count].clone(),
-                self.index[layer][:count].clone(),
-            )
+        # copied into the archive's slabs: never views, which would keep the whole cache tensor
+        # they were cut from alive (on the CPU, .cpu() returns the view itself)
+        self.archive[layer].add(
+            keys[:, :count],
+            values[:, :count],
+            self.positions[layer][:, :count],
+            self.index[layer][:count],
         )
         self.retain(layer, torch.arange(count, self.count(layer)))
 
@@ -120,14 +119,14 @@ class RunningCache:
         layer's archive empties): at an hour of video they are GBs, and a second host copy of every
         layer would double the encode's memory while the pack is made."""
         keys, values = self.visual(layer)
-        parts = [
-            *self.archive[layer],
-            (keys.cpu(), values.cpu(), self.positions[layer], self.index[layer]),
-        ]
-        self.archive[layer] = []
-        if len(parts) == 1:
-            return parts[0]
-        return tuple(torch.cat([p[i] for p in parts], dim=-2 if i < 2 else -1) for i in range(4))
+        live = (keys.cpu(), values.cpu(), self.positions[layer], self.index[layer])
+        archived = self.archive[layer].take()
+        if not archived["index"]:
+            return live
+        return tuple(
+            torch.cat([*archived[name], part], dim=-2 if name in ("k", "v") else -1)
+            for name, part in zip(Archive.NAMES, live)
+        )
 
     def insert_front(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Put one token ([H_kv, 1, D]) right after the prompt of this layer, replacing the one

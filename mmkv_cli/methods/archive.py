@@ -1,0 +1,90 @@
+"""Host storage for what a streaming policy moves out of attention but keeps for the pack (ReKV's
+offloaded KV: at an hour of video, GBs), filled a chunk at a time in large slabs.
+
+One small tensor per offload, long-lived and interleaved with each chunk's short-lived working
+tensors, left glibc's heap unable to reuse or return its holes: ReKV's RSS grew 14 MB a chunk for
+3 MB of KV (rehearsal 0.5B, one layer). A slab larger than glibc's largest mmap threshold (32 MB) is
+a mapping of its own, its untouched pages cost nothing, and freeing it returns it whole.
+"""
+
+from __future__ import annotations
+
+from mmkv_cli.lazy import torch
+
+SLAB_BYTES = 64 << 20
+
+
+class Column:
+    """Tensors appended along `dim`, copied into host slabs of about `slab_bytes` each."""
+
+    def __init__(self, dim: int, slab_bytes: int = SLAB_BYTES):
+        self.dim = dim
+        self.slab_bytes = slab_bytes
+        self.slabs: list[torch.Tensor] = []
+        self.filled = 0  # entries along dim in the last slab
+
+    def __len__(self) -> int:
+        if not self.slabs:
+            return 0
+        return sum(s.shape[self.dim] for s in self.slabs[:-1]) + self.filled
+
+    def append(self, tensor: torch.Tensor) -> None:
+        done, count = 0, tensor.shape[self.dim]
+        while done < count:
+            if not self.slabs or self.filled == self.slabs[-1].shape[self.dim]:
+                self.slabs.append(self._slab(tensor))
+                self.filled = 0
+            slab = self.slabs[-1]
+            take = min(count - done, slab.shape[self.dim] - self.filled)
+            slab.narrow(self.dim, self.filled, take).copy_(tensor.narrow(self.dim, done, take))
+            self.filled += take
+            done += take
+
+    def _slab(self, like: torch.Tensor) -> torch.Tensor:
+        per_entry = like.element_size() * like.numel() // max(1, like.shape[self.dim])
+        shape = list(like.shape)
+        shape[self.dim] = max(1, self.slab_bytes // max(1, per_entry))
+        return torch.empty(shape, dtype=like.dtype, device="cpu")
+
+    def parts(self) -> list[torch.Tensor]:
+        """The filled part of each slab, as views."""
+        if not self.slabs:
+            return []
+        last = self.slabs[-1].narrow(self.dim, 0, self.filled)
+        return [*self.slabs[:-1], last]
+
+    def take(self) -> list[torch.Tensor]:
+        """parts(), handing them over: the column is empty afterwards."""
+        parts = self.parts()
+        self.slabs, self.filled = [], 0
+        return parts
+
+
+class Archive:
+    """One layer's archived entries: K, V [H_kv, n, D], positions [P, n], stream indices [n]."""
+
+    NAMES = ("k", "v", "pos", "index")
+
+    def __init__(self, slab_bytes: int = SLAB_BYTES):
+        self.columns = {
+            name: Column(-2 if name in ("k", "v") else -1, slab_bytes) for name in self.NAMES
+        }
+
+    def __len__(self) -> int:
+        return len(self.columns["index"])
+
+    def add(self, keys, values, positions, index) -> None:
+        for name, tensor in zip(self.NAMES, (keys, values, positions, index)):
+            self.columns[name].append(tensor)
+
+    def parts(self) -> dict[str, list[torch.Tensor]]:
+        return {name: column.parts() for name, column in self.columns.items()}
+
+    def take(self) -> dict[str, list[torch.Tensor]]:
+        return {name: column.take() for name, column in self.columns.items()}
+
+    def extend(self, parts: dict[str, list[torch.Tensor]]) -> None:
+        """Append what parts() gave (a resumed encode's checkpoint)."""
+        for name, tensors in parts.items():
+            for tensor in tensors:
+                self.columns[name].append(tensor)
