@@ -177,3 +177,18 @@ def test_image_sets_decode_as_read(tmp_path):
     (tmp_path / "060.png").write_bytes(b"not an image at all")
     with pytest.raises(MediaError, match="cannot read image"):
         load_media(str(tmp_path), max_frames=0)
+
+
+def test_pyav_decodes_from_the_start_when_a_seek_lands_late(tmp_path, monkeypatch):
+    """A container whose seek lands past the wanted frame (a broken index) still gives every frame:
+    the read decodes from the start instead."""
+    from mmkv_cli.media.pyav_frames import FrameCursor
+
+    path = tmp_path / "late.mp4"
+    _gop_video(path, 90)
+    truth = _decode_all(path)
+    reach = FrameCursor._reach
+    monkeypatch.setattr(FrameCursor, "_reach", lambda self, first: reach(self, first + 30))
+    media = load_video(path, 30.0, 0, backend="pyav")
+    assert np.array_equal(media.read(10, 20), truth[10:20])
+    assert np.array_equal(media.read(0, 5), truth[0:5])

@@ -108,23 +108,32 @@ class FrameCursor:
 
     def read(self, picks: np.ndarray) -> np.ndarray:
         """RGB frames [len(picks), H, W, 3] for non-decreasing presentation indices."""
+        out = self._read(picks, seek=True)
+        if any(image is None for image in out) and self.index.timed:
+            # a seek that landed past its key frame (a broken index): decode from the start
+            self.container.close()
+            self._open()
+            out = self._read(picks, seek=False)
+        missing = [int(picks[s]) for s, image in enumerate(out) if image is None]
+        if missing:
+            raise ValueError(f"frame {missing[0]} could not be decoded")
+        return np.stack(out)
+
+    def _read(self, picks: np.ndarray, seek: bool) -> list[np.ndarray | None]:
         slots: dict[int, list[int]] = {}
         for slot, frame in enumerate(picks.tolist()):
             slots.setdefault(frame, []).append(slot)
         out: list[np.ndarray | None] = [None] * len(picks)
-        first, last = int(picks[0]), int(picks[-1])
-        self._reach(first)
+        if seek:
+            self._reach(int(picks[0]))
         for number, frame in self._decoded():
             if number in slots:
                 image = frame.to_ndarray(format="rgb24")
                 for slot in slots[number]:
                     out[slot] = image
-            if number >= last:
+            if number >= int(picks[-1]):
                 break
-        missing = [int(picks[s]) for s, image in enumerate(out) if image is None]
-        if missing:
-            raise ValueError(f"frame {missing[0]} could not be decoded")
-        return np.stack(out)
+        return out
 
     def _reach(self, first: int) -> None:
         """Position the decoder so that frame `first` is still to come, decoding as little as
@@ -135,9 +144,10 @@ class FrameCursor:
                 self._open()
             return
         keys = self.index.keyframes
-        before = keys[np.searchsorted(keys, first, side="right") - 1] if len(keys) else 0
+        at = int(np.searchsorted(keys, first, side="right")) - 1
+        before = int(keys[at]) if at >= 0 else 0  # the last key frame at or before `first`
         if first < self.next_index or before > self.next_index or self.frames is None:
-            target = int(self.index.pts[max(0, int(before))])
+            target = int(self.index.pts[before])
             self.container.seek(target, stream=self.stream, backward=True, any_frame=False)
             self.frames, self.next_index = None, -1  # known again at the first decoded frame
 
