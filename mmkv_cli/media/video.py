@@ -124,6 +124,8 @@ def _load_with_pyav(path: Path, fps: float, max_frames: int) -> Media:
         if not len(index.times):
             raise MediaError(f"no frames could be read from {path}")
         times = sample_times(index.duration, fps, max_frames)
+        if not times:
+            raise MediaError(f"no frames could be read from {path}")
         picks = nearest_frames(index.times, times)
         with native_stderr_silenced():
             cursor = FrameCursor(str(path), index)
