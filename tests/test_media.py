@@ -192,3 +192,19 @@ def test_pyav_decodes_from_the_start_when_a_seek_lands_late(tmp_path, monkeypatc
     media = load_video(path, 30.0, 0, backend="pyav")
     assert np.array_equal(media.read(10, 20), truth[10:20])
     assert np.array_equal(media.read(0, 5), truth[0:5])
+
+
+def test_auto_falls_back_to_decord_and_keeps_pyavs_error(clip, monkeypatch):
+    """auto reads with PyAV; a file PyAV cannot read goes to decord, and when neither can, the
+    error is PyAV's one line."""
+    from mmkv_cli.media import video
+
+    def refuse(path, fps, max_frames):
+        raise MediaError(f"cannot read video {path}: pyav says no")
+
+    expected = load_video(Path(clip), 2.0, 0, backend="decord").read(0, 16)
+    monkeypatch.setattr(video, "_load_with_pyav", refuse)
+    assert np.array_equal(load_video(Path(clip), 2.0, 0).read(0, 16), expected)
+    monkeypatch.setattr(video, "_load_with_decord", lambda *a: 1 / 0)
+    with pytest.raises(MediaError, match="pyav says no"):
+        load_video(Path(clip), 2.0, 0)
