@@ -95,24 +95,26 @@ class FrameCursor:
 
     def __init__(self, path: str, index: FrameIndex):
         self.path, self.index = path, index
-        self._open()
+        self._close = None
+        self._restart()
 
-    def _open(self) -> None:
+    def _restart(self) -> None:
+        """Close the container (if open) and open it again at the stream's start."""
         import av
 
+        if self._close is not None:
+            self._close()  # closes the old container and drops its finalizer
         self.container = av.open(self.path)
         self.stream = self.container.streams.video[0]
         self.frames = None  # the decoding iterator, started on the first read
         self.next_index = 0  # presentation index of the frame the iterator yields next
-        weakref.finalize(self, self.container.close)
+        self._close = weakref.finalize(self, self.container.close)
 
     def read(self, picks: np.ndarray) -> np.ndarray:
         """RGB frames [len(picks), H, W, 3] for non-decreasing presentation indices."""
         out = self._read(picks, seek=True)
         if any(image is None for image in out) and self.index.timed:
-            # a seek that landed past its key frame (a broken index): decode from the start
-            self.container.close()
-            self._open()
+            self._restart()  # a seek that landed past its key frame (a broken index)
             out = self._read(picks, seek=False)
         missing = [int(picks[s]) for s, image in enumerate(out) if image is None]
         if missing:
@@ -140,8 +142,7 @@ class FrameCursor:
         possible on the way."""
         if not self.index.timed:
             if first < self.next_index:  # no seeks without pts (nor in raw streams): start over
-                self.container.close()
-                self._open()
+                self._restart()
             return
         keys = self.index.keyframes
         at = int(np.searchsorted(keys, first, side="right")) - 1

@@ -121,9 +121,7 @@ def _load_with_pyav(path: Path, fps: float, max_frames: int) -> Media:
     try:
         with native_stderr_silenced():
             index = index_stream(str(path))
-        if not len(index.times):
-            raise MediaError(f"no frames could be read from {path}")
-        times = sample_times(index.duration, fps, max_frames)
+        times = sample_times(index.duration, fps, max_frames)  # none when no frame was found
         if not times:
             raise MediaError(f"no frames could be read from {path}")
         picks = nearest_frames(index.times, times)

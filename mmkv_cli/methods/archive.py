@@ -83,6 +83,17 @@ class Archive:
     def take(self) -> dict[str, list[torch.Tensor]]:
         return {name: column.take() for name, column in self.columns.items()}
 
+    def take_joined(self, live: tuple) -> tuple:
+        """Everything archived followed by `live` (K, V, positions, index), each joined along its
+        column; the archive empties. With nothing archived, `live` as it is (no copy)."""
+        if not len(self):
+            return live
+        parts = self.take()
+        return tuple(
+            torch.cat([*parts[name], tensor], dim=self.columns[name].dim)
+            for name, tensor in zip(self.NAMES, live)
+        )
+
     def extend(self, parts: dict[str, list[torch.Tensor]]) -> None:
         """Append what parts() gave (a resumed encode's checkpoint)."""
         for name, tensors in parts.items():

@@ -120,13 +120,7 @@ class RunningCache:
         layer would double the encode's memory while the pack is made."""
         keys, values = self.visual(layer)
         live = (keys.cpu(), values.cpu(), self.positions[layer], self.index[layer])
-        archived = self.archive[layer].take()
-        if not archived["index"]:
-            return live
-        return tuple(
-            torch.cat([*archived[name], part], dim=-2 if name in ("k", "v") else -1)
-            for name, part in zip(Archive.NAMES, live)
-        )
+        return self.archive[layer].take_joined(live)
 
     def insert_front(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Put one token ([H_kv, 1, D]) right after the prompt of this layer, replacing the one
