@@ -191,3 +191,21 @@ def test_a_full_disk_is_exit_4_with_the_reason_and_the_old_pack_intact(pack, cli
     assert result.exit_code == 4 and "No space left on device" in result.output
     assert path.read_bytes() == before
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(TEMP_SUFFIX)]
+
+
+def test_an_image_cut_short_mid_set_is_one_line_naming_it(tmp_path):
+    """Images decode as the encode reads them: a file whose header is fine but whose data is cut
+    short fails at its chunk, as exit 3 naming the file, and no pack is written."""
+    folder = tmp_path / "shots"
+    folder.mkdir()
+    for i in range(12):
+        Image.new("RGB", (32, 32), (20 * i, 0, 0)).save(folder / f"{i:02d}.png")
+    data = (folder / "09.png").read_bytes()
+    (folder / "09.png").write_bytes(data[: len(data) // 2])
+    out = tmp_path / "s.kvpack"
+    result = CliRunner().invoke(
+        app, ["encode", str(folder), "-m", "demo", "--max-frames", "0", "-o", str(out)]
+    )
+    assert result.exit_code == 3, result.output
+    assert f"cannot read image {folder / '09.png'}" in result.output
+    assert "Traceback" not in result.output and not out.exists()
