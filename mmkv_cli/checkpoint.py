@@ -61,6 +61,12 @@ class Checkpointing:
                 "or delete it to start over"
             )
 
+    def take_restored(self) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """What a resume starts from, handed over once: held here for the whole encode, the
+        loaded checkpoint (at an hour of video, GBs) would outlive every tensor made from it."""
+        restored, self.restored = self.restored, None
+        return restored
+
     def due(self, chunks_done: int) -> bool:
         return self.every > 0 and chunks_done % self.every == 0
 
@@ -156,18 +162,19 @@ def running_cache_tensors(running) -> dict[str, torch.Tensor]:
 
 
 def restore_running_cache(running, tensors: dict[str, torch.Tensor]) -> None:
-    running.front = tensors["cache.front"].tolist()
+    """Put a checkpoint's tensors back into `running`, taking them out of `tensors` as they go: the
+    archive keeps the loaded slabs themselves (no second host copy of an hour's offloaded KV)."""
+    running.front = tensors.pop("cache.front").tolist()
     for layer, entry in enumerate(running.cache.layers):
-        entry.keys = tensors[f"cache.{layer}.k"].to(entry.keys)
-        entry.values = tensors[f"cache.{layer}.v"].to(entry.values)
-        running.index[layer] = tensors[f"cache.{layer}.index"]
-        running.positions[layer] = tensors[f"cache.{layer}.pos"]
+        entry.keys = tensors.pop(f"cache.{layer}.k").to(entry.keys)
+        entry.values = tensors.pop(f"cache.{layer}.v").to(entry.values)
+        running.index[layer] = tensors.pop(f"cache.{layer}.index")
+        running.positions[layer] = tensors.pop(f"cache.{layer}.pos")
         archived = {name: [] for name in Archive.NAMES}
         for name, parts in archived.items():
             while (key := f"cache.{layer}.archive.{name}.{len(parts)}") in tensors:
-                parts.append(tensors[key])
-        running.archive[layer] = Archive()
-        running.archive[layer].extend(archived)
+                parts.append(tensors.pop(key))
+        running.archive[layer] = Archive.adopting(archived)
 
 
 def blocks_tensors(blocks: list[Span]) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -192,12 +199,14 @@ def blocks_tensors(blocks: list[Span]) -> tuple[dict[str, torch.Tensor], list[di
 
 
 def blocks_from(tensors: dict[str, torch.Tensor], rows: list[dict]) -> list[Span]:
+    """The blocks a checkpoint saved, taken out of `tensors`: each layer's K, V and positions are
+    views of the loaded tensors (the writer joins them again), not copies."""
     from mmkv_cli.pack.format import split_layers
 
     blocks = []
     for i, row in enumerate(rows):
         keys, values, positions = (
-            [t.contiguous() for t in split_layers(tensors[f"block.{i}.{name}"], row["counts"])]
+            split_layers(tensors.pop(f"block.{i}.{name}"), row["counts"])
             for name in ("k", "v", "pos")
         )
         blocks.append(
@@ -209,7 +218,7 @@ def blocks_from(tensors: dict[str, torch.Tensor], rows: list[dict]) -> list[Span
                 granularity=row["granularity"],
                 steps=tuple(row["steps"]) if row["steps"] else None,
                 time=tuple(row["time"]) if row["time"] else None,
-                representative=tensors.get(f"block.{i}.rep"),
+                representative=tensors.pop(f"block.{i}.rep", None),
                 extra=row["extra"],
             )
         )

@@ -197,7 +197,7 @@ def encode_streaming(
     state.attend = lambda text, rows=False: text_attention(backbone, state, text, rows)
     peak_kv, skip = 0, 0
     if checkpoint and checkpoint.restored:
-        progress, tensors = checkpoint.restored
+        progress, tensors = checkpoint.take_restored()  # popped as used: none outlives its use
         restore_running_cache(running, tensors)
         policy.restore({k[7:]: v for k, v in tensors.items() if k.startswith("policy.")})
         state.seen, state.shift = progress["seen"], progress["shift"]
@@ -278,7 +278,7 @@ def encode_blockwise(
     origins = layout.visual[:, starts].cpu()  # every step's first token: where it is placed from
     blocks, seen, peak_kv, skip = [], 0, 0, 0
     if checkpoint and checkpoint.restored:
-        progress, tensors = checkpoint.restored
+        progress, tensors = checkpoint.take_restored()  # popped as used: none outlives its use
         blocks = blocks_from(tensors, progress["blocks"])
         seen, peak_kv, skip = progress["seen"], progress["peak_kv"], progress["chunks"]
     unit = policy.segment_steps(per_step)

@@ -154,3 +154,54 @@ def test_a_killed_eval_leaves_nothing_outside_its_folder_and_finishes_on_rerun(w
     assert done.wait() == 0, done.stderr.read()
     run = tmp / "ev" / "demo" / "recency-b0.5"
     assert (run / "metrics.json").exists() and not (run / ".work").exists()
+
+
+def test_a_resumed_encode_holds_no_loaded_tensor_past_its_use(world, monkeypatch):
+    """At an hour of video a checkpoint is GBs: the resumed encode keeps the loaded archive slabs
+    themselves (no second copy), and drops every other loaded tensor once the stream moves on (the
+    loaded window, replaced by the next chunk's)."""
+    import gc
+    import weakref
+
+    from mmkv_cli import checkpoint
+
+    backbone, tmp = world
+    presets = tmp / "presets" / "methods"
+    presets.mkdir(parents=True, exist_ok=True)
+    # 12 chunks, a checkpoint after 4 of them, by when the window has offloaded some
+    preset = "extends: rekv\nparams:\n  chunk_frames: 4\n  window_tokens: 24\n"
+    (presets / "rekv-slid.yaml").write_text(preset)
+    monkeypatch.setenv("MMKV_PRESETS", str(tmp / "presets"))
+    video = str(tmp / "set" / "clips" / "clip_0000.mp4")
+    out = tmp / "held.kvpack"
+    calls = []
+
+    def stop_after_four_chunks(frames, tokens):
+        calls.append(frames)
+        if len(calls) == 5:
+            raise Stop
+
+    with pytest.raises(Stop):
+        options = EncodeOptions("rekv-slid", checkpoint_every=1, **OPTIONS)
+        api.encode(video, out, options, backbone=backbone, progress=stop_after_four_chunks)
+    loaded, load = {}, checkpoint.load
+
+    def load_watched(path, identity):
+        progress, tensors = load(path, identity)
+        loaded.update({name: weakref.ref(t) for name, t in tensors.items()})
+        return progress, tensors
+
+    monkeypatch.setattr(checkpoint, "load", load_watched)
+    alive = []
+
+    def after_a_chunk(frames, tokens):
+        if not alive:
+            gc.collect()
+            alive.extend(name for name, ref in loaded.items() if ref() is not None)
+
+    resumed = EncodeOptions("rekv-slid", checkpoint_every=1, resume=True, **OPTIONS)
+    api.encode(video, out, resumed, backbone=backbone, progress=after_a_chunk)
+    adopted = [n for n in loaded if ".archive." in n]
+    assert adopted and len(adopted) < len(loaded)
+    assert sorted(n for n in alive if n not in adopted) == []
+    assert sorted(n for n in adopted if n not in alive) == []

@@ -46,6 +46,14 @@ class Column:
         shape[self.dim] = max(1, self.slab_bytes // max(1, per_entry))
         return torch.empty(shape, dtype=like.dtype, device="cpu")
 
+    def adopt(self, parts: list[torch.Tensor]) -> None:
+        """Take `parts` (what parts() gave, loaded back) as this empty column's slabs, without
+        copying them; the next append starts a slab of its own."""
+        if self.slabs:
+            raise ValueError("only an empty column adopts slabs")
+        self.slabs = list(parts)
+        self.filled = self.slabs[-1].shape[self.dim] if self.slabs else 0
+
     def parts(self) -> list[torch.Tensor]:
         """The filled part of each slab, as views."""
         if not self.slabs:
@@ -94,8 +102,10 @@ class Archive:
             for name, tensor in zip(self.NAMES, live)
         )
 
-    def extend(self, parts: dict[str, list[torch.Tensor]]) -> None:
-        """Append what parts() gave (a resumed encode's checkpoint)."""
+    @classmethod
+    def adopting(cls, parts: dict[str, list[torch.Tensor]]) -> Archive:
+        """An archive whose slabs are `parts` (what parts() gave, loaded back from a checkpoint)."""
+        archive = cls()
         for name, tensors in parts.items():
-            for tensor in tensors:
-                self.columns[name].append(tensor)
+            archive.columns[name].adopt(tensors)
+        return archive
