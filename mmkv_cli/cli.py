@@ -208,8 +208,10 @@ def ask(
     dtype: Dtype = DtypeOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Answer questions from a saved pack, without the media: the model loads once for all of
-    them. --json prints one JSON object per question (JSONL), in input order."""
+    """Answer questions from a saved pack, without the media.
+
+    The model loads once for all of them.
+    --json prints one JSON object per question (JSONL), in input order."""
 
     def body() -> None:
         from mmkv_cli import api

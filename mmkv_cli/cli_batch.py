@@ -52,8 +52,9 @@ def batch(
     dtype: Dtype = DtypeOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Encode many media into content-addressed packs under OUT; a rerun skips what is done. One
-    bad file fails only its row of OUT/batch.jsonl; the exit is 1 when any row failed."""
+    """Encode many media into content-addressed packs under OUT; a rerun skips what is done.
+
+    One bad file fails only its row of OUT/batch.jsonl; the exit is 1 when any row failed."""
 
     def body() -> None:
         from mmkv_cli.batch.driver import run_batch, summary

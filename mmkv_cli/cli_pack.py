@@ -25,8 +25,9 @@ def convert(
     ),
     as_json: bool = JsonOpt,
 ) -> None:
-    """Store a pack's KV at other bits, or cut out a time range, without the model. The new pack
-    is written atomically; the source is never touched."""
+    """Store a pack's KV at other bits, or cut out a time range, without the model.
+
+    The new pack is written atomically; the source is never touched."""
 
     def body() -> None:
         from mmkv_cli.convert import convert as convert_pack
@@ -41,6 +42,7 @@ def convert(
 
 def verify(pack: str = typer.Argument(..., help="A .kvpack."), as_json: bool = JsonOpt) -> None:
     """Read and check every byte of a pack; report each fault (block, tensor) and exit 4 on any.
+
     `inspect` stays lazy: it reads the header and table only."""
 
     def body() -> None:

@@ -280,3 +280,18 @@ def test_user_presets_override_the_built_in_ones_from_a_flag_or_the_environment(
         timeout=60,
     )
     assert {m["name"] for m in json.loads(again.stdout)["methods"]} >= {"mine", "mukv-middle"}
+
+
+def test_every_command_lists_a_one_line_summary():
+    """`mmkv --help` shows each command's first paragraph with its line breaks kept (typer's rich
+    mode): a summary wrapped in the source shows up cut mid-sentence there."""
+    import typer
+
+    group = typer.main.get_group(app)
+    for name, command in group.commands.items():
+        summary = (command.help or "").strip().split("\n\n")[0]
+        assert summary and "\n" not in summary, name
+    listing = runner.invoke(app, ["--help"], env={"COLUMNS": "200"}).output
+    for name in group.commands:
+        row = next(line for line in listing.splitlines() if line.startswith(f"│ {name} "))
+        assert row.rstrip(" │").endswith((".", ")")), row
