@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import typer
 
-from mmkv_cli.cli_common import JsonOpt, KvGroupOpt, emit_json, run
+from mmkv_cli.cli_common import JsonOpt, emit_json, run
 
 
 def convert(
     source: str = typer.Argument(..., help="The .kvpack to convert."),
     output: str = typer.Argument(..., help="The .kvpack to write."),
-    kv_bits: int = typer.Option(
-        ..., "--kv-bits", help="Bits per stored visual K/V value: 16 (as computed), 8, 4 or 2."
+    kv_bits: int | None = typer.Option(
+        None,
+        "--kv-bits",
+        help="Bits per stored visual K/V value: 16 (as computed), 8, 4 or 2 (default: the "
+        "source's).",
     ),
-    kv_group: int = KvGroupOpt,
+    kv_group: int | None = typer.Option(
+        None,
+        "--kv-group",
+        help="With --kv-bits: tokens per key group, channels per value group (default: 64).",
+    ),
     start: float | None = typer.Option(
         None, "--from", help="Keep only blocks showing this second or later."
     ),
@@ -32,9 +39,15 @@ def convert(
     def body() -> None:
         from mmkv_cli.convert import convert as convert_pack
         from mmkv_cli.display import converted_line, out_console
+        from mmkv_cli.errors import UsageError
         from mmkv_cli.pack.quant import QuantSpec
 
-        info = convert_pack(source, output, QuantSpec(kv_bits, kv_group), start, stop, force)
+        if kv_bits is None and kv_group is not None:
+            raise UsageError("--kv-group sets how --kv-bits quantizes: pass --kv-bits too")
+        quant = (
+            None if kv_bits is None else QuantSpec(kv_bits, 64 if kv_group is None else kv_group)
+        )
+        info = convert_pack(source, output, quant, start, stop, force)
         emit_json(info) if as_json else out_console.print(converted_line(info), highlight=False)
 
     run(body)

@@ -67,14 +67,15 @@ def kept_rows(reader: PackReader, start: float | None, stop: float | None) -> np
 def convert(
     source: str | Path,
     output: str | Path,
-    quant: QuantSpec,
+    quant: QuantSpec | None = None,
     start: float | None = None,
     stop: float | None = None,
     force: bool = False,
 ) -> dict:
-    """Write `source`'s KV to `output` at quant.bits (and only the blocks in [start, stop]).
-    Refuses to raise the precision (the bits lost stay lost; the pack only grows) unless `force`,
-    which also replaces an existing output. Returns what was written."""
+    """Write `source`'s KV to `output` stored as `quant` says (None: as the source stores it), and
+    only the blocks in [start, stop]. Refuses to raise the precision (the bits lost stay lost; the
+    pack only grows) unless `force`, which also replaces an existing output. Returns what was
+    written."""
     from mmkv_cli.api import stored_method
     from mmkv_cli.pack import write_pack
 
@@ -91,6 +92,7 @@ def convert(
     ):  # a link to it counts too
         raise UsageError(f"{output} is the pack being converted: pick another output")
     check_writable(output, force)
+    quant = quant or reader.quant or QuantSpec()
     had = reader.quant.bits if reader.quant else 16
     if quant.bits > had and not force:
         raise UsageError(

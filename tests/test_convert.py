@@ -140,3 +140,25 @@ def test_the_cli_converts_and_refuses_in_one_line(packs, tmp_path):
         app, ["encode", "x.mp4", "-o", str(tmp_path / "y.kvpack"), "--kv-bits", "3"]
     )
     assert bad.exit_code == 2 and "--kv-bits must be one of" in bad.output
+
+
+def test_a_cut_without_bits_keeps_the_source_storage(packs, tmp_path):
+    """`mmkv convert movie.kvpack first-minute.kvpack --to 60` needs no --kv-bits: a 4-bit source
+    gives a 4-bit cut with its own group, its stored codes untouched."""
+    _, made = packs
+    runner = CliRunner()
+    out = tmp_path / "cut4.kvpack"
+    done = runner.invoke(app, ["convert", str(made[4]), str(out), "--from", "1", "--to", "2"])
+    assert done.exit_code == 0, done.output
+    source, cut = PackReader(made[4]), PackReader(out)
+    assert (cut.quant.bits, cut.quant.group) == (4, 16)
+    first = int(source.blocks.times()[:, 1].searchsorted(1.0))  # the first block showing 1 s
+    assert torch.equal(
+        cut.gather([cut.blocks.name(0)])[0][0],
+        source.gather([source.blocks.name(first)])[0][0],
+    )
+    alone = runner.invoke(
+        app, ["convert", str(made[4]), str(tmp_path / "g.kvpack"), "--kv-group", "32"]
+    )
+    assert alone.exit_code == 2 and "pass --kv-bits too" in alone.output
+    assert not (tmp_path / "g.kvpack").exists()
