@@ -58,15 +58,26 @@ class PhaseClock:
 
 
 def check_compatible(reader: PackReader, backbone: Backbone) -> None:
+    """Refuse a backbone other than the pack's own, in one line that says what differs."""
     made = reader.header["fingerprint"]
     here = backbone.fingerprint()
-    for key in ("family", "config_sha256", "weights_sha256"):
-        if made.get(key) != here.get(key):
+    differs = {"family": "family", "config_sha256": "configuration", "weights_sha256": "weights"}
+    for key, what in differs.items():
+        if made.get(key) == here.get(key):
+            continue
+        theirs = f"'{made.get('model')}' ({made.get('family')}, config {made.get('config_sha256')}"
+        if made.get("model") == here["model"]:  # one name, built otherwise (a cut depth, say)
+            layers = (reader.header["kv"]["layers"], backbone.kv_shape()["layers"])
+            depth = [f"{n} layer{'s' * (n != 1)}" for n in layers]
             raise PackError(
-                f"{reader.path} was made with model '{made.get('model')}' ({made.get('family')}, "
-                f"config {made.get('config_sha256')}), not '{here['model']}': "
-                "re-encode it with this model"
+                f"{reader.path} was made with another {what} of {theirs}, {depth[0]}; here: "
+                f"config {here.get('config_sha256')}, {depth[1]}): ask with the model it was made "
+                "with, or re-encode it"
             )
+        raise PackError(
+            f"{reader.path} was made with model {theirs}), not '{here['model']}': re-encode it "
+            "with this model"
+        )
 
 
 def build_cache(

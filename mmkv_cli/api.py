@@ -231,7 +231,10 @@ class PackSession:
         if backbone is None:
             load = load or LoadOptions()
             if load.model is None:
-                load = LoadOptions(pack_model(self.reader), load.device, load.dtype)
+                # a rehearsal model is rebuilt at the depth the pack was encoded at (a CPU bench
+                # cuts it); a checkpoint's depth is its own, and this is ignored
+                depth = load.layers or self.reader.header["kv"]["layers"]
+                load = LoadOptions(pack_model(self.reader), load.device, load.dtype, depth)
             backbone = load_backbone(load)
         self.backbone = backbone
         self._fetched = 0  # the remote pack's bytes already charged to a question (none yet)

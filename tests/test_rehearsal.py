@@ -44,3 +44,27 @@ def test_rehearsal_models_have_real_widths_and_real_tokens_per_frame(tmp_path, n
     assert info["kv_bytes"] == sum(l["tokens_kept"] for l in info["layers"]) * per_token  # noqa: E741
     answer = ask_pack(tmp_path / "r.kvpack", "what ?", backbone=backbone, max_new_tokens=1)
     assert answer.context_tokens > 0
+
+
+def test_a_pack_of_a_cut_depth_is_asked_at_that_depth(tmp_path):
+    """A CPU bench's pack holds one layer of a rehearsal model: `mmkv ask` rebuilds the model at
+    the depth the pack records, and a model of another depth is refused saying so."""
+    from mmkv_cli import api
+    from mmkv_cli.errors import PackError
+
+    name = "rehearsal-llava-ov-0.5b"
+    pack = tmp_path / "one-layer.kvpack"
+    encode_pack(
+        SAMPLES / "clip.mp4",
+        pack,
+        method="recency",
+        backbone=load_backbone(LoadOptions(name, "cpu", layers=1)),
+        max_frames=2,
+    )
+    session = api.PackSession(pack, load=LoadOptions(device="cpu"))
+    assert session.backbone.kv_shape()["layers"] == 1
+    assert session.ask("what ?").context_tokens > 0
+    deeper = session.backbone  # as a 2-layer build of it would describe itself
+    deeper.model.config.get_text_config().num_hidden_layers = 2
+    with pytest.raises(PackError, match=r"another configuration of .*1 layer; here: .*2 layers"):
+        api.ask(pack, "what ?", backbone=deeper)
