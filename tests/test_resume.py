@@ -50,6 +50,20 @@ def same_pack(a: Path, b: Path) -> bool:
     )
 
 
+def interrupt(backbone, video: str, out: Path, method: str, chunks: int) -> None:
+    """Encode with a checkpoint after every chunk, stopped just after chunk `chunks` is saved."""
+    calls = []
+
+    def stop(frames, tokens):  # reported before the chunk's checkpoint is saved
+        calls.append(frames)
+        if len(calls) == chunks + 1:
+            raise Stop
+
+    with pytest.raises(Stop):
+        options = EncodeOptions(method, checkpoint_every=1, **OPTIONS)
+        api.encode(video, out, options, backbone=backbone, progress=stop)
+
+
 @pytest.mark.parametrize("method", ["hermes", "h2o", "meda", "infinipot", "rekv", "mukv"])
 def test_an_interrupted_encode_resumes_to_the_same_pack(world, method):
     backbone, tmp = world
@@ -57,16 +71,7 @@ def test_an_interrupted_encode_resumes_to_the_same_pack(world, method):
     whole = tmp / f"{method}-whole.kvpack"
     api.encode(video, whole, EncodeOptions(method, **OPTIONS), backbone=backbone)
     cut = tmp / f"{method}-cut.kvpack"
-    calls = []
-
-    def stop_after_two_chunks(frames, tokens):
-        calls.append(frames)
-        if len(calls) == 3:
-            raise Stop
-
-    with pytest.raises(Stop):
-        options = EncodeOptions(method, checkpoint_every=1, **OPTIONS)
-        api.encode(video, cut, options, backbone=backbone, progress=stop_after_two_chunks)
+    interrupt(backbone, video, cut, method, chunks=2)
     assert checkpoint_path(cut).exists() and not cut.exists()
     resumed = EncodeOptions(method, checkpoint_every=1, resume=True, **OPTIONS)
     api.encode(video, cut, resumed, backbone=backbone)
@@ -78,17 +83,7 @@ def test_a_checkpoint_of_another_encode_is_refused(world):
     backbone, tmp = world
     video = str(tmp / "set" / "clips" / "clip_0000.mp4")
     out = tmp / "other.kvpack"
-
-    calls = []
-
-    def stop(frames, tokens):  # after the first chunk's checkpoint
-        calls.append(frames)
-        if len(calls) == 2:
-            raise Stop
-
-    with pytest.raises(Stop):
-        options = EncodeOptions("hermes", checkpoint_every=1, **OPTIONS)
-        api.encode(video, out, options, backbone=backbone, progress=stop)
+    interrupt(backbone, video, out, "hermes", chunks=1)
     with pytest.raises(UsageError, match="pass --resume"):  # not overwritten by mistake
         options = EncodeOptions("hermes", checkpoint_every=1, **OPTIONS)
         api.encode(video, out, options, backbone=backbone)
@@ -174,16 +169,7 @@ def test_a_resumed_encode_holds_no_loaded_tensor_past_its_use(world, monkeypatch
     monkeypatch.setenv("MMKV_PRESETS", str(tmp / "presets"))
     video = str(tmp / "set" / "clips" / "clip_0000.mp4")
     out = tmp / "held.kvpack"
-    calls = []
-
-    def stop_after_four_chunks(frames, tokens):
-        calls.append(frames)
-        if len(calls) == 5:
-            raise Stop
-
-    with pytest.raises(Stop):
-        options = EncodeOptions("rekv-slid", checkpoint_every=1, **OPTIONS)
-        api.encode(video, out, options, backbone=backbone, progress=stop_after_four_chunks)
+    interrupt(backbone, video, out, "rekv-slid", chunks=4)
     loaded, load = {}, checkpoint.load
 
     def load_watched(path, identity):
