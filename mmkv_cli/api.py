@@ -11,6 +11,7 @@ import math
 import os
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -211,6 +212,14 @@ def pack_model(reader: PackReader) -> str:
     )
 
 
+def load_for(reader: PackReader, load: LoadOptions) -> LoadOptions:
+    """How to load the backbone that answers from `reader`: `load`'s model, else the pack's own. A
+    rehearsal model is built at the depth the pack records (a CPU bench cuts it); a checkpoint's
+    depth is its own, and ignores it."""
+    layers = load.layers or reader.header["kv"]["layers"]
+    return replace(load, model=load.model or pack_model(reader), layers=layers)
+
+
 class PackSession:
     """One pack opened, its context policy built and its backbone loaded, for many questions: the
     process pays for torch and the model once, not per question."""
@@ -229,13 +238,7 @@ class PackSession:
         check_askable(self.reader.header, str(self.reader.path))
         self.policy = context_policy(self.reader)
         if backbone is None:
-            load = load or LoadOptions()
-            if load.model is None:
-                # a rehearsal model is rebuilt at the depth the pack was encoded at (a CPU bench
-                # cuts it); a checkpoint's depth is its own, and this is ignored
-                depth = load.layers or self.reader.header["kv"]["layers"]
-                load = LoadOptions(pack_model(self.reader), load.device, load.dtype, depth)
-            backbone = load_backbone(load)
+            backbone = load_backbone(load_for(self.reader, load or LoadOptions()))
         self.backbone = backbone
         self._fetched = 0  # the remote pack's bytes already charged to a question (none yet)
 

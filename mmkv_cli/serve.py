@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from mmkv_cli.api import pack_model
+from mmkv_cli.api import load_for
 from mmkv_cli.errors import MmkvError, ModelError, PackError, UsageError
 from mmkv_cli.options import AskOptions, LoadOptions
 from mmkv_cli.serve_request import ChatRequest
@@ -46,7 +46,7 @@ class Packs:
         self.load = load
         self.capacity = max(1, models)
         self.limit = max(1, queue)
-        self.backbones: OrderedDict[str, object] = OrderedDict()
+        self.backbones: OrderedDict[LoadOptions, object] = OrderedDict()
         self.sessions: dict[str, tuple[tuple, object]] = {}
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="mmkv-model")
         self.pending = 0
@@ -81,19 +81,18 @@ class Packs:
         if held and held[0] == key:
             return held[1]
         reader = PackReader(path)  # opened once: the session keeps it
-        model = self.load.model or pack_model(reader)
-        session = PackSession(reader, backbone=self._backbone(model))
+        session = PackSession(reader, backbone=self._backbone(load_for(reader, self.load)))
         self.sessions[name] = (key, session)
         return session
 
-    def _backbone(self, model: str):
+    def _backbone(self, load: LoadOptions):
         from mmkv_cli.backbones import load_backbone
 
-        if model in self.backbones:
-            self.backbones.move_to_end(model)
-            return self.backbones[model]
-        backbone = load_backbone(replace(self.load, model=model))
-        self.backbones[model] = backbone
+        if load in self.backbones:
+            self.backbones.move_to_end(load)
+            return self.backbones[load]
+        backbone = load_backbone(load)
+        self.backbones[load] = backbone
         while len(self.backbones) > self.capacity:
             _, gone = self.backbones.popitem(last=False)  # sessions on it go too, freeing it
             self.sessions = {n: s for n, s in self.sessions.items() if s[1].backbone is not gone}
@@ -156,7 +155,11 @@ def create_app(
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "packs": len(packs.names()), "models_loaded": list(packs.backbones)}
+        return {
+            "status": "ok",
+            "packs": len(packs.names()),
+            "models_loaded": [load.model for load in packs.backbones],
+        }
 
     @app.get("/v1/models")
     async def list_models():

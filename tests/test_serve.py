@@ -79,7 +79,6 @@ def test_eight_concurrent_streams_get_the_sequential_answers(server, expected):
 
 
 def test_the_other_endpoints_and_extra_fields(server, packs):
-    assert httpx.get(f"{server}/health").json()["status"] == "ok"
     info = httpx.get(f"{server}/v1/packs/clip").json()
     assert info == json.loads(json.dumps(api.inspect((packs / "clip.kvpack").resolve())))
     reply = httpx.post(
@@ -90,9 +89,12 @@ def test_the_other_endpoints_and_extra_fields(server, packs):
             "explain": True,
             "at": 1.0,
         },
+        timeout=120,  # run alone, this request loads the model
     ).json()
     retrieved = reply["mmkv"]["retrieved"]
     assert retrieved and all(r["time"][0] <= 1.0 for r in retrieved)
+    health = httpx.get(f"{server}/health").json()
+    assert health["status"] == "ok" and health["models_loaded"] == ["demo"]
 
 
 @pytest.mark.parametrize(
@@ -191,8 +193,8 @@ def test_an_evicted_backbone_takes_its_sessions_with_it(packs, monkeypatch):
 
     monkeypatch.setattr(backbones_module, "load_backbone", lambda load: object())
     held = Packs(shelf(packs), LoadOptions(), models=1)
-    first = held._backbone("a")
+    first = held._backbone(LoadOptions("a"))
     held.sessions["clip"] = ((0, 0), type("S", (), {"backbone": first})())
-    assert held._backbone("a") is first and "clip" in held.sessions  # a hit keeps it
-    held._backbone("b")
-    assert list(held.backbones) == ["b"] and "clip" not in held.sessions
+    assert held._backbone(LoadOptions("a")) is first and "clip" in held.sessions  # a hit keeps it
+    held._backbone(LoadOptions("a", layers=1))  # another depth of a rehearsal model: its own
+    assert list(held.backbones) == [LoadOptions("a", layers=1)] and "clip" not in held.sessions
