@@ -101,16 +101,22 @@ def build_cache(
     prefix = reader.span("prefix")
     layers = len(prefix.keys)
     parts = [(prefix.keys, prefix.values, prefix.positions)]
+    gathered = None
     if names:
         # joined per layer in context order; a quantized pack's blocks decode on the model's device
-        parts.append(reader.gather(names, per_layer, backbone.device))
+        gathered = reader.gather(names, per_layer, backbone.device)
+        parts.append(gathered)
     if ends_at is None:
         suffix = reader.span("suffix")
         parts.append((suffix.keys, suffix.values, suffix.positions))
-    keys, values, kept_positions = (
-        [torch.cat([p[i][layer].to(where) for p in parts], dim=1) for layer in range(layers)]
-        for i, where in enumerate((backbone.device, backbone.device, "cpu"))
-    )
+    keys, values, kept_positions = [], [], []
+    for layer in range(layers):
+        for i, (joined, where) in enumerate(
+            ((keys, backbone.device), (values, backbone.device), (kept_positions, "cpu"))
+        ):
+            joined.append(torch.cat([p[i][layer].to(where) for p in parts], dim=1))
+            if gathered:  # let go of the layer as it is joined: the context is held once
+                gathered[i][layer] = None
     # stored: never derived from the cache length
     stored_next = int(reader.header["layout"]["next_position"])
     next_position = stored_next
@@ -137,7 +143,7 @@ def build_cache(
         lead = (backbone.suffix_embeds(), (stored - start + end).to(backbone.device))
         next_position = stored_next - start + end
     return (
-        backbone.cache_from_layers(keys, values),
+        backbone.cache_from_layers(keys, values, adopt=True),
         max(int(k.shape[1]) for k in keys),
         next_position,
         lead,

@@ -102,3 +102,56 @@ def test_question_at_a_moment_sees_the_stream_up_to_it(tmp_path, backbones, name
             **reference_inputs(backbone, frames.read(0, 2), QUESTION, frames.timestamps[:2])
         )
     assert (answer.first_logits - live.logits[0, -1].float()).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("kv_bits", [16, 4])
+def test_an_asked_context_is_held_once(tmp_path, backbones, monkeypatch, kv_bits):
+    """At an hour a full context is GBs: each layer's gathered KV is let go as soon as it is
+    joined with the prompt around it, and the cache holds the joined tensors themselves (it used
+    to hold a third copy, the gather and the join alive beside it)."""
+    import gc
+    import weakref
+
+    from mmkv_cli.answer import build_cache
+    from mmkv_cli.pack import PackReader
+
+    backbone = backbones[TINY[0]]
+    pack = tmp_path / "full.kvpack"
+    encode_pack(
+        SAMPLES / "clip.mp4",
+        pack,
+        method="full",
+        backbone=backbone,
+        max_frames=4,
+        kv_bits=kv_bits,
+        kv_group=16,
+    )
+    reader = PackReader(pack)
+    gathered, seen = [], {}
+    gather, holding = PackReader.gather, type(backbone).cache_from_layers
+
+    def gather_watched(self, *args, **kwargs):
+        out = gather(self, *args, **kwargs)
+        gathered.extend(weakref.ref(t) for part in out[:2] for t in part)
+        return out
+
+    def holding_watched(self, keys, values, batch=1, adopt=False):
+        gc.collect()
+        seen["gathered alive"] = sum(ref() is not None for ref in gathered)
+        cache = holding(self, keys, values, batch, adopt)
+        seen["held as given"] = all(
+            entry.keys.data_ptr() == k.data_ptr() for entry, k in zip(cache.layers, keys)
+        )
+        return cache
+
+    monkeypatch.setattr(PackReader, "gather", gather_watched)
+    monkeypatch.setattr(type(backbone), "cache_from_layers", holding_watched)
+    names = [reader.blocks.name(i) for i in range(len(reader.blocks))]
+    cache, tokens, *_ = build_cache(backbone, reader, names)
+    assert gathered and seen == {"gathered alive": 0, "held as given": True}
+    spans = reader.span("prefix").layer_counts[0] + reader.span("suffix").layer_counts[0]
+    assert (
+        tokens
+        == cache.layers[0].keys.shape[2]
+        == spans + int(reader.blocks.layer_totals()[:, 0].sum())
+    )

@@ -160,15 +160,26 @@ class Backbone:
         return DynamicCache(config=self.text_config)
 
     def cache_from_layers(
-        self, keys: list[torch.Tensor], values: list[torch.Tensor], batch: int = 1
+        self,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        batch: int = 1,
+        adopt: bool = False,
     ) -> DynamicCache:
-        """A cache holding per-layer [H_kv, n, D] tensors, the same for each of `batch` rows."""
+        """A cache holding per-layer [H_kv, n, D] tensors, the same for each of `batch` rows.
+        adopt: the tensors were made for this cache (a pack's context, GBs at an hour): it holds
+        them as they are, where a plain update would copy every layer once more."""
         cache = self.new_cache()
         for layer, (k, v) in enumerate(zip(keys, values)):
             k, v = (
                 t.to(self.device, self.dtype).unsqueeze(0).expand(batch, -1, -1, -1) for t in (k, v)
             )
-            cache.update(k, v, layer)
+            if not adopt or batch != 1:
+                cache.update(k, v, layer)
+                continue
+            cache.update(k[:, :, :0], v[:, :, :0], layer)  # sets the layer up, holding nothing
+            entry = cache.layers[layer]
+            entry.keys, entry.values = k, v  # never written in place: updates concatenate
         return cache
 
     def select_extra(self, extra: dict, index: torch.Tensor) -> dict:

@@ -256,10 +256,11 @@ class PackReader:
         instead (each a subset of `names`, in context order), for retrieval that picks blocks layer
         by layer. A quantized pack's K/V are dequantized on `device` (default: the CPU), only the
         rows read; an unquantized pack's are CPU views (strided; concatenating makes them
-        contiguous).
+        contiguous), each layer's its own buffer.
 
-        A context of many blocks is read with one row gather per tensor from the memory map, not a
-        dozen small reads per block; every block's checksum is still verified, on its own bytes.
+        A context of many blocks is read with one row gather per tensor and layer from the memory
+        map, not a dozen small reads per block; every block's checksum is still verified, on its
+        own bytes.
         """
         if not names:
             return [], [], []
@@ -282,25 +283,30 @@ class PackReader:
         totals = [int(where.counts[t, layer].sum()) for layer, t in enumerate(taken)]
         positions = self._pick(views["pos"], where.position_rows(taken)).to(torch.int64)
         positions = [p.T for p in torch.split(positions, totals)]
+        # K/V in a buffer per layer: a caller joining layer by layer lets go of each in turn
+        ends = np.cumsum(totals)
+        layer_rows = np.split(rows, ends[:-1])
         if self.quant is None:
-            keys, values = (self._pick(views[part], rows) for part in ("k", "v"))
-            return (
-                [t.transpose(0, 1) for t in torch.split(keys, totals)],
-                [t.transpose(0, 1) for t in torch.split(values, totals)],
-                positions,
+            keys, values = (
+                [self._pick(views[part], r).transpose(0, 1) for r in layer_rows]
+                for part in ("k", "v")
             )
+            return keys, values, positions
         groups, expand = where.key_group_rows(taken)
         k, v, vq = (self._pick(views[p], rows).to(device) for p in ("k", "v", "vq"))
         # float32 before they are spread over the tokens: one conversion per group, not per token
         key_scales = self._pick(views["kq"], groups).to(device).float()
         expand = torch.from_numpy(expand).to(device)
         dtype = dtype or getattr(torch, self.header["kv"]["dtype"])
-        keys, values = dequantize(k, v, key_scales, expand, vq.float(), self.quant.bits, dtype)
-        return (
-            [t.transpose(0, 1) for t in torch.split(keys, totals)],
-            [t.transpose(0, 1) for t in torch.split(values, totals)],
-            positions,
-        )
+        keys, values = [], []
+        for first, stop in zip((0, *ends[:-1].tolist()), ends.tolist()):
+            at = slice(first, stop)
+            layer = dequantize(
+                k[at], v[at], key_scales, expand[at], vq[at].float(), self.quant.bits, dtype
+            )
+            keys.append(layer[0].transpose(0, 1))
+            values.append(layer[1].transpose(0, 1))
+        return keys, values, positions
 
     def _tensor_range(self, name: str) -> tuple[int, int]:
         """Tensor `name`'s absolute byte range in the file."""
