@@ -42,11 +42,11 @@ def convert(
         from mmkv_cli.errors import UsageError
         from mmkv_cli.pack.quant import QuantSpec
 
-        if kv_bits is None and kv_group is not None:
+        quant = None  # stored as the source is
+        if kv_bits is not None:
+            quant = QuantSpec(kv_bits) if kv_group is None else QuantSpec(kv_bits, kv_group)
+        elif kv_group is not None:
             raise UsageError("--kv-group sets how --kv-bits quantizes: pass --kv-bits too")
-        quant = (
-            None if kv_bits is None else QuantSpec(kv_bits, 64 if kv_group is None else kv_group)
-        )
         info = convert_pack(source, output, quant, start, stop, force)
         emit_json(info) if as_json else out_console.print(converted_line(info), highlight=False)
 

@@ -49,8 +49,6 @@ class Column:
     def adopt(self, parts: list[torch.Tensor]) -> None:
         """Take `parts` (what parts() gave, loaded back) as this empty column's slabs, without
         copying them; the next append starts a slab of its own."""
-        if self.slabs:
-            raise ValueError("only an empty column adopts slabs")
         self.slabs = list(parts)
         self.filled = self.slabs[-1].shape[self.dim] if self.slabs else 0
 

@@ -285,10 +285,9 @@ class PackReader:
         positions = [p.T for p in torch.split(positions, totals)]
         # K/V in a buffer per layer: a caller joining layer by layer lets go of each in turn
         ends = np.cumsum(totals)
-        layer_rows = np.split(rows, ends[:-1])
         if self.quant is None:
             keys, values = (
-                [self._pick(views[part], r).transpose(0, 1) for r in layer_rows]
+                [self._pick(views[part], r).transpose(0, 1) for r in np.split(rows, ends[:-1])]
                 for part in ("k", "v")
             )
             return keys, values, positions
