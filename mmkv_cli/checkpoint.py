@@ -1,19 +1,24 @@
 """Resumable encodes: every N chunks the streaming state is saved beside the output, atomically;
 `encode --resume` continues from it and writes the pack an uninterrupted run would.
 
-A checkpoint is a safetensors file `.NAME.mmkv-checkpoint` (no pickle): the running cache of every
-layer (K, V, stream indices, positions, entries offloaded to the host), the policy's own state (its
-`saved()` tensors), or for a blockwise method the blocks made so far; its metadata holds what the
-encode is (media digest, model fingerprint, method, parameters, budget, sampling, stored bits) and
-how far it got. A checkpoint of another encode is refused, never mixed in; one whose bytes do not
-match its digest is refused too. It is removed once the pack is written.
+A checkpoint is safetensors files (no pickle). What only grows and never changes once made (ReKV's
+offloaded KV in whole pieces, MuKV's finished blocks) is written once, each save adding a segment
+`.NAME.mmkv-checkpoint.seg-N` with what is new since the last; the rest (the running cache, the
+policy's own state, the archive's tail) is rewritten in the head `.NAME.mmkv-checkpoint` at every
+save. Rewriting everything made an encode's checkpoint writes grow with the square of its length:
+an hour of ReKV at 7B (20 GB offloaded, 90 saves) wrote about 900 GB. The head's metadata holds
+what the encode is (media digest, model fingerprint, method, parameters, budget, sampling, stored
+bits), how far it got, and each segment's tensor names and digest. A checkpoint of another encode
+is refused, never mixed in; one whose bytes do not match their digests is refused too. It is
+removed once the pack is written.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmkv_cli.errors import PackError, UsageError
@@ -23,23 +28,30 @@ from mmkv_cli.pack.format import Span, tensors_sha256
 from mmkv_cli.pack.writer import sweep_stale
 
 SUFFIX = ".mmkv-checkpoint"
-FORMAT, VERSION = "mmkv.checkpoint", 2  # 2: the archive stored by column, in slabs
+FORMAT, VERSION = "mmkv.checkpoint", 3  # 3: what never changes is written once, in segments
 META = "mmkv_checkpoint"
+SEGMENT = ".seg-"
+DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 def checkpoint_path(output: Path) -> Path:
     return output.parent / f".{output.name}{SUFFIX}"
 
 
+def segment_path(path: Path, number: int) -> Path:
+    return path.with_name(f"{path.name}{SEGMENT}{number}")
+
+
 @dataclass
 class Checkpointing:
-    """One encode's checkpoints: where, how often, what encode they belong to, and what a resume
-    starts from (restored: (progress, tensors), or None)."""
+    """One encode's checkpoints: where, how often, what encode they belong to, what a resume
+    starts from (restored: (progress, tensors), or None) and the segments saved so far."""
 
     path: Path
     every: int  # chunks between saves (0: never save)
     identity: dict
     restored: tuple[dict, dict] | None = None
+    segments: list[dict] = field(default_factory=list)  # {"names", "sha256"}, in order
 
     @classmethod
     def open(cls, output: Path, every: int, resume: bool, identity: dict) -> Checkpointing:
@@ -47,8 +59,10 @@ class Checkpointing:
             raise UsageError("--checkpoint-every must be 0 (never) or a number of chunks")
         cls.refuse_overwrite(output, every, resume)
         path = checkpoint_path(output)
-        found = load(path, identity) if resume and path.exists() else None
-        return cls(path, every, identity, found)
+        if not (resume and path.exists()):
+            return cls(path, every, identity)
+        progress, tensors, segments = load(path, identity)
+        return cls(path, every, identity, (progress, tensors), segments)
 
     @staticmethod
     def refuse_overwrite(output: Path, every: int, resume: bool) -> None:
@@ -70,36 +84,57 @@ class Checkpointing:
     def due(self, chunks_done: int) -> bool:
         return self.every > 0 and chunks_done % self.every == 0
 
-    def save(self, progress: dict, tensors: dict[str, torch.Tensor]) -> None:
-        save(self.path, self.identity, progress, tensors)
+    def save(
+        self, progress: dict, live: dict[str, torch.Tensor], sealed: dict[str, torch.Tensor]
+    ) -> None:
+        """Save the state. `sealed`: tensors whose name, once saved, always stands for the same
+        bytes; those not saved yet go to a new segment, the others are not written again (and
+        may be left out). `live`: the rest, rewritten in the head."""
+        done = {name for segment in self.segments for name in segment["names"]}
+        new = {name: t for name, t in sealed.items() if name not in done}
+        segments = list(self.segments)
+        if new:
+            digest = _write(segment_path(self.path, len(segments)), self.path, new, {})
+            segments.append({"names": sorted(new), "sha256": digest})
+        meta = {"format": FORMAT, "version": VERSION, "identity": self.identity}
+        _write(self.path, self.path, live, {**meta, "progress": progress, "segments": segments})
+        self.segments = segments
+        _sweep_segments(self.path, keep=len(segments))  # what a killed save left unlisted
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
+        _sweep_segments(self.path, keep=0)
 
 
-def save(path: Path, identity: dict, progress: dict, tensors: dict[str, torch.Tensor]) -> None:
-    """Write a checkpoint atomically: a partial file beside it, fsynced, renamed into place."""
+def _write(target: Path, path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> str:
+    """Write `tensors` to `target` atomically (a partial file beside it, fsynced, renamed into
+    place), with `meta` (and the tensors' digest) as its metadata; the digest."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     plain = _writable(tensors)
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "identity": identity,
-        "progress": progress,
-        "sha256": tensors_sha256(list(plain.values())),
-    }
+    digest = tensors_sha256(list(plain.values()))
     sweep_stale(path, path.name, ".part")  # partial checkpoints of killed encodes
     partial = path.with_name(f"{path.name}.{os.getpid()}.part")
     try:
-        save_file(plain, str(partial), metadata={META: json.dumps(meta, sort_keys=True)})
+        metadata = {META: json.dumps({**meta, "sha256": digest}, sort_keys=True)}
+        save_file(plain, str(partial), metadata=metadata)
         with open(partial, "rb") as fh:
             os.fsync(fh.fileno())
-        os.replace(partial, path)
+        os.replace(partial, target)
     except (OSError, SafetensorError) as err:
         partial.unlink(missing_ok=True)
-        raise PackError(f"cannot write the checkpoint {path}: {err}") from None
+        raise PackError(f"cannot write the checkpoint {target}: {err}") from None
+    return digest
+
+
+def _sweep_segments(path: Path, keep: int) -> None:
+    """Remove the segments of `path` numbered `keep` and on."""
+    start = f"{path.name}{SEGMENT}"
+    for found in path.parent.iterdir():
+        number = found.name[len(start) :] if found.name.startswith(start) else ""
+        if number.isdigit() and int(number) >= keep:
+            found.unlink(missing_ok=True)
 
 
 def _writable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -117,17 +152,11 @@ def _writable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load(path: Path, identity: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(progress, tensors) of the checkpoint at `path`, made by the encode `identity` names."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            meta = json.loads((fh.metadata() or {}).get(META, "null"))
-            tensors = {name: fh.get_tensor(name) for name in sorted(fh.keys())}
-    except (OSError, SafetensorError, ValueError) as err:
-        raise PackError(f"{path} is not a readable checkpoint ({err})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+def load(path: Path, identity: dict) -> tuple[dict, dict[str, torch.Tensor], list[dict]]:
+    """(progress, tensors, segments) of the checkpoint at `path`, made by the encode `identity`
+    names: its head's tensors and every segment's, each file checked against its digest."""
+    meta, tensors = _read(path)
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise PackError(f"{path} is not an mmkv checkpoint this version reads")
     if meta.get("identity") != identity:
         theirs = meta.get("identity") if isinstance(meta.get("identity"), dict) else {}
@@ -136,56 +165,108 @@ def load(path: Path, identity: dict) -> tuple[dict, dict[str, torch.Tensor]]:
             f"{path} is the checkpoint of another encode ({', '.join(changed)} differ): delete "
             "it, or encode without --resume"
         )
+    progress, segments = meta.get("progress"), meta.get("segments")
+    if not isinstance(progress, dict) or not _segment_list(segments):
+        raise PackError(f"{path} is corrupted (no progress or segment list)")
+    for number, segment in enumerate(segments):
+        found = segment_path(path, number)
+        if not found.exists():
+            raise PackError(f"{path} is incomplete: its segment {found.name} is missing")
+        part_meta, part = _read(found)
+        if part_meta.get("sha256") != segment["sha256"] or sorted(part) != segment["names"]:
+            raise PackError(f"{found} is not the segment {path} lists")
+        if part.keys() & tensors.keys():
+            raise PackError(f"{path} is corrupted (a tensor saved twice)")
+        tensors |= part
+    return progress, tensors, segments
+
+
+def _segment_list(segments) -> bool:
+    return isinstance(segments, list) and all(
+        isinstance(s, dict)
+        and isinstance(s.get("sha256"), str)
+        and DIGEST.fullmatch(s["sha256"])
+        and isinstance(s.get("names"), list)
+        and all(isinstance(n, str) for n in s["names"])
+        and s["names"] == sorted(s["names"])
+        for s in segments
+    )
+
+
+def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """One checkpoint file's metadata and tensors, its tensors checked against its digest."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = json.loads((fh.metadata() or {}).get(META, "null"))
+            tensors = {name: fh.get_tensor(name) for name in sorted(fh.keys())}
+    except (OSError, SafetensorError, ValueError) as err:
+        raise PackError(f"{path} is not a readable checkpoint ({err})") from None
+    if not isinstance(meta, dict):
+        raise PackError(f"{path} is not an mmkv checkpoint this version reads")
     if tensors_sha256(list(tensors.values())) != meta.get("sha256"):
         raise PackError(f"{path} is corrupted (checksum mismatch)")
-    progress = meta.get("progress")
-    if not isinstance(progress, dict):
-        raise PackError(f"{path} is corrupted (no progress)")
-    return progress, tensors
+    return meta, tensors
 
 
 # --- what is saved ---
 
 
-def running_cache_tensors(running) -> dict[str, torch.Tensor]:
-    """A RunningCache as named tensors: every layer's whole cache entry (prompt, front token and
-    visual part), its visual entries' stream indices and positions, and what it offloaded."""
-    out = {"cache.front": torch.tensor(running.front)}
+def running_cache_tensors(running) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A RunningCache as named tensors, (live, sealed): every layer's whole cache entry (prompt,
+    front token and visual part), its visual entries' stream indices and positions, and the tail
+    of what it offloaded; sealed, the offloaded entries in whole pieces, named by their first."""
+    live, sealed = {"cache.front": torch.tensor(running.front)}, {}
     for layer, entry in enumerate(running.cache.layers):
-        out[f"cache.{layer}.k"], out[f"cache.{layer}.v"] = entry.keys, entry.values
-        out[f"cache.{layer}.index"] = running.index[layer]
-        out[f"cache.{layer}.pos"] = running.positions[layer]
-        for name, parts in running.archive[layer].parts().items():
-            for n, tensor in enumerate(parts):
-                out[f"cache.{layer}.archive.{name}.{n}"] = tensor
-    return out
+        live[f"cache.{layer}.k"], live[f"cache.{layer}.v"] = entry.keys, entry.values
+        live[f"cache.{layer}.index"] = running.index[layer]
+        live[f"cache.{layer}.pos"] = running.positions[layer]
+        pieces, tails = running.archive[layer].pieces()
+        for name, by_start in pieces.items():
+            for start, tensor in by_start.items():
+                sealed[f"cache.{layer}.archive.{name}.{start}"] = tensor
+        for name, tensor in tails.items():
+            live[f"cache.{layer}.archive.{name}.tail"] = tensor
+    return live, sealed
 
 
 def restore_running_cache(running, tensors: dict[str, torch.Tensor]) -> None:
     """Put a checkpoint's tensors back into `running`, taking them out of `tensors` as they go: the
-    archive keeps the loaded slabs themselves (no second host copy of an hour's offloaded KV)."""
+    archive keeps the loaded pieces themselves (no second host copy of an hour's offloaded KV)."""
     running.front = tensors.pop("cache.front").tolist()
     for layer, entry in enumerate(running.cache.layers):
         entry.keys = tensors.pop(f"cache.{layer}.k").to(entry.keys)
         entry.values = tensors.pop(f"cache.{layer}.v").to(entry.values)
         running.index[layer] = tensors.pop(f"cache.{layer}.index")
         running.positions[layer] = tensors.pop(f"cache.{layer}.pos")
-        archived = {name: [] for name in Archive.NAMES}
-        for name, parts in archived.items():
-            while (key := f"cache.{layer}.archive.{name}.{len(parts)}") in tensors:
-                parts.append(tensors.pop(key))
-        running.archive[layer] = Archive.adopting(archived)
+        pieces, tails = {}, {}
+        for name in Archive.NAMES:
+            prefix = f"cache.{layer}.archive.{name}."
+            starts = sorted(int(k[len(prefix) :]) for k in tensors if _numbered(k, prefix))
+            pieces[name] = [tensors.pop(f"{prefix}{start}") for start in starts]
+            if f"{prefix}tail" in tensors:
+                tails[name] = tensors.pop(f"{prefix}tail")
+        running.archive[layer] = Archive.restoring(pieces, tails)
 
 
-def blocks_tensors(blocks: list[Span]) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """Blockwise blocks made so far: their K/V/positions concatenated (token-major, as a pack
-    stores them) and representatives; the rest as JSON rows."""
+def _numbered(name: str, prefix: str) -> bool:
+    return name.startswith(prefix) and name[len(prefix) :].isdigit()
+
+
+def blocks_tensors(
+    blocks: list[Span], saved: int = 0
+) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Blockwise blocks made so far as JSON rows, and the tensors of those from `saved` on (sealed:
+    a block never changes once made): their K/V/positions concatenated (token-major, as a pack
+    stores them) and representatives."""
     tensors, rows = {}, []
     for i, block in enumerate(blocks):
-        for part, name in enumerate(("k", "v", "pos")):
-            tensors[f"block.{i}.{name}"] = block.part(part)
-        if block.representative is not None:
-            tensors[f"block.{i}.rep"] = block.representative
+        if i >= saved:
+            for part, name in enumerate(("k", "v", "pos")):
+                tensors[f"block.{i}.{name}"] = block.part(part)
+            if block.representative is not None:
+                tensors[f"block.{i}.rep"] = block.representative
         rows.append(
             {
                 "counts": block.layer_counts,

@@ -220,9 +220,8 @@ def encode_streaming(
         if checkpoint and checkpoint.due(number) and state.seen < total:
             progress = {"chunks": number, "seen": state.seen, "shift": state.shift}
             saved = {f"policy.{k}": v for k, v in policy.saved().items()}
-            checkpoint.save(
-                {**progress, "peak_kv": peak_kv}, running_cache_tensors(running) | saved
-            )
+            live, sealed = running_cache_tensors(running)
+            checkpoint.save({**progress, "peak_kv": peak_kv}, live | saved, sealed)
     _check_count(stream.media, state.seen, total)
     policy.finish(state)
     blocks = policy.make_blocks(state, stream.step_times)
@@ -281,6 +280,7 @@ def encode_blockwise(
         progress, tensors = checkpoint.take_restored()  # popped as used: none outlives its use
         blocks = blocks_from(tensors, progress["blocks"])
         seen, peak_kv, skip = progress["seen"], progress["peak_kv"], progress["chunks"]
+    saved = len(blocks)  # blocks before it are in the checkpoint already
     unit = policy.segment_steps(per_step)
     for number, (first_step, frames, done) in enumerate(stream.chunks(unit, skip), start=skip + 1):
         times = stream.step_times[first_step : first_step + len(frames) // per_step]
@@ -296,9 +296,10 @@ def encode_blockwise(
         peak_kv = max(peak_kv, peak)
         stream.report(done, seen)
         if checkpoint and checkpoint.due(number) and seen < total:
-            tensors, rows = blocks_tensors(blocks)
+            tensors, rows = blocks_tensors(blocks, saved)
             progress = {"chunks": number, "seen": seen, "peak_kv": peak_kv, "blocks": rows}
-            checkpoint.save(progress, tensors)
+            checkpoint.save(progress, {}, tensors)
+            saved = len(blocks)
     _check_count(stream.media, seen, total)
     return Streamed(order_blocks(blocks), cache, prefix.layer_counts, peak_kv)
 

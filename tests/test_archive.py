@@ -17,34 +17,50 @@ def test_a_column_fills_slabs_in_order_across_their_edges():
     assert len(column) == 0 and column.parts() == []
 
 
-def test_an_archive_keeps_its_columns_in_step_and_adopts_its_parts_back():
-    archive = Archive(slab_bytes=512)
-    for first in range(0, 40, 8):
-        index = torch.arange(first, first + 8)
-        archive.add(torch.randn(2, 8, 4), torch.randn(2, 8, 4), index.repeat(3, 1), index)
-    assert len(archive) == 40
-    parts = archive.parts()
-    assert len(parts["k"]) > 1 and len(parts["index"]) == 1  # slabs sized by each column's width
-    loaded = {name: [t.clone() for t in tensors] for name, tensors in parts.items()}
-    back = Archive.adopting(loaded)  # a resume: the loaded slabs are kept, not copied again
-    assert back.columns["k"].slabs[0].data_ptr() == loaded["k"][0].data_ptr()
-    more = torch.arange(40, 45)
+def test_an_archive_keeps_its_columns_in_step_and_adopts_its_pieces_back():
+    archive = Archive(slab_bytes=512, piece=8)
+    for first in range(0, 44, 11):
+        index = torch.arange(first, first + 11)
+        archive.add(torch.randn(2, 11, 4), torch.randn(2, 11, 4), index.repeat(3, 1), index)
+    assert len(archive) == 44
+    assert archive.columns["k"].slabs[0].shape[1] == 16  # 512 bytes hold 16 entries: 2 pieces
+    assert archive.columns["index"].slabs[0].shape[0] == 64  # 64: whole pieces of 8
+    pieces, tails = archive.pieces()
+    assert sorted(pieces["k"]) == [0, 8, 16, 24, 32] and tails["index"].tolist() == [40, 41, 42, 43]
+    slabs = {s.untyped_storage().data_ptr() for s in archive.columns["k"].slabs}
+    assert all(p.untyped_storage().data_ptr() in slabs for p in pieces["k"].values())  # views
+    loaded = {name: [t.clone() for t in by_start.values()] for name, by_start in pieces.items()}
+    back = Archive.restoring(loaded, {n: t.clone() for n, t in tails.items()}, piece=8)
+    assert back.columns["k"].slabs[0].data_ptr() == loaded["k"][0].data_ptr()  # kept, not copied
+    more = torch.arange(44, 49)
     back.add(torch.randn(2, 5, 4), torch.randn(2, 5, 4), more.repeat(3, 1), more)
-    assert len(back) == 45
-    for name, mine in back.take().items():
+    assert len(back) == 49
+    again, _ = back.pieces()  # the tail went into a fresh slab: pieces stay whole in one slab
+    assert sorted(again["k"]) == [0, 8, 16, 24, 32, 40]
+    assert again["k"][40].untyped_storage().data_ptr() == back.columns["k"].slabs[-1].data_ptr()
+    mine = archive.take()
+    for name, theirs in back.take().items():
         dim = -2 if name in ("k", "v") else -1
-        whole = torch.cat(mine, dim=dim)
-        assert torch.equal(whole.narrow(dim, 0, 40), torch.cat(parts[name], dim=dim)), name
-    assert torch.cat(parts["index"]).tolist() == list(range(40))
-    assert loaded["index"][0].tolist() == list(range(40))  # a full slab is never written into
+        whole = torch.cat(theirs, dim=dim)
+        assert torch.equal(whole.narrow(dim, 0, 44), torch.cat(mine[name], dim=dim)), name
+    assert torch.cat(loaded["index"]).tolist() == list(range(40))  # a whole piece is never written
+
+
+def test_a_column_reads_entries_across_its_slabs():
+    column = Column(dim=-1, slab_bytes=5 * 8)  # 5 int64 entries a slab
+    column.append(torch.arange(12))
+    one = column.entries(5, 9)
+    assert one.tolist() == [5, 6, 7, 8]
+    assert one.untyped_storage().data_ptr() == column.slabs[1].untyped_storage().data_ptr()
+    assert column.entries(3, 12).tolist() == list(range(3, 12))  # three slabs, joined
 
 
 def test_a_checkpoint_writes_the_archive_in_place(tmp_path):
     """Saving copies only what safetensors cannot write as it is (a non-contiguous view, a second
     name on one storage): an hour's archive is not cloned whole at every checkpoint."""
-    from mmkv_cli.checkpoint import _writable, load, save
+    from mmkv_cli.checkpoint import Checkpointing, _writable, load
 
-    archive = Archive(slab_bytes=1024)
+    archive = Archive(slab_bytes=1024, piece=8)
     for first in range(0, 64, 16):
         archive.add(
             torch.randn(2, 16, 4),
@@ -62,8 +78,9 @@ def test_a_checkpoint_writes_the_archive_in_place(tmp_path):
     assert whole.untyped_storage().data_ptr() in one_storage  # one name written in place,
     assert len(set(one_storage)) == 2  # the other copied
     assert plain["strided"].is_contiguous()
-    save(tmp_path / "c", {"id": 1}, {"seen": 64}, tensors)
-    _, back = load(tmp_path / "c", {"id": 1})
+    checkpoint = Checkpointing(tmp_path / "c", 1, {"id": 1})
+    checkpoint.save({"seen": 64}, tensors, {})
+    _, back, _ = load(tmp_path / "c", {"id": 1})
     for name, tensor in tensors.items():
         assert torch.equal(back[name], tensor), name
 

@@ -151,7 +151,24 @@ def test_a_killed_eval_leaves_nothing_outside_its_folder_and_finishes_on_rerun(w
     assert (run / "metrics.json").exists() and not (run / ".work").exists()
 
 
-def test_a_resumed_encode_holds_no_loaded_tensor_past_its_use(world, monkeypatch):
+@pytest.fixture
+def slid(world, monkeypatch):
+    """The world, with a ReKV preset whose window slides (12 chunks of 4 frames; a 24-token
+    window, so it offloads from the 3rd chunk on) and checkpoints saving the archive in pieces of
+    12 entries."""
+    from mmkv_cli.methods import archive
+
+    backbone, tmp = world
+    presets = tmp / "presets" / "methods"
+    presets.mkdir(parents=True, exist_ok=True)
+    preset = "extends: rekv\nparams:\n  chunk_frames: 4\n  window_tokens: 24\n"
+    (presets / "rekv-slid.yaml").write_text(preset)
+    monkeypatch.setenv("MMKV_PRESETS", str(tmp / "presets"))
+    monkeypatch.setattr(archive, "PIECE", 12)
+    return world
+
+
+def test_a_resumed_encode_holds_no_loaded_tensor_past_its_use(slid, monkeypatch):
     """At an hour of video a checkpoint is GBs: the resumed encode keeps the loaded archive slabs
     themselves (no second copy), and drops every other loaded tensor once the stream moves on (the
     loaded window, replaced by the next chunk's)."""
@@ -160,22 +177,16 @@ def test_a_resumed_encode_holds_no_loaded_tensor_past_its_use(world, monkeypatch
 
     from mmkv_cli import checkpoint
 
-    backbone, tmp = world
-    presets = tmp / "presets" / "methods"
-    presets.mkdir(parents=True, exist_ok=True)
-    # 12 chunks, a checkpoint after 4 of them, by when the window has offloaded some
-    preset = "extends: rekv\nparams:\n  chunk_frames: 4\n  window_tokens: 24\n"
-    (presets / "rekv-slid.yaml").write_text(preset)
-    monkeypatch.setenv("MMKV_PRESETS", str(tmp / "presets"))
+    backbone, tmp = slid
     video = str(tmp / "set" / "clips" / "clip_0000.mp4")
     out = tmp / "held.kvpack"
     interrupt(backbone, video, out, "rekv-slid", chunks=4)
     loaded, load = {}, checkpoint.load
 
     def load_watched(path, identity):
-        progress, tensors = load(path, identity)
+        progress, tensors, segments = load(path, identity)
         loaded.update({name: weakref.ref(t) for name, t in tensors.items()})
-        return progress, tensors
+        return progress, tensors, segments
 
     monkeypatch.setattr(checkpoint, "load", load_watched)
     alive = []
@@ -187,7 +198,61 @@ def test_a_resumed_encode_holds_no_loaded_tensor_past_its_use(world, monkeypatch
 
     resumed = EncodeOptions("rekv-slid", checkpoint_every=1, resume=True, **OPTIONS)
     api.encode(video, out, resumed, backbone=backbone, progress=after_a_chunk)
-    adopted = [n for n in loaded if ".archive." in n]
-    assert adopted and len(adopted) < len(loaded)
-    assert sorted(n for n in alive if n not in adopted) == []
+    adopted = [n for n in loaded if ".archive." in n and not n.endswith(".tail")]
+    assert adopted and len(adopted) < len(loaded) and any(n.endswith(".tail") for n in loaded)
+    assert sorted(n for n in alive if n not in adopted) == []  # the tails were copied
     assert sorted(n for n in adopted if n not in alive) == []
+
+
+@pytest.mark.parametrize("method,chunks", [("rekv-slid", 7), ("mukv", 2)])  # of 12 and 3
+def test_a_checkpoint_writes_what_never_changes_once(slid, monkeypatch, method, chunks):
+    """Offloaded KV and finished blocks only grow: rewriting them at every save made an encode's
+    checkpoint writes grow with the square of its length (an hour of ReKV at 7B: about 900 GB).
+    Each is written once, in a segment; the head rewritten at every save stays the same size."""
+    from mmkv_cli import checkpoint
+
+    backbone, tmp = slid
+    video = str(tmp / "set" / "clips" / "clip_0001.mp4")
+    whole = tmp / f"once-{method}-whole.kvpack"
+    api.encode(video, whole, EncodeOptions(method, **OPTIONS), backbone=backbone)
+    writes, write = [], checkpoint._write
+
+    def write_watched(target, path, tensors, meta):
+        writes.append((target.name, set(tensors), sum(t.nbytes for t in tensors.values())))
+        return write(target, path, tensors, meta)
+
+    monkeypatch.setattr(checkpoint, "_write", write_watched)
+    out = tmp / f"once-{method}.kvpack"
+    interrupt(backbone, video, out, method, chunks)
+    segments = [w for w in writes if ".seg-" in w[0]]
+    heads = [w for w in writes if ".seg-" not in w[0]]
+    assert len(heads) == chunks and len(segments) >= chunks // 2 + 1
+    sealed = [name for _, names, _ in segments for name in names]
+    assert len(sealed) == len(set(sealed))  # each written once
+    assert not any(names & set(sealed) for _, names, _ in heads)
+    if method == "mukv":
+        assert all(head_bytes == 0 for *_, head_bytes in heads)
+    else:  # the window, the tail of less than a piece, the policy's state: no more as it goes
+        assert max(b for *_, b in heads[3:]) <= max(b for *_, b in heads[:3])
+    resumed = EncodeOptions(method, checkpoint_every=1, resume=True, **OPTIONS)
+    api.encode(video, out, resumed, backbone=backbone)
+    assert same_pack(whole, out)
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith(f".{out.name}")]
+
+
+def test_a_checkpoint_with_a_bad_or_missing_segment_is_refused(slid):
+    from mmkv_cli.checkpoint import segment_path
+
+    backbone, tmp = slid
+    video = str(tmp / "set" / "clips" / "clip_0000.mp4")
+    out = tmp / "segments.kvpack"
+    interrupt(backbone, video, out, "rekv-slid", chunks=6)
+    first = segment_path(checkpoint_path(out), 0)
+    resume = EncodeOptions("rekv-slid", checkpoint_every=1, resume=True, **OPTIONS)
+    data = first.read_bytes()
+    first.write_bytes(data[:-2] + bytes([data[-2] ^ 0xFF]) + data[-1:])
+    with pytest.raises(PackError, match="corrupted"):
+        api.encode(video, out, resume, backbone=backbone)
+    first.unlink()
+    with pytest.raises(PackError, match="segment .*seg-0 is missing"):
+        api.encode(video, out, resume, backbone=backbone)

@@ -5,6 +5,10 @@ One small tensor per offload, long-lived and interleaved with each chunk's short
 tensors, left glibc's heap unable to reuse or return its holes: ReKV's RSS grew 14 MB a chunk for
 3 MB of KV (rehearsal 0.5B, one layer). A slab larger than glibc's largest mmap threshold (32 MB) is
 a mapping of its own, its untouched pages cost nothing, and freeing it returns it whole.
+
+A checkpoint saves an archive as whole pieces of PIECE entries, each written once (what is archived
+never changes), plus the tail after the last whole piece; slabs hold whole pieces, so every piece
+is a view of one slab.
 """
 
 from __future__ import annotations
@@ -12,14 +16,16 @@ from __future__ import annotations
 from mmkv_cli.lazy import torch
 
 SLAB_BYTES = 64 << 20
+PIECE = 8192  # entries a checkpoint writes once as one piece (K or V of 8 MB at 7B in bf16)
 
 
 class Column:
     """Tensors appended along `dim`, copied into host slabs of about `slab_bytes` each."""
 
-    def __init__(self, dim: int, slab_bytes: int = SLAB_BYTES):
+    def __init__(self, dim: int, slab_bytes: int = SLAB_BYTES, unit: int = 1):
         self.dim = dim
         self.slab_bytes = slab_bytes
+        self.unit = unit  # a slab holds a whole number of these many entries
         self.slabs: list[torch.Tensor] = []
         self.filled = 0  # entries along dim in the last slab
 
@@ -43,8 +49,20 @@ class Column:
     def _slab(self, like: torch.Tensor) -> torch.Tensor:
         per_entry = like.element_size() * like.numel() // max(1, like.shape[self.dim])
         shape = list(like.shape)
-        shape[self.dim] = max(1, self.slab_bytes // max(1, per_entry))
+        room = self.slab_bytes // max(1, per_entry)
+        shape[self.dim] = max(self.unit, room // self.unit * self.unit)
         return torch.empty(shape, dtype=like.dtype, device="cpu")
+
+    def entries(self, start: int, stop: int) -> torch.Tensor:
+        """Entries [start, stop) along dim: a view where they lie in one slab, else joined."""
+        views, offset = [], 0
+        for part in self.parts():
+            count = part.shape[self.dim]
+            first, last = max(start, offset), min(stop, offset + count)
+            if first < last:
+                views.append(part.narrow(self.dim, first - offset, last - first))
+            offset += count
+        return views[0] if len(views) == 1 else torch.cat(views, dim=self.dim)
 
     def adopt(self, parts: list[torch.Tensor]) -> None:
         """Take `parts` (what parts() gave, loaded back) as this empty column's slabs, without
@@ -71,9 +89,11 @@ class Archive:
 
     NAMES = ("k", "v", "pos", "index")
 
-    def __init__(self, slab_bytes: int = SLAB_BYTES):
+    def __init__(self, slab_bytes: int = SLAB_BYTES, piece: int | None = None):
+        self.piece = piece or PIECE
         self.columns = {
-            name: Column(-2 if name in ("k", "v") else -1, slab_bytes) for name in self.NAMES
+            name: Column(-2 if name in ("k", "v") else -1, slab_bytes, self.piece)
+            for name in self.NAMES
         }
 
     def __len__(self) -> int:
@@ -100,10 +120,35 @@ class Archive:
             for name, tensor in zip(self.NAMES, live)
         )
 
+    def pieces(self) -> tuple[dict[str, dict[int, torch.Tensor]], dict[str, torch.Tensor]]:
+        """What a checkpoint saves: each column's whole pieces by their first entry (views), and
+        the entries after the last whole piece (the tail; none when there are none)."""
+        whole = len(self) // self.piece * self.piece
+        pieces = {
+            name: {
+                start: column.entries(start, start + self.piece)
+                for start in range(0, whole, self.piece)
+            }
+            for name, column in self.columns.items()
+        }
+        tails = {}
+        if whole < len(self):
+            tails = {name: c.entries(whole, len(self)) for name, c in self.columns.items()}
+        return pieces, tails
+
     @classmethod
-    def adopting(cls, parts: dict[str, list[torch.Tensor]]) -> Archive:
-        """An archive whose slabs are `parts` (what parts() gave, loaded back from a checkpoint)."""
-        archive = cls()
-        for name, tensors in parts.items():
-            archive.columns[name].adopt(tensors)
+    def restoring(
+        cls,
+        pieces: dict[str, list[torch.Tensor]],
+        tails: dict[str, torch.Tensor],
+        piece: int | None = None,
+    ) -> Archive:
+        """An archive of what pieces() gave, loaded back from a checkpoint: the pieces (in order)
+        become its slabs without a copy, the tail is copied into a fresh slab, so the slabs go on
+        holding whole pieces."""
+        archive = cls(piece=piece)
+        for name, column in archive.columns.items():
+            column.adopt(pieces.get(name, []))
+            if name in tails:
+                column.append(tails[name])
         return archive
