@@ -26,7 +26,7 @@ WRITTEN = ("format", "format_version", "spans", "blocks", "quant", "representati
 
 class _Blocks(Sequence):
     """The kept blocks of a pack, each loaded (and checked) when indexed, held by nobody: the writer
-    reads each a few times, but never holds more than one."""
+    reads each twice (its table, then its bytes), but never holds more than one."""
 
     def __init__(self, reader: PackReader, rows: np.ndarray, dtype):
         self.reader, self.rows, self.dtype = reader, rows, dtype

@@ -162,3 +162,24 @@ def test_a_cut_without_bits_keeps_the_source_storage(packs, tmp_path):
     )
     assert alone.exit_code == 2 and "pass --kv-bits too" in alone.output
     assert not (tmp_path / "g.kvpack").exists()
+
+
+def test_convert_reads_each_block_twice_not_once_per_stored_tensor(packs, tmp_path, monkeypatch):
+    """Once for the table, once to write it: the writer used to load a block again for each of
+    its stored tensors (K, V, positions, and the table and representatives besides)."""
+    from mmkv_cli import convert as converting
+
+    _, made = packs
+    loads: list[int] = []
+    getitem = converting._Blocks.__getitem__
+
+    def counted(self, i):
+        block = getitem(self, i)  # past the end raises, as a sequence's iteration expects
+        loads.append(i)
+        return block
+
+    monkeypatch.setattr(converting._Blocks, "__getitem__", counted)
+    info = convert(made[16], tmp_path / "c4.kvpack", QuantSpec(4, 16))
+    assert info["blocks"] > 2
+    assert sorted(set(loads)) == list(range(info["blocks"]))
+    assert max(loads.count(i) for i in range(1, info["blocks"])) == 2

@@ -10,6 +10,7 @@ from mmkv_cli.pack.quant import (
     dequantize_keys,
     dequantize_values,
     key_groups,
+    key_ranges,
     pack_codes,
     quantize_keys,
     quantize_values,
@@ -28,6 +29,18 @@ def test_codes_pack_and_unpack_exactly(bits):
 def test_key_groups_restart_at_every_layer_run():
     # layers keep 5, 0 and 3 tokens; groups of 2 tokens
     assert key_groups([5, 0, 3], 2).tolist() == [0, 0, 1, 1, 2, 3, 3, 4]
+
+
+def test_key_ranges_are_each_groups_own_min_and_max():
+    counts = [5, 0, 3, 4]  # a short last group, an empty layer, a layer of whole groups
+    x = torch.randn(sum(counts), 6)
+    low, high = key_ranges(x, counts, 2)
+    ids = key_groups(counts, 2)
+    assert low.shape == high.shape == (int(ids.max()) + 1, 6)
+    for g in range(low.shape[0]):
+        assert torch.equal(low[g], x[ids == g].amin(0)) and torch.equal(
+            high[g], x[ids == g].amax(0)
+        )
 
 
 def _expanded(scales, counts, group):

@@ -139,6 +139,25 @@ def key_groups(counts: list[int], group: int) -> torch.Tensor:
     return first_group[run_of] + within // group
 
 
+def key_ranges(x: torch.Tensor, counts: list[int], group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (low, high) [groups, C] of every key group of token-major x [sum counts, C].
+    A group is a contiguous run of tokens, so each layer's run reduces as whole groups (one
+    reshape) plus its shorter last group: no per-token scatter."""
+    lows, highs, first = [], [], 0
+    for count in counts:
+        whole = count // group * group
+        for start, stop in ((first, first + whole), (first + whole, first + count)):
+            if stop > start:
+                runs = x[start:stop].reshape(-1, min(group, stop - start), x.shape[1])
+                low, high = torch.aminmax(runs, dim=1)
+                lows.append(low)
+                highs.append(high)
+        first += count
+    if not lows:
+        return x.new_empty(0, x.shape[1]), x.new_empty(0, x.shape[1])
+    return torch.cat(lows), torch.cat(highs)
+
+
 def quantize_keys(
     keys: torch.Tensor, counts: list[int], bits: int, group: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,14 +165,12 @@ def quantize_keys(
     zero [groups, 2, H, D] float16), per channel over groups of `group` tokens of each layer."""
     n, heads, dim = keys.shape
     x = keys.float().reshape(n, heads * dim)
-    ids = key_groups(counts, group)
-    groups = int(ids.max()) + 1 if n else 0
-    index = ids.unsqueeze(1).expand(-1, heads * dim)
-    low = torch.full((groups, heads * dim), float("inf")).scatter_reduce(0, index, x, "amin")
-    high = torch.full((groups, heads * dim), float("-inf")).scatter_reduce(0, index, x, "amax")
+    low, high = key_ranges(x, counts, group)
     stored = _scale_zero(low, high, bits)  # [groups, C, 2]
     scale, zero = stored.float().unbind(-1)
+    ids = key_groups(counts, group)
     codes = _codes(x, scale[ids], zero[ids], bits).reshape(n, heads, dim)
+    groups = stored.shape[0]
     return pack_codes(codes, bits), stored.transpose(1, 2).reshape(groups, 2, heads, dim)
 
 

@@ -99,10 +99,10 @@ def _dtype_code(t: torch.Tensor) -> str:
     return SAFETENSORS_DTYPES[str(t.dtype).replace("torch.", "")]
 
 
-def _table(blocks: list[Span], quant: QuantSpec) -> tuple[list[str], list, list, list[int]]:
-    """(granularity names, table rows, times, rows of blocks.k, .pos, .kq) for `blocks`, read from
-    their counts and positions only (no K/V copy)."""
-    kinds, table, times = [], [], []
+def _layout(blocks: Sequence[Span], quant: QuantSpec):
+    """(granularity names, table rows, times, rows of blocks.k, .pos, .kq, representatives) for
+    `blocks`, in one pass over them (a lazy sequence loads each block once here)."""
+    kinds, table, times, reps = [], [], [], []
     offset = positions = groups = 0
     for index, block in enumerate(blocks):
         if block.name != block_name(index):  # readers name blocks by their row in the table
@@ -119,38 +119,42 @@ def _table(blocks: list[Span], quant: QuantSpec) -> tuple[list[str], list, list,
             + counts
         )
         times.append([round(float(t), 4) for t in block.time] if block.time else [float("nan")] * 2)
+        reps.append(block.representative)
         offset += sum(counts)
         positions += counts[0] if shared else sum(counts)
         if quant.quantized:
             groups += sum(-(-n // quant.group) for n in counts)
-    return kinds, table, times, [offset, positions, groups]
+    return kinds, table, times, [offset, positions, groups], reps
 
 
-def _block_bytes(blocks: list[Span], quant: QuantSpec, digests: list):
-    """Every block tensor's bytes in file order (all blocks' K, then V, positions, key scales,
-    value scales), each block's digest updated as they go. One block is quantized at a time; its
-    scales (a 32nd of its fp16 size) wait for their own pass."""
-    scales: dict[str, list] = {"kq": [], "vq": []}
-    for part in PARTS if quant.quantized else PARTS[:3]:
-        for index, (block, digest) in enumerate(zip(blocks, digests)):
-            if part in scales:
-                data = scales[part][index]
-            elif part == "pos":
-                data = stored_positions(block)[0]
-            elif not quant.quantized:
-                data = block.part(0 if part == "k" else 1)
-            elif part == "k":
-                counts = block.layer_counts
-                data, kept = quantize_keys(block.part(0), counts, quant.bits, quant.group)
-                scales["kq"].append(kept)
-            else:
-                heads, dim = block.keys[0].shape[0], block.keys[0].shape[2]
-                group = quant.value_group(heads, dim)
-                data, kept = quantize_values(block.part(1), quant.bits, group)
-                scales["vq"].append(kept)
+def _stored_parts(block: Span, quant: QuantSpec) -> list[torch.Tensor]:
+    """A block's stored tensors in PARTS order: K, V, positions, and (quantized) the keys' and
+    the values' scales."""
+    positions = stored_positions(block)[0]
+    if not quant.quantized:
+        return [block.part(0), block.part(1), positions]
+    keys, key_scales = quantize_keys(block.part(0), block.layer_counts, quant.bits, quant.group)
+    heads, dim = block.keys[0].shape[0], block.keys[0].shape[2]
+    values, value_scales = quantize_values(block.part(1), quant.bits, quant.value_group(heads, dim))
+    return [keys, values, positions, key_scales, value_scales]
+
+
+def _write_blocks(fh, blocks: Sequence[Span], quant: QuantSpec, starts: list[int]):
+    """Write every block's stored tensors where they go (starts: where each of the PARTS tensors
+    begins in the file), each block made (and quantized) once. Returns where each part's writes
+    ended and the blocks' digests.
+    The file keeps all blocks' K, then all V, ...: each part is a run of writes in block order."""
+    at, digests = list(starts), []
+    for block in blocks:
+        digest = hashlib.sha256()
+        for part, data in enumerate(_stored_parts(block, quant)):
             raw = raw_bytes(data)
             digest.update(raw)
-            yield raw
+            fh.seek(at[part])
+            fh.write(raw)
+            at[part] += raw.nbytes
+        digests.append(digest.digest())
+    return at, digests
 
 
 def _block_tensors(blocks: list[Span], quant: QuantSpec, rows: list[int]) -> dict:
@@ -186,10 +190,10 @@ def write_pack(
     reps_space: what the representatives are means of ("post_rope": a pack before v6, converted).
 
     The file is a safetensors file written here directly: the directory first, then every tensor's
-    bytes in order, the blocks streamed one at a time (a pack of an hour of video is many GB: it is
-    never assembled in memory, only each block's contiguous copy while it is written and hashed).
-    `blocks` may be a lazy sequence that loads a block when indexed (convert): it is read a few
-    times, once per stored tensor.
+    bytes, the blocks streamed one at a time, each part at its place (a pack of an hour of video is
+    many GB: it is never assembled in memory, only each block's stored copy while it is written and
+    hashed). `blocks` may be a lazy sequence that loads a block when indexed (convert): it is read
+    twice, for the table and to be written.
     """
     check_writable(path, force)
     quant = quant or QuantSpec()
@@ -207,14 +211,13 @@ def write_pack(
     small.update(series)
     # All blocks share a few tensors (a handful of safetensors entries, whatever the video
     # length); each block is a contiguous row range of each of them.
-    kinds, table, times, rows = _table(blocks, quant)
+    kinds, table, times, rows, reps = _layout(blocks, quant)
     streamed: dict[str, tuple[str, list[int]]] = {}
     if blocks:
         streamed = _block_tensors(blocks, quant, rows)
         small[f"{BLOCKS}.table"] = torch.tensor(table, dtype=torch.int64)
         small[f"{BLOCKS}.time"] = torch.tensor(times, dtype=torch.float64)
-    reps = [b.representative for b in blocks if b.representative is not None] if blocks else []
-    if reps and len(reps) == len(blocks):
+    if reps and all(r is not None for r in reps):
         # in the KV's own dtype: retrieval keys need no more precision than the keys they average
         dtype = prefix.keys[0].dtype if prefix.keys else torch.float32
         small["reps"] = torch.stack([r.reshape(-1, r.shape[-1]) for r in reps]).to(dtype)
@@ -267,10 +270,15 @@ def write_pack(
             fh.write(struct.pack("<Q", len(head)) + head)
             for tensor in small.values():
                 fh.write(raw_bytes(tensor))
-            digests = [hashlib.sha256() for _ in blocks]
-            for data in _block_bytes(blocks, quant, digests):
-                fh.write(data)
-            fh.write(b"".join(d.digest() for d in digests))
+            data_start = 8 + len(head)
+            parts = [f"{BLOCKS}.{part}" for part in PARTS if f"{BLOCKS}.{part}" in streamed]
+            starts = [data_start + entries[name]["data_offsets"][0] for name in parts]
+            ends, digests = _write_blocks(fh, blocks, quant, starts)
+            if ends != [data_start + entries[name]["data_offsets"][1] for name in parts]:
+                raise PackError(f"internal: the blocks of {path} did not fill their tensors")
+            if blocks:
+                fh.seek(data_start + entries[f"{BLOCKS}.sha256"]["data_offsets"][0])
+                fh.write(b"".join(digests))
             fh.flush()
             os.fsync(fh.fileno())
         if path.exists() and not force:  # appeared while we were encoding
