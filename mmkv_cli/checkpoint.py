@@ -1,12 +1,14 @@
 """Resumable encodes: every N chunks the streaming state is saved beside the output, atomically;
 `encode --resume` continues from it and writes the pack an uninterrupted run would.
 
-A checkpoint is safetensors files (no pickle). What only grows and never changes once made (ReKV's
-offloaded KV in whole pieces, MuKV's finished blocks) is written once, each save adding a segment
-`.NAME.mmkv-checkpoint.seg-N` with what is new since the last; the rest (the running cache, the
-policy's own state, the archive's tail) is rewritten in the head `.NAME.mmkv-checkpoint` at every
-save. Rewriting everything made an encode's checkpoint writes grow with the square of its length:
-an hour of ReKV at 7B (20 GB offloaded, 90 saves) wrote about 900 GB. The head's metadata holds
+A checkpoint is safetensors files (no pickle). What only grows and never changes once made (the
+running cache's entries no policy rewrote, all of `full`'s; ReKV's offloaded KV; each in whole
+pieces; MuKV's finished blocks) is written once, each save adding a segment
+`.NAME.mmkv-checkpoint.seg-N` with what is new since the last; the rest (the running cache's
+rewritten part, the policy's own state, the tails of less than a piece) is rewritten in the head
+`.NAME.mmkv-checkpoint` at every save. Rewriting everything made an encode's checkpoint writes
+grow with the square of its length: an hour of ReKV or `full` at 7B (20 GB, 90 saves) wrote about
+900 GB. The head's metadata holds
 what the encode is (media digest, model fingerprint, method, parameters, budget, sampling, stored
 bits), how far it got, and each segment's tensor names and digest. A checkpoint of another encode
 is refused, never mixed in; one whose bytes do not match their digests is refused too. It is
@@ -23,12 +25,14 @@ from pathlib import Path
 
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.lazy import torch
+from mmkv_cli.methods import archive
 from mmkv_cli.methods.archive import Archive
 from mmkv_cli.pack.format import Span, tensors_sha256
 from mmkv_cli.pack.writer import sweep_stale
 
 SUFFIX = ".mmkv-checkpoint"
-FORMAT, VERSION = "mmkv.checkpoint", 3  # 3: what never changes is written once, in segments
+FORMAT, VERSION = "mmkv.checkpoint", 4  # 3: what never changes is written once, in segments;
+# 4: so are the running cache's entries no splice rewrote
 META = "mmkv_checkpoint"
 SEGMENT = ".seg-"
 DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -214,40 +218,77 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def running_cache_tensors(running) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """A RunningCache as named tensors, (live, sealed): every layer's whole cache entry (prompt,
-    front token and visual part), its visual entries' stream indices and positions, and the tail
-    of what it offloaded; sealed, the offloaded entries in whole pieces, named by their first."""
+    """A RunningCache as named tensors, (live, sealed). Sealed: the entries of each layer no splice
+    has rewritten (all of `full`'s) and the archive's offloaded entries, in whole pieces named by
+    their first entry (an untouched entry never changes later: splices only ever lower the count);
+    live: the rest of every layer's cache entry (prompt, front token, visual part), of its visual
+    entries' stream indices and positions and of the archive, and where the pieces end."""
     live, sealed = {"cache.front": torch.tensor(running.front)}, {}
+    piece = archive.PIECE  # read here: tests cut smaller pieces
     for layer, entry in enumerate(running.cache.layers):
-        live[f"cache.{layer}.k"], live[f"cache.{layer}.v"] = entry.keys, entry.values
-        live[f"cache.{layer}.index"] = running.index[layer]
-        live[f"cache.{layer}.pos"] = running.positions[layer]
+        name, unchanged = f"cache.{layer}", running.unchanged[layer]
+        cut = min(unchanged, entry.keys.shape[2]) // piece * piece
+        start = running.visual_start(layer)
+        visual_cut = max(0, min(unchanged - start, running.count(layer))) // piece * piece
+        live[f"{name}.cut"] = torch.tensor([unchanged, cut, visual_cut])
+        parts = (
+            ("k", entry.keys, 2, cut),
+            ("v", entry.values, 2, cut),
+            ("index", running.index[layer], 0, visual_cut),
+            ("pos", running.positions[layer], 1, visual_cut),
+        )
+        for part, tensor, dim, upto in parts:
+            for first in range(0, upto, piece):
+                sealed[f"{name}.piece.{part}.{first}"] = tensor.narrow(dim, first, piece)
+            live[f"{name}.{part}"] = tensor.narrow(dim, upto, tensor.shape[dim] - upto)
         pieces, tails = running.archive[layer].pieces()
-        for name, by_start in pieces.items():
-            for start, tensor in by_start.items():
-                sealed[f"cache.{layer}.archive.{name}.{start}"] = tensor
-        for name, tensor in tails.items():
-            live[f"cache.{layer}.archive.{name}.tail"] = tensor
+        for kind, by_start in pieces.items():
+            for first, tensor in by_start.items():
+                sealed[f"{name}.archive.{kind}.{first}"] = tensor
+        for kind, tensor in tails.items():
+            live[f"{name}.archive.{kind}.tail"] = tensor
     return live, sealed
 
 
 def restore_running_cache(running, tensors: dict[str, torch.Tensor]) -> None:
     """Put a checkpoint's tensors back into `running`, taking them out of `tensors` as they go: the
-    archive keeps the loaded pieces themselves (no second host copy of an hour's offloaded KV)."""
+    archive keeps the loaded pieces themselves (no second host copy of an hour's offloaded KV).
+    Pieces past the last save's cut (entries a splice rewrote after they were saved) are dropped."""
     running.front = tensors.pop("cache.front").tolist()
     for layer, entry in enumerate(running.cache.layers):
-        entry.keys = tensors.pop(f"cache.{layer}.k").to(entry.keys)
-        entry.values = tensors.pop(f"cache.{layer}.v").to(entry.values)
-        running.index[layer] = tensors.pop(f"cache.{layer}.index")
-        running.positions[layer] = tensors.pop(f"cache.{layer}.pos")
-        pieces, tails = {}, {}
-        for name in Archive.NAMES:
-            prefix = f"cache.{layer}.archive.{name}."
+        name = f"cache.{layer}"
+        unchanged, cut, visual_cut = tensors.pop(f"{name}.cut").tolist()
+        pieces = f"{name}.piece."
+        entry.keys = _joined(tensors, pieces + "k.", f"{name}.k", 2, cut).to(entry.keys)
+        entry.values = _joined(tensors, pieces + "v.", f"{name}.v", 2, cut).to(entry.values)
+        running.index[layer] = _joined(tensors, pieces + "index.", f"{name}.index", 0, visual_cut)
+        running.positions[layer] = _joined(tensors, pieces + "pos.", f"{name}.pos", 1, visual_cut)
+        running.unchanged[layer] = unchanged
+        kept, tails = {}, {}
+        for kind in Archive.NAMES:
+            prefix = f"{name}.archive.{kind}."
             starts = sorted(int(k[len(prefix) :]) for k in tensors if _numbered(k, prefix))
-            pieces[name] = [tensors.pop(f"{prefix}{start}") for start in starts]
+            kept[kind] = [tensors.pop(f"{prefix}{start}") for start in starts]
             if f"{prefix}tail" in tensors:
-                tails[name] = tensors.pop(f"{prefix}tail")
-        running.archive[layer] = Archive.restoring(pieces, tails)
+                tails[kind] = tensors.pop(f"{prefix}tail")
+        running.archive[layer] = Archive.restoring(kept, tails)
+
+
+def _joined(tensors: dict, prefix: str, tail: str, dim: int, cut: int) -> torch.Tensor:
+    """The pieces named `prefix`<first entry> below `cut`, which must cover [0, cut) one after
+    another, and then the tail, joined along `dim`; every piece is taken out of `tensors` (those
+    from `cut` on hold entries rewritten since)."""
+    starts = sorted(int(k[len(prefix) :]) for k in tensors if _numbered(k, prefix))
+    parts, at = [], 0
+    for start in starts:
+        piece = tensors.pop(f"{prefix}{start}")
+        if start < cut:
+            parts.append(piece)
+            at = at + piece.shape[dim] if start == at else -1
+    if at != cut or tail not in tensors:
+        raise PackError(f"the checkpoint is corrupted (the saved pieces of {tail} do not fit)")
+    parts.append(tensors.pop(tail))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def _numbered(name: str, prefix: str) -> bool:

@@ -154,8 +154,8 @@ def test_a_killed_eval_leaves_nothing_outside_its_folder_and_finishes_on_rerun(w
 @pytest.fixture
 def slid(world, monkeypatch):
     """The world, with a ReKV preset whose window slides (12 chunks of 4 frames; a 24-token
-    window, so it offloads from the 3rd chunk on) and checkpoints saving the archive in pieces of
-    12 entries."""
+    window, so it offloads from the 3rd chunk on), `full` and recency in chunks of 4 frames, and
+    checkpoints saving what does not change in pieces of 12 entries."""
     from mmkv_cli.methods import archive
 
     backbone, tmp = world
@@ -163,6 +163,10 @@ def slid(world, monkeypatch):
     presets.mkdir(parents=True, exist_ok=True)
     preset = "extends: rekv\nparams:\n  chunk_frames: 4\n  window_tokens: 24\n"
     (presets / "rekv-slid.yaml").write_text(preset)
+    for method in ("full", "recency"):  # 12 chunks too; recency evicts from the 4th on
+        (presets / f"{method}-slid.yaml").write_text(
+            f"extends: {method}\nparams:\n  chunk_frames: 4\n"
+        )
     monkeypatch.setenv("MMKV_PRESETS", str(tmp / "presets"))
     monkeypatch.setattr(archive, "PIECE", 12)
     return world
@@ -204,11 +208,14 @@ def test_a_resumed_encode_holds_no_loaded_tensor_past_its_use(slid, monkeypatch)
     assert sorted(n for n in adopted if n not in alive) == []
 
 
-@pytest.mark.parametrize("method,chunks", [("rekv-slid", 7), ("mukv", 2)])  # of 12 and 3
+@pytest.mark.parametrize(
+    "method,chunks", [("rekv-slid", 7), ("full-slid", 7), ("mukv", 2)]
+)  # of 12, 12 and 3
 def test_a_checkpoint_writes_what_never_changes_once(slid, monkeypatch, method, chunks):
-    """Offloaded KV and finished blocks only grow: rewriting them at every save made an encode's
-    checkpoint writes grow with the square of its length (an hour of ReKV at 7B: about 900 GB).
-    Each is written once, in a segment; the head rewritten at every save stays the same size."""
+    """Offloaded KV, `full`'s cache and finished blocks only grow: rewriting them at every save
+    made an encode's checkpoint writes grow with the square of its length (an hour of ReKV or
+    `full` at 7B: about 900 GB). Each is written once, in a segment; the head rewritten at every
+    save stays the same size."""
     from mmkv_cli import checkpoint
 
     backbone, tmp = slid
@@ -256,3 +263,29 @@ def test_a_checkpoint_with_a_bad_or_missing_segment_is_refused(slid):
     first.unlink()
     with pytest.raises(PackError, match="segment .*seg-0 is missing"):
         api.encode(video, out, resume, backbone=backbone)
+
+
+def test_saved_pieces_a_policy_rewrites_later_are_not_restored(slid, monkeypatch):
+    """Recency keeps every token until its budget fills (3 chunks), so the first saves write the
+    untouched cache in pieces; its evictions then rewrite those entries. The resume must start
+    from the cache as it was at the last save, not from the pieces."""
+    from mmkv_cli import checkpoint
+
+    backbone, tmp = slid
+    video = str(tmp / "set" / "clips" / "clip_0001.mp4")
+    whole = tmp / "evicting-whole.kvpack"
+    api.encode(video, whole, EncodeOptions("recency-slid", **OPTIONS), backbone=backbone)
+    written, write = [], checkpoint._write
+
+    def write_watched(target, path, tensors, meta):
+        written.extend(tensors)
+        return write(target, path, tensors, meta)
+
+    monkeypatch.setattr(checkpoint, "_write", write_watched)
+    out = tmp / "evicting.kvpack"
+    interrupt(backbone, video, out, "recency-slid", chunks=6)
+    pieces = [name for name in written if ".piece.k." in name]  # saved before the evictions
+    assert pieces and max(int(name.split(".")[-1]) for name in pieces) > 11  # past the prompt
+    resumed = EncodeOptions("recency-slid", checkpoint_every=1, resume=True, **OPTIONS)
+    api.encode(video, out, resumed, backbone=backbone)
+    assert same_pack(whole, out)

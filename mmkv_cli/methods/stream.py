@@ -3,11 +3,13 @@
 `RunningCache` is one per-layer store: each layer holds [prompt | front | visual] in the model's
 cache, and for every visual entry its index in the whole visual stream and the position it sits at.
 Policies evict, overwrite and insert through `retain`, `replace` and `insert_front`; the splicing of
-cache tensors happens in one place (`_splice`).
+cache tensors happens in one place (`_splice`), which also keeps count of the leading entries no
+splice has touched, so a checkpoint can write those once.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,6 +38,10 @@ class RunningCache:
         self.positions = [torch.empty(position_dims, 0, dtype=torch.long) for _ in range(layers)]
         # per layer, entries moved out of attention but kept for the pack, on the host
         self.archive = [Archive() for _ in range(layers)]
+        # per layer, how many leading cache entries (and their index and positions) no splice has
+        # rewritten since the cache was made: only ever lowered, so those entries never change
+        # and a checkpoint writes them once (`full` only appends: its cache is an hour's KV)
+        self.unchanged = [sys.maxsize] * layers
 
     @property
     def layers(self) -> int:
@@ -133,6 +139,7 @@ class RunningCache:
         D])."""
         entry = self.cache.layers[layer]
         stop = start + length
+        self.unchanged[layer] = min(self.unchanged[layer], start)
         k, v = keys.to(entry.keys).unsqueeze(0), values.to(entry.values).unsqueeze(0)
         entry.keys = torch.cat([entry.keys[:, :, :start], k, entry.keys[:, :, stop:]], dim=2)
         entry.values = torch.cat([entry.values[:, :, :start], v, entry.values[:, :, stop:]], dim=2)
