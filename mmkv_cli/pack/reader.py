@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -271,9 +272,22 @@ class PackReader:
         views = {part: self._view(f"{BLOCKS}.{part}") for part in self._block_parts()}
         self._still_whole()
         self._fetch(where)
-        self._verify(views, where, [i for i, n in enumerate(names) if n not in self._verified])
-        for name in names:
-            self._verified.add(name)
+        pending = [i for i, n in enumerate(names) if n not in self._verified]
+        if not pending:
+            return self._read_rows(views, where, names, per_layer, device, dtype)
+        # checksums on a thread while the rows are copied (both let go of the GIL): one after the
+        # other, a read ran slower than either
+        with ThreadPoolExecutor(1) as pool:
+            checked = pool.submit(self._verify, views, where, pending)
+            try:
+                read = self._read_rows(views, where, names, per_layer, device, dtype)
+            finally:
+                checked.result()  # a mismatch raises here, before anything read is handed out
+        self._verified.update(names)
+        return read
+
+    def _read_rows(self, views: dict, where: BlockRows, names, per_layer, device, dtype):
+        """gather's copy: every layer's rows of the blocks, dequantized where stored quantized."""
         if per_layer is None:
             taken = [np.arange(len(names))] * where.layers
         else:
