@@ -15,7 +15,7 @@ import numpy as np
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.lazy import torch
 from mmkv_cli.pack import PackReader, Span, check_writable
-from mmkv_cli.pack.format import SERIES, block_name
+from mmkv_cli.pack.format import OLD_TABLE_COLUMNS, SERIES, BlockShape, block_name
 from mmkv_cli.pack.quant import QuantSpec
 from mmkv_cli.spec import as_plain
 from mmkv_cli.storage import is_url, local_path, staged_upload
@@ -26,11 +26,31 @@ WRITTEN = ("format", "format_version", "spans", "blocks", "quant", "representati
 
 class _Blocks(Sequence):
     """The kept blocks of a pack, each loaded (and checked) when indexed, held by nobody: the writer
-    reads each twice (its table, then its bytes), but never holds more than one."""
+    reads each once, and never holds more than one."""
 
     def __init__(self, reader: PackReader, rows: np.ndarray, dtype):
         self.reader, self.rows, self.dtype = reader, rows, dtype
         self.reps = reader.representatives()
+
+    def shapes(self) -> list[BlockShape] | None:
+        """The kept blocks' table entries from the source's table, where it says whether positions
+        are shared (v7 on; before, the writer reads that off each block)."""
+        table = self.reader.blocks
+        if table.columns == OLD_TABLE_COLUMNS:
+            return None
+        shared = table.storage(self.rows)[1]
+        return [
+            BlockShape(
+                entry["granularity"],
+                tuple(entry["steps"]) if entry["steps"] else None,
+                tuple(entry["time"]) if entry["time"] else None,
+                entry["layer_counts"],
+                bool(shared[i]),
+                self.reps[row].to(self.dtype) if self.reps is not None else None,
+            )
+            for i, row in enumerate(self.rows.tolist())
+            for entry in (table[row],)
+        ]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -141,6 +161,7 @@ def convert(
         force,
         quant,
         "post_rope" if reader.rotated_representatives else "pre_rope",
+        blocks.shapes(),
     )
     return {
         "path": str(output),

@@ -81,6 +81,19 @@ class Span:
         return {f"{self.name}.{part}": self.part(i) for i, part in enumerate(("k", "v", "pos"))}
 
 
+@dataclass(frozen=True)
+class BlockShape:
+    """What a pack's table holds of a block, without its KV: a source that knows it without loading
+    the block (convert, from the source pack's table) spares the writer a pass over the KV."""
+
+    granularity: str | None
+    steps: tuple[int, int] | None
+    time: tuple[float, float] | None
+    layer_counts: list[int]
+    shared_positions: bool  # one set of positions serves every layer
+    representative: torch.Tensor | None
+
+
 def raw_bytes(t: torch.Tensor) -> memoryview:
     """A tensor's bytes as stored, without copying a contiguous tensor."""
     flat = t.contiguous().reshape(-1)

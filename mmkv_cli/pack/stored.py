@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack.format import Span
+from mmkv_cli.pack.format import BlockShape, Span
 
 INT32_MAX = 2**31 - 1
 
@@ -15,6 +15,18 @@ def shares_positions(span: Span) -> bool:
     per-layer ones, PyramidKV, HERMES' layer depths, retrieval by layer)."""
     first = span.positions[0]
     return all(p.shape == first.shape and torch.equal(p, first) for p in span.positions[1:])
+
+
+def block_shape(block: Span) -> BlockShape:
+    """What the table holds of `block`, read off its tensors."""
+    return BlockShape(
+        block.granularity,
+        block.steps,
+        block.time,
+        block.layer_counts,
+        shares_positions(block),
+        block.representative,
+    )
 
 
 def stored_positions(span: Span) -> tuple[torch.Tensor, bool]:

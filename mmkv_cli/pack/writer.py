@@ -21,6 +21,7 @@ from mmkv_cli.pack.format import (
     META_HEADER_SHA,
     PARTS,
     SERIES,
+    BlockShape,
     Span,
     block_name,
     raw_bytes,
@@ -28,7 +29,7 @@ from mmkv_cli.pack.format import (
 )
 from mmkv_cli.pack.integrity import index_digest
 from mmkv_cli.pack.quant import QuantSpec, quantize_keys, quantize_values
-from mmkv_cli.pack.stored import shares_positions, store, stored_positions
+from mmkv_cli.pack.stored import block_shape, store, stored_positions
 
 
 def check_writable(path: Path, force: bool) -> None:
@@ -99,20 +100,25 @@ def _dtype_code(t: torch.Tensor) -> str:
     return SAFETENSORS_DTYPES[str(t.dtype).replace("torch.", "")]
 
 
-def _layout(blocks: Sequence[Span], quant: QuantSpec):
-    """(granularity names, table rows, times, rows of blocks.k, .pos, .kq, representatives) for
-    `blocks`, in one pass over them (a lazy sequence loads each block once here)."""
-    kinds, table, times, reps = [], [], [], []
-    offset = positions = groups = 0
+def _shapes(blocks: Sequence[Span]):
+    """Each block's table entry read off its tensors, checking it is named by its row."""
     for index, block in enumerate(blocks):
         if block.name != block_name(index):  # readers name blocks by their row in the table
             raise PackError(
                 f"internal: block {index} is named '{block.name}', not '{block_name(index)}'"
             )
+        yield block_shape(block)
+
+
+def _layout(shapes, quant: QuantSpec):
+    """(granularity names, table rows, times, rows of blocks.k, .pos, .kq, representatives) for
+    the blocks of `shapes`, in one pass."""
+    kinds, table, times, reps = [], [], [], []
+    offset = positions = groups = 0
+    for block in shapes:
         if block.granularity not in kinds:
             kinds.append(block.granularity)
-        counts = block.layer_counts
-        shared = shares_positions(block)
+        counts, shared = list(block.layer_counts), block.shared_positions
         steps = list(block.steps) if block.steps else [-1, -1]
         table.append(
             [kinds.index(block.granularity), *steps, offset, positions, int(shared), groups]
@@ -184,16 +190,19 @@ def write_pack(
     force: bool = False,
     quant: QuantSpec | None = None,
     reps_space: str = "pre_rope",
+    shapes: Sequence[BlockShape] | None = None,
 ) -> int:
     """Write header + spans to `path` atomically; returns the file size in bytes. quant: how the
     blocks' K/V are stored (None: as computed); the prefix and suffix always are as computed.
     reps_space: what the representatives are means of ("post_rope": a pack before v6, converted).
+    shapes: what the table holds of each block, where the caller knows it without loading them
+    (default: read off the blocks).
 
     The file is a safetensors file written here directly: the directory first, then every tensor's
     bytes, the blocks streamed one at a time, each part at its place (a pack of an hour of video is
     many GB: it is never assembled in memory, only each block's stored copy while it is written and
     hashed). `blocks` may be a lazy sequence that loads a block when indexed (convert): it is read
-    twice, for the table and to be written.
+    once to be written, and once more for the table unless `shapes` are given.
     """
     check_writable(path, force)
     quant = quant or QuantSpec()
@@ -211,7 +220,7 @@ def write_pack(
     small.update(series)
     # All blocks share a few tensors (a handful of safetensors entries, whatever the video
     # length); each block is a contiguous row range of each of them.
-    kinds, table, times, rows, reps = _layout(blocks, quant)
+    kinds, table, times, rows, reps = _layout(_shapes(blocks) if shapes is None else shapes, quant)
     streamed: dict[str, tuple[str, list[int]]] = {}
     if blocks:
         streamed = _block_tensors(blocks, quant, rows)
