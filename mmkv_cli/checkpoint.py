@@ -8,11 +8,10 @@ pieces; MuKV's finished blocks) is written once, each save adding a segment
 rewritten part, the policy's own state, the tails of less than a piece) is rewritten in the head
 `.NAME.mmkv-checkpoint` at every save. Rewriting everything made an encode's checkpoint writes
 grow with the square of its length: an hour of ReKV or `full` at 7B (20 GB, 90 saves) wrote about
-900 GB. The head's metadata holds
-what the encode is (media digest, model fingerprint, method, parameters, budget, sampling, stored
-bits), how far it got, and each segment's tensor names and digest. A checkpoint of another encode
-is refused, never mixed in; one whose bytes do not match their digests is refused too. It is
-removed once the pack is written.
+900 GB. The head's metadata holds what the encode is (media digest, model fingerprint, method,
+parameters, budget, sampling, stored bits), how far it got, and each segment's tensor names and
+digest. A checkpoint of another encode is refused, never mixed in; one whose bytes do not match
+their digests is refused too. It is removed once the pack is written.
 """
 
 from __future__ import annotations

@@ -39,18 +39,20 @@ class _Blocks(Sequence):
         if table.columns == OLD_TABLE_COLUMNS:
             return None
         shared = table.storage(self.rows)[1]
-        return [
-            BlockShape(
-                entry["granularity"],
-                tuple(entry["steps"]) if entry["steps"] else None,
-                tuple(entry["time"]) if entry["time"] else None,
-                entry["layer_counts"],
-                bool(shared[i]),
-                self.reps[row].to(self.dtype) if self.reps is not None else None,
+        shapes = []
+        for row, shares in zip(self.rows.tolist(), shared.tolist()):
+            entry = table[row]
+            shapes.append(
+                BlockShape(
+                    entry["granularity"],
+                    tuple(entry["steps"]) if entry["steps"] else None,
+                    tuple(entry["time"]) if entry["time"] else None,
+                    entry["layer_counts"],
+                    bool(shares),
+                    self.reps[row].to(self.dtype) if self.reps is not None else None,
+                )
             )
-            for i, row in enumerate(self.rows.tolist())
-            for entry in (table[row],)
-        ]
+        return shapes
 
     def __len__(self) -> int:
         return len(self.rows)
