@@ -266,8 +266,7 @@ def restore_running_cache(running, tensors: dict[str, torch.Tensor]) -> None:
         kept, tails = {}, {}
         for kind in Archive.NAMES:
             prefix = f"{name}.archive.{kind}."
-            starts = sorted(int(k[len(prefix) :]) for k in tensors if _numbered(k, prefix))
-            kept[kind] = [tensors.pop(f"{prefix}{start}") for start in starts]
+            kept[kind] = [piece for _, piece in _taken_pieces(tensors, prefix)]
             if f"{prefix}tail" in tensors:
                 tails[kind] = tensors.pop(f"{prefix}tail")
         running.archive[layer] = Archive.restoring(kept, tails)
@@ -277,10 +276,8 @@ def _joined(tensors: dict, prefix: str, tail: str, dim: int, cut: int) -> torch.
     """The pieces named `prefix`<first entry> below `cut`, which must cover [0, cut) one after
     another, and then the tail, joined along `dim`; every piece is taken out of `tensors` (those
     from `cut` on hold entries rewritten since)."""
-    starts = sorted(int(k[len(prefix) :]) for k in tensors if _numbered(k, prefix))
     parts, at = [], 0
-    for start in starts:
-        piece = tensors.pop(f"{prefix}{start}")
+    for start, piece in _taken_pieces(tensors, prefix):
         if start < cut:
             parts.append(piece)
             at = at + piece.shape[dim] if start == at else -1
@@ -290,8 +287,11 @@ def _joined(tensors: dict, prefix: str, tail: str, dim: int, cut: int) -> torch.
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def _numbered(name: str, prefix: str) -> bool:
-    return name.startswith(prefix) and name[len(prefix) :].isdigit()
+def _taken_pieces(tensors: dict, prefix: str) -> list[tuple[int, torch.Tensor]]:
+    """The tensors named `prefix`<first entry>, taken out of `tensors`, in order of first entry."""
+    numbers = (k[len(prefix) :] for k in tensors if k.startswith(prefix))
+    starts = sorted(int(n) for n in numbers if n.isdigit())
+    return [(start, tensors.pop(f"{prefix}{start}")) for start in starts]
 
 
 def blocks_tensors(
