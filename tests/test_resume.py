@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from mmkv_cli import api
 from mmkv_cli.checkpoint import checkpoint_path
@@ -289,3 +290,22 @@ def test_saved_pieces_a_policy_rewrites_later_are_not_restored(slid, monkeypatch
     resumed = EncodeOptions("recency-slid", checkpoint_every=1, resume=True, **OPTIONS)
     api.encode(video, out, resumed, backbone=backbone)
     assert same_pack(whole, out)
+
+
+def test_a_checkpoint_whose_pieces_do_not_fit_its_cut_is_refused(slid):
+    """A head that says more of the cache was saved in pieces than its segments hold (digests
+    made again, so only the pieces' bookkeeping is wrong) is refused in one line."""
+    from mmkv_cli import checkpoint
+
+    backbone, tmp = slid
+    video = str(tmp / "set" / "clips" / "clip_0000.mp4")
+    out = tmp / "misfit.kvpack"
+    interrupt(backbone, video, out, "full-slid", chunks=3)
+    head = checkpoint_path(out)
+    meta, tensors = checkpoint._read(head)
+    unchanged, cut, visual_cut = tensors["cache.0.cut"].tolist()
+    tensors["cache.0.cut"] = torch.tensor([unchanged, cut + 12, visual_cut])
+    checkpoint._write(head, head, tensors, {k: v for k, v in meta.items() if k != "sha256"})
+    resume = EncodeOptions("full-slid", checkpoint_every=1, resume=True, **OPTIONS)
+    with pytest.raises(PackError, match="corrupted .*pieces of cache.0.k do not fit"):
+        api.encode(video, out, resume, backbone=backbone)
