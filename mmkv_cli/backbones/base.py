@@ -202,7 +202,7 @@ class Backbone:
         out = self._lm(
             inputs_embeds=embeds.to(self.dtype),
             position_ids=self._lm_positions(positions.to(self.device)),
-            past_key_values=cache,
+            cache=cache,  # 5.24 renamed past_key_values (removed in 5.40)
             use_cache=True,
             **extra,
         )
