@@ -12,6 +12,7 @@ import numpy as np
 
 from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
+from mmkv_cli.pack.block_store import BlockStore
 from mmkv_cli.pack.format import (
     BLOCKS,
     OLD_TABLE_COLUMNS,
@@ -22,7 +23,6 @@ from mmkv_cli.pack.format import (
     split_layers,
     tensors_sha256,
 )
-from mmkv_cli.pack.hashing import mismatched
 from mmkv_cli.pack.integrity import (
     check_header,
     check_spans,
@@ -31,7 +31,7 @@ from mmkv_cli.pack.integrity import (
     parse_header,
     read_directory,
 )
-from mmkv_cli.pack.quant import QuantSpec, dequantize
+from mmkv_cli.pack.quant import QuantSpec
 from mmkv_cli.pack.source import block_byte_ranges, open_pack_file
 from mmkv_cli.pack.table import BlockRows, BlockTable
 
@@ -75,7 +75,8 @@ class PackReader:
         self._token_major = version >= 4  # v2/v3 stored K/V head-major, positions [P, tokens]
         self._columns = TABLE_COLUMNS if version >= 7 else OLD_TABLE_COLUMNS
         self.quant = QuantSpec.from_header(self.header.get("quant"), self.header.get("kv"), where)
-        self.bytes_read = 0
+        self._bytes_read = 0  # bytes read outside the store's row copies
+        self._store: BlockStore | None = None  # the block tensors, mapped on the first read
         self._spans: dict[str, Span] = {}
         # v2-v4 called the prefix and suffix "segments"
         self.spans_meta = self.header.get("spans" if version >= 5 else "segments") or {}
@@ -121,7 +122,7 @@ class PackReader:
         start, stop = (self._data_start + o for o in self._entries[name]["data_offsets"])
         self.source.ensure([(start, stop)])
         data = os.pread(self._file.fileno(), stop - start, start)
-        self.bytes_read += len(data)
+        self._bytes_read += len(data)
         return np.frombuffer(bytearray(data), dtype=np.uint8)  # writable, as a numpy copy is
 
     def _block_table(self) -> BlockTable:
@@ -177,7 +178,7 @@ class PackReader:
         view, _ = self._view(name)
         self.source.ensure([self._tensor_range(name)])
         out = np.array(view)
-        self.bytes_read += out.nbytes
+        self._bytes_read += out.nbytes
         return out
 
     def _tensor(self, name: str) -> torch.Tensor:
@@ -272,60 +273,43 @@ class PackReader:
         if None in indices:
             raise PackError(f"{self.path} has no block {names[indices.index(None)]}")
         where = BlockRows(self._blocks, indices, self.quant.group if self.quant else 1)
-        views = {part: self._view(f"{BLOCKS}.{part}") for part in self._block_parts()}
+        store = self._block_store()
         self._still_whole()
         self._fetch(where)
         pending = [i for i, n in enumerate(names) if n not in self._verified]
-        key_row = views["k"][0].itemsize * int(np.prod(views["k"][0].shape[1:]))
-        if 2 * key_row * int(where.counts[pending].sum()) < OVERLAP_BYTES:
-            self._verify(views, where, pending)  # small: a thread costs more than it saves
-            self._verified.update(names)
-            return self._read_rows(views, where, names, per_layer, device, dtype)
-        # checksums on a thread while the rows are copied (both let go of the GIL): one after the
-        # other, a read ran slower than either
-        with ThreadPoolExecutor(1) as pool:
-            checked = pool.submit(self._verify, views, where, pending)
-            try:
-                read = self._read_rows(views, where, names, per_layer, device, dtype)
-            finally:
-                checked.result()  # a mismatch raises here, before anything read is handed out
-        self._verified.update(names)
-        return read
-
-    def _read_rows(self, views: dict, where: BlockRows, names, per_layer, device, dtype):
-        """gather's copy: every layer's rows of the blocks, dequantized where stored quantized."""
         if per_layer is None:
             taken = [np.arange(len(names))] * where.layers
         else:
             at = {name: i for i, name in enumerate(names)}
             taken = [np.asarray([at[n] for n in chosen], dtype=np.int64) for chosen in per_layer]
-        rows = where.token_rows(taken)
-        totals = [int(where.counts[t, layer].sum()) for layer, t in enumerate(taken)]
-        positions = self._pick(views["pos"], where.position_rows(taken)).to(torch.int64)
-        positions = [p.T for p in torch.split(positions, totals)]
-        # K/V in a buffer per layer: a caller joining layer by layer lets go of each in turn
-        ends = np.cumsum(totals)
-        if self.quant is None:
-            keys, values = (
-                [self._pick(views[part], r).transpose(0, 1) for r in np.split(rows, ends[:-1])]
-                for part in ("k", "v")
-            )
-            return keys, values, positions
-        groups, expand = where.key_group_rows(taken)
-        k, v, vq = (self._pick(views[p], rows).to(device) for p in ("k", "v", "vq"))
-        # float32 before they are spread over the tokens: one conversion per group, not per token
-        key_scales = self._pick(views["kq"], groups).to(device).float()
-        expand = torch.from_numpy(expand).to(device)
-        dtype = dtype or getattr(torch, self.header["kv"]["dtype"])
-        keys, values = [], []
-        for first, stop in zip((0, *ends[:-1].tolist()), ends.tolist()):
-            at = slice(first, stop)
-            layer = dequantize(
-                k[at], v[at], key_scales, expand[at], vq[at].float(), self.quant.bits, dtype
-            )
-            keys.append(layer[0].transpose(0, 1))
-            values.append(layer[1].transpose(0, 1))
-        return keys, values, positions
+        if store.kv_bytes(where, pending) < OVERLAP_BYTES:
+            self._verify(where, pending)  # small: a thread costs more than it saves
+            self._verified.update(names)
+            return store.read_rows(where, taken, device, dtype)
+        # checksums on a thread while the rows are copied (both let go of the GIL): one after the
+        # other, a read ran slower than either
+        with ThreadPoolExecutor(1) as pool:
+            checked = pool.submit(self._verify, where, pending)
+            try:
+                read = store.read_rows(where, taken, device, dtype)
+            finally:
+                checked.result()  # a mismatch raises here, before anything read is handed out
+        self._verified.update(names)
+        return read
+
+    def _block_store(self) -> BlockStore:
+        if self._store is None:
+            parts = PARTS if self.quant else PARTS[:3]
+            views = {part: self._view(f"{BLOCKS}.{part}") for part in parts}
+            # what quantized K/V decode into by default (v7 on; older packs are never quantized)
+            kv_dtype = self.header["kv"]["dtype"] if self.quant else None
+            self._store = BlockStore(views, self.quant, kv_dtype, self._token_major)
+        return self._store
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes copied out of the file so far (block rows included)."""
+        return self._bytes_read + (self._store.bytes_read if self._store else 0)
 
     def _tensor_range(self, name: str) -> tuple[int, int]:
         """Tensor `name`'s absolute byte range in the file."""
@@ -335,58 +319,32 @@ class PackReader:
     def _fetch(self, where: BlockRows) -> None:
         """Bring the blocks' rows of every block tensor within reach (remote: theirs alone)."""
         if not self.source.local:
-            names = [f"{BLOCKS}.{part}" for part in self._block_parts()]
+            names = [f"{BLOCKS}.{part}" for part in self._block_store().views]
             entries = {name: self._entries[name] for name in names}
             self.source.ensure(
                 block_byte_ranges(entries, self._data_start, where, self._token_major)
             )
 
-    def _block_parts(self) -> tuple[str, ...]:
-        return PARTS if self.quant else PARTS[:3]
-
-    def _pick(self, view: tuple[np.ndarray, str], rows: np.ndarray) -> torch.Tensor:
-        """Rows `rows` of a block tensor, copied out of the map (a copy is faster than
-        view[rows])."""
-        array, dtype = view
-        picked = np.take(self._rows(array), rows, axis=0)
-        self.bytes_read += picked.nbytes
-        return torch.from_numpy(picked).view(getattr(torch, dtype))
-
     def block_faults(self, chunk: int = 1024) -> list[str]:
         """Every block checked against its checksum (verify): the names of those that fail."""
         faults = []
-        views = {part: self._view(f"{BLOCKS}.{part}") for part in self._block_parts()}
+        store = self._block_store()
         for first in range(0, len(self._blocks), chunk):
             indices = list(range(first, min(len(self._blocks), first + chunk)))
             where = BlockRows(self._blocks, indices, self.quant.group if self.quant else 1)
             self._still_whole()
             self._fetch(where)
-            for i in mismatched(views, where, list(range(len(indices))), self._block_bytes, True):
+            for i in store.mismatched(where, list(range(len(indices)))):
                 faults.append(f"block {self._blocks.name(indices[i])}: checksum mismatch")
-            self.bytes_read += sum(
-                int(np.prod(view[0].shape[1:])) * view[0].itemsize * (stop - start)
-                for part, view in views.items()
-                for start, stop in where.block_ranges(part)
-            )
+            self._bytes_read += store.stored_bytes(where)
         return faults
 
-    def _verify(self, views: dict, where: BlockRows, pending: list[int]) -> None:
+    def _verify(self, where: BlockRows, pending: list[int]) -> None:
         """Check the sha256 of the blocks at `pending` (positions in `where`) against the table."""
-        bad = mismatched(views, where, pending, self._block_bytes, self._token_major)
+        bad = self._block_store().mismatched(where, pending)
         if bad:
             name = self._blocks.name(where.indices[bad[0]])
             raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
-
-    def _rows(self, view: np.ndarray) -> np.ndarray:
-        """A block tensor with tokens on the first axis (v2/v3 kept them second)."""
-        return view if self._token_major else np.swapaxes(view, 0, 1)
-
-    def _block_bytes(self, view: np.ndarray, start: int, stop: int) -> np.ndarray:
-        """The stored bytes of token range [start, stop) of a block tensor, in the order its
-        checksum covers."""
-        if self._token_major:
-            return view[start:stop]  # contiguous: hashed straight from the memory map
-        return np.ascontiguousarray(view[:, start:stop])
 
     def _load_span(self, name: str, dtype: torch.dtype | None = None) -> Span:
         meta = self.spans_meta.get(name) or self._block_meta(name)

@@ -1,0 +1,99 @@
+"""A pack's shared block tensors ("blocks.k/.v/.pos", and ".kq/.vq" when quantized) as views of
+the memory-mapped file: the rows of some blocks copied out (and dequantized), and their checksums
+computed on each block's own stored bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mmkv_cli.lazy import torch
+from mmkv_cli.pack.hashing import mismatched
+from mmkv_cli.pack.quant import QuantSpec, dequantize
+from mmkv_cli.pack.table import BlockRows
+
+
+class BlockStore:
+    """views: part -> (numpy view of the map, torch dtype name), for the parts the pack stores.
+    token_major: tokens on the first axis (v4 on; v2/v3 kept them second). kv_dtype: what a
+    quantized block decodes into unless asked otherwise. bytes_read counts what was copied out."""
+
+    def __init__(
+        self, views: dict, quant: QuantSpec | None, kv_dtype: str | None, token_major: bool
+    ) -> None:
+        self.views = views
+        self.quant = quant
+        self.kv_dtype = kv_dtype
+        self.token_major = token_major
+        self.bytes_read = 0
+
+    def kv_bytes(self, where: BlockRows, pending: list[int]) -> int:
+        """Stored K and V bytes of the blocks at `pending` (positions in `where`)."""
+        keys = self.views["k"][0]
+        row = keys.itemsize * int(np.prod(keys.shape[1:]))
+        return 2 * row * int(where.counts[pending].sum())
+
+    def mismatched(self, where: BlockRows, pending: list[int]) -> list[int]:
+        """The blocks at `pending` whose sha256 differs from the table's."""
+        return mismatched(self.views, where, pending, self.block_bytes, self.token_major)
+
+    def stored_bytes(self, where: BlockRows) -> int:
+        """Bytes every block tensor holds for the blocks of `where` (what checking them reads)."""
+        return sum(
+            int(np.prod(view[0].shape[1:])) * view[0].itemsize * (stop - start)
+            for part, view in self.views.items()
+            for start, stop in where.block_ranges(part)
+        )
+
+    def block_bytes(self, view: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """The stored bytes of token range [start, stop) of a block tensor, in the order its
+        checksum covers."""
+        if self.token_major:
+            return view[start:stop]  # contiguous: hashed straight from the memory map
+        return np.ascontiguousarray(view[:, start:stop])
+
+    def read_rows(
+        self,
+        where: BlockRows,
+        taken: list[np.ndarray],
+        device: torch.device | str | None,
+        dtype: torch.dtype | None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Layer l's rows of the blocks at taken[l] (positions in `where`), layer after layer:
+        (keys, values, positions), K/V dequantized where stored quantized."""
+        rows = where.token_rows(taken)
+        totals = [int(where.counts[t, layer].sum()) for layer, t in enumerate(taken)]
+        positions = self._pick("pos", where.position_rows(taken)).to(torch.int64)
+        positions = [p.T for p in torch.split(positions, totals)]
+        # K/V in a buffer per layer: a caller joining layer by layer lets go of each in turn
+        ends = np.cumsum(totals)
+        if self.quant is None:
+            keys, values = (
+                [self._pick(part, r).transpose(0, 1) for r in np.split(rows, ends[:-1])]
+                for part in ("k", "v")
+            )
+            return keys, values, positions
+        groups, expand = where.key_group_rows(taken)
+        k, v, vq = (self._pick(p, rows).to(device) for p in ("k", "v", "vq"))
+        # float32 before they are spread over the tokens: one conversion per group, not per token
+        key_scales = self._pick("kq", groups).to(device).float()
+        expand = torch.from_numpy(expand).to(device)
+        dtype = dtype or getattr(torch, self.kv_dtype)
+        keys, values = [], []
+        for first, stop in zip((0, *ends[:-1].tolist()), ends.tolist()):
+            at = slice(first, stop)
+            layer = dequantize(
+                k[at], v[at], key_scales, expand[at], vq[at].float(), self.quant.bits, dtype
+            )
+            keys.append(layer[0].transpose(0, 1))
+            values.append(layer[1].transpose(0, 1))
+        return keys, values, positions
+
+    def _pick(self, part: str, rows: np.ndarray) -> torch.Tensor:
+        """Rows `rows` of a block tensor, copied out of the map (a copy is faster than
+        view[rows])."""
+        array, dtype = self.views[part]
+        if not self.token_major:
+            array = np.swapaxes(array, 0, 1)
+        picked = np.take(array, rows, axis=0)
+        self.bytes_read += picked.nbytes
+        return torch.from_numpy(picked).view(getattr(torch, dtype))
