@@ -14,6 +14,7 @@ import numpy as np
 from mmkv_cli.pack.integrity import index_digest
 
 # same element size, so a dtype edit keeps every byte range valid
+STORED = {"I64": np.int64, "I32": np.int32, "F64": np.float64}  # the table's and times' dtypes
 SAME_SIZE = {"F32": "I32", "I32": "F32", "F16": "BF16", "BF16": "F16", "I64": "F64", "F64": "I64"}
 JUNK = [
     None,
@@ -125,8 +126,10 @@ def mutate(raw: bytes, kind: str, rng: random.Random) -> bytes:
     if kind == "table":
         name = rng.choice([n for n in ("blocks.table", "blocks.time") if n in parts.directory])
         start, stop = parts.directory[name]["data_offsets"]
-        dtype = np.int64 if name.endswith("table") else np.float64
-        values = np.frombuffer(bytes(parts.data[start:stop]), dtype=dtype).copy()
+        dtype = STORED[parts.directory[name]["dtype"]]
+        # mutated wide, then stored back in the pack's own width (an int32 table wraps)
+        wide = np.float64 if dtype == np.float64 else np.int64
+        values = np.frombuffer(bytes(parts.data[start:stop]), dtype=dtype).astype(wide)
         at = rng.randrange(len(values))
         values[at] = rng.choice([-1, 0, 1, 2**27, -(2**40), values[at] + 1, values[at] - 1])
         if dtype == np.float64 and rng.random() < 0.3:

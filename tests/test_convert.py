@@ -12,7 +12,7 @@ from mmkv_cli.cli import app
 from mmkv_cli.convert import convert
 from mmkv_cli.errors import OutputExistsError, UsageError
 from mmkv_cli.options import AskOptions, EncodeOptions
-from mmkv_cli.pack import PackReader
+from mmkv_cli.pack import FORMAT_VERSION, PackReader
 from mmkv_cli.pack.quant import QuantSpec
 
 DATA = Path(__file__).parent / "data"
@@ -117,7 +117,7 @@ def test_an_old_pack_converts_and_keeps_what_its_representatives_mean(tmp_path):
     out = tmp_path / "v3to8.kvpack"
     convert(DATA / "v3.kvpack", out, QuantSpec(8, 8))
     old, new = PackReader(DATA / "v3.kvpack"), PackReader(out)
-    assert new.header["format_version"] == 7 and new.rotated_representatives
+    assert new.header["format_version"] == FORMAT_VERSION and new.rotated_representatives
     keys = new.gather(["b0", "b1"])[0]
     want = old.gather(["b0", "b1"])[0]
     for a, b in zip(keys, want):

@@ -66,7 +66,7 @@ def test_reader_is_lazy(tmp_path):
     path = tmp_path / "a.kvpack"
     write(path)
     reader = PackReader(path)
-    table = 2 * (7 + 3) * 8 + 2 * 2 * 8 + 2 * 32  # the block table: rows, times, checksums
+    table = 2 * (7 + 3) * 4 + 2 * 2 * 8 + 2 * 32  # the block table (int32): rows, times, checksums
     assert reader.bytes_read == table
     reader.representatives()
     assert reader.bytes_read == table + 2 * 16 * 4  # and the representatives, nothing else

@@ -1,14 +1,28 @@
-"""Older packs stay readable: tests/data/v3.kvpack and v6.kvpack were written by the format-v3 and
-format-v6 writers from `fixture()`."""
+"""Older packs stay readable: tests/data/v3.kvpack, v6.kvpack and v7.kvpack were written by the
+format-v3, v6 and v7 writers from `fixture()`."""
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from mmkv_cli.pack import PackReader, Span, write_pack
 from mmkv_cli.pack.format import FORMAT_VERSION
+from mmkv_cli.pack.integrity import read_directory
+from mmkv_cli.pack.writer import narrowed
 
 DATA = Path(__file__).parent / "data"
+HEADER = {
+    "fingerprint": {"model": "m"},
+    "method": {"name": "full", "budget": 1.0},
+    "kv": {"layers": 3, "kv_heads": 2, "head_dim": 8, "dtype": "float32"},
+    "layout": {"next_position": 20, "position_dims": 3},
+}
+
+
+def stored_dtype(path: Path, name: str) -> str:
+    with open(path, "rb") as fh:
+        return read_directory(fh, path)[0][name]["dtype"]
 
 
 def fixture_segment(name, counts, base, dims=1, granularity=None, step=0):
@@ -84,15 +98,38 @@ def test_a_v6_pack_reads_back_exactly():
     assert not reader.rotated_representatives
 
 
+def test_a_v7_pack_reads_back_exactly():
+    reader = PackReader(DATA / "v7.kvpack")
+    assert reader.header["format_version"] == 7
+    assert stored_dtype(DATA / "v7.kvpack", "blocks.table") == "I64"  # v7: int64 always
+    assert_reads_back(reader)
+    assert not reader.rotated_representatives
+
+
+def test_the_table_and_step_lengths_are_int32_where_every_value_fits(tmp_path):
+    prefix, blocks, suffix = fixture()
+    steps = [196] * 1800
+    header = {**HEADER, "layout": {**HEADER["layout"], "step_lengths": steps}}
+    header["media"] = {"timestamps": [i / 2 for i in range(1800)]}
+    write_pack(tmp_path / "now.kvpack", header, prefix, blocks, suffix)
+    reader = PackReader(tmp_path / "now.kvpack")
+    for name in ("blocks.table", "layout.step_lengths"):
+        assert stored_dtype(tmp_path / "now.kvpack", name) == "I32"
+    assert reader.series("layout.step_lengths") == steps
+    assert reader.blocks.rows().dtype == np.int64  # widened before any sum can overflow
+    assert_reads_back(reader)
+
+
+def test_values_past_int32_keep_int64():
+    wide = torch.tensor([0, 2**31], dtype=torch.int64)
+    assert narrowed(wide).dtype == torch.int64
+    assert narrowed(torch.tensor([-(2**31), 2**31 - 1])).dtype == torch.int32
+    assert torch.equal(narrowed(torch.tensor([5, 7])), torch.tensor([5, 7], dtype=torch.int32))
+
+
 def test_the_current_writer_reads_back_the_same_segments(tmp_path):
     prefix, blocks, suffix = fixture()
-    header = {
-        "fingerprint": {"model": "m"},
-        "method": {"name": "full", "budget": 1.0},
-        "kv": {"layers": 3, "kv_heads": 2, "head_dim": 8, "dtype": "float32"},
-        "layout": {"next_position": 20, "position_dims": 3},
-    }
-    write_pack(tmp_path / "now.kvpack", header, prefix, blocks, suffix)
+    write_pack(tmp_path / "now.kvpack", HEADER, prefix, blocks, suffix)
     reader = PackReader(tmp_path / "now.kvpack")
     assert reader.header["format_version"] == FORMAT_VERSION
     assert_reads_back(reader)

@@ -1,4 +1,4 @@
-"""The .kvpack format (v7): one safetensors file, a JSON header in its metadata, tensors by span.
+"""The .kvpack format (v8): one safetensors file, a JSON header in its metadata, tensors by span.
 
 A span is the per-layer KV of one stretch of the stream: the prefix (init prompt), one visual block,
 or the suffix. Each span holds its per-layer K, V and original positions concatenated along the
@@ -12,7 +12,8 @@ many blocks. Everything that grows with the video is a tensor, not header JSON: 
 so opening a pack parses a few KB whatever its length. Block representatives sit together in "reps"
 [blocks, layers, dim] so retrieval reads them without touching any block. From v7 the blocks' K/V
 may be quantized (pack/quant.py: codes in "blocks.k/.v", scales in "blocks.kq/.vq"), positions are
-int32 and stored once for a span whose layers all keep the same tokens. See docs/kvpack.md.
+int32 and stored once for a span whose layers all keep the same tokens. From v8 the block table and
+the tokens per step are int32 where every value fits (int64 otherwise). See docs/kvpack.md.
 """
 
 from __future__ import annotations
@@ -23,21 +24,23 @@ from dataclasses import dataclass, field
 from mmkv_cli.lazy import torch
 
 FORMAT_NAME = "mmkv.kvpack"
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 # v2 kept the block table as JSON in the header; v2 and v3 stored K/V head-major ([H_kv, tokens, D])
 # and positions as [P, tokens], with timestamps and step lengths in the header; v2-v4 named the
 # prefix and suffix "segments" in the header (v5: "spans") and kept a fixed token budget among the
 # params. v2-v5 stored one representative per block, [blocks, dim], the mean of keys after RoPE;
 # v6 stores [blocks, layers, dim] means of keys before RoPE ("space": "pre_rope"). v2-v6 stored
-# positions int64, once per layer, and K/V only as computed (no "quant").
-READABLE_VERSIONS = (2, 3, 4, 5, 6, 7)
+# positions int64, once per layer, and K/V only as computed (no "quant"). v2-v7 stored the block
+# table and the tokens per step int64 always.
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8)
 BLOCKS = "blocks"  # tensors "blocks.k/.v/.pos": every block's tokens, one range each
-# Header lists that grow with the video, stored as tensors of these names (and dtypes) from v4 on.
+# Header lists that grow with the video, stored as tensors of these names (and dtypes) from v4 on;
+# from v8 an int64 one is stored int32 where every value fits.
 SERIES = {"media.timestamps": "float64", "layout.step_lengths": "int64"}
-# Block table, one row per block: "blocks.table" int64 [N, 7 + layers] = (granularity index, first
-# step, stop step, offset, position offset, positions shared (0/1), first key group, layer
-# counts...), "blocks.time" float64 [N, 2] (NaN: none), "blocks.sha256" uint8 [N, 32]. v3-v6 had
-# the first four columns only.
+# Block table, one row per block: "blocks.table" int64 (v8: int32 where all fit) [N, 7 + layers] =
+# (granularity index, first step, stop step, offset, position offset, positions shared (0/1), first
+# key group, layer counts...), "blocks.time" float64 [N, 2] (NaN: none), "blocks.sha256" uint8
+# [N, 32]. v3-v6 had the first four columns only.
 TABLE_COLUMNS = 7
 OLD_TABLE_COLUMNS = 4
 # The stored tensors of a span, in the order its checksum covers them: keys, values, positions,

@@ -279,7 +279,7 @@ def check_table(rows: np.ndarray, times: np.ndarray, group: int, where: str) -> 
 
 
 def check_tensors(header: dict, entries: dict, spans: dict, table, quant, where: str) -> None:
-    """Every tensor's dtype and shape as the header and the table say (v7): nothing is
+    """Every tensor's dtype and shape as the header and the table say (v7 on): nothing is
     allocated from a count that the tensors do not bear out."""
     kv = header["kv"]
     heads, dim, code = kv["kv_heads"], kv["head_dim"], KV_DTYPES[kv["dtype"]]
@@ -293,12 +293,17 @@ def check_tensors(header: dict, entries: dict, spans: dict, table, quant, where:
         for part in ("k", "v"):
             expect(entries, f"{name}.{part}", code, [total, heads, dim], where)
         expect(entries, f"{name}.pos", "I32", [rows, dims], where)
+    # v8 stores the table and the tokens per step int32 where every value fits
+    integers = ("I64", "I32") if header["format_version"] >= 8 else "I64"
+    for name, stored in (("media.timestamps", "F64"), ("layout.step_lengths", integers)):
+        if name in entries:
+            expect(entries, name, stored, [None], where)
     count, layers = len(table), kv["layers"]
     if count != header["blocks"]["count"]:
         raise PackError(f"{where} is corrupted (block count)")
     if not count:
         return
-    expect(entries, f"{BLOCKS}.table", "I64", [count, TABLE_COLUMNS + layers], where)
+    expect(entries, f"{BLOCKS}.table", integers, [count, TABLE_COLUMNS + layers], where)
     expect(entries, f"{BLOCKS}.time", "F64", [count, 2], where)
     expect(entries, f"{BLOCKS}.sha256", "U8", [count, 32], where)
     kinds = len(header["blocks"]["granularities"])

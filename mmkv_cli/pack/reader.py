@@ -140,7 +140,7 @@ class PackReader:
             )
         return BlockTable(
             meta["granularities"],
-            self._array(f"{BLOCKS}.table"),
+            self._array(f"{BLOCKS}.table").astype(np.int64),  # v8 may store it int32
             self._array(f"{BLOCKS}.time"),
             self._array(f"{BLOCKS}.sha256"),
             columns=self._columns,

@@ -77,10 +77,18 @@ def split_series(header: dict) -> tuple[dict, dict[str, torch.Tensor]]:
         section, key = name.split(".")
         if key in (header.get(section) or {}):
             header[section] = dict(header[section])
-            series[name] = torch.tensor(
-                header[section].pop(key), dtype=getattr(torch, dtype)
-            ).reshape(-1)
+            values = torch.tensor(header[section].pop(key), dtype=getattr(torch, dtype))
+            series[name] = narrowed(values.reshape(-1))
     return header, series
+
+
+def narrowed(t: torch.Tensor) -> torch.Tensor:
+    """An int64 tensor as int32 when every value fits (v8): at one layer, the table and the steps'
+    lengths were a percent of an hour's pack. Readers widen them again before any arithmetic."""
+    if t.dtype != torch.int64 or not t.numel():
+        return t
+    info = torch.iinfo(torch.int32)
+    return t.to(torch.int32) if info.min <= int(t.min()) and int(t.max()) <= info.max else t
 
 
 # torch dtype name -> safetensors dtype code
@@ -224,7 +232,7 @@ def write_pack(
     streamed: dict[str, tuple[str, list[int]]] = {}
     if blocks:
         streamed = _block_tensors(blocks, quant, rows)
-        small[f"{BLOCKS}.table"] = torch.tensor(table, dtype=torch.int64)
+        small[f"{BLOCKS}.table"] = narrowed(torch.tensor(table, dtype=torch.int64))
         small[f"{BLOCKS}.time"] = torch.tensor(times, dtype=torch.float64)
     if reps and all(r is not None for r in reps):
         # in the KV's own dtype: retrieval keys need no more precision than the keys they average
