@@ -135,6 +135,64 @@ def test_truncated_pack_is_refused(tmp_path):
         PackReader(path)
 
 
+def corrupt_b1(path):
+    """Flip a byte of block b1's keys."""
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    entry = json.loads(data[8 : 8 + length])["blocks.k"]  # [tokens, H, D]: b1 after b0's 6 rows
+    row = entry["shape"][1] * entry["shape"][2] * (4 if entry["dtype"] == "F32" else 2)
+    data[8 + length + entry["data_offsets"][0] + 6 * row + 3] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_large_read_is_hashed_beside_its_copy_and_by_the_reader_once_copied(
+    tmp_path, monkeypatch
+):
+    import threading
+
+    from mmkv_cli.pack.hashing import BlockHashes
+
+    monkeypatch.setattr("mmkv_cli.pack.reader.OVERLAP_BYTES", 0)  # this read goes the large way
+    monkeypatch.setattr("mmkv_cli.pack.hashing.RUN_BYTES", 0)  # a run a block
+    hashing_on, work = [], BlockHashes.work
+
+    def watched(self):
+        hashing_on.append(threading.current_thread() is threading.main_thread())
+        work(self)
+
+    monkeypatch.setattr(BlockHashes, "work", watched)
+    path = tmp_path / "a.kvpack"
+    blocks = write(path)
+    keys, _, positions = PackReader(path).gather(["b1", "b0"])
+    for layer in range(3):
+        want = torch.cat([blocks[1].keys[layer], blocks[0].keys[layer]], dim=1)
+        assert torch.equal(keys[layer], want)
+    assert sorted(hashing_on) == [False, True]  # a helper thread, then the reader's own
+    corrupt_b1(path)
+    with pytest.raises(PackError, match="checksum mismatch in b1"):
+        PackReader(path).gather(["b0", "b1"])
+
+
+def test_a_failed_copy_is_raised_and_leaves_its_blocks_unchecked(tmp_path, monkeypatch):
+    from mmkv_cli.pack.block_store import BlockStore
+
+    monkeypatch.setattr("mmkv_cli.pack.reader.OVERLAP_BYTES", 0)
+    path = tmp_path / "a.kvpack"
+    write(path)
+    corrupt_b1(path)
+    reader = PackReader(path)
+    with monkeypatch.context() as patch:
+
+        def fails(*args):
+            raise OSError("the disk went away")
+
+        patch.setattr(BlockStore, "read_rows", fails)
+        with pytest.raises(OSError, match="went away"):
+            reader.gather(["b0", "b1"])
+    with pytest.raises(PackError, match="checksum mismatch in b1"):
+        reader.gather(["b1"])  # the next read still checks it
+
+
 @pytest.mark.parametrize("threaded", [False, True])
 def test_corrupted_tensor_fails_its_checksum(tmp_path, monkeypatch, threaded):
     from concurrent.futures import ThreadPoolExecutor
@@ -142,6 +200,7 @@ def test_corrupted_tensor_fails_its_checksum(tmp_path, monkeypatch, threaded):
     pools = []
     if threaded:  # hash even this small read on threads, as a large real-model context is
         monkeypatch.setattr("mmkv_cli.pack.hashing.PARALLEL_HASH_BLOCK_BYTES", 0)
+        monkeypatch.setattr("mmkv_cli.pack.hashing.RUN_BYTES", 0)  # a run a block
         monkeypatch.setattr("os.cpu_count", lambda: 4)
         monkeypatch.setattr(
             "mmkv_cli.pack.hashing.ThreadPoolExecutor",
@@ -149,14 +208,7 @@ def test_corrupted_tensor_fails_its_checksum(tmp_path, monkeypatch, threaded):
         )
     path = tmp_path / "a.kvpack"
     write(path)
-    data = bytearray(path.read_bytes())
-    (length,) = struct.unpack("<Q", data[:8])
-    entry = json.loads(data[8 : 8 + length])[
-        "blocks.k"
-    ]  # [tokens, H, D]: b1's rows start after b0's 6
-    row = entry["shape"][1] * entry["shape"][2] * (4 if entry["dtype"] == "F32" else 2)
-    data[8 + length + entry["data_offsets"][0] + 6 * row + 3] ^= 0xFF
-    path.write_bytes(bytes(data))
+    corrupt_b1(path)
     reader = PackReader(path)
     reader.span("b0")  # untouched blocks still load
     assert len(reader.gather(["b0"])[0]) == 3

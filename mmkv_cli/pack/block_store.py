@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack.hashing import mismatched
+from mmkv_cli.pack.hashing import BlockHashes, mismatched
 from mmkv_cli.pack.quant import QuantSpec, dequantize
 from mmkv_cli.pack.table import BlockRows
 
@@ -35,6 +35,10 @@ class BlockStore:
     def mismatched(self, where: BlockRows, pending: list[int]) -> list[int]:
         """The blocks at `pending` whose sha256 differs from the table's."""
         return mismatched(self.views, where, pending, self.block_bytes, self.token_major)
+
+    def hashes(self, where: BlockRows, pending: list[int]) -> BlockHashes:
+        """The checksums of the blocks at `pending`, to compute on threads beside a read."""
+        return BlockHashes(self.views, where, pending, self.block_bytes, self.token_major)
 
     def stored_bytes(self, where: BlockRows) -> int:
         """Bytes every block tensor holds for the blocks of `where` (what checking them reads)."""

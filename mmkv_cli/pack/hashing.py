@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-
-import numpy as np
+from typing import TypeVar
 
 # Blocks this large on average are checksummed on up to HASH_THREADS threads. Small ones are not:
 # hashing many small buffers on threads churns the GIL (2 cores, 1024 blocks of 17 KB: 22 -> 25 ms;
@@ -15,40 +15,95 @@ import numpy as np
 # an H100 box's CPU); 60 blocks of 280 KB read at 0.74 GB/s serial, 1.02 on 2 threads.
 PARALLEL_HASH_BLOCK_BYTES = 1 << 16
 HASH_THREADS = 8
+# Blocks are handed out in runs of about this many bytes: a task per small block costs more than it
+# hashes, and a run much larger leaves one thread hashing alone at the end
+RUN_BYTES = 1 << 20
+T = TypeVar("T")
+
+
+class BlockHashes:
+    """The sha256 of some blocks' rows of every block tensor in `views`, compared with the
+    table's. Runs of blocks come from one queue, so any thread that is free can `work` on them: a
+    reader that copies rows while a thread hashes joins in once its copy is done (one sha256 stream
+    is slower than the copy, and would otherwise set the pace of every large read).
+
+    where: BlockRows; pending: the blocks to check (positions in `where`); block_bytes(view, start,
+    stop): a block's stored bytes of a tensor, in checksum order."""
+
+    def __init__(self, views: dict, where, pending: list[int], block_bytes, token_major: bool):
+        spans = {part: where.block_ranges(part) for part in views}
+        self._ranges = {i: [(views[p][0], *spans[p][i]) for p in views] for i in pending}
+        self._where, self._block_bytes = where, block_bytes
+        self.size = 0
+        for part, (view, _) in views.items():
+            row = view.nbytes // max(1, view.shape[0 if token_major else 1])
+            starts, stops = where.block_bounds(part)
+            self.size += row * int((stops[pending] - starts[pending]).sum())
+        self.average = self.size // len(pending) if pending else 0
+        per_run = max(1, RUN_BYTES // max(1, self.average))
+        # a list's iterator hands each run to one thread only (its next() holds the GIL)
+        self._runs = iter([pending[i : i + per_run] for i in range(0, len(pending), per_run)])
+        self.run_count = -(-len(pending) // per_run)
+        self._bad: list[int] = []
+        self._stopped = False
+
+    def work(self) -> None:
+        """Hash runs until none is left (or `stop` is called)."""
+        for run in self._runs:
+            if self._stopped:
+                return
+            for i in run:
+                digest = hashlib.sha256()
+                for view, start, stop in self._ranges[i]:
+                    digest.update(self._block_bytes(view, start, stop))
+                if digest.digest() != self._where.digests[i].tobytes():
+                    self._bad.append(i)
+
+    def stop(self) -> None:
+        """Hash no more runs: what they were for failed."""
+        self._stopped = True
+
+    def threads(self) -> int:
+        """How many threads to hash on: several for large blocks only."""
+        if self.average < PARALLEL_HASH_BLOCK_BYTES:
+            return 1
+        return max(1, min(HASH_THREADS, os.cpu_count() or 1, self.run_count))
+
+    def mismatched(self) -> list[int]:
+        """The blocks whose checksum differs (positions in `where`), once every run is hashed."""
+        return sorted(self._bad)
 
 
 def mismatched(views: dict, where, pending: list[int], block_bytes, token_major: bool) -> list[int]:
     """The blocks at `pending` (positions in BlockRows `where`) whose sha256 over their rows of
-    every block tensor in `views` differs from the table's. A large read is hashed on several
-    threads (hashlib lets go of the GIL on big buffers): on a real backbone the checksums of a
-    retrieved context (hundreds of MB) would otherwise cost more than reading it."""
-    spans = {part: where.block_ranges(part) for part in views}
-
-    def ranges(i: int) -> list[tuple[np.ndarray, int, int]]:
-        return [(views[part][0], *spans[part][i]) for part in views]
-
-    def digests(items):
-        out = []
-        for i in items:
-            h = hashlib.sha256()
-            for view, start, stop in ranges(i):
-                h.update(block_bytes(view, start, stop))
-            out.append(h.digest())
-        return out
-
-    size = sum(
-        (stop - start) * (view.nbytes // max(1, view.shape[0 if token_major else 1]))
-        for i in pending
-        for view, start, stop in ranges(i)
-    )
-    big = pending and size // len(pending) >= PARALLEL_HASH_BLOCK_BYTES
-    workers = min(HASH_THREADS, os.cpu_count() or 1, len(pending)) if big else 1
-    # one run of consecutive blocks per thread: a task per block costs more than it hashes
+    every block tensor in `views` differs from the table's. A read of large blocks is hashed on
+    several threads (hashlib lets go of the GIL on big buffers): on a real backbone the checksums
+    of a retrieved context (hundreds of MB) would otherwise cost more than reading it."""
+    hashes = BlockHashes(views, where, pending, block_bytes, token_major)
+    workers = hashes.threads()
     if workers > 1:
-        step = -(-len(pending) // workers)
         with ThreadPoolExecutor(workers) as pool:
-            runs = pool.map(digests, [pending[i : i + step] for i in range(0, len(pending), step)])
-            got = [d for run in runs for d in run]
+            for done in [pool.submit(hashes.work) for _ in range(workers)]:
+                done.result()
     else:
-        got = digests(pending)
-    return [i for i, found in zip(pending, got) if found != where.digests[i].tobytes()]
+        hashes.work()
+    return hashes.mismatched()
+
+
+def hashed_beside(hashes: BlockHashes, read: Callable[[], T]) -> T:
+    """read() on this thread while other threads compute `hashes`; once it returns, this thread
+    hashes what is left with them. Every hash is done when this returns (or read's error is
+    raised, after the others stop)."""
+    workers = hashes.threads()
+    with ThreadPoolExecutor(workers) as pool:
+        helping = [pool.submit(hashes.work) for _ in range(workers)]
+        try:
+            out = read()
+            hashes.work()
+        except BaseException:
+            hashes.stop()
+            raise
+        finally:
+            for done in helping:
+                done.result()
+    return out

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ from mmkv_cli.pack.format import (
     split_layers,
     tensors_sha256,
 )
+from mmkv_cli.pack.hashing import hashed_beside
 from mmkv_cli.pack.integrity import (
     check_header,
     check_spans,
@@ -286,14 +286,11 @@ class PackReader:
             self._verify(where, pending)  # small: a thread costs more than it saves
             self._verified.update(names)
             return store.read_rows(where, taken, device, dtype)
-        # checksums on a thread while the rows are copied (both let go of the GIL): one after the
-        # other, a read ran slower than either
-        with ThreadPoolExecutor(1) as pool:
-            checked = pool.submit(self._verify, where, pending)
-            try:
-                read = store.read_rows(where, taken, device, dtype)
-            finally:
-                checked.result()  # a mismatch raises here, before anything read is handed out
+        # checksums on threads while the rows are copied (both let go of the GIL), and on this
+        # thread too once the copy is done: one after the other, a read ran slower than either
+        hashes = store.hashes(where, pending)
+        read = hashed_beside(hashes, lambda: store.read_rows(where, taken, device, dtype))
+        self._refuse(where, hashes.mismatched())  # before anything read is handed out
         self._verified.update(names)
         return read
 
@@ -341,7 +338,9 @@ class PackReader:
 
     def _verify(self, where: BlockRows, pending: list[int]) -> None:
         """Check the sha256 of the blocks at `pending` (positions in `where`) against the table."""
-        bad = self._block_store().mismatched(where, pending)
+        self._refuse(where, self._block_store().mismatched(where, pending))
+
+    def _refuse(self, where: BlockRows, bad: list[int]) -> None:
         if bad:
             name = self._blocks.name(where.indices[bad[0]])
             raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")

@@ -171,6 +171,11 @@ class BlockRows:
 
     def block_ranges(self, part: str) -> list[tuple[int, int]]:
         """Every block's row range [start, stop) in the block tensor of `part`."""
+        starts, stops = self.block_bounds(part)
+        return list(zip(starts.tolist(), stops.tolist()))
+
+    def block_bounds(self, part: str) -> tuple[np.ndarray, np.ndarray]:
+        """Every block's first row and stop row in the block tensor of `part`."""
         totals = self.counts.sum(axis=1)
         if part == "pos":
             starts = self.position_offsets
@@ -180,7 +185,7 @@ class BlockRows:
             stops = starts + self.groups.sum(axis=1)
         else:
             starts, stops = self.offsets, self.offsets + totals
-        return list(zip(starts.tolist(), stops.tolist()))
+        return starts, stops
 
     def _runs(self, starts: np.ndarray, taken: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         # layer-major: every layer's taken blocks in context order, so a tensor is read in one go
