@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack.hashing import BlockHashes, mismatched
+from mmkv_cli.pack.hashing import BlockHashes, mismatched, stored_bytes
 from mmkv_cli.pack.quant import QuantSpec, dequantize
 from mmkv_cli.pack.table import BlockRows
 
@@ -42,11 +42,7 @@ class BlockStore:
 
     def stored_bytes(self, where: BlockRows) -> int:
         """Bytes every block tensor holds for the blocks of `where` (what checking them reads)."""
-        return sum(
-            int(np.prod(view[0].shape[1:])) * view[0].itemsize * (stop - start)
-            for part, view in self.views.items()
-            for start, stop in where.block_ranges(part)
-        )
+        return stored_bytes(self.views, where, slice(None), self.token_major)
 
     def block_bytes(self, view: np.ndarray, start: int, stop: int) -> np.ndarray:
         """The stored bytes of token range [start, stop) of a block tensor, in the order its

@@ -8,12 +8,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-# Blocks this large on average are checksummed on up to HASH_THREADS threads. Small ones are not:
-# hashing many small buffers on threads churns the GIL (2 cores, 1024 blocks of 17 KB: 22 -> 25 ms;
-# 64 blocks of 5.6 MB, a real backbone's size: 204 -> 105 ms). A HERMES pack of a 0.5B model in
-# bf16 holds ~0.8 MB blocks: at the old 1 MB bar they were hashed on one thread (0.65-0.73 GB/s on
-# an H100 box's CPU); 60 blocks of 280 KB read at 0.74 GB/s serial, 1.02 on 2 threads.
-PARALLEL_HASH_BLOCK_BYTES = 1 << 16
+# Blocks of at least this many bytes on average are checksummed on up to HASH_THREADS threads.
+# Handed out in runs of ~1 MB, 2 threads on 2 cores hashed 8 KB blocks at 1.22 GB/s against 1.15
+# on one, 12 KB at 1.67 against 1.2, 38 KB (one layer of MuKV) at 2.15 against 1.27; a real
+# backbone's blocks are MBs. (A split into one contiguous share per thread lost at 17 KB.)
+PARALLEL_HASH_BLOCK_BYTES = 1 << 13
 HASH_THREADS = 8
 # Blocks are handed out in runs of about this many bytes: a task per small block costs more than it
 # hashes, and a run much larger leaves one thread hashing alone at the end
@@ -34,11 +33,7 @@ class BlockHashes:
         spans = {part: where.block_ranges(part) for part in views}
         self._ranges = {i: [(views[p][0], *spans[p][i]) for p in views] for i in pending}
         self._where, self._block_bytes = where, block_bytes
-        self.size = 0
-        for part, (view, _) in views.items():
-            row = view.nbytes // max(1, view.shape[0 if token_major else 1])
-            starts, stops = where.block_bounds(part)
-            self.size += row * int((stops[pending] - starts[pending]).sum())
+        self.size = stored_bytes(views, where, pending, token_major)
         self.average = self.size // len(pending) if pending else 0
         per_run = max(1, RUN_BYTES // max(1, self.average))
         # a list's iterator hands each run to one thread only (its next() holds the GIL)
@@ -74,6 +69,16 @@ class BlockHashes:
         return sorted(self._bad)
 
 
+def stored_bytes(views: dict, where, chosen, token_major: bool) -> int:
+    """Bytes the blocks at `chosen` (positions in `where`) hold in every block tensor of `views`."""
+    total = 0
+    for part, (view, _) in views.items():
+        row = view.nbytes // max(1, view.shape[0 if token_major else 1])
+        starts, stops = where.block_bounds(part)
+        total += row * int((stops[chosen] - starts[chosen]).sum())
+    return total
+
+
 def mismatched(views: dict, where, pending: list[int], block_bytes, token_major: bool) -> list[int]:
     """The blocks at `pending` (positions in BlockRows `where`) whose sha256 over their rows of
     every block tensor in `views` differs from the table's. A read of large blocks is hashed on
@@ -94,7 +99,7 @@ def hashed_beside(hashes: BlockHashes, read: Callable[[], T]) -> T:
     """read() on this thread while other threads compute `hashes`; once it returns, this thread
     hashes what is left with them. Every hash is done when this returns (or read's error is
     raised, after the others stop)."""
-    workers = hashes.threads()
+    workers = max(1, hashes.threads() - 1)  # this thread makes one more once its read is done
     with ThreadPoolExecutor(workers) as pool:
         helping = [pool.submit(hashes.work) for _ in range(workers)]
         try:
