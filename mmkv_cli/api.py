@@ -1,4 +1,5 @@
-"""The CLI's verbs as Python functions: encode, ask, inspect (profile lives in profile.py).
+"""The CLI's verbs as Python functions: encode, ask, and inspect and verify (from pack/report.py;
+profile lives in profile.py).
 
 Only light modules are imported here: `inspect` of a local pack must not pay for torch. encode and
 ask import the model side when they run.
@@ -22,6 +23,7 @@ from mmkv_cli.methods.base import ContextPolicy
 from mmkv_cli.methods.context import WholeContext
 from mmkv_cli.options import AskOptions, EncodeOptions, LoadOptions
 from mmkv_cli.pack import PackReader, check_writable
+from mmkv_cli.pack.report import inspect, verify  # the verbs that read a pack alone
 from mmkv_cli.presets import resolve_method
 from mmkv_cli.spec import as_plain, override
 from mmkv_cli.storage import is_url, local_path
@@ -30,8 +32,21 @@ if TYPE_CHECKING:
     from mmkv_cli.answer import Answer
     from mmkv_cli.backbones import Backbone
 
+__all__ = [
+    "EncodeProgress",
+    "PackSession",
+    "answer_record",
+    "ask",
+    "context_policy",
+    "encode",
+    "inspect",
+    "load_for",
+    "pack_model",
+    "refuse_input_as_output",
+    "stored_method",
+    "verify",
+]
 EncodeProgress = Callable[[int, int], None]  # (frames done, visual tokens done)
-BYTES_PER_VALUE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 def encode(
@@ -310,102 +325,4 @@ def answer_record(answer: Answer, question: str, at: float | None = None, ident=
         "bytes_fetched": answer.bytes_fetched,
         "retrieved": answer.retrieved,
         "kv_tokens_after_prune": answer.kv_tokens,
-    }
-
-
-def verify(pack: str | Path) -> dict:
-    """Every byte of a pack read and checked (inspect stays lazy): the header and directory on
-    open, the prefix, suffix and representatives, and every block against its checksum. Returns
-    the faults found, each naming the block or tensor; none means the pack is whole."""
-    reader = PackReader(pack)  # a fault here is one clear error: nothing after it can be trusted
-    faults = []
-    for name in ("prefix", "suffix"):
-        try:
-            reader.span(name)
-        except PackError as err:
-            faults.append(f"{name}: {err}")
-    try:
-        reader.representatives()
-    except PackError as err:
-        faults.append(f"representatives: {err}")
-    if len(reader.blocks) and reader.header["format_version"] >= 4:
-        faults += reader.block_faults()
-    elif len(reader.blocks):  # head-major packs: block by block
-        for index in range(len(reader.blocks)):
-            try:
-                reader.span(reader.blocks.name(index), keep=False)
-            except PackError as err:
-                faults.append(f"block {reader.blocks.name(index)}: {err}")
-    return {
-        "path": str(reader.path),
-        "format_version": reader.header["format_version"],
-        "blocks": len(reader.blocks),
-        "bytes": reader.size,
-        "bytes_checked": reader.bytes_read,
-        "ok": not faults,
-        "faults": faults,
-    }
-
-
-def inspect(pack: str | Path) -> dict:
-    """What a pack holds, from its header and block table (no KV tensor is read, torch is not
-    needed)."""
-    reader = PackReader(pack)
-    h = reader.header
-    kv = h["kv"]
-    counts = reader.blocks.layer_totals()  # [blocks, layers]
-    per_layer = counts.sum(axis=0).tolist() if len(counts) else [0] * kv["layers"]
-    # K + V (+ their quantization scales) per token per layer, as stored
-    stored = reader.stored_bytes(["blocks.k", "blocks.v", "blocks.kq", "blocks.vq"])
-    as_computed = 2 * kv["kv_heads"] * kv["head_dim"] * BYTES_PER_VALUE.get(kv["dtype"], 2)
-    per_token = stored / max(1, int(counts.sum())) if len(counts) else as_computed
-    total = h["visual_tokens_total"]
-    codes = reader.blocks.codes()
-    granularities: dict[str, dict] = {}
-    for code in dict.fromkeys(codes.tolist()):
-        mine = counts[codes == code]
-        tokens = float(mine.sum()) / max(1, mine.shape[1])
-        granularities[reader.blocks.kinds[code]] = {
-            "blocks": int(mine.shape[0]),
-            "tokens": round(tokens, 2),  # per layer, averaged over layers
-            "stream_share": round(tokens / max(1, total), 4),
-            "bytes": round(int(mine.sum()) * per_token),
-        }
-    kept = sum(per_layer) / max(1, len(per_layer))
-    method = h["method"]
-    spans = reader.spans_meta
-    views = [g for g in granularities if g in ("patch", "frame", "segment")]
-    return {
-        "path": str(reader.path),
-        "format_version": h["format_version"],
-        "model": h["fingerprint"]["model"],
-        "family": h["fingerprint"]["family"],
-        "method": method["name"],
-        "budget": method.get("budget"),
-        "budget_tokens": method.get(
-            "budget_tokens", (method.get("params") or {}).get("budget_tokens")
-        ),
-        "media": {k: h["media"][k] for k in ("kind", "source", "digest", "frames")},
-        "blocks": len(reader.blocks),
-        "visual_tokens_total": total,
-        "visual_tokens_kept": round(kept, 2),  # per layer, averaged over layers
-        "visual_kv_share": round(kept / max(1, total), 4),
-        # MuKV-style packs cut the same stream several ways: each view holds its own share of it
-        "overlapping_views": views if len(views) > 1 else [],
-        "prompt_tokens": spans["prefix"]["layer_counts"][0] + spans["suffix"]["layer_counts"][0],
-        "bytes": reader.size,
-        "kv_bytes": round(int(sum(per_layer)) * per_token),
-        "kv_bits": (h.get("quant") or {}).get("bits", 16),
-        "kv_group": (h.get("quant") or {}).get("group"),
-        "kv_dtype": kv["dtype"],
-        "kv_bytes_per_token": round(per_token, 2),  # per layer, K + V and their scales
-        "kv_bytes_per_token_as_computed": as_computed,
-        "layers": [{"index": i, "tokens_kept": int(n)} for i, n in enumerate(per_layer)],
-        "granularities": granularities,
-        "positions": {
-            "dims": h["layout"]["position_dims"],
-            "next_position": h["layout"]["next_position"],
-            "rope_deltas": h["layout"]["rope_deltas"],
-        },
-        "created": h["created"],
     }
