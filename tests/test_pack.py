@@ -70,6 +70,8 @@ def test_reader_is_lazy(tmp_path):
     assert reader.bytes_read == table
     reader.representatives()
     assert reader.bytes_read == table + 2 * 16 * 4  # and the representatives, nothing else
+    reader.representatives()  # a session's next question: held, not read and hashed again
+    assert reader.bytes_read == table + 2 * 16 * 4
     reader.span("b1")
     # b1's K and V, and its int32 positions (per layer: its layers keep different tokens)
     assert reader.bytes_read == table + 2 * 16 * 4 + 2 * (8 * 2 * 8 * 4) + 8 * 3 * 4

@@ -43,6 +43,17 @@ def test_dot_product_favours_a_long_vector_cosine_its_direction():
     assert int(SIMILARITY["dot"](query, reps).argmax()) == 1
 
 
+def test_cosine_scores_are_the_cosine_of_each_block_and_zero_for_a_zero_key():
+    g = torch.Generator().manual_seed(3)
+    reps, query = torch.randn(500, 64, generator=g), torch.randn(64, generator=g)
+    reps[7] = 0  # a block whose mean key cancelled out
+    scores = SIMILARITY["cosine"](query, reps.to(torch.bfloat16))
+    plain = reps.to(torch.bfloat16).float()
+    want = [float(r @ query / (r.norm() * query.norm())) if r.any() else 0.0 for r in plain]
+    assert torch.allclose(scores, torch.tensor(want), atol=1e-6)
+    assert float(scores[7]) == 0.0
+
+
 def _image_set(folder, frames: np.ndarray) -> str:
     folder.mkdir()
     for i, frame in enumerate(frames):

@@ -77,6 +77,7 @@ class PackReader:
         self.quant = QuantSpec.from_header(self.header.get("quant"), self.header.get("kv"), where)
         self._bytes_read = 0  # bytes read outside the store's row copies
         self._store: BlockStore | None = None  # the block tensors, mapped on the first read
+        self._reps: torch.Tensor | None = None  # the representatives, once read and checked
         self._spans: dict[str, Span] = {}
         # v2-v4 called the prefix and suffix "segments"
         self.spans_meta = self.header.get("spans" if version >= 5 else "segments") or {}
@@ -222,9 +223,17 @@ class PackReader:
         return list(value)
 
     def representatives(self) -> torch.Tensor | None:
-        """[blocks, layers, dim] retrieval keys (layers: 1 unless stored per layer), or None."""
+        """[blocks, layers, dim] retrieval keys (layers: 1 unless stored per layer), float32, or
+        None. Read and checked once, then held: a session asks many questions of one index (an
+        hour's per-layer ReKV index at 7B is 44 MB, hashed at about 1 GB/s). Callers must not
+        write into it."""
         if not self.header.get("representatives"):
             return None
+        if self._reps is None:
+            self._reps = self._read_representatives()
+        return self._reps
+
+    def _read_representatives(self) -> torch.Tensor:
         stored = self._array("reps")
         digest = (self.header.get("integrity") or {}).get("reps")
         if digest is not None and hashlib.sha256(stored).hexdigest() != digest:
