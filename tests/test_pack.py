@@ -10,6 +10,8 @@ import torch
 
 from mmkv_cli.errors import OutputExistsError, PackError
 from mmkv_cli.pack import PackReader, Span, write_pack
+from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_digests
+from tests.mutants import Parts
 
 
 def segment(name, counts, seed, dims=1, granularity=None):
@@ -312,3 +314,44 @@ def test_a_pack_is_a_valid_safetensors_file_that_the_library_reads_too(tmp_path)
         assert torch.equal(
             lib.get_tensor("blocks.sha256"), torch.from_numpy(reader.blocks.spans([0, 1])[2])
         )
+
+
+def test_a_flipped_byte_in_the_representatives_fails_their_checksum(tmp_path):
+    path = tmp_path / "a.kvpack"
+    write(path)
+    parts = Parts.of(path.read_bytes())
+    start, _ = parts.directory["reps"]["data_offsets"]
+    parts.data[start + 5] ^= 0x10
+    path.write_bytes(parts.bytes())
+    reader = PackReader(path)  # the table and the blocks are untouched
+    assert len(reader.gather(["b0"])[0]) == 3
+    with pytest.raises(PackError, match="checksum mismatch in reps"):
+        reader.representatives()
+
+
+def test_representatives_need_one_digest_per_chunk(tmp_path):
+    path = tmp_path / "a.kvpack"
+    write(path)
+    parts = Parts.of(path.read_bytes())
+    header = parts.header()
+    assert header["integrity"]["reps"]["chunk"] == REPS_CHUNK
+    assert len(header["integrity"]["reps"]["sha256"]) == 1  # 128 bytes: one chunk
+    for digests in ([], header["integrity"]["reps"]["sha256"] * 2):
+        header["integrity"]["reps"]["sha256"] = digests
+        parts.set_header(header)
+        path.write_bytes(parts.bytes())
+        with pytest.raises(PackError, match="reps digests"):
+            PackReader(path)
+
+
+def test_chunk_digests_cover_each_chunk_on_threads(monkeypatch):
+    import hashlib
+
+    data = bytes(range(256)) * 1000  # 256,000 bytes: four chunks of 64 KiB, the last short
+    serial = chunk_digests(memoryview(data), 1 << 16)
+    starts = range(0, len(data), 1 << 16)
+    want = [hashlib.sha256(data[i : i + (1 << 16)]).hexdigest() for i in starts]
+    assert serial == want and len(want) == 4
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    assert chunk_digests(memoryview(data), 1 << 16) == want
+    assert chunk_digests(memoryview(b""), 1 << 16) == [hashlib.sha256(b"").hexdigest()]

@@ -13,7 +13,8 @@ so opening a pack parses a few KB whatever its length. Block representatives sit
 [blocks, layers, dim] so retrieval reads them without touching any block. From v7 the blocks' K/V
 may be quantized (pack/quant.py: codes in "blocks.k/.v", scales in "blocks.kq/.vq"), positions are
 int32 and stored once for a span whose layers all keep the same tokens. From v8 the block table and
-the tokens per step are int32 where every value fits (int64 otherwise). See docs/kvpack.md.
+the tokens per step are int32 where every value fits (int64 otherwise), and the representatives
+have a digest per 4 MiB, hashed on every core. See docs/kvpack.md.
 """
 
 from __future__ import annotations

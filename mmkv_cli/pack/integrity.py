@@ -215,6 +215,21 @@ def check_header(header: dict, version: int, where: str) -> None:
             where,
             "integrity",
         )
+        if "reps" in digests:
+            _need(_reps_digest(digests["reps"], version), where, "integrity.reps")
+
+
+def _reps_digest(value, version: int) -> bool:
+    """v8: {"chunk": bytes, "sha256": [one digest per chunk]}; v7: one digest."""
+    if version < 8:
+        return isinstance(value, str) and HEX64.fullmatch(value) is not None
+    return (
+        isinstance(value, dict)
+        and _is_int(value.get("chunk"), 1 << 16, 1 << 30)
+        and isinstance(value.get("sha256"), list)
+        and len(value["sha256"]) <= 1 << 16
+        and all(isinstance(d, str) and HEX64.fullmatch(d) for d in value["sha256"])
+    )
 
 
 def check_askable(header: dict, where: str) -> None:
@@ -330,3 +345,8 @@ def check_tensors(header: dict, entries: dict, spans: dict, table, quant, where:
         if stored not in (1, layers) or reps["dim"] != heads * dim:
             raise PackError(f"{where} is corrupted (representatives)")
         expect(entries, "reps", code, [count, stored, heads * dim], where)
+        if header["format_version"] >= 8:  # every byte of them covered: a digest per chunk
+            digest = header["integrity"].get("reps")
+            start, stop = entries["reps"]["data_offsets"]
+            chunks = max(1, -(-(stop - start) // digest["chunk"])) if digest else -1
+            _need(digest is not None and len(digest["sha256"]) == chunks, where, "reps digests")

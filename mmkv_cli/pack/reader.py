@@ -22,7 +22,7 @@ from mmkv_cli.pack.format import (
     split_layers,
     tensors_sha256,
 )
-from mmkv_cli.pack.hashing import hashed_beside
+from mmkv_cli.pack.hashing import chunk_digests, hashed_beside
 from mmkv_cli.pack.integrity import (
     check_header,
     check_spans,
@@ -236,7 +236,11 @@ class PackReader:
     def _read_representatives(self) -> torch.Tensor:
         stored = self._array("reps")
         digest = (self.header.get("integrity") or {}).get("reps")
-        if digest is not None and hashlib.sha256(stored).hexdigest() != digest:
+        if self.header["format_version"] >= 8:  # a digest per chunk (checked on open), on threads
+            whole = chunk_digests(stored, digest["chunk"]) == digest["sha256"]
+        else:
+            whole = digest is None or hashlib.sha256(stored).hexdigest() == digest
+        if not whole:
             raise PackError(f"{self.path} is corrupted (checksum mismatch in reps)")
         dtype = getattr(torch, self._view("reps")[1])
         reps = torch.from_numpy(stored).view(dtype).float()  # v7 keeps them in the KV's dtype

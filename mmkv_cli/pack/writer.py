@@ -27,6 +27,7 @@ from mmkv_cli.pack.format import (
     raw_bytes,
     tensors_sha256,
 )
+from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_digests
 from mmkv_cli.pack.integrity import index_digest
 from mmkv_cli.pack.quant import QuantSpec, quantize_keys, quantize_values
 from mmkv_cli.pack.stored import block_shape, store, stored_positions
@@ -255,7 +256,8 @@ def write_pack(
         place(f"{BLOCKS}.sha256", "U8", [len(blocks), 32], 32 * len(blocks))
     integrity = {"index": index_digest(entries, lambda name: raw_bytes(small[name]))}
     if "reps" in small:
-        integrity["reps"] = hashlib.sha256(raw_bytes(small["reps"])).hexdigest()
+        digests = chunk_digests(raw_bytes(small["reps"]), REPS_CHUNK)
+        integrity["reps"] = {"chunk": REPS_CHUNK, "sha256": digests}
     header = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
