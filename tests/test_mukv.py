@@ -144,6 +144,14 @@ def test_retrieval_picks_the_block_holding_a_planted_needle(tmp_path, backbones,
         lambda mode: question_vector(backbone, again, ids, mode),
     )
     assert chosen.names == [again.blocks[5]["name"]]
+    # kept in a GPU pack's bf16, the index still finds it; asked before it, the rest compete
+    as_bf16 = again.representatives().to(torch.bfloat16)
+    vector = question_vector(backbone, again, ids, "query_mean")
+    assert policy.select(again.blocks, lambda: as_bf16, lambda mode: vector).names == ["b5"]
+    before = again.blocks[5]["time"][0] - 0.01
+    earlier = policy.select(again.blocks, again.representatives, lambda mode: vector, at=before)
+    assert len(earlier.names) == 1 and earlier.names != ["b5"]
+    assert again.blocks[again.blocks.index_of(earlier.names[0])]["time"][0] <= before
 
 
 @pytest.mark.parametrize("name", TINY)

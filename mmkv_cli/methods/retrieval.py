@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import QuestionVector, Selection
@@ -108,7 +110,9 @@ class RetrievalContext:
         eligible = eligible_at(blocks, at)
         if not len(eligible):
             return Selection([], [])
-        stored = reps()[torch.as_tensor(eligible)]  # [eligible, stored layers, dim]
+        stored = reps()  # [eligible, stored layers, dim]: every block, unless some start later
+        if len(eligible) < len(stored) or (eligible != np.arange(len(stored))).any():
+            stored = stored[torch.as_tensor(eligible)]
         query = question_vector(o.query)  # [layers, dim]
         if o.layers == "each" and stored.shape[1] != query.shape[0]:
             raise PackError(

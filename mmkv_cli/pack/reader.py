@@ -223,10 +223,10 @@ class PackReader:
         return list(value)
 
     def representatives(self) -> torch.Tensor | None:
-        """[blocks, layers, dim] retrieval keys (layers: 1 unless stored per layer), float32, or
-        None. Read and checked once, then held: a session asks many questions of one index (an
-        hour's per-layer ReKV index at 7B is 44 MB, hashed at about 1 GB/s). Callers must not
-        write into it."""
+        """[blocks, layers, dim] retrieval keys (layers: 1 unless stored per layer) in the dtype
+        they are stored in (v7 on: the KV's), or None. Read and checked once, then held: a session
+        asks many questions of one index (an hour's per-layer ReKV index at 7B is 51 MB in bf16,
+        twice that as float32). Callers must not write into it."""
         if not self.header.get("representatives"):
             return None
         if self._reps is None:
@@ -243,7 +243,7 @@ class PackReader:
         if not whole:
             raise PackError(f"{self.path} is corrupted (checksum mismatch in reps)")
         dtype = getattr(torch, self._view("reps")[1])
-        reps = torch.from_numpy(stored).view(dtype).float()  # v7 keeps them in the KV's dtype
+        reps = torch.from_numpy(stored).view(dtype)  # scores convert the rows they compare
         return reps.unsqueeze(1) if reps.dim() == 2 else reps  # v2-v5: [blocks, dim]
 
     @property
