@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -40,16 +41,18 @@ class BlockHashes:
         self.size = stored_bytes(views, where, pending, token_major)
         self.average = self.size // len(pending) if pending else 0
         per_run = max(1, RUN_BYTES // max(1, self.average))
-        # a list's iterator hands each run to one thread only (its next() holds the GIL)
         self._runs = iter([pending[i : i + per_run] for i in range(0, len(pending), per_run)])
+        self._taking = threading.Lock()  # each run to one thread only, with or without a GIL
         self.run_count = -(-len(pending) // per_run)
         self._bad: list[int] = []
         self._stopped = False
 
     def work(self) -> None:
         """Hash runs until none is left (or `stop` is called)."""
-        for run in self._runs:
-            if self._stopped:
+        while not self._stopped:
+            with self._taking:
+                run = next(self._runs, None)
+            if run is None:
                 return
             for i in run:
                 digest = hashlib.sha256()
