@@ -111,7 +111,7 @@ class RetrievalContext:
         if not len(eligible):
             return Selection([], [])
         stored = reps()  # [eligible, stored layers, dim]: every block, unless some start later
-        if len(eligible) < len(stored) or (eligible != np.arange(len(stored))).any():
+        if not np.array_equal(eligible, np.arange(len(stored))):
             stored = stored[torch.as_tensor(eligible)]
         query = question_vector(o.query)  # [layers, dim]
         if o.layers == "each" and stored.shape[1] != query.shape[0]:

@@ -38,12 +38,12 @@ class BlockHashes:
         spans = {part: where.block_ranges(part) for part in views}
         self._ranges = {i: [(views[p][0], *spans[p][i]) for p in views] for i in pending}
         self._where, self._block_bytes = where, block_bytes
-        self.size = stored_bytes(views, where, pending, token_major)
-        self.average = self.size // len(pending) if pending else 0
-        per_run = max(1, RUN_BYTES // max(1, self.average))
+        size = stored_bytes(views, where, pending, token_major)
+        self._average = size // len(pending) if pending else 0
+        per_run = max(1, RUN_BYTES // max(1, self._average))
         self._runs = iter([pending[i : i + per_run] for i in range(0, len(pending), per_run)])
         self._taking = threading.Lock()  # each run to one thread only, with or without a GIL
-        self.run_count = -(-len(pending) // per_run)
+        self._run_count = -(-len(pending) // per_run)
         self._bad: list[int] = []
         self._stopped = False
 
@@ -67,9 +67,9 @@ class BlockHashes:
 
     def threads(self) -> int:
         """How many threads to hash on: one for blocks under PARALLEL_HASH_BLOCK_BYTES."""
-        if self.average < PARALLEL_HASH_BLOCK_BYTES:
+        if self._average < PARALLEL_HASH_BLOCK_BYTES:
             return 1
-        return max(1, min(HASH_THREADS, os.cpu_count() or 1, self.run_count))
+        return max(1, min(HASH_THREADS, os.cpu_count() or 1, self._run_count))
 
     def mismatched(self) -> list[int]:
         """The blocks whose checksum differs (positions in `where`), once every run is hashed."""

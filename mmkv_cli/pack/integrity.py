@@ -316,6 +316,18 @@ def check_tensors(header: dict, entries: dict, spans: dict, table, quant, where:
     count, layers = len(table), kv["layers"]
     if count != header["blocks"]["count"]:
         raise PackError(f"{where} is corrupted (block count)")
+    # before the early return: a forged pack of no blocks may still claim representatives
+    reps = header.get("representatives")
+    if reps:
+        stored = reps.get("layers")
+        if stored not in (1, layers) or reps["dim"] != heads * dim:
+            raise PackError(f"{where} is corrupted (representatives)")
+        expect(entries, "reps", code, [count, stored, heads * dim], where)
+        if header["format_version"] >= 8:  # every byte of them covered: a digest per chunk
+            digest = header["integrity"].get("reps")
+            start, stop = entries["reps"]["data_offsets"]
+            chunks = max(1, -(-(stop - start) // digest["chunk"])) if digest else -1
+            _need(digest is not None and len(digest["sha256"]) == chunks, where, "reps digests")
     if not count:
         return
     expect(entries, f"{BLOCKS}.table", integers, [count, TABLE_COLUMNS + layers], where)
@@ -339,14 +351,3 @@ def check_tensors(header: dict, entries: dict, spans: dict, table, quant, where:
         groups = heads * dim // quant.value_group(heads, dim)
         expect(entries, f"{BLOCKS}.kq", "F16", [sizes["groups"], 2, heads, dim], where)
         expect(entries, f"{BLOCKS}.vq", "F16", [sizes["tokens"], groups, 2], where)
-    reps = header.get("representatives")
-    if reps:
-        stored = reps.get("layers")
-        if stored not in (1, layers) or reps["dim"] != heads * dim:
-            raise PackError(f"{where} is corrupted (representatives)")
-        expect(entries, "reps", code, [count, stored, heads * dim], where)
-        if header["format_version"] >= 8:  # every byte of them covered: a digest per chunk
-            digest = header["integrity"].get("reps")
-            start, stop = entries["reps"]["data_offsets"]
-            chunks = max(1, -(-(stop - start) // digest["chunk"])) if digest else -1
-            _need(digest is not None and len(digest["sha256"]) == chunks, where, "reps digests")
