@@ -3,19 +3,22 @@
 
 A checkpoint is safetensors files (no pickle). What only grows and never changes once made (the
 running cache's entries no policy rewrote, all of `full`'s; ReKV's offloaded KV; each in whole
-pieces; MuKV's finished blocks) is written once, each save adding a segment
+pieces; MuKV's finished blocks and their rows) is written once, each save adding a segment
 `.NAME.mmkv-checkpoint.seg-N` with what is new since the last; the rest (the running cache's
 rewritten part, the policy's own state, the tails of less than a piece) is rewritten in the head
 `.NAME.mmkv-checkpoint` at every save. Rewriting everything made an encode's checkpoint writes
 grow with the square of its length: an hour of ReKV or `full` at 7B (20 GB, 90 saves) wrote about
 900 GB. The head's metadata holds what the encode is (media digest, model fingerprint, method,
-parameters, budget, sampling, stored bits), how far it got, and each segment's tensor names and
-digest. A checkpoint of another encode is refused, never mixed in; one whose bytes do not match
-their digests is refused too. It is removed once the pack is written.
+parameters, budget, sampling, stored bits), how far it got, and one digest per segment binding
+its tensor names, rows and bytes; a segment's names and rows live in the segment, so the head
+stays a few KB however long the encode. A checkpoint of another encode is refused, never mixed
+in; one whose bytes do not match their digests is refused too. It is removed once the pack is
+written.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -30,8 +33,8 @@ from mmkv_cli.pack.format import Span, tensors_sha256
 from mmkv_cli.pack.writer import sweep_stale
 
 SUFFIX = ".mmkv-checkpoint"
-FORMAT, VERSION = "mmkv.checkpoint", 4  # 3: what never changes is written once, in segments;
-# 4: so are the running cache's entries no splice rewrote
+FORMAT, VERSION = "mmkv.checkpoint", 5  # 3: what never changes is written once, in segments;
+# 4: so are the running cache's entries no splice rewrote; 5: segments hold their names and rows
 META = "mmkv_checkpoint"
 SEGMENT = ".seg-"
 DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -46,15 +49,26 @@ def segment_path(path: Path, number: int) -> Path:
 
 
 @dataclass
+class Restored:
+    """What a resume starts from: the last save's progress, every tensor saved (head and
+    segments), and the rows the segments carry, in the order they were saved."""
+
+    progress: dict
+    tensors: dict[str, torch.Tensor]
+    rows: list
+
+
+@dataclass
 class Checkpointing:
     """One encode's checkpoints: where, how often, what encode they belong to, what a resume
-    starts from (restored: (progress, tensors), or None) and the segments saved so far."""
+    starts from (or None), the segments saved so far and the tensor names they hold."""
 
     path: Path
     every: int  # chunks between saves (0: never save)
     identity: dict
-    restored: tuple[dict, dict] | None = None
-    segments: list[dict] = field(default_factory=list)  # {"names", "sha256"}, in order
+    restored: Restored | None = None
+    segments: list[str] = field(default_factory=list)  # each segment's digest, in order
+    sealed: set[str] = field(default_factory=set)  # the names the segments hold
 
     @classmethod
     def open(cls, output: Path, every: int, resume: bool, identity: dict) -> Checkpointing:
@@ -64,8 +78,8 @@ class Checkpointing:
         path = checkpoint_path(output)
         if not (resume and path.exists()):
             return cls(path, every, identity)
-        progress, tensors, segments = load(path, identity)
-        return cls(path, every, identity, (progress, tensors), segments)
+        restored, segments, sealed = load(path, identity)
+        return cls(path, every, identity, restored, segments, sealed)
 
     @staticmethod
     def refuse_overwrite(output: Path, every: int, resume: bool) -> None:
@@ -78,7 +92,7 @@ class Checkpointing:
                 "or delete it to start over"
             )
 
-    def take_restored(self) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    def take_restored(self) -> Restored | None:
         """What a resume starts from, handed over once: held here for the whole encode, the
         loaded checkpoint (at an hour of video, GBs) would outlive every tensor made from it."""
         restored, self.restored = self.restored, None
@@ -88,20 +102,26 @@ class Checkpointing:
         return self.every > 0 and chunks_done % self.every == 0
 
     def save(
-        self, progress: dict, live: dict[str, torch.Tensor], sealed: dict[str, torch.Tensor]
+        self,
+        progress: dict,
+        live: dict[str, torch.Tensor],
+        sealed: dict[str, torch.Tensor],
+        rows: list | None = None,
     ) -> None:
         """Save the state. `sealed`: tensors whose name, once saved, always stands for the same
         bytes; those not saved yet go to a new segment, the others are not written again (and
-        may be left out). `live`: the rest, rewritten in the head."""
-        done = {name for segment in self.segments for name in segment["names"]}
-        new = {name: t for name, t in sealed.items() if name not in done}
+        may be left out). `rows`: JSON records made since the last save, kept with them (a
+        resume gets every save's, in order). `live`: the rest, rewritten in the head."""
+        new = {name: t for name, t in sealed.items() if name not in self.sealed}
         segments = list(self.segments)
-        if new:
-            digest = _write(segment_path(self.path, len(segments)), self.path, new, {})
-            segments.append({"names": sorted(new), "sha256": digest})
+        if new or rows:
+            found = segment_path(self.path, len(segments))
+            tensors_digest = _write(found, self.path, new, {"rows": rows or []})
+            segments.append(_segment_digest(sorted(new), rows or [], tensors_digest))
         meta = {"format": FORMAT, "version": VERSION, "identity": self.identity}
         _write(self.path, self.path, live, {**meta, "progress": progress, "segments": segments})
         self.segments = segments
+        self.sealed |= new.keys()
         _sweep_segments(self.path, keep=len(segments))  # what a killed save left unlisted
 
     def remove(self) -> None:
@@ -131,6 +151,13 @@ def _write(target: Path, path: Path, tensors: dict[str, torch.Tensor], meta: dic
     return digest
 
 
+def _segment_digest(names: list[str], rows: list, tensors_digest: str) -> str:
+    """The digest the head lists for a segment: its tensor names, rows and bytes together (a
+    segment's own metadata is not otherwise covered)."""
+    record = {"names": names, "rows": rows, "sha256": tensors_digest}
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
 def _sweep_segments(path: Path, keep: int) -> None:
     """Remove the segments of `path` numbered `keep` and on."""
     start = f"{path.name}{SEGMENT}"
@@ -155,12 +182,18 @@ def _writable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load(path: Path, identity: dict) -> tuple[dict, dict[str, torch.Tensor], list[dict]]:
-    """(progress, tensors, segments) of the checkpoint at `path`, made by the encode `identity`
-    names: its head's tensors and every segment's, each file checked against its digest."""
+def load(path: Path, identity: dict) -> tuple[Restored, list[str], set[str]]:
+    """What the checkpoint at `path`, made by the encode `identity` names, restores (its head's
+    tensors and every segment's, and the segments' rows), its segments' digests and the tensor
+    names they hold; each file is checked against its digest."""
     meta, tensors = _read(path)
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise PackError(f"{path} is not an mmkv checkpoint this version reads")
+    if meta.get("format") != FORMAT:
+        raise PackError(f"{path} is not an mmkv checkpoint")
+    if meta.get("version") != VERSION:
+        raise UsageError(
+            f"{path} was saved by another mmkv version (checkpoint v{meta.get('version')}, this "
+            f"one reads v{VERSION}): resume with that version, or delete it to start over"
+        )
     if meta.get("identity") != identity:
         theirs = meta.get("identity") if isinstance(meta.get("identity"), dict) else {}
         changed = [k for k in identity if theirs.get(k) != identity[k]] or ["unknown"]
@@ -169,30 +202,30 @@ def load(path: Path, identity: dict) -> tuple[dict, dict[str, torch.Tensor], lis
             "it, or encode without --resume"
         )
     progress, segments = meta.get("progress"), meta.get("segments")
-    if not isinstance(progress, dict) or not _segment_list(segments):
+    if not isinstance(progress, dict) or not _digest_list(segments):
         raise PackError(f"{path} is corrupted (no progress or segment list)")
-    for number, segment in enumerate(segments):
+    rows, sealed = [], set()
+    for number, digest in enumerate(segments):
         found = segment_path(path, number)
         if not found.exists():
             raise PackError(f"{path} is incomplete: its segment {found.name} is missing")
         part_meta, part = _read(found)
-        if part_meta.get("sha256") != segment["sha256"] or sorted(part) != segment["names"]:
+        part_rows = part_meta.get("rows")
+        if not isinstance(part_rows, list) or digest != _segment_digest(
+            sorted(part), part_rows, part_meta["sha256"]
+        ):
             raise PackError(f"{found} is not the segment {path} lists")
         if part.keys() & tensors.keys():
             raise PackError(f"{path} is corrupted (a tensor saved twice)")
         tensors |= part
-    return progress, tensors, segments
+        rows += part_rows
+        sealed |= part.keys()
+    return Restored(progress, tensors, rows), segments, sealed
 
 
-def _segment_list(segments) -> bool:
+def _digest_list(segments) -> bool:
     return isinstance(segments, list) and all(
-        isinstance(s, dict)
-        and isinstance(s.get("sha256"), str)
-        and DIGEST.fullmatch(s["sha256"])
-        and isinstance(s.get("names"), list)
-        and all(isinstance(n, str) for n in s["names"])
-        and s["names"] == sorted(s["names"])
-        for s in segments
+        isinstance(s, str) and DIGEST.fullmatch(s) for s in segments
     )
 
 
@@ -297,16 +330,15 @@ def _taken_pieces(tensors: dict, prefix: str) -> list[tuple[int, torch.Tensor]]:
 def blocks_tensors(
     blocks: list[Span], saved: int = 0
 ) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """Blockwise blocks made so far as JSON rows, and the tensors of those from `saved` on (sealed:
-    a block never changes once made): their K/V/positions concatenated (token-major, as a pack
-    stores them) and representatives."""
+    """The blockwise blocks from `saved` on (sealed: a block never changes once made) as tensors,
+    their K/V/positions concatenated (token-major, as a pack stores them) and representatives,
+    and as JSON rows (a segment keeps them: a resume gets the rows of every save in order)."""
     tensors, rows = {}, []
-    for i, block in enumerate(blocks):
-        if i >= saved:
-            for part, name in enumerate(("k", "v", "pos")):
-                tensors[f"block.{i}.{name}"] = block.part(part)
-            if block.representative is not None:
-                tensors[f"block.{i}.rep"] = block.representative
+    for i, block in enumerate(blocks[saved:], start=saved):
+        for part, name in enumerate(("k", "v", "pos")):
+            tensors[f"block.{i}.{name}"] = block.part(part)
+        if block.representative is not None:
+            tensors[f"block.{i}.rep"] = block.representative
         rows.append(
             {
                 "counts": block.layer_counts,
@@ -326,10 +358,14 @@ def blocks_from(tensors: dict[str, torch.Tensor], rows: list[dict]) -> list[Span
 
     blocks = []
     for i, row in enumerate(rows):
-        keys, values, positions = (
-            split_layers(tensors.pop(f"block.{i}.{name}"), row["counts"])
-            for name in ("k", "v", "pos")
-        )
+        try:
+            keys, values, positions = (
+                split_layers(tensors.pop(f"block.{i}.{name}"), row["counts"])
+                for name in ("k", "v", "pos")
+            )
+        except (KeyError, TypeError, RuntimeError):
+            problem = f"the checkpoint is corrupted (block {i} does not fit its row)"
+            raise PackError(problem) from None
         blocks.append(
             Span(
                 name="",

@@ -197,7 +197,8 @@ def encode_streaming(
     state.attend = lambda text, rows=False: text_attention(backbone, state, text, rows)
     peak_kv, skip = 0, 0
     if checkpoint and checkpoint.restored:
-        progress, tensors = checkpoint.take_restored()  # popped as used: none outlives its use
+        restored = checkpoint.take_restored()  # tensors popped as used: none outlives its use
+        progress, tensors = restored.progress, restored.tensors
         restore_running_cache(running, tensors)
         policy.restore({k[7:]: v for k, v in tensors.items() if k.startswith("policy.")})
         state.seen, state.shift = progress["seen"], progress["shift"]
@@ -277,8 +278,8 @@ def encode_blockwise(
     origins = layout.visual[:, starts].cpu()  # every step's first token: where it is placed from
     blocks, seen, peak_kv, skip = [], 0, 0, 0
     if checkpoint and checkpoint.restored:
-        progress, tensors = checkpoint.take_restored()  # popped as used: none outlives its use
-        blocks = blocks_from(tensors, progress["blocks"])
+        restored = checkpoint.take_restored()  # tensors popped as used: none outlives its use
+        progress, blocks = restored.progress, blocks_from(restored.tensors, restored.rows)
         seen, peak_kv, skip = progress["seen"], progress["peak_kv"], progress["chunks"]
     saved = len(blocks)  # blocks before it are in the checkpoint already
     unit = policy.segment_steps(per_step)
@@ -297,8 +298,8 @@ def encode_blockwise(
         stream.report(done, seen)
         if checkpoint and checkpoint.due(number) and seen < total:
             tensors, rows = blocks_tensors(blocks, saved)
-            progress = {"chunks": number, "seen": seen, "peak_kv": peak_kv, "blocks": rows}
-            checkpoint.save(progress, {}, tensors)
+            progress = {"chunks": number, "seen": seen, "peak_kv": peak_kv}
+            checkpoint.save(progress, {}, tensors, rows)
             saved = len(blocks)
     _check_count(stream.media, seen, total)
     return Streamed(order_blocks(blocks), cache, prefix.layer_counts, peak_kv)

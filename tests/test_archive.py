@@ -80,9 +80,27 @@ def test_a_checkpoint_writes_the_archive_in_place(tmp_path):
     assert plain["strided"].is_contiguous()
     checkpoint = Checkpointing(tmp_path / "c", 1, {"id": 1})
     checkpoint.save({"seen": 64}, tensors, {})
-    _, back, _ = load(tmp_path / "c", {"id": 1})
+    restored, _, _ = load(tmp_path / "c", {"id": 1})
     for name, tensor in tensors.items():
-        assert torch.equal(back[name], tensor), name
+        assert torch.equal(restored.tensors[name], tensor), name
+
+
+def test_a_checkpoints_rows_come_back_in_the_order_they_were_saved(tmp_path):
+    """Rows go to the segment of their save, never into the head again; a resume gets every
+    save's rows in order, and a save with nothing new adds no segment."""
+    from mmkv_cli.checkpoint import Checkpointing, checkpoint_path, load
+
+    head = checkpoint_path(tmp_path / "out.kvpack")
+    checkpoint = Checkpointing(head, 1, {"id": 1})
+    checkpoint.save({"seen": 1}, {}, {"a": torch.ones(2)}, [{"n": 1}, {"n": 2}])
+    checkpoint.save({"seen": 2}, {}, {"a": torch.ones(2)}, [])
+    checkpoint.save({"seen": 3}, {}, {"a": torch.ones(2), "b": torch.zeros(3)}, [{"n": 3}])
+    restored, segments, sealed = load(head, {"id": 1})
+    assert restored.progress == {"seen": 3} and len(segments) == 2 and sealed == {"a", "b"}
+    assert restored.rows == [{"n": 1}, {"n": 2}, {"n": 3}]
+    resumed = Checkpointing.open(tmp_path / "out.kvpack", 1, True, {"id": 1})
+    resumed.save({"seen": 4}, {}, {"a": torch.ones(2), "b": torch.zeros(3)}, [])
+    assert resumed.segments == segments  # what the resumed-from saves wrote is not written again
 
 
 def test_a_checkpoints_blocks_come_back_as_views_of_what_was_loaded():

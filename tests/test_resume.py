@@ -1,6 +1,7 @@
 """Resumable encodes, and what a kill at any moment leaves: never a partial pack under its name,
 never litter for long, and a resumed encode writes the pack an uninterrupted one would."""
 
+import json
 import os
 import random
 import signal
@@ -189,9 +190,9 @@ def test_a_resumed_encode_holds_no_loaded_tensor_past_its_use(slid, monkeypatch)
     loaded, load = {}, checkpoint.load
 
     def load_watched(path, identity):
-        progress, tensors, segments = load(path, identity)
-        loaded.update({name: weakref.ref(t) for name, t in tensors.items()})
-        return progress, tensors, segments
+        restored, segments, sealed = load(path, identity)
+        loaded.update({name: weakref.ref(t) for name, t in restored.tensors.items()})
+        return restored, segments, sealed
 
     monkeypatch.setattr(checkpoint, "load", load_watched)
     alive = []
@@ -216,7 +217,8 @@ def test_a_checkpoint_writes_what_never_changes_once(slid, monkeypatch, method, 
     """Offloaded KV, `full`'s cache and finished blocks only grow: rewriting them at every save
     made an encode's checkpoint writes grow with the square of its length (an hour of ReKV or
     `full` at 7B: about 900 GB). Each is written once, in a segment; the head rewritten at every
-    save stays the same size."""
+    save stays the same size, its metadata too (MuKV's block rows and the segments' tensor names
+    used to be listed there at every save: at an hour and full depth, MBs per save)."""
     from mmkv_cli import checkpoint
 
     backbone, tmp = slid
@@ -226,7 +228,8 @@ def test_a_checkpoint_writes_what_never_changes_once(slid, monkeypatch, method, 
     writes, write = [], checkpoint._write
 
     def write_watched(target, path, tensors, meta):
-        writes.append((target.name, set(tensors), sum(t.nbytes for t in tensors.values())))
+        size = sum(t.nbytes for t in tensors.values())
+        writes.append((target.name, set(tensors), size, len(json.dumps(meta))))
         return write(target, path, tensors, meta)
 
     monkeypatch.setattr(checkpoint, "_write", write_watched)
@@ -235,13 +238,15 @@ def test_a_checkpoint_writes_what_never_changes_once(slid, monkeypatch, method, 
     segments = [w for w in writes if ".seg-" in w[0]]
     heads = [w for w in writes if ".seg-" not in w[0]]
     assert len(heads) == chunks and len(segments) >= chunks // 2 + 1
-    sealed = [name for _, names, _ in segments for name in names]
+    sealed = [name for _, names, *_ in segments for name in names]
     assert len(sealed) == len(set(sealed))  # each written once
-    assert not any(names & set(sealed) for _, names, _ in heads)
+    assert not any(names & set(sealed) for _, names, *_ in heads)
     if method == "mukv":
-        assert all(head_bytes == 0 for *_, head_bytes in heads)
+        assert all(head_bytes == 0 for *_, head_bytes, _ in heads)
     else:  # the window, the tail of less than a piece, the policy's state: no more as it goes
-        assert max(b for *_, b in heads[3:]) <= max(b for *_, b in heads[:3])
+        assert max(b for *_, b, _ in heads[3:]) <= max(b for *_, b, _ in heads[:3])
+    growth = [later[3] - earlier[3] for earlier, later in zip(heads, heads[1:])]
+    assert max(growth) <= 80  # one segment's digest a save, and the progress's digits
     resumed = EncodeOptions(method, checkpoint_every=1, resume=True, **OPTIONS)
     api.encode(video, out, resumed, backbone=backbone)
     assert same_pack(whole, out)
@@ -263,6 +268,33 @@ def test_a_checkpoint_with_a_bad_or_missing_segment_is_refused(slid):
         api.encode(video, out, resume, backbone=backbone)
     first.unlink()
     with pytest.raises(PackError, match="segment .*seg-0 is missing"):
+        api.encode(video, out, resume, backbone=backbone)
+
+
+def test_a_segment_with_other_rows_or_an_older_head_is_refused(world):
+    """A segment's rows are bound to the head by its digest, as its bytes are: rows changed
+    with the tensors' own digest made again are refused. A head from another checkpoint version
+    is refused in one line that says so, and is left in place."""
+    from mmkv_cli import checkpoint
+
+    backbone, tmp = world
+    video = str(tmp / "set" / "clips" / "clip_0001.mp4")
+    out = tmp / "rows.kvpack"
+    interrupt(backbone, video, out, "mukv", chunks=1)
+    head, first = checkpoint_path(out), checkpoint.segment_path(checkpoint_path(out), 0)
+    resume = EncodeOptions("mukv", checkpoint_every=1, resume=True, **OPTIONS)
+    kept = head.read_bytes()
+    meta, tensors = checkpoint._read(head)
+    older = {k: v for k, v in meta.items() if k != "sha256"} | {"version": 4}
+    checkpoint._write(head, head, tensors, older)
+    with pytest.raises(UsageError, match="another mmkv version .*v4"):
+        api.encode(video, out, resume, backbone=backbone)
+    assert head.exists()
+    head.write_bytes(kept)
+    meta, tensors = checkpoint._read(first)
+    assert len(meta["rows"]) > 1
+    checkpoint._write(first, head, tensors, {"rows": meta["rows"][:-1]})
+    with pytest.raises(PackError, match="seg-0 is not the segment"):
         api.encode(video, out, resume, backbone=backbone)
 
 
