@@ -14,13 +14,7 @@ import torch
 from mmkv_cli.attention import Recorder, recording
 from mmkv_cli.backbones import Backbone, StreamLayout
 from mmkv_cli.blockwise import chunk_plans, order_blocks, prefill_blocks
-from mmkv_cli.checkpoint import (
-    Checkpointing,
-    blocks_from,
-    blocks_tensors,
-    restore_running_cache,
-    running_cache_tensors,
-)
+from mmkv_cli.checkpoint import Checkpointing
 from mmkv_cli.errors import MediaError
 from mmkv_cli.media import Media
 from mmkv_cli.methods import Budget, EncodeContext
@@ -28,6 +22,13 @@ from mmkv_cli.methods.base import BlockwiseMemory, StreamingMemory
 from mmkv_cli.methods.stream import RunningCache, StreamState
 from mmkv_cli.pack import Span
 from mmkv_cli.presets import MethodChoice
+from mmkv_cli.saved_state import (
+    block_rows,
+    blocks_from,
+    blocks_tensors,
+    restore_running_cache,
+    running_cache_tensors,
+)
 
 Progress = Callable[[int, int], None]  # (frames done, visual tokens done)
 
@@ -297,9 +298,8 @@ def encode_blockwise(
         peak_kv = max(peak_kv, peak)
         stream.report(done, seen)
         if checkpoint and checkpoint.due(number) and seen < total:
-            tensors, rows = blocks_tensors(blocks, saved)
             progress = {"chunks": number, "seen": seen, "peak_kv": peak_kv}
-            checkpoint.save(progress, {}, tensors, rows)
+            checkpoint.save(progress, {}, blocks_tensors(blocks), block_rows(blocks[saved:]))
             saved = len(blocks)
     _check_count(stream.media, seen, total)
     return Streamed(order_blocks(blocks), cache, prefix.layer_counts, peak_kv)

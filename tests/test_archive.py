@@ -88,25 +88,51 @@ def test_a_checkpoint_writes_the_archive_in_place(tmp_path):
 def test_a_checkpoints_rows_come_back_in_the_order_they_were_saved(tmp_path):
     """Rows go to the segment of their save, never into the head again; a resume gets every
     save's rows in order, and a save with nothing new adds no segment."""
-    from mmkv_cli.checkpoint import Checkpointing, checkpoint_path, load
+    from mmkv_cli.checkpoint import Checkpointing, checkpoint_path, held, load
+
+    head = checkpoint_path(tmp_path / "out.kvpack")
+    a, b = held(torch.ones(2)), held(torch.zeros(3))
+    checkpoint = Checkpointing(head, 1, {"id": 1})
+    checkpoint.save({"seen": 1}, {}, {"a": a}, [{"n": 1}, {"n": 2}])
+    checkpoint.save({"seen": 2}, {}, {"a": a}, [])
+    checkpoint.save({"seen": 3}, {}, {"a": a, "b": b}, [{"n": 3}])
+    restored, segments, written = load(head, {"id": 1})
+    assert restored.progress == {"seen": 3} and len(segments) == 2
+    assert written == {"a": 8, "b": 12}
+    assert restored.rows == [{"n": 1}, {"n": 2}, {"n": 3}]
+    resumed = Checkpointing.open(tmp_path / "out.kvpack", 1, True, {"id": 1})
+    resumed.save({"seen": 4}, {}, {"a": a, "b": b}, [])
+    assert resumed.segments == segments  # what the resumed-from saves wrote is not written again
+
+
+def test_a_checkpoint_compacts_once_its_stale_bytes_outweigh_what_is_needed(tmp_path):
+    """A sliding window's pieces stop being needed as it moves on: they stay on disk only until
+    they outweigh what is needed, then everything needed is written into one new segment (rows
+    included) and the old segments go. The disk holds under twice the state; every save's rows
+    come back in order."""
+    from mmkv_cli.checkpoint import Checkpointing, checkpoint_path, held, load
 
     head = checkpoint_path(tmp_path / "out.kvpack")
     checkpoint = Checkpointing(head, 1, {"id": 1})
-    checkpoint.save({"seen": 1}, {}, {"a": torch.ones(2)}, [{"n": 1}, {"n": 2}])
-    checkpoint.save({"seen": 2}, {}, {"a": torch.ones(2)}, [])
-    checkpoint.save({"seen": 3}, {}, {"a": torch.ones(2), "b": torch.zeros(3)}, [{"n": 3}])
-    restored, segments, sealed = load(head, {"id": 1})
-    assert restored.progress == {"seen": 3} and len(segments) == 2 and sealed == {"a", "b"}
-    assert restored.rows == [{"n": 1}, {"n": 2}, {"n": 3}]
-    resumed = Checkpointing.open(tmp_path / "out.kvpack", 1, True, {"id": 1})
-    resumed.save({"seen": 4}, {}, {"a": torch.ones(2), "b": torch.zeros(3)}, [])
-    assert resumed.segments == segments  # what the resumed-from saves wrote is not written again
+    pieces = {n: held(torch.full((256,), float(n))) for n in range(12)}  # 1 KB each
+    on_disk = []
+    for save in range(10):
+        window = {f"p{n}": pieces[n] for n in range(save, save + 3)}
+        checkpoint.save({"save": save}, {}, window, [{"save": save}])
+        files = [p for p in tmp_path.iterdir() if ".seg-" in p.name]
+        on_disk.append(sum(p.stat().st_size for p in files))
+    restored, segments, written = load(head, {"id": 1})
+    for n in (9, 10, 11):  # the last window
+        assert torch.equal(restored.tensors[f"p{n}"], pieces[n].make())
+    assert restored.rows == [{"save": n} for n in range(10)]
+    assert len(segments) <= 3 and sum(written.values()) <= 2 * 3 * 1024
+    assert max(on_disk) <= 2 * 3 * 1024 + 4 * 1024  # and the segments' own headers
 
 
 def test_a_checkpoints_blocks_come_back_as_views_of_what_was_loaded():
     """A resumed blockwise encode (MuKV) holds its loaded blocks once, not loaded + a copy."""
-    from mmkv_cli.checkpoint import blocks_from, blocks_tensors
     from mmkv_cli.pack.format import Span
+    from mmkv_cli.saved_state import block_rows, blocks_from, blocks_tensors
 
     counts = [3, 5]
     block = Span(
@@ -119,8 +145,10 @@ def test_a_checkpoints_blocks_come_back_as_views_of_what_was_loaded():
         time=(0.0, 0.5),
         representative=torch.randn(1, 8),
     )
-    tensors, rows = blocks_tensors([block])
-    loaded = {name: t.clone() for name, t in tensors.items()}
+    sealed = blocks_tensors([block])
+    loaded = {name: s.make().clone() for name, s in sealed.items()}
+    assert all(loaded[name].nbytes == s.nbytes for name, s in sealed.items())
+    rows = block_rows([block])
     storages = {t.untyped_storage().data_ptr() for t in loaded.values()}
     (back,) = blocks_from(loaded, rows)
     assert loaded == {}  # taken out: nothing else holds them

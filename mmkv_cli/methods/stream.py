@@ -3,13 +3,13 @@
 `RunningCache` is one per-layer store: each layer holds [prompt | front | visual] in the model's
 cache, and for every visual entry its index in the whole visual stream and the position it sits at.
 Policies evict, overwrite and insert through `retain`, `replace` and `insert_front`; the splicing of
-cache tensors happens in one place (`_splice`), which also keeps count of the leading entries no
-splice has touched, so a checkpoint can write those once.
+cache tensors happens in one place (`_splice`). Each visual entry is marked pristine while its K, V
+and position are still what the forward made for its stream index (evictions keep the mark, a
+`replace` clears it), so a checkpoint can write those once, by stream index.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,10 +38,11 @@ class RunningCache:
         self.positions = [torch.empty(position_dims, 0, dtype=torch.long) for _ in range(layers)]
         # per layer, entries moved out of attention but kept for the pack, on the host
         self.archive = [Archive() for _ in range(layers)]
-        # per layer, how many leading cache entries (and their index and positions) no splice has
-        # rewritten since the cache was made: only ever lowered, so those entries never change
-        # and a checkpoint writes them once (`full` only appends: its cache is an hour's KV)
-        self.unchanged = [sys.maxsize] * layers
+        # per layer, per visual entry: K, V and position are still what the forward made for its
+        # stream index. Such an entry's bytes never change while it is held, whatever is evicted
+        # around it, so a checkpoint writes them once (an hour of `full` or a 25% window: GBs)
+        self.pristine = [torch.empty(0, dtype=torch.bool) for _ in range(layers)]
+        self.streamed = 0  # visual tokens appended so far: stream indices [0, streamed)
 
     @property
     def layers(self) -> int:
@@ -64,9 +65,12 @@ class RunningCache:
     def appended(self, index: torch.Tensor, positions: torch.Tensor) -> None:
         """A forward added these visual tokens (stream indices, positions [P, n]) to every layer's
         end."""
+        fresh = torch.ones(len(index), dtype=torch.bool)
         for layer in range(self.layers):
             self.index[layer] = torch.cat([self.index[layer], index])
             self.positions[layer] = torch.cat([self.positions[layer], positions], dim=1)
+            self.pristine[layer] = torch.cat([self.pristine[layer], fresh])
+        self.streamed += len(index)
 
     def retain(self, layer: int, local: torch.Tensor) -> None:
         """Keep only the visual entries at `local` (indices into this layer's visual part,
@@ -76,6 +80,7 @@ class RunningCache:
         self._splice(layer, self.visual_start(layer), self.count(layer), keys[:, at], values[:, at])
         self.index[layer] = self.index[layer][local.cpu()]
         self.positions[layer] = self.positions[layer][:, local.cpu()]
+        self.pristine[layer] = self.pristine[layer][local.cpu()]
 
     def replace(
         self,
@@ -90,6 +95,7 @@ class RunningCache:
         keys = old_k if keys is None else keys
         values = old_v if values is None else values
         self._splice(layer, self.visual_start(layer), self.count(layer), keys, values)
+        self.pristine[layer] = torch.zeros_like(self.pristine[layer])  # rewritten, or moved
         if positions is not None:
             self.positions[layer] = positions.to(self.positions[layer])
 
@@ -139,7 +145,6 @@ class RunningCache:
         D])."""
         entry = self.cache.layers[layer]
         stop = start + length
-        self.unchanged[layer] = min(self.unchanged[layer], start)
         k, v = keys.to(entry.keys).unsqueeze(0), values.to(entry.values).unsqueeze(0)
         entry.keys = torch.cat([entry.keys[:, :, :start], k, entry.keys[:, :, stop:]], dim=2)
         entry.values = torch.cat([entry.values[:, :, :start], v, entry.values[:, :, stop:]], dim=2)
