@@ -36,7 +36,7 @@ from mmkv_cli.pack.writer import sweep_stale
 SUFFIX = ".mmkv-checkpoint"
 FORMAT, VERSION = "mmkv.checkpoint", 5  # 3: what never changes is written once, in segments;
 # 4: so are the running cache's entries no splice rewrote; 5: segments hold their names and rows,
-# the running cache is sealed by stream index, and segments are compacted
+# the running cache is sealed by stream index in pieces cut at each save, segments are compacted
 META = "mmkv_checkpoint"
 SEGMENT = ".seg-"
 DIGEST = re.compile(r"[0-9a-f]{64}")

@@ -196,11 +196,11 @@ def encode_streaming(
         rope=backbone.rope_tables(),
     )
     state.attend = lambda text, rows=False: text_attention(backbone, state, text, rows)
-    peak_kv, skip = 0, 0
+    peak_kv, skip, cuts = 0, 0, []  # cuts: where each save cut the stream (saved_state.py)
     if checkpoint and checkpoint.restored:
         restored = checkpoint.take_restored()  # tensors popped as used: none outlives its use
         progress, tensors = restored.progress, restored.tensors
-        restore_running_cache(running, tensors)
+        cuts = restore_running_cache(running, tensors)
         policy.restore({k[7:]: v for k, v in tensors.items() if k.startswith("policy.")})
         state.seen, state.shift = progress["seen"], progress["shift"]
         peak_kv, skip = progress["peak_kv"], progress["chunks"]
@@ -222,7 +222,8 @@ def encode_streaming(
         if checkpoint and checkpoint.due(number) and state.seen < total:
             progress = {"chunks": number, "seen": state.seen, "shift": state.shift}
             saved = {f"policy.{k}": v for k, v in policy.saved().items()}
-            live, sealed = running_cache_tensors(running)
+            cuts.append(running.streamed)
+            live, sealed = running_cache_tensors(running, cuts)
             checkpoint.save({**progress, "peak_kv": peak_kv}, live | saved, sealed)
     _check_count(stream.media, state.seen, total)
     policy.finish(state)

@@ -1,15 +1,17 @@
 """What an encode's checkpoint holds, as named tensors: a streaming encode's running cache, a
 blockwise encode's finished blocks.
 
-The running cache's visual entries are sealed by stream index: every PIECE stream indices make a
-piece, written once when the stream has passed it, holding that range's pristine entries (K and V
-as the forward made them) and their indices. Evictions only take rows out of what a piece holds,
-so a written piece stays good for as long as any of its rows is held; it is no longer needed once
-none is. Before, pieces were cut by cache position, so the first eviction rewrote every entry
-after it: a policy keeping a sliding 25% of an hour rewrote its whole window at every save (at 7B,
-4.7 GB a save). What is not sealed is live, rewritten at every save: the prompt and front tokens,
-every entry's index, position and pristine mark, and the K/V of entries no piece serves (those
-rewritten by a policy, and those in the piece the stream is still filling).
+The running cache's visual entries are sealed by stream index: each save cuts the stream where it
+has got to, and the stream indices between one save's cut and the next make a piece, written once
+by the save that made the cut, holding that range's pristine entries (K and V as the forward made
+them) and their indices. Evictions only take rows out of what a piece holds, so a written piece
+stays good for as long as any of its rows is held; it is no longer needed once none is. Before,
+pieces were cut by cache position, so the first eviction rewrote every entry after it: a policy
+keeping a sliding 25% of an hour rewrote its whole window at every save (at 7B, 4.7 GB a save); and
+then by fixed ranges of 8192 stream indices, so every save rewrote the range still filling (up to
+460 MB a save at 7B; `full` at a save a chunk wrote twice its pack). What is not sealed is live,
+rewritten at every save: the prompt and front tokens, every entry's index, position and pristine
+mark, the cuts, and the K/V of the entries a policy rewrote.
 """
 
 from __future__ import annotations
@@ -17,32 +19,29 @@ from __future__ import annotations
 from mmkv_cli.checkpoint import Sealed, held
 from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
-from mmkv_cli.methods import archive
 from mmkv_cli.methods.archive import Archive
 from mmkv_cli.pack.format import Span, split_layers
 
 
-def _served(running, layer: int, piece: int) -> torch.Tensor:
-    """Which of this layer's visual entries a sealed piece serves: pristine, and in a piece the
-    stream has passed."""
-    complete = running.streamed // piece * piece
-    return running.pristine[layer] & (running.index[layer] < complete)
-
-
-def running_cache_tensors(running) -> tuple[dict[str, torch.Tensor], dict[str, Sealed]]:
-    """A RunningCache as named tensors, (live, sealed); the archive's offloaded entries are
-    sealed in its own whole pieces. Each layer's stream indices and pristine marks are live as
-    runs (an hour of `full` or of a sliding window is one run), so the head stays small."""
-    piece = archive.PIECE  # read here: tests cut smaller pieces
+def running_cache_tensors(
+    running, cuts: list[int]
+) -> tuple[dict[str, torch.Tensor], dict[str, Sealed]]:
+    """A RunningCache as named tensors, (live, sealed). `cuts`: the stream index each save has
+    cut at, this one's last (where the stream is now): piece i holds the pristine entries from
+    cut i - 1 (0 for the first) to cut i. The archive's offloaded entries are sealed in its own
+    whole pieces. Each layer's stream indices and pristine marks are live as runs (an hour of
+    `full` or of a sliding window is one run), so the head stays small."""
     live = {
         "cache.front": torch.tensor(running.front),
         "cache.streamed": torch.tensor(running.streamed),
+        "cache.cuts": torch.tensor(cuts, dtype=torch.long),
     }
+    bounds = torch.tensor([0, *cuts])
     sealed = {}
     for layer, entry in enumerate(running.cache.layers):
         name, start = f"cache.{layer}", running.visual_start(layer)
         keys, values = running.visual(layer)
-        index, served = running.index[layer], _served(running, layer, piece)
+        index, served = running.index[layer], _served(running, layer, cuts)
         loose = (~served).nonzero().squeeze(1)
         live |= {
             f"{name}.head.k": entry.keys[0, :, :start],
@@ -53,11 +52,13 @@ def running_cache_tensors(running) -> tuple[dict[str, torch.Tensor], dict[str, S
             f"{name}.loose.v": values[:, loose.to(keys.device)],
             f"{name}.loose.pos": running.positions[layer][:, loose],
         }
-        stream = (keys, values, running.positions[layer], index, served)
-        counts = torch.bincount(index[served] // piece).tolist()
-        for number, count in enumerate(counts):
-            if count:
-                sealed |= _piece(f"{name}.stream", number, count, piece, stream)
+        rows = served.nonzero().squeeze(1)
+        rows = rows[torch.argsort(index[rows])]  # in stream order: each piece is a run of them
+        edges = torch.searchsorted(index[rows], bounds).tolist()
+        stream = (keys, values, running.positions[layer], index)
+        for number, (first, stop) in enumerate(zip(edges, edges[1:])):
+            if stop > first:
+                sealed |= _piece(f"{name}.stream", number, rows[first:stop], stream)
         pieces, tails = running.archive[layer].pieces()
         for kind, by_start in pieces.items():
             for first, tensor in by_start.items():
@@ -67,27 +68,25 @@ def running_cache_tensors(running) -> tuple[dict[str, torch.Tensor], dict[str, S
     return live, sealed
 
 
-def _piece(prefix: str, number: int, count: int, piece: int, stream) -> dict[str, Sealed]:
-    """One sealed piece of `count` rows: K, V [H_kv, m, D], positions [P, m] and stream indices
-    of the served entries in stream range [number * piece, (number + 1) * piece), by stream
-    index; copied out only when written."""
-    keys, values, positions, index, served = stream
+def _served(running, layer: int, cuts: list[int]) -> torch.Tensor:
+    """Which of this layer's visual entries a sealed piece serves: pristine, and cut off by a
+    save."""
+    return running.pristine[layer] & (running.index[layer] < (cuts[-1] if cuts else 0))
 
-    def rows() -> torch.Tensor:
-        inside = served & (index // piece == number)
-        found = inside.nonzero().squeeze(1)
-        return found[torch.argsort(index[found])]
 
-    row_bytes = keys[:, :1].nbytes
+def _piece(prefix: str, number: int, rows: torch.Tensor, stream) -> dict[str, Sealed]:
+    """One sealed piece: K, V [H_kv, m, D], positions [P, m] and stream indices of the visual
+    entries at `rows` (in stream order); copied out only when written."""
+    keys, values, positions, index = stream
+    at = rows.to(keys.device)
+    row_bytes, count = keys[:, :1].nbytes, len(rows)
     return {
-        f"{prefix}.k.{number}": Sealed(lambda: keys[:, rows().to(keys.device)], row_bytes * count),
-        f"{prefix}.v.{number}": Sealed(
-            lambda: values[:, rows().to(keys.device)], row_bytes * count
-        ),
+        f"{prefix}.k.{number}": Sealed(lambda: keys[:, at], row_bytes * count),
+        f"{prefix}.v.{number}": Sealed(lambda: values[:, at], row_bytes * count),
         f"{prefix}.pos.{number}": Sealed(
-            lambda: positions[:, rows()], positions[:, :1].nbytes * count
+            lambda: positions[:, rows], positions[:, :1].nbytes * count
         ),
-        f"{prefix}.index.{number}": Sealed(lambda: index[rows()], 8 * count),
+        f"{prefix}.index.{number}": Sealed(lambda: index[rows], 8 * count),
     }
 
 
@@ -125,13 +124,13 @@ def from_flag_runs(lengths: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(values, lengths)
 
 
-def restore_running_cache(running, tensors: dict[str, torch.Tensor]) -> None:
+def restore_running_cache(running, tensors: dict[str, torch.Tensor]) -> list[int]:
     """Put a checkpoint's tensors back into `running`, taking them out of `tensors` as they go
     (pieces no held entry needs any more are dropped): the archive keeps the loaded pieces
-    themselves (no second host copy of an hour's offloaded KV)."""
-    piece = archive.PIECE
+    themselves (no second host copy of an hour's offloaded KV). The saves' cuts, for the next."""
     running.front = tensors.pop("cache.front").tolist()
     running.streamed = int(tensors.pop("cache.streamed"))
+    cuts = _checked_cuts(tensors.pop("cache.cuts"), running.streamed)
     for layer, entry in enumerate(running.cache.layers):
         name = f"cache.{layer}"
         index = from_index_runs(tensors.pop(f"{name}.index"))
@@ -139,12 +138,12 @@ def restore_running_cache(running, tensors: dict[str, torch.Tensor]) -> None:
         if len(pristine) != len(index):
             raise PackError(f"the checkpoint is corrupted ({name}'s entries do not fit)")
         running.index[layer], running.pristine[layer] = index, pristine
-        served = _served(running, layer, piece)
+        served = _served(running, layer, cuts)
         pieces = {
             part: dict(_taken_pieces(tensors, f"{name}.stream.{part}."))
             for part in ("k", "v", "pos", "index")
         }
-        where = (index, served, piece, pieces["index"], name)
+        where = (served, _placed(index, served, cuts, pieces["index"], name), name)
         parts = {
             part: _filled(tensors.pop(f"{name}.loose.{part}"), pieces[part], where, head)
             for part, head in (
@@ -163,32 +162,54 @@ def restore_running_cache(running, tensors: dict[str, torch.Tensor]) -> None:
             if f"{prefix}tail" in tensors:
                 tails[kind] = tensors.pop(f"{prefix}tail")
         running.archive[layer] = Archive.restoring(kept, tails)
+    return cuts
+
+
+def _checked_cuts(cuts: torch.Tensor, streamed: int) -> list[int]:
+    """The saves' cuts: rising stream indices, the last where the stream was at the last save."""
+    values = cuts.tolist() if cuts.dim() == 1 and not cuts.is_floating_point() else None
+    rising = bool(values) and values[0] > 0 and all(a < b for a, b in zip(values, values[1:]))
+    if not rising or values[-1] != streamed:
+        raise PackError("the checkpoint is corrupted (bad stream cuts)")
+    return values
+
+
+def _placed(index, served, cuts: list[int], piece_index: dict, name: str) -> list[tuple]:
+    """Where each served entry's row is in the piece of its stream index: (piece number, the
+    entries' rows in this layer, their rows in that piece), one sort for the whole layer. A
+    checkpoint whose pieces do not hold every served entry is refused."""
+    rows = served.nonzero().squeeze(1)
+    rows = rows[torch.argsort(index[rows])]
+    numbers, counts = torch.unique_consecutive(
+        torch.bucketize(index[rows], torch.tensor(cuts), right=True), return_counts=True
+    )
+    placed = []
+    for number, taken in zip(numbers.tolist(), torch.split(rows, counts.tolist())):
+        held = piece_index.get(number, torch.empty(0, dtype=torch.long))
+        at = torch.searchsorted(held, index[taken]).clamp(max=max(len(held) - 1, 0))
+        if not len(held) or not torch.equal(held[at], index[taken]):
+            raise PackError(f"the checkpoint is corrupted ({name}'s piece {number} does not fit)")
+        placed.append((number, taken, at))
+    return placed
 
 
 def _filled(loose, pieces: dict, where: tuple, head=None) -> torch.Tensor:
     """One layer's K or V [H_kv, n, D] (after `head`, the prompt and front entries) or positions
-    [P, n]: each served entry's row from the piece of its stream index, the others from the
-    loose rows in order. A checkpoint that does not hold every row it claims is refused."""
-    index, served, piece, piece_index, name = where
+    [P, n]: each served entry's row from its piece, the others from the loose rows in order."""
+    served, placed, name = where
     front = 0 if head is None else head.shape[1]
     fits = int((~served).sum()) == loose.shape[1]
     if not fits or (head is not None and head.shape[::2] != loose.shape[::2]):
         raise PackError(f"the checkpoint is corrupted ({name} does not fit its entries)")
-    out = loose.new_empty(loose.shape[0], front + len(index), *loose.shape[2:])
+    out = loose.new_empty(loose.shape[0], front + len(served), *loose.shape[2:])
     if head is not None:
         out[:, :front] = head
     visual = out[:, front:]
     visual[:, ~served] = loose
-    piece_of, filled = index // piece, 0
-    for number, rows_index in piece_index.items():
-        rows = (served & (piece_of == number)).nonzero().squeeze(1)
-        at = torch.searchsorted(rows_index, index[rows]).clamp(max=max(len(rows_index) - 1, 0))
-        if number not in pieces or not torch.equal(rows_index[at], index[rows]):
-            raise PackError(f"the checkpoint is corrupted ({name}'s piece {number} does not fit)")
-        visual[:, rows] = pieces[number][:, at].to(out)
-        filled += len(rows)
-    if filled != int(served.sum()):
-        raise PackError(f"the checkpoint is corrupted (a piece of {name} is missing)")
+    for number, taken, at in placed:
+        if number not in pieces or pieces[number].shape[1] <= int(at.max()):
+            raise PackError(f"the checkpoint is corrupted (a piece of {name} is missing)")
+        visual[:, taken] = pieces[number][:, at].to(out)
     return out
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from mmkv_cli import api
 from mmkv_cli.checkpoint import checkpoint_path
@@ -242,8 +243,10 @@ def test_a_checkpoint_writes_what_never_changes_once(slid, monkeypatch, method, 
     assert not any(names & set(sealed) for _, names, *_ in heads)
     if method == "mukv":
         assert all(head_bytes == 0 for *_, head_bytes, _ in heads)
-    else:  # the window, the tail of less than a piece, the policy's state: no more as it goes
-        assert max(b for *_, b, _ in heads[3:]) <= max(b for *_, b, _ in heads[:3])
+    else:  # the window, the archive's tail, the policy's state: no more as it goes (but the
+        # saves' cuts, 8 bytes each)
+        rest = [b - 8 * (i + 1) for i, (*_, b, _) in enumerate(heads)]
+        assert max(rest[3:]) <= max(rest[:3])
     growth = [later[3] - earlier[3] for earlier, later in zip(heads, heads[1:])]
     assert max(growth) <= 120  # one segment (number, digest) a save, and the progress
     resumed = EncodeOptions(method, checkpoint_every=1, resume=True, **OPTIONS)
@@ -336,18 +339,19 @@ def test_a_sliding_window_is_written_once_by_stream_index(slid, monkeypatch):
 
 
 def test_a_checkpoint_whose_pieces_do_not_fit_its_head_is_refused(slid):
-    """A head that says more of the stream was sealed in pieces than its segments hold (digests
-    made again, so only the pieces' bookkeeping is wrong) is refused in one line."""
+    """A head that says the stream was cut where its pieces were not (digests made again, so
+    only the pieces' bookkeeping is wrong) is refused in one line."""
     from mmkv_cli import checkpoint
 
     backbone, tmp = slid
     video = str(tmp / "set" / "clips" / "clip_0000.mp4")
     out = tmp / "misfit.kvpack"
-    interrupt(backbone, video, out, "full-slid", chunks=2)  # 32 tokens: 2 pieces and 8 loose
+    interrupt(backbone, video, out, "full-slid", chunks=2)  # 2 pieces of 16 stream indices
     head = checkpoint_path(out)
     meta, tensors = checkpoint._read(head)
-    tensors["cache.streamed"] = tensors["cache.streamed"] + 12  # the loose 8 said sealed
+    assert tensors["cache.cuts"].tolist() == [16, 32]
+    tensors["cache.cuts"] = torch.tensor([20, 32])  # 4 entries of piece 1 said in piece 0
     checkpoint._write(head, head, tensors, {k: v for k, v in meta.items() if k != "sha256"})
     resume = EncodeOptions("full-slid", checkpoint_every=1, resume=True, **OPTIONS)
-    with pytest.raises(PackError, match="checkpoint is corrupted .*cache.0"):
+    with pytest.raises(PackError, match="checkpoint is corrupted .*cache.0's piece 0 does not"):
         api.encode(video, out, resume, backbone=backbone)
