@@ -284,6 +284,9 @@ def encode_blockwise(
         progress, blocks = restored.progress, blocks_from(restored.tensors, restored.rows)
         seen, peak_kv, skip = progress["seen"], progress["peak_kv"], progress["chunks"]
     saved = len(blocks)  # blocks before it are in the checkpoint already
+    # every block so far as a checkpoint seals it, grown by the new ones at each save (an hour's
+    # MuKV at 7B: 9,450 blocks of 28 layers, 0.17 s a save to list again)
+    sealed = blocks_tensors(blocks) if checkpoint else {}
     unit = policy.segment_steps(per_step)
     for number, (first_step, frames, done) in enumerate(stream.chunks(unit, skip), start=skip + 1):
         times = stream.step_times[first_step : first_step + len(frames) // per_step]
@@ -300,7 +303,8 @@ def encode_blockwise(
         stream.report(done, seen)
         if checkpoint and checkpoint.due(number) and seen < total:
             progress = {"chunks": number, "seen": seen, "peak_kv": peak_kv}
-            checkpoint.save(progress, {}, blocks_tensors(blocks), block_rows(blocks[saved:]))
+            sealed |= blocks_tensors(blocks[saved:], saved)
+            checkpoint.save(progress, {}, sealed, block_rows(blocks[saved:]))
             saved = len(blocks)
     _check_count(stream.media, seen, total)
     return Streamed(order_blocks(blocks), cache, prefix.layer_counts, peak_kv)

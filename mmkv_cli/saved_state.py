@@ -220,12 +220,12 @@ def _taken_pieces(tensors: dict, prefix: str) -> list[tuple[int, torch.Tensor]]:
     return [(start, tensors.pop(f"{prefix}{start}")) for start in starts]
 
 
-def blocks_tensors(blocks: list[Span]) -> dict[str, Sealed]:
-    """Every blockwise block made so far (a block never changes once made): its K/V/positions
-    concatenated (token-major, as a pack stores them) and representative, each made only when
-    it is written."""
+def blocks_tensors(blocks: list[Span], first: int = 0) -> dict[str, Sealed]:
+    """Blockwise blocks, numbered from `first` (a block never changes once made): each one's
+    K/V/positions concatenated (token-major, as a pack stores them) and representative, made only
+    when it is written."""
     sealed = {}
-    for i, block in enumerate(blocks):
+    for i, block in enumerate(blocks, start=first):
         kv = sum(k.nbytes for k in block.keys)
         sealed[f"block.{i}.k"] = Sealed(lambda b=block: b.part(0), kv)
         sealed[f"block.{i}.v"] = Sealed(lambda b=block: b.part(1), kv)
