@@ -88,8 +88,10 @@ bench: setup
 
 # Real scale (issue 16): rehearsal models at real width over 64-1800 frames. About 45 minutes on 2 CPU
 # cores at one layer; on a GPU run `python bench/scale.py --layers 0` for the full depth in bf16.
+# Then what checkpoints cost at that width (about 17 minutes).
 bench-scale: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/scale.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/checkpoint_writes.py
 
 samples: setup
 	$(BIN)/python samples/make_samples.py
