@@ -10,7 +10,8 @@ rewrote, the policy's own state, the pieces still filling) is rewritten in the h
 grow with the square of its length: an hour of ReKV or `full` at 7B (20 GB, 90 saves) wrote about
 900 GB. What the state stops needing (a sliding window's old pieces) stays in its segment until
 the stale bytes outweigh the needed ones; then the needed ones are written into one new segment
-and the old segments go, so the files stay under twice the state. The head's metadata holds what
+and the old segments go, so the files stay under twice the state between saves (three times
+while a save compacts). The head's metadata holds what
 the encode is (media digest, model fingerprint, method, parameters, budget, sampling, stored
 bits), how far it got, and each segment's number and one digest binding its tensor names, rows
 and bytes; a segment's names and rows live in the segment, so the head stays a few KB however
