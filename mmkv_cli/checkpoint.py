@@ -1,22 +1,21 @@
 """Resumable encodes: every N chunks the streaming state is saved beside the output, atomically;
 `encode --resume` continues from it and writes the pack an uninterrupted run would.
 
-A checkpoint is safetensors files (no pickle). What does not change while it is needed (the
-running cache's pristine entries, by stream index; ReKV's offloaded KV; MuKV's finished blocks
-and their rows: see saved_state.py) is written once, each save adding a segment
-`.NAME.mmkv-checkpoint.seg-N` with what is new since the last; the rest (entries a policy
-rewrote, the policy's own state, the pieces still filling) is rewritten in the head
-`.NAME.mmkv-checkpoint` at every save. Rewriting everything made an encode's checkpoint writes
-grow with the square of its length: an hour of ReKV or `full` at 7B (20 GB, 90 saves) wrote about
-900 GB. What the state stops needing (a sliding window's old pieces) stays in its segment until
-the stale bytes outweigh the needed ones; then the needed ones are written into one new segment
-and the old segments go, so the files stay under twice the state between saves (three times
-while a save compacts). The head's metadata holds what
-the encode is (media digest, model fingerprint, method, parameters, budget, sampling, stored
-bits), how far it got, and each segment's number and one digest binding its tensor names, rows
-and bytes; a segment's names and rows live in the segment, so the head stays a few KB however
-long the encode. A checkpoint of another encode is refused, never mixed in; one whose bytes do
-not match their digests is refused too. It is removed once the pack is written.
+A checkpoint is safetensors files (no pickle). What does not change while it is needed (the running
+cache's pristine entries, by stream index; ReKV's offloaded KV; MuKV's finished blocks and their
+rows: see saved_state.py) is written once, each save adding a segment `.NAME.mmkv-checkpoint.seg-N`
+with what is new since the last; the rest (entries a policy rewrote, the policy's own state, the
+archive's part of a piece not yet whole) is rewritten in the head `.NAME.mmkv-checkpoint` at every
+save. Rewriting everything made an encode's checkpoint writes grow with the square of its length: an
+hour of ReKV or `full` at 7B (20 GB, 90 saves) wrote about 900 GB. What the state stops needing (a
+sliding window's old pieces) stays in its segment until the stale bytes outweigh the needed ones;
+then the needed ones are written into one new segment and the old segments go, so the files stay
+under twice the state between saves (three times while a save compacts). The head's metadata holds
+what the encode is (media digest, model fingerprint, method, parameters, budget, sampling, stored
+bits), how far it got, and each segment's number and one digest binding its tensor names, rows and
+bytes; a segment's names and rows live in the segment, so the head stays a few KB however long the
+encode. A checkpoint of another encode is refused, never mixed in; one whose bytes do not match
+their digests is refused too. It is removed once the pack is written.
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ def running_cache_tensors(
     for layer, entry in enumerate(running.cache.layers):
         name, start = f"cache.{layer}", running.visual_start(layer)
         keys, values = running.visual(layer)
-        index, served = running.index[layer], _served(running, layer, cuts)
+        # every pristine entry is in a piece: the last cut is where the stream is
+        index, served = running.index[layer], running.pristine[layer]
         loose = (~served).nonzero().squeeze(1)
         live |= {
             f"{name}.head.k": entry.keys[0, :, :start],
@@ -66,12 +67,6 @@ def running_cache_tensors(
         for kind, tensor in tails.items():
             live[f"{name}.archive.{kind}.tail"] = tensor
     return live, sealed
-
-
-def _served(running, layer: int, cuts: list[int]) -> torch.Tensor:
-    """Which of this layer's visual entries a sealed piece serves: pristine, and cut off by a
-    save."""
-    return running.pristine[layer] & (running.index[layer] < (cuts[-1] if cuts else 0))
 
 
 def _piece(prefix: str, number: int, rows: torch.Tensor, stream) -> dict[str, Sealed]:
@@ -138,7 +133,7 @@ def restore_running_cache(running, tensors: dict[str, torch.Tensor]) -> list[int
         if len(pristine) != len(index):
             raise PackError(f"the checkpoint is corrupted ({name}'s entries do not fit)")
         running.index[layer], running.pristine[layer] = index, pristine
-        served = _served(running, layer, cuts)
+        served = pristine  # an index past the last cut has no piece: _placed refuses it
         pieces = {
             part: dict(_taken_pieces(tensors, f"{name}.stream.{part}."))
             for part in ("k", "v", "pos", "index")
