@@ -1,0 +1,59 @@
+"""Moving code does not move bytes: tests/data/golden/*.kvpack were written by mmkv before the stage
+packages (issue 35), and the same encodes today give the same header and the same tensors."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from tests.helpers import encode_pack
+
+ROOT = Path(__file__).parent.parent
+GOLDEN = Path(__file__).parent / "data" / "golden"
+CASES = {
+    "full-llava": dict(model="tiny-llava-ov", method="full", media="samples/clip.mp4"),
+    "hermes-qwen25": dict(
+        model="tiny-qwen2.5-vl", method="hermes", budget_tokens=24, media="samples/clip.mp4"
+    ),
+    "mukv-qwen3": dict(
+        model="tiny-qwen3-vl", method="mukv", budget=0.5, media="samples/clip.mp4", kv_bits=4
+    ),
+    "meda-llava-images": dict(
+        model="tiny-llava-ov", method="meda", budget=0.5, media="samples/images"
+    ),
+}
+# what differs between two runs of one encode: when, and how long it took
+VARYING = {"created", "stats"}
+
+
+def read(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    with safe_open(str(path), "numpy") as f:
+        header = json.loads(f.metadata()["mmkv"])
+        return header, {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not iterable)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_an_encode_writes_the_pack_it_wrote_before_the_move(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(ROOT)  # the media path is stored as given
+    case = dict(CASES[name])
+    out = tmp_path / f"{name}.kvpack"
+    media, model = case.pop("media"), case.pop("model")
+    encode_pack(media, out, model=model, fps=2.0, max_frames=6, **case)
+    want_header, want = read(GOLDEN / f"{name}.kvpack")
+    got_header, got = read(out)
+    for key in VARYING:
+        want_header.pop(key), got_header.pop(key)
+    want_header.pop("integrity"), got_header.pop("integrity")  # digests of the compared bytes
+    assert got_header == want_header
+    assert sorted(got) == sorted(want)
+    for tensor, expected in want.items():
+        actual = got[tensor]
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, tensor
+        if tensor.endswith("sha256"):
+            continue  # the checksums of the tensors compared here
+        if expected.dtype.kind == "f":
+            np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6, err_msg=tensor)
+        else:
+            assert np.array_equal(actual, expected), tensor
