@@ -35,7 +35,7 @@ import json, sys, threading, time
 from pathlib import Path
 from mmkv_cli import api
 from mmkv_cli.backbones import load_backbone
-from mmkv_cli.checkpoint import checkpoint_path
+from mmkv_cli.encode.checkpoint import checkpoint_path
 from mmkv_cli.options import EncodeOptions, LoadOptions
 video, pack, model, layers, method, frames, every = sys.argv[1:8]
 pack = Path(pack)
@@ -113,7 +113,7 @@ def main() -> None:
     frames = [int(f) for f in args.frames.split(",")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="mmkv-ckpt-") as tmp:
-        from mmkv_cli.synth import write_dataset
+        from mmkv_cli.study.synth import write_dataset
 
         write_dataset(Path(tmp) / "set", clips=1, frames=max(frames), seed=5, kind="normal")
         video = Path(tmp) / "set" / "clips" / "clip_0000.mp4"

@@ -35,7 +35,7 @@ def main() -> None:
     from mmkv_cli import api
     from mmkv_cli.backbones import load_backbone
     from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
-    from mmkv_cli.synth import write_dataset
+    from mmkv_cli.study.synth import write_dataset
 
     backbone = load_backbone(LoadOptions(args.model))
     kv = backbone.kv_shape()

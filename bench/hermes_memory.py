@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--model", default="tiny-llava-ov")
     ap.add_argument("--methods", default="hermes,full")
     args = ap.parse_args()
-    from mmkv_cli.synth import write_dataset
+    from mmkv_cli.study.synth import write_dataset
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

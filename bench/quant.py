@@ -32,12 +32,12 @@ sys.path.insert(0, str(ROOT))
 
 from mmkv_cli import api  # noqa: E402
 from mmkv_cli.backbones import load_backbone  # noqa: E402
-from mmkv_cli.convert import convert  # noqa: E402
-from mmkv_cli.evaluate import EvalSettings, evaluate, load_items, prompt_for  # noqa: E402
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions  # noqa: E402
+from mmkv_cli.pack.convert import convert  # noqa: E402
 from mmkv_cli.pack.quant import QuantSpec  # noqa: E402
-from mmkv_cli.profile import first_token_change  # noqa: E402
-from mmkv_cli.synth import write_dataset  # noqa: E402
+from mmkv_cli.study.evaluate import EvalSettings, evaluate, load_items, prompt_for  # noqa: E402
+from mmkv_cli.study.profile import first_token_change  # noqa: E402
+from mmkv_cli.study.synth import write_dataset  # noqa: E402
 
 BITS = (8, 4, 2)
 CLIP = ROOT / "samples" / "clip.mp4"

@@ -160,7 +160,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="mmkv-scale-") as tmp:
-        from mmkv_cli.synth import write_dataset
+        from mmkv_cli.study.synth import write_dataset
 
         write_dataset(Path(tmp) / "set", clips=1, frames=max(frames), seed=5, kind="normal")
         video = Path(tmp) / "set" / "clips" / "clip_0000.mp4"

@@ -24,12 +24,12 @@ from mmkv_cli.methods.context import WholeContext
 from mmkv_cli.options import AskOptions, EncodeOptions, LoadOptions
 from mmkv_cli.pack import PackReader, check_writable
 from mmkv_cli.pack.report import inspect, verify  # the verbs that read a pack alone
+from mmkv_cli.pack.storage import is_url, local_path
 from mmkv_cli.presets import resolve_method
 from mmkv_cli.spec import as_plain, override
-from mmkv_cli.storage import is_url, local_path
 
 if TYPE_CHECKING:
-    from mmkv_cli.answer import Answer
+    from mmkv_cli.ask.answer import Answer
     from mmkv_cli.backbones import Backbone
 
 __all__ = [
@@ -64,8 +64,8 @@ def encode(
     timings). Either may be a URL (s3://...): remote media is downloaded first, a remote pack is
     written here and published whole. shown_as: the media's name in the pack (its URL)."""
     from mmkv_cli.backbones import load_backbone
-    from mmkv_cli.checkpoint import Checkpointing
-    from mmkv_cli.encoder import encode_media
+    from mmkv_cli.encode.checkpoint import Checkpointing
+    from mmkv_cli.encode.encoder import encode_media
     from mmkv_cli.media import load_media
     from mmkv_cli.methods import EncodeContext
     from mmkv_cli.pack import write_pack
@@ -137,7 +137,7 @@ def _encode_remote(media, output, options, backbone, load, progress, on_start) -
     """encode with remote media, or a remote output, staged through local temporary files."""
     from contextlib import nullcontext
 
-    from mmkv_cli.storage import local_copy, staged_upload
+    from mmkv_cli.pack.storage import local_copy, staged_upload
 
     if is_url(output) and (options.checkpoint_every or options.resume):
         raise UsageError(
@@ -269,8 +269,8 @@ class PackSession:
         that start by then count. options.prune: a method that prunes the context's visual KV by
         the question's attention before decoding, keeping options.prune_budget of it.
         """
-        from mmkv_cli.answer import answer_from_pack
-        from mmkv_cli.ask_prune import ask_pruner
+        from mmkv_cli.ask.answer import answer_from_pack
+        from mmkv_cli.ask.prune import ask_pruner
 
         options = options or AskOptions()
         if options.at is not None and not (math.isfinite(options.at) and options.at >= 0):

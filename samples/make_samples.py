@@ -52,8 +52,8 @@ CLIP_EVENTS = (("circle", "red", 0, 6), ("square", "blue", 6, 11), ("triangle", 
 
 
 def write_clip(path: Path) -> None:
-    from mmkv_cli.synth import write_video
-    from mmkv_cli.synth.world import Clip, Event, render
+    from mmkv_cli.study.synth import write_video
+    from mmkv_cli.study.synth.world import Clip, Event, render
 
     events = tuple(
         Event(shape, colour, a, b, 0.45, 0.5, 0.012, -0.006) for shape, colour, a, b in CLIP_EVENTS

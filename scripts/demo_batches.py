@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mmkv_cli.backbones.demo import FRAME_SIDE, GRID_SIDE  # noqa: E402
 from mmkv_cli.backbones.llava_onevision import PROMPT  # noqa: E402
-from mmkv_cli.synth import make_clip, render_frames  # noqa: E402
-from mmkv_cli.synth.world import Clip, Event  # noqa: E402
+from mmkv_cli.study.synth import make_clip, render_frames  # noqa: E402
+from mmkv_cli.study.synth.world import Clip, Event  # noqa: E402
 
 # world -> (frame side the vision tower sees, tokens a frame becomes)
 WORLD_SHAPES = {"demo": (FRAME_SIDE, 4), "grid": (GRID_SIDE, 16)}
@@ -145,8 +145,8 @@ def shifted(clip, frames: int):
 def vision_example(rng: np.random.Generator, world: str, per_frame: int):
     """One frame and, for each of its tokens, (shape, colour) or "none" (the last index of each):
     the demo world's shape fills every token; a grid shape only those it covers."""
-    from mmkv_cli.synth import grid
-    from mmkv_cli.synth.world import COLOURS, SHAPES, render
+    from mmkv_cli.study.synth import grid
+    from mmkv_cli.study.synth.world import COLOURS, SHAPES, render
 
     empty = rng.random() < 0.1
     none = (len(SHAPES), len(COLOURS))

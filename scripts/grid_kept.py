@@ -30,8 +30,8 @@ from mmkv_cli import api  # noqa: E402
 from mmkv_cli.backbones import load_backbone  # noqa: E402
 from mmkv_cli.options import EncodeOptions, LoadOptions  # noqa: E402
 from mmkv_cli.pack import PackReader  # noqa: E402
-from mmkv_cli.synth import grid, make_clip  # noqa: E402
-from mmkv_cli.synth.world import NEEDLE  # noqa: E402
+from mmkv_cli.study.synth import grid, make_clip  # noqa: E402
+from mmkv_cli.study.synth.world import NEEDLE  # noqa: E402
 
 PER_FRAME = 16  # demo-grid: 4 x 4 tokens a frame
 

@@ -58,7 +58,7 @@ def pretrain_vision(
     or nothing) and, on the grid world, where the token is (its quadrant), with linear heads
     discarded afterwards. Stage 2 then only has to learn to look things up, instead of learning to
     see through the answer loss alone."""
-    from mmkv_cli.synth.world import COLOURS, SHAPES
+    from mmkv_cli.study.synth.world import COLOURS, SHAPES
 
     per_frame = WORLD_SHAPES[world][1]
     side = int(round(per_frame**0.5))

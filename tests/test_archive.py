@@ -58,7 +58,7 @@ def test_a_column_reads_entries_across_its_slabs():
 def test_a_checkpoint_writes_the_archive_in_place(tmp_path):
     """Saving copies only what safetensors cannot write as it is (a non-contiguous view, a second
     name on one storage): an hour's archive is not cloned whole at every checkpoint."""
-    from mmkv_cli.checkpoint import Checkpointing, _writable, load
+    from mmkv_cli.encode.checkpoint import Checkpointing, _writable, load
 
     archive = Archive(slab_bytes=1024, piece=8)
     for first in range(0, 64, 16):
@@ -88,7 +88,7 @@ def test_a_checkpoint_writes_the_archive_in_place(tmp_path):
 def test_a_checkpoints_rows_come_back_in_the_order_they_were_saved(tmp_path):
     """Rows go to the segment of their save, never into the head again; a resume gets every
     save's rows in order, and a save with nothing new adds no segment."""
-    from mmkv_cli.checkpoint import Checkpointing, checkpoint_path, held, load
+    from mmkv_cli.encode.checkpoint import Checkpointing, checkpoint_path, held, load
 
     head = checkpoint_path(tmp_path / "out.kvpack")
     a, b = held(torch.ones(2)), held(torch.zeros(3))
@@ -110,7 +110,7 @@ def test_a_checkpoint_compacts_once_its_stale_bytes_outweigh_what_is_needed(tmp_
     they outweigh what is needed, then everything needed is written into one new segment (rows
     included) and the old segments go. The disk holds under twice the state; every save's rows
     come back in order."""
-    from mmkv_cli.checkpoint import Checkpointing, checkpoint_path, held, load
+    from mmkv_cli.encode.checkpoint import Checkpointing, checkpoint_path, held, load
 
     head = checkpoint_path(tmp_path / "out.kvpack")
     checkpoint = Checkpointing(head, 1, {"id": 1})
@@ -131,8 +131,8 @@ def test_a_checkpoint_compacts_once_its_stale_bytes_outweigh_what_is_needed(tmp_
 
 def test_a_checkpoints_blocks_come_back_as_views_of_what_was_loaded():
     """A resumed blockwise encode (MuKV) holds its loaded blocks once, not loaded + a copy."""
+    from mmkv_cli.encode.saved_state import block_rows, blocks_from, blocks_tensors
     from mmkv_cli.pack.format import Span
-    from mmkv_cli.saved_state import block_rows, blocks_from, blocks_tensors
 
     counts = [3, 5]
     block = Span(

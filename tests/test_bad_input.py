@@ -11,7 +11,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from mmkv_cli import api
-from mmkv_cli.cli import app
+from mmkv_cli.cli.app import app
 from mmkv_cli.media.stills import MAX_PAGE_PIXELS, page_scale
 from mmkv_cli.options import EncodeOptions
 from mmkv_cli.pack.writer import TEMP_SUFFIX, sweep_stale
@@ -139,8 +139,8 @@ def test_eval_keeps_its_work_in_the_run_folder(clip, tmp_path, monkeypatch):
     (tmp_path / "q.jsonl").write_text(
         json.dumps({"video": clip, "question": "what color?", "answer": "red"}) + "\n"
     )
-    from mmkv_cli.evaluate import EvalSettings, evaluate
     from mmkv_cli.options import LoadOptions
+    from mmkv_cli.study.evaluate import EvalSettings, evaluate
 
     settings = EvalSettings(max_frames=4, max_new_tokens=2)
     evaluate(

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from mmkv_cli import api
-from mmkv_cli.attention import own_length_mask
-from mmkv_cli.encoder import encode_media
+from mmkv_cli.encode.encoder import encode_media
+from mmkv_cli.kernels.attention import own_length_mask
 from mmkv_cli.media import load_media
 from mmkv_cli.methods.pyramidkv import pyramid_budgets
 from mmkv_cli.methods.scoring import accumulate, pooled
@@ -97,8 +97,8 @@ def test_recorded_attention_returns_what_sdpa_returns_and_records_the_same_score
     (no second pass over QK^T); it must equal SDPA's output, with grouped KV heads and a cache."""
     from types import SimpleNamespace
 
-    from mmkv_cli import attention
-    from mmkv_cli.attention import Recorder, causal_column_sums, recording
+    from mmkv_cli.kernels import attention
+    from mmkv_cli.kernels.attention import Recorder, causal_column_sums, recording
 
     torch.manual_seed(1)
     query, key, value = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
@@ -120,7 +120,7 @@ def test_scoring_every_8th_row_keeps_nearly_the_tokens_every_row_keeps(tmp_path,
     on this clip 94-100% of each layer's kept tokens were the same when it was written."""
     from mmkv_cli.backbones import load_backbone
     from mmkv_cli.options import LoadOptions
-    from mmkv_cli.synth import write_dataset
+    from mmkv_cli.study.synth import write_dataset
 
     write_dataset(tmp_path / "set", clips=1, frames=48, seed=2060, world_name="grid")
     backbone = load_backbone(LoadOptions("demo-grid", "cpu"))

@@ -9,7 +9,7 @@ import av
 import pytest
 from typer.testing import CliRunner
 
-from mmkv_cli.cli import app
+from mmkv_cli.cli.app import app
 from mmkv_cli.pack.format import FORMAT_VERSION
 from tests.conftest import ROOT, SAMPLES
 

@@ -8,11 +8,11 @@ import torch
 from typer.testing import CliRunner
 
 from mmkv_cli import api
-from mmkv_cli.cli import app
-from mmkv_cli.convert import convert
+from mmkv_cli.cli.app import app
 from mmkv_cli.errors import OutputExistsError, UsageError
 from mmkv_cli.options import AskOptions, EncodeOptions
 from mmkv_cli.pack import FORMAT_VERSION, PackReader
+from mmkv_cli.pack.convert import convert
 from mmkv_cli.pack.quant import QuantSpec
 
 DATA = Path(__file__).parent / "data"
@@ -168,7 +168,7 @@ def test_convert_reads_each_block_once(packs, tmp_path, monkeypatch):
     """The table comes from the source's table, and each block is loaded once to be written: the
     writer used to load a block again for each of its stored tensors, for the table and for the
     representatives (8 times in all)."""
-    from mmkv_cli import convert as converting
+    from mmkv_cli.pack import convert as converting
 
     _, made = packs
     loads: list[int] = []

@@ -6,9 +6,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from mmkv_cli import evaluate as ev
-from mmkv_cli.cli import app
+from mmkv_cli.cli.app import app
 from mmkv_cli.errors import UsageError
+from mmkv_cli.study import evaluate as ev
 
 
 def test_jsonl_and_mlvu_formats_load_to_the_same_items(tmp_path):

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mmkv_cli import attention, fused_attention
-from mmkv_cli.attention import Recorder, recording
+from mmkv_cli.kernels import attention, fused_attention
+from mmkv_cli.kernels.attention import Recorder, recording
 
 
 def _reference(query, key, value):

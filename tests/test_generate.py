@@ -4,7 +4,7 @@ that never shows half a character."""
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from mmkv_cli.generate import TextStream, generate, pick
+from mmkv_cli.ask.generate import TextStream, generate, pick
 from mmkv_cli.options import GenerationOptions
 
 

@@ -5,8 +5,8 @@ import json
 
 import numpy as np
 
-from mmkv_cli.synth import make_clip, render_frames, write_dataset
-from mmkv_cli.synth.grid import QUADRANTS, covered_tokens, grid_chance, shape_centre
+from mmkv_cli.study.synth import make_clip, render_frames, write_dataset
+from mmkv_cli.study.synth.grid import QUADRANTS, covered_tokens, grid_chance, shape_centre
 
 
 def test_clips_are_pure_functions_of_the_seed():

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from mmkv_cli.encoder import encode_media
+from mmkv_cli.encode.encoder import encode_media
+from mmkv_cli.kernels.rope import rotate_keys
 from mmkv_cli.media import load_media
 from mmkv_cli.methods import Budget, EncodeContext
 from mmkv_cli.methods.hermes import (
@@ -24,7 +25,6 @@ from mmkv_cli.methods.hermes import (
 )
 from mmkv_cli.methods.scoring import top_in_order
 from mmkv_cli.pack import PackReader
-from mmkv_cli.rope import rotate_keys
 from tests.helpers import choose, encode_pack, with_policy
 
 PARAMS = HermesParams()
@@ -215,7 +215,7 @@ def test_the_summary_can_sit_right_after_the_prompt_instead(backbones):
 def test_pack_never_exceeds_the_budget_over_a_long_stream_and_ask_runs_in_a_new_process(
     tmp_path, backbones
 ):
-    from mmkv_cli.synth import write_dataset
+    from mmkv_cli.study.synth import write_dataset
 
     write_dataset(tmp_path / "set", clips=1, frames=256, seed=2, kind="normal")
     video = str(tmp_path / "set" / "clips" / "clip_0000.mp4")

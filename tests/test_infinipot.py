@@ -60,9 +60,9 @@ def test_the_split_keeps_the_reference_then_tar_then_value_norm():
 
 
 def test_a_long_stream_stays_under_the_cap_and_the_pack_holds_it(tmp_path, backbones):
-    from mmkv_cli.encoder import encode_media
+    from mmkv_cli.encode.encoder import encode_media
     from mmkv_cli.media import load_media
-    from mmkv_cli.synth import write_dataset
+    from mmkv_cli.study.synth import write_dataset
 
     write_dataset(tmp_path / "set", clips=1, frames=64, seed=3, kind="normal")
     media = load_media(str(tmp_path / "set" / "clips" / "clip_0000.mp4"), max_frames=64)

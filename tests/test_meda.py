@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from mmkv_cli.encoder import encode_media
+from mmkv_cli.encode.encoder import encode_media
 from mmkv_cli.media import load_media
 from mmkv_cli.methods.meda import entropy_ratios, merge_evicted, recent_and_heavy, row_entropy
 from tests.helpers import choose

@@ -119,7 +119,7 @@ def test_rerank_lifts_the_candidate_that_agrees_with_top_segments():
 
 def test_retrieval_picks_the_block_holding_a_planted_needle(tmp_path, backbones, clip):
     """Plant a needle: overwrite one block's representative with the question's own vector."""
-    from mmkv_cli.answer import question_vector
+    from mmkv_cli.ask.answer import question_vector
     from mmkv_cli.methods.rekv import ReKVParams, context
     from mmkv_cli.pack import write_pack
 
@@ -247,7 +247,7 @@ def test_reindex_with_every_block_equals_keep_when_nothing_was_dropped(
 
 
 def test_retrieval_needs_representatives_and_a_known_query_mode(tmp_path, backbones):
-    from mmkv_cli.answer import answer_from_pack
+    from mmkv_cli.ask.answer import answer_from_pack
     from mmkv_cli.errors import PackError, UsageError
     from mmkv_cli.methods.retrieval import RetrievalContext, RetrievalOptions
     from mmkv_cli.options import AskOptions
@@ -287,7 +287,7 @@ def test_retrieval_needs_representatives_and_a_known_query_mode(tmp_path, backbo
 
 
 def test_rekv_encodes_through_a_sliding_window_and_still_stores_every_token(backbones, clip):
-    from mmkv_cli.encoder import encode_media
+    from mmkv_cli.encode.encoder import encode_media
     from mmkv_cli.media import load_media
 
     backbone = backbones["tiny-llava-ov"]  # 16 tokens a frame

@@ -7,11 +7,11 @@ import pytest
 import torch
 from PIL import Image
 
+from mmkv_cli.kernels.rope import rotate_keys, unrotate
 from mmkv_cli.media import load_media
 from mmkv_cli.methods.retrieval import RetrievalContext, RetrievalOptions
 from mmkv_cli.methods.scoring import SIMILARITY, retrieval_key
 from mmkv_cli.pack import PackReader
-from mmkv_cli.rope import rotate_keys, unrotate
 from tests.helpers import ask_pack, choose, encode_pack
 
 
@@ -100,7 +100,7 @@ def test_a_block_moved_in_the_stream_keeps_its_key_and_is_retrieved_the_same(
         assert any(torch.allclose(reps_a[row], reps_b[t], atol=1e-4) for t in twins)
 
     # the question scores every block by its content alone, so retrieval picks the same content
-    from mmkv_cli.answer import question_vector
+    from mmkv_cli.ask.answer import question_vector
 
     question = "what color is the circle ?"
     scores, picked = {}, {}
@@ -141,14 +141,14 @@ def test_mukv_keys_are_stored_at_their_stream_positions(tmp_path, backbones, cli
 
 
 def test_rekv_can_retrieve_layer_by_layer(tmp_path, backbones, clip):
-    from mmkv_cli.answer import build_cache, question_vector
+    from mmkv_cli.ask.answer import build_cache, question_vector
 
     backbone = backbones["tiny-llava-ov"]
     pack = tmp_path / "r.kvpack"
     encode_pack(clip, pack, method="rekv", backbone=backbone, max_frames=8)
     reader = PackReader(pack)
     assert reader.representatives().shape[1] == 1  # one key a block by default
-    from mmkv_cli.encoder import encode_media
+    from mmkv_cli.encode.encoder import encode_media
 
     media = load_media(clip, max_frames=8)
     each = encode_media(backbone, media, choose("rekv", layers="each"))

@@ -4,7 +4,7 @@ import json
 
 from typer.testing import CliRunner
 
-from mmkv_cli.cli import app
+from mmkv_cli.cli.app import app
 from tests.conftest import SAMPLES
 
 

@@ -6,9 +6,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from mmkv_cli.cli import app
+from mmkv_cli.cli.app import app
+from mmkv_cli.cli.questions import Question, gather, parse_lines
 from mmkv_cli.errors import UsageError
-from mmkv_cli.questions import Question, gather, parse_lines
 from tests.conftest import SAMPLES
 from tests.helpers import ask_pack, encode_pack
 

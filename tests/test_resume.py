@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from mmkv_cli import api
-from mmkv_cli.checkpoint import checkpoint_path
+from mmkv_cli.encode.checkpoint import checkpoint_path
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.options import EncodeOptions
 from mmkv_cli.pack import PackReader
-from mmkv_cli.synth import write_dataset
+from mmkv_cli.study.synth import write_dataset
 
 MMKV = [sys.executable, "-m", "mmkv_cli"]
 OPTIONS = {"max_frames": 48, "fps": 2.0, "force": True}
@@ -181,7 +181,7 @@ def test_a_resumed_encode_holds_no_loaded_tensor_past_its_use(slid, monkeypatch)
     import gc
     import weakref
 
-    from mmkv_cli import checkpoint
+    from mmkv_cli.encode import checkpoint
 
     backbone, tmp = slid
     video = str(tmp / "set" / "clips" / "clip_0000.mp4")
@@ -219,7 +219,7 @@ def test_a_checkpoint_writes_what_never_changes_once(slid, monkeypatch, method, 
     `full` at 7B: about 900 GB). Each is written once, in a segment; the head rewritten at every
     save stays the same size, its metadata too (MuKV's block rows and the segments' tensor names
     used to be listed there at every save: at an hour and full depth, MBs per save)."""
-    from mmkv_cli import checkpoint
+    from mmkv_cli.encode import checkpoint
 
     backbone, tmp = slid
     video = str(tmp / "set" / "clips" / "clip_0001.mp4")
@@ -256,7 +256,7 @@ def test_a_checkpoint_writes_what_never_changes_once(slid, monkeypatch, method, 
 
 
 def test_a_checkpoint_with_a_bad_or_missing_segment_is_refused(slid):
-    from mmkv_cli.checkpoint import segment_path
+    from mmkv_cli.encode.checkpoint import segment_path
 
     backbone, tmp = slid
     video = str(tmp / "set" / "clips" / "clip_0000.mp4")
@@ -277,7 +277,7 @@ def test_a_segment_with_other_rows_or_an_older_head_is_refused(world):
     """A segment's rows are bound to the head by its digest, as its bytes are: rows changed
     with the tensors' own digest made again are refused. A head from another checkpoint version
     is refused in one line that says so, and is left in place."""
-    from mmkv_cli import checkpoint
+    from mmkv_cli.encode import checkpoint
 
     backbone, tmp = world
     video = str(tmp / "set" / "clips" / "clip_0001.mp4")
@@ -306,7 +306,7 @@ def test_a_sliding_window_is_written_once_by_stream_index(slid, monkeypatch):
     index, an entry is written once: the head stays the size of the prompt and the piece still
     filling, pieces the window left behind go once they outweigh it, and the resume takes only
     the rows still held."""
-    from mmkv_cli import checkpoint
+    from mmkv_cli.encode import checkpoint
 
     backbone, tmp = slid
     video = str(tmp / "set" / "clips" / "clip_0001.mp4")
@@ -341,7 +341,7 @@ def test_a_sliding_window_is_written_once_by_stream_index(slid, monkeypatch):
 def test_a_checkpoint_whose_pieces_do_not_fit_its_head_is_refused(slid):
     """A head that says the stream was cut where its pieces were not (digests made again, so
     only the pieces' bookkeeping is wrong) is refused in one line."""
-    from mmkv_cli import checkpoint
+    from mmkv_cli.encode import checkpoint
 
     backbone, tmp = slid
     video = str(tmp / "set" / "clips" / "clip_0000.mp4")

@@ -4,7 +4,7 @@ at q."""
 import pytest
 import torch
 
-from mmkv_cli.rope import compact_positions, rotate_keys
+from mmkv_cli.kernels.rope import compact_positions, rotate_keys
 from tests.conftest import TINY
 
 

@@ -112,7 +112,7 @@ def test_an_asked_context_is_held_once(tmp_path, backbones, monkeypatch, kv_bits
     import gc
     import weakref
 
-    from mmkv_cli.answer import build_cache
+    from mmkv_cli.ask.answer import build_cache
     from mmkv_cli.pack import PackReader
 
     backbone = backbones[TINY[0]]

@@ -5,9 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from mmkv_cli.errors import PackError
-from mmkv_cli.methods.stream import RunningCache
-from mmkv_cli.saved_state import (
+from mmkv_cli.encode.saved_state import (
     flag_runs,
     from_flag_runs,
     from_index_runs,
@@ -15,6 +13,8 @@ from mmkv_cli.saved_state import (
     restore_running_cache,
     running_cache_tensors,
 )
+from mmkv_cli.errors import PackError
+from mmkv_cli.methods.stream import RunningCache
 
 
 @pytest.mark.parametrize(

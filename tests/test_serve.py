@@ -137,7 +137,7 @@ def test_bad_requests_get_their_status_and_the_server_stays_up(server, request_a
 
 
 def _in_process(packs, **options):
-    from mmkv_cli.serve import create_app
+    from mmkv_cli.serve.app import create_app
 
     app = create_app(packs, **options)
     transport = httpx.ASGITransport(
@@ -188,8 +188,8 @@ def test_a_full_queue_answers_503_with_retry_after(packs):
 def test_an_evicted_backbone_takes_its_sessions_with_it(packs, monkeypatch):
     import mmkv_cli.backbones as backbones_module
     from mmkv_cli.options import LoadOptions
-    from mmkv_cli.serve import Packs
-    from mmkv_cli.shelf import shelf
+    from mmkv_cli.serve.app import Packs
+    from mmkv_cli.serve.shelf import shelf
 
     monkeypatch.setattr(backbones_module, "load_backbone", lambda load: object())
     held = Packs(shelf(packs), LoadOptions(), models=1)

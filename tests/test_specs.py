@@ -10,8 +10,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mmkv_cli.cli import app
-from mmkv_cli.display import kept_label
+from mmkv_cli.cli.app import app
+from mmkv_cli.cli.display import kept_label
 from mmkv_cli.errors import UsageError
 from mmkv_cli.methods import METHODS
 from mmkv_cli.methods.base import GuidedParams
@@ -145,7 +145,7 @@ def test_help_methods_and_inspect_never_import_torch(tmp_path, backbones):
     pack = tmp_path / "p.kvpack"
     encode_pack(SAMPLES / "clip.mp4", pack, backbone=backbones["tiny-qwen2-vl"], max_frames=4)
     probe = (
-        "import sys\nfrom mmkv_cli.cli import main\nsys.argv = ['mmkv', *sys.argv[1:]]\n"
+        "import sys\nfrom mmkv_cli.cli.app import main\nsys.argv = ['mmkv', *sys.argv[1:]]\n"
         "try:\n    main()\nexcept SystemExit as done:\n    code = done.code\n"
         "print('LOADED', 'torch._C' in sys.modules, 'transformers' in sys.modules, code)\n"
     )
@@ -163,7 +163,7 @@ def test_help_methods_and_inspect_never_import_torch(tmp_path, backbones):
 def test_an_encode_leaves_no_running_cache_waiting_for_the_cycle_collector(backbones):
     import gc
 
-    from mmkv_cli.encoder import encode_media
+    from mmkv_cli.encode.encoder import encode_media
     from mmkv_cli.media import load_media
     from mmkv_cli.methods.stream import StreamState
     from tests.helpers import choose

@@ -11,7 +11,7 @@ import torch
 from mmkv_cli import api
 from mmkv_cli.errors import OutputExistsError, PackError, StorageError
 from mmkv_cli.options import AskOptions, EncodeOptions, LoadOptions
-from mmkv_cli.storage import Intervals, is_url, merged
+from mmkv_cli.pack.storage import Intervals, is_url, merged
 from tests.conftest import ROOT, SAMPLES
 from tests.helpers import serving
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from mmkv_cli.cli import app
+from mmkv_cli.cli.app import app
 from mmkv_cli.media import load_media
-from mmkv_cli.synth import make_clip
-from mmkv_cli.synth.world import COLOURS, NEEDLE, SHAPES, render
+from mmkv_cli.study.synth import make_clip
+from mmkv_cli.study.synth.world import COLOURS, NEEDLE, SHAPES, render
 
 
 @pytest.mark.parametrize("index", range(12))
@@ -43,7 +43,7 @@ def test_questions_follow_from_the_clip(index):
 
 
 def test_shapes_render_differently():
-    from mmkv_cli.synth.world import Clip, Event
+    from mmkv_cli.study.synth.world import Clip, Event
 
     frames = [
         render(Clip("normal", 1, (Event(s, "red", 0, 1, 0.5, 0.5, 0, 0),)), 0) for s in SHAPES

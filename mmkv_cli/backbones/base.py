@@ -12,7 +12,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from mmkv_cli import attention
+from mmkv_cli.kernels import attention
 from mmkv_cli.presets import ModelSpec
 
 

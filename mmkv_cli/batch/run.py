@@ -18,8 +18,8 @@ from pathlib import Path
 from mmkv_cli.batch.manifest import BatchItem
 from mmkv_cli.errors import MmkvError, UsageError
 from mmkv_cli.options import EncodeOptions, LoadOptions
+from mmkv_cli.pack.storage import exists, is_url, local_copy, local_path
 from mmkv_cli.spec import as_plain
-from mmkv_cli.storage import exists, is_url, local_copy, local_path
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class BatchWorker:
 def media_version(media: str) -> str:
     """What changes when the media does: size and modification time (an object's ETag)."""
     if is_url(media):
-        from mmkv_cli.storage import filesystem
+        from mmkv_cli.pack.storage import filesystem
 
         fs, key = filesystem(media)
         try:
@@ -175,7 +175,7 @@ def _present(target: str) -> bool:
 def _size(target: str) -> int:
     if not is_url(target):
         return local_path(target).stat().st_size
-    from mmkv_cli.storage import filesystem
+    from mmkv_cli.pack.storage import filesystem
 
     fs, key = filesystem(target)
     return int(fs.size(key))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mmkv_cli.attention import Recorder
+from mmkv_cli.kernels.attention import Recorder
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import Budget, Method, Paper, StreamParams, score_every_knob
 from mmkv_cli.methods.scoring import accumulate

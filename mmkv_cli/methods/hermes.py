@@ -19,12 +19,12 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from mmkv_cli.kernels.rope import compact_positions, rotate_keys
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper
 from mmkv_cli.methods.scoring import minmax, top_in_order
 from mmkv_cli.methods.stream import KeepAll, StreamState
 from mmkv_cli.pack.format import Span, block_name
-from mmkv_cli.rope import compact_positions, rotate_keys
 from mmkv_cli.spec import knob
 
 

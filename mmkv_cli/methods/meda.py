@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from mmkv_cli.attention import Recorder
+from mmkv_cli.kernels.attention import Recorder
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper, score_every_knob
 from mmkv_cli.methods.scoring import accumulate

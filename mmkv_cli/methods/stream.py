@@ -22,7 +22,7 @@ from mmkv_cli.methods.scoring import retrieval_key
 from mmkv_cli.pack.format import Span, block_name
 
 if TYPE_CHECKING:
-    from mmkv_cli.attention import Recorder
+    from mmkv_cli.kernels.attention import Recorder
 
 
 class RunningCache:

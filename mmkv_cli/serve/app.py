@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from mmkv_cli.api import load_for
 from mmkv_cli.errors import MmkvError, ModelError, PackError, UsageError
 from mmkv_cli.options import AskOptions, LoadOptions
-from mmkv_cli.serve_request import ChatRequest
-from mmkv_cli.shelf import Shelf, shelf
+from mmkv_cli.serve.requests import ChatRequest
+from mmkv_cli.serve.shelf import Shelf, shelf
 
 MAX_BODY_BYTES = 1 << 20  # a chat request is text: 1 MiB is generous
 STATUS = {UsageError: 400, PackError: 422, ModelError: 503}

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from mmkv_cli.errors import UsageError
-from mmkv_cli.synth import grid, world
-from mmkv_cli.synth.world import Clip
+from mmkv_cli.study.synth import grid, world
+from mmkv_cli.study.synth.world import Clip
 
 KINDS = ("mixed", "normal", "needle")
 WORLDS = ("demo", "grid")  # demo: a centred shape filling the frame; grid: small ones on texture

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Protocol
 
 from mmkv_cli.errors import UsageError
-from mmkv_cli.storage import filesystem, is_url, local_path
+from mmkv_cli.pack.storage import filesystem, is_url, local_path
 
 PACK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 

@@ -13,8 +13,12 @@ from enum import Enum
 
 import typer
 
-from mmkv_cli import __version__, cli_batch, cli_pack, cli_study, cli_talk
-from mmkv_cli.cli_common import (
+from mmkv_cli import __version__
+from mmkv_cli.cli import batch as cli_batch
+from mmkv_cli.cli import packs as cli_pack
+from mmkv_cli.cli import study as cli_study
+from mmkv_cli.cli import talk as cli_talk
+from mmkv_cli.cli.common import (
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
@@ -122,7 +126,7 @@ def encode(
 
     def body() -> None:
         from mmkv_cli import api
-        from mmkv_cli.display import encode_progress, encoded_line, out_console
+        from mmkv_cli.cli.display import encode_progress, encoded_line, out_console
 
         options = EncodeOptions(
             method,
@@ -215,7 +219,7 @@ def ask(
 
     def body() -> None:
         from mmkv_cli import api
-        from mmkv_cli.questions import gather
+        from mmkv_cli.cli.questions import gather
 
         asked = gather(list(questions or []), questions_file)
         if temperature < 0 or not 0 < top_p <= 1:
@@ -241,7 +245,7 @@ def _answer_all(session, asked: list, options: AskOptions, as_json: bool, explai
     """Answer each question in order, streaming text (or one JSON line each); a question that
     fails reports its one-line error and the others still run. Returns how many failed."""
     from mmkv_cli import api
-    from mmkv_cli.display import err_console
+    from mmkv_cli.cli.display import err_console
 
     def stream(piece: str) -> None:
         sys.stdout.write(piece)
@@ -275,7 +279,7 @@ def _answer_all(session, asked: list, options: AskOptions, as_json: bool, explai
             continue
         sys.stdout.write("\n")
         if explain:
-            from mmkv_cli.display import show_retrieved
+            from mmkv_cli.cli.display import show_retrieved
 
             show_retrieved(answer.retrieved, answer.blocks_used)
     return failed
@@ -287,7 +291,7 @@ def inspect(pack: str = typer.Argument(..., help="A .kvpack."), as_json: bool = 
 
     def body() -> None:
         from mmkv_cli import api
-        from mmkv_cli.display import show_inspect
+        from mmkv_cli.cli.display import show_inspect
 
         info = api.inspect(pack)
         emit_json(info) if as_json else show_inspect(info)
@@ -300,7 +304,7 @@ def methods(as_json: bool = JsonOpt) -> None:
     """List the compression methods: paper, default budget, parameters."""
 
     def body() -> None:
-        from mmkv_cli.display import show_listing
+        from mmkv_cli.cli.display import show_listing
         from mmkv_cli.presets import method_names, resolve_method
         from mmkv_cli.spec import as_plain, describe
 
@@ -342,7 +346,7 @@ def models(as_json: bool = JsonOpt) -> None:
     """List the model presets (any HF id or local path of a supported family works too)."""
 
     def body() -> None:
-        from mmkv_cli.display import show_listing
+        from mmkv_cli.cli.display import show_listing
         from mmkv_cli.presets import default_model, load_model_spec, model_names
 
         rows = []

@@ -14,9 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmkv_cli.errors import UsageError
-from mmkv_cli.eval_runs import open_run, questions_digest, run_folder, work_folder
-from mmkv_cli.eval_sets.items import LETTERS, Item, correct, normalise, predicted
-from mmkv_cli.eval_sets.readers import TASKS, load_items
 from mmkv_cli.options import (
     AskOptions,
     EncodeOptions,
@@ -24,6 +21,9 @@ from mmkv_cli.options import (
     LoadOptions,
     Positions,
 )
+from mmkv_cli.study.eval_sets.items import LETTERS, Item, correct, normalise, predicted
+from mmkv_cli.study.eval_sets.readers import TASKS, load_items
+from mmkv_cli.study.runs import open_run, questions_digest, run_folder, work_folder
 
 __all__ = ["TASKS", "Item", "evaluate", "load_items", "normalise", "predicted", "prompt_for"]
 
@@ -67,7 +67,7 @@ def metrics(rows: list[dict], chance: Callable[[str, int], float | None]) -> dic
 def chance_level(kind: str, options: int) -> float | None:
     """Uniform guessing: 1/options for multiple choice, the synthetic worlds' answer space for
     their types."""
-    from mmkv_cli.synth.grid import GRID_QUESTION_TYPES, grid_chance
+    from mmkv_cli.study.synth.grid import GRID_QUESTION_TYPES, grid_chance
 
     if options:
         return 1 / options
@@ -104,7 +104,7 @@ def evaluate(
     fresh: drop the answers earlier runs left in these run folders (else they are reused, when
     made under the same settings, and the run refused when not)."""
     from mmkv_cli.backbones import load_backbone
-    from mmkv_cli.display import eval_progress
+    from mmkv_cli.cli.display import eval_progress
     from mmkv_cli.presets import check_budget, default_model, resolve_method
 
     levels = [check_budget(b) for b in budgets]

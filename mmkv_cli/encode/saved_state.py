@@ -16,7 +16,7 @@ mark, the cuts, and the K/V of the entries a policy rewrote.
 
 from __future__ import annotations
 
-from mmkv_cli.checkpoint import Sealed, held
+from mmkv_cli.encode.checkpoint import Sealed, held
 from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.archive import Archive

@@ -10,15 +10,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mmkv_cli.ask_prune import AskPrune, prune_context
-from mmkv_cli.attention import Recorder, recording
+from mmkv_cli.ask.generate import generate
+from mmkv_cli.ask.prune import AskPrune, prune_context
 from mmkv_cli.backbones import Backbone
 from mmkv_cli.errors import PackError, UsageError
-from mmkv_cli.generate import generate
+from mmkv_cli.kernels.attention import Recorder, recording
+from mmkv_cli.kernels.rope import compact_positions, rotate_keys, unrotate
 from mmkv_cli.methods.base import ContextPolicy
 from mmkv_cli.options import AskOptions
 from mmkv_cli.pack import PackReader
-from mmkv_cli.rope import compact_positions, rotate_keys, unrotate
 
 
 @dataclass

@@ -6,7 +6,7 @@ import time
 
 import typer
 
-from mmkv_cli.cli_common import (
+from mmkv_cli.cli.common import (
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
@@ -105,7 +105,7 @@ def _progress():
         TimeRemainingColumn,
     )
 
-    from mmkv_cli.display import err_console
+    from mmkv_cli.cli.display import err_console
 
     return Progress(
         TextColumn("[bold]batch"),
@@ -124,7 +124,7 @@ def _show(report: dict, out: str) -> None:
     from rich import box
     from rich.table import Table
 
-    from mmkv_cli.display import human_bytes, out_console
+    from mmkv_cli.cli.display import human_bytes, out_console
 
     table = Table(title=f"batch: {out}", title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("items", "ok", "skipped", "failed", "written", "items/min"):

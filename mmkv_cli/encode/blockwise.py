@@ -16,12 +16,12 @@ from collections import defaultdict
 
 import torch
 
-from mmkv_cli.attention import Recorder, recording
 from mmkv_cli.backbones import Backbone, StreamLayout
+from mmkv_cli.kernels.attention import Recorder, recording
+from mmkv_cli.kernels.rope import compact_positions, rotate_keys
 from mmkv_cli.methods.base import BlockPlan, BlockwiseMemory
 from mmkv_cli.methods.scoring import retrieval_key
 from mmkv_cli.pack import Span
-from mmkv_cli.rope import compact_positions, rotate_keys
 
 GRANULARITY_ORDER = {"segment": 0, "frame": 1, "patch": 2}
 

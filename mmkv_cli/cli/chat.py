@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-from mmkv_cli.ask_prune import ask_pruner
+from mmkv_cli.ask.prune import ask_pruner
 from mmkv_cli.errors import MmkvError, UsageError
 from mmkv_cli.options import AskOptions
 

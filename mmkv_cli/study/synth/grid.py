@@ -14,7 +14,7 @@ import zlib
 import numpy as np
 from PIL import Image, ImageDraw
 
-from mmkv_cli.synth.world import (
+from mmkv_cli.study.synth.world import (
     COLOURS,
     COUNT_WORDS,
     NEEDLE,

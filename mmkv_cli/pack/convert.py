@@ -17,8 +17,8 @@ from mmkv_cli.lazy import torch
 from mmkv_cli.pack import PackReader, Span, check_writable
 from mmkv_cli.pack.format import OLD_TABLE_COLUMNS, SERIES, BlockShape, block_name
 from mmkv_cli.pack.quant import QuantSpec
+from mmkv_cli.pack.storage import is_url, local_path, staged_upload
 from mmkv_cli.spec import as_plain
-from mmkv_cli.storage import is_url, local_path, staged_upload
 
 # header sections the writer makes again from what it is given
 WRITTEN = ("format", "format_version", "spans", "blocks", "quant", "representatives", "segments")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from mmkv_cli.lazy import torch
 
 if TYPE_CHECKING:
-    from mmkv_cli.attention import Recorder
+    from mmkv_cli.kernels.attention import Recorder
 
 BLOCK_ELEMENTS = 1 << 22  # explicit score blocks (own keys, reducers' columns): about 16 MB
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mmkv_cli.errors import UsageError
-from mmkv_cli.eval_sets.items import Item, make_item, strip_letter
+from mmkv_cli.study.eval_sets.items import Item, make_item, strip_letter
 
 VIDEO_SUFFIXES = (".mp4", ".mkv", ".webm", ".avi", ".mov")
 MAX_BYTES = 512 << 20  # an annotation file larger than this is not one

@@ -18,7 +18,7 @@ import contextvars
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from mmkv_cli import fused_attention as fused
+from mmkv_cli.kernels import fused_attention as fused
 from mmkv_cli.lazy import torch
 
 NAME = "mmkv"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from mmkv_cli.cli_common import JsonOpt, emit_json, run
+from mmkv_cli.cli.common import JsonOpt, emit_json, run
 
 
 def convert(
@@ -37,9 +37,9 @@ def convert(
     The new pack is written atomically; the source is never touched."""
 
     def body() -> None:
-        from mmkv_cli.convert import convert as convert_pack
-        from mmkv_cli.display import converted_line, out_console
+        from mmkv_cli.cli.display import converted_line, out_console
         from mmkv_cli.errors import UsageError
+        from mmkv_cli.pack.convert import convert as convert_pack
         from mmkv_cli.pack.quant import QuantSpec
 
         quant = None  # stored as the source is
@@ -60,7 +60,7 @@ def verify(pack: str = typer.Argument(..., help="A .kvpack."), as_json: bool = J
 
     def body() -> None:
         from mmkv_cli import api
-        from mmkv_cli.display import human_bytes, out_console
+        from mmkv_cli.cli.display import human_bytes, out_console
         from mmkv_cli.errors import PackError
 
         report = api.verify(pack)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from mmkv_cli.cli_common import (
+from mmkv_cli.cli.common import (
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
@@ -60,8 +60,8 @@ def profile(
     """Measure encode time, pack size, memory and ask latency, method against method."""
 
     def body() -> None:
-        from mmkv_cli import profile as prof
-        from mmkv_cli.display import show_profile
+        from mmkv_cli.cli.display import show_profile
+        from mmkv_cli.study import profile as prof
 
         names = [m.strip() for m in methods.split(",") if m.strip()]
         bits = parse_ints(kv_bits, "--kv-bits")
@@ -134,8 +134,8 @@ def eval_(
     """Score methods and budgets on a question set: each clip encoded once per run."""
 
     def body() -> None:
-        from mmkv_cli import evaluate as ev
-        from mmkv_cli.display import show_eval
+        from mmkv_cli.cli.display import show_eval
+        from mmkv_cli.study import evaluate as ev
 
         names = [m.strip() for m in methods.split(",") if m.strip()]
         try:
@@ -188,8 +188,8 @@ def synth(
     """Write synthetic shape clips and their questions (qa.jsonl, the `mmkv eval` format)."""
 
     def body() -> None:
-        from mmkv_cli.display import out_console
-        from mmkv_cli.synth import write_dataset
+        from mmkv_cli.cli.display import out_console
+        from mmkv_cli.study.synth import write_dataset
 
         info = write_dataset(
             out_dir, clips, frames, seed, fps, kind=kind.value, force=force, world_name=world

@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from mmkv_cli.cli_common import DeviceOpt, DtypeOpt, load_options, model_names, run
+from mmkv_cli.cli.common import DeviceOpt, DtypeOpt, load_options, model_names, run
 from mmkv_cli.errors import UsageError
 from mmkv_cli.options import AskOptions, Dtype, GenerationOptions
 
@@ -32,8 +32,8 @@ def chat(
 
     def body() -> None:
         from mmkv_cli import api
-        from mmkv_cli.chat import Chat, chat_loop
-        from mmkv_cli.display import err_console, show_retrieved
+        from mmkv_cli.cli.chat import Chat, chat_loop
+        from mmkv_cli.cli.display import err_console, show_retrieved
 
         if temperature < 0:
             raise typer.BadParameter("--temperature must be >= 0")
@@ -101,12 +101,12 @@ def serve(
         try:
             import uvicorn
 
-            from mmkv_cli.serve import create_app
+            from mmkv_cli.serve.app import create_app
         except ImportError as err:
             raise UsageError(
                 f"mmkv serve needs the serve extra: pip install 'mmkv[serve]' ({err.name})"
             ) from None
-        from mmkv_cli.display import err_console
+        from mmkv_cli.cli.display import err_console
 
         app = create_app(
             packs, load_options(model, device, dtype), api_key=api_key, models=models, queue=queue
