@@ -68,6 +68,7 @@ demo-model: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests
 	VENV=$(VENV) .ci/wheel_check
 

@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from make_samples import SIZE, frame_at  # noqa: E402
 
 from mmkv_cli import api  # noqa: E402
-from mmkv_cli.backbones import load_backbone  # noqa: E402
+from mmkv_cli.backbones.loading import load_backbone  # noqa: E402
 from mmkv_cli.options import (  # noqa: E402
     AskOptions,
     EncodeOptions,

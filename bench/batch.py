@@ -122,7 +122,7 @@ def moto_server():
 def ask_from_s3(work: Path, args) -> dict:
     import s3fs
 
-    from mmkv_cli.backbones import load_backbone
+    from mmkv_cli.backbones.loading import load_backbone
 
     write_dataset(work / "long", clips=1, frames=args.ask_frames, seed=5, kind="normal")
     video = work / "long" / "clips" / "clip_0000.mp4"

@@ -34,7 +34,7 @@ CHILD = r"""
 import json, sys, threading, time
 from pathlib import Path
 from mmkv_cli import api
-from mmkv_cli.backbones import load_backbone
+from mmkv_cli.backbones.loading import load_backbone
 from mmkv_cli.encode.checkpoint import checkpoint_path
 from mmkv_cli.options import EncodeOptions, LoadOptions
 video, pack, model, layers, method, frames, every = sys.argv[1:8]

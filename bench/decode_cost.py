@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
     from mmkv_cli import api
-    from mmkv_cli.backbones import load_backbone
+    from mmkv_cli.backbones.loading import load_backbone
     from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
     from mmkv_cli.study.synth import write_dataset
 

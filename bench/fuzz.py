@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mmkv_cli import api  # noqa: E402
-from mmkv_cli.backbones import load_backbone  # noqa: E402
+from mmkv_cli.backbones.loading import load_backbone  # noqa: E402
 from mmkv_cli.errors import MmkvError  # noqa: E402
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions  # noqa: E402
 from tests.mutants import KINDS, mutate  # noqa: E402

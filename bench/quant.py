@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mmkv_cli import api  # noqa: E402
-from mmkv_cli.backbones import load_backbone  # noqa: E402
+from mmkv_cli.backbones.loading import load_backbone  # noqa: E402
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions  # noqa: E402
 from mmkv_cli.pack.convert import convert  # noqa: E402
 from mmkv_cli.pack.quant import QuantSpec  # noqa: E402

@@ -34,7 +34,7 @@ CHILD = r"""
 import gc, json, resource, statistics, sys, time
 import torch
 from mmkv_cli import api
-from mmkv_cli.backbones import load_backbone
+from mmkv_cli.backbones.loading import load_backbone
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
 from mmkv_cli.pack import PackReader
 video, pack, model, layers, device, method, frames, question = sys.argv[1:9]

@@ -20,17 +20,18 @@ from mmkv_cli import __version__
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.methods import METHODS
 from mmkv_cli.methods.base import ContextPolicy
+from mmkv_cli.methods.choice import resolve_method
 from mmkv_cli.methods.context import WholeContext
 from mmkv_cli.options import AskOptions, EncodeOptions, LoadOptions
 from mmkv_cli.pack import PackReader, check_writable
 from mmkv_cli.pack.report import inspect, verify  # the verbs that read a pack alone
 from mmkv_cli.pack.storage import is_url, local_path
-from mmkv_cli.presets import resolve_method
 from mmkv_cli.spec import as_plain, override
 
 if TYPE_CHECKING:
     from mmkv_cli.ask.answer import Answer
-    from mmkv_cli.backbones import Backbone
+    from mmkv_cli.backbones.base import Backbone
+    from mmkv_cli.pack.quant import QuantSpec
 
 __all__ = [
     "EncodeProgress",
@@ -38,6 +39,7 @@ __all__ = [
     "answer_record",
     "ask",
     "context_policy",
+    "convert",
     "encode",
     "inspect",
     "load_for",
@@ -63,7 +65,7 @@ def encode(
     """Encode `media` into a .kvpack at `output`; returns a summary (the inspect view plus
     timings). Either may be a URL (s3://...): remote media is downloaded first, a remote pack is
     written here and published whole. shown_as: the media's name in the pack (its URL)."""
-    from mmkv_cli.backbones import load_backbone
+    from mmkv_cli.backbones.loading import load_backbone
     from mmkv_cli.encode.checkpoint import Checkpointing
     from mmkv_cli.encode.encoder import encode_media
     from mmkv_cli.media import load_media
@@ -176,6 +178,25 @@ def refuse_input_as_output(media: str, output: Path) -> None:
             raise UsageError(f"{output} is the media being encoded ({source}): pick another output")
 
 
+def convert(
+    source: str | Path,
+    output: str | Path,
+    quant: QuantSpec | None = None,
+    start: float | None = None,
+    stop: float | None = None,
+    force: bool = False,
+) -> dict:
+    """`mmkv convert`: `source`'s KV re-stored at other bits (None: as stored), only the blocks in
+    [start, stop], written atomically to `output` (pack/convert.py); the method's parameters are
+    checked against its class and written as the current format stores them."""
+    from mmkv_cli.pack.convert import convert as convert_pack
+
+    def params(reader: PackReader) -> dict:
+        return as_plain(stored_method(reader)[1])
+
+    return convert_pack(source, output, quant, start, stop, force, params)
+
+
 def context_policy(reader: PackReader) -> ContextPolicy:
     """The context policy of the method a pack names, with the parameters it was encoded with."""
     chosen, params = stored_method(reader)
@@ -214,7 +235,7 @@ def pack_model(reader: PackReader) -> str:
     """The model a pack names, when it may be loaded on the pack's word: a preset known here, or a
     hub id. Never a path: a stranger's pack must not point `ask` at any checkpoint or file on this
     machine (--model chooses one explicitly)."""
-    from mmkv_cli.presets import model_names
+    from mmkv_cli.backbones.spec import model_names
 
     named = (reader.header.get("fingerprint") or {}).get("model")
     if isinstance(named, str) and named in model_names():
@@ -246,7 +267,7 @@ class PackSession:
         backbone: Backbone | None = None,
         load: LoadOptions | None = None,
     ):
-        from mmkv_cli.backbones import load_backbone
+        from mmkv_cli.backbones.loading import load_backbone
         from mmkv_cli.pack.integrity import check_askable
 
         self.reader = pack if isinstance(pack, PackReader) else PackReader(pack)

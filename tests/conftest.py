@@ -13,7 +13,7 @@ TINY = ["tiny-llava-ov", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 
 @pytest.fixture(scope="session")
 def backbones():
-    from mmkv_cli.backbones import load_backbone
+    from mmkv_cli.backbones.loading import load_backbone
     from mmkv_cli.options import LoadOptions
 
     return {name: load_backbone(LoadOptions(name, "cpu")) for name in TINY}

@@ -66,7 +66,7 @@ def reference_inputs(backbone, frames: np.ndarray, question: str, times: list[fl
 
 def choose(name: str, budget=None, budget_tokens=None, **params):
     """The method `name` as the CLI would resolve it, with some parameters overridden."""
-    from mmkv_cli.presets import resolve_method
+    from mmkv_cli.methods.choice import resolve_method
     from mmkv_cli.spec import override
 
     choice = resolve_method(name).with_budget(budget, budget_tokens)

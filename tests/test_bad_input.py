@@ -157,7 +157,7 @@ def test_eval_keeps_its_work_in_the_run_folder(clip, tmp_path, monkeypatch):
 
 
 def test_a_pack_replaced_while_it_is_read_is_read_whole(pack, tmp_path, clip):
-    from mmkv_cli.backbones import load_backbone
+    from mmkv_cli.backbones.loading import load_backbone
     from mmkv_cli.options import LoadOptions
 
     backbone = load_backbone(LoadOptions("demo", "cpu"))

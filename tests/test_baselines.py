@@ -118,7 +118,7 @@ def test_scoring_every_8th_row_keeps_nearly_the_tokens_every_row_keeps(tmp_path,
     """score_every: 8 is an estimate of the column sums. On the trained demo-grid backbone (real
     attention, not random weights) it must pick nearly the same heavy hitters as every row does;
     on this clip 94-100% of each layer's kept tokens were the same when it was written."""
-    from mmkv_cli.backbones import load_backbone
+    from mmkv_cli.backbones.loading import load_backbone
     from mmkv_cli.options import LoadOptions
     from mmkv_cli.study.synth import write_dataset
 

@@ -20,7 +20,7 @@ QUESTION = "which shape appeared first ?"
 def subjects(clip, tmp_path_factory):
     """The demo backbone and two packs of the sample clip: full as computed, mukv at 4 bits (its
     representatives, key and value scales and per-block tables)."""
-    from mmkv_cli.backbones import load_backbone
+    from mmkv_cli.backbones.loading import load_backbone
     from mmkv_cli.options import LoadOptions
 
     backbone = load_backbone(LoadOptions("demo", "cpu"))

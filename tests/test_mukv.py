@@ -60,8 +60,8 @@ def test_blocks_cover_every_token_once_per_granularity():
 
 def test_middle_frame_views_detail_only_each_segments_middle_step():
     from mmkv_cli.errors import UsageError
+    from mmkv_cli.methods.choice import resolve_method
     from mmkv_cli.methods.mukv import MuKVParams
-    from mmkv_cli.presets import resolve_method
 
     starts, lengths = (
         [i * 4 for i in range(5)],
@@ -314,7 +314,7 @@ def test_the_pack_takes_over_offloaded_entries_instead_of_copying_them():
     # (in stream order, nothing dropped), so the host never holds it twice.
     from transformers import DynamicCache
 
-    from mmkv_cli.methods.stream import RunningCache
+    from mmkv_cli.methods.running_cache import RunningCache
 
     cache = DynamicCache()
     keys, values = torch.randn(1, 2, 2 + 6, 4), torch.randn(1, 2, 2 + 6, 4)
@@ -337,7 +337,7 @@ def test_offloaded_entries_do_not_keep_the_cache_they_were_cut_from_alive():
     # by 30 MB a chunk at one layer). The archive must hold exactly its own entries.
     from transformers import DynamicCache
 
-    from mmkv_cli.methods.stream import RunningCache
+    from mmkv_cli.methods.running_cache import RunningCache
 
     cache = DynamicCache()
     cache.update(torch.randn(1, 2, 2 + 100, 4), torch.randn(1, 2, 2 + 100, 4), 0)

@@ -77,7 +77,7 @@ def pack(tmp_path_factory, backbones):
 def test_one_ask_answers_every_question_as_single_asks_would(
     pack, backbones, monkeypatch, tmp_path
 ):
-    import mmkv_cli.backbones as backbones_module
+    import mmkv_cli.backbones.loading as backbones_module
 
     loads = []
     backbone = backbones["tiny-llava-ov"]
@@ -119,7 +119,7 @@ def test_one_ask_answers_every_question_as_single_asks_would(
 def test_multi_line_stdin_is_one_question_per_line_and_a_failure_does_not_stop_the_rest(
     pack, backbones, monkeypatch
 ):
-    import mmkv_cli.backbones as backbones_module
+    import mmkv_cli.backbones.loading as backbones_module
 
     monkeypatch.setattr(backbones_module, "load_backbone", lambda load: backbones["tiny-llava-ov"])
     result = runner.invoke(

@@ -3,9 +3,9 @@ offline with random weights, at a cut depth, through the ordinary encode and ask
 
 import pytest
 
-from mmkv_cli.backbones import load_backbone
+from mmkv_cli.backbones.loading import load_backbone
+from mmkv_cli.backbones.spec import load_model_spec
 from mmkv_cli.options import LoadOptions
-from mmkv_cli.presets import load_model_spec
 from tests.conftest import SAMPLES
 from tests.helpers import ask_pack, encode_pack
 

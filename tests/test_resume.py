@@ -30,7 +30,7 @@ class Stop(Exception):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from mmkv_cli.backbones import load_backbone
+    from mmkv_cli.backbones.loading import load_backbone
     from mmkv_cli.options import LoadOptions
 
     tmp = tmp_path_factory.mktemp("resume")

@@ -14,7 +14,7 @@ from mmkv_cli.encode.saved_state import (
     running_cache_tensors,
 )
 from mmkv_cli.errors import PackError
-from mmkv_cli.methods.stream import RunningCache
+from mmkv_cli.methods.running_cache import RunningCache
 
 
 @pytest.mark.parametrize(

@@ -186,7 +186,7 @@ def test_a_full_queue_answers_503_with_retry_after(packs):
 
 
 def test_an_evicted_backbone_takes_its_sessions_with_it(packs, monkeypatch):
-    import mmkv_cli.backbones as backbones_module
+    import mmkv_cli.backbones.loading as backbones_module
     from mmkv_cli.options import LoadOptions
     from mmkv_cli.serve.app import Packs
     from mmkv_cli.serve.shelf import shelf

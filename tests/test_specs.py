@@ -10,13 +10,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from mmkv_cli.backbones.spec import load_model_spec, model_names
 from mmkv_cli.cli.app import app
 from mmkv_cli.cli.display import kept_label
 from mmkv_cli.errors import UsageError
 from mmkv_cli.methods import METHODS
 from mmkv_cli.methods.base import GuidedParams
-from mmkv_cli.methods.stream import RunningCache
-from mmkv_cli.presets import load_model_spec, model_names, resolve_method
+from mmkv_cli.methods.choice import resolve_method
+from mmkv_cli.methods.running_cache import RunningCache
 from mmkv_cli.spec import describe, override
 from tests.conftest import ROOT, SAMPLES
 from tests.helpers import encode_pack
@@ -165,7 +166,7 @@ def test_an_encode_leaves_no_running_cache_waiting_for_the_cycle_collector(backb
 
     from mmkv_cli.encode.encoder import encode_media
     from mmkv_cli.media import load_media
-    from mmkv_cli.methods.stream import StreamState
+    from mmkv_cli.methods.running_cache import StreamState
     from tests.helpers import choose
 
     media = load_media(str(SAMPLES / "clip.mp4"), fps=4, max_frames=8)

@@ -12,7 +12,7 @@ import torch
 
 from mmkv_cli.ask.generate import generate
 from mmkv_cli.ask.prune import AskPrune, prune_context
-from mmkv_cli.backbones import Backbone
+from mmkv_cli.backbones.base import Backbone
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.kernels.attention import Recorder, recording
 from mmkv_cli.kernels.rope import compact_positions, rotate_keys, unrotate

@@ -16,7 +16,7 @@ import torch
 from mmkv_cli.errors import UsageError
 from mmkv_cli.methods import METHODS
 from mmkv_cli.methods.base import AskPruner
-from mmkv_cli.presets import check_budget, resolve_method
+from mmkv_cli.methods.choice import check_budget, resolve_method
 
 
 @dataclass(frozen=True)

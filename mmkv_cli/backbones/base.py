@@ -12,8 +12,8 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from mmkv_cli.backbones.spec import ModelSpec
 from mmkv_cli.kernels import attention
-from mmkv_cli.presets import ModelSpec
 
 
 @dataclass

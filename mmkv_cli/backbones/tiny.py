@@ -200,11 +200,3 @@ def build_tiny_qwen3_vl(seed: int = 0):
         do_sample_frames=False,
     )
     return _seeded(Qwen3VLForConditionalGeneration, config, seed), tokenizer, processor
-
-
-TINY_BUILDERS = {
-    "llava_onevision": build_tiny_llava_ov,
-    "qwen2_vl": build_tiny_qwen2_vl,
-    "qwen2_5_vl": build_tiny_qwen2_5_vl,
-    "qwen3_vl": build_tiny_qwen3_vl,
-}

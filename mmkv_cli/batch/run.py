@@ -39,8 +39,8 @@ class BatchSettings:
 
 def check_items(items: list[BatchItem], settings: BatchSettings) -> None:
     """Every row's options checked (method, budget, bits, sampling) before any model loads."""
+    from mmkv_cli.methods.choice import resolve_method
     from mmkv_cli.pack.quant import QuantSpec
-    from mmkv_cli.presets import resolve_method
 
     checked = set()
     for item in items:
@@ -67,7 +67,7 @@ def pack_name(media: str, digest: str, fingerprint: dict, options: EncodeOptions
     """STEM-HASH.kvpack, HASH over everything that makes the pack what it is: the media's bytes,
     the model's fingerprint, the method with its parameters and budget, the sampling and the bits.
     Two runs that would write the same pack name it the same; any change names another."""
-    from mmkv_cli.presets import resolve_method
+    from mmkv_cli.methods.choice import resolve_method
 
     choice = resolve_method(options.method).with_budget(options.budget, options.budget_tokens)
     identity = {
@@ -90,7 +90,7 @@ class BatchWorker:
     """Holds one backbone and runs items on it (in-process, or as a Ray actor)."""
 
     def __init__(self, settings: BatchSettings):
-        from mmkv_cli.backbones import load_backbone
+        from mmkv_cli.backbones.loading import load_backbone
 
         self.settings = settings
         self.backbone = load_backbone(settings.load)

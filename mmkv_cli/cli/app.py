@@ -305,7 +305,7 @@ def methods(as_json: bool = JsonOpt) -> None:
 
     def body() -> None:
         from mmkv_cli.cli.display import show_listing
-        from mmkv_cli.presets import method_names, resolve_method
+        from mmkv_cli.methods.choice import method_names, resolve_method
         from mmkv_cli.spec import as_plain, describe
 
         rows = []
@@ -346,8 +346,8 @@ def models(as_json: bool = JsonOpt) -> None:
     """List the model presets (any HF id or local path of a supported family works too)."""
 
     def body() -> None:
+        from mmkv_cli.backbones.spec import default_model, load_model_spec, model_names
         from mmkv_cli.cli.display import show_listing
-        from mmkv_cli.presets import default_model, load_model_spec, model_names
 
         rows = []
         for name in model_names():

@@ -15,13 +15,13 @@ from mmkv_cli.options import Dtype, LoadOptions
 
 
 def method_names(incomplete: str) -> list[str]:
-    from mmkv_cli.presets import method_names
+    from mmkv_cli.methods.choice import method_names
 
     return [n for n in method_names() if n.startswith(incomplete)]
 
 
 def model_names(incomplete: str) -> list[str]:
-    from mmkv_cli.presets import model_names
+    from mmkv_cli.backbones.spec import model_names
 
     return [n for n in model_names() if n.startswith(incomplete)]
 

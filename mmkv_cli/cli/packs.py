@@ -37,9 +37,9 @@ def convert(
     The new pack is written atomically; the source is never touched."""
 
     def body() -> None:
+        from mmkv_cli import api
         from mmkv_cli.cli.display import converted_line, out_console
         from mmkv_cli.errors import UsageError
-        from mmkv_cli.pack.convert import convert as convert_pack
         from mmkv_cli.pack.quant import QuantSpec
 
         quant = None  # stored as the source is
@@ -47,7 +47,7 @@ def convert(
             quant = QuantSpec(kv_bits) if kv_group is None else QuantSpec(kv_bits, kv_group)
         elif kv_group is not None:
             raise UsageError("--kv-group sets how --kv-bits quantizes: pass --kv-bits too")
-        info = convert_pack(source, output, quant, start, stop, force)
+        info = api.convert(source, output, quant, start, stop, force)
         emit_json(info) if as_json else out_console.print(converted_line(info), highlight=False)
 
     run(body)

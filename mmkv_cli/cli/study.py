@@ -134,7 +134,7 @@ def eval_(
     """Score methods and budgets on a question set: each clip encoded once per run."""
 
     def body() -> None:
-        from mmkv_cli.cli.display import show_eval
+        from mmkv_cli.cli.display import eval_progress, show_eval
         from mmkv_cli.study import evaluate as ev
 
         names = [m.strip() for m in methods.split(",") if m.strip()]
@@ -150,9 +150,15 @@ def eval_(
             kv_bits=kv_bits,
         )
         load = load_options(model, device, dtype)
-        result = ev.evaluate(
-            qa_file, names, levels, out, settings, load, limit, fresh, task=task, media=media
-        )
+        with eval_progress() as bar:
+
+            def progress(label: str, clips: int):
+                task_id = bar.add_task(label, total=clips)
+                return lambda done: bar.update(task_id, completed=done)
+
+            result = ev.evaluate(
+                qa_file, names, levels, out, settings, load, limit, fresh, task, media, progress
+            )
         if as_json:
             fields = ("method", "budget", "kv_bits", "kept", "accuracy", "by_type", "n")
             emit_json(

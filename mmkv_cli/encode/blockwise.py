@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import torch
 
-from mmkv_cli.backbones import Backbone, StreamLayout
+from mmkv_cli.backbones.base import Backbone, StreamLayout
 from mmkv_cli.kernels.attention import Recorder, recording
 from mmkv_cli.kernels.rope import compact_positions, rotate_keys
 from mmkv_cli.methods.base import BlockPlan, BlockwiseMemory

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mmkv_cli.backbones import Backbone, StreamLayout
+from mmkv_cli.backbones.base import Backbone, StreamLayout
 from mmkv_cli.encode.blockwise import chunk_plans, order_blocks, prefill_blocks
 from mmkv_cli.encode.checkpoint import Checkpointing
 from mmkv_cli.encode.saved_state import (
@@ -26,9 +26,9 @@ from mmkv_cli.kernels.attention import Recorder, recording
 from mmkv_cli.media import Media
 from mmkv_cli.methods import Budget, EncodeContext
 from mmkv_cli.methods.base import BlockwiseMemory, StreamingMemory
-from mmkv_cli.methods.stream import RunningCache, StreamState
+from mmkv_cli.methods.choice import MethodChoice
+from mmkv_cli.methods.running_cache import RunningCache, StreamState
 from mmkv_cli.pack import Span
-from mmkv_cli.presets import MethodChoice
 
 Progress = Callable[[int, int], None]  # (frames done, visual tokens done)
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextvars
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 from mmkv_cli.kernels import fused_attention as fused
+from mmkv_cli.kernels.recorder import Recorder
 from mmkv_cli.lazy import torch
+
+__all__ = ["Recorder", "causal_column_sums", "causal_rows", "install", "recording"]
 
 NAME = "mmkv"
 QUERY_ROWS_PER_STEP = 256  # rows of QK^T computed at once when scoring: bounds peak memory
@@ -29,29 +31,6 @@ _sdpa = None  # transformers' SDPA attention, bound by install() (importing it c
 _active: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar(
     "mmkv_recorder", default=None
 )
-
-
-@dataclass
-class Recorder:
-    """What to keep from which layers during one or more forwards (a batch may hold several
-    blocks)."""
-
-    layers: set[int]
-    column_sums: bool = False
-    queries: bool = False
-    rows: bool = False
-    # name -> (key columns, fn(block [B, rows, columns] head-mean attention) -> tensor), summed
-    # over a layer's rows: a reducer reads only its own columns (MEDA: the prompt), not whole rows
-    reducers: dict = field(default_factory=dict)
-    # column sums from every Nth query row only, times N: an estimate that spares most of the second
-    # pass over QK^T on the fused path (1: every row, exact)
-    row_stride: int = 1
-    # what was recorded, per layer: column sums [B, kv_len] and rows [B, q_len, kv_len] (float32),
-    # reducer totals by name, queries [B, H, q_len, D]
-    column_sum: dict[int, torch.Tensor] = field(default_factory=dict)
-    reduced: dict[int, dict] = field(default_factory=dict)
-    row: dict[int, torch.Tensor] = field(default_factory=dict)
-    query: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def _row_blocks(query: torch.Tensor, key: torch.Tensor, scaling: float):

@@ -19,12 +19,8 @@ Everything runs in float32, as the block path does, and matches it to float roun
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from mmkv_cli.kernels.recorder import Recorder
 from mmkv_cli.lazy import torch
-
-if TYPE_CHECKING:
-    from mmkv_cli.kernels.attention import Recorder
 
 BLOCK_ELEMENTS = 1 << 22  # explicit score blocks (own keys, reducers' columns): about 16 MB
 

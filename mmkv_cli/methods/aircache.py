@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper
+from mmkv_cli.methods.keep_all import KeepAll
+from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import top_in_order
-from mmkv_cli.methods.stream import KeepAll, StreamState
 from mmkv_cli.spec import knob
 
 

@@ -20,8 +20,8 @@ from mmkv_cli.spec import knob
 if TYPE_CHECKING:
     import torch
 
-    from mmkv_cli.kernels.attention import Recorder
-    from mmkv_cli.methods.stream import StreamState
+    from mmkv_cli.kernels.recorder import Recorder
+    from mmkv_cli.methods.running_cache import StreamState
     from mmkv_cli.pack.format import Span
     from mmkv_cli.pack.table import BlockTable
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmkv_cli.methods.base import Method, Paper, StreamParams
-from mmkv_cli.methods.stream import KeepAll
+from mmkv_cli.methods.keep_all import KeepAll
 
 
 @dataclass(frozen=True)

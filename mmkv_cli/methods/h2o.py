@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mmkv_cli.kernels.attention import Recorder
+from mmkv_cli.kernels.recorder import Recorder
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import Budget, Method, Paper, StreamParams, score_every_knob
+from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import accumulate
-from mmkv_cli.methods.stream import StreamState
 from mmkv_cli.methods.topk import TopKAtEnd
 
 

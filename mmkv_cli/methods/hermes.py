@@ -22,8 +22,9 @@ from typing import Literal
 from mmkv_cli.kernels.rope import compact_positions, rotate_keys
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper
+from mmkv_cli.methods.keep_all import KeepAll
+from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import minmax, top_in_order
-from mmkv_cli.methods.stream import KeepAll, StreamState
 from mmkv_cli.pack.format import Span, block_name
 from mmkv_cli.spec import knob
 

@@ -19,7 +19,8 @@ from typing import Literal
 
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import Budget, Method, Paper, StreamParams
-from mmkv_cli.methods.stream import KeepAll, StreamState
+from mmkv_cli.methods.keep_all import KeepAll
+from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.spec import knob
 
 

@@ -16,11 +16,12 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from mmkv_cli.kernels.attention import Recorder
+from mmkv_cli.kernels.recorder import Recorder
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper, score_every_knob
+from mmkv_cli.methods.keep_all import KeepAll
+from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import accumulate
-from mmkv_cli.methods.stream import KeepAll, StreamState
 from mmkv_cli.spec import knob
 
 

@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass
 
 from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper
+from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import question_window_scores, top_in_order, window_scores
-from mmkv_cli.methods.stream import StreamState
 from mmkv_cli.methods.topk import TopKAtEnd
 from mmkv_cli.spec import knob
 

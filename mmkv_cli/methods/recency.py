@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import Budget, Method, Paper, StreamParams
-from mmkv_cli.methods.stream import KeepAll, StreamState
+from mmkv_cli.methods.keep_all import KeepAll
+from mmkv_cli.methods.running_cache import StreamState
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper
+from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import keep_share, question_window_scores, window_scores
-from mmkv_cli.methods.stream import StreamState
 from mmkv_cli.methods.topk import TopKAtEnd
 from mmkv_cli.spec import knob
 

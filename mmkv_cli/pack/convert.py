@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,7 +18,6 @@ from mmkv_cli.pack import PackReader, Span, check_writable
 from mmkv_cli.pack.format import OLD_TABLE_COLUMNS, SERIES, BlockShape, block_name
 from mmkv_cli.pack.quant import QuantSpec
 from mmkv_cli.pack.storage import is_url, local_path, staged_upload
-from mmkv_cli.spec import as_plain
 
 # header sections the writer makes again from what it is given
 WRITTEN = ("format", "format_version", "spans", "blocks", "quant", "representatives", "segments")
@@ -93,19 +92,20 @@ def convert(
     start: float | None = None,
     stop: float | None = None,
     force: bool = False,
+    params: Callable[[PackReader], dict] | None = None,
 ) -> dict:
     """Write `source`'s KV to `output` stored as `quant` says (None: as the source stores it), and
     only the blocks in [start, stop]. Refuses to raise the precision (the bits lost stay lost; the
-    pack only grows) unless `force`, which also replaces an existing output. Returns what was
-    written."""
-    from mmkv_cli.api import stored_method
+    pack only grows) unless `force`, which also replaces an existing output. params: the method's
+    parameters to write, from the source (api.convert checks them against the method's class; None:
+    as stored). Returns what was written."""
     from mmkv_cli.pack import write_pack
 
     if is_url(output):  # written here, then published whole
         if str(output) == str(source):
             raise UsageError(f"{output} is the pack being converted: pick another output")
         with staged_upload(str(output), force) as local:
-            done = convert(source, local, quant, start, stop, force)
+            done = convert(source, local, quant, start, stop, force, params)
         return {**done, "path": str(output)}
     output = local_path(output)
     reader = PackReader(source)
@@ -125,8 +125,8 @@ def convert(
     quant.check(int(prefix.keys[0].shape[0]), int(prefix.keys[0].shape[2]))
     rows = kept_rows(reader, start, stop)
     header = {k: v for k, v in reader.header.items() if k not in WRITTEN}
-    _, params = stored_method(reader)
-    header["method"] = {**header["method"], "params": as_plain(params)}
+    if params is not None:
+        header["method"] = {**header["method"], "params": params(reader)}
     for name in SERIES:  # the writer stores these lists as tensors again
         section, key = name.split(".")
         try:

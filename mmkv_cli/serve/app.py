@@ -86,7 +86,7 @@ class Packs:
         return session
 
     def _backbone(self, load: LoadOptions):
-        from mmkv_cli.backbones import load_backbone
+        from mmkv_cli.backbones.loading import load_backbone
 
         if load in self.backbones:
             self.backbones.move_to_end(load)

@@ -27,6 +27,10 @@ from mmkv_cli.study.runs import open_run, questions_digest, run_folder, work_fol
 
 __all__ = ["TASKS", "Item", "evaluate", "load_items", "normalise", "predicted", "prompt_for"]
 
+# (a run's label, its clip count) -> what to call with the clips done so far; the surface that
+# runs the eval draws it (the CLI: a progress bar)
+RunProgress = Callable[[str, int], Callable[[int], None]]
+
 
 def prompt_for(item: Item) -> str:
     if not item.options:
@@ -99,13 +103,15 @@ def evaluate(
     fresh: bool = False,
     task: str | None = None,
     media: str | None = None,
+    progress: RunProgress | None = None,
 ) -> dict:
     """Every method at every budget (methods that keep everything once) over the question set.
     fresh: drop the answers earlier runs left in these run folders (else they are reused, when
-    made under the same settings, and the run refused when not)."""
-    from mmkv_cli.backbones import load_backbone
-    from mmkv_cli.cli.display import eval_progress
-    from mmkv_cli.presets import check_budget, default_model, resolve_method
+    made under the same settings, and the run refused when not). progress: told of each run
+    as it starts, and of its clips as they are done."""
+    from mmkv_cli.backbones.loading import load_backbone
+    from mmkv_cli.backbones.spec import default_model
+    from mmkv_cli.methods.choice import check_budget, resolve_method
 
     levels = [check_budget(b) for b in budgets]
     plan = []
@@ -122,26 +128,17 @@ def evaluate(
     backbone = load_backbone(load)
     runs = []
     clips = len({i.video for i in items})
-    with eval_progress() as bar:
-        for name, budget in plan:
-            label = f"{name} b{budget if budget is not None else 1:g}"
-            task = bar.add_task(label, total=clips)
-            folder = run_folder(
-                root, model, name, budget if budget is not None else 1.0, settings.kv_bits
+    for name, budget in plan:
+        label = f"{name} b{budget if budget is not None else 1:g}"
+        on_clip = progress(label, clips) if progress else None
+        folder = run_folder(
+            root, model, name, budget if budget is not None else 1.0, settings.kv_bits
+        )
+        runs.append(
+            evaluate_run(
+                items, folder, backbone, model, name, budget, settings, on_clip=on_clip, fresh=fresh
             )
-            runs.append(
-                evaluate_run(
-                    items,
-                    folder,
-                    backbone,
-                    model,
-                    name,
-                    budget,
-                    settings,
-                    on_clip=lambda n, task=task: bar.update(task, completed=n),
-                    fresh=fresh,
-                )
-            )
+        )
     figure = run_folder(root, model, "x", 1).parent / "accuracy_vs_budget.png"
     plot(runs, figure)
     return {"runs": runs, "plot": str(figure)}
@@ -161,7 +158,7 @@ def evaluate_run(
     """One method at one budget (None: its own, for methods that keep everything) over every item;
     resumes from folder/predictions.jsonl."""
     from mmkv_cli import api
-    from mmkv_cli.presets import resolve_method
+    from mmkv_cli.methods.choice import resolve_method
     from mmkv_cli.spec import as_plain
 
     predictions = folder / "predictions.jsonl"

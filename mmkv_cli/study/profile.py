@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 from mmkv_cli import api
-from mmkv_cli.backbones import load_backbone
+from mmkv_cli.backbones.loading import load_backbone
 from mmkv_cli.errors import UsageError
+from mmkv_cli.methods.choice import resolve_method
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
 from mmkv_cli.pack.quant import QuantSpec
-from mmkv_cli.presets import resolve_method
 
 METRICS = [
     "encode_s",

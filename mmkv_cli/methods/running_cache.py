@@ -1,11 +1,12 @@
-"""The running encode cache as streaming memory policies see it, and the keep-everything policy.
+"""The running encode cache as streaming memory policies see it.
 
 `RunningCache` is one per-layer store: each layer holds [prompt | front | visual] in the model's
 cache, and for every visual entry its index in the whole visual stream and the position it sits at.
 Policies evict, overwrite and insert through `retain`, `replace` and `insert_front`; the splicing of
 cache tensors happens in one place (`_splice`). Each visual entry is marked pristine while its K, V
 and position are still what the forward made for its stream index (evictions keep the mark, a
-`replace` clears it), so a checkpoint can write those once, by stream index.
+`replace` clears it), so a checkpoint can write those once, by stream index. `StreamState` is the
+cache with the stream around it, as the StreamingMemory protocol (base.py) hands it to a policy.
 """
 
 from __future__ import annotations
@@ -13,16 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.archive import Archive
-from mmkv_cli.methods.base import Budget, EncodeContext
-from mmkv_cli.methods.scoring import retrieval_key
-from mmkv_cli.pack.format import Span, block_name
-
-if TYPE_CHECKING:
-    from mmkv_cli.kernels.attention import Recorder
 
 
 class RunningCache:
@@ -193,80 +187,3 @@ class StreamState:
     def placed(self, start: int, stop: int) -> torch.Tensor:
         """[P, n] positions the visual tokens [start, stop) are placed at now."""
         return self.layout_positions[:, start:stop] - self.shift
-
-
-class KeepAll:
-    """The streaming memory that keeps every token: one block per temporal step. Policies that evict
-    subclass it and override the hooks they need."""
-
-    granularity = "frame"
-
-    def __init__(self, params, budget: Budget, context: EncodeContext):
-        self.params = params
-        self.budget = budget
-        self.context = context
-
-    def recorder(self, state: StreamState) -> Recorder | None:
-        return None
-
-    def observe(self, state: StreamState, recorder: Recorder) -> None:
-        pass
-
-    def after_chunk(self, state: StreamState) -> None:
-        pass
-
-    def saved(self) -> dict[str, torch.Tensor]:
-        return {}  # keeping everything needs no memory of its own
-
-    def restore(self, saved: dict[str, torch.Tensor]) -> None:
-        pass
-
-    def finish(self, state: StreamState) -> None:
-        pass
-
-    def representative(
-        self, keys: list[torch.Tensor], positions: list[torch.Tensor], rope: tuple
-    ) -> torch.Tensor | None:
-        """A block's retrieval key from its per-layer keys and positions: by default the last
-        layer's, before RoPE ([1, H_kv * D])."""
-        return retrieval_key(keys[-1:], positions[-1:], rope)
-
-    def make_blocks(self, state: StreamState, step_times: list[tuple[float, float]]) -> list[Span]:
-        """Group what each layer kept by temporal step: one block per step still held by some
-        layer."""
-        steps = len(step_times)
-        per_layer = []
-        for layer in range(state.layers):
-            keys, values, positions, index = state.cache.take_held(layer)
-            step = state.token_step[index]
-            if not bool((step[1:] >= step[:-1]).all()):  # in stream order already: no copy
-                order = torch.argsort(step, stable=True)
-                keys, values, positions = keys[:, order], values[:, order], positions[:, order]
-            counts = torch.bincount(step, minlength=steps).tolist()
-            per_layer.append(
-                (
-                    torch.split(keys, counts, dim=1),
-                    torch.split(values, counts, dim=1),
-                    torch.split(positions, counts, dim=1),
-                    counts,
-                )
-            )
-        blocks = []
-        for step, time in enumerate(step_times):
-            if not any(counts[step] for *_, counts in per_layer):
-                continue  # evicted from every layer
-            keys = [k[step] for k, *_ in per_layer]
-            positions = [p[step] for _, _, p, _ in per_layer]
-            blocks.append(
-                Span(
-                    name=block_name(len(blocks)),
-                    keys=keys,
-                    values=[v[step] for _, v, *_ in per_layer],
-                    positions=positions,
-                    granularity=self.granularity,
-                    steps=(step, step + 1),
-                    time=time,
-                    representative=self.representative(keys, positions, state.rope),
-                )
-            )
-        return blocks

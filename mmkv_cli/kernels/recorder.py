@@ -1,0 +1,31 @@
+"""What a forward should keep of its attention, and what it kept: the request a memory policy
+hands the recording attention function (attention.py, fused_attention.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mmkv_cli.lazy import torch
+
+
+@dataclass
+class Recorder:
+    """What to keep from which layers during one or more forwards (a batch may hold several
+    blocks)."""
+
+    layers: set[int]
+    column_sums: bool = False
+    queries: bool = False
+    rows: bool = False
+    # name -> (key columns, fn(block [B, rows, columns] head-mean attention) -> tensor), summed
+    # over a layer's rows: a reducer reads only its own columns (MEDA: the prompt), not whole rows
+    reducers: dict = field(default_factory=dict)
+    # column sums from every Nth query row only, times N: an estimate that spares most of the second
+    # pass over QK^T on the fused path (1: every row, exact)
+    row_stride: int = 1
+    # what was recorded, per layer: column sums [B, kv_len] and rows [B, q_len, kv_len] (float32),
+    # reducer totals by name, queries [B, H, q_len, D]
+    column_sum: dict[int, torch.Tensor] = field(default_factory=dict)
+    reduced: dict[int, dict] = field(default_factory=dict)
+    row: dict[int, torch.Tensor] = field(default_factory=dict)
+    query: dict[int, torch.Tensor] = field(default_factory=dict)

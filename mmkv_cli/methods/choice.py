@@ -1,0 +1,101 @@
+"""A method as a user names it: a method in code, or a preset over one (presets/methods/*.yaml),
+with its typed parameters and budget, checked before any work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from mmkv_cli.errors import UsageError
+from mmkv_cli.methods import METHODS, Budget, Method
+from mmkv_cli.methods.base import GuidedParams
+from mmkv_cli.presets import find_preset, preset_names, read_preset
+from mmkv_cli.spec import override
+
+METHOD_KEYS = ("extends", "description", "budget", "budget_tokens", "params")
+
+
+@dataclass(frozen=True)
+class MethodChoice:
+    """A method as a user names it: one in code, or a preset over one, with its typed parameters."""
+
+    name: str
+    method: Method
+    params: Any  # an instance of method.params
+    budget: Budget | None  # None: the method keeps every token
+    description: str
+
+    def with_budget(self, share: float | None = None, tokens: int | None = None) -> MethodChoice:
+        """The command line's budget: a share (--budget) or a token count (--budget-tokens)."""
+        if share is None and tokens is None:
+            return self
+        flag = "--budget" if share is not None else "--budget-tokens"
+        if self.method.keeps_all:
+            raise UsageError(f"method '{self.name}' keeps every token: {flag} does not apply")
+        if share is not None and tokens is not None:
+            raise UsageError("give --budget (a share) or --budget-tokens, not both")
+        if tokens is not None and tokens < 1:
+            raise UsageError(f"--budget-tokens must be at least 1, got {tokens}")
+        budget = Budget(tokens=tokens) if tokens is not None else Budget(share=check_budget(share))
+        return replace(self, budget=budget)
+
+    def with_guidance(self, prompt: str | None) -> MethodChoice:
+        """Refuse `--guidance-prompt` for a method that scores by no prompt."""
+        if prompt is not None:
+            if not isinstance(self.params, GuidedParams):
+                raise UsageError(f"method '{self.name}' uses no guidance prompt")
+            if not prompt.strip():
+                raise UsageError("--guidance-prompt is empty")
+        return self
+
+
+def check_budget(budget: float) -> float:
+    if not (0.0 < budget <= 1.0):
+        raise UsageError(f"budget must be in (0, 1], got {budget:g}")
+    return float(budget)
+
+
+def method_names() -> list[str]:
+    return sorted(set(METHODS) | preset_names("methods"))
+
+
+def resolve_method(name: str, _seen: tuple[str, ...] = ()) -> MethodChoice:
+    """The method or preset called `name`, its parameters checked against their types and ranges."""
+    path = find_preset("methods", name)
+    if path is None:
+        if name in METHODS:
+            method = METHODS[name]
+            return MethodChoice(name, method, method.params(), method.budget, method.description)
+        raise UsageError(f"unknown method '{name}' (known: {', '.join(method_names())})")
+    if name in _seen:
+        raise UsageError(f"preset {path} extends itself (through {' -> '.join(_seen)})")
+    data = read_preset(path)
+    for key in data:
+        if key not in METHOD_KEYS:
+            raise UsageError(f"{path}: unknown key '{key}' (known: {', '.join(METHOD_KEYS)})")
+    base_name = data.get("extends", name if name in METHODS else None)
+    if not isinstance(base_name, str):
+        raise UsageError(f"{path}: 'extends' must name a method ({', '.join(METHODS)})")
+    if base_name == name and name in METHODS:  # a user file named after a method in code
+        method = METHODS[name]
+        base = MethodChoice(name, method, method.params(), method.budget, method.description)
+    else:
+        base = resolve_method(base_name, (*_seen, name))
+    params = override(base.params, data.get("params") or {}, f"{path}: params")
+    description = data.get("description", base.description)
+    if not isinstance(description, str):
+        raise UsageError(f"{path}: description must be text")
+    choice = MethodChoice(name, base.method, params, base.budget, description)
+    for key, flag in (("budget", "share"), ("budget_tokens", "tokens")):
+        if key in data:
+            value = data[key]
+            wanted = float if key == "budget" else int
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise UsageError(f"{path}: {key}: expected a number, got {value!r}")
+            if wanted is int and not isinstance(value, int):
+                raise UsageError(f"{path}: {key}: expected a whole number, got {value!r}")
+            try:
+                choice = choice.with_budget(**{flag: wanted(value)})
+            except UsageError as err:
+                raise UsageError(f"{path}: {key}: {err}") from None
+    return choice

@@ -1,0 +1,91 @@
+"""The streaming memory that keeps every token (`full`'s), and the base of the evicting policies."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mmkv_cli.lazy import torch
+from mmkv_cli.methods.base import Budget, EncodeContext
+from mmkv_cli.methods.running_cache import StreamState
+from mmkv_cli.methods.scoring import retrieval_key
+from mmkv_cli.pack.format import Span, block_name
+
+if TYPE_CHECKING:
+    from mmkv_cli.kernels.recorder import Recorder
+
+
+class KeepAll:
+    """The streaming memory that keeps every token: one block per temporal step. Policies that evict
+    subclass it and override the hooks they need."""
+
+    granularity = "frame"
+
+    def __init__(self, params, budget: Budget, context: EncodeContext):
+        self.params = params
+        self.budget = budget
+        self.context = context
+
+    def recorder(self, state: StreamState) -> Recorder | None:
+        return None
+
+    def observe(self, state: StreamState, recorder: Recorder) -> None:
+        pass
+
+    def after_chunk(self, state: StreamState) -> None:
+        pass
+
+    def saved(self) -> dict[str, torch.Tensor]:
+        return {}  # keeping everything needs no memory of its own
+
+    def restore(self, saved: dict[str, torch.Tensor]) -> None:
+        pass
+
+    def finish(self, state: StreamState) -> None:
+        pass
+
+    def representative(
+        self, keys: list[torch.Tensor], positions: list[torch.Tensor], rope: tuple
+    ) -> torch.Tensor | None:
+        """A block's retrieval key from its per-layer keys and positions: by default the last
+        layer's, before RoPE ([1, H_kv * D])."""
+        return retrieval_key(keys[-1:], positions[-1:], rope)
+
+    def make_blocks(self, state: StreamState, step_times: list[tuple[float, float]]) -> list[Span]:
+        """Group what each layer kept by temporal step: one block per step still held by some
+        layer."""
+        steps = len(step_times)
+        per_layer = []
+        for layer in range(state.layers):
+            keys, values, positions, index = state.cache.take_held(layer)
+            step = state.token_step[index]
+            if not bool((step[1:] >= step[:-1]).all()):  # in stream order already: no copy
+                order = torch.argsort(step, stable=True)
+                keys, values, positions = keys[:, order], values[:, order], positions[:, order]
+            counts = torch.bincount(step, minlength=steps).tolist()
+            per_layer.append(
+                (
+                    torch.split(keys, counts, dim=1),
+                    torch.split(values, counts, dim=1),
+                    torch.split(positions, counts, dim=1),
+                    counts,
+                )
+            )
+        blocks = []
+        for step, time in enumerate(step_times):
+            if not any(counts[step] for *_, counts in per_layer):
+                continue  # evicted from every layer
+            keys = [k[step] for k, *_ in per_layer]
+            positions = [p[step] for _, _, p, _ in per_layer]
+            blocks.append(
+                Span(
+                    name=block_name(len(blocks)),
+                    keys=keys,
+                    values=[v[step] for _, v, *_ in per_layer],
+                    positions=positions,
+                    granularity=self.granularity,
+                    steps=(step, step + 1),
+                    time=time,
+                    representative=self.representative(keys, positions, state.rope),
+                )
+            )
+        return blocks
