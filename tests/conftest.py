@@ -8,7 +8,16 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "samples"
-TINY = ["tiny-llava-ov", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
+
+
+def _tiny_presets() -> list[str]:
+    """Every model preset built small and random in code: one per family (test_specs checks)."""
+    from mmkv_cli.backbones.spec import load_model_spec, model_names
+
+    return [name for name in model_names() if load_model_spec(name).source == "tiny"]
+
+
+TINY = _tiny_presets()
 
 
 @pytest.fixture(scope="session")

@@ -13,16 +13,9 @@ from mmkv_cli.methods import METHODS
 from mmkv_cli.pack import PackReader
 from tests.conftest import SAMPLES, TINY
 from tests.helpers import ask_pack, encode_pack
+from tests.method_cases import CASES, case_for
 
 MEDIA = {"video": "clip.mp4", "images": "images", "pdf": "doc.pdf"}
-
-
-def budget_for(method: str) -> dict:
-    if METHODS[method].keeps_all:
-        return {}
-    if method == "hermes":  # a token budget under the stream, so it compresses while streaming
-        return {"budget_tokens": 24}
-    return {"budget": 0.5}
 
 
 @pytest.mark.parametrize("media", MEDIA)
@@ -30,6 +23,7 @@ def budget_for(method: str) -> dict:
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_method_encodes_inspects_and_answers(tmp_path, backbones, method, family, media):
     backbone = backbones[family]
+    case = case_for(method)
     pack = tmp_path / "p.kvpack"
     info = encode_pack(
         SAMPLES / MEDIA[media],
@@ -38,7 +32,7 @@ def test_method_encodes_inspects_and_answers(tmp_path, backbones, method, family
         backbone=backbone,
         fps=2.0,
         max_frames=4,
-        **budget_for(method),
+        **case.budget,
     )
     assert info == {
         **api.inspect(pack),
@@ -51,10 +45,10 @@ def test_method_encodes_inspects_and_answers(tmp_path, backbones, method, family
     assert kept == pytest.approx(sum(layers) / len(layers), abs=0.01)
     if METHODS[method].keeps_all:
         assert layers == [total] * len(layers)
-    elif method == "hermes":
-        assert min(layers) > 0 and max(layers) <= 24
-    elif method != "mukv":  # MuKV's views overlap; the others keep about the budget, on average
-        assert min(layers) > 0 and kept <= 0.5 * total + 1
+    elif "budget_tokens" in case.budget:
+        assert min(layers) > 0 and max(layers) <= case.budget["budget_tokens"]
+    elif not case.views_overlap:  # the others keep about the budget, on average
+        assert min(layers) > 0 and kept <= case.budget["budget"] * total + 1
     reader = PackReader(pack)
     times = reader.series("media.timestamps")
     at = times[len(times) // 2]
@@ -86,7 +80,11 @@ def test_a_token_budget_works_for_every_compressing_method(tmp_path, backbones, 
         backbone=backbones["tiny-llava-ov"],
     )
     assert info["budget_tokens"] == 16 and info["budget"] is None
-    if method == "mukv":  # every block keeps at least one token: 84 blocks on this 16-token grid
+    if case_for(method).views_overlap:  # every block keeps a token: 84 blocks, 16-token grid
         assert info["visual_tokens_kept"] < info["visual_tokens_total"] / 2
     else:  # per layer on average (pyramidkv, aircache and meda share it unevenly)
         assert info["visual_tokens_kept"] <= 16
+
+
+def test_every_row_of_the_case_table_names_a_method_in_the_registry():
+    assert set(CASES) <= set(METHODS)

@@ -90,6 +90,21 @@ def test_model_presets_are_typed_too(tmp_path, monkeypatch):
         resolve_method("../../etc/x")
 
 
+def test_every_family_in_the_registry_has_its_adapter_and_a_tiny_preset():
+    from mmkv_cli.backbones import FAMILIES
+    from mmkv_cli.backbones.base import Backbone, PromptPieces
+    from mmkv_cli.backbones.loading import adapter_for, tiny_builder
+
+    tiny = {load_model_spec(n).family for n in model_names() if load_model_spec(n).source == "tiny"}
+    assert tiny == set(FAMILIES)  # so the round-trip and contract tests cover every family
+    for family in FAMILIES:
+        adapter, prompt = adapter_for(family)
+        assert issubclass(adapter, Backbone) and isinstance(prompt, PromptPieces)
+        assert callable(tiny_builder(family))
+    with pytest.raises(UsageError, match="is not one of"):  # a family not in the registry
+        override(load_model_spec("tiny-qwen2-vl"), {"family": "gpt2"}, "x.yaml")
+
+
 def test_the_running_cache_keeps_keys_values_positions_and_stream_index_together():
     from transformers import DynamicCache
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from mmkv_cli.errors import UsageError
-from mmkv_cli.methods import METHODS
+from mmkv_cli.methods import pruning_methods
 from mmkv_cli.methods.base import AskPruner
 from mmkv_cli.methods.choice import check_budget, resolve_method
 
@@ -32,7 +32,7 @@ def ask_pruner(method: str, budget: float | None) -> AskPrune:
     share)."""
     choice = resolve_method(method)
     if choice.method.prune_at_ask is None:
-        able = ", ".join(sorted(n for n, m in METHODS.items() if m.prune_at_ask is not None))
+        able = ", ".join(pruning_methods())
         raise UsageError(f"method '{method}' does not prune at ask ({able} do)")
     share = check_budget(budget) if budget is not None else choice.budget.share_of(1)
     return AskPrune(method, share, choice.params, choice.method.prune_at_ask)

@@ -32,6 +32,7 @@ from mmkv_cli.cli.common import (
     run,
 )
 from mmkv_cli.errors import MmkvError, UsageError
+from mmkv_cli.methods import pruning_methods
 from mmkv_cli.options import (
     AskOptions,
     Dtype,
@@ -49,12 +50,8 @@ app = typer.Typer(
 )
 
 
-class PruneMethod(str, Enum):
-    """Methods that prune a context's visual KV by the question (`ask --prune`)."""
-
-    aircache = "aircache"
-    snapkv = "snapkv"
-    pyramidkv = "pyramidkv"
+# the methods that prune a context's visual KV by the question (`ask --prune`), from the registry
+PruneMethod = Enum("PruneMethod", {name: name for name in pruning_methods()}, type=str)
 
 
 def _version(value: bool) -> None:

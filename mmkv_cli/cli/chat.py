@@ -12,15 +12,16 @@ from dataclasses import dataclass, field, replace
 
 from mmkv_cli.ask.prune import ask_pruner
 from mmkv_cli.errors import MmkvError, UsageError
+from mmkv_cli.methods import pruning_methods
 from mmkv_cli.options import AskOptions
 
 HISTORY_TURNS = 8  # turns a follow-up sees
 HISTORY_TOKENS = 2048  # and at most this many tokens of them
 
-HELP = """commands:
+HELP = f"""commands:
   /at SECONDS   ask as if the video ended there (/at off: the whole pack)
   /explain      the blocks the last answer was given (retrieval scores)
-  /prune METHOD BUDGET   prune each context by its question (aircache, snapkv, pyramidkv)
+  /prune METHOD BUDGET   prune each context by its question ({", ".join(pruning_methods())})
   /prune off    stop pruning
   /reset        forget the earlier turns
   /quit         leave (or Ctrl-D)"""

@@ -17,7 +17,7 @@ from mmkv_cli.methods import (
 )
 from mmkv_cli.methods.base import Budget, EncodeContext, Method, Paper, Selection
 
-__all__ = ["METHODS", "Budget", "EncodeContext", "Method", "Paper", "Selection"]
+__all__ = ["METHODS", "Budget", "EncodeContext", "Method", "Paper", "Selection", "pruning_methods"]
 
 METHODS: dict[str, Method] = {
     module.METHOD.name: module.METHOD
@@ -35,3 +35,8 @@ METHODS: dict[str, Method] = {
         meda,
     )
 }
+
+
+def pruning_methods() -> list[str]:
+    """The methods that prune a context by the question at ask (`ask --prune`), by name."""
+    return sorted(name for name, method in METHODS.items() if method.prune_at_ask is not None)

@@ -8,7 +8,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mmkv_cli.errors import UsageError
+from mmkv_cli.methods import pruning_methods
 from mmkv_cli.options import AskOptions, GenerationOptions
+
+# the methods a request may prune its context with, from the registry (the schema lists them)
+PruneName = Literal[tuple(pruning_methods())]  # type: ignore[valid-type]
 
 
 class Part(BaseModel):
@@ -41,7 +45,7 @@ class ChatRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     at: float | None = Field(None, ge=0)
-    prune: Literal["aircache", "snapkv", "pyramidkv"] | None = None
+    prune: PruneName | None = None
     budget: float | None = Field(None, gt=0, le=1)
     explain: bool = False
 

@@ -1,0 +1,28 @@
+"""How the contract tests run each method: one row per method whose defaults do not fit (kvpress's
+`default_presses`, as a table). A method with no row is encoded at half its visual tokens and must
+keep about that many; one that keeps everything needs no budget."""
+
+from dataclasses import dataclass, field
+
+from mmkv_cli.methods import METHODS
+
+
+@dataclass(frozen=True)
+class Case:
+    budget: dict = field(default_factory=lambda: {"budget": 0.5})  # the encode's budget options
+    # several views of one stream (MuKV's patches, frames and segments): what a layer keeps may
+    # add up to more than the budget, so only "fewer than everything" is asked of it
+    views_overlap: bool = False
+
+
+CASES = {
+    # a token budget under the stream, so it compresses while streaming
+    "hermes": Case({"budget_tokens": 24}),
+    "mukv": Case(views_overlap=True),
+}
+
+
+def case_for(method: str) -> Case:
+    if METHODS[method].keeps_all:
+        return Case({})
+    return CASES.get(method, Case())
