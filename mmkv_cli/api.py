@@ -7,7 +7,6 @@ ask import the model side when they run.
 
 from __future__ import annotations
 
-import datetime as dt
 import math
 import os
 import re
@@ -16,7 +15,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mmkv_cli import __version__
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.methods import METHODS
 from mmkv_cli.methods.base import ContextPolicy
@@ -68,71 +66,58 @@ def encode(
     from mmkv_cli.backbones.loading import load_backbone
     from mmkv_cli.encode.checkpoint import Checkpointing
     from mmkv_cli.encode.encoder import encode_media
+    from mmkv_cli.encode.record import encode_identity, pack_header
     from mmkv_cli.media import load_media
     from mmkv_cli.methods import EncodeContext
     from mmkv_cli.pack import write_pack
-    from mmkv_cli.pack.quant import QuantSpec
 
     options = options or EncodeOptions()
     if is_url(output) or is_url(media):
         return _encode_remote(media, str(output), options, backbone, load, progress, on_start)
-    quant = QuantSpec(options.kv_bits, options.kv_group)
-    quant.check(1, 8)  # the bits and group alone, before the model loads
     output = local_path(output)
-    refuse_input_as_output(media, output)
-    check_writable(output, options.force)  # fail before any expensive work
-    Checkpointing.refuse_overwrite(output, options.checkpoint_every, options.resume)
-    choice = resolve_method(options.method).with_budget(options.budget, options.budget_tokens)
-    choice = choice.with_guidance(options.guidance_prompt)
+    quant, choice = _checked_before_loading(media, output, options)
     backbone = backbone or load_backbone(load)
     kv = backbone.kv_shape()
     quant.check(kv["kv_heads"], kv["head_dim"])  # and against this model's width
-    spec = backbone.spec
-    fps = options.fps if options.fps is not None else spec.fps
-    max_frames = options.max_frames if options.max_frames is not None else spec.max_frames
+    fps = options.fps if options.fps is not None else backbone.spec.fps
+    max_frames = options.max_frames if options.max_frames is not None else backbone.spec.max_frames
     source = load_media(media, fps=fps, max_frames=max_frames)
     source.source = shown_as or source.source
     if on_start:
         on_start(source.num_frames)
     context = EncodeContext(source.kind, options.guidance_prompt)
-    fingerprint = backbone.fingerprint()
-    identity = {  # everything that makes this encode's state this encode's
-        "media": source.digest,
-        "frames": source.num_frames,
-        "model": [fingerprint.get(k) for k in ("family", "config_sha256", "weights_sha256")],
-        "method": choice.name,
-        "params": as_plain(choice.params),
-        "budget": None if choice.budget is None else [choice.budget.share, choice.budget.tokens],
-        "guidance_prompt": options.guidance_prompt,
-        "fps": fps,
-        "max_frames": max_frames,
-    }
+    identity = encode_identity(backbone, choice, source, options.guidance_prompt, fps, max_frames)
     checkpoint = Checkpointing.open(output, options.checkpoint_every, options.resume, identity)
     encoded = encode_media(backbone, source, choice, context, progress, checkpoint)
-    budget = choice.budget
-    header = {
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "mmkv_version": __version__,
-        "fingerprint": fingerprint,
-        "method": {
-            "name": choice.name,
-            "implements": choice.method.name,
-            "budget": None if budget is None or budget.tokens is not None else budget.share,
-            "budget_tokens": None if budget is None else budget.tokens,
-            "params": as_plain(choice.params),
-            "guidance_prompt": context.guidance_prompt,
-        },
-        "media": source.describe(),
-        "prompt": backbone.prompt.as_dict(),
-        "layout": encoded.layout,
-        "rotary": backbone.rotary(),
-        "kv": kv,
-        "visual_tokens_total": encoded.visual_tokens_total,
-        "stats": {k: round(v, 4) if isinstance(v, float) else v for k, v in encoded.stats.items()},
-    }
-    write_pack(output, header, encoded.prefix, encoded.blocks, encoded.suffix, options.force, quant)
+    header, series = pack_header(backbone, choice, context, source, encoded)
+    write_pack(
+        output,
+        header,
+        encoded.prefix,
+        encoded.blocks,
+        encoded.suffix,
+        options.force,
+        quant,
+        series=series,
+    )
     checkpoint.remove()  # the pack is whole: the state it was saved for is done
     return {**inspect(output), **encoded.stats}
+
+
+def _checked_before_loading(media: str, output: Path, options: EncodeOptions):
+    """Everything an encode can refuse before the model loads: the bits and group, the output
+    (writable, not the media, no checkpoint it would overwrite), the method, budget and guidance.
+    Returns (the quantization, the method chosen)."""
+    from mmkv_cli.encode.checkpoint import Checkpointing
+    from mmkv_cli.pack.quant import QuantSpec
+
+    quant = QuantSpec(options.kv_bits, options.kv_group)
+    quant.check(1, 8)  # the bits and group alone, before the model loads
+    refuse_input_as_output(media, output)
+    check_writable(output, options.force)  # fail before any expensive work
+    Checkpointing.refuse_overwrite(output, options.checkpoint_every, options.resume)
+    choice = resolve_method(options.method).with_budget(options.budget, options.budget_tokens)
+    return quant, choice.with_guidance(options.guidance_prompt)
 
 
 def _encode_remote(media, output, options, backbone, load, progress, on_start) -> dict:
@@ -205,27 +190,23 @@ def context_policy(reader: PackReader) -> ContextPolicy:
 
 def stored_method(reader: PackReader):
     """(the method a pack names, its typed parameters as the pack stores them)."""
-    method = reader.header.get("method") or {}
-    implements = method.get("implements") or method.get("name")
-    if implements not in METHODS:
-        raise PackError(f"{reader.path} names an unknown method '{implements}'")
-    chosen = METHODS[implements]
-    stored = method.get("params") or {}
-    if not isinstance(stored, dict):
-        raise PackError(f"{reader.path} is corrupted (method params are not a mapping)")
+    record = reader.header.method
+    if record.in_code not in METHODS:
+        raise PackError(f"{reader.path} names an unknown method '{record.in_code}'")
+    chosen = METHODS[record.in_code]
     try:
-        if reader.header["format_version"] >= 5:
-            params = override(chosen.params(), stored, "method.params")
-        else:  # earlier packs kept other keys beside the parameters: apply those that still fit
-            params = chosen.params()
-            for key, value in stored.items():
-                try:
-                    params = override(params, {key: value}, "method.params")
-                except UsageError:
-                    continue
+        if record.params_exact:
+            return chosen, override(chosen.params(), record.params, "method.params")
+        # older packs kept other keys beside the parameters: apply those that still fit
+        params = chosen.params()
+        for key, value in record.params.items():
+            try:
+                params = override(params, {key: value}, "method.params")
+            except UsageError:
+                continue
+        return chosen, params
     except UsageError as err:
         raise PackError(f"{reader.path}: {err}") from None
-    return chosen, params
 
 
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
@@ -237,7 +218,7 @@ def pack_model(reader: PackReader) -> str:
     machine (--model chooses one explicitly)."""
     from mmkv_cli.backbones.spec import model_names
 
-    named = (reader.header.get("fingerprint") or {}).get("model")
+    named = reader.header.fingerprint.model
     if isinstance(named, str) and named in model_names():
         return named
     if isinstance(named, str) and HUB_ID.fullmatch(named) and not Path(named).exists():
@@ -252,7 +233,7 @@ def load_for(reader: PackReader, load: LoadOptions) -> LoadOptions:
     """How to load the backbone that answers from `reader`: `load`'s model, else the pack's own. A
     rehearsal model is built at the depth the pack records (a CPU bench cuts it); a checkpoint's
     depth is its own, and ignores it."""
-    layers = load.layers or reader.header["kv"]["layers"]
+    layers = load.layers or reader.header.kv.layers
     return replace(load, model=load.model or pack_model(reader), layers=layers)
 
 

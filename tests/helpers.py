@@ -144,3 +144,15 @@ def serving(packs: str):
     finally:
         process.terminate()
         process.wait(timeout=20)
+
+
+def pack_header(layers=3, dtype="float32", heads=2, dim=8, **sections):
+    """A typed pack header for tests that write packs by hand (model 'm', method full)."""
+    from mmkv_cli.pack.header import Fingerprint, KVShape, MethodRecord, PackHeader
+
+    return PackHeader(
+        kv=KVShape(layers, heads, dim, dtype),
+        fingerprint=sections.pop("fingerprint", Fingerprint(model="m")),
+        method=sections.pop("method", MethodRecord(name="full", budget=1.0)),
+        **sections,
+    )

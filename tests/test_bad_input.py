@@ -14,7 +14,7 @@ from mmkv_cli import api
 from mmkv_cli.cli.app import app
 from mmkv_cli.media.stills import MAX_PAGE_PIXELS, page_scale
 from mmkv_cli.options import EncodeOptions
-from mmkv_cli.pack.writer import TEMP_SUFFIX, sweep_stale
+from mmkv_cli.pack.atomic import TEMP_SUFFIX, sweep_stale
 
 
 @pytest.fixture(scope="module")

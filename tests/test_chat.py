@@ -63,7 +63,7 @@ def test_follow_ups_see_the_earlier_turns_and_commands_apply_to_the_next_questio
     ]
     first, second, third, fourth = (a for _, _, a in asked)
     assert asked[1][1].history == (("what color is the circle ?", first.answer),)
-    template = session.reader.header["prompt"]["question"]
+    template = session.reader.header.prompt.question
     turn = len(session.backbone.turns_ids(asked[1][1].history, template))
     length = [len(session.backbone.question_ids(q, template)) for q, _, _ in asked[:2]]
     assert second.context_tokens == first.context_tokens - length[0] + turn + length[1]

@@ -94,7 +94,7 @@ def test_a_time_cut_keeps_the_blocks_that_show_it(packs, tmp_path):
         assert torch.equal(
             cut.span(cut.blocks.name(new)).keys[0], source.span(source.blocks.name(old)).keys[0]
         )
-    assert cut.header["converted"]["range"] == [1.0, 2.0]
+    assert cut.header.converted["range"] == [1.0, 2.0]
     assert api.ask(out, "what color?", backbone=backbone).answer is not None
     with pytest.raises(UsageError, match="no block"):
         convert(made[16], tmp_path / "none.kvpack", QuantSpec(16), start=500.0)
@@ -117,7 +117,7 @@ def test_an_old_pack_converts_and_keeps_what_its_representatives_mean(tmp_path):
     out = tmp_path / "v3to8.kvpack"
     convert(DATA / "v3.kvpack", out, QuantSpec(8, 8))
     old, new = PackReader(DATA / "v3.kvpack"), PackReader(out)
-    assert new.header["format_version"] == FORMAT_VERSION and new.rotated_representatives
+    assert new.format_version == FORMAT_VERSION and new.rotated_representatives
     keys = new.gather(["b0", "b1"])[0]
     want = old.gather(["b0", "b1"])[0]
     for a, b in zip(keys, want):

@@ -231,8 +231,8 @@ def test_pack_never_exceeds_the_budget_over_a_long_stream_and_ask_runs_in_a_new_
         info["layers"][-1]["tokens_kept"] == budget
     )  # deep: budget - 1 tokens + the summary token
     assert info["granularities"]["summary"]["blocks"] == 1
-    kv = PackReader(pack).header["kv"]
-    per_token = 2 * kv["kv_heads"] * kv["head_dim"] * 4 * kv["layers"]
+    kv = PackReader(pack).header.kv
+    per_token = 2 * kv.kv_heads * kv.head_dim * 4 * kv.layers
     chunk_tokens = 16 * 16
     assert info["peak_kv_bytes"] <= (info["prompt_tokens"] + budget + chunk_tokens + 32) * per_token
     assert math.isclose(

@@ -128,7 +128,7 @@ def test_retrieval_picks_the_block_holding_a_planted_needle(tmp_path, backbones,
     encode_pack(clip, pack, method="rekv", backbone=backbone, max_frames=8)
     reader = PackReader(pack)
     question = "what color is the circle ?"
-    ids = backbone.question_ids(question, reader.header["prompt"]["question"])
+    ids = backbone.question_ids(question, reader.header.prompt.question)
     needle = question_vector(backbone, reader, ids, "query_mean")[-1:]  # the last layer's
     segments = [reader.span(b["name"]) for b in reader.blocks]
     for seg, meta in zip(segments, reader.blocks):
@@ -162,9 +162,9 @@ def test_mukv_pack_counts_follow_rho_and_granularities(tmp_path, backbones, name
     info = api.inspect(pack)
     reader = PackReader(pack)
     assert set(info["granularities"]) == {"patch", "frame", "segment"}
-    layout = reader.header["layout"]
+    layout = reader.header.layout
     lengths = reader.series("layout.step_lengths")
-    per_step = layout["frames_per_step"]
+    per_step = layout.frames_per_step
     seg_steps = max(1, 4 // per_step)
     segments = [b for b in reader.blocks if b["granularity"] == "segment"]
     assert len(segments) == -(-len(lengths) // seg_steps)

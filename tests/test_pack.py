@@ -11,6 +11,8 @@ import torch
 from mmkv_cli.errors import OutputExistsError, PackError
 from mmkv_cli.pack import PackReader, Span, write_pack
 from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_digests
+from mmkv_cli.pack.header import LayoutRecord, MediaRecord
+from tests.helpers import pack_header
 from tests.mutants import Parts
 
 
@@ -28,11 +30,7 @@ def segment(name, counts, seed, dims=1, granularity=None):
     )
 
 
-def kv(layers=3, dtype="float32"):
-    return {"layers": layers, "kv_heads": 2, "head_dim": 8, "dtype": dtype}
-
-
-HEADER = {"fingerprint": {"model": "m"}, "method": {"name": "full", "budget": 1.0}, "kv": kv()}
+HEADER = pack_header()
 
 
 def write(path, force=False):
@@ -84,13 +82,19 @@ def test_header_does_not_grow_with_the_video(tmp_path):
     for count in (2, 2000):
         blocks = [segment(f"b{i}", [1], i, 1, "frame") for i in range(count)]
         path = tmp_path / f"{count}.kvpack"
-        header = {
-            **HEADER,
-            "kv": kv(1),
-            "media": {"frames": count, "timestamps": [i / 2 for i in range(count)]},
-            "layout": {"steps": count, "step_lengths": [1] * count},
+        header = pack_header(1, media=MediaRecord(frames=count), layout=LayoutRecord(steps=count))
+        series = {
+            "media.timestamps": [i / 2 for i in range(count)],
+            "layout.step_lengths": [1] * count,
         }
-        write_pack(path, header, segment("prefix", [2], 0), blocks, segment("suffix", [1], 9))
+        write_pack(
+            path,
+            header,
+            segment("prefix", [2], 0),
+            blocks,
+            segment("suffix", [1], 9),
+            series=series,
+        )
         with open(path, "rb") as fh:
             sizes[count] = struct.unpack("<Q", fh.read(8))[0]
         reader = PackReader(path)
@@ -99,10 +103,9 @@ def test_header_does_not_grow_with_the_video(tmp_path):
             count - 0.5,
         ]
         assert torch.equal(reader.span(f"b{count - 1}").keys[0], blocks[-1].keys[0])
-        assert reader.series("media.timestamps") == header["media"]["timestamps"]
-        assert reader.series("layout.step_lengths") == [1] * count and reader.header["media"] == {
-            "frames": count
-        }
+        assert reader.series("media.timestamps") == series["media.timestamps"]
+        assert reader.series("layout.step_lengths") == [1] * count
+        assert reader.header.media == MediaRecord(frames=count)
     # the block table, timestamps and step lengths live in tensors, not in the JSON header
     assert sizes[2000] - sizes[2] < 512
 
@@ -287,7 +290,7 @@ def test_half_precision_blocks_read_back_exactly(tmp_path, dtype):
     ]
     write_pack(
         tmp_path / "h.kvpack",
-        {**HEADER, "kv": kv(3, str(dtype).replace("torch.", ""))},
+        pack_header(3, str(dtype).replace("torch.", "")),
         half(segment("prefix", [5, 5, 5], 0)),
         blocks,
         half(segment("suffix", [1, 1, 1], 9)),

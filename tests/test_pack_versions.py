@@ -8,16 +8,13 @@ import torch
 
 from mmkv_cli.pack import PackReader, Span, write_pack
 from mmkv_cli.pack.format import FORMAT_VERSION
+from mmkv_cli.pack.header import LayoutRecord
 from mmkv_cli.pack.integrity import read_directory
 from mmkv_cli.pack.writer import narrowed
+from tests.helpers import pack_header
 
 DATA = Path(__file__).parent / "data"
-HEADER = {
-    "fingerprint": {"model": "m"},
-    "method": {"name": "full", "budget": 1.0},
-    "kv": {"layers": 3, "kv_heads": 2, "head_dim": 8, "dtype": "float32"},
-    "layout": {"next_position": 20, "position_dims": 3},
-}
+HEADER = pack_header(layout=LayoutRecord(next_position=20, position_dims=3))
 
 
 def stored_dtype(path: Path, name: str) -> str:
@@ -85,14 +82,14 @@ def assert_reads_back(reader, rep_layers=1):
 
 def test_a_v3_pack_reads_back_exactly():
     reader = PackReader(DATA / "v3.kvpack")
-    assert reader.header["format_version"] == 3
+    assert reader.format_version == 3
     assert_reads_back(reader)
     assert reader.rotated_representatives  # before v6 they were means of keys after RoPE
 
 
 def test_a_v6_pack_reads_back_exactly():
     reader = PackReader(DATA / "v6.kvpack")
-    assert reader.header["format_version"] == 6
+    assert reader.format_version == 6
     assert reader.quant is None  # int64 positions per layer, K/V as computed
     assert_reads_back(reader)
     assert not reader.rotated_representatives
@@ -100,7 +97,7 @@ def test_a_v6_pack_reads_back_exactly():
 
 def test_a_v7_pack_reads_back_exactly():
     reader = PackReader(DATA / "v7.kvpack")
-    assert reader.header["format_version"] == 7
+    assert reader.format_version == 7
     assert stored_dtype(DATA / "v7.kvpack", "blocks.table") == "I64"  # v7: int64 always
     assert_reads_back(reader)
     assert not reader.rotated_representatives
@@ -109,9 +106,8 @@ def test_a_v7_pack_reads_back_exactly():
 def test_the_table_and_step_lengths_are_int32_where_every_value_fits(tmp_path):
     prefix, blocks, suffix = fixture()
     steps = [196] * 1800
-    header = {**HEADER, "layout": {**HEADER["layout"], "step_lengths": steps}}
-    header["media"] = {"timestamps": [i / 2 for i in range(1800)]}
-    write_pack(tmp_path / "now.kvpack", header, prefix, blocks, suffix)
+    series = {"layout.step_lengths": steps, "media.timestamps": [i / 2 for i in range(1800)]}
+    write_pack(tmp_path / "now.kvpack", HEADER, prefix, blocks, suffix, series=series)
     reader = PackReader(tmp_path / "now.kvpack")
     for name in ("blocks.table", "layout.step_lengths"):
         assert stored_dtype(tmp_path / "now.kvpack", name) == "I32"
@@ -131,7 +127,7 @@ def test_the_current_writer_reads_back_the_same_segments(tmp_path):
     prefix, blocks, suffix = fixture()
     write_pack(tmp_path / "now.kvpack", HEADER, prefix, blocks, suffix)
     reader = PackReader(tmp_path / "now.kvpack")
-    assert reader.header["format_version"] == FORMAT_VERSION
+    assert reader.format_version == FORMAT_VERSION
     assert_reads_back(reader)
     assert not reader.rotated_representatives
 

@@ -105,7 +105,7 @@ def test_a_block_moved_in_the_stream_keeps_its_key_and_is_retrieved_the_same(
     question = "what color is the circle ?"
     scores, picked = {}, {}
     for reader in (a, b):
-        ids = backbone.question_ids(question, reader.header["prompt"]["question"])
+        ids = backbone.question_ids(question, reader.header.prompt.question)
         vector = question_vector(backbone, reader, ids, "query_mean")
         scores[reader] = {
             content(reader, row): float(s)
@@ -162,13 +162,13 @@ def test_rekv_can_retrieve_layer_by_layer(tmp_path, backbones, clip):
     from mmkv_cli.pack import write_pack
 
     blocks = [reader.span(reader.blocks.name(i)) for i in range(len(reader.blocks))]
-    ids = backbone.question_ids("what color ?", reader.header["prompt"]["question"])
+    ids = backbone.question_ids("what color ?", reader.header.prompt.question)
     wanted = question_vector(backbone, reader, ids, "query_mean")
     for i, block in enumerate(blocks):
         block.representative = each.blocks[i].representative
     blocks[5].representative = blocks[5].representative.clone()
     blocks[5].representative[2] = wanted[2] * 10
-    header = dict(reader.header)
+    header = reader.header
     write_pack(
         tmp_path / "planted.kvpack", header, reader.span("prefix"), blocks, reader.span("suffix")
     )

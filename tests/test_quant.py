@@ -16,6 +16,7 @@ from mmkv_cli.pack.quant import (
     quantize_values,
     unpack_codes,
 )
+from tests.helpers import pack_header
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -111,11 +112,7 @@ def span(name, counts, seed, granularity=None, shared=True):
     )
 
 
-HEADER = {
-    "fingerprint": {"model": "m"},
-    "method": {"name": "full"},
-    "kv": {"layers": 3, "kv_heads": 2, "head_dim": 16, "dtype": "float32"},
-}
+HEADER = pack_header(dim=16)
 
 
 def write(path, quant=None):
@@ -135,7 +132,7 @@ def test_a_quantized_pack_reads_back_its_dequantized_kv(tmp_path, bits, monkeypa
     monkeypatch.setattr("mmkv_cli.pack.quant.CHUNK_TOKENS", 7)  # chunks cut blocks and layers
     blocks = write(tmp_path / "q.kvpack", QuantSpec(bits, 8))
     reader = PackReader(tmp_path / "q.kvpack")
-    assert reader.quant == QuantSpec(bits, 8) and reader.header["quant"]["bits"] == bits
+    assert reader.quant == QuantSpec(bits, 8)
     names = ["b2", "b0", "b1"]
     keys, values, positions = reader.gather(names)
     for layer in range(3):

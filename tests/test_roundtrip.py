@@ -63,19 +63,17 @@ def test_pack_stores_mrope_positions_for_qwen(tmp_path, backbones, clip):
     pack = tmp_path / "q.kvpack"
     encode_pack(clip, pack, method="full", backbone=backbones["tiny-qwen2-vl"], max_frames=4)
     reader = PackReader(pack)
-    layout = reader.header["layout"]
+    layout = reader.header.layout
     block = reader.span(reader.blocks[1]["name"])
-    assert layout["position_dims"] == 3 and block.positions[0].shape[0] == 3
+    assert layout.position_dims == 3 and block.positions[0].shape[0] == 3
     # The second temporal step sits one step later on the temporal axis; rows/cols span the grid.
     first = reader.span(reader.blocks[0]["name"]).positions[0]
     assert int(block.positions[0][0, 0]) == int(first[0, 0]) + 1
     assert (
-        layout["next_position"]
-        < reader.header["spans"]["prefix"]["layer_counts"][0]
-        + reader.header["visual_tokens_total"]
-        + 1
+        layout.next_position
+        < reader.spans_meta["prefix"]["layer_counts"][0] + reader.header.visual_tokens_total + 1
     )  # M-RoPE compresses positions: not the physical length
-    assert layout["rope_deltas"] < 0
+    assert layout.rope_deltas < 0
 
 
 @pytest.mark.parametrize("name", TINY)

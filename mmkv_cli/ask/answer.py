@@ -59,7 +59,7 @@ class PhaseClock:
 
 def check_compatible(reader: PackReader, backbone: Backbone) -> None:
     """Refuse a backbone other than the pack's own, in one line that says what differs."""
-    made = reader.header["fingerprint"]
+    made = reader.header.fingerprint.as_stored()
     here = backbone.fingerprint()
     differs = {"family": "family", "config_sha256": "configuration", "weights_sha256": "weights"}
     for key, what in differs.items():
@@ -67,7 +67,7 @@ def check_compatible(reader: PackReader, backbone: Backbone) -> None:
             continue
         theirs = f"'{made.get('model')}' ({made.get('family')}, config {made.get('config_sha256')}"
         if made.get("model") == here["model"]:  # one name, built otherwise (a cut depth, say)
-            layers = (reader.header["kv"]["layers"], backbone.kv_shape()["layers"])
+            layers = (reader.header.kv.layers, backbone.kv_shape()["layers"])
             depth = [f"{n} layer{'s' * (n != 1)}" for n in layers]
             raise PackError(
                 f"{reader.path} was made with another {what} of {theirs}, {depth[0]}; here: "
@@ -118,7 +118,7 @@ def build_cache(
             if gathered:  # let go of the layer as it is joined: the context is held once
                 gathered[i][layer] = None
     # stored: never derived from the cache length
-    stored_next = int(reader.header["layout"]["next_position"])
+    stored_next = int(reader.header.layout.next_position)
     next_position = stored_next
     end = None  # where the context ends (keep: the last position shown by the moment, + 1)
     if positions == "reindex":
@@ -208,7 +208,7 @@ def answer_from_pack(
     check_compatible(reader, backbone)
     clock = PhaseClock(backbone.device)
     start = clock.last  # one origin: the phases add up to the TTFT
-    template = reader.header["prompt"]["question"]
+    template = reader.header.prompt.question
     ids = backbone.question_ids(question, template)
     if not ids:
         raise PackError("the question is empty after tokenisation")

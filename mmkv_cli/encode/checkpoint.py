@@ -30,8 +30,8 @@ from pathlib import Path
 
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.lazy import torch
+from mmkv_cli.pack.atomic import sweep_stale
 from mmkv_cli.pack.format import tensors_sha256
-from mmkv_cli.pack.writer import sweep_stale
 
 SUFFIX = ".mmkv-checkpoint"
 FORMAT, VERSION = "mmkv.checkpoint", 5  # 3: what never changes is written once, in segments;

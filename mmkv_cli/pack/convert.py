@@ -14,13 +14,10 @@ import numpy as np
 
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack import PackReader, Span, check_writable
+from mmkv_cli.pack import KVShape, PackHeader, PackReader, Span, check_writable
 from mmkv_cli.pack.format import OLD_TABLE_COLUMNS, SERIES, BlockShape, block_name
 from mmkv_cli.pack.quant import QuantSpec
 from mmkv_cli.pack.storage import is_url, local_path, staged_upload
-
-# header sections the writer makes again from what it is given
-WRITTEN = ("format", "format_version", "spans", "blocks", "quant", "representatives", "segments")
 
 
 class _Blocks(Sequence):
@@ -124,32 +121,7 @@ def convert(
     prefix = reader.span("prefix")  # stored as computed: the KV's true width and dtype
     quant.check(int(prefix.keys[0].shape[0]), int(prefix.keys[0].shape[2]))
     rows = kept_rows(reader, start, stop)
-    header = {k: v for k, v in reader.header.items() if k not in WRITTEN}
-    if params is not None:
-        header["method"] = {**header["method"], "params": params(reader)}
-    for name in SERIES:  # the writer stores these lists as tensors again
-        section, key = name.split(".")
-        try:
-            values = reader.series(name)
-        except PackError:  # a pack that never stored it
-            continue
-        header[section] = {**(header.get(section) or {}), key: values}
-    header["kv"] = {  # from the stored tensors themselves
-        **(header.get("kv") or {}),
-        "layers": len(prefix.keys),
-        "kv_heads": int(prefix.keys[0].shape[0]),
-        "head_dim": int(prefix.keys[0].shape[2]),
-        "dtype": str(prefix.keys[0].dtype).replace("torch.", ""),
-    }
-    header["converted"] = {
-        "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "source": str(reader.path),
-        "source_format_version": reader.header["format_version"],
-        "source_kv_bits": had,
-        "range": None if start is None and stop is None else [start, stop],
-        "blocks_kept": int(len(rows)),
-        "blocks_source": len(reader.blocks),
-    }
+    header = _converted_header(reader, params, prefix, int(len(rows)), [start, stop])
     # decode in float32 for a re-quantization (no rounding to the KV's dtype in between); keep the
     # KV's dtype when storing as computed
     dtype = torch.float32 if quant.quantized else prefix.keys[0].dtype
@@ -164,6 +136,7 @@ def convert(
         quant,
         "post_rope" if reader.rotated_representatives else "pre_rope",
         blocks.shapes(),
+        _series(reader),
     )
     return {
         "path": str(output),
@@ -175,3 +148,39 @@ def convert(
         "kv_group": quant.group if quant.quantized else None,
         "source_kv_bits": had,
     }
+
+
+def _converted_header(reader: PackReader, params, prefix: Span, kept: int, cut: list) -> PackHeader:
+    """The source's header, its KV shape read off the stored tensors, its method's parameters as
+    `params` gives them, and a record of the conversion."""
+    header = reader.header
+    method = header.method
+    if params is not None:
+        method = replace(method, params=params(reader), params_exact=True)
+    kv = KVShape(
+        layers=len(prefix.keys),
+        kv_heads=int(prefix.keys[0].shape[0]),
+        head_dim=int(prefix.keys[0].shape[2]),
+        dtype=str(prefix.keys[0].dtype).replace("torch.", ""),
+    )
+    converted = {
+        "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "source": str(reader.path),
+        "source_format_version": header.format_version,
+        "source_kv_bits": reader.quant.bits if reader.quant else 16,
+        "range": None if cut == [None, None] else cut,
+        "blocks_kept": kept,
+        "blocks_source": len(reader.blocks),
+    }
+    return replace(header, kv=kv, method=method, converted=converted)
+
+
+def _series(reader: PackReader) -> dict[str, list]:
+    """The lists that grow with the video, as the source stores them (those it stores)."""
+    out = {}
+    for name in SERIES:
+        try:
+            out[name] = reader.series(name)
+        except PackError:  # a pack that never stored it
+            continue
+    return out

@@ -17,6 +17,7 @@ import math
 import os
 import re
 import struct
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,11 +31,15 @@ from mmkv_cli.pack.format import (
     TABLE_COLUMNS,
 )
 
+if TYPE_CHECKING:
+    from mmkv_cli.pack.header import PackHeader
+
 MAX_HEADER_BYTES = 16 << 20  # safetensors directory + mmkv header; real ones are a few KB
 MAX_DIMS = 8
 MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 1024, 1024, 4096
 ELEMENT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1}
 KV_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+STORED_KV_DTYPES = {code: name for name, code in KV_DTYPES.items()}
 # small tensors covered by the header's index digest (present ones, in this order)
 # (blocks.sha256 is not: it is written after the blocks, and a flip in it fails its block's check)
 INDEXED = ("blocks.table", "blocks.time", "media.timestamps", "layout.step_lengths")
@@ -171,7 +176,7 @@ def check_header(header: dict, version: int, where: str) -> None:
         dtype = kv.get("dtype")
         _need(isinstance(dtype, str) and dtype in KV_DTYPES, where, f"kv.dtype {str(dtype)[:20]!r}")
     prompt = _section(header, "prompt", where)
-    if "question" in prompt:
+    if prompt.get("question") is not None:  # null: absent, as a header built in code may say
         question = prompt["question"]
         _need(
             isinstance(question, str) and question.count("{question}") == 1,
@@ -179,9 +184,9 @@ def check_header(header: dict, version: int, where: str) -> None:
             "the question template must hold '{question}' once",
         )
     layout = _section(header, "layout", where)
-    if "next_position" in layout:
+    if layout.get("next_position") is not None:
         _need(_is_int(layout["next_position"], 0, 2**31 - 1), where, "layout.next_position")
-    if "position_dims" in layout:
+    if layout.get("position_dims") is not None:
         _need(layout["position_dims"] in (1, 3), where, "layout.position_dims")
     fingerprint = _section(header, "fingerprint", where)
     for key in ("model", "family", "config_sha256", "weights_sha256"):
@@ -192,7 +197,7 @@ def check_header(header: dict, version: int, where: str) -> None:
         value = method.get(key)
         _need(value is None or (isinstance(value, str) and len(value) <= 128), where, key)
     _need(isinstance(method.get("params", {}), dict), where, "method.params")
-    if "visual_tokens_total" in header:
+    if header.get("visual_tokens_total") is not None:
         _need(_is_int(header["visual_tokens_total"]), where, "visual_tokens_total")
     blocks = _section(header, "blocks", where, required=version >= 3)
     if version >= 3:
@@ -232,19 +237,11 @@ def _reps_digest(value, version: int) -> bool:
     )
 
 
-def check_askable(header: dict, where: str) -> None:
+def check_askable(header: PackHeader, where: str) -> None:
     """The fields `ask` reads are all there. Their types and ranges were checked on open
     (check_header); a pack that only stores KV, as some tests write, need not have them."""
-    for key in ("fingerprint", "prompt", "layout", "method"):
-        _section(header, key, where, required=True)
-    for section, key in (
-        ("fingerprint", "model"),
-        ("fingerprint", "family"),
-        ("prompt", "question"),
-        ("layout", "next_position"),
-        ("layout", "position_dims"),
-    ):
-        _need(header[section].get(key) is not None, where, f"no {section}.{key}")
+    missing = header.missing_for_ask()
+    _need(missing is None, where, f"no {missing}")
 
 
 def check_spans(spans: dict, layers: int, where: str) -> None:

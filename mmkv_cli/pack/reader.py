@@ -23,7 +23,9 @@ from mmkv_cli.pack.format import (
     tensors_sha256,
 )
 from mmkv_cli.pack.hashing import chunk_digests, hashed_beside
+from mmkv_cli.pack.header import KVShape, read_header
 from mmkv_cli.pack.integrity import (
+    STORED_KV_DTYPES,
     check_header,
     check_spans,
     check_tensors,
@@ -52,6 +54,9 @@ _DTYPES = {
 
 
 class PackReader:
+    """A pack opened for reading: `header` (typed, upgraded from the version that stored it) and
+    the block table on open, every field checked; K/V rows read, and checksummed, when asked."""
+
     def __init__(self, path: str | Path):
         # Everything is read through this one descriptor: a pack replaced under the reader (an
         # encode --force, a sync) leaves it reading the file it opened, whole. A pack on object
@@ -59,53 +64,78 @@ class PackReader:
         self.source, self.path = open_pack_file(path)
         self._file = self.source.file
         self._opened_size = self.source.size
-        raw, self._data_start = read_directory(self._file, self.path, self.source.ensure)
-        self._entries = {k: v for k, v in raw.items() if k != "__metadata__"}
         self._map: np.memmap | None = None  # the whole file, mapped on the first block read
         self._views: dict[str, tuple[np.ndarray, str]] = {}  # name -> (view, torch dtype name)
         self._verified: set[str] = set()  # blocks whose checksum gather() has checked
         self._small: dict[str, np.ndarray] = {}  # small tensors' bytes read on open
-        self.header = parse_header(raw.get("__metadata__"), str(self.path))
-        version = self.header["format_version"]
-        if version >= 4:  # remote: every small tensor in one request (not the blocks nor reps)
-            large = {f"{BLOCKS}.{part}" for part in PARTS} | {"reps"}
-            self.source.ensure([self._tensor_range(n) for n in self._entries if n not in large])
-        where = str(self.path)
-        check_header(self.header, version, where)
-        self._token_major = version >= 4  # v2/v3 stored K/V head-major, positions [P, tokens]
-        self._columns = TABLE_COLUMNS if version >= 7 else OLD_TABLE_COLUMNS
-        self.quant = QuantSpec.from_header(self.header.get("quant"), self.header.get("kv"), where)
         self._bytes_read = 0  # bytes read outside the store's row copies
         self._store: BlockStore | None = None  # the block tensors, mapped on the first read
         self._reps: torch.Tensor | None = None  # the representatives, once read and checked
         self._spans: dict[str, Span] = {}
+        self._open_header()
+        self._blocks = self._open_table()
+        self.header = read_header(self._stored, self.format_version, self._kv_shape(), self._where)
+
+    @property
+    def _where(self) -> str:
+        return str(self.path)
+
+    def _open_header(self) -> None:
+        """The directory and the stored header, checked; the prefix and suffix spans' entries."""
+        raw, self._data_start = read_directory(self._file, self.path, self.source.ensure)
+        self._entries = {k: v for k, v in raw.items() if k != "__metadata__"}
+        self._stored = parse_header(raw.get("__metadata__"), self._where)  # the JSON, as stored
+        self.format_version = version = self._stored["format_version"]
+        if version >= 4:  # remote: every small tensor in one request (not the blocks nor reps)
+            large = {f"{BLOCKS}.{part}" for part in PARTS} | {"reps"}
+            self.source.ensure([self._tensor_range(n) for n in self._entries if n not in large])
+        check_header(self._stored, version, self._where)
+        self._token_major = version >= 4  # v2/v3 stored K/V head-major, positions [P, tokens]
+        self._columns = TABLE_COLUMNS if version >= 7 else OLD_TABLE_COLUMNS
+        stored = self._stored
+        self.quant = QuantSpec.from_header(stored.get("quant"), stored.get("kv"), self._where)
         # v2-v4 called the prefix and suffix "segments"
-        self.spans_meta = self.header.get("spans" if version >= 5 else "segments") or {}
+        self.spans_meta = stored.get("spans" if version >= 5 else "segments") or {}
         if not isinstance(self.spans_meta, dict) or not {"prefix", "suffix"} <= set(
             self.spans_meta
         ):
             raise PackError(f"{self.path} is corrupted (no prefix or suffix)")
         if version >= 7:
-            check_spans(self.spans_meta, self.header["kv"]["layers"], where)
+            check_spans(self.spans_meta, stored["kv"]["layers"], self._where)
             self._check_index()
-        # v2 kept the table as JSON in the header
+
+    def _open_table(self) -> BlockTable:
+        """The block table (v2 kept it as JSON in the header), and every tensor's dtype and shape
+        checked against it (v7 on)."""
         try:
-            self._blocks = (
-                BlockTable.from_dicts(self.header["blocks"])
-                if version == 2
+            blocks = (
+                BlockTable.from_dicts(self._stored["blocks"])
+                if self.format_version == 2
                 else self._block_table()
             )
         except (KeyError, TypeError, ValueError, IndexError) as err:
             raise PackError(f"{self.path} is corrupted (block table: {err})") from None
-        if version >= 7:
+        if self.format_version >= 7:
             check_tensors(
-                self.header,
-                self._entries,
-                self.spans_meta,
-                self._blocks,
-                self.quant,
-                str(self.path),
+                self._stored, self._entries, self.spans_meta, blocks, self.quant, self._where
             )
+        return blocks
+
+    def _kv_shape(self) -> KVShape:
+        """The KV's layers, heads, width and dtype: as the header says (v7 on, checked against
+        every tensor); older headers may not say, and the prefix's tensors tell."""
+        stored = self._stored.get("kv") or {}
+        entry = self._entries.get("prefix.k")
+        shape = entry["shape"] if entry is not None else []
+        if len(shape) != 3:
+            raise PackError(f"{self.path} is corrupted (prefix keys)")
+        heads = shape[1] if self._token_major else shape[0]
+        return KVShape(
+            layers=stored.get("layers", len(self.spans_meta["prefix"].get("layer_counts") or [])),
+            kv_heads=stored.get("kv_heads", heads),
+            head_dim=stored.get("head_dim", shape[2]),
+            dtype=stored.get("dtype", STORED_KV_DTYPES.get(entry["dtype"], "float32")),
+        )
 
     def _check_index(self) -> None:
         """The header's digest of the directory and the small tensors no other checksum covers."""
@@ -115,7 +145,7 @@ class PackReader:
             return self._small[name]
 
         found = index_digest(self._entries, read)
-        if found != self.header["integrity"]["index"]:
+        if found != self._stored["integrity"]["index"]:
             raise PackError(f"{self.path} is corrupted (index digest mismatch)")
 
     def _raw(self, name: str) -> np.ndarray:
@@ -129,7 +159,7 @@ class PackReader:
     def _block_table(self) -> BlockTable:
         """The block table (v3 on): three small tensors, read whole (a few dozen bytes per
         block)."""
-        meta = self.header["blocks"]
+        meta = self._stored["blocks"]
         layers = len(self.spans_meta["prefix"]["layer_counts"])
         if not meta["count"]:
             return BlockTable(
@@ -217,7 +247,7 @@ class PackReader:
         if name in self._entries:
             return self._array(name).tolist()
         section, key = name.split(".")
-        value = (self.header.get(section) or {}).get(key)
+        value = (self._stored.get(section) or {}).get(key)
         if value is None:
             raise PackError(f"{self.path} stores no {name}")
         return list(value)
@@ -227,7 +257,7 @@ class PackReader:
         they are stored in (v7 on: the KV's), or None. Read and checked once, then held: a session
         asks many questions of one index (an hour's per-layer ReKV index at 7B is 51 MB in bf16,
         twice that as float32). Callers must not write into it."""
-        if not self.header.get("representatives"):
+        if not self._stored.get("representatives"):
             return None
         if self._reps is None:
             self._reps = self._read_representatives()
@@ -235,8 +265,8 @@ class PackReader:
 
     def _read_representatives(self) -> torch.Tensor:
         stored = self._array("reps")
-        digest = (self.header.get("integrity") or {}).get("reps")
-        if self.header["format_version"] >= 8:  # a digest per chunk (checked on open), on threads
+        digest = (self._stored.get("integrity") or {}).get("reps")
+        if self.format_version >= 8:  # a digest per chunk (checked on open), on threads
             whole = chunk_digests(stored, digest["chunk"]) == digest["sha256"]
         else:
             whole = digest is None or hashlib.sha256(stored).hexdigest() == digest
@@ -249,7 +279,7 @@ class PackReader:
     @property
     def rotated_representatives(self) -> bool:
         """Whether the representatives are means of keys after RoPE (packs before v6)."""
-        return (self.header.get("representatives") or {}).get("space") != "pre_rope"
+        return (self._stored.get("representatives") or {}).get("space") != "pre_rope"
 
     def span(self, name: str, keep: bool = True, dtype: torch.dtype | None = None) -> Span:
         """Load one span ("prefix", "suffix" or a block name), verifying its checksum. keep: hold
@@ -312,7 +342,7 @@ class PackReader:
             parts = PARTS if self.quant else PARTS[:3]
             views = {part: self._view(f"{BLOCKS}.{part}") for part in parts}
             # what quantized K/V decode into by default (v7 on; older packs are never quantized)
-            kv_dtype = self.header["kv"]["dtype"] if self.quant else None
+            kv_dtype = self.header.kv.dtype if self.quant else None
             self._store = BlockStore(views, self.quant, kv_dtype, self._token_major)
         return self._store
 

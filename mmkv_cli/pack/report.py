@@ -26,7 +26,7 @@ def verify(pack: str | Path) -> dict:
         reader.representatives()
     except PackError as err:
         faults.append(f"representatives: {err}")
-    if len(reader.blocks) and reader.header["format_version"] >= 4:
+    if len(reader.blocks) and reader.format_version >= 4:
         faults += reader.block_faults()
     elif len(reader.blocks):  # head-major packs: block by block
         for index in range(len(reader.blocks)):
@@ -36,7 +36,7 @@ def verify(pack: str | Path) -> dict:
                 faults.append(f"block {reader.blocks.name(index)}: {err}")
     return {
         "path": str(reader.path),
-        "format_version": reader.header["format_version"],
+        "format_version": reader.format_version,
         "blocks": len(reader.blocks),
         "bytes": reader.size,
         "bytes_checked": reader.bytes_read,
@@ -50,60 +50,69 @@ def inspect(pack: str | Path) -> dict:
     needed)."""
     reader = PackReader(pack)
     h = reader.header
-    kv = h["kv"]
+    kv = h.kv
     counts = reader.blocks.layer_totals()  # [blocks, layers]
-    per_layer = counts.sum(axis=0).tolist() if len(counts) else [0] * kv["layers"]
+    per_layer = counts.sum(axis=0).tolist() if len(counts) else [0] * kv.layers
     # K + V (+ their quantization scales) per token per layer, as stored
     stored = reader.stored_bytes(["blocks.k", "blocks.v", "blocks.kq", "blocks.vq"])
-    as_computed = 2 * kv["kv_heads"] * kv["head_dim"] * BYTES_PER_VALUE.get(kv["dtype"], 2)
+    as_computed = 2 * kv.kv_heads * kv.head_dim * BYTES_PER_VALUE.get(kv.dtype, 2)
     per_token = stored / max(1, int(counts.sum())) if len(counts) else as_computed
-    total = h["visual_tokens_total"]
-    codes = reader.blocks.codes()
-    granularities: dict[str, dict] = {}
-    for code in dict.fromkeys(codes.tolist()):
-        mine = counts[codes == code]
-        tokens = float(mine.sum()) / max(1, mine.shape[1])
-        granularities[reader.blocks.kinds[code]] = {
-            "blocks": int(mine.shape[0]),
-            "tokens": round(tokens, 2),  # per layer, averaged over layers
-            "stream_share": round(tokens / max(1, total), 4),
-            "bytes": round(int(mine.sum()) * per_token),
-        }
+    total = h.visual_tokens_total
     kept = sum(per_layer) / max(1, len(per_layer))
-    method = h["method"]
     spans = reader.spans_meta
+    granularities = _granularities(reader, counts, per_token, total)
     views = [g for g in granularities if g in ("patch", "frame", "segment")]
     return {
         "path": str(reader.path),
-        "format_version": h["format_version"],
-        "model": h["fingerprint"]["model"],
-        "family": h["fingerprint"]["family"],
-        "method": method["name"],
-        "budget": method.get("budget"),
-        "budget_tokens": method.get(
-            "budget_tokens", (method.get("params") or {}).get("budget_tokens")
-        ),
-        "media": {k: h["media"][k] for k in ("kind", "source", "digest", "frames")},
+        "format_version": h.format_version,
+        "model": h.fingerprint.model,
+        "family": h.fingerprint.family,
+        "method": h.method.name,
+        "budget": h.method.budget,
+        "budget_tokens": h.method.budget_tokens,
+        "media": {
+            "kind": h.media.kind,
+            "source": h.media.source,
+            "digest": h.media.digest,
+            "frames": h.media.frames,
+        },
         "blocks": len(reader.blocks),
         "visual_tokens_total": total,
         "visual_tokens_kept": round(kept, 2),  # per layer, averaged over layers
-        "visual_kv_share": round(kept / max(1, total), 4),
+        "visual_kv_share": round(kept / max(1, total or 0), 4),
         # MuKV-style packs cut the same stream several ways: each view holds its own share of it
         "overlapping_views": views if len(views) > 1 else [],
         "prompt_tokens": spans["prefix"]["layer_counts"][0] + spans["suffix"]["layer_counts"][0],
         "bytes": reader.size,
         "kv_bytes": round(int(sum(per_layer)) * per_token),
-        "kv_bits": (h.get("quant") or {}).get("bits", 16),
-        "kv_group": (h.get("quant") or {}).get("group"),
-        "kv_dtype": kv["dtype"],
+        "kv_bits": reader.quant.bits if reader.quant else 16,
+        "kv_group": reader.quant.group if reader.quant else None,
+        "kv_dtype": kv.dtype,
         "kv_bytes_per_token": round(per_token, 2),  # per layer, K + V and their scales
         "kv_bytes_per_token_as_computed": as_computed,
         "layers": [{"index": i, "tokens_kept": int(n)} for i, n in enumerate(per_layer)],
         "granularities": granularities,
         "positions": {
-            "dims": h["layout"]["position_dims"],
-            "next_position": h["layout"]["next_position"],
-            "rope_deltas": h["layout"]["rope_deltas"],
+            "dims": h.layout.position_dims,
+            "next_position": h.layout.next_position,
+            "rope_deltas": h.layout.rope_deltas,
         },
-        "created": h["created"],
+        "created": h.created,
     }
+
+
+def _granularities(reader: PackReader, counts, per_token: float, total: int | None) -> dict:
+    """Per kind of block (frame, patch, segment, summary...): blocks, tokens per layer, the share
+    of the stream, bytes."""
+    codes = reader.blocks.codes()
+    out: dict[str, dict] = {}
+    for code in dict.fromkeys(codes.tolist()):
+        mine = counts[codes == code]
+        tokens = float(mine.sum()) / max(1, mine.shape[1])
+        out[reader.blocks.kinds[code]] = {
+            "blocks": int(mine.shape[0]),
+            "tokens": round(tokens, 2),  # per layer, averaged over layers
+            "stream_share": round(tokens / max(1, total or 0), 4),
+            "bytes": round(int(mine.sum()) * per_token),
+        }
+    return out

@@ -8,11 +8,11 @@ import math
 import os
 import struct
 from collections.abc import Sequence
-from glob import escape as glob_escape
 from pathlib import Path
 
-from mmkv_cli.errors import OutputExistsError, PackError, UsageError
+from mmkv_cli.errors import OutputExistsError, PackError
 from mmkv_cli.lazy import torch
+from mmkv_cli.pack.atomic import TEMP_SUFFIX, check_writable, sweep_stale
 from mmkv_cli.pack.format import (
     BLOCKS,
     FORMAT_NAME,
@@ -28,59 +28,21 @@ from mmkv_cli.pack.format import (
     tensors_sha256,
 )
 from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_digests
+from mmkv_cli.pack.header import PackHeader
 from mmkv_cli.pack.integrity import index_digest
 from mmkv_cli.pack.quant import QuantSpec, quantize_keys, quantize_values
 from mmkv_cli.pack.stored import block_shape, store, stored_positions
 
 
-def check_writable(path: Path, force: bool) -> None:
-    """Fail before any work is done when the target exists (and --force is off) or cannot be
-    written."""
-    if path.exists() and not force:
-        raise OutputExistsError(f"{path} already exists; pass --force to replace it")
-    if path.exists() and path.is_dir():
-        raise OutputExistsError(f"{path} is a folder, not a pack file")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise UsageError(f"cannot write {path}: folder {parent} does not exist")
-
-
-TEMP_SUFFIX = ".mmkv-partial"  # .NAME.PID.mmkv-partial: a pack being written by process PID
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True  # someone else's process, or unknowable: leave its file be
-    return True
-
-
-def sweep_stale(path: Path, prefix: str | None = None, suffix: str = TEMP_SUFFIX) -> None:
-    """Remove partial files for `path` (named PREFIX.PID SUFFIX, by default .NAME.PID.mmkv-partial)
-    left by writers that died (kill -9 in the write window): each names its process, and a process
-    that no longer runs will never finish it."""
-    parent = path.parent if str(path.parent) else Path(".")
-    prefix = prefix if prefix is not None else f".{path.name}"
-    for partial in parent.glob(f"{glob_escape(prefix)}.*{suffix}"):
-        pid = partial.name[len(prefix) + 1 : -len(suffix)]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            partial.unlink(missing_ok=True)
-
-
-def split_series(header: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The header without the lists that grow with the video (timestamps, tokens per step), and
-    those lists as tensors. The caller's header is left as it was."""
-    header, series = dict(header), {}
-    for name, dtype in SERIES.items():
-        section, key = name.split(".")
-        if key in (header.get(section) or {}):
-            header[section] = dict(header[section])
-            values = torch.tensor(header[section].pop(key), dtype=getattr(torch, dtype))
-            series[name] = narrowed(values.reshape(-1))
-    return header, series
+def series_tensors(series: dict[str, list]) -> dict[str, torch.Tensor]:
+    """The lists that grow with the video (timestamps, tokens per step) as the tensors they are
+    stored as."""
+    out = {}
+    for name, values in series.items():
+        if name not in SERIES:
+            raise PackError(f"internal: '{name}' is not a pack series ({', '.join(SERIES)})")
+        out[name] = narrowed(torch.tensor(values, dtype=getattr(torch, SERIES[name])).reshape(-1))
+    return out
 
 
 def narrowed(t: torch.Tensor) -> torch.Tensor:
@@ -192,7 +154,7 @@ def _block_tensors(blocks: list[Span], quant: QuantSpec, rows: list[int]) -> dic
 
 def write_pack(
     path: Path,
-    header: dict,
+    header: PackHeader,
     prefix: Span,
     blocks: Sequence[Span],
     suffix: Span,
@@ -200,12 +162,13 @@ def write_pack(
     quant: QuantSpec | None = None,
     reps_space: str = "pre_rope",
     shapes: Sequence[BlockShape] | None = None,
+    series: dict[str, list] | None = None,
 ) -> int:
     """Write header + spans to `path` atomically; returns the file size in bytes. quant: how the
     blocks' K/V are stored (None: as computed); the prefix and suffix always are as computed.
     reps_space: what the representatives are means of ("post_rope": a pack before v6, converted).
     shapes: what the table holds of each block, where the caller knows it without loading them
-    (default: read off the blocks).
+    (default: read off the blocks). series: "media.timestamps" and "layout.step_lengths".
 
     The file is a safetensors file written here directly: the directory first, then every tensor's
     bytes, the blocks streamed one at a time, each part at its place (a pack of an hour of video is
@@ -215,18 +178,8 @@ def write_pack(
     """
     check_writable(path, force)
     quant = quant or QuantSpec()
-    small: dict[str, torch.Tensor] = {}
-    spans_meta = {}
-    for seg in (prefix, suffix):
-        parts, shared = store(seg)
-        small.update({f"{seg.name}.{part}": t for part, t in parts.items()})
-        spans_meta[seg.name] = {
-            "layer_counts": seg.layer_counts,
-            "shared_positions": shared,
-            "sha256": tensors_sha256(list(parts.values())),
-        }
-    header, series = split_series(header)
-    small.update(series)
+    small, spans_meta = _span_tensors(prefix, suffix)
+    small.update(series_tensors(series or {}))
     # All blocks share a few tensors (a handful of safetensors entries, whatever the video
     # length); each block is a contiguous row range of each of them.
     kinds, table, times, rows, reps = _layout(_shapes(blocks) if shapes is None else shapes, quant)
@@ -239,7 +192,38 @@ def write_pack(
         # in the KV's own dtype: retrieval keys need no more precision than the keys they average
         dtype = prefix.keys[0].dtype if prefix.keys else torch.float32
         small["reps"] = torch.stack([r.reshape(-1, r.shape[-1]) for r in reps]).to(dtype)
-    # The directory first: the header's index digest covers it and the small tensors in it.
+    entries = _directory(small, streamed, len(blocks))
+    stored = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        **header.sections(),
+        "spans": spans_meta,
+        "blocks": {"count": len(blocks), "granularities": kinds},
+        "quant": quant.as_header(),
+        "representatives": _representatives(small.get("reps"), reps_space),
+        "integrity": _integrity(entries, small),
+    }
+    head = _safetensors_head(stored, entries)
+    return _write_file(path, head, small, blocks, quant, entries, streamed, force)
+
+
+def _span_tensors(prefix: Span, suffix: Span) -> tuple[dict[str, torch.Tensor], dict]:
+    """The prefix's and suffix's stored tensors by name, and their header entries."""
+    small: dict[str, torch.Tensor] = {}
+    spans_meta = {}
+    for seg in (prefix, suffix):
+        parts, shared = store(seg)
+        small.update({f"{seg.name}.{part}": t for part, t in parts.items()})
+        spans_meta[seg.name] = {
+            "layer_counts": seg.layer_counts,
+            "shared_positions": shared,
+            "sha256": tensors_sha256(list(parts.values())),
+        }
+    return small, spans_meta
+
+
+def _directory(small: dict, streamed: dict, blocks: int) -> dict:
+    """The safetensors directory: each tensor's dtype, shape and byte range, in writing order."""
     entries: dict = {}
     at = 0
 
@@ -253,43 +237,46 @@ def write_pack(
     for name, (code, shape) in streamed.items():
         place(name, code, shape, math.prod(shape) * ELEMENT_BYTES[code])
     if blocks:
-        place(f"{BLOCKS}.sha256", "U8", [len(blocks), 32], 32 * len(blocks))
-    integrity = {"index": index_digest(entries, lambda name: raw_bytes(small[name]))}
+        place(f"{BLOCKS}.sha256", "U8", [blocks, 32], 32 * blocks)
+    return entries
+
+
+def _representatives(reps: torch.Tensor | None, space: str) -> dict | None:
+    if reps is None:
+        return None
+    return {"dim": int(reps.shape[2]), "layers": int(reps.shape[1]), "space": space}
+
+
+def _integrity(entries: dict, small: dict) -> dict:
+    """The header's digests: the directory and the small tensors no other checksum covers, and
+    the representatives a chunk at a time."""
+    integrity: dict = {"index": index_digest(entries, lambda name: raw_bytes(small[name]))}
     if "reps" in small:
         digests = chunk_digests(raw_bytes(small["reps"]), REPS_CHUNK)
         integrity["reps"] = {"chunk": REPS_CHUNK, "sha256": digests}
-    header = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        **header,
-        "spans": spans_meta,
-        "blocks": {"count": len(blocks), "granularities": kinds},
-        "quant": quant.as_header(),
-        "representatives": (
-            {
-                "dim": int(small["reps"].shape[2]),
-                "layers": int(small["reps"].shape[1]),
-                "space": reps_space,
-            }
-            if "reps" in small
-            else None
-        ),
-        "integrity": integrity,
-    }
-    text = json.dumps(header, sort_keys=True)
-    metadata = {META_HEADER: text, META_HEADER_SHA: hashlib.sha256(text.encode()).hexdigest()}
-    directory = {"__metadata__": metadata, **entries}
-    head = json.dumps(directory, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # safetensors pads its header to 8 bytes
+    return integrity
 
+
+def _safetensors_head(stored: dict, entries: dict) -> bytes:
+    """The file's first bytes: the directory's length, then the directory with the header (and
+    its checksum) as metadata, padded to 8 bytes as safetensors does."""
+    text = json.dumps(stored, sort_keys=True)
+    metadata = {META_HEADER: text, META_HEADER_SHA: hashlib.sha256(text.encode()).hexdigest()}
+    head = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head
+
+
+def _write_file(path, head, small, blocks, quant, entries, streamed, force) -> int:
+    """Every byte to a temporary file beside `path`, fsync'd, then renamed into place."""
     sweep_stale(path)
     tmp = path.parent / f".{path.name}.{os.getpid()}{TEMP_SUFFIX}"
     try:
         with open(tmp, "wb") as fh:  # mode: 0666 less the umask, as any new file
-            fh.write(struct.pack("<Q", len(head)) + head)
+            fh.write(head)
             for tensor in small.values():
                 fh.write(raw_bytes(tensor))
-            data_start = 8 + len(head)
+            data_start = len(head)
             parts = [f"{BLOCKS}.{part}" for part in PARTS if f"{BLOCKS}.{part}" in streamed]
             starts = [data_start + entries[name]["data_offsets"][0] for name in parts]
             ends, digests = _write_blocks(fh, blocks, quant, starts)

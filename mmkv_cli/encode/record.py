@@ -1,0 +1,93 @@
+"""What an encode records about itself: the pack's typed header (built once, here) and the identity
+a checkpoint is bound to."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import TYPE_CHECKING
+
+from mmkv_cli import __version__
+from mmkv_cli.pack.header import (
+    Fingerprint,
+    KVShape,
+    LayoutRecord,
+    MediaRecord,
+    MethodRecord,
+    PackHeader,
+    PromptRecord,
+)
+from mmkv_cli.spec import as_plain
+
+if TYPE_CHECKING:
+    from mmkv_cli.backbones.base import Backbone
+    from mmkv_cli.encode.encoder import Encoded
+    from mmkv_cli.media.base import Media
+    from mmkv_cli.methods import EncodeContext
+    from mmkv_cli.methods.choice import MethodChoice
+
+
+def method_record(choice: MethodChoice, guidance_prompt: str | None) -> MethodRecord:
+    """The method as chosen: its name, the method in code, the budget asked for, the parameters."""
+    budget = choice.budget
+    return MethodRecord(
+        name=choice.name,
+        implements=choice.method.name,
+        budget=None if budget is None or budget.tokens is not None else budget.share,
+        budget_tokens=None if budget is None else budget.tokens,
+        params=as_plain(choice.params),
+        guidance_prompt=guidance_prompt,
+    )
+
+
+def pack_header(
+    backbone: Backbone,
+    choice: MethodChoice,
+    context: EncodeContext,
+    media: Media,
+    encoded: Encoded,
+) -> tuple[PackHeader, dict[str, list]]:
+    """The pack's header, and the lists that grow with the video (stored as tensors)."""
+    described = media.describe()
+    layout = dict(encoded.layout)
+    series = {
+        "media.timestamps": described.pop("timestamps"),
+        "layout.step_lengths": layout.pop("step_lengths"),
+    }
+    stats = {k: round(v, 4) if isinstance(v, float) else v for k, v in encoded.stats.items()}
+    header = PackHeader(
+        kv=KVShape(**backbone.kv_shape()),
+        fingerprint=Fingerprint.stored(backbone.fingerprint()),
+        method=method_record(choice, context.guidance_prompt),
+        media=MediaRecord.stored(described),
+        prompt=PromptRecord.stored(backbone.prompt.as_dict()),
+        layout=LayoutRecord.stored(layout),
+        rotary=backbone.rotary(),
+        visual_tokens_total=encoded.visual_tokens_total,
+        stats=stats,
+        created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        mmkv_version=__version__,
+    )
+    return header, series
+
+
+def encode_identity(
+    backbone: Backbone,
+    choice: MethodChoice,
+    media: Media,
+    guidance_prompt: str | None,
+    fps: float,
+    max_frames: int,
+) -> dict:
+    """Everything that makes an encode's saved state this encode's (a checkpoint is bound to it)."""
+    fingerprint = backbone.fingerprint()
+    return {
+        "media": media.digest,
+        "frames": media.num_frames,
+        "model": [fingerprint.get(k) for k in ("family", "config_sha256", "weights_sha256")],
+        "method": choice.name,
+        "params": as_plain(choice.params),
+        "budget": None if choice.budget is None else [choice.budget.share, choice.budget.tokens],
+        "guidance_prompt": guidance_prompt,
+        "fps": fps,
+        "max_frames": max_frames,
+    }
