@@ -1,7 +1,7 @@
 """torch, imported on its first use rather than at import time.
 
 `mmkv --help`, `mmkv methods` and `inspect` of a local pack touch method and pack modules but never
-a tensor op; importing torch costs about 3 s here. The standard library's LazyLoader defers
+a tensor op, and importing torch costs seconds. The standard library's LazyLoader defers
 executing the module until an attribute is read, so `torch.zeros(...)` loads it then. Modules that
 may be imported on those fast paths take `torch` from here; everything else imports it as usual.
 """

@@ -141,3 +141,26 @@ def test_a_series_the_pack_never_stored_is_one_clear_error():
         PackError, match="stores no media.timestamps"
     ):  # the v3 fixture has no media section
         PackReader(DATA / "v3.kvpack").series("media.timestamps")
+
+
+def test_an_older_header_is_upgraded_on_read_its_kv_shape_read_off_its_tensors():
+    from typer.testing import CliRunner
+
+    from mmkv_cli.api import inspect
+    from mmkv_cli.cli.app import app
+    from mmkv_cli.pack.header import KVShape
+
+    for version in (3, 6, 7):  # v3 and v6 headers do not say the KV's heads, width or dtype
+        reader = PackReader(DATA / f"v{version}.kvpack")
+        assert reader.format_version == version == reader.header.format_version
+        assert reader.header.kv == KVShape(layers=3, kv_heads=2, head_dim=8, dtype="float32")
+        assert reader.header.fingerprint.model == "m" and reader.header.method.in_code == "full"
+        info = inspect(DATA / f"v{version}.kvpack")
+        assert info["format_version"] == version and info["kv_bytes_per_token_as_computed"] == 128
+        assert info["layers"] == [
+            {"index": 0, "tokens_kept": 7},
+            {"index": 1, "tokens_kept": 6},
+            {"index": 2, "tokens_kept": 1},
+        ]
+        shown = CliRunner().invoke(app, ["inspect", str(DATA / f"v{version}.kvpack")])
+        assert shown.exit_code == 0 and f"kvpack v{version}" in shown.output

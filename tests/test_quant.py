@@ -179,7 +179,7 @@ def test_every_stored_part_of_a_block_is_checksummed(tmp_path, part):
     path = tmp_path / "q.kvpack"
     write(path, QuantSpec(4, 8))
     reader = PackReader(path)
-    start = reader._data_start + reader._entries[part]["data_offsets"][0]
+    start = reader._tensors.data_start + reader._entries[part]["data_offsets"][0]
     with open(path, "r+b") as fh:
         fh.seek(start + 1)
         byte = fh.read(1)

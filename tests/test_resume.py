@@ -46,7 +46,7 @@ def same_pack(a: Path, b: Path) -> bool:
     if replace(ra.header, created=None, stats={}) != replace(rb.header, created=None, stats={}):
         return False
     return ra._entries == rb._entries and all(
-        ra._raw(name).tobytes() == rb._raw(name).tobytes() for name in ra._entries
+        ra._tensors.raw(name).tobytes() == rb._tensors.raw(name).tobytes() for name in ra._entries
     )
 
 

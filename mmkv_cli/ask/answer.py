@@ -205,16 +205,13 @@ def answer_from_pack(
     prune: AskPrune | None = None,
     on_token: Callable[[str], None] | None = None,
 ) -> Answer:
+    """Answer `question` from the blocks `policy` selects of `reader`'s pack: the context's cache
+    built from them, the question prefilled (and the context pruned by it, with `prune`), then
+    decoded. The phases are timed from one origin, so they add up to the TTFT."""
     check_compatible(reader, backbone)
     clock = PhaseClock(backbone.device)
-    start = clock.last  # one origin: the phases add up to the TTFT
-    template = reader.header.prompt.question
-    ids = backbone.question_ids(question, template)
-    if not ids:
-        raise PackError("the question is empty after tokenisation")
-    # retrieval reads the question itself; the model reads it after the earlier turns
-    asked = ids
-    ids = backbone.turns_ids(options.history, template) + ids
+    start = clock.last
+    asked, ids = _question_ids(backbone, reader, question, options.history)
     selection = policy.select(
         reader.blocks,
         lambda: _representatives(reader),
@@ -238,14 +235,7 @@ def answer_from_pack(
     position += len(ids)
     kv_tokens = None
     if prune:
-        # the context's visual tokens per layer, from the table's columns (no per-block dicts)
-        layers = len(cache.layers)
-        totals = reader.blocks.layer_totals()
-        taken = selection.per_layer or [names] * layers
-        visual = [
-            int(totals[np.asarray([reader.blocks.index_of(n) for n in chosen], int), layer].sum())
-            for layer, chosen in enumerate(taken)
-        ]
+        visual = _visual_tokens(reader, selection.per_layer or [names] * len(cache.layers))
         prefix_counts = reader.span("prefix").layer_counts
         kv_tokens = prune_context(
             cache, recorder.row, prefix_counts, visual, embeds.shape[1], prune
@@ -285,3 +275,22 @@ def answer_from_pack(
         kv_tokens=kv_tokens,
         phases_s={**clock.phases, "first_token": made.first_token_s},
     )
+
+
+def _question_ids(backbone: Backbone, reader: PackReader, question: str, history):
+    """(the question's tokens, which retrieval reads; what the model reads: the earlier turns,
+    then the question), in the pack's question template."""
+    template = reader.header.prompt.question
+    ids = backbone.question_ids(question, template)
+    if not ids:
+        raise PackError("the question is empty after tokenisation")
+    return ids, backbone.turns_ids(history, template) + ids
+
+
+def _visual_tokens(reader: PackReader, taken: list[list[str]]) -> list[int]:
+    """The context's visual tokens per layer, from the table's columns (no per-block dicts)."""
+    totals = reader.blocks.layer_totals()
+    return [
+        int(totals[np.asarray([reader.blocks.index_of(n) for n in chosen], int), layer].sum())
+        for layer, chosen in enumerate(taken)
+    ]

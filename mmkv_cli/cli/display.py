@@ -100,6 +100,8 @@ def kept_label(info: dict) -> str:
     """What the pack holds of the stream, truthfully: the KV share averaged over layers, and for
     packs that cut the stream several ways (MuKV), each view's share, since the views overlap."""
     kept, total = info["visual_tokens_kept"], info["visual_tokens_total"]
+    if total is None:  # a pack that does not record the stream's length
+        return f"{kept:g} visual tokens per layer"
     share = f"{kept:g} of {total} visual tokens per layer ({100 * kept / max(total, 1):.1f}%)"
     views = info.get("overlapping_views") or []
     if not views:

@@ -6,8 +6,8 @@ cache's pristine entries, by stream index; ReKV's offloaded KV; MuKV's finished 
 rows: see saved_state.py) is written once, each save adding a segment `.NAME.mmkv-checkpoint.seg-N`
 with what is new since the last; the rest (entries a policy rewrote, the policy's own state, the
 archive's part of a piece not yet whole) is rewritten in the head `.NAME.mmkv-checkpoint` at every
-save. Rewriting everything made an encode's checkpoint writes grow with the square of its length: an
-hour of ReKV or `full` at 7B (20 GB, 90 saves) wrote about 900 GB. What the state stops needing (a
+save. Rewriting everything made an encode's checkpoint writes grow with the square of its length
+(bench/checkpoint_writes.py measures them). What the state stops needing (a
 sliding window's old pieces) stays in its segment until the stale bytes outweigh the needed ones;
 then the needed ones are written into one new segment and the old segments go, so the files stay
 under twice the state between saves (three times while a save compacts). The head's metadata holds

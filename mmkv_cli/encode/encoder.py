@@ -284,8 +284,8 @@ def encode_blockwise(
         progress, blocks = restored.progress, blocks_from(restored.tensors, restored.rows)
         seen, peak_kv, skip = progress["seen"], progress["peak_kv"], progress["chunks"]
     saved = len(blocks)  # blocks before it are in the checkpoint already
-    # every block so far as a checkpoint seals it, grown by the new ones at each save (an hour's
-    # MuKV at 7B: 9,450 blocks of 28 layers, 0.17 s a save to list again)
+    # every block so far as a checkpoint seals it, grown by the new ones at each save: listing an
+    # hour's blocks again at every save costs more than the save (docs/measurements.md)
     sealed = blocks_tensors(blocks) if checkpoint else {}
     unit = policy.segment_steps(per_step)
     for number, (first_step, frames, done) in enumerate(stream.chunks(unit, skip), start=skip + 1):

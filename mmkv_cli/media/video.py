@@ -39,7 +39,7 @@ def native_stderr_silenced():
 def load_video(path: Path, fps: float, max_frames: int, backend: str = "auto") -> Media:
     """auto: PyAV, which holds one chunk of frames whatever the video's length, then decord2 for a
     file PyAV cannot read. decord2 came first until bench/media_read.py measured it: as fast, but
-    holding 0.8-1.8 GB after reading 1800 frames of 720p where PyAV adds 20 MB."""
+    holding far more memory over a long video (docs/measurements.md)."""
     if backend not in ("auto", "decord", "pyav"):
         raise MediaError(f"unknown video backend '{backend}'")
     if backend == "pyav":
@@ -78,7 +78,7 @@ def import_decord():
     decord2 3.4 dlopens every library of the `nvidia` pip packages (torch's CUDA wheels) with
     RTLD_GLOBAL before its own. One of them is libnvblas, which then takes over the BLAS symbols
     torch's CPU kernels bind on first use: the next float32 matmul crashes the process on a host
-    without a GPU (dmlc/decord#293), and the whole CUDA stack costs about 400 MB of RSS. We read
+    without a GPU (dmlc/decord#293), and the whole CUDA stack costs hundreds of MB of RSS. We read
     frames on the CPU, which needs none of it, so the package is hidden while decord loads."""
     if "decord" in sys.modules:
         return sys.modules["decord"]
@@ -111,7 +111,7 @@ def _load_with_decord(path: Path, fps: float, max_frames: int) -> Media:
             reader[indices[0]]
 
     def read(start: int, stop: int) -> np.ndarray:
-        # Frame by frame: decord2's get_batch held more (1.6 GB after 1800 frames of 720p).
+        # Frame by frame: decord2's get_batch holds more (docs/measurements.md).
         return np.stack([reader[i].asnumpy() for i in indices[start:stop]])
 
     return _media(path, times, read)

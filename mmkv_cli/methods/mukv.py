@@ -272,9 +272,8 @@ METHOD = Method(
         "https://github.com/IMBALDY/MuKV",
     ),
     params=MuKVParams,
-    budget=Budget(
-        share=1.0
-    ),  # pack tokens / stream tokens: rho sums to 1.0 (177K -> 59K, 300 frames)
+    # pack tokens / stream tokens: the views' rho sum to 1.0, so a pack holds about the stream
+    budget=Budget(share=1.0),
     blockwise=MuKVMemory,
     context=context,
 )

@@ -9,10 +9,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-# Blocks of at least this many bytes on average are checksummed on up to HASH_THREADS threads.
-# Handed out in runs of ~1 MB, 2 threads on 2 cores hashed 8 KB blocks at 1.22 GB/s against 1.15
-# on one, 12 KB at 1.67 against 1.2, 38 KB (one layer of MuKV) at 2.15 against 1.27; a real
-# backbone's blocks are MBs. (A split into one contiguous share per thread lost at 17 KB.)
+# Blocks of at least this many bytes on average are checksummed on up to HASH_THREADS threads:
+# from here up, threads fed runs of blocks beat one (docs/measurements.md); a real backbone's blocks
+# are MBs.
 PARALLEL_HASH_BLOCK_BYTES = 1 << 13
 HASH_THREADS = 8
 # Blocks are handed out in runs of about this many bytes: a task per small block costs more than it
@@ -20,8 +19,7 @@ HASH_THREADS = 8
 RUN_BYTES = 1 << 20
 T = TypeVar("T")
 # Bytes of the representatives each digest covers (v8), so that they are hashed on every core: an
-# hour of ReKV's per-layer index at 7B is 51 MB, 37 ms of one sha256 stream here on every fresh
-# ask, 22 ms on 2 cores
+# hour's per-layer retrieval index at 7B is tens of MB, checked on every fresh ask
 REPS_CHUNK = 4 << 20
 
 

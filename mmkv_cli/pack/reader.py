@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import numpy as np
@@ -31,26 +30,15 @@ from mmkv_cli.pack.integrity import (
     check_tensors,
     index_digest,
     parse_header,
-    read_directory,
 )
 from mmkv_cli.pack.quant import QuantSpec
 from mmkv_cli.pack.source import block_byte_ranges, open_pack_file
 from mmkv_cli.pack.table import BlockRows, BlockTable
+from mmkv_cli.pack.tensors import StoredTensors
 
 # Reads of at least this many K/V bytes are checksummed on a thread beside the copy; below it the
-# thread's start costs more (convert's one 200 KB block at a time: 6.7 -> 8.6 s on 1800 blocks)
+# thread's start costs more than it saves (docs/measurements.md)
 OVERLAP_BYTES = 8 << 20
-# safetensors dtype -> the numpy dtype its bytes are read as, and the torch dtype they are viewed as
-# after
-_DTYPES = {
-    "F64": (np.float64, "float64"),
-    "F32": (np.float32, "float32"),
-    "F16": (np.float16, "float16"),
-    "BF16": (np.uint16, "bfloat16"),
-    "I64": (np.int64, "int64"),
-    "I32": (np.int32, "int32"),
-    "U8": (np.uint8, "uint8"),
-}
 
 
 class PackReader:
@@ -62,13 +50,9 @@ class PackReader:
         # encode --force, a sync) leaves it reading the file it opened, whole. A pack on object
         # storage is a sparse local mirror, filled by range requests just before each read.
         self.source, self.path = open_pack_file(path)
-        self._file = self.source.file
-        self._opened_size = self.source.size
-        self._map: np.memmap | None = None  # the whole file, mapped on the first block read
-        self._views: dict[str, tuple[np.ndarray, str]] = {}  # name -> (view, torch dtype name)
+        self._tensors = StoredTensors(self.source, self.path)
+        self._entries = self._tensors.entries
         self._verified: set[str] = set()  # blocks whose checksum gather() has checked
-        self._small: dict[str, np.ndarray] = {}  # small tensors' bytes read on open
-        self._bytes_read = 0  # bytes read outside the store's row copies
         self._store: BlockStore | None = None  # the block tensors, mapped on the first read
         self._reps: torch.Tensor | None = None  # the representatives, once read and checked
         self._spans: dict[str, Span] = {}
@@ -82,13 +66,13 @@ class PackReader:
 
     def _open_header(self) -> None:
         """The directory and the stored header, checked; the prefix and suffix spans' entries."""
-        raw, self._data_start = read_directory(self._file, self.path, self.source.ensure)
-        self._entries = {k: v for k, v in raw.items() if k != "__metadata__"}
-        self._stored = parse_header(raw.get("__metadata__"), self._where)  # the JSON, as stored
+        self._stored = parse_header(self._tensors.metadata, self._where)  # the JSON, as stored
         self.format_version = version = self._stored["format_version"]
         if version >= 4:  # remote: every small tensor in one request (not the blocks nor reps)
             large = {f"{BLOCKS}.{part}" for part in PARTS} | {"reps"}
-            self.source.ensure([self._tensor_range(n) for n in self._entries if n not in large])
+            self.source.ensure(
+                [self._tensors.tensor_range(n) for n in self._entries if n not in large]
+            )
         check_header(self._stored, version, self._where)
         self._token_major = version >= 4  # v2/v3 stored K/V head-major, positions [P, tokens]
         self._columns = TABLE_COLUMNS if version >= 7 else OLD_TABLE_COLUMNS
@@ -141,20 +125,13 @@ class PackReader:
         """The header's digest of the directory and the small tensors no other checksum covers."""
 
         def read(name: str) -> np.ndarray:
-            self._small[name] = self._raw(name)  # kept: the table is read from these bytes
-            return self._small[name]
+            small = self._tensors.small
+            small[name] = self._tensors.raw(name)  # kept: the table is read from these bytes
+            return small[name]
 
         found = index_digest(self._entries, read)
         if found != self._stored["integrity"]["index"]:
             raise PackError(f"{self.path} is corrupted (index digest mismatch)")
-
-    def _raw(self, name: str) -> np.ndarray:
-        """Tensor `name`'s stored bytes, read whole."""
-        start, stop = (self._data_start + o for o in self._entries[name]["data_offsets"])
-        self.source.ensure([(start, stop)])
-        data = os.pread(self._file.fileno(), stop - start, start)
-        self._bytes_read += len(data)
-        return np.frombuffer(bytearray(data), dtype=np.uint8)  # writable, as a numpy copy is
 
     def _block_table(self) -> BlockTable:
         """The block table (v3 on): three small tensors, read whole (a few dozen bytes per
@@ -171,9 +148,9 @@ class PackReader:
             )
         return BlockTable(
             meta["granularities"],
-            self._array(f"{BLOCKS}.table").astype(np.int64),  # v8 may store it int32
-            self._array(f"{BLOCKS}.time"),
-            self._array(f"{BLOCKS}.sha256"),
+            self._tensors.array(f"{BLOCKS}.table").astype(np.int64),  # v8 may store it int32
+            self._tensors.array(f"{BLOCKS}.time"),
+            self._tensors.array(f"{BLOCKS}.sha256"),
             columns=self._columns,
         )
 
@@ -187,57 +164,11 @@ class PackReader:
 
     def stored_bytes(self, names: list[str]) -> int:
         """Bytes the tensors `names` take in the file (0 for those it does not hold)."""
-        spans = [self._entries[n]["data_offsets"] for n in names if n in self._entries]
-        return sum(stop - start for start, stop in spans)
+        return self._tensors.stored_bytes(names)
 
     @property
     def size(self) -> int:
-        return self._opened_size
-
-    def _still_whole(self) -> None:
-        """Reading a mapped file that shrank would kill the process (SIGBUS): a pack cut short in
-        place while it is read is one clear error instead."""
-        if os.fstat(self._file.fileno()).st_size != self._opened_size:
-            raise PackError(f"{self.path} changed while it was being read")
-
-    def _array(self, name: str) -> np.ndarray:
-        """Tensor `name` read whole into memory, as numpy (no torch needed)."""
-        if name in self._small:  # read (and digested) on open
-            entry = self._entries[name]
-            np_dtype = _DTYPES[entry["dtype"]][0]
-            return self._small.pop(name).view(np_dtype).reshape(entry["shape"])
-        view, _ = self._view(name)
-        self.source.ensure([self._tensor_range(name)])
-        out = np.array(view)
-        self._bytes_read += out.nbytes
-        return out
-
-    def _tensor(self, name: str) -> torch.Tensor:
-        """Tensor `name` read whole into memory, as torch."""
-        _, dtype = self._view(name)
-        return torch.from_numpy(self._array(name)).view(getattr(torch, dtype))
-
-    def _view(self, name: str) -> tuple[np.ndarray, str]:
-        """Tensor `name` as a shaped view of the memory-mapped file (nothing read until it is
-        indexed)."""
-        if name not in self._views:
-            entry = self._entries.get(name)
-            if entry is None or entry.get("dtype") not in _DTYPES:
-                raise PackError(
-                    f"{self.path} is corrupted: tensor {name} missing or of an unknown type"
-                )
-            self._still_whole()
-            if self._map is None:  # the descriptor opened, not the path: replacement-proof
-                self._map = np.memmap(self._file, dtype=np.uint8, mode="r")
-            start, stop = (self._data_start + o for o in entry["data_offsets"])
-            np_dtype, torch_dtype = _DTYPES[entry["dtype"]]
-            # a plain array over the map: memmap's own indexing is slow
-            flat = np.asarray(self._map[start:stop])
-            try:
-                self._views[name] = (flat.view(np_dtype).reshape(entry["shape"]), torch_dtype)
-            except (ValueError, TypeError) as err:
-                raise PackError(f"{self.path} is corrupted: tensor {name} has a bad shape") from err
-        return self._views[name]
+        return self._tensors.size
 
     def series(self, name: str) -> list:
         """A per-frame or per-step list ("media.timestamps", "layout.step_lengths"): a tensor from
@@ -245,7 +176,7 @@ class PackReader:
         if name not in SERIES:
             raise KeyError(name)
         if name in self._entries:
-            return self._array(name).tolist()
+            return self._tensors.array(name).tolist()
         section, key = name.split(".")
         value = (self._stored.get(section) or {}).get(key)
         if value is None:
@@ -264,7 +195,7 @@ class PackReader:
         return self._reps
 
     def _read_representatives(self) -> torch.Tensor:
-        stored = self._array("reps")
+        stored = self._tensors.array("reps")
         digest = (self._stored.get("integrity") or {}).get("reps")
         if self.format_version >= 8:  # a digest per chunk (checked on open), on threads
             whole = chunk_digests(stored, digest["chunk"]) == digest["sha256"]
@@ -272,7 +203,7 @@ class PackReader:
             whole = digest is None or hashlib.sha256(stored).hexdigest() == digest
         if not whole:
             raise PackError(f"{self.path} is corrupted (checksum mismatch in reps)")
-        dtype = getattr(torch, self._view("reps")[1])
+        dtype = getattr(torch, self._tensors.view("reps")[1])
         reps = torch.from_numpy(stored).view(dtype)  # scores convert the rows they compare
         return reps.unsqueeze(1) if reps.dim() == 2 else reps  # v2-v5: [blocks, dim]
 
@@ -317,7 +248,7 @@ class PackReader:
             raise PackError(f"{self.path} has no block {names[indices.index(None)]}")
         where = BlockRows(self._blocks, indices, self.quant.group if self.quant else 1)
         store = self._block_store()
-        self._still_whole()
+        self._tensors.still_whole()
         self._fetch(where)
         pending = [i for i, n in enumerate(names) if n not in self._verified]
         if per_layer is None:
@@ -340,7 +271,7 @@ class PackReader:
     def _block_store(self) -> BlockStore:
         if self._store is None:
             parts = PARTS if self.quant else PARTS[:3]
-            views = {part: self._view(f"{BLOCKS}.{part}") for part in parts}
+            views = {part: self._tensors.view(f"{BLOCKS}.{part}") for part in parts}
             # what quantized K/V decode into by default (v7 on; older packs are never quantized)
             kv_dtype = self.header.kv.dtype if self.quant else None
             self._store = BlockStore(views, self.quant, kv_dtype, self._token_major)
@@ -349,12 +280,7 @@ class PackReader:
     @property
     def bytes_read(self) -> int:
         """Bytes copied out of the file so far (block rows included)."""
-        return self._bytes_read + (self._store.bytes_read if self._store else 0)
-
-    def _tensor_range(self, name: str) -> tuple[int, int]:
-        """Tensor `name`'s absolute byte range in the file."""
-        start, stop = self._entries[name]["data_offsets"]
-        return self._data_start + start, self._data_start + stop
+        return self._tensors.bytes_read + (self._store.bytes_read if self._store else 0)
 
     def _fetch(self, where: BlockRows) -> None:
         """Bring the blocks' rows of every block tensor within reach (remote: theirs alone)."""
@@ -362,7 +288,7 @@ class PackReader:
             names = [f"{BLOCKS}.{part}" for part in self._block_store().views]
             entries = {name: self._entries[name] for name in names}
             self.source.ensure(
-                block_byte_ranges(entries, self._data_start, where, self._token_major)
+                block_byte_ranges(entries, self._tensors.data_start, where, self._token_major)
             )
 
     def block_faults(self, chunk: int = 1024) -> list[str]:
@@ -372,11 +298,11 @@ class PackReader:
         for first in range(0, len(self._blocks), chunk):
             indices = list(range(first, min(len(self._blocks), first + chunk)))
             where = BlockRows(self._blocks, indices, self.quant.group if self.quant else 1)
-            self._still_whole()
+            self._tensors.still_whole()
             self._fetch(where)
             for i in store.mismatched(where, list(range(len(indices)))):
                 faults.append(f"block {self._blocks.name(indices[i])}: checksum mismatch")
-            self._bytes_read += store.stored_bytes(where)
+            self._tensors.bytes_read += store.stored_bytes(where)
         return faults
 
     def _verify(self, where: BlockRows, pending: list[int]) -> None:
@@ -399,7 +325,7 @@ class PackReader:
                 [t.contiguous() for t in part] for part in self.gather([name], dtype=dtype)
             )
         else:
-            k, v, pos = (self._tensor(f"{name}.{part}") for part in ("k", "v", "pos"))
+            k, v, pos = (self._tensors.tensor(f"{name}.{part}") for part in ("k", "v", "pos"))
             if tensors_sha256([k, v, pos]) != meta["sha256"]:
                 raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
             counts = meta["layer_counts"]

@@ -119,9 +119,19 @@ def create_app(
     models: int = 2,
     queue: int = 16,
 ) -> FastAPI:
+    """The OpenAI-compatible app over the packs in `folder`: guards, error bodies, routes."""
     packs = Packs(shelf(folder), load or LoadOptions(), models, queue)
     app = FastAPI(title="mmkv", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.packs = packs
+    _guard(app, api_key)
+    _error_bodies(app)
+    _pack_routes(app, packs)
+    _chat_route(app, packs)
+    return app
+
+
+def _guard(app: FastAPI, api_key: str | None) -> None:
+    """Every request: a bounded body of a declared length, and the API key where one is set."""
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -140,6 +150,10 @@ def create_app(
                 )
         return await call_next(request)
 
+
+def _error_bodies(app: FastAPI) -> None:
+    """A bad body and an internal fault answer in OpenAI's error shape, in one line."""
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError):
         first = err.errors()[0] if err.errors() else {}
@@ -152,6 +166,10 @@ def create_app(
     async def crashed(request: Request, err: Exception):
         first = str(err).splitlines()[0] if str(err) else ""
         return _error(500, f"internal error: {type(err).__name__}: {first}", "server_error")
+
+
+def _pack_routes(app: FastAPI, packs: Packs) -> None:
+    """Health, the packs as OpenAI models, and one pack's inspect view."""
 
     @app.get("/health")
     async def health():
@@ -193,6 +211,10 @@ def create_app(
         except MmkvError as err:
             return _error(STATUS.get(type(err), 400), str(err))
 
+
+def _chat_route(app: FastAPI, packs: Packs) -> None:
+    """A question to a pack by name, answered whole or streamed."""
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest):
         try:
@@ -213,8 +235,6 @@ def create_app(
         except MmkvError as err:
             return _error(STATUS.get(type(err), 400), str(err))
         return _completion(body, answer, created, ident)
-
-    return app
 
 
 def _summary(info: dict) -> dict:

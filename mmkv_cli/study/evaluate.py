@@ -157,13 +157,39 @@ def evaluate_run(
 ) -> dict:
     """One method at one budget (None: its own, for methods that keep everything) over every item;
     resumes from folder/predictions.jsonl."""
-    from mmkv_cli import api
+    config = _run_config(items, backbone, model, method, budget, settings)
+    done = open_run(folder, config, fresh)
+    clips: dict[str, list[Item]] = {}
+    for item in items:
+        clips.setdefault(item.video, []).append(item)
+    with (folder / "predictions.jsonl").open("a") as sink, work_folder(folder) as tmp:
+        for n, (video, asked) in enumerate(clips.items()):
+            todo = [i for i in asked if i.key not in done]
+            if todo:
+                pack = Path(tmp) / "clip.kvpack"
+                for row in _answer_clip(video, todo, pack, backbone, method, budget, settings):
+                    sink.write(json.dumps(row) + "\n")
+                    sink.flush()
+                    done[row["key"]] = row
+            if on_clip:
+                on_clip(n + 1)
+    result = {
+        "method": method,
+        "budget": budget if budget is not None else 1.0,
+        "kv_bits": settings.kv_bits,
+        **metrics(_scored(items, done), chance_level),
+    }
+    (folder / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def _run_config(items, backbone, model, method, budget, settings: EvalSettings) -> dict:
+    """Everything a run's answers depend on: a run folder is reused only under the same."""
     from mmkv_cli.methods.choice import resolve_method
     from mmkv_cli.spec import as_plain
 
-    predictions = folder / "predictions.jsonl"
     fingerprint = backbone.fingerprint()
-    config = {
+    return {
         "model": model,
         "model_fingerprint": {k: fingerprint.get(k) for k in FINGERPRINT},
         "method": method,
@@ -176,10 +202,12 @@ def evaluate_run(
         "kv_bits": settings.kv_bits,
         "questions_sha256": questions_digest(items),
     }
-    done = open_run(folder, config, fresh)
-    clips: dict[str, list[Item]] = {}
-    for item in items:
-        clips.setdefault(item.video, []).append(item)
+
+
+def _answer_clip(video, todo, pack, backbone, method, budget, settings: EvalSettings):
+    """Encode one clip once, then answer each of its questions from the pack: a row per item."""
+    from mmkv_cli import api
+
     encoding = EncodeOptions(
         method,
         budget,
@@ -188,54 +216,39 @@ def evaluate_run(
         force=True,
         kv_bits=settings.kv_bits,
     )
+    info = api.encode(video, pack, encoding, backbone=backbone)
+    kept = kept_share(info)
     generation = GenerationOptions(max_new_tokens=settings.max_new_tokens)
-    with predictions.open("a") as sink, work_folder(folder) as tmp:
-        for n, (video, asked) in enumerate(clips.items()):
-            todo = [i for i in asked if i.key not in done]
-            if todo:
-                pack = Path(tmp) / "clip.kvpack"
-                info = api.encode(video, pack, encoding, backbone=backbone)
-                kept = kept_share(info)
-                for item in todo:
-                    asking = AskOptions(
-                        at=item.at, positions=settings.positions, generation=generation
-                    )
-                    answer = api.ask(pack, prompt_for(item), asking, backbone=backbone)
-                    guess = predicted(item, answer.answer)
-                    row = {
-                        "key": item.key,
-                        "video": video,
-                        "question": item.question,
-                        "type": item.type,
-                        "options": len(item.options),
-                        "answer": item.answer,
-                        "prediction": guess,
-                        "raw": answer.answer,
-                        "correct": correct(item, guess),
-                        "context_tokens": answer.context_tokens,
-                        "ttft_s": round(answer.ttft_s, 4),
-                        "kept": kept,
-                    }
-                    sink.write(json.dumps(row) + "\n")
-                    sink.flush()
-                    done[item.key] = row
-            if on_clip:
-                on_clip(n + 1)
-    # scored against the gold answers as they are now, whatever they were when answered
+    for item in todo:
+        asking = AskOptions(at=item.at, positions=settings.positions, generation=generation)
+        answer = api.ask(pack, prompt_for(item), asking, backbone=backbone)
+        guess = predicted(item, answer.answer)
+        yield {
+            "key": item.key,
+            "video": video,
+            "question": item.question,
+            "type": item.type,
+            "options": len(item.options),
+            "answer": item.answer,
+            "prediction": guess,
+            "raw": answer.answer,
+            "correct": correct(item, guess),
+            "context_tokens": answer.context_tokens,
+            "ttft_s": round(answer.ttft_s, 4),
+            "kept": kept,
+        }
+
+
+def _scored(items: list[Item], done: dict) -> list[dict]:
+    """The answered items scored against the gold answers as they are now, whatever they were
+    when answered."""
     rows = []
     for i in items:
         if i.key in done:
             guess = predicted(i, done[i.key]["raw"])
             rows.append({**done[i.key], "answer": i.answer, "prediction": guess})
             rows[-1]["correct"] = correct(i, guess)
-    result = {
-        "method": method,
-        "budget": budget if budget is not None else 1.0,
-        "kv_bits": settings.kv_bits,
-        **metrics(rows, chance_level),
-    }
-    (folder / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    return rows
 
 
 def plot(runs: list[dict], path: Path) -> None:
