@@ -243,24 +243,9 @@ def answer_from_pack(
     logits = backbone.logits(hidden[:, -1])[0]
     first_logits = logits.cpu().clone() if options.keep_logits else None
     clock.lap("prefill")
-    decode_start = 0.0  # when the first decode step began
-
-    def step(token: int) -> torch.Tensor:
-        nonlocal position, decode_start
-        decode_start = decode_start or time.perf_counter()
-        out = backbone.forward(
-            backbone.embed_ids([token]), backbone.text_positions(position, 1), cache
-        )
-        position += 1
-        return backbone.logits(out[:, -1])[0]
-
     generation_start = clock.last
-    made = generate(
-        logits, step, backbone.decode, backbone.stop_ids(), options.generation, on_token
-    )
+    made, decode_s = _decode(backbone, cache, logits, position, options, on_token)
     total = time.perf_counter() - start
-    steps = len(made.token_ids) - 1
-    decode_s = (time.perf_counter() - decode_start) / steps if steps > 0 and decode_start else 0.0
     return Answer(
         answer=made.text.strip(),
         token_ids=made.token_ids,
@@ -275,6 +260,28 @@ def answer_from_pack(
         kv_tokens=kv_tokens,
         phases_s={**clock.phases, "first_token": made.first_token_s},
     )
+
+
+def _decode(backbone: Backbone, cache, logits, position: int, options: AskOptions, on_token):
+    """Generate from the prefill's last logits, a token a forward: (what was made, seconds per
+    decode step after the first token)."""
+    decode_start = 0.0  # when the first decode step began
+
+    def step(token: int) -> torch.Tensor:
+        nonlocal position, decode_start
+        decode_start = decode_start or time.perf_counter()
+        out = backbone.forward(
+            backbone.embed_ids([token]), backbone.text_positions(position, 1), cache
+        )
+        position += 1
+        return backbone.logits(out[:, -1])[0]
+
+    made = generate(
+        logits, step, backbone.decode, backbone.stop_ids(), options.generation, on_token
+    )
+    steps = len(made.token_ids) - 1
+    decode_s = (time.perf_counter() - decode_start) / steps if steps > 0 and decode_start else 0.0
+    return made, decode_s
 
 
 def _question_ids(backbone: Backbone, reader: PackReader, question: str, history):
