@@ -108,9 +108,15 @@ class Backbone:
         return self.embed_ids(self.text_ids(self.prompt.suffix_text))
 
     def stream_layout(
-        self, frame_hw: tuple[int, int], step_times: list[tuple[float, float]]
+        self,
+        frame_hw: tuple[int, int],
+        step_times: list[tuple[float, float]],
+        clip_frames: int | None = None,
     ) -> StreamLayout:
-        """Positions of [prefix | one entry per temporal step | suffix] for frames of this size."""
+        """Positions of [prefix | one entry per temporal step | suffix] for frames of this size.
+        clip_frames: the clip length frames are sized for, where a family sizes them by it (Qwen3-VL
+        shares a pixel budget over the clip); None: the clip's own. A live stream, whose length
+        nobody knows, pins it."""
         raise NotImplementedError
 
     # --- text ---

@@ -51,7 +51,10 @@ class LlavaOnevisionBackbone(Backbone):
         return torch.cat([newline, self.embed_ids(text)], dim=1) if text else newline
 
     def stream_layout(
-        self, frame_hw: tuple[int, int], step_times: list[tuple[float, float]]
+        self,
+        frame_hw: tuple[int, int],
+        step_times: list[tuple[float, float]],
+        clip_frames: int | None = None,
     ) -> StreamLayout:
         steps = len(step_times)
         n_prefix = len(self.text_ids(self.prompt.prefix))

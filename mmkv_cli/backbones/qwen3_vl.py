@@ -79,9 +79,12 @@ class Qwen3VLBackbone(QwenVLBackbone):
         return size[0] // factor, size[1] // factor
 
     def stream_layout(
-        self, frame_hw: tuple[int, int], step_times: list[tuple[float, float]]
+        self,
+        frame_hw: tuple[int, int],
+        step_times: list[tuple[float, float]],
+        clip_frames: int | None = None,
     ) -> StreamLayout:
-        size = self.clip_size(frame_hw, len(step_times) * self.frames_per_step)
+        size = self.clip_size(frame_hw, clip_frames or len(step_times) * self.frames_per_step)
         h, w = self._grid_at(size)
         video_id = self._token("video_token_id")
         ids, lengths, offsets = self.text_ids(self.prompt.prefix), [], []

@@ -65,7 +65,10 @@ class QwenVLBackbone(Backbone):
         return {}
 
     def stream_layout(
-        self, frame_hw: tuple[int, int], step_times: list[tuple[float, float]]
+        self,
+        frame_hw: tuple[int, int],
+        step_times: list[tuple[float, float]],
+        clip_frames: int | None = None,
     ) -> StreamLayout:
         # Ask the model itself for the M-RoPE positions of [prefix | video | suffix | one text
         # token]: the extra token gives the question's first position, which is not len +

@@ -112,7 +112,11 @@ def encode_media(
     context: EncodeContext | None = None,
     progress: Progress | None = None,
     checkpoint: Checkpointing | None = None,
+    clip_frames: int | None = None,
 ) -> Encoded:
+    """clip_frames: the clip length frames are sized for (Backbone.stream_layout; None: the
+    media's own): a live stream's memory at T is this encode of the media cut at T, at the size the
+    stream pins."""
     if media.num_frames == 0:
         raise MediaError(f"no frames in {media.source}")
     started = time.perf_counter()
@@ -120,9 +124,7 @@ def encode_media(
     steps = -(-media.num_frames // per_step)
     frame_hw = tuple(media.read(0, 1).shape[1:3])
     step_times = _step_times(media, steps, per_step)
-    layout = backbone.stream_layout(frame_hw, step_times)
-    total = sum(layout.step_lengths)
-
+    layout = backbone.stream_layout(frame_hw, step_times, clip_frames)
     cache = backbone.new_cache()
     prefix_ids = backbone.text_ids(backbone.prompt.prefix)
     backbone.forward(backbone.embed_ids(prefix_ids), layout.prefix, cache)
@@ -140,23 +142,36 @@ def encode_media(
         prefix = _span(
             "prefix", done.cache, [0] * len(cache.layers), len(prefix_ids), layout.prefix
         )
+    return finished(backbone, layout, prefix, done, frame_hw, started)
+
+
+def finished(
+    backbone: Backbone,
+    layout: StreamLayout,
+    prefix: Span,
+    done: Streamed,
+    frame_hw: tuple[int, int],
+    started: float,
+) -> Encoded:
+    """What a runner left, as the pack's spans: the suffix prefilled after it."""
     suffix_positions = layout.suffix - done.shift  # a policy that compacted moved the rest up
     suffix_embeds = backbone.suffix_embeds()
     if suffix_embeds.shape[1]:
         backbone.forward(suffix_embeds, suffix_positions, done.cache)
     suffix = _span("suffix", done.cache, done.visual_end, None, suffix_positions)
+    per_step = backbone.frames_per_step
     return Encoded(
         prefix=prefix,
         blocks=done.blocks,
         suffix=suffix,
-        visual_tokens_total=total,
+        visual_tokens_total=sum(layout.step_lengths),
         layout={
             "position_dims": backbone.position_dims,
             "next_position": layout.next_position - done.shift,
             "rope_deltas": layout.rope_delta - done.shift,
             "position_shift": done.shift,
             "frames_per_step": per_step,
-            "steps": steps,
+            "steps": len(layout.step_lengths),
             "tokens_per_step": layout.grid[0] * layout.grid[1],
             "step_lengths": layout.step_lengths,
             "grid": list(layout.grid),
@@ -206,16 +221,7 @@ def encode_streaming(
         peak_kv, skip = progress["peak_kv"], progress["chunks"]
     for number, (first_step, frames, done) in enumerate(stream.chunks(1, skip), start=skip + 1):
         steps = stream.step_times[first_step : first_step + len(frames) // backbone.frames_per_step]
-        embeds, extra = backbone.visual_chunk(frames, steps, layout)
-        n = embeds.shape[1]
-        placed = state.placed(state.seen, state.seen + n)
-        recorder = policy.recorder(state)  # H2O, MEDA: what every query row of the chunk attends to
-        with recording(recorder) if recorder else nullcontext():
-            backbone.forward(embeds, placed, cache, **extra)
-        running.appended(torch.arange(state.seen, state.seen + n), placed)
-        state.seen += n
-        if recorder:
-            policy.observe(state, recorder)
+        stream_chunk(backbone, state, policy, frames, steps, layout)
         peak_kv = max(peak_kv, running.kv_bytes())
         policy.after_chunk(state)
         stream.report(done, state.seen)
@@ -233,6 +239,29 @@ def encode_streaming(
         running.visual_start(layer) + running.count(layer) for layer in range(state.layers)
     ]
     return Streamed(blocks, cache, visual_end, max(peak_kv, running.kv_bytes()), state.shift)
+
+
+def stream_chunk(
+    backbone: Backbone,
+    state: StreamState,
+    policy: StreamingMemory,
+    frames: np.ndarray,
+    steps: list[tuple[float, float]],
+    layout: StreamLayout,
+) -> None:
+    """One chunk through the running cache, placed where the layout puts it, the policy
+    recording what it scores by (H2O, MEDA: what every query row attends to). Eviction is the
+    caller's: `policy.after_chunk` (a live stream runs it once the next step is known)."""
+    embeds, extra = backbone.visual_chunk(frames, steps, layout)
+    n = embeds.shape[1]
+    placed = state.placed(state.seen, state.seen + n)
+    recorder = policy.recorder(state)
+    with recording(recorder) if recorder else nullcontext():
+        backbone.forward(embeds, placed, state.cache.cache, **extra)
+    state.cache.appended(torch.arange(state.seen, state.seen + n), placed)
+    state.seen += n
+    if recorder:
+        policy.observe(state, recorder)
 
 
 def text_attention(backbone: Backbone, state: StreamState, text: str, rows: bool = False):

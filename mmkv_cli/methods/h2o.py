@@ -35,7 +35,9 @@ class H2OMemory(TopKAtEnd):
         for layer in range(state.layers):
             start = state.cache.visual_start(layer)
             sums = recorder.column_sum[layer][0, start : start + state.cache.count(layer)]
-            accumulate(self.cumulative[layer], sums.cpu(), state.cache.index[layer])
+            self.cumulative[layer] = accumulate(
+                self.cumulative[layer], sums.cpu(), state.cache.index[layer]
+            )
 
     def saved(self) -> dict[str, torch.Tensor]:
         return {f"cumulative.{i}": c for i, c in enumerate(self.cumulative)}

@@ -145,7 +145,9 @@ class MedaMemory(KeepAll):
         for layer in range(state.layers):
             start = state.cache.visual_start(layer)
             sums = recorder.column_sum[layer][0, start : start + state.cache.count(layer)]
-            accumulate(self.cumulative[layer], sums.cpu(), state.cache.index[layer])
+            self.cumulative[layer] = accumulate(
+                self.cumulative[layer], sums.cpu(), state.cache.index[layer]
+            )
             self.vt_entropy[layer] += float(recorder.reduced[layer]["vt_entropy"][0])
         self.visual_rows = state.seen
 

@@ -19,10 +19,14 @@ def top_in_order(score: torch.Tensor, count: int) -> torch.Tensor:
     return score.topk(count).indices.sort().values
 
 
-def accumulate(total: torch.Tensor, sums: torch.Tensor, index: torch.Tensor) -> None:
+def accumulate(total: torch.Tensor, sums: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Add a chunk's column sums over a layer's cached visual tokens (cache order) to their stream
-    slots."""
-    total.index_add_(0, index, sums.float())
+    slots; returns `total`, grown first where the stream has outgrown it (a live stream's length
+    is not known ahead)."""
+    needed = int(index.max()) + 1 if index.numel() else 0
+    if needed > total.numel():
+        total = torch.cat([total, torch.zeros(needed - total.numel(), dtype=total.dtype)])
+    return total.index_add_(0, index, sums.float())
 
 
 def pooled(scores: torch.Tensor, kernel: int) -> torch.Tensor:

@@ -1,0 +1,206 @@
+"""A stream still arriving: frames pushed as they come, the running cache fed a chunk at a time,
+and at any moment the memory as it is then, as a pack holds it.
+
+The memory at moment T is, by construction, what an encode of the media cut at T holds: the same
+chunks through the same chunk step (encoder.stream_chunk), and the end of the stream (the frames
+after the last whole chunk, the last eviction, `finish`, the suffix) played on a copy of the state,
+so the stream goes on untouched. Two things a file's encode knows ahead, a live one learns late:
+- the stream's length, so a method that evicts while streaming needs its budget as a token count,
+  not a share of a length nobody knows yet;
+- where the next step sits, which a chunk's eviction uses to place what follows (HERMES's
+  re-indexing): a chunk's `after_chunk` runs once the next step's first frame is in.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from mmkv_cli.backbones.base import Backbone, StreamLayout
+from mmkv_cli.encode.encoder import (
+    Encoded,
+    Streamed,
+    _padded,
+    _span,
+    finished,
+    stream_chunk,
+    text_attention,
+)
+from mmkv_cli.errors import MediaError, UsageError
+from mmkv_cli.methods import Budget, EncodeContext
+from mmkv_cli.methods.choice import MethodChoice
+from mmkv_cli.methods.running_cache import RunningCache, StreamState
+
+
+def check_live(choice: MethodChoice) -> MethodChoice:
+    """Refuse, before any work, what cannot follow a stream of unknown length."""
+    method = choice.method
+    if method.blockwise is not None:
+        raise UsageError(
+            f"method '{choice.name}' prefills blocks of whole segments (blockwise): it does not "
+            "follow a live stream yet; encode the recording when it is done"
+        )
+    budget = choice.budget
+    if not method.keeps_all and (budget is None or budget.tokens is None):
+        share = f"{budget.share:g}" if budget is not None and budget.share is not None else "all"
+        raise UsageError(
+            f"a live stream has no length to take a share of: give '{choice.name}' its memory as "
+            f"--budget-tokens N (its budget is a share, {share})"
+        )
+    return choice
+
+
+class LiveEncoder:
+    """The running cache of one stream, fed frame by frame (times in seconds from its first)."""
+
+    def __init__(self, backbone: Backbone, choice: MethodChoice, context: EncodeContext):
+        self.backbone, self.choice = backbone, check_live(choice)
+        self.context = context
+        self.per_step = backbone.frames_per_step
+        frames = choice.params.chunk_frames
+        self.chunk_size = max(self.per_step, frames - frames % self.per_step)
+        self.times: list[float] = []  # every frame's time so far
+        self.pending: list[np.ndarray] = []  # frames after the last whole chunk
+        self.frame_hw: tuple[int, int] | None = None
+        self.evict_due = False  # a chunk went in; its eviction waits for the next step's place
+        self.peak_kv = 0
+        self.started = time.perf_counter()
+        self.state: StreamState | None = None
+        # frames are sized as for a clip of the model's most frames (a family that sizes them by
+        # the clip's length cannot wait for a live stream's)
+        self.clip_frames = backbone.spec.max_frames
+
+    @property
+    def moment(self) -> float | None:
+        """The time of the newest frame in the memory (None before the first)."""
+        return self.times[-1] if self.times else None
+
+    def push(self, frame: np.ndarray, at: float) -> None:
+        """One frame of the stream, at `at` seconds (after every earlier frame's)."""
+        if self.frame_hw is None:
+            self._begin(frame)
+        elif tuple(frame.shape[:2]) != self.frame_hw:
+            h, w = self.frame_hw
+            raise MediaError(
+                f"the stream changed resolution at {at:.2f} s ({w}x{h} -> "
+                f"{frame.shape[1]}x{frame.shape[0]}): the memory so far is kept"
+            )
+        if self.times and at <= self.times[-1]:
+            raise MediaError(f"a frame at {at:.3f} s came after one at {self.times[-1]:.3f} s")
+        self.times.append(float(at))
+        self.pending.append(frame)
+        if self.evict_due and len(self.pending) == 1:  # the next step's first frame is in
+            self._place(self.state, len(self.times))
+            self.policy.after_chunk(self.state)
+            self.evict_due = False
+        if len(self.pending) == self.chunk_size:
+            frames, self.pending = np.stack(self.pending), []
+            first = (len(self.times) - len(frames)) // self.per_step
+            layout = self._place(self.state, len(self.times))
+            steps = self._step_times(len(self.times))[first:]
+            stream_chunk(self.backbone, self.state, self.policy, frames, steps, layout)
+            self.peak_kv = max(self.peak_kv, self.state.cache.kv_bytes())
+            self.evict_due = True
+
+    def memory(self) -> Encoded:
+        """The memory now, as the pack of the stream cut at its newest frame holds it; the stream
+        goes on untouched."""
+        return self._end(fork=True)
+
+    def close(self) -> Encoded:
+        """The stream has ended: its final memory (the running state is spent on it)."""
+        return self._end(fork=False)
+
+    # --- inside ---
+
+    def _begin(self, frame: np.ndarray) -> None:
+        backbone = self.backbone
+        self.frame_hw = tuple(frame.shape[:2])
+        layout = backbone.stream_layout(self.frame_hw, [(0.0, 0.0)], self.clip_frames)
+        cache = backbone.new_cache()
+        self.prefix_ids = backbone.text_ids(backbone.prompt.prefix)
+        backbone.forward(backbone.embed_ids(self.prefix_ids), layout.prefix, cache)
+        self.prefix_positions = layout.prefix
+        budget = self.choice.budget or Budget(share=1.0)
+        self.policy = self.choice.method.streaming(self.choice.params, budget, self.context)
+        running = RunningCache(cache, len(self.prefix_ids), backbone.position_dims)
+        self.state = StreamState(
+            cache=running,
+            token_step=torch.zeros(0, dtype=torch.long),
+            layout_positions=torch.zeros(backbone.position_dims, 1, dtype=torch.long),
+            total=0,
+            position_limit=int(backbone.text_config.max_position_embeddings),
+            rope=backbone.rope_tables(),
+        )
+        self._bind(self.state)
+
+    def _bind(self, state: StreamState) -> None:
+        backbone = self.backbone
+        state.attend = lambda text, rows=False: text_attention(backbone, state, text, rows)
+
+    def _step_times(self, frames: int) -> list[tuple[float, float]]:
+        """Each temporal step's (first, last) frame time over the first `frames` frames (a step
+        not yet whole is as the last step of a cut stream is: its last frame repeated)."""
+        times, per = self.times[:frames], self.per_step
+        steps = -(-frames // per)
+        return [(times[s * per], times[min((s + 1) * per, frames) - 1]) for s in range(steps)]
+
+    def _place(self, state: StreamState, frames: int) -> StreamLayout:
+        """The layout of the first `frames` frames, set on `state`: where its tokens go, and the
+        position that follows them. What is already placed must not move."""
+        layout = self.backbone.stream_layout(
+            self.frame_hw, self._step_times(frames), self.clip_frames
+        )
+        lengths = torch.tensor(layout.step_lengths)
+        after = (
+            layout.suffix[:, :1]
+            if layout.suffix.shape[1]
+            else torch.full_like(layout.visual[:, :1], layout.next_position)
+        )
+        positions = torch.cat([layout.visual, after], dim=1).cpu()
+        seen = state.seen
+        if seen and not torch.equal(positions[:, :seen], state.layout_positions[:, :seen]):
+            raise MediaError("internal: a live stream's layout moved tokens already placed")
+        state.layout_positions = positions
+        state.token_step = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        state.total = int(lengths.sum())
+        return layout
+
+    def _end(self, fork: bool) -> Encoded:
+        if self.state is None:
+            raise MediaError("the stream gave no frame yet")
+        state, policy = self.state, self.policy
+        if fork:
+            state.attend = None  # a closure over the state: bound again on the copy
+            state, policy = copy.deepcopy((self.state, self.policy))
+            self._bind(self.state)
+            self._bind(state)
+        frames = len(self.times)
+        layout = self._place(state, frames)
+        if self.pending:  # the stream's last chunk: what came after the last whole one
+            first = (frames - len(self.pending)) // self.per_step
+            chunk = _padded(np.stack(self.pending), self.per_step)
+            steps = self._step_times(frames)[first:]
+            stream_chunk(self.backbone, state, policy, chunk, steps, layout)
+        if self.pending or self.evict_due:
+            policy.after_chunk(state)  # seen == total: the last chunk's eviction
+        peak = max(self.peak_kv, state.cache.kv_bytes())
+        policy.finish(state)
+        blocks = policy.make_blocks(state, self._step_times(frames))
+        state.attend = None
+        running = state.cache
+        visual_end = [running.visual_start(i) + running.count(i) for i in range(state.layers)]
+        prefix = _span(
+            "prefix",
+            running.cache,
+            [0] * state.layers,
+            len(self.prefix_ids),
+            self.prefix_positions,
+        )
+        done = Streamed(blocks, running.cache, visual_end, peak, state.shift)
+        encoded = finished(self.backbone, layout, prefix, done, self.frame_hw, self.started)
+        return replace(encoded, stats={**encoded.stats, "live": True})

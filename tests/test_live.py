@@ -1,0 +1,106 @@
+"""A live stream's memory at moment T is the memory of the media cut at T: every streaming method,
+every family, at a chunk's end and inside a chunk, while the stream goes on."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from mmkv_cli.encode.encoder import encode_media
+from mmkv_cli.encode.live import LiveEncoder, check_live
+from mmkv_cli.errors import MediaError, UsageError
+from mmkv_cli.media import load_media
+from mmkv_cli.media.base import Media
+from mmkv_cli.methods import METHODS, EncodeContext
+from mmkv_cli.methods.choice import resolve_method
+from tests.conftest import SAMPLES, TINY
+
+STREAMING = sorted(name for name, method in METHODS.items() if method.streaming is not None)
+
+
+def cut(media: Media, frames: int) -> Media:
+    """The media as it was when its first `frames` frames had come."""
+    return Media(
+        media.kind,
+        media.source,
+        media.digest,
+        media.timestamps[:frames],
+        lambda start, stop: media.read(start, min(stop, frames)),
+    )
+
+
+def live_choice(method: str, chunk_frames: int = 4):
+    choice = resolve_method(method)
+    if not choice.method.keeps_all:
+        choice = choice.with_budget(tokens=40)
+    return replace(choice, params=replace(choice.params, chunk_frames=chunk_frames))
+
+
+def assert_same_spans(got, want):
+    assert got.layout == want.layout and got.visual_tokens_total == want.visual_tokens_total
+    assert [b.name for b in got.blocks] == [b.name for b in want.blocks]
+    for a, b in zip(
+        [got.prefix, got.suffix, *got.blocks], [want.prefix, want.suffix, *want.blocks]
+    ):
+        assert (a.granularity, a.steps, a.time) == (b.granularity, b.steps, b.time), a.name
+        for x, y in zip(a.keys + a.values + a.positions, b.keys + b.values + b.positions):
+            assert x.shape == y.shape, a.name  # the same tokens kept
+            assert torch.allclose(x.float(), y.float(), atol=1e-5), a.name
+
+
+def follow(backbone, method: str, moments: tuple[int, ...]):
+    """Push the sample clip frame by frame; at each moment (frames in), the live memory and the
+    encode of the clip cut there."""
+    media = load_media(str(SAMPLES / "clip.mp4"), fps=4.0, max_frames=64)
+    choice = live_choice(method)
+    live = LiveEncoder(backbone, choice, EncodeContext("video"))
+    frames = media.read(0, media.num_frames)
+    for i, at in enumerate(media.timestamps):
+        live.push(frames[i], at)
+        if i + 1 in moments:
+            want = encode_media(
+                backbone,
+                cut(media, i + 1),
+                choice,
+                EncodeContext("video"),
+                clip_frames=backbone.spec.max_frames,
+            )
+            yield live.memory(), want
+    yield (
+        live.close(),
+        encode_media(
+            backbone, media, choice, EncodeContext("video"), clip_frames=backbone.spec.max_frames
+        ),
+    )
+
+
+@pytest.mark.parametrize("method", STREAMING)
+def test_every_streaming_method_holds_live_what_the_cut_media_holds(backbones, method):
+    for got, want in follow(backbones["tiny-qwen2.5-vl"], method, (4, 7)):
+        assert_same_spans(got, want)
+
+
+@pytest.mark.parametrize("family", TINY)
+def test_every_family_holds_live_what_the_cut_media_holds(backbones, family):
+    for method in ("hermes", "infinipot"):
+        for got, want in follow(backbones[family], method, (5, 8)):
+            assert_same_spans(got, want)
+
+
+def test_a_share_of_an_unknown_length_and_blockwise_methods_are_refused_before_any_work():
+    with pytest.raises(UsageError, match="--budget-tokens"):
+        check_live(resolve_method("recency"))
+    with pytest.raises(UsageError, match="blockwise"):
+        check_live(resolve_method("mukv"))
+    assert check_live(resolve_method("recency").with_budget(tokens=8)).budget.tokens == 8
+    assert check_live(resolve_method("full")).name == "full"
+
+
+def test_a_stream_that_changes_resolution_keeps_its_memory(backbones):
+    live = LiveEncoder(backbones["tiny-llava-ov"], live_choice("recency"), EncodeContext("video"))
+    frame = torch.zeros(32, 48, 3, dtype=torch.uint8).numpy()
+    for i in range(5):
+        live.push(frame, i * 0.5)
+    with pytest.raises(MediaError, match="changed resolution at 2.50 s"):
+        live.push(torch.zeros(40, 48, 3, dtype=torch.uint8).numpy(), 2.5)
+    assert live.close().blocks  # what came before is still there
