@@ -156,3 +156,21 @@ def pack_header(layers=3, dtype="float32", heads=2, dim=8, **sections):
         method=sections.pop("method", MethodRecord(name="full", budget=1.0)),
         **sections,
     )
+
+
+def mpegts_bytes(video) -> bytes:
+    """The video's packets remuxed as MPEG-TS (what ffmpeg or a camera tool pipes)."""
+    import io
+
+    import av
+
+    out_buffer = io.BytesIO()
+    with av.open(str(video)) as source, av.open(out_buffer, mode="w", format="mpegts") as out:
+        stream = source.streams.video[0]
+        copied = out.add_stream_from_template(stream)
+        for packet in source.demux(stream):
+            if packet.dts is None:
+                continue
+            packet.stream = copied
+            out.mux(packet)
+    return out_buffer.getvalue()

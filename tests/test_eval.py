@@ -99,6 +99,8 @@ def test_eval_runs_each_method_once_per_budget_and_resumes(tmp_path):
         str(tmp_path / "out"),
         "--max-new-tokens",
         "2",
+        "--protocol",
+        "replay",
         "--json",
     ]
     result = runner.invoke(app, args)
@@ -165,6 +167,37 @@ def test_eval_runs_each_method_once_per_budget_and_resumes(tmp_path):
     assert quantized.exit_code == 0, quantized.output
     assert json.loads(quantized.stdout)["runs"][0]["n"] == 12
     assert json.loads((root / "full-b1-kv4" / "config.json").read_text())["kv_bits"] == 4
+
+
+def test_the_stream_protocol_answers_each_question_from_the_memory_at_its_moment(tmp_path):
+    runner = CliRunner()
+    made = runner.invoke(
+        app, ["synth", str(tmp_path / "set"), "--clips", "1", "--frames", "8", "--kind", "normal"]
+    )
+    assert made.exit_code == 0, made.output
+    qa = tmp_path / "set" / "qa.jsonl"
+    assert any(json.loads(line).get("at") is not None for line in qa.read_text().splitlines())
+    common = ["eval", str(qa), "-m", "tiny-llava-ov", "-o", str(tmp_path / "out")]
+    common += ["--max-new-tokens", "2", "--json"]
+    streamed = runner.invoke(
+        app, [*common, "--methods", "full,hermes", "--budget-tokens", "8", "--protocol", "stream"]
+    )
+    assert streamed.exit_code == 0, streamed.output
+    runs = json.loads(streamed.stdout)["runs"]
+    assert [(r["method"], r["budget_tokens"], r["protocol"]) for r in runs] == [
+        ("full", None, "stream"),
+        ("hermes", 8, "stream"),
+    ]
+    assert all(r["n"] == 6 for r in runs)
+    root = tmp_path / "out" / "tiny-llava-ov"
+    assert json.loads((root / "hermes-t8-stream" / "config.json").read_text())["budget_tokens"] == 8
+    # a share of a stream's unknown length: refused before any work, in one line
+    refused = runner.invoke(app, [*common, "--methods", "recency", "--protocol", "stream"])
+    assert refused.exit_code == 2 and "--budget-tokens" in refused.output
+    # auto: stream where the budget can follow a stream, replay where it cannot
+    auto = runner.invoke(app, [*common, "--methods", "full,recency", "--budgets", "0.5"])
+    assert auto.exit_code == 0, auto.output
+    assert [r["protocol"] for r in json.loads(auto.stdout)["runs"]] == ["stream", "replay"]
 
 
 def test_eval_errors_are_one_line(tmp_path):

@@ -1,5 +1,5 @@
-"""A live stream's memory at moment T is the memory of the media cut at T: every streaming method,
-every family, at a chunk's end and inside a chunk, while the stream goes on."""
+"""A live stream's memory at moment T is the memory of the media cut at T: every method (streaming
+and blockwise), every family, at a chunk's end and inside a chunk, while the stream goes on."""
 
 from dataclasses import replace
 
@@ -15,7 +15,7 @@ from mmkv_cli.methods import METHODS, EncodeContext
 from mmkv_cli.methods.choice import resolve_method
 from tests.conftest import SAMPLES, TINY
 
-STREAMING = sorted(name for name, method in METHODS.items() if method.streaming is not None)
+EVERY = sorted(METHODS)
 
 
 def cut(media: Media, frames: int) -> Media:
@@ -31,7 +31,7 @@ def cut(media: Media, frames: int) -> Media:
 
 def live_choice(method: str, chunk_frames: int = 4):
     choice = resolve_method(method)
-    if not choice.method.keeps_all:
+    if not choice.method.keeps_all and choice.method.blockwise is None:  # a fixed memory
         choice = choice.with_budget(tokens=40)
     return replace(choice, params=replace(choice.params, chunk_frames=chunk_frames))
 
@@ -74,24 +74,25 @@ def follow(backbone, method: str, moments: tuple[int, ...]):
     )
 
 
-@pytest.mark.parametrize("method", STREAMING)
-def test_every_streaming_method_holds_live_what_the_cut_media_holds(backbones, method):
+@pytest.mark.parametrize("method", EVERY)
+def test_every_method_holds_live_what_the_cut_media_holds(backbones, method):
     for got, want in follow(backbones["tiny-qwen2.5-vl"], method, (4, 7)):
         assert_same_spans(got, want)
 
 
 @pytest.mark.parametrize("family", TINY)
 def test_every_family_holds_live_what_the_cut_media_holds(backbones, family):
-    for method in ("hermes", "infinipot"):
+    for method in ("hermes", "infinipot", "mukv"):
         for got, want in follow(backbones[family], method, (5, 8)):
             assert_same_spans(got, want)
 
 
-def test_a_share_of_an_unknown_length_and_blockwise_methods_are_refused_before_any_work():
+def test_a_share_of_an_unknown_length_is_refused_before_any_work():
     with pytest.raises(UsageError, match="--budget-tokens"):
         check_live(resolve_method("recency"))
-    with pytest.raises(UsageError, match="blockwise"):
-        check_live(resolve_method("mukv"))
+    with pytest.raises(UsageError, match="share of each block"):
+        check_live(resolve_method("mukv").with_budget(tokens=40))
+    assert check_live(resolve_method("mukv")).name == "mukv"
     assert check_live(resolve_method("recency").with_budget(tokens=8)).budget.tokens == 8
     assert check_live(resolve_method("full")).name == "full"
 

@@ -15,6 +15,7 @@ import typer
 
 from mmkv_cli import __version__
 from mmkv_cli.cli import batch as cli_batch
+from mmkv_cli.cli import live as cli_live
 from mmkv_cli.cli import packs as cli_pack
 from mmkv_cli.cli import study as cli_study
 from mmkv_cli.cli import talk as cli_talk
@@ -367,6 +368,7 @@ def models(as_json: bool = JsonOpt) -> None:
     run(body)
 
 
+app.command()(cli_live.live)
 app.command()(cli_study.profile)
 app.command("eval")(cli_study.eval_)
 app.command()(cli_study.synth)

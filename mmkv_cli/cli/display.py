@@ -51,13 +51,15 @@ def show_eval(runs: list[dict], figure: str) -> None:
     table = Table(
         title="eval: accuracy", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0)
     )
-    for column in ("method", "budget", "kept", "n", "all", *types):
+    for column in ("method", "budget", "protocol", "kept", "n", "all", *types):
         table.add_column(column, justify="left" if column == "method" else "right", no_wrap=True)
     for r in runs:
         kept = f"{r['kept']:.2f}" if r.get("kept") is not None else "-"
+        budget = f"{r['budget_tokens']}t" if r.get("budget_tokens") else f"{r['budget']:g}"
         table.add_row(
             r["method"],
-            f"{r['budget']:g}",
+            budget,
+            r.get("protocol", "replay"),
             kept,
             str(r["n"]),
             f"{r['accuracy']:.2f}",
@@ -72,6 +74,7 @@ def show_eval(runs: list[dict], figure: str) -> None:
     )
     table.add_row(
         "[dim]chance[/dim]",
+        "",
         "",
         "",
         "",

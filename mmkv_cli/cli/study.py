@@ -107,10 +107,21 @@ def eval_(
         None, "--media", help="Folder holding the videos or PDFs (default: the file's folder)."
     ),
     methods: str = typer.Option("full,recency", "--methods", help="Comma-separated methods."),
-    budgets: str = typer.Option(
-        "0.5,0.1",
+    budgets: str | None = typer.Option(
+        None,
         "--budgets",
-        help="Comma-separated budgets (methods that keep everything run once, at 1).",
+        help="Comma-separated shares kept (default 0.5,0.1 unless --budget-tokens is given; "
+        "methods that keep everything run once, at 1).",
+    ),
+    budget_tokens: str | None = typer.Option(
+        None, "--budget-tokens", help="Comma-separated fixed memories, in tokens per layer."
+    ),
+    protocol: str = typer.Option(
+        "auto",
+        "--protocol",
+        help="replay: encode each clip whole, ask at each moment; stream: answer each question "
+        "when the stream reaches its moment, from the memory then; auto: stream where the "
+        "questions carry moments and the budget can follow a stream.",
     ),
     out: str = typer.Option(
         "eval", "--out", "-o", help="Results folder: OUT/<model>/<method>-b<budget>/."
@@ -138,16 +149,25 @@ def eval_(
         from mmkv_cli.study import evaluate as ev
 
         names = [m.strip() for m in methods.split(",") if m.strip()]
+        shares = budgets if budgets is not None else ("" if budget_tokens else "0.5,0.1")
         try:
-            levels = [float(b) for b in budgets.split(",") if b.strip()]
+            levels = [float(b) for b in shares.split(",") if b.strip()]
         except ValueError:
             raise UsageError(f"--budgets must be numbers in (0, 1], not '{budgets}'") from None
+        try:
+            tokens = tuple(int(t) for t in (budget_tokens or "").split(",") if t.strip())
+        except ValueError:
+            raise UsageError(
+                f"--budget-tokens must be whole numbers, not '{budget_tokens}'"
+            ) from None
         settings = ev.EvalSettings(
             fps=fps,
             max_frames=max_frames,
             positions=positions,
             max_new_tokens=max_new_tokens,
             kv_bits=kv_bits,
+            protocol=protocol,
+            budget_tokens=tokens,
         )
         load = load_options(model, device, dtype)
         with eval_progress() as bar:
@@ -160,7 +180,17 @@ def eval_(
                 qa_file, names, levels, out, settings, load, limit, fresh, task, media, progress
             )
         if as_json:
-            fields = ("method", "budget", "kv_bits", "kept", "accuracy", "by_type", "n")
+            fields = (
+                "method",
+                "budget",
+                "budget_tokens",
+                "protocol",
+                "kv_bits",
+                "kept",
+                "accuracy",
+                "by_type",
+                "n",
+            )
             emit_json(
                 {
                     "runs": [{k: r.get(k) for k in fields} for r in result["runs"]],

@@ -9,6 +9,8 @@ so the stream goes on untouched. Two things a file's encode knows ahead, a live 
   not a share of a length nobody knows yet;
 - where the next step sits, which a chunk's eviction uses to place what follows (HERMES's
   re-indexing): a chunk's `after_chunk` runs once the next step's first frame is in.
+A blockwise method (MuKV) keeps no running state: its blocks are made as whole segments come in,
+the segment still arriving is made on the spot for a memory; its budget is a share of each block.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 from mmkv_cli.backbones.base import Backbone, StreamLayout
+from mmkv_cli.encode.blockwise import chunk_plans, order_blocks, prefill_blocks
 from mmkv_cli.encode.encoder import (
     Encoded,
     Streamed,
@@ -34,17 +37,19 @@ from mmkv_cli.errors import MediaError, UsageError
 from mmkv_cli.methods import Budget, EncodeContext
 from mmkv_cli.methods.choice import MethodChoice
 from mmkv_cli.methods.running_cache import RunningCache, StreamState
+from mmkv_cli.pack import Span
 
 
 def check_live(choice: MethodChoice) -> MethodChoice:
     """Refuse, before any work, what cannot follow a stream of unknown length."""
-    method = choice.method
+    method, budget = choice.method, choice.budget
     if method.blockwise is not None:
-        raise UsageError(
-            f"method '{choice.name}' prefills blocks of whole segments (blockwise): it does not "
-            "follow a live stream yet; encode the recording when it is done"
-        )
-    budget = choice.budget
+        if budget is not None and budget.tokens is not None:
+            raise UsageError(
+                f"'{choice.name}' keeps a share of each block: a token count needs the stream's "
+                "length, which a live stream does not have (give --budget S)"
+            )
+        return choice
     if not method.keeps_all and (budget is None or budget.tokens is None):
         share = f"{budget.share:g}" if budget is not None and budget.share is not None else "all"
         raise UsageError(
@@ -55,21 +60,27 @@ def check_live(choice: MethodChoice) -> MethodChoice:
 
 
 class LiveEncoder:
-    """The running cache of one stream, fed frame by frame (times in seconds from its first)."""
+    """The memory of one stream, fed frame by frame (times in seconds from its first)."""
 
     def __init__(self, backbone: Backbone, choice: MethodChoice, context: EncodeContext):
         self.backbone, self.choice = backbone, check_live(choice)
         self.context = context
         self.per_step = backbone.frames_per_step
+        budget = choice.budget or Budget(share=1.0)
+        if choice.method.blockwise is not None:
+            self.runner = BlockRunner(self, choice.method.blockwise(choice.params, budget))
+            unit = self.per_step * self.runner.policy.segment_steps(self.per_step)
+        else:
+            self.runner = StreamRunner(
+                self, choice.method.streaming(choice.params, budget, context)
+            )
+            unit = self.per_step
         frames = choice.params.chunk_frames
-        self.chunk_size = max(self.per_step, frames - frames % self.per_step)
+        self.chunk_size = max(unit, frames - frames % unit)  # whole steps (segments), as a file's
         self.times: list[float] = []  # every frame's time so far
         self.pending: list[np.ndarray] = []  # frames after the last whole chunk
         self.frame_hw: tuple[int, int] | None = None
-        self.evict_due = False  # a chunk went in; its eviction waits for the next step's place
-        self.peak_kv = 0
         self.started = time.perf_counter()
-        self.state: StreamState | None = None
         # frames are sized as for a clip of the model's most frames (a family that sizes them by
         # the clip's length cannot wait for a live stream's)
         self.clip_frames = backbone.spec.max_frames
@@ -93,18 +104,11 @@ class LiveEncoder:
             raise MediaError(f"a frame at {at:.3f} s came after one at {self.times[-1]:.3f} s")
         self.times.append(float(at))
         self.pending.append(frame)
-        if self.evict_due and len(self.pending) == 1:  # the next step's first frame is in
-            self._place(self.state, len(self.times))
-            self.policy.after_chunk(self.state)
-            self.evict_due = False
+        if len(self.pending) == 1:
+            self.runner.next_step()
         if len(self.pending) == self.chunk_size:
             frames, self.pending = np.stack(self.pending), []
-            first = (len(self.times) - len(frames)) // self.per_step
-            layout = self._place(self.state, len(self.times))
-            steps = self._step_times(len(self.times))[first:]
-            stream_chunk(self.backbone, self.state, self.policy, frames, steps, layout)
-            self.peak_kv = max(self.peak_kv, self.state.cache.kv_bytes())
-            self.evict_due = True
+            self.runner.chunk(frames, (len(self.times) - len(frames)) // self.per_step)
 
     def memory(self) -> Encoded:
         """The memory now, as the pack of the stream cut at its newest frame holds it; the stream
@@ -115,19 +119,55 @@ class LiveEncoder:
         """The stream has ended: its final memory (the running state is spent on it)."""
         return self._end(fork=False)
 
-    # --- inside ---
+    # --- what both runners share ---
 
     def _begin(self, frame: np.ndarray) -> None:
         backbone = self.backbone
         self.frame_hw = tuple(frame.shape[:2])
         layout = backbone.stream_layout(self.frame_hw, [(0.0, 0.0)], self.clip_frames)
-        cache = backbone.new_cache()
-        self.prefix_ids = backbone.text_ids(backbone.prompt.prefix)
-        backbone.forward(backbone.embed_ids(self.prefix_ids), layout.prefix, cache)
-        self.prefix_positions = layout.prefix
-        budget = self.choice.budget or Budget(share=1.0)
-        self.policy = self.choice.method.streaming(self.choice.params, budget, self.context)
-        running = RunningCache(cache, len(self.prefix_ids), backbone.position_dims)
+        self.cache = backbone.new_cache()
+        prefix_ids = backbone.text_ids(backbone.prompt.prefix)
+        backbone.forward(backbone.embed_ids(prefix_ids), layout.prefix, self.cache)
+        self.prompt_len, self.prefix_positions = len(prefix_ids), layout.prefix
+        self.runner.begin()
+
+    def step_times(self, frames: int) -> list[tuple[float, float]]:
+        """Each temporal step's (first, last) frame time over the first `frames` frames (a step
+        not yet whole is as the last step of a cut stream is: its last frame repeated)."""
+        times, per = self.times[:frames], self.per_step
+        steps = -(-frames // per)
+        return [(times[s * per], times[min((s + 1) * per, frames) - 1]) for s in range(steps)]
+
+    def layout(self, frames: int) -> StreamLayout:
+        """The layout of the first `frames` frames (what is placed never moves as more come)."""
+        return self.backbone.stream_layout(self.frame_hw, self.step_times(frames), self.clip_frames)
+
+    def prefix(self, cache, layers: int) -> Span:
+        return _span("prefix", cache, [0] * layers, self.prompt_len, self.prefix_positions)
+
+    def _end(self, fork: bool) -> Encoded:
+        if self.frame_hw is None:
+            raise MediaError("the stream gave no frame yet")
+        frames = len(self.times)
+        layout = self.layout(frames)
+        pending = _padded(np.stack(self.pending), self.per_step) if self.pending else None
+        first = (frames - len(self.pending)) // self.per_step
+        prefix, done = self.runner.end(fork, layout, pending, first)
+        encoded = finished(self.backbone, layout, prefix, done, self.frame_hw, self.started)
+        return replace(encoded, stats={**encoded.stats, "live": True})
+
+
+class StreamRunner:
+    """A streaming memory policy over one running cache."""
+
+    def __init__(self, owner: LiveEncoder, policy):
+        self.owner, self.policy = owner, policy
+        self.evict_due = False  # a chunk went in; its eviction waits for the next step's place
+        self.peak_kv = 0
+
+    def begin(self) -> None:
+        owner, backbone = self.owner, self.owner.backbone
+        running = RunningCache(owner.cache, owner.prompt_len, backbone.position_dims)
         self.state = StreamState(
             cache=running,
             token_step=torch.zeros(0, dtype=torch.long),
@@ -138,23 +178,52 @@ class LiveEncoder:
         )
         self._bind(self.state)
 
-    def _bind(self, state: StreamState) -> None:
-        backbone = self.backbone
-        state.attend = lambda text, rows=False: text_attention(backbone, state, text, rows)
+    def next_step(self) -> None:
+        """The first frame after a chunk is in: the chunk's eviction knows where that step sits."""
+        if self.evict_due:
+            self._place(self.state, len(self.owner.times))
+            self.policy.after_chunk(self.state)
+            self.evict_due = False
 
-    def _step_times(self, frames: int) -> list[tuple[float, float]]:
-        """Each temporal step's (first, last) frame time over the first `frames` frames (a step
-        not yet whole is as the last step of a cut stream is: its last frame repeated)."""
-        times, per = self.times[:frames], self.per_step
-        steps = -(-frames // per)
-        return [(times[s * per], times[min((s + 1) * per, frames) - 1]) for s in range(steps)]
+    def chunk(self, frames: np.ndarray, first: int) -> None:
+        done = len(self.owner.times)
+        layout = self._place(self.state, done)
+        steps = self.owner.step_times(done)[first:]
+        stream_chunk(self.owner.backbone, self.state, self.policy, frames, steps, layout)
+        self.peak_kv = max(self.peak_kv, self.state.cache.kv_bytes())
+        self.evict_due = True
+
+    def end(self, fork: bool, layout: StreamLayout, pending, first: int):
+        state, policy = self.state, self.policy
+        if fork:
+            state.attend = None  # a closure over the state: bound again on the copy
+            state, policy = copy.deepcopy((self.state, self.policy))
+            self._bind(self.state)
+            self._bind(state)
+        frames = len(self.owner.times)
+        self._place(state, frames)
+        if pending is not None:  # the stream's last chunk: what came after the last whole one
+            steps = self.owner.step_times(frames)[first:]
+            stream_chunk(self.owner.backbone, state, policy, pending, steps, layout)
+        if pending is not None or self.evict_due:
+            policy.after_chunk(state)  # seen == total: the last chunk's eviction
+        peak = max(self.peak_kv, state.cache.kv_bytes())
+        policy.finish(state)
+        blocks = policy.make_blocks(state, self.owner.step_times(frames))
+        state.attend = None
+        running = state.cache
+        visual_end = [running.visual_start(i) + running.count(i) for i in range(state.layers)]
+        prefix = self.owner.prefix(running.cache, state.layers)  # MEDA may merge into it
+        return prefix, Streamed(blocks, running.cache, visual_end, peak, state.shift)
+
+    def _bind(self, state: StreamState) -> None:
+        backbone = self.owner.backbone
+        state.attend = lambda text, rows=False: text_attention(backbone, state, text, rows)
 
     def _place(self, state: StreamState, frames: int) -> StreamLayout:
         """The layout of the first `frames` frames, set on `state`: where its tokens go, and the
         position that follows them. What is already placed must not move."""
-        layout = self.backbone.stream_layout(
-            self.frame_hw, self._step_times(frames), self.clip_frames
-        )
+        layout = self.owner.layout(frames)
         lengths = torch.tensor(layout.step_lengths)
         after = (
             layout.suffix[:, :1]
@@ -170,37 +239,58 @@ class LiveEncoder:
         state.total = int(lengths.sum())
         return layout
 
-    def _end(self, fork: bool) -> Encoded:
-        if self.state is None:
-            raise MediaError("the stream gave no frame yet")
-        state, policy = self.state, self.policy
-        if fork:
-            state.attend = None  # a closure over the state: bound again on the copy
-            state, policy = copy.deepcopy((self.state, self.policy))
-            self._bind(self.state)
-            self._bind(state)
-        frames = len(self.times)
-        layout = self._place(state, frames)
-        if self.pending:  # the stream's last chunk: what came after the last whole one
-            first = (frames - len(self.pending)) // self.per_step
-            chunk = _padded(np.stack(self.pending), self.per_step)
-            steps = self._step_times(frames)[first:]
-            stream_chunk(self.backbone, state, policy, chunk, steps, layout)
-        if self.pending or self.evict_due:
-            policy.after_chunk(state)  # seen == total: the last chunk's eviction
-        peak = max(self.peak_kv, state.cache.kv_bytes())
-        policy.finish(state)
-        blocks = policy.make_blocks(state, self._step_times(frames))
-        state.attend = None
-        running = state.cache
-        visual_end = [running.visual_start(i) + running.count(i) for i in range(state.layers)]
-        prefix = _span(
-            "prefix",
-            running.cache,
-            [0] * state.layers,
-            len(self.prefix_ids),
-            self.prefix_positions,
+
+class BlockRunner:
+    """A blockwise memory policy: blocks of whole segments, each prefilled after the init prompt."""
+
+    def __init__(self, owner: LiveEncoder, policy):
+        self.owner, self.policy = owner, policy
+        self.blocks: list[Span] = []
+        self.seen = 0  # visual tokens made into blocks
+        self.peak_kv = 0
+
+    def begin(self) -> None:
+        self.policy.begin(1)  # a share of each block: the stream's length does not enter it
+        self.prefix_span = self.owner.prefix(self.owner.cache, len(self.owner.cache.layers))
+
+    def next_step(self) -> None:
+        pass  # blocks are independent: nothing waits for the next step
+
+    def chunk(self, frames: np.ndarray, first: int) -> None:
+        made, self.seen, peak = self._made(frames, first, len(self.owner.times), self.seen)
+        self.blocks += made
+        self.peak_kv = max(self.peak_kv, peak)
+
+    def end(self, fork: bool, layout: StreamLayout, pending, first: int):
+        blocks, peak = list(self.blocks), self.peak_kv
+        if pending is not None:  # the segment still arriving, made on the spot
+            made, _, more = self._made(pending, first, len(self.owner.times), self.seen)
+            blocks, peak = blocks + made, max(peak, more)
+        cache = copy.deepcopy(self.owner.cache) if fork else self.owner.cache  # the suffix follows
+        counts = self.prefix_span.layer_counts
+        return self.prefix_span, Streamed(order_blocks(blocks), cache, counts, peak)
+
+    def _made(self, frames: np.ndarray, first: int, done: int, seen: int):
+        """The blocks of one chunk of whole segments (the last may be short): (blocks, tokens
+        seen after it, peak KV bytes)."""
+        owner, backbone = self.owner, self.owner.backbone
+        layout = owner.layout(done)
+        steps = owner.step_times(done)[first:]
+        embeds, extra = backbone.visual_chunk(frames, steps, layout)
+        n = embeds.shape[1]
+        plans = chunk_plans(self.policy, layout, first, len(steps), owner.per_step)
+        starts = torch.cumsum(torch.tensor([0, *layout.step_lengths[:-1]]), 0)
+        origins = layout.visual[:, starts].cpu()
+        positions = layout.visual[:, seen : seen + n].cpu()
+        made, peak = prefill_blocks(
+            backbone,
+            self.policy,
+            self.prefix_span,
+            embeds,
+            extra,
+            positions,
+            plans,
+            owner.step_times(done),
+            origins,
         )
-        done = Streamed(blocks, running.cache, visual_end, peak, state.shift)
-        encoded = finished(self.backbone, layout, prefix, done, self.frame_hw, self.started)
-        return replace(encoded, stats={**encoded.stats, "live": True})
+        return made, seen + n, peak

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mmkv_cli.errors import UsageError
@@ -90,6 +90,26 @@ class EvalSettings:
     positions: Positions | None = None
     max_new_tokens: int = 8
     kv_bits: int = 16  # bits per stored visual K/V value (16: as computed)
+    # replay: encode the whole clip, ask with --at; stream: answer each question when the stream
+    # reaches its moment, from the memory then (stream_protocol.py); auto: stream when the
+    # questions carry moments
+    protocol: str = "auto"
+    budget_tokens: tuple[int, ...] = ()  # fixed memories (tokens per layer), beside the shares
+
+
+PROTOCOLS = ("auto", "replay", "stream")
+
+
+@dataclass(frozen=True)
+class Level:
+    """A run's budget: a share of the visual tokens, a token count, or none (keeps everything)."""
+
+    share: float | None = None
+    tokens: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"t{self.tokens}" if self.tokens is not None else f"b{self.share or 1:g}"
 
 
 def evaluate(
@@ -113,14 +133,22 @@ def evaluate(
     from mmkv_cli.backbones.spec import default_model
     from mmkv_cli.methods.choice import check_budget, resolve_method
 
-    levels = [check_budget(b) for b in budgets]
-    plan = []
-    for name in methods:
-        method = resolve_method(name).method  # unknown names fail here, before any work
-        plan += [(name, None)] if method.keeps_all else [(name, b) for b in levels]
+    if settings.protocol not in PROTOCOLS:
+        raise UsageError(f"unknown protocol '{settings.protocol}' ({', '.join(PROTOCOLS)})")
+    levels = [Level(share=check_budget(b)) for b in budgets]
+    for tokens in settings.budget_tokens:
+        if tokens < 1:
+            raise UsageError(f"--budget-tokens must be at least 1, got {tokens}")
+        levels.append(Level(tokens=tokens))
     items = load_items(qa_file, task, media)[:limit]
     if not items:
         raise UsageError(f"{qa_file} holds no questions")
+    moments = any(i.at is not None for i in items)
+    plan = []
+    for name in methods:
+        choice = resolve_method(name)  # unknown names fail here, before any work
+        for level in [Level()] if choice.method.keeps_all else levels:
+            plan.append((name, level, _protocol(settings.protocol, choice, level, moments)))
     model = load.model or default_model()
     root = Path(out)
     if root.exists() and not root.is_dir():
@@ -128,20 +156,35 @@ def evaluate(
     backbone = load_backbone(load)
     runs = []
     clips = len({i.video for i in items})
-    for name, budget in plan:
-        label = f"{name} b{budget if budget is not None else 1:g}"
-        on_clip = progress(label, clips) if progress else None
-        folder = run_folder(
-            root, model, name, budget if budget is not None else 1.0, settings.kv_bits
-        )
+    for name, level, protocol in plan:
+        on_clip = progress(f"{name} {level.label} {protocol}", clips) if progress else None
+        folder = run_folder(root, model, name, level.label, settings.kv_bits, protocol)
+        run = replace(settings, protocol=protocol)
         runs.append(
             evaluate_run(
-                items, folder, backbone, model, name, budget, settings, on_clip=on_clip, fresh=fresh
+                items, folder, backbone, model, name, level, run, on_clip=on_clip, fresh=fresh
             )
         )
-    figure = run_folder(root, model, "x", 1).parent / "accuracy_vs_budget.png"
+    figure = run_folder(root, model, "x", "b1").parent / "accuracy_vs_budget.png"
     plot(runs, figure)
     return {"runs": runs, "plot": str(figure)}
+
+
+def _protocol(asked: str, choice, level: Level, moments: bool) -> str:
+    """A run's protocol: as asked (a stream refuses, before any work, a budget that needs the
+    stream's length), or for auto: stream where the questions carry moments and the budget can
+    follow a stream, else replay."""
+    from mmkv_cli.encode.live import check_live
+
+    if asked == "replay" or (asked == "auto" and not moments):
+        return "replay"
+    try:
+        check_live(choice.with_budget(level.share, level.tokens))
+    except UsageError:
+        if asked == "stream":
+            raise
+        return "replay"
+    return "stream"
 
 
 def evaluate_run(
@@ -150,24 +193,25 @@ def evaluate_run(
     backbone,
     model: str,
     method: str,
-    budget: float | None,
+    level: Level,
     settings: EvalSettings,
     on_clip: Callable[[int], None] | None = None,
     fresh: bool = False,
 ) -> dict:
-    """One method at one budget (None: its own, for methods that keep everything) over every item;
-    resumes from folder/predictions.jsonl."""
-    config = _run_config(items, backbone, model, method, budget, settings)
+    """One method at one budget (Level(): its own, for methods that keep everything) over every
+    item; resumes from folder/predictions.jsonl."""
+    config = _run_config(items, backbone, model, method, level, settings)
     done = open_run(folder, config, fresh)
     clips: dict[str, list[Item]] = {}
     for item in items:
         clips.setdefault(item.video, []).append(item)
+    answer = _answer_streamed if settings.protocol == "stream" else _answer_clip
     with (folder / "predictions.jsonl").open("a") as sink, work_folder(folder) as tmp:
         for n, (video, asked) in enumerate(clips.items()):
             todo = [i for i in asked if i.key not in done]
             if todo:
                 pack = Path(tmp) / "clip.kvpack"
-                for row in _answer_clip(video, todo, pack, backbone, method, budget, settings):
+                for row in answer(video, todo, pack, backbone, method, level, settings):
                     sink.write(json.dumps(row) + "\n")
                     sink.flush()
                     done[row["key"]] = row
@@ -175,26 +219,30 @@ def evaluate_run(
                 on_clip(n + 1)
     result = {
         "method": method,
-        "budget": budget if budget is not None else 1.0,
+        "budget": level.share if level.tokens is None else None,
+        "budget_tokens": level.tokens,
+        "protocol": settings.protocol,
         "kv_bits": settings.kv_bits,
         **metrics(_scored(items, done), chance_level),
     }
+    if level.tokens is None and level.share is None:
+        result["budget"] = 1.0
     (folder / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
-def _run_config(items, backbone, model, method, budget, settings: EvalSettings) -> dict:
+def _run_config(items, backbone, model, method, level: Level, settings: EvalSettings) -> dict:
     """Everything a run's answers depend on: a run folder is reused only under the same."""
     from mmkv_cli.methods.choice import resolve_method
     from mmkv_cli.spec import as_plain
 
     fingerprint = backbone.fingerprint()
-    return {
+    config = {
         "model": model,
         "model_fingerprint": {k: fingerprint.get(k) for k in FINGERPRINT},
         "method": method,
         "params": as_plain(resolve_method(method).params),
-        "budget": budget if budget is not None else 1.0,
+        "budget": level.share if level.share is not None else 1.0,
         "fps": settings.fps,
         "max_frames": settings.max_frames,
         "positions": settings.positions.value if settings.positions else None,
@@ -202,15 +250,40 @@ def _run_config(items, backbone, model, method, budget, settings: EvalSettings) 
         "kv_bits": settings.kv_bits,
         "questions_sha256": questions_digest(items),
     }
+    if level.tokens is not None:  # keys a replay run at a share never had: its folder still fits
+        config.update(budget=None, budget_tokens=level.tokens)
+    if settings.protocol == "stream":
+        config["protocol"] = "stream"
+    return config
 
 
-def _answer_clip(video, todo, pack, backbone, method, budget, settings: EvalSettings):
-    """Encode one clip once, then answer each of its questions from the pack: a row per item."""
+def _row(item: Item, video: str, answer, kept) -> dict:
+    guess = predicted(item, answer.answer)
+    return {
+        "key": item.key,
+        "video": video,
+        "question": item.question,
+        "type": item.type,
+        "options": len(item.options),
+        "answer": item.answer,
+        "prediction": guess,
+        "raw": answer.answer,
+        "correct": correct(item, guess),
+        "context_tokens": answer.context_tokens,
+        "ttft_s": round(answer.ttft_s, 4),
+        "kept": kept,
+    }
+
+
+def _answer_clip(video, todo, pack, backbone, method, level: Level, settings: EvalSettings):
+    """Replay: encode one clip once, then answer each of its questions from the pack (at its
+    moment, with --at): a row per item."""
     from mmkv_cli import api
 
     encoding = EncodeOptions(
         method,
-        budget,
+        level.share,
+        level.tokens,
         fps=settings.fps,
         max_frames=settings.max_frames,
         force=True,
@@ -222,21 +295,24 @@ def _answer_clip(video, todo, pack, backbone, method, budget, settings: EvalSett
     for item in todo:
         asking = AskOptions(at=item.at, positions=settings.positions, generation=generation)
         answer = api.ask(pack, prompt_for(item), asking, backbone=backbone)
-        guess = predicted(item, answer.answer)
-        yield {
-            "key": item.key,
-            "video": video,
-            "question": item.question,
-            "type": item.type,
-            "options": len(item.options),
-            "answer": item.answer,
-            "prediction": guess,
-            "raw": answer.answer,
-            "correct": correct(item, guess),
-            "context_tokens": answer.context_tokens,
-            "ttft_s": round(answer.ttft_s, 4),
-            "kept": kept,
-        }
+        yield _row(item, video, answer, kept)
+
+
+def _answer_streamed(video, todo, pack, backbone, method, level: Level, settings: EvalSettings):
+    """Stream: the clip followed once as a live stream, each question answered from the memory at
+    its moment (stream_protocol.py): a row per item."""
+    from mmkv_cli.methods.choice import resolve_method
+    from mmkv_cli.study.stream_protocol import answered_live
+
+    choice = resolve_method(method).with_budget(level.share, level.tokens)
+    generation = GenerationOptions(max_new_tokens=settings.max_new_tokens)
+    asking = AskOptions(positions=settings.positions, generation=generation)
+    fps = settings.fps if settings.fps is not None else backbone.spec.fps
+    frames = settings.max_frames if settings.max_frames is not None else backbone.spec.max_frames
+    for item, answer, info in answered_live(
+        video, todo, backbone, choice, fps, frames, settings.kv_bits, asking, prompt_for
+    ):
+        yield _row(item, video, answer, kept_share(info))
 
 
 def _scored(items: list[Item], done: dict) -> list[dict]:
@@ -251,6 +327,13 @@ def _scored(items: list[Item], done: dict) -> list[dict]:
     return rows
 
 
+def _series(run: dict) -> str:
+    """A plot line: a method, under one protocol and one kind of budget."""
+    kind = " tokens" if run.get("budget_tokens") else ""
+    stream = " (stream)" if run.get("protocol") == "stream" else ""
+    return f"{run['method']}{kind}{stream}"
+
+
 def plot(runs: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -258,12 +341,17 @@ def plot(runs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for i, method in enumerate(dict.fromkeys(r["method"] for r in runs)):
-        points = sorted((r["budget"], r["accuracy"]) for r in runs if r["method"] == method)
-        # keeps everything: a level to compare the others with
-        if len(points) == 1 and points[0][0] == 1:
+    for i, label in enumerate(dict.fromkeys(_series(r) for r in runs)):
+        # x: the share of visual KV the packs held, as measured (a token budget has no share)
+        points = sorted(
+            (r["kept"] if r.get("kept") is not None else r["budget"] or 1.0, r["accuracy"])
+            for r in runs
+            if _series(r) == label
+        )
+        whole = [r for r in runs if _series(r) == label and r.get("budget") == 1.0]
+        if len(points) == 1 and whole:  # keeps everything: a level to compare the others with
             ax.axhline(
-                points[0][1], linestyle=":", color=f"C{i % 10}", label=f"{method} (keeps all)"
+                points[0][1], linestyle=":", color=f"C{i % 10}", label=f"{label} (keeps all)"
             )
         else:
             ax.plot(
@@ -271,13 +359,13 @@ def plot(runs: list[dict], path: Path) -> None:
                 [p[1] for p in points],
                 marker="o",
                 color=f"C{i % 10}",
-                label=method,
+                label=label,
             )
     chances = [t["chance"] * t["n"] for t in runs[0]["by_type"].values() if t["chance"] is not None]
     if runs and len(chances) == len(runs[0]["by_type"]):
         ax.axhline(sum(chances) / runs[0]["n"], color="gray", linestyle="--", label="chance")
     ax.set_xscale("log")
-    ax.set_xlabel("budget (fraction of visual tokens kept)")
+    ax.set_xlabel("fraction of visual KV kept (measured)")
     ax.set_ylabel("accuracy")
     ax.set_ylim(0, 1.02)
     ax.legend(fontsize="small", ncol=2)

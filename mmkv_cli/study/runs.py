@@ -20,10 +20,14 @@ from pathlib import Path
 from mmkv_cli.errors import UsageError
 
 
-def run_folder(out: Path, model: str, method: str, budget: float, kv_bits: int = 16) -> Path:
+def run_folder(
+    out: Path, model: str, method: str, level: str, kv_bits: int = 16, protocol: str = "replay"
+) -> Path:
+    """OUT/<model>/<method>-<level>[-kvB][-stream]: level b<share> or t<tokens>."""
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model)
     stored = "" if kv_bits == 16 else f"-kv{kv_bits}"
-    return out / safe / f"{method}-b{budget:g}{stored}"
+    streamed = "-stream" if protocol == "stream" else ""
+    return out / safe / f"{method}-{level}{stored}{streamed}"
 
 
 def _done(predictions: Path) -> dict[str, dict]:

@@ -1,0 +1,162 @@
+"""`mmkv live SOURCE -o PACK`: follow a stream still arriving, answer questions on the way
+(registered on the app in app.py)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+import typer
+
+from mmkv_cli.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    KvBitsOpt,
+    KvGroupOpt,
+    ModelOpt,
+    emit_json,
+    load_options,
+    method_names,
+    run,
+)
+from mmkv_cli.errors import MediaError, UsageError
+from mmkv_cli.options import Dtype, EncodeOptions, GenerationOptions
+
+
+def live(
+    source: str = typer.Argument(
+        ...,
+        help="'-' (a stream piped on stdin), a file still being written, rtsp:// rtmp:// udp:// "
+        "http(s):// (MPEG-TS, HLS), or /dev/videoN.",
+    ),
+    output: str = typer.Option(..., "--output", "-o", help="The .kvpack the memory goes to."),
+    method: str = typer.Option(
+        "hermes", "--method", help="A streaming memory policy.", autocompletion=method_names
+    ),
+    budget_tokens: int | None = typer.Option(
+        None, "--budget-tokens", help="Visual tokens of memory per layer (evicting methods)."
+    ),
+    budget: float | None = typer.Option(
+        None, "--budget", help="A share: refused live for evicting methods (no length to share)."
+    ),
+    fps: float | None = typer.Option(
+        None, "--fps", help="Frames taken per second of stream (default: model preset)."
+    ),
+    questions: str | None = typer.Option(
+        None,
+        "--questions",
+        help="JSONL of {question, id?, at?} ('-': stdin); default: typed at a prompt.",
+    ),
+    snapshot_every: float | None = typer.Option(
+        None, "--snapshot-every", help="Publish the memory as a whole pack every N stream seconds."
+    ),
+    behind: str | None = typer.Option(
+        None,
+        "--behind",
+        help="When the source outruns the encode: wait (pipes, files) or drop frames (others).",
+    ),
+    stall: float = typer.Option(10.0, "--stall", help="Seconds of silence that end the stream."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Longest answer, in tokens."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output."),
+    kv_bits: int = KvBitsOpt,
+    kv_group: int = KvGroupOpt,
+    model: str | None = ModelOpt,
+    device: str = DeviceOpt,
+    dtype: Dtype = DtypeOpt,
+    as_json: bool = typer.Option(False, "--json", help="Answers as JSON lines on stdout."),
+) -> None:
+    """Follow a live stream into a pack; each question is answered from the memory at its moment."""
+
+    def body() -> None:
+        from mmkv_cli.cli.display import err_console, out_console
+        from mmkv_cli.live import Follow
+        from mmkv_cli.media.live import LiveOptions
+
+        if source == "-" and questions in (None, "-"):
+            raise UsageError("the stream comes on stdin: give the questions as --questions FILE")
+        if max_new_tokens < 1:
+            raise UsageError("--max-new-tokens must be at least 1")
+        options = EncodeOptions(
+            method, budget, budget_tokens, force=force, kv_bits=kv_bits, kv_group=kv_group
+        )
+        load = load_options(model, device, dtype)
+        preset_fps = fps if fps is not None else _preset_fps(load.model)
+        following = Follow(
+            source,
+            output,
+            options,
+            LiveOptions(fps=preset_fps, behind=behind, stall_s=stall),
+            load=load,
+            snapshot_every=snapshot_every,
+            generation=GenerationOptions(max_new_tokens),
+            on_answer=lambda record: _show(record, as_json, out_console),
+        )
+        feeder = threading.Thread(
+            target=_feed, args=(following, questions), name="mmkv-live-questions", daemon=True
+        )
+        feeder.start()
+        for stop in (signal.SIGTERM, signal.SIGINT):  # the final pack is written on the way out
+            signal.signal(stop, lambda signum, frame: following.stop())
+        done = following.run()
+        err_console.print(
+            f"wrote {done['path']}: {done['frames']} frames to {done['moment']:.2f} s "
+            f"({done['stopped']}; {done['dropped']} dropped, {done['snapshots']} snapshots)",
+            highlight=False,
+        )
+        if done["error"]:
+            raise MediaError(f"{done['error']} (the memory so far is in {done['path']})")
+
+    run(body)
+
+
+def _preset_fps(model: str | None) -> float:
+    from mmkv_cli.backbones.spec import ModelSpec, default_model, load_model_spec
+
+    return (load_model_spec(model or default_model()) or ModelSpec()).fps
+
+
+def _feed(following, questions: str | None) -> None:
+    """Questions into the follow, a line at a time, as they come: a bad line is one line on stderr
+    and the stream goes on."""
+    from mmkv_cli.cli.display import err_console
+    from mmkv_cli.cli.questions import parse_lines
+    from mmkv_cli.live import LiveQuestion
+
+    if questions is None:
+        lines, where = _typed(), "prompt"
+    elif questions == "-":
+        lines, where = sys.stdin, "stdin"
+    else:
+        try:
+            lines, where = open(questions, encoding="utf-8"), questions  # noqa: SIM115
+        except OSError as err:
+            err_console.print(f"error: {questions}: {err.strerror}", highlight=False)
+            return
+    for number, line in enumerate(lines, 1):
+        try:
+            for q in parse_lines([line], f"{where}:{number}"):
+                following.ask(LiveQuestion(q.text, q.id, q.at))
+        except UsageError as err:
+            err_console.print(f"error: {err}", highlight=False)
+
+
+def _typed():
+    while True:
+        try:
+            yield input()
+        except EOFError:
+            return
+
+
+def _show(record: dict, as_json: bool, console) -> None:
+    if as_json:
+        emit_json(record)
+    elif "error" in record:
+        console.print(f"[{record['id'] or '-'}] error: {record['error']}", highlight=False)
+    else:
+        console.print(
+            f"[{record['moment']:.2f} s] {record['answer']}  "
+            f"(ttft {record['ttft_s']:.2f} s, {record['behind_s']:.1f} s behind)",
+            highlight=False,
+        )

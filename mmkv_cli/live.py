@@ -1,0 +1,201 @@
+"""The live verb: follow a source still arriving, answer each question from the memory as it is at
+the question's moment, and publish that memory as a pack (every `snapshot_every` seconds of stream,
+and whole when the stream ends, is stopped, or breaks: nothing encoded is lost).
+
+A question without a moment is answered when it arrives, from the memory then; one with `at` is
+answered when the stream reaches that moment, before the first frame after it goes in, so its
+memory is exactly that of the stream cut at `at` (encode/live.py). Each answer says the moment it
+saw, how long the answer took to start, and how far the encode was behind the source.
+"""
+
+from __future__ import annotations
+
+import queue
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from mmkv_cli.api import PackSession, answer_record
+from mmkv_cli.errors import MediaError, MmkvError, UsageError
+from mmkv_cli.media.live import LiveOptions, LiveSource
+from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
+from mmkv_cli.pack import check_writable
+from mmkv_cli.pack.storage import local_path
+
+
+@dataclass(frozen=True)
+class LiveQuestion:
+    question: str
+    id: str | int | None = None
+    at: float | None = None  # the stream moment to answer at (None: when it arrives)
+
+
+Answered = Callable[[dict], None]  # one answer record (as `ask --json` prints it, and more)
+
+
+class Follow:
+    """One live source followed into one pack, questions answered on the way."""
+
+    def __init__(
+        self,
+        source: str,
+        output: str | Path,
+        options: EncodeOptions,
+        live: LiveOptions,
+        *,
+        load: LoadOptions | None = None,
+        backbone=None,
+        snapshot_every: float | None = None,
+        generation: GenerationOptions | None = None,
+        on_answer: Answered | None = None,
+    ):
+        from mmkv_cli.backbones.loading import load_backbone
+        from mmkv_cli.encode.live import LiveEncoder, check_live
+        from mmkv_cli.methods import EncodeContext
+        from mmkv_cli.methods.choice import resolve_method
+        from mmkv_cli.pack.quant import QuantSpec
+
+        if snapshot_every is not None and not snapshot_every > 0:
+            raise UsageError("--snapshot-every must be a positive number of seconds")
+        self.output = local_path(output)
+        check_writable(self.output, options.force)
+        self.quant = QuantSpec(options.kv_bits, options.kv_group)
+        self.quant.check(1, 8)
+        choice = resolve_method(options.method).with_budget(options.budget, options.budget_tokens)
+        self.choice = check_live(choice.with_guidance(options.guidance_prompt))
+        self.source = LiveSource(source, live)
+        self.backbone = backbone or load_backbone(load or LoadOptions())
+        kv = self.backbone.kv_shape()
+        self.quant.check(kv["kv_heads"], kv["head_dim"])
+        self.context = EncodeContext("video", options.guidance_prompt)
+        self.encoder = LiveEncoder(self.backbone, self.choice, self.context)
+        self.snapshot_every = snapshot_every
+        self.generation = generation or GenerationOptions()
+        self.on_answer = on_answer
+        self.questions: queue.Queue[LiveQuestion | None] = queue.Queue()
+        self.waiting: list[LiveQuestion] = []  # questions with a moment still to come
+        self.snapshots = 0
+        self._snapshot_at = 0.0
+        self.stopping = False
+
+    def ask(self, question: LiveQuestion) -> None:
+        """Queue a question (from any thread)."""
+        self.questions.put(question)
+
+    def stop(self) -> None:
+        """End the follow at the next frame (from any thread or a signal handler): the memory so
+        far becomes the final pack. Nothing is cut mid-chunk."""
+        self.stopping = True
+        self.source.close()
+
+    def run(self) -> dict:
+        """Follow the source until it ends, is stopped (Ctrl-C, SIGTERM) or breaks; the final pack
+        is written in every case. Returns a summary; `error` holds a broken source's line."""
+        error, stopped = None, "ended"
+        try:
+            for at, frame in self.source.frames():
+                self._take_questions()
+                self._answer_due(before=at)
+                self.encoder.push(frame, at)
+                self._answer_now()
+                self._snapshot_due()
+        except KeyboardInterrupt:
+            stopped = "interrupted"
+        except MediaError as err:
+            error, stopped = str(err), "broken"
+        finally:
+            self.source.close()
+        if self.stopping:
+            stopped = "stopped"
+        if self.encoder.moment is None:
+            raise MediaError(error or f"{self.source.spec} gave no frame")
+        self._take_questions()
+        for question in self.waiting:  # moments past the end: from the final memory
+            self._answer(question)
+        self.waiting = []
+        size = self._write(self.encoder.close(), self.output)
+        return {
+            "path": str(self.output),
+            "bytes": size,
+            "stopped": stopped,
+            "error": error,
+            "moment": self.encoder.moment,
+            "frames": len(self.encoder.times),
+            "dropped": self.source.dropped,
+            "ended_by": self.source.ended_by,
+            "snapshots": self.snapshots,
+        }
+
+    # --- inside ---
+
+    def _take_questions(self) -> None:
+        while True:
+            try:
+                question = self.questions.get_nowait()
+            except queue.Empty:
+                return
+            if question is not None:
+                self.waiting.append(question)
+
+    def _answer_due(self, before: float) -> None:
+        """Questions whose moment the next frame (at `before`) passes: from the memory now."""
+        due = [q for q in self.waiting if q.at is not None and q.at < before]
+        self.waiting = [q for q in self.waiting if q not in due]
+        for question in sorted(due, key=lambda q: q.at):
+            self._answer(question)
+
+    def _answer_now(self) -> None:
+        self._take_questions()
+        # no moment, or one already reached (a question late for its moment gets the memory now)
+        now = [q for q in self.waiting if q.at is None or q.at <= self.encoder.moment]
+        self.waiting = [q for q in self.waiting if q not in now]
+        for question in now:
+            self._answer(question)
+
+    def _answer(self, question: LiveQuestion) -> None:
+        started = time.perf_counter()
+        moment = self.encoder.moment
+        try:
+            memory = self.encoder.memory()
+            with tempfile.TemporaryDirectory(prefix="mmkv-live-") as folder:
+                pack = Path(folder) / "now.kvpack"
+                self._write(memory, pack)
+                snapshot_s = time.perf_counter() - started
+                session = PackSession(pack, backbone=self.backbone)
+                answer = session.ask(question.question, AskOptions(generation=self.generation))
+        except MmkvError as err:
+            if self.on_answer:
+                self.on_answer(
+                    {"id": question.id, "question": question.question, "error": str(err)}
+                )
+            return
+        record = answer_record(answer, question.question, question.at, question.id)
+        record.update(
+            moment=moment,
+            snapshot_s=round(snapshot_s, 4),
+            ttft_s=round(snapshot_s + answer.ttft_s, 4),  # the question waited for both
+            behind_s=round(max(0.0, self.source.newest - moment), 3),
+        )
+        if self.on_answer:
+            self.on_answer(record)
+
+    def _snapshot_due(self) -> None:
+        moment = self.encoder.moment
+        if self.snapshot_every is None or moment - self._snapshot_at < self.snapshot_every:
+            return
+        self._write(self.encoder.memory(), self.output)
+        self._snapshot_at = moment
+        self.snapshots += 1
+
+    def _write(self, encoded, path: Path) -> int:
+        """The memory as a pack at `path`, written atomically (a reader never sees part of it)."""
+        from mmkv_cli.encode.record import pack_header
+        from mmkv_cli.media.base import Media
+        from mmkv_cli.pack import write_pack
+
+        media = Media("video", self.source.spec, self.source.digest, list(self.encoder.times), None)
+        header, series = pack_header(self.backbone, self.choice, self.context, media, encoded)
+        prefix, blocks, suffix = encoded.prefix, encoded.blocks, encoded.suffix
+        return write_pack(path, header, prefix, blocks, suffix, True, self.quant, series=series)

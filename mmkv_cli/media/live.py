@@ -1,0 +1,247 @@
+"""Frames from a source still arriving: a container piped on stdin ('-'), a file still being
+written, a network stream FFmpeg opens (rtsp://, rtmp://, udp://, http(s):// MPEG-TS or HLS), or
+a V4L2 device (/dev/video*). Frames are taken at `fps` by their timestamps, as a file's are
+(the frame nearest each tick, the earlier on a tie), so a stream and its recording give the same
+frames.
+
+A thread decodes and samples; what it takes waits in a bounded queue. When the encode falls
+behind, the rule is stated, never memory without bound: `wait` holds the source back (a pipe or a
+file loses nothing; their default), `drop` lets the oldest waiting frame go and counts it (a
+camera or a broadcast does not wait; their default).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mmkv_cli.errors import MediaError
+
+NETWORK = ("rtsp://", "rtsps://", "rtmp://", "rtmps://", "udp://", "tcp://", "http://", "https://")
+_END = object()  # the reader's last word: the source ended
+
+
+@dataclass(frozen=True)
+class LiveOptions:
+    fps: float = 1.0  # frames taken per second of stream
+    buffer: int = 32  # taken frames that may wait for the encode
+    behind: str | None = None  # wait | drop (None: wait for pipes and files, drop otherwise)
+    stall_s: float = 10.0  # a source silent this long has ended (a file: stopped growing)
+
+
+def source_kind(spec: str) -> str:
+    """pipe | network | device | file: how the source is opened and how it may fall behind."""
+    if spec == "-":
+        return "pipe"
+    if spec.lower().startswith(NETWORK):
+        return "network"
+    if spec.startswith("/dev/video"):
+        return "device"
+    return "file"
+
+
+class GrowingFile(io.RawIOBase):
+    """A file read as it is written: at its end, wait for more until it has been still for
+    `stall_s` seconds (then it has ended)."""
+
+    def __init__(self, path: str, stall_s: float, stop: threading.Event):
+        self._fh = open(path, "rb")  # noqa: SIM115 (closed with this reader)
+        self.stall_s, self.stop = stall_s, stop
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        still = time.monotonic()
+        while not self.stop.is_set():
+            n = self._fh.readinto(buffer)
+            if n:
+                return n
+            if time.monotonic() - still > self.stall_s:
+                return 0
+            time.sleep(0.05)
+        return 0
+
+    def close(self) -> None:
+        self._fh.close()
+        super().close()
+
+
+class Ticks:
+    """Sampling at fps by timestamps: the frame nearest each tick k / fps, the earlier on a tie,
+    as a file's sampling picks them. A tick is taken once a frame reaches it; a file, knowing its
+    length, leaves out a tick less than a period before its end, so the last tick of a stream may
+    be one a recording of it would not take."""
+
+    def __init__(self, fps: float):
+        self.fps, self.k = fps, 0
+        self.last: tuple[float, np.ndarray] | None = None
+        self.first_time: float | None = None
+        self.count = 0
+
+    def offer(self, at: float, frame) -> list[tuple[float, object]]:
+        """A decoded frame (its time from the first): the (tick, frame) pairs it settles."""
+        out = []
+        while self.k / self.fps <= at:
+            tick = self.k / self.fps
+            earlier = self.last is not None and tick - self.last[0] <= at - tick
+            out.append((tick, self.last[1] if earlier else frame))
+            self.k += 1
+        self.last = (at, frame)
+        self.count += 1
+        self.first_time = at if self.first_time is None else self.first_time
+        return out
+
+    def end(self) -> list[tuple[float, object]]:
+        """The ticks after the last frame that a file of this stream samples: whole periods of
+        1 / fps within its length (the last frame's time plus one frame's)."""
+        if self.last is None:
+            return []
+        at, frame = self.last
+        step = (at - self.first_time) / (self.count - 1) if self.count > 1 else 1.0
+        out = []
+        while (self.k + 1) / self.fps <= at + step + 1e-9:
+            out.append((self.k / self.fps, frame))
+            self.k += 1
+        return out
+
+
+class LiveSource:
+    """Sampled frames of one live source, in order, as (seconds from its first frame, RGB)."""
+
+    def __init__(self, spec: str, options: LiveOptions | None = None):
+        self.spec, self.options = spec, options or LiveOptions()
+        self.kind = source_kind(spec)
+        if self.options.fps <= 0:
+            raise MediaError(f"fps must be positive, got {self.options.fps}")
+        if self.kind == "file" and not Path(spec).is_file():
+            raise MediaError(f"no such file: {spec}")
+        self.behind = self.options.behind or ("wait" if self.kind in ("pipe", "file") else "drop")
+        if self.behind not in ("wait", "drop"):
+            raise MediaError(f"unknown rule '{self.behind}' for a source ahead (wait, drop)")
+        self.dropped = 0  # frames let go because the encode fell behind
+        self.ended_by: str | None = None  # how a network source closed, when it did not end cleanly
+        self.newest = 0.0  # the newest frame's time the reader has taken (stream seconds)
+        self._digest = hashlib.sha256()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, self.options.buffer))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the frames taken so far (the source's bytes are never all kept)."""
+        return self._digest.hexdigest()
+
+    def frames(self) -> Iterator[tuple[float, np.ndarray]]:
+        """The sampled frames until the source ends, breaks, stalls, or `close` is called."""
+        self._thread = threading.Thread(target=self._read, name="mmkv-live-source", daemon=True)
+        self._thread.start()
+        silent_since = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                item = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                if time.monotonic() - silent_since > self.options.stall_s + 5:
+                    raise MediaError(
+                        f"{self.spec} sent nothing for {self.options.stall_s + 5:g} s: the stream "
+                        "is taken as stalled (the memory so far is kept)"
+                    ) from None
+                continue
+            silent_since = time.monotonic()
+            if item is _END:
+                return
+            if isinstance(item, MediaError):
+                raise item
+            at, frame = item
+            self._digest.update(frame.tobytes())
+            yield at, frame
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # --- the reader thread ---
+
+    def _open(self):
+        import av
+
+        timeout = str(int(self.options.stall_s * 1e6))
+        if self.kind == "pipe":
+            return av.open(sys.stdin.buffer, mode="r")
+        if self.kind == "file":
+            return av.open(GrowingFile(self.spec, self.options.stall_s, self._stop), mode="r")
+        if self.kind == "device":
+            return av.open(self.spec, format="v4l2")
+        return av.open(self.spec, options={"rw_timeout": timeout, "timeout": timeout})
+
+    def _read(self) -> None:
+        try:
+            with self._open() as container:
+                if not container.streams.video:
+                    raise MediaError(f"{self.spec} holds no video stream")
+                stream = container.streams.video[0]
+                ticks = Ticks(self.options.fps)
+                self._decode(container, stream, ticks)
+                for tick, chosen in ticks.end():
+                    self._put(tick, chosen)
+            self._queue.put(_END)
+        except MediaError as err:
+            self._queue.put(err)
+        except Exception as err:  # PyAV's errors, as one line
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            self._queue.put(MediaError(f"cannot read the live source {self.spec}: {first}"))
+
+    def _decode(self, container, stream, ticks: Ticks) -> None:
+        origin = None
+        try:
+            for frame in container.decode(stream):
+                if self._stop.is_set():
+                    return
+                if frame.time is None:
+                    continue
+                origin = frame.time if origin is None else origin
+                for tick, chosen in ticks.offer(frame.time - origin, frame):
+                    self._put(tick, chosen)
+        except OSError as err:
+            # a broadcast ends by closing its connection, which FFmpeg reads as a broken one
+            if origin is None or self.kind != "network":
+                raise
+            self.ended_by = str(err).splitlines()[0]
+
+    def _put(self, tick: float, frame) -> None:
+        rgb = frame.to_ndarray(format="rgb24")
+        self.newest = tick
+        item = (tick, rgb)
+        if self.behind == "wait":
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    return
+                except queue.Full:
+                    continue
+            return
+        while True:
+            try:
+                self._queue.put_nowait(item)
+                return
+            except queue.Full:
+                try:
+                    self._queue.get_nowait()  # the oldest waiting frame goes
+                    self.dropped += 1
+                except queue.Empty:
+                    pass
+
+
+def open_stdin_check() -> None:
+    """stdin must be a pipe or a file for '-' (not a terminal a person types into)."""
+    if os.isatty(sys.stdin.fileno()):
+        raise MediaError("'-' reads a stream piped on stdin, but stdin is a terminal")
