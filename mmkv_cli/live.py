@@ -14,7 +14,7 @@ import queue
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mmkv_cli.api import PackSession, answer_record
@@ -30,6 +30,9 @@ class LiveQuestion:
     question: str
     id: str | int | None = None
     at: float | None = None  # the stream moment to answer at (None: when it arrives)
+    # where this question's answer goes (a server's waiting request); None: the follow's on_answer
+    reply: Callable[[dict], None] | None = field(default=None, compare=False)
+    generation: GenerationOptions | None = None  # None: the follow's
 
 
 Answered = Callable[[dict], None]  # one answer record (as `ask --json` prints it, and more)
@@ -52,6 +55,7 @@ class Follow:
         on_answer: Answered | None = None,
     ):
         from mmkv_cli.backbones.loading import load_backbone
+        from mmkv_cli.backbones.spec import model_spec
         from mmkv_cli.encode.live import LiveEncoder, check_live
         from mmkv_cli.methods import EncodeContext
         from mmkv_cli.methods.choice import resolve_method
@@ -65,8 +69,12 @@ class Follow:
         self.quant.check(1, 8)
         choice = resolve_method(options.method).with_budget(options.budget, options.budget_tokens)
         self.choice = check_live(choice.with_guidance(options.guidance_prompt))
+        load = load or LoadOptions()
+        if live.fps is None:  # the model's own rate, known before it loads
+            spec = backbone.spec if backbone is not None else model_spec(load.model)
+            live = replace(live, fps=spec.fps)
         self.source = LiveSource(source, live)
-        self.backbone = backbone or load_backbone(load or LoadOptions())
+        self.backbone = backbone or load_backbone(load)
         kv = self.backbone.kv_shape()
         self.quant.check(kv["kv_heads"], kv["head_dim"])
         self.context = EncodeContext("video", options.guidance_prompt)
@@ -164,7 +172,8 @@ class Follow:
                 self._write(memory, pack)
                 snapshot_s = time.perf_counter() - started
                 session = PackSession(pack, backbone=self.backbone)
-                answer = session.ask(question.question, AskOptions(generation=self.generation))
+                generation = question.generation or self.generation
+                answer = session.ask(question.question, AskOptions(generation=generation))
         except MmkvError as err:
             if self.on_answer:
                 self.on_answer(
@@ -173,12 +182,18 @@ class Follow:
             return
         record = answer_record(answer, question.question, question.at, question.id)
         record.update(
+            completion_tokens=len(answer.token_ids),
             moment=moment,
             snapshot_s=round(snapshot_s, 4),
             ttft_s=round(snapshot_s + answer.ttft_s, 4),  # the question waited for both
             behind_s=round(max(0.0, self.source.newest - moment), 3),
         )
-        if self.on_answer:
+        self._reply(question, record)
+
+    def _reply(self, question: LiveQuestion, record: dict) -> None:
+        if question.reply is not None:
+            question.reply(record)
+        elif self.on_answer:
             self.on_answer(record)
 
     def _snapshot_due(self) -> None:

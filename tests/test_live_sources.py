@@ -193,7 +193,7 @@ def test_a_source_that_cannot_be_opened_or_stalls_is_one_clear_line(tmp_path):
         LiveSource(str(tmp_path / "missing.ts"))
     silent = tmp_path / "silent.ts"
     silent.write_bytes(b"")
-    source = LiveSource(str(silent), LiveOptions(stall_s=0.3))
+    source = LiveSource(str(silent), LiveOptions(FPS, stall_s=0.3))
     with pytest.raises(MediaError, match="cannot read the live source"):
         list(source.frames())
 

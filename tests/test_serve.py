@@ -193,8 +193,8 @@ def test_an_evicted_backbone_takes_its_sessions_with_it(packs, monkeypatch):
 
     monkeypatch.setattr(backbones_module, "load_backbone", lambda load: object())
     held = Packs(shelf(packs), LoadOptions(), models=1)
-    first = held._backbone(LoadOptions("a"))
+    first = held.backbone(LoadOptions("a"))
     held.sessions["clip"] = ((0, 0), type("S", (), {"backbone": first})())
-    assert held._backbone(LoadOptions("a")) is first and "clip" in held.sessions  # a hit keeps it
-    held._backbone(LoadOptions("a", layers=1))  # another depth of a rehearsal model: its own
+    assert held.backbone(LoadOptions("a")) is first and "clip" in held.sessions  # a hit keeps it
+    held.backbone(LoadOptions("a", layers=1))  # another depth of a rehearsal model: its own
     assert list(held.backbones) == [LoadOptions("a", layers=1)] and "clip" not in held.sessions

@@ -51,3 +51,8 @@ def load_model_spec(name: str) -> ModelSpec | None:
             f"{path}: lacks the field '{'family' if spec.family is None else 'source'}'"
         )
     return spec
+
+
+def model_spec(name: str | None) -> ModelSpec:
+    """The settings a model runs with: its preset's, or the defaults for an HF id or a folder."""
+    return load_model_spec(name or default_model()) or ModelSpec()

@@ -81,12 +81,11 @@ def live(
             method, budget, budget_tokens, force=force, kv_bits=kv_bits, kv_group=kv_group
         )
         load = load_options(model, device, dtype)
-        preset_fps = fps if fps is not None else _preset_fps(load.model)
         following = Follow(
             source,
             output,
             options,
-            LiveOptions(fps=preset_fps, behind=behind, stall_s=stall),
+            LiveOptions(fps=fps, behind=behind, stall_s=stall),
             load=load,
             snapshot_every=snapshot_every,
             generation=GenerationOptions(max_new_tokens),
@@ -108,12 +107,6 @@ def live(
             raise MediaError(f"{done['error']} (the memory so far is in {done['path']})")
 
     run(body)
-
-
-def _preset_fps(model: str | None) -> float:
-    from mmkv_cli.backbones.spec import ModelSpec, default_model, load_model_spec
-
-    return (load_model_spec(model or default_model()) or ModelSpec()).fps
 
 
 def _feed(following, questions: str | None) -> None:

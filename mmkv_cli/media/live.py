@@ -33,7 +33,7 @@ _END = object()  # the reader's last word: the source ended
 
 @dataclass(frozen=True)
 class LiveOptions:
-    fps: float = 1.0  # frames taken per second of stream
+    fps: float | None = None  # frames taken per second of stream (None: the model's)
     buffer: int = 32  # taken frames that may wait for the encode
     behind: str | None = None  # wait | drop (None: wait for pipes and files, drop otherwise)
     stall_s: float = 10.0  # a source silent this long has ended (a file: stopped growing)
@@ -122,10 +122,10 @@ class LiveSource:
     def __init__(self, spec: str, options: LiveOptions | None = None):
         self.spec, self.options = spec, options or LiveOptions()
         self.kind = source_kind(spec)
-        if self.options.fps <= 0:
-            raise MediaError(f"fps must be positive, got {self.options.fps}")
         if self.kind == "file" and not Path(spec).is_file():
             raise MediaError(f"no such file: {spec}")
+        if self.options.fps is None or self.options.fps <= 0:
+            raise MediaError(f"fps must be positive, got {self.options.fps}")
         self.behind = self.options.behind or ("wait" if self.kind in ("pipe", "file") else "drop")
         if self.behind not in ("wait", "drop"):
             raise MediaError(f"unknown rule '{self.behind}' for a source ahead (wait, drop)")

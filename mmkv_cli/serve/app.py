@@ -10,6 +10,7 @@ JSON body with the same one line the CLI would print.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import threading
@@ -22,16 +23,19 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from mmkv_cli.api import load_for
-from mmkv_cli.errors import MmkvError, ModelError, PackError, UsageError
+from mmkv_cli.errors import MmkvError, UsageError
 from mmkv_cli.options import AskOptions, LoadOptions
 from mmkv_cli.serve.requests import ChatRequest
-from mmkv_cli.serve.shelf import Shelf, shelf
+from mmkv_cli.serve.responses import STATUS
+from mmkv_cli.serve.responses import error as _error
+from mmkv_cli.serve.shelf import FolderShelf, Shelf, shelf
+from mmkv_cli.serve.stream_routes import stream_answer, stream_routes
+from mmkv_cli.serve.streams import Streams
 
 MAX_BODY_BYTES = 1 << 20  # a chat request is text: 1 MiB is generous
-STATUS = {UsageError: 400, PackError: 422, ModelError: 503}
 
 
 class Busy(Exception):
@@ -81,11 +85,11 @@ class Packs:
         if held and held[0] == key:
             return held[1]
         reader = PackReader(path)  # opened once: the session keeps it
-        session = PackSession(reader, backbone=self._backbone(load_for(reader, self.load)))
+        session = PackSession(reader, backbone=self.backbone(load_for(reader, self.load)))
         self.sessions[name] = (key, session)
         return session
 
-    def _backbone(self, load: LoadOptions):
+    def backbone(self, load: LoadOptions):
         from mmkv_cli.backbones.loading import load_backbone
 
         if load in self.backbones:
@@ -106,11 +110,6 @@ def _busy():
     )
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", headers=None):
-    body = {"error": {"message": message, "type": kind, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
 def create_app(
     folder: str | Path,
     load: LoadOptions | None = None,
@@ -121,12 +120,21 @@ def create_app(
 ) -> FastAPI:
     """The OpenAI-compatible app over the packs in `folder`: guards, error bodies, routes."""
     packs = Packs(shelf(folder), load or LoadOptions(), models, queue)
-    app = FastAPI(title="mmkv", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.packs = packs
+    local = packs.shelf.folder if isinstance(packs.shelf, FolderShelf) else None
+    streams = Streams(local, packs.load, packs.backbone)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, streams.stop_all)  # packs kept
+
+    app = FastAPI(title="mmkv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.packs, app.state.streams = packs, streams
     _guard(app, api_key)
     _error_bodies(app)
     _pack_routes(app, packs)
-    _chat_route(app, packs)
+    stream_routes(app, streams)
+    _chat_route(app, packs, streams)
     return app
 
 
@@ -212,11 +220,13 @@ def _pack_routes(app: FastAPI, packs: Packs) -> None:
             return _error(STATUS.get(type(err), 400), str(err))
 
 
-def _chat_route(app: FastAPI, packs: Packs) -> None:
-    """A question to a pack by name, answered whole or streamed."""
+def _chat_route(app: FastAPI, packs: Packs, streams: Streams) -> None:
+    """A question to a pack (or a running stream) by name, answered whole or streamed."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest):
+        if streams.live(body.model):
+            return await stream_answer(streams, body)
         try:
             packs.path(body.model)
             question, turns = body.conversation()

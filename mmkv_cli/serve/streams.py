@@ -1,0 +1,159 @@
+"""Live streams hosted by `mmkv serve` beside the packs: `POST /v1/streams` starts one, a chat
+completion asks it by name like a pack (from the memory at the moment the question arrives),
+`GET /v1/streams/NAME` shows its state, `DELETE` stops it and keeps its pack, which the shelf then
+serves as any other (NAME.kvpack in the packs folder).
+
+Each stream follows its source on a thread of its own (live.Follow); a question waits for the
+stream's next frame, then for its answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mmkv_cli.errors import MmkvError, UsageError
+from mmkv_cli.live import Follow, LiveQuestion
+from mmkv_cli.media.live import LiveOptions
+from mmkv_cli.options import EncodeOptions, GenerationOptions, LoadOptions
+from mmkv_cli.serve.shelf import PACK_NAME
+
+MAX_STREAMS = 8  # each holds a memory and a decoding thread
+ANSWER_WAIT_S = 600.0  # a question waits for the stream's next frame, then for its answer
+
+
+class StreamRequest(BaseModel):
+    """The body of `POST /v1/streams`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=PACK_NAME.pattern, max_length=128)
+    source: str = Field(max_length=2048)
+    method: str = Field("hermes", max_length=128)
+    budget_tokens: int | None = Field(None, ge=1, le=1 << 24)
+    fps: float | None = Field(None, gt=0, le=60)
+    model: str | None = Field(None, max_length=200)
+    kv_bits: Literal[16, 8, 4, 2] = 16
+    snapshot_every: float | None = Field(None, gt=0)
+    behind: Literal["wait", "drop"] | None = None
+    stall_s: float = Field(10.0, gt=0, le=3600)
+
+
+@dataclass
+class Hosted:
+    request: StreamRequest
+    follow: Follow
+    thread: threading.Thread | None = None  # the follow, running
+    done: dict | None = None  # the follow's summary once it has ended
+    error: str | None = field(default=None)  # what ended it, when not the source
+
+    def state(self) -> dict:
+        encoder, source = self.follow.encoder, self.follow.source
+        running = self.thread is not None and self.thread.is_alive()
+        return {
+            "name": self.request.name,
+            "source": self.request.source,
+            "method": self.request.method,
+            "state": "running" if running else (self.done or {}).get("stopped", "failed"),
+            "moment": encoder.moment,
+            "frames": len(encoder.times),
+            "dropped": source.dropped,
+            "snapshots": self.follow.snapshots,
+            "pack": str(self.follow.output),
+            "error": self.error or (self.done or {}).get("error"),
+        }
+
+
+class Streams:
+    """The streams a server hosts, by name; their packs go to the packs folder."""
+
+    def __init__(self, folder: Path | None, load: LoadOptions, backbone_for):
+        self.folder = folder  # None: the packs are on object storage, where no stream can write
+        self.load = load
+        self.backbone_for = backbone_for  # LoadOptions -> a loaded backbone (the server's LRU)
+        self.hosted: dict[str, Hosted] = {}
+        self.lock = threading.Lock()
+
+    def start(self, request: StreamRequest) -> dict:
+        if self.folder is None:
+            raise UsageError("live streams need a local --packs folder to write their packs to")
+        with self.lock:
+            running = [name for name in self.hosted if self.live(name)]
+            if request.name in running:
+                raise UsageError(f"a stream named '{request.name}' is running")
+            if len(running) >= MAX_STREAMS:
+                raise UsageError(f"{MAX_STREAMS} streams are running: stop one first")
+            output = self.folder / f"{request.name}.kvpack"
+            if output.exists():
+                raise UsageError(f"a pack named '{request.name}' exists: pick another name")
+            load = LoadOptions(request.model or self.load.model, self.load.device, self.load.dtype)
+            options = EncodeOptions(
+                request.method, budget_tokens=request.budget_tokens, kv_bits=request.kv_bits
+            )
+            live = LiveOptions(fps=request.fps, behind=request.behind, stall_s=request.stall_s)
+            follow = Follow(
+                request.source,
+                output,
+                options,
+                live,
+                backbone=self.backbone_for(load),
+                snapshot_every=request.snapshot_every,
+            )
+            hosted = Hosted(request, follow)
+            hosted.thread = threading.Thread(
+                target=self._follow, args=(hosted,), name=f"mmkv-stream-{request.name}", daemon=True
+            )
+            self.hosted[request.name] = hosted
+            hosted.thread.start()
+        return hosted.state()
+
+    def _follow(self, hosted: Hosted) -> None:
+        try:
+            hosted.done = hosted.follow.run()
+        except MmkvError as err:
+            hosted.error = str(err)
+
+    def get(self, name: str) -> Hosted:
+        hosted = self.hosted.get(name)
+        if hosted is None:
+            raise LookupError(f"no stream named '{name}'")
+        return hosted
+
+    def live(self, name: str) -> Hosted | None:
+        """The running stream `name`, or None (then a pack of that name may answer)."""
+        hosted = self.hosted.get(name)
+        alive = hosted is not None and hosted.thread is not None and hosted.thread.is_alive()
+        return hosted if alive else None
+
+    def stop(self, name: str, wait_s: float = 60.0) -> dict:
+        hosted = self.get(name)
+        hosted.follow.stop()
+        if hosted.thread is not None:
+            hosted.thread.join(wait_s)
+        return hosted.state()
+
+    def stop_all(self) -> None:
+        for name in list(self.hosted):
+            self.stop(name, wait_s=10.0)
+
+    async def ask(self, name: str, question: str, max_new_tokens: int) -> dict:
+        """An answer from the running stream's memory as it is when the question is taken."""
+        hosted = self.live(name)
+        if hosted is None:
+            raise LookupError(f"no running stream named '{name}'")
+        loop = asyncio.get_running_loop()
+        answered: asyncio.Future = loop.create_future()
+
+        def reply(record: dict) -> None:
+            loop.call_soon_threadsafe(
+                lambda: answered.done() or answered.set_result(record)  # once
+            )
+
+        generation = GenerationOptions(max_new_tokens)
+        hosted.follow.ask(LiveQuestion(question, reply=reply, generation=generation))
+        return await asyncio.wait_for(answered, ANSWER_WAIT_S)

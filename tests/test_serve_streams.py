@@ -1,0 +1,63 @@
+"""`mmkv serve` hosts live streams beside packs: started by POST /v1/streams, asked by name through
+the chat completions like a pack (the openai client), shown by GET, stopped by DELETE, which keeps
+the pack the shelf then serves."""
+
+import threading
+import time
+
+import httpx
+import openai
+
+from tests.conftest import SAMPLES
+from tests.helpers import mpegts_bytes, serving
+
+
+def test_a_stream_is_started_asked_shown_and_stopped_into_a_pack(tmp_path):
+    folder = tmp_path / "packs"
+    folder.mkdir()
+    data = mpegts_bytes(SAMPLES / "clip.mp4")
+    growing = tmp_path / "cam.ts"
+    growing.write_bytes(data[: len(data) // 3])
+    finished = threading.Event()
+
+    def record():  # the rest of the recording, slowly, then the camera keeps still
+        for start in range(len(data) // 3, len(data), 2048):
+            if finished.is_set():
+                return
+            with growing.open("ab") as fh:
+                fh.write(data[start : start + 2048])
+            time.sleep(0.05)
+
+    writer = threading.Thread(target=record, daemon=True)
+    with serving(str(folder)) as base:
+        http = httpx.Client(base_url=base, timeout=120)
+        request = {"name": "cam", "source": str(growing), "model": "demo", "fps": 2.0}
+        refused = http.post("/v1/streams", json={**request, "method": "recency"})
+        assert (
+            refused.status_code == 400 and "--budget-tokens" in refused.json()["error"]["message"]
+        )
+        started = http.post("/v1/streams", json={**request, "budget_tokens": 24, "stall_s": 30})
+        assert started.status_code == 201, started.text
+        writer.start()
+        assert http.post("/v1/streams", json={**request, "budget_tokens": 24}).status_code == 400
+        deadline = time.monotonic() + 90
+        while http.get("/v1/streams/cam").json()["frames"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model="cam", messages=[{"role": "user", "content": "what color is the circle ?"}]
+        )
+        assert reply.choices[0].message.content and reply.usage.prompt_tokens > 0
+        assert reply.model_extra["mmkv"]["moment"] >= 1.5  # the memory at the question's moment
+        state = http.get("/v1/streams/cam").json()
+        assert state["state"] == "running" and state["method"] == "hermes"
+        stopped = http.delete("/v1/streams/cam").json()
+        finished.set()
+        assert stopped["state"] == "stopped" and stopped["frames"] >= 4
+        assert http.get("/v1/streams/nope").status_code == 404
+        # the stream's pack is a pack like any other now
+        again = client.chat.completions.create(
+            model="cam", messages=[{"role": "user", "content": "what color is the circle ?"}]
+        )
+        assert again.choices[0].message.content
+        assert "cam" in {m.id for m in client.models.list()}
