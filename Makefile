@@ -76,7 +76,7 @@ test: setup
 wheel-check: setup
 	VENV=$(VENV) .ci/wheel_check
 
-# Speed and memory goals (issues 3, 5, 6): results in bench/results/. A few minutes on 2 CPU cores.
+# Speed and memory goals (issues 3, 5, 6, 36): results in bench/results/. A few minutes on 2 CPU cores.
 bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/ask_cost.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/hermes_memory.py
@@ -85,6 +85,7 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/quant.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/fuzz.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/batch.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/live.py
 	$(BIN)/python bench/media_read.py
 
 # Real scale (issue 16): rehearsal models at real width over 64-1800 frames. About 45 minutes on 2 CPU

@@ -162,7 +162,9 @@ def test_an_http_stream_from_a_loopback_server_is_followed(tmp_path, backbones, 
     assert np.array_equal(np.stack([f for _, f in taken]), media.read(0, media.num_frames))
 
 
-def test_live_on_a_pipe_answers_at_moments_and_writes_the_final_pack(tmp_path, stream_bytes):
+def test_live_on_a_pipe_answers_at_moments_and_writes_the_final_pack(
+    tmp_path, backbones, stream_bytes
+):
     questions = tmp_path / "q.jsonl"
     questions.write_text(
         '{"question": "what color is the circle ?", "at": 3.0, "id": 1}\n'
@@ -186,6 +188,8 @@ def test_live_on_a_pipe_answers_at_moments_and_writes_the_final_pack(tmp_path, s
     info = api.inspect(out)
     assert info["method"] == "recency" and info["media"]["frames"] == 16
     assert max(layer["tokens_kept"] for layer in info["layers"]) <= 16
+    file_pack = clip_pack(backbones[MODEL], None, tmp_path / "file.kvpack", "recency", 16)
+    same_tensors(out, file_pack)  # the pipe's final pack is the whole clip's
 
 
 def test_a_source_that_cannot_be_opened_or_stalls_is_one_clear_line(tmp_path):

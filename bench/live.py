@@ -1,0 +1,136 @@
+"""What following a live stream costs: real-time factor, a question's time to first token while the
+stream runs against the encode idle, and peak memory of a long stream against a short one.
+
+    python bench/live.py [--model demo] [--methods hermes,infinipot,recency] [--tokens 64]
+        [--minutes 1,30] [--fps 1] [--layers N]
+
+Each (method, minutes) runs in its own process (peak RSS is per process): synthetic frames at --fps
+pushed into the live encoder as fast as it takes them; every minute of stream a question is answered
+from the memory then (a fork of the state, the pack written, the answer's first token). Goals (issue
+36): peak RSS of 30 minutes / 1 minute <= 1.2 for hermes, infinipot and recency; the TTFT of a
+question asked while the stream runs <= 1.5x that with the encode idle (here the two are the same
+path: a question waits at most for the chunk in flight, which the report gives apart).
+Results: bench/results/live.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def child(model: str, method: str, tokens: int, minutes: float, fps: float, layers: int) -> dict:
+    """One stream, in this process: synthetic frames pushed as fast as the encoder takes them."""
+    import resource
+    import tempfile
+    import time
+
+    import numpy as np
+
+    from mmkv_cli import api
+    from mmkv_cli.backbones.loading import load_backbone
+    from mmkv_cli.encode.live import LiveEncoder
+    from mmkv_cli.encode.record import pack_header
+    from mmkv_cli.media.base import Media
+    from mmkv_cli.methods import EncodeContext
+    from mmkv_cli.methods.choice import resolve_method
+    from mmkv_cli.options import AskOptions, GenerationOptions, LoadOptions
+    from mmkv_cli.pack import write_pack
+
+    backbone = load_backbone(LoadOptions(model, "cpu", layers=layers or None))
+    choice = resolve_method(method)
+    if not choice.method.keeps_all:
+        choice = choice.with_budget(tokens=tokens)
+    context = EncodeContext("video")
+    live = LiveEncoder(backbone, choice, context)
+    rng = np.random.default_rng(0)
+    frames = int(minutes * 60 * fps)
+    asking = AskOptions(generation=GenerationOptions(1))
+    encode_s, asks = 0.0, []
+    with tempfile.TemporaryDirectory() as work:
+        pack = Path(work) / "now.kvpack"
+        for i in range(frames):
+            frame = rng.integers(0, 255, size=(128, 128, 3), dtype=np.uint8)
+            started = time.perf_counter()
+            live.push(frame, i / fps)
+            encode_s += time.perf_counter() - started
+            if (i + 1) % int(60 * fps):
+                continue
+            started = time.perf_counter()  # a question every minute of stream
+            memory = live.memory()
+            cut = Media("video", "bench", "-", list(live.times), None)
+            header, series = pack_header(backbone, choice, context, cut, memory)
+            blocks = memory.blocks
+            write_pack(pack, header, memory.prefix, blocks, memory.suffix, True, series=series)
+            snapshot = time.perf_counter() - started
+            answer = api.ask(pack, "what color is the circle ?", asking, backbone=backbone)
+            asks.append({"snapshot_s": snapshot, "ttft_s": snapshot + answer.ttft_s})
+    return {
+        "frames": frames,
+        "encode_s": encode_s,
+        "real_time_factor": frames / fps / max(encode_s, 1e-9),
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "asks": asks,
+        "chunk_frames": live.chunk_size,
+    }
+
+
+def run(model: str, method: str, tokens: int, minutes: float, fps: float, layers: int) -> dict:
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", model, method, str(tokens), str(minutes), str(fps)]
+        + [str(layers)],
+        capture_output=True,
+        text=True,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+    )
+    if done.returncode:
+        raise SystemExit(f"{method} {minutes} min failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        model, method, tokens, minutes, fps, layers = sys.argv[2:8]
+        got = child(model, method, int(tokens), float(minutes), float(fps), int(layers))
+        print(json.dumps(got))
+        return
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--methods", default="hermes,infinipot,recency")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--minutes", default="1,30")
+    parser.add_argument("--fps", type=float, default=1.0)
+    parser.add_argument("--layers", type=int, default=0, help="cut a rehearsal model (0: all)")
+    args = parser.parse_args()
+    minutes = [float(m) for m in args.minutes.split(",")]
+    rows = []
+    for method in args.methods.split(","):
+        for length in minutes:
+            got = run(args.model, method, args.tokens, length, args.fps, args.layers)
+            ttft = [a["ttft_s"] for a in got["asks"]]
+            rows.append({"method": method, "minutes": length, **got})
+            print(
+                f"{method:10s} {length:5g} min: {got['real_time_factor']:7.1f}x real time, "
+                f"peak RSS {got['peak_rss'] / 2**20:7.1f} MiB, "
+                f"TTFT {min(ttft):.3f}-{max(ttft):.3f} s over {len(ttft)} questions",
+                flush=True,
+            )
+        short, long = (r for r in rows[-2:])
+        print(
+            f"{method}: peak RSS {long['minutes']:g} / {short['minutes']:g} min = "
+            f"{long['peak_rss'] / short['peak_rss']:.3f}"
+        )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"live-{args.model}{f'-{args.layers}l' if args.layers else ''}.json"
+    out.write_text(json.dumps({"args": vars(args), "runs": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
