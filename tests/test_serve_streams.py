@@ -49,6 +49,10 @@ def test_a_stream_is_started_asked_shown_and_stopped_into_a_pack(tmp_path):
         )
         assert reply.choices[0].message.content and reply.usage.prompt_tokens > 0
         assert reply.model_extra["mmkv"]["moment"] >= 1.5  # the memory at the question's moment
+        streamed = client.chat.completions.create(
+            model="cam", messages=[{"role": "user", "content": "which shape ?"}], stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
         state = http.get("/v1/streams/cam").json()
         assert state["state"] == "running" and state["method"] == "hermes"
         stopped = http.delete("/v1/streams/cam").json()

@@ -29,7 +29,7 @@ from mmkv_cli.api import load_for
 from mmkv_cli.errors import MmkvError, UsageError
 from mmkv_cli.options import AskOptions, LoadOptions
 from mmkv_cli.serve.requests import ChatRequest
-from mmkv_cli.serve.responses import STATUS
+from mmkv_cli.serve.responses import STATUS, chunk_event
 from mmkv_cli.serve.responses import error as _error
 from mmkv_cli.serve.shelf import FolderShelf, Shelf, shelf
 from mmkv_cli.serve.stream_routes import stream_answer, stream_routes
@@ -317,16 +317,7 @@ async def _stream(
         return packs.session(body.model).ask(question, options, on_token=on_token)
 
     def chunk(delta: dict, finish: str | None = None, extra: dict | None = None) -> str:
-        data = {
-            "id": ident,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": body.model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-        }
-        if extra is not None:
-            data["mmkv"] = extra
-        return f"data: {json.dumps(data)}\n\n"
+        return chunk_event(ident, created, body.model, delta, finish, extra)
 
     try:
         task = asyncio.ensure_future(packs.run(job))

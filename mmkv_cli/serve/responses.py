@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from fastapi.responses import JSONResponse
 
 from mmkv_cli.errors import ModelError, PackError, UsageError
@@ -12,3 +14,19 @@ STATUS = {UsageError: 400, PackError: 422, ModelError: 503}
 def error(status: int, message: str, kind: str = "invalid_request_error", headers=None):
     body = {"error": {"message": message, "type": kind, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def chunk_event(
+    ident: str, created: int, model: str, delta: dict, finish: str | None, extra: dict | None
+) -> str:
+    """One server-sent event of a streamed chat completion (OpenAI's chunk object)."""
+    data = {
+        "id": ident,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+    if extra is not None:
+        data["mmkv"] = extra
+    return f"data: {json.dumps(data)}\n\n"

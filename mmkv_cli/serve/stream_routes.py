@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 
@@ -12,7 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from mmkv_cli.errors import MmkvError, UsageError
 from mmkv_cli.serve.requests import ChatRequest
-from mmkv_cli.serve.responses import STATUS
+from mmkv_cli.serve.responses import STATUS, chunk_event
 from mmkv_cli.serve.responses import error as _error
 from mmkv_cli.serve.streams import StreamRequest, Streams
 
@@ -73,15 +72,7 @@ async def stream_answer(streams: Streams, body: ChatRequest):
 
         async def events():
             for delta, done in ((message, None), ({}, finish)):
-                data = {
-                    "id": ident,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": body.model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": done}],
-                    "mmkv": extra,
-                }
-                yield f"data: {json.dumps(data)}\n\n"
+                yield chunk_event(ident, created, body.model, delta, done, extra)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
