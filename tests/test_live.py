@@ -105,3 +105,29 @@ def test_a_stream_that_changes_resolution_keeps_its_memory(backbones):
     with pytest.raises(MediaError, match="changed resolution at 2.50 s"):
         live.push(torch.zeros(40, 48, 3, dtype=torch.uint8).numpy(), 2.5)
     assert live.close().blocks  # what came before is still there
+
+
+def test_a_fork_of_the_running_cache_shares_its_kv_and_never_changes_it():
+    from transformers import DynamicCache
+
+    from mmkv_cli.methods.running_cache import RunningCache
+
+    cache = DynamicCache()
+    keys = torch.arange(2 * 9 * 4, dtype=torch.float32).reshape(1, 2, 9, 4)
+    cache.update(keys, -keys, 0)
+    running = RunningCache(cache, prompt_len=2, position_dims=1)
+    running.appended(torch.arange(7), torch.arange(10, 17)[None])
+    running.offload(0, 3)  # into the archive
+    before = [t.clone() for t in (*running.visual(0), running.index[0], running.positions[0])]
+    fork = running.fork()
+    assert fork.visual(0)[0].data_ptr() == running.visual(0)[0].data_ptr()  # no copy of the KV
+    fork.cache.update(torch.ones(1, 2, 2, 4), torch.ones(1, 2, 2, 4), 0)  # a forward on the fork
+    fork.appended(torch.arange(7, 9), torch.arange(17, 19)[None])
+    fork.retain(0, torch.tensor([0, 2, 5]))
+    fork.offload(0, 2)
+    fork.replace(0, keys=torch.zeros(2, 1, 4))
+    taken = fork.take_held(0)
+    assert taken[3].tolist() == [0, 1, 2, 3, 5, 8]  # the fork's own view of the stream
+    after = (*running.visual(0), running.index[0], running.positions[0])
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # the stream is as it was
+    assert len(running.archive[0]) == 3 and running.count(0) == 4 and running.streamed == 7

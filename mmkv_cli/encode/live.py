@@ -195,10 +195,9 @@ class StreamRunner:
 
     def end(self, fork: bool, layout: StreamLayout, pending, first: int):
         state, policy = self.state, self.policy
-        if fork:
-            state.attend = None  # a closure over the state: bound again on the copy
-            state, policy = copy.deepcopy((self.state, self.policy))
-            self._bind(self.state)
+        if fork:  # the KV shared, never copied (RunningCache.fork); the policy's state copied
+            state = replace(self.state, cache=self.state.cache.fork(), attend=None)
+            policy = copy.deepcopy(self.policy)
             self._bind(state)
         frames = len(self.owner.times)
         self._place(state, frames)

@@ -77,6 +77,13 @@ class Column:
         last = self.slabs[-1].narrow(self.dim, 0, self.filled)
         return [*self.slabs[:-1], last]
 
+    def fork(self) -> Column:
+        """A column sharing these entries (no copy): what either appends after goes to a slab of
+        its own, so neither sees the other's."""
+        fork = Column(self.dim, self.slab_bytes, self.unit)
+        fork.adopt(self.parts())
+        return fork
+
     def take(self) -> list[torch.Tensor]:
         """parts(), handing them over: the column is empty afterwards."""
         parts = self.parts()
@@ -105,6 +112,12 @@ class Archive:
 
     def parts(self) -> dict[str, list[torch.Tensor]]:
         return {name: column.parts() for name, column in self.columns.items()}
+
+    def fork(self) -> Archive:
+        """An archive sharing these entries, without copying them (Column.fork)."""
+        fork = Archive(piece=self.piece)
+        fork.columns = {name: column.fork() for name, column in self.columns.items()}
+        return fork
 
     def take(self) -> dict[str, list[torch.Tensor]]:
         return {name: column.take() for name, column in self.columns.items()}

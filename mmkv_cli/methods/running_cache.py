@@ -11,6 +11,7 @@ cache with the stream around it, as the StreamingMemory protocol (base.py) hands
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,6 +42,19 @@ class RunningCache:
     @property
     def layers(self) -> int:
         return len(self.index)
+
+    def fork(self) -> RunningCache:
+        """A cache sharing every tensor with this one, copying none: nothing here is written in
+        place (appends, cuts and splices make new tensors; the archive's forks append to slabs of
+        their own), so what either does after leaves the other as it was. A live stream's memory
+        at a moment is played on a fork, at the cost of the bookkeeping, not of the KV."""
+        fork = copy.copy(self)
+        fork.cache = copy.copy(self.cache)
+        fork.cache.layers = [copy.copy(layer) for layer in self.cache.layers]
+        fork.front, fork.index = list(self.front), list(self.index)
+        fork.positions, fork.pristine = list(self.positions), list(self.pristine)
+        fork.archive = [archive.fork() for archive in self.archive]
+        return fork
 
     def count(self, layer: int) -> int:
         """Visual entries this layer holds."""
