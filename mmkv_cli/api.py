@@ -20,7 +20,13 @@ from mmkv_cli.methods import METHODS
 from mmkv_cli.methods.base import ContextPolicy
 from mmkv_cli.methods.choice import resolve_method
 from mmkv_cli.methods.context import WholeContext
-from mmkv_cli.options import AskOptions, EncodeOptions, LoadOptions
+from mmkv_cli.options import (
+    MAX_QUESTION_CHARS,
+    SEED_RANGE,
+    AskOptions,
+    EncodeOptions,
+    LoadOptions,
+)
 from mmkv_cli.pack import PackReader, check_writable
 from mmkv_cli.pack.report import inspect, verify  # the verbs that read a pack alone
 from mmkv_cli.pack.storage import is_url, local_path
@@ -285,6 +291,11 @@ class PackSession:
             raise UsageError("--budget at ask only applies with --prune METHOD")
         if options.generation.max_new_tokens < 1:
             raise UsageError("--max-new-tokens must be at least 1")
+        if len(question) > MAX_QUESTION_CHARS:  # chat and serve too, not only ask's files
+            raise UsageError(f"the question is longer than {MAX_QUESTION_CHARS} characters")
+        seed = options.generation.seed
+        if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+            raise UsageError(f"--seed must fit in 64 bits ({SEED_RANGE[0]} to {SEED_RANGE[1]})")
         pruner = ask_pruner(options.prune, options.prune_budget) if options.prune else None
         before = self.reader.bytes_read
         answer = answer_from_pack(

@@ -45,6 +45,11 @@ class EncodeOptions:
     resume: bool = False  # continue from the checkpoint an interrupted encode left
 
 
+# what a question and a sampling seed may be, checked by every verb that answers (api.PackSession)
+MAX_QUESTION_CHARS = 20_000  # a question is text for one prompt, not a document
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch generator takes
+
+
 @dataclass(frozen=True)
 class GenerationOptions:
     max_new_tokens: int = 32

@@ -12,9 +12,12 @@ from typer.testing import CliRunner
 
 from mmkv_cli import api
 from mmkv_cli.cli.app import app
+from mmkv_cli.errors import UsageError
 from mmkv_cli.media.stills import MAX_PAGE_PIXELS, page_scale
 from mmkv_cli.options import EncodeOptions
 from mmkv_cli.pack.atomic import TEMP_SUFFIX, sweep_stale
+from tests.conftest import SAMPLES
+from tests.helpers import encode_pack
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +212,26 @@ def test_an_image_cut_short_mid_set_is_one_line_naming_it(tmp_path):
     assert result.exit_code == 3, result.output
     assert f"cannot read image {folder / '09.png'}" in result.output
     assert "Traceback" not in result.output and not out.exists()
+
+
+def test_a_question_too_long_or_a_seed_past_64_bits_is_one_clear_line_in_every_verb(
+    tmp_path, backbones
+):
+    import pydantic
+
+    from mmkv_cli.options import AskOptions, GenerationOptions
+    from mmkv_cli.serve.requests import ChatRequest
+
+    backbone = backbones["tiny-llava-ov"]
+    pack = tmp_path / "p.kvpack"
+    encode_pack(SAMPLES / "clip.mp4", pack, backbone=backbone, max_frames=2)
+    session = api.PackSession(pack, backbone=backbone)  # what ask, chat, serve and live share
+    with pytest.raises(UsageError, match="longer than 20000 characters"):
+        session.ask("what ? " * 4000)
+    sampled = AskOptions(generation=GenerationOptions(2, temperature=1.0, seed=2**70))
+    with pytest.raises(UsageError, match="--seed must fit in 64 bits"):
+        session.ask("what color ?", sampled)
+    message = [{"role": "user", "content": "what color ?"}]
+    with pytest.raises(pydantic.ValidationError):  # the server answers 400, not 500
+        ChatRequest(model="p", messages=message, seed=2**70)
+    assert session.ask("what color ?", AskOptions(generation=GenerationOptions(2))).token_ids

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmkv_cli.errors import UsageError
+from mmkv_cli.options import MAX_QUESTION_CHARS
 
-MAX_QUESTION_CHARS = 20_000  # a question is text for one prompt, not a document
 MAX_QUESTIONS = 100_000
 FIELDS = {"question", "at", "id"}
 

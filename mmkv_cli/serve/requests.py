@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mmkv_cli.errors import UsageError
 from mmkv_cli.methods import pruning_methods
-from mmkv_cli.options import AskOptions, GenerationOptions
+from mmkv_cli.options import SEED_RANGE, AskOptions, GenerationOptions
 
 # the methods a request may prune its context with, from the registry (the schema lists them)
 PruneName = Literal[tuple(pruning_methods())]  # type: ignore[valid-type]
@@ -42,7 +42,7 @@ class ChatRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1, le=4096)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     at: float | None = Field(None, ge=0)
     prune: PruneName | None = None
