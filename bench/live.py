@@ -36,12 +36,11 @@ def child(model: str, method: str, tokens: int, minutes: float, fps: float, laye
     from mmkv_cli import api
     from mmkv_cli.backbones.loading import load_backbone
     from mmkv_cli.encode.live import LiveEncoder
-    from mmkv_cli.encode.record import pack_header
+    from mmkv_cli.encode.record import write_encoded
     from mmkv_cli.media.base import Media
     from mmkv_cli.methods import EncodeContext
     from mmkv_cli.methods.choice import resolve_method
     from mmkv_cli.options import AskOptions, GenerationOptions, LoadOptions
-    from mmkv_cli.pack import write_pack
 
     backbone = load_backbone(LoadOptions(model, "cpu", layers=layers or None))
     choice = resolve_method(method)
@@ -65,9 +64,7 @@ def child(model: str, method: str, tokens: int, minutes: float, fps: float, laye
             started = time.perf_counter()  # a question every minute of stream
             memory = live.memory()
             cut = Media("video", "bench", "-", list(live.times), None)
-            header, series = pack_header(backbone, choice, context, cut, memory)
-            blocks = memory.blocks
-            write_pack(pack, header, memory.prefix, blocks, memory.suffix, True, series=series)
+            write_encoded(pack, backbone, choice, context, cut, memory, force=True)
             snapshot = time.perf_counter() - started
             answer = api.ask(pack, "what color is the circle ?", asking, backbone=backbone)
             asks.append({"snapshot_s": snapshot, "ttft_s": snapshot + answer.ttft_s})

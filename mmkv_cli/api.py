@@ -72,10 +72,9 @@ def encode(
     from mmkv_cli.backbones.loading import load_backbone
     from mmkv_cli.encode.checkpoint import Checkpointing
     from mmkv_cli.encode.encoder import encode_media
-    from mmkv_cli.encode.record import encode_identity, pack_header
+    from mmkv_cli.encode.record import encode_identity, write_encoded
     from mmkv_cli.media import load_media
     from mmkv_cli.methods import EncodeContext
-    from mmkv_cli.pack import write_pack
 
     options = options or EncodeOptions()
     if is_url(output) or is_url(media):
@@ -95,17 +94,7 @@ def encode(
     identity = encode_identity(backbone, choice, source, options.guidance_prompt, fps, max_frames)
     checkpoint = Checkpointing.open(output, options.checkpoint_every, options.resume, identity)
     encoded = encode_media(backbone, source, choice, context, progress, checkpoint)
-    header, series = pack_header(backbone, choice, context, source, encoded)
-    write_pack(
-        output,
-        header,
-        encoded.prefix,
-        encoded.blocks,
-        encoded.suffix,
-        options.force,
-        quant,
-        series=series,
-    )
+    write_encoded(output, backbone, choice, context, source, encoded, quant, options.force)
     checkpoint.remove()  # the pack is whole: the state it was saved for is done
     return {**inspect(output), **encoded.stats}
 

@@ -206,11 +206,10 @@ class Follow:
 
     def _write(self, encoded, path: Path) -> int:
         """The memory as a pack at `path`, written atomically (a reader never sees part of it)."""
-        from mmkv_cli.encode.record import pack_header
+        from mmkv_cli.encode.record import write_encoded
         from mmkv_cli.media.base import Media
-        from mmkv_cli.pack import write_pack
 
         media = Media("video", self.source.spec, self.source.digest, list(self.encoder.times), None)
-        header, series = pack_header(self.backbone, self.choice, self.context, media, encoded)
-        prefix, blocks, suffix = encoded.prefix, encoded.blocks, encoded.suffix
-        return write_pack(path, header, prefix, blocks, suffix, True, self.quant, series=series)
+        return write_encoded(
+            path, self.backbone, self.choice, self.context, media, encoded, self.quant, force=True
+        )

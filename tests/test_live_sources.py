@@ -15,7 +15,7 @@ import torch
 
 from mmkv_cli import api
 from mmkv_cli.encode.encoder import encode_media
-from mmkv_cli.encode.record import pack_header
+from mmkv_cli.encode.record import write_encoded
 from mmkv_cli.errors import MediaError
 from mmkv_cli.live import Follow, LiveQuestion
 from mmkv_cli.media import load_media
@@ -23,7 +23,7 @@ from mmkv_cli.media.live import LiveOptions, LiveSource, Ticks
 from mmkv_cli.methods import EncodeContext
 from mmkv_cli.methods.choice import resolve_method
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions
-from mmkv_cli.pack import PackReader, write_pack
+from mmkv_cli.pack import PackReader
 from tests.conftest import SAMPLES
 from tests.helpers import mpegts_bytes
 from tests.test_live import cut
@@ -45,8 +45,7 @@ def clip_pack(backbone, frames: int | None, path, method="hermes", tokens=24):
     choice = resolve_method(method).with_budget(tokens=tokens)
     context = EncodeContext("video")
     encoded = encode_media(backbone, media, choice, context, clip_frames=backbone.spec.max_frames)
-    header, series = pack_header(backbone, choice, context, media, encoded)
-    write_pack(path, header, encoded.prefix, encoded.blocks, encoded.suffix, series=series)
+    write_encoded(path, backbone, choice, context, media, encoded)
     return path
 
 

@@ -1,5 +1,5 @@
-"""What an encode records about itself: the pack's typed header (built once, here) and the identity
-a checkpoint is bound to."""
+"""What an encode records about itself: the pack's typed header (built once, here), the pack it
+writes, and the identity a checkpoint is bound to."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from mmkv_cli.pack.header import (
     PackHeader,
     PromptRecord,
 )
+from mmkv_cli.pack.quant import QuantSpec
+from mmkv_cli.pack.writer import write_pack
 from mmkv_cli.spec import as_plain
 
 if TYPE_CHECKING:
@@ -68,6 +70,23 @@ def pack_header(
         mmkv_version=__version__,
     )
     return header, series
+
+
+def write_encoded(
+    path,
+    backbone: Backbone,
+    choice: MethodChoice,
+    context: EncodeContext,
+    media: Media,
+    encoded: Encoded,
+    quant: QuantSpec | None = None,
+    force: bool = False,
+) -> int:
+    """An encode's result (a file's, or a live stream's memory) as a pack at `path`, written
+    atomically; returns its size in bytes."""
+    header, series = pack_header(backbone, choice, context, media, encoded)
+    prefix, blocks, suffix = encoded.prefix, encoded.blocks, encoded.suffix
+    return write_pack(path, header, prefix, blocks, suffix, force, quant, series=series)
 
 
 def encode_identity(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import queue
 import sys
 import threading
@@ -239,9 +238,3 @@ class LiveSource:
                     self.dropped += 1
                 except queue.Empty:
                     pass
-
-
-def open_stdin_check() -> None:
-    """stdin must be a pipe or a file for '-' (not a terminal a person types into)."""
-    if os.isatty(sys.stdin.fileno()):
-        raise MediaError("'-' reads a stream piped on stdin, but stdin is a terminal")

@@ -194,8 +194,6 @@ def read_header(stored: dict, version: int, kv: KVShape, where: str) -> PackHead
             method["budget_tokens"] = params["budget_tokens"]
         method["params"] = params
     exact = version >= 5
-    layout = dict(stored.get("layout") or {})
-    layout.setdefault("position_dims", None)
     try:
         return PackHeader(
             kv=kv,
@@ -203,7 +201,7 @@ def read_header(stored: dict, version: int, kv: KVShape, where: str) -> PackHead
             method=replace(MethodRecord.stored(method), params_exact=exact),
             media=MediaRecord.stored(stored.get("media")),
             prompt=PromptRecord.stored(stored.get("prompt")),
-            layout=LayoutRecord.stored(layout),
+            layout=LayoutRecord.stored(stored.get("layout")),
             rotary=dict(stored.get("rotary") or {}),
             visual_tokens_total=stored.get("visual_tokens_total"),
             stats=dict(stored.get("stats") or {}),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -50,7 +50,7 @@ class Hosted:
     follow: Follow
     thread: threading.Thread | None = None  # the follow, running
     done: dict | None = None  # the follow's summary once it has ended
-    error: str | None = field(default=None)  # what ended it, when not the source
+    error: str | None = None  # what ended it, when not the source
 
     def state(self) -> dict:
         encoder, source = self.follow.encoder, self.follow.source

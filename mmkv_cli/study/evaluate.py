@@ -108,6 +108,12 @@ class Level:
     tokens: int | None = None
 
     @property
+    def budget(self) -> float | None:
+        """As results and run configs report it: the share, 1 for keeping everything, None for a
+        token count."""
+        return None if self.tokens is not None else (self.share or 1.0)
+
+    @property
     def label(self) -> str:
         return f"t{self.tokens}" if self.tokens is not None else f"b{self.share or 1:g}"
 
@@ -219,14 +225,12 @@ def evaluate_run(
                 on_clip(n + 1)
     result = {
         "method": method,
-        "budget": level.share if level.tokens is None else None,
+        "budget": level.budget,
         "budget_tokens": level.tokens,
         "protocol": settings.protocol,
         "kv_bits": settings.kv_bits,
         **metrics(_scored(items, done), chance_level),
     }
-    if level.tokens is None and level.share is None:
-        result["budget"] = 1.0
     (folder / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
 
@@ -242,7 +246,7 @@ def _run_config(items, backbone, model, method, level: Level, settings: EvalSett
         "model_fingerprint": {k: fingerprint.get(k) for k in FINGERPRINT},
         "method": method,
         "params": as_plain(resolve_method(method).params),
-        "budget": level.share if level.share is not None else 1.0,
+        "budget": level.budget,
         "fps": settings.fps,
         "max_frames": settings.max_frames,
         "positions": settings.positions.value if settings.positions else None,
@@ -251,7 +255,7 @@ def _run_config(items, backbone, model, method, level: Level, settings: EvalSett
         "questions_sha256": questions_digest(items),
     }
     if level.tokens is not None:  # keys a replay run at a share never had: its folder still fits
-        config.update(budget=None, budget_tokens=level.tokens)
+        config["budget_tokens"] = level.tokens
     if settings.protocol == "stream":
         config["protocol"] = "stream"
     return config

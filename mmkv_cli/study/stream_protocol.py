@@ -12,12 +12,11 @@ from pathlib import Path
 
 from mmkv_cli import api
 from mmkv_cli.encode.live import LiveEncoder
-from mmkv_cli.encode.record import pack_header
+from mmkv_cli.encode.record import write_encoded
 from mmkv_cli.media import Media, load_media
 from mmkv_cli.methods import EncodeContext
 from mmkv_cli.methods.choice import MethodChoice
 from mmkv_cli.options import AskOptions
-from mmkv_cli.pack import write_pack
 from mmkv_cli.pack.quant import QuantSpec
 from mmkv_cli.study.eval_sets.items import Item
 
@@ -47,17 +46,7 @@ def answered_live(
             frames = len(live.times)
             cut = Media(media.kind, media.source, media.digest, media.timestamps[:frames], None)
             encoded = live.memory()
-            header, series = pack_header(backbone, choice, context, cut, encoded)
-            write_pack(
-                pack,
-                header,
-                encoded.prefix,
-                encoded.blocks,
-                encoded.suffix,
-                True,
-                QuantSpec(kv_bits),
-                series=series,
-            )
+            write_encoded(pack, backbone, choice, context, cut, encoded, QuantSpec(kv_bits), True)
             info = api.inspect(pack)
             for item in due:
                 yield item, api.ask(pack, prompt_for(item), asking, backbone=backbone), info
