@@ -1,6 +1,6 @@
-"""A pack's shared block tensors ("blocks.k/.v/.pos", and ".kq/.vq" when quantized) as views of
-the memory-mapped file: the rows of some blocks copied out (and dequantized), and their checksums
-computed on each block's own stored bytes."""
+"""A pack's shared block tensors ("blocks.k/.v/.pos", and ".kq/.vq" when quantized), read by rows
+from the file: the rows of some blocks copied out (and dequantized), and their checksums computed
+on each block's own stored bytes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from mmkv_cli.pack.table import BlockRows
 
 
 class BlockStore:
-    """views: part -> (numpy view of the map, torch dtype name), for the parts the pack stores.
+    """views: part -> (the stored tensor, a FileArray or numpy once read whole; torch dtype name),
+    for the parts the pack stores.
     token_major: tokens on the first axis (v4 on; v2/v3 kept them second). kv_dtype: what a
     quantized block decodes into unless asked otherwise. bytes_read counts what was copied out."""
 
@@ -48,7 +49,7 @@ class BlockStore:
         """The stored bytes of token range [start, stop) of a block tensor, in the order its
         checksum covers."""
         if self.token_major:
-            return view[start:stop]  # contiguous: hashed straight from the memory map
+            return view[start:stop]  # contiguous: one read
         return np.ascontiguousarray(view[:, start:stop])
 
     def read_rows(
@@ -89,11 +90,10 @@ class BlockStore:
         return keys, values, positions
 
     def _pick(self, part: str, rows: np.ndarray) -> torch.Tensor:
-        """Rows `rows` of a block tensor, copied out of the map (a copy is faster than
-        view[rows])."""
+        """Rows `rows` of a block tensor, read out of the file."""
         array, dtype = self.views[part]
         if not self.token_major:
             array = np.swapaxes(array, 0, 1)
-        picked = np.take(array, rows, axis=0)
+        picked = array.take(rows, axis=0)
         self.bytes_read += picked.nbytes
         return torch.from_numpy(picked).view(getattr(torch, dtype))

@@ -3,8 +3,8 @@
 A span is the per-layer KV of one stretch of the stream: the prefix (init prompt), one visual block,
 or the suffix. Each span holds its per-layer K, V and original positions concatenated along the
 token axis, token-major ([sum n_l, H_kv, D], [sum n_l, P]), so a span is one contiguous byte range
-per tensor: a reader checksums it straight from the memory map and copies rows, never strided head
-slices. The header keeps the per-layer counts to split them again, so layers may keep different
+per tensor: a reader reads and checksums it in one piece, never strided head slices. The header
+keeps the per-layer counts to split them again, so layers may keep different
 numbers of tokens. Prefix and suffix are tensors of their own ("prefix.k", ...); the blocks sit one
 after another in "blocks.k/.v/.pos", each at its offset, so the tensor directory stays small however
 many blocks. Everything that grows with the video is a tensor, not header JSON: the block table

@@ -1,5 +1,5 @@
-"""Read a pack lazily: the header and representatives first, block tensors only when asked
-(mmap)."""
+"""Read a pack lazily: the header and representatives first, block rows only when asked (pread
+through the descriptor opened)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class PackReader:
         self._tensors = StoredTensors(self.source, self.path)
         self._entries = self._tensors.entries
         self._verified: set[str] = set()  # blocks whose checksum gather() has checked
-        self._store: BlockStore | None = None  # the block tensors, mapped on the first read
+        self._store: BlockStore | None = None  # the block tensors, on the first read
         self._reps: torch.Tensor | None = None  # the representatives, once read and checked
         self._spans: dict[str, Span] = {}
         self._open_header()
@@ -237,9 +237,8 @@ class PackReader:
         rows read; an unquantized pack's are CPU views (strided; concatenating makes them
         contiguous), each layer's its own buffer.
 
-        A context of many blocks is read with one row gather per tensor and layer from the memory
-        map, not a dozen small reads per block; every block's checksum is still verified, on its
-        own bytes.
+        A context of many blocks is read with one row gather per tensor, a pread per run of
+        consecutive rows; every block's checksum is still verified, on its own bytes.
         """
         if not names:
             return [], [], []
@@ -258,13 +257,16 @@ class PackReader:
             taken = [np.asarray([at[n] for n in chosen], dtype=np.int64) for chosen in per_layer]
         if store.kv_bytes(where, pending) < OVERLAP_BYTES:
             self._verify(where, pending)  # small: a thread costs more than it saves
+            read = store.read_rows(where, taken, device, dtype)
+            self._tensors.still_whole()  # blocks checked before need not be hashed again
             self._verified.update(names)
-            return store.read_rows(where, taken, device, dtype)
+            return read
         # checksums on threads while the rows are copied (both let go of the GIL), and on this
         # thread too once the copy is done: one after the other, a read ran slower than either
         hashes = store.hashes(where, pending)
         read = hashed_beside(hashes, lambda: store.read_rows(where, taken, device, dtype))
         self._refuse(where, hashes.mismatched())  # before anything read is handed out
+        self._tensors.still_whole()
         self._verified.update(names)
         return read
 
@@ -272,6 +274,8 @@ class PackReader:
         if self._store is None:
             parts = PARTS if self.quant else PARTS[:3]
             views = {part: self._tensors.view(f"{BLOCKS}.{part}") for part in parts}
+            if not self._token_major:  # v2/v3: a block's rows lie apart in every head; read whole
+                views = {part: (array.read(), dtype) for part, (array, dtype) in views.items()}
             # what quantized K/V decode into by default (v7 on; older packs are never quantized)
             kv_dtype = self.header.kv.dtype if self.quant else None
             self._store = BlockStore(views, self.quant, kv_dtype, self._token_major)

@@ -12,13 +12,16 @@ from mmkv_cli.pack.storage import RemoteFile, is_url, local_path
 
 
 class PackFile(Protocol):
-    file: IO[bytes]  # read by os.pread and a memory map of its descriptor
+    file: IO[bytes]  # read by os.pread / os.preadv of its descriptor, never mapped
     size: int  # bytes, when opened
     local: bool  # a file on this machine (False: an object read by ranges)
     fetched: int | None  # bytes brought over the network (None: a local file)
 
     def ensure(self, ranges: list[tuple[int, int]]) -> None:
         """Make the absolute byte ranges `ranges` readable through `file`."""
+
+    def unchanged(self) -> bool:
+        """The bytes under `file` are still those opened (no one else rewrote them)."""
 
     def close(self) -> None: ...
 
@@ -31,12 +34,23 @@ class LocalFile:
             self.file = open(path, "rb")  # noqa: SIM115 (held for the reader's life)
         except OSError as err:
             raise PackError(f"cannot read {path}: {err.strerror or err}") from None
-        self.size = os.fstat(self.file.fileno()).st_size
+        stat = os.fstat(self.file.fileno())
+        self.size = stat.st_size
+        self._opened = (stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
         self.local = True
         self.fetched = None
 
     def ensure(self, ranges: list[tuple[int, int]]) -> None:
         return None  # every byte is already here
+
+    def unchanged(self) -> bool:
+        # ctime too: any write moves it, and no one can set it back as `cp -p` or `touch` can
+        # mtime. An unlinked file (replaced by a rename, as mmkv writes) moves only its ctime and
+        # keeps its bytes.
+        now = os.fstat(self.file.fileno())
+        if (now.st_size, now.st_mtime_ns, now.st_ino) != self._opened[:3]:
+            return False
+        return now.st_ctime_ns == self._opened[3] or now.st_nlink == 0
 
     def close(self) -> None:
         self.file.close()

@@ -1,9 +1,12 @@
-"""A safetensors file opened once: its directory checked, each tensor's bytes read whole or
-viewed through one memory map of the descriptor (never the path: a file replaced under the reader
-leaves it reading the one it opened)."""
+"""A safetensors file opened once: its directory checked, each tensor's bytes read with pread
+through the descriptor opened (never the path, never a memory map). A pack replaced under the
+reader leaves it reading the file it opened; one rewritten in place (`cp` over it) makes a read come
+up short or the file's status change, one clear error, where a mapped page past the new end of the
+file would kill the process (SIGBUS)."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -13,6 +16,8 @@ from mmkv_cli.lazy import torch
 from mmkv_cli.pack.integrity import read_directory
 from mmkv_cli.pack.source import PackFile
 
+# buffers one preadv fills at most (Linux's IOV_MAX)
+IOV_MAX = 1024
 # safetensors dtype -> the numpy dtype its bytes are read as, and the torch dtype they are viewed as
 # after
 _DTYPES = {
@@ -26,6 +31,76 @@ _DTYPES = {
 }
 
 
+class FileArray:
+    """A stored tensor [rows, ...] read row ranges at a time by pread: indexed like the numpy
+    array it would be (a slice of rows, take(rows)), nothing read until then."""
+
+    def __init__(self, stored: StoredTensors, start: int, dtype: np.dtype, shape: list[int]):
+        self._stored, self._start = stored, start
+        self.dtype, self.shape = np.dtype(dtype), tuple(shape)
+        self.ndim, self.itemsize = len(self.shape), self.dtype.itemsize
+        self.nbytes = self.itemsize * math.prod(self.shape)
+        self.row_bytes = self.itemsize * math.prod(self.shape[1:])
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 0
+
+    def read(self) -> np.ndarray:
+        """The whole tensor."""
+        return self[0 : len(self)] if self.shape else self._into(np.empty((), self.dtype), [(0, 1)])
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        first, stop, step = rows.indices(len(self))
+        if step != 1:
+            raise IndexError("a stored tensor is read by contiguous rows")
+        out = np.empty((max(0, stop - first), *self.shape[1:]), self.dtype)
+        return self._into(out, [(first, stop)])
+
+    def take(self, rows: np.ndarray, axis: int = 0) -> np.ndarray:
+        """Rows `rows` (int array): runs of consecutive rows that lie next to each other in the
+        file are read by one scattering preadv, whatever their order in `rows` (a context's
+        layer-major order visits each block once per layer)."""
+        if axis != 0:
+            raise IndexError("a stored tensor is read by rows")
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        out = np.empty((rows.size, *self.shape[1:]), self.dtype)
+        if not rows.size:
+            return out
+        if rows.min() < 0 or rows.max() >= len(self):
+            raise IndexError("row out of range")
+        starts = np.flatnonzero(np.diff(rows, prepend=rows[0] - 2) != 1)  # each run's first row
+        lengths = np.diff(np.append(starts, rows.size))
+        firsts = rows[starts]
+        order = np.argsort(firsts, kind="stable")
+        flat = memoryview(out.reshape(-1).view(np.uint8))
+        row = self.row_bytes
+        pieces: list[memoryview] = []
+        at = stop = -1  # the file rows [at, stop) the pieces gathered so far cover
+        for i in order.tolist():
+            first, length, put = int(firsts[i]), int(lengths[i]), int(starts[i]) * row
+            if first != stop or len(pieces) == IOV_MAX:
+                self._scatter(pieces, at)
+                pieces, at = [], first
+            pieces.append(flat[put : put + length * row])
+            stop = first + length
+        self._scatter(pieces, at)
+        return out
+
+    def _scatter(self, pieces: list[memoryview], first_row: int) -> None:
+        if pieces:
+            self._stored.read_into(pieces, self._start + first_row * self.row_bytes)
+
+    def _into(self, out: np.ndarray, runs: list[tuple[int, int]]) -> np.ndarray:
+        """Row ranges `runs` read one after another into `out`."""
+        flat = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+        at = 0
+        for first, stop in runs:
+            size = (stop - first) * self.row_bytes
+            self._stored.read_into([flat[at : at + size]], self._start + first * self.row_bytes)
+            at += size
+        return out
+
+
 class StoredTensors:
     """The tensors of an open pack file, by name."""
 
@@ -36,8 +111,7 @@ class StoredTensors:
         raw, self.data_start = read_directory(self._file, path, source.ensure)
         self.metadata = raw.get("__metadata__")
         self.entries = {k: v for k, v in raw.items() if k != "__metadata__"}
-        self._map: np.memmap | None = None  # the whole file, mapped on the first view
-        self._views: dict[str, tuple[np.ndarray, str]] = {}  # name -> (view, torch dtype name)
+        self._views: dict[str, tuple[FileArray, str]] = {}  # name -> (view, torch dtype name)
         self.small: dict[str, np.ndarray] = {}  # small tensors' bytes read (and digested) on open
         self.bytes_read = 0
 
@@ -45,9 +119,10 @@ class StoredTensors:
         """Tensor `name`'s stored bytes, read whole."""
         start, stop = (self.data_start + o for o in self.entries[name]["data_offsets"])
         self.source.ensure([(start, stop)])
-        data = os.pread(self._file.fileno(), stop - start, start)
-        self.bytes_read += len(data)
-        return np.frombuffer(bytearray(data), dtype=np.uint8)  # writable, as a numpy copy is
+        out = np.empty(stop - start, dtype=np.uint8)
+        self.read_into([memoryview(out)], start)
+        self.bytes_read += out.nbytes
+        return out
 
     def stored_bytes(self, names: list[str]) -> int:
         """Bytes the tensors `names` take in the file (0 for those it does not hold)."""
@@ -55,10 +130,26 @@ class StoredTensors:
         return sum(stop - start for start, stop in spans)
 
     def still_whole(self) -> None:
-        """Reading a mapped file that shrank would kill the process (SIGBUS): a pack cut short in
-        place while it is read is one clear error instead."""
-        if os.fstat(self._file.fileno()).st_size != self.size:
+        """The file is the one opened, as it was: a pack rewritten in place (even to the same size
+        and mtime) is one clear error, before and after each read, never bytes of two files."""
+        if not self.source.unchanged():
             raise PackError(f"{self.path} changed while it was being read")
+
+    def read_into(self, into: list[memoryview], offset: int) -> None:
+        """The file's bytes from `offset` on, into the buffers `into` one after another: a short
+        read means the file was cut under the reader."""
+        fd = self._file.fileno()
+        into = [piece for piece in into if len(piece)]
+        while into:
+            got = os.preadv(fd, into, offset)
+            if got <= 0:
+                raise PackError(f"{self.path} changed while it was being read")
+            offset += got
+            while into and got >= len(into[0]):  # whole buffers filled; a partial one goes on
+                got -= len(into[0])
+                into.pop(0)
+            if got:
+                into[0] = into[0][got:]
 
     def array(self, name: str) -> np.ndarray:
         """Tensor `name` read whole into memory, as numpy (no torch needed)."""
@@ -68,7 +159,7 @@ class StoredTensors:
             return self.small.pop(name).view(np_dtype).reshape(entry["shape"])
         view, _ = self.view(name)
         self.source.ensure([self.tensor_range(name)])
-        out = np.array(view)
+        out = view.read()
         self.bytes_read += out.nbytes
         return out
 
@@ -77,26 +168,18 @@ class StoredTensors:
         _, dtype = self.view(name)
         return torch.from_numpy(self.array(name)).view(getattr(torch, dtype))
 
-    def view(self, name: str) -> tuple[np.ndarray, str]:
-        """Tensor `name` as a shaped view of the memory-mapped file (nothing read until it is
-        indexed)."""
+    def view(self, name: str) -> tuple[FileArray, str]:
+        """Tensor `name` as a shaped FileArray (nothing read until it is indexed), and the torch
+        dtype its bytes are viewed as."""
         if name not in self._views:
             entry = self.entries.get(name)
             if entry is None or entry.get("dtype") not in _DTYPES:
                 raise PackError(
                     f"{self.path} is corrupted: tensor {name} missing or of an unknown type"
                 )
-            self.still_whole()
-            if self._map is None:  # the descriptor opened, not the path: replacement-proof
-                self._map = np.memmap(self._file, dtype=np.uint8, mode="r")
-            start, stop = (self.data_start + o for o in entry["data_offsets"])
+            start = self.data_start + entry["data_offsets"][0]
             np_dtype, torch_dtype = _DTYPES[entry["dtype"]]
-            # a plain array over the map: memmap's own indexing is slow
-            flat = np.asarray(self._map[start:stop])
-            try:
-                self._views[name] = (flat.view(np_dtype).reshape(entry["shape"]), torch_dtype)
-            except (ValueError, TypeError) as err:
-                raise PackError(f"{self.path} is corrupted: tensor {name} has a bad shape") from err
+            self._views[name] = (FileArray(self, start, np_dtype, entry["shape"]), torch_dtype)
         return self._views[name]
 
     def tensor_range(self, name: str) -> tuple[int, int]:

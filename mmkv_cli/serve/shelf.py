@@ -42,7 +42,7 @@ class FolderShelf:
         if path.parent != self.folder or not path.is_file():
             raise LookupError(f"no pack named '{name}'")
         stat = path.stat()
-        return path, (stat.st_mtime_ns, stat.st_size)
+        return path, (stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, stat.st_size)
 
     def names(self) -> list[str]:
         out = []
