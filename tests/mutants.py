@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import struct
 from dataclasses import dataclass
@@ -43,7 +44,15 @@ KINDS = {
     "field": True,
     "table": True,
     "shape": True,
+    "nonfinite": True,
 }
+# a float's bytes as NaN, +Inf or -Inf, by safetensors dtype
+NON_FINITE = {
+    "F32": [struct.pack("<f", v) for v in (math.nan, math.inf, -math.inf)],
+    "F16": [b"\x00\x7e", b"\x00\x7c", b"\x00\xfc"],
+    "BF16": [b"\xc0\x7f", b"\x80\x7f", b"\x80\xff"],
+}
+FLOAT_TENSORS = ("blocks.k", "blocks.v", "blocks.kq", "blocks.vq", "prefix.k", "prefix.v")
 
 
 @dataclass
@@ -137,6 +146,8 @@ def mutate(raw: bytes, kind: str, rng: random.Random) -> bytes:
         parts.data[start:stop] = values.astype(dtype).tobytes()
         parts.reseal()
         return parts.bytes()
+    if kind == "nonfinite":
+        return nonfinite(parts, rng)
     # field: one header value replaced by junk, the header checksum recomputed
     header = parts.header()
     path, _ = rng.choice([p for p in _paths(header) if p[0]])
@@ -146,3 +157,67 @@ def mutate(raw: bytes, kind: str, rng: random.Random) -> bytes:
     node[path[-1]] = rng.choice(JUNK)
     parts.set_header(header)
     return parts.bytes()
+
+
+def nonfinite(parts: Parts, rng: random.Random, name: str | None = None) -> bytes:
+    """A NaN or Inf written into a K/V (or scale) tensor (`name`, or one drawn), and every
+    checksum over it recomputed: a forger's pack whose bytes are all as sealed."""
+    entries = parts.directory
+    floats = [n for n in FLOAT_TENSORS if n in entries and entries[n]["dtype"] in NON_FINITE]
+    name = name or rng.choice(floats)
+    entry = entries[name]
+    start, stop = entry["data_offsets"]
+    size = len(NON_FINITE[entry["dtype"]][0])
+    element = rng.randrange((stop - start) // size)
+    parts.data[start + element * size : start + (element + 1) * size] = rng.choice(
+        NON_FINITE[entry["dtype"]]
+    )
+    header = parts.header()
+    span = name.split(".")[0]
+    if span != "blocks":
+        pieces = [_tensor_bytes(parts, f"{span}.{p}") for p in ("k", "v", "pos")]
+        header["spans"][span]["sha256"] = hashlib.sha256(b"".join(pieces)).hexdigest()
+        parts.set_header(header)
+    else:
+        row = element // max(1, math.prod(entry["shape"][1:]))
+        _reseal_block(parts, header, name, row)
+    parts.reseal()
+    return parts.bytes()
+
+
+def _tensor_bytes(parts: Parts, name: str, rows: tuple[int, int] | None = None) -> bytes:
+    entry = parts.directory[name]
+    start, stop = entry["data_offsets"]
+    if rows is not None:
+        row = (stop - start) // max(1, entry["shape"][0])
+        start, stop = start + rows[0] * row, start + rows[1] * row
+    return bytes(parts.data[start:stop])
+
+
+def _reseal_block(parts: Parts, header: dict, name: str, row: int) -> None:
+    """The sha256 of the block holding row `row` of block tensor `name`, recomputed (v7 on)."""
+    table_entry = parts.directory["blocks.table"]
+    table = np.frombuffer(
+        _tensor_bytes(parts, "blocks.table"), STORED[table_entry["dtype"]]
+    ).reshape(table_entry["shape"])
+    column = 6 if name == "blocks.kq" else 3  # key groups, or token rows
+    index = int(np.searchsorted(table[:, column], row, side="right")) - 1
+    counts = table[index, 7:]
+    tokens, offset = int(counts.sum()), int(table[index, 3])
+    positions = int(counts[0]) if table[index, 5] else tokens
+    spans = {
+        "k": (offset, offset + tokens),
+        "v": (offset, offset + tokens),
+        "pos": (int(table[index, 4]), int(table[index, 4]) + positions),
+        "vq": (offset, offset + tokens),
+    }
+    if "blocks.kq" in parts.directory:
+        group = header["quant"]["group"]
+        groups = int(sum(-(-int(c) // group) for c in counts))
+        spans["kq"] = (int(table[index, 6]), int(table[index, 6]) + groups)
+    digest = hashlib.sha256()
+    for part in ("k", "v", "pos", "kq", "vq"):
+        if f"blocks.{part}" in parts.directory:
+            digest.update(_tensor_bytes(parts, f"blocks.{part}", spans[part]))
+    start = parts.directory["blocks.sha256"]["data_offsets"][0] + 32 * index
+    parts.data[start : start + 32] = digest.digest()

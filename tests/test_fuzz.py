@@ -43,6 +43,8 @@ def outcome(raw: bytes, reference, backbone, path) -> str:
         return "refused"
     except Exception as err:  # noqa: BLE001 (what the test is looking for)
         return f"internal: {type(err).__name__}: {err}"
+    if not torch.isfinite(answer.first_logits).all():
+        return "internal: an answer from non-finite logits"
     return "same" if torch.equal(answer.first_logits, reference) else "changed"
 
 
@@ -63,3 +65,23 @@ def test_mutated_packs_are_refused_or_answer_as_before(subjects, tmp_path):
     for kind in KINDS:
         assert seen[kind, "refused"] > 0, kind
     assert sum(v for (k, r), v in seen.items() if r == "refused") > 1000
+
+
+@pytest.mark.parametrize("tensor", ["blocks.k", "blocks.kq", "prefix.v"])
+def test_nan_or_inf_sealed_into_a_pack_is_refused_not_answered(subjects, tmp_path, tensor):
+    """Issue 40, item 9: a forger re-seals every checksum over a NaN; the read refuses it."""
+    from mmkv_cli.errors import PackError
+    from tests import mutants
+
+    backbone, made = subjects
+    raw = made[1 if tensor == "blocks.kq" else 0][0]
+    path = tmp_path / "nan.kvpack"
+    path.write_bytes(mutants.nonfinite(mutants.Parts.of(raw), random.Random(7), tensor))
+    faults = api.verify(path)["faults"]  # every checksum holds: only the values give it away
+    assert len(faults) == 1 and "NaN or Inf" in faults[0] and "checksum" not in faults[0]
+    try:
+        answer = api.ask(path, QUESTION, ASK, backbone=backbone)
+    except PackError as err:
+        assert "NaN or Inf" in str(err)
+    else:  # retrieval passed the forged block by: the answer is the pack's own
+        assert tensor == "blocks.kq" and torch.equal(answer.first_logits, made[1][1])

@@ -69,3 +69,18 @@ def test_sampling_is_reproducible_with_a_seed_and_top_p_cuts_the_tail():
     kept = {pick(logits, nucleus, torch.Generator().manual_seed(s)) for s in range(200)}
     assert kept == {0, 1}  # the two head tokens hold more than 0.6 of the mass together
     assert pick(logits, GenerationOptions(), None) == 0
+
+
+def test_no_token_is_picked_from_non_finite_logits():
+    import pytest
+
+    from mmkv_cli.ask.generate import pick
+    from mmkv_cli.errors import ModelError
+    from mmkv_cli.options import GenerationOptions
+
+    for bad in (float("nan"), float("inf")):
+        logits = torch.zeros(10)
+        logits[3] = bad
+        for temperature in (0.0, 1.0):
+            with pytest.raises(ModelError, match="not finite"):
+                pick(logits, GenerationOptions(temperature=temperature), None)

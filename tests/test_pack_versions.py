@@ -164,3 +164,73 @@ def test_an_older_header_is_upgraded_on_read_its_kv_shape_read_off_its_tensors()
         ]
         shown = CliRunner().invoke(app, ["inspect", str(DATA / f"v{version}.kvpack")])
         assert shown.exit_code == 0 and f"kvpack v{version}" in shown.output
+
+
+def _resealed(name: str, edit) -> bytes:
+    """Fixture `name` with its header edited by `edit(header)`, the header checksum recomputed."""
+    from tests.mutants import Parts
+
+    parts = Parts.of((DATA / name).read_bytes())
+    header = parts.header()
+    edit(header)
+    parts.set_header(header)
+    return parts.bytes()
+
+
+def _refused(tmp_path, raw: bytes, match: str = "corrupted") -> None:
+    import pytest
+
+    from mmkv_cli import api
+    from mmkv_cli.errors import PackError
+
+    path = tmp_path / "forged.kvpack"
+    path.write_bytes(raw)
+    for look in (api.inspect, api.verify):
+        with pytest.raises(PackError, match=match):
+            look(path)
+
+
+def test_older_packs_get_the_same_shape_checks_on_open(tmp_path):
+    """Issue 40, items 4 and 7: counts or a version that the tensors do not bear out."""
+
+    def prefix_counts(counts):
+        return lambda h: h["spans"]["prefix"].update(layer_counts=counts)
+
+    for counts in ([5, 5, 4], [5, 5, 5, 5], [6, 5, 5], [2**40, 0, 0]):
+        _refused(tmp_path, _resealed("v6.kvpack", prefix_counts(counts)))
+    for version in (3, 4, 5, 6):  # a v7 pack relabelled: int32 shared positions, 7 columns
+        _refused(tmp_path, _resealed("v7.kvpack", lambda h, v=version: h.update(format_version=v)))
+    _refused(tmp_path, _resealed("v6.kvpack", lambda h: h.update(format_version=3)))
+
+
+def test_every_bit_of_a_v6_table_is_refused_or_harmless(tmp_path):
+    """Issue 40, item 5: v6 has no digest over its table; a flipped bit there must fail the
+    table's own checks on open, or leave every count and offset as they were."""
+    from tests.mutants import Parts
+
+    raw = (DATA / "v6.kvpack").read_bytes()
+    parts = Parts.of(raw)
+    start, stop = parts.directory["blocks.table"]["data_offsets"]
+    original = np.frombuffer(bytes(parts.data[start:stop]), np.int64).reshape(2, 7)
+    path = tmp_path / "flipped.kvpack"
+    for bit in range((stop - start) * 8):
+        flipped = Parts.of(raw)
+        flipped.data[start + bit // 8] ^= 1 << (bit % 8)
+        path.write_bytes(flipped.bytes())
+        try:
+            reader = PackReader(path)
+        except Exception as err:  # noqa: BLE001 (only a clear refusal is allowed)
+            assert type(err).__name__ == "PackError", err
+            continue
+        changed = np.argwhere(reader.blocks.rows() != original)[:, 1]
+        assert set(changed.tolist()) <= {0, 1, 2}, bit  # a label or steps: no size read from it
+
+
+def test_verify_says_what_an_older_format_cannot_check(tmp_path):
+    """Issue 40, item 6: v6 representatives carry no checksum; verify says so, not a bare ok."""
+    from mmkv_cli import api
+
+    report = api.verify(DATA / "v6.kvpack")
+    assert report["ok"] and "representatives" in report["unverifiable"]
+    assert "the block table" in report["unverifiable"]
+    assert api.verify(DATA / "v7.kvpack")["unverifiable"] == []

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmkv_cli.errors import ModelError
 from mmkv_cli.options import GenerationOptions
 
 REPLACEMENT = "\ufffd"  # what a byte-level tokenizer decodes an incomplete UTF-8 sequence to
@@ -15,7 +16,13 @@ REPLACEMENT = "\ufffd"  # what a byte-level tokenizer decodes an incomplete UTF-
 
 def pick(logits: torch.Tensor, options: GenerationOptions, rng: torch.Generator | None) -> int:
     """The next token from logits [vocab]: the argmax at temperature 0, else a sample from the
-    temperature-scaled distribution cut to its top-p mass."""
+    temperature-scaled distribution cut to its top-p mass. Never from NaN or Inf: an argmax of them
+    is an arbitrary token, an answer that only looks like one."""
+    if not bool(torch.isfinite(logits).all()):
+        raise ModelError(
+            "the model's next-token scores are not finite (NaN or Inf): the KV it was given or its "
+            "weights are broken, so no answer is given"
+        )
     if options.temperature <= 0:
         return int(logits.argmax(dim=-1))
     probs = torch.softmax(logits.float() / options.temperature, dim=-1)

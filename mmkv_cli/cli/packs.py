@@ -67,9 +67,16 @@ def verify(pack: str = typer.Argument(..., help="A .kvpack."), as_json: bool = J
         if as_json:
             emit_json(report)
         elif report["ok"]:
+            checked = (
+                f"{report['path']}, {report['blocks']} blocks, "
+                f"{human_bytes(report['bytes_checked'])} checked"
+            )
+            unverifiable = ", ".join(report["unverifiable"])
             out_console.print(
-                f"ok: {report['path']}, {report['blocks']} blocks, "
-                f"{human_bytes(report['bytes_checked'])} checked",
+                f"ok: {checked}"
+                if not unverifiable
+                else f"ok as far as format v{report['format_version']} can tell: {checked}; "
+                f"it has no checksum over {unverifiable} (checked for shape and sense only)",
                 highlight=False,
             )
         else:

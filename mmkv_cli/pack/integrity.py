@@ -19,16 +19,12 @@ import re
 import struct
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from mmkv_cli.errors import PackError
 from mmkv_cli.pack.format import (
-    BLOCKS,
     FORMAT_NAME,
     META_HEADER,
     META_HEADER_SHA,
     READABLE_VERSIONS,
-    TABLE_COLUMNS,
 )
 
 if TYPE_CHECKING:
@@ -237,6 +233,13 @@ def _reps_digest(value, version: int) -> bool:
     )
 
 
+def check_kv_shape(kv, where: str) -> None:
+    """A KV shape (stored, or read off an old pack's tensors) within the bounds of a real model."""
+    _need(1 <= kv.layers <= MAX_LAYERS, where, "kv layers")
+    _need(1 <= kv.kv_heads <= MAX_HEADS, where, "kv heads")
+    _need(2 <= kv.head_dim <= MAX_HEAD_DIM, where, "kv head dim")
+
+
 def check_askable(header: PackHeader, where: str) -> None:
     """The fields `ask` reads are all there. Their types and ranges were checked on open
     (check_header); a pack that only stores KV, as some tests write, need not have them."""
@@ -253,98 +256,3 @@ def check_spans(spans: dict, layers: int, where: str) -> None:
         sha = meta.get("sha256")
         _need(isinstance(sha, str) and HEX64.fullmatch(sha) is not None, where, f"{name} sha256")
         _need(isinstance(meta.get("shared_positions", False), bool), where, f"{name} positions")
-
-
-def expect(entries: dict, name: str, dtype: str | tuple, shape: list, where: str) -> None:
-    """Tensor `name` exists with this dtype and shape (None in `shape`: any size there)."""
-    entry = entries.get(name)
-    _need(entry is not None, where, f"tensor {name} missing")
-    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-    got = entry["shape"]
-    fits = len(got) == len(shape) and all(w is None or w == g for w, g in zip(shape, got))
-    _need(entry["dtype"] in dtypes and fits, where, f"tensor {name} is not {dtypes[0]} {shape}")
-
-
-def check_table(rows: np.ndarray, times: np.ndarray, group: int, where: str) -> dict:
-    """The v7 block table against itself: every offset the running sum the writer makes, counts
-    and steps in range, granularity codes known. Returns the rows each block tensor must have."""
-    counts = rows[:, 7:]
-    _need((counts >= 0).all() and (rows[:, 0] >= 0).all(), where, "negative table entries")
-    totals = counts.sum(axis=1)
-    shared = rows[:, 5]
-    _need(np.isin(shared, (0, 1)).all(), where, "table flags")
-    same = (counts == counts[:, :1]).all(axis=1)
-    _need(same[shared == 1].all(), where, "shared positions with unequal layer counts")
-    position_rows = np.where(shared == 1, counts[:, 0], totals)
-    groups = (-(-counts // group)).sum(axis=1) if group else np.zeros_like(totals)
-    for column, sizes, what in ((3, totals, "offsets"), (4, position_rows, "position offsets")):
-        _need(np.array_equal(rows[:, column], np.cumsum(sizes) - sizes), where, f"table {what}")
-    _need(np.array_equal(rows[:, 6], np.cumsum(groups) - groups), where, "table key groups")
-    first, stop = rows[:, 1], rows[:, 2]
-    _need(((first == -1) & (stop == -1) | (first >= 0) & (stop >= first)).all(), where, "steps")
-    _need(not np.isinf(times).any(), where, "block times")
-    return {
-        "tokens": int(totals.sum()),
-        "positions": int(position_rows.sum()),
-        "groups": int(groups.sum()),
-    }
-
-
-def check_tensors(header: dict, entries: dict, spans: dict, table, quant, where: str) -> None:
-    """Every tensor's dtype and shape as the header and the table say (v7 on): nothing is
-    allocated from a count that the tensors do not bear out."""
-    kv = header["kv"]
-    heads, dim, code = kv["kv_heads"], kv["head_dim"], KV_DTYPES[kv["dtype"]]
-    dims = (header.get("layout") or {}).get("position_dims")
-    for name in ("prefix", "suffix"):
-        meta = spans[name]
-        total = sum(meta["layer_counts"])
-        rows = meta["layer_counts"][0] if meta.get("shared_positions") else total
-        if meta.get("shared_positions") and len(set(meta["layer_counts"])) > 1:
-            raise PackError(f"{where} is corrupted (positions of {name})")
-        for part in ("k", "v"):
-            expect(entries, f"{name}.{part}", code, [total, heads, dim], where)
-        expect(entries, f"{name}.pos", "I32", [rows, dims], where)
-    # v8 stores the table and the tokens per step int32 where every value fits
-    integers = ("I64", "I32") if header["format_version"] >= 8 else "I64"
-    for name, stored in (("media.timestamps", "F64"), ("layout.step_lengths", integers)):
-        if name in entries:
-            expect(entries, name, stored, [None], where)
-    count, layers = len(table), kv["layers"]
-    if count != header["blocks"]["count"]:
-        raise PackError(f"{where} is corrupted (block count)")
-    # before the early return: a forged pack of no blocks may still claim representatives
-    reps = header.get("representatives")
-    if reps:
-        stored = reps.get("layers")
-        if stored not in (1, layers) or reps["dim"] != heads * dim:
-            raise PackError(f"{where} is corrupted (representatives)")
-        expect(entries, "reps", code, [count, stored, heads * dim], where)
-        if header["format_version"] >= 8:  # every byte of them covered: a digest per chunk
-            digest = header["integrity"].get("reps")
-            start, stop = entries["reps"]["data_offsets"]
-            chunks = max(1, -(-(stop - start) // digest["chunk"])) if digest else -1
-            _need(digest is not None and len(digest["sha256"]) == chunks, where, "reps digests")
-    if not count:
-        return
-    expect(entries, f"{BLOCKS}.table", integers, [count, TABLE_COLUMNS + layers], where)
-    expect(entries, f"{BLOCKS}.time", "F64", [count, 2], where)
-    expect(entries, f"{BLOCKS}.sha256", "U8", [count, 32], where)
-    kinds = len(header["blocks"]["granularities"])
-    if (table.codes() >= kinds).any():
-        raise PackError(f"{where} is corrupted (granularity codes)")
-    sizes = check_table(table.rows(), table.times(), quant.group if quant else 0, where)
-    width = dim * quant.bits // 8 if quant else dim
-    for part in ("k", "v"):
-        expect(
-            entries,
-            f"{BLOCKS}.{part}",
-            "U8" if quant else code,
-            [sizes["tokens"], heads, width],
-            where,
-        )
-    expect(entries, f"{BLOCKS}.pos", "I32", [sizes["positions"], dims], where)
-    if quant:
-        groups = heads * dim // quant.value_group(heads, dim)
-        expect(entries, f"{BLOCKS}.kq", "F16", [sizes["groups"], 2, heads, dim], where)
-        expect(entries, f"{BLOCKS}.vq", "F16", [sizes["tokens"], groups, 2], where)

@@ -10,7 +10,7 @@ import numpy as np
 
 from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack.block_store import BlockStore
+from mmkv_cli.pack.block_store import BlockStore, all_finite
 from mmkv_cli.pack.format import (
     BLOCKS,
     OLD_TABLE_COLUMNS,
@@ -26,12 +26,13 @@ from mmkv_cli.pack.header import KVShape, read_header
 from mmkv_cli.pack.integrity import (
     STORED_KV_DTYPES,
     check_header,
+    check_kv_shape,
     check_spans,
-    check_tensors,
     index_digest,
     parse_header,
 )
 from mmkv_cli.pack.quant import QuantSpec
+from mmkv_cli.pack.shapes import check_tensors
 from mmkv_cli.pack.source import block_byte_ranges, open_pack_file
 from mmkv_cli.pack.table import BlockRows, BlockTable
 from mmkv_cli.pack.tensors import StoredTensors
@@ -58,7 +59,7 @@ class PackReader:
         self._spans: dict[str, Span] = {}
         self._open_header()
         self._blocks = self._open_table()
-        self.header = read_header(self._stored, self.format_version, self._kv_shape(), self._where)
+        self.header = read_header(self._stored, self.format_version, self._kv, self._where)
 
     @property
     def _where(self) -> str:
@@ -84,13 +85,20 @@ class PackReader:
             self.spans_meta
         ):
             raise PackError(f"{self.path} is corrupted (no prefix or suffix)")
+        if version >= 3:  # v2's spans are checked as they are read
+            prefix = self.spans_meta["prefix"]
+            counts = prefix.get("layer_counts") if isinstance(prefix, dict) else None
+            layers = len(counts) if isinstance(counts, list) else 0
+            check_spans(
+                self.spans_meta, stored["kv"]["layers"] if version >= 7 else layers, self._where
+            )
         if version >= 7:
-            check_spans(self.spans_meta, stored["kv"]["layers"], self._where)
             self._check_index()
+        self._kv = self._kv_shape()
 
     def _open_table(self) -> BlockTable:
         """The block table (v2 kept it as JSON in the header), and every tensor's dtype and shape
-        checked against it (v7 on)."""
+        checked against it (v3 on)."""
         try:
             blocks = (
                 BlockTable.from_dicts(self._stored["blocks"])
@@ -99,27 +107,37 @@ class PackReader:
             )
         except (KeyError, TypeError, ValueError, IndexError) as err:
             raise PackError(f"{self.path} is corrupted (block table: {err})") from None
-        if self.format_version >= 7:
+        if self.format_version >= 3:
             check_tensors(
-                self._stored, self._entries, self.spans_meta, blocks, self.quant, self._where
+                self._stored,
+                self._entries,
+                self.spans_meta,
+                blocks,
+                self.quant,
+                self._kv,
+                self.format_version,
+                self._where,
             )
         return blocks
 
     def _kv_shape(self) -> KVShape:
         """The KV's layers, heads, width and dtype: as the header says (v7 on, checked against
-        every tensor); older headers may not say, and the prefix's tensors tell."""
+        every tensor); older headers may not say, and the prefix's tensors tell, within the same
+        bounds."""
         stored = self._stored.get("kv") or {}
         entry = self._entries.get("prefix.k")
         shape = entry["shape"] if entry is not None else []
-        if len(shape) != 3:
+        if len(shape) != 3 or entry["dtype"] not in STORED_KV_DTYPES:
             raise PackError(f"{self.path} is corrupted (prefix keys)")
         heads = shape[1] if self._token_major else shape[0]
-        return KVShape(
+        kv = KVShape(
             layers=stored.get("layers", len(self.spans_meta["prefix"].get("layer_counts") or [])),
             kv_heads=stored.get("kv_heads", heads),
             head_dim=stored.get("head_dim", shape[2]),
-            dtype=stored.get("dtype", STORED_KV_DTYPES.get(entry["dtype"], "float32")),
+            dtype=stored.get("dtype", STORED_KV_DTYPES[entry["dtype"]]),
         )
+        check_kv_shape(kv, self._where)
+        return kv
 
     def _check_index(self) -> None:
         """The header's digest of the directory and the small tensors no other checksum covers."""
@@ -153,6 +171,25 @@ class PackReader:
             self._tensors.array(f"{BLOCKS}.sha256"),
             columns=self._columns,
         )
+
+    def uncovered(self) -> list[str]:
+        """What this pack stores with no checksum over it, in its format: checked on open for
+        shape and sense only (v8: nothing)."""
+        version, present = self.format_version, set(self._entries)
+        out = []
+        if version < 7:
+            out = ["the tensor directory"] if version >= 3 else []
+            named = {
+                f"{BLOCKS}.table": "the block table",
+                f"{BLOCKS}.time": "block times",
+                "media.timestamps": "frame timestamps",
+                "layout.step_lengths": "tokens per step",
+            }
+            out += [what for name, what in named.items() if name in present]
+        digest = (self._stored.get("integrity") or {}).get("reps")
+        if self._stored.get("representatives") and digest is None:
+            out.append("representatives")
+        return out
 
     @property
     def blocks(self) -> BlockTable:
@@ -257,7 +294,7 @@ class PackReader:
             taken = [np.asarray([at[n] for n in chosen], dtype=np.int64) for chosen in per_layer]
         if store.kv_bytes(where, pending) < OVERLAP_BYTES:
             self._verify(where, pending)  # small: a thread costs more than it saves
-            read = store.read_rows(where, taken, device, dtype)
+            read = self._finite(store.read_rows(where, taken, device, dtype), names)
             self._tensors.still_whole()  # blocks checked before need not be hashed again
             self._verified.update(names)
             return read
@@ -266,8 +303,18 @@ class PackReader:
         hashes = store.hashes(where, pending)
         read = hashed_beside(hashes, lambda: store.read_rows(where, taken, device, dtype))
         self._refuse(where, hashes.mismatched())  # before anything read is handed out
+        self._finite(read, names)
         self._tensors.still_whole()
         self._verified.update(names)
+        return read
+
+    def _finite(self, read: tuple, names: list[str]) -> tuple:
+        """`read` (keys, values, positions) unless its K/V hold NaN or Inf: a checksum says the
+        bytes are the writer's, not that the writer was honest (a re-sealed forgery) or sane. On a
+        quantized pack this checks the decoded values, so the scales too."""
+        if not all_finite(read[0]) or not all_finite(read[1]):
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            raise PackError(f"{self.path} is corrupted (NaN or Inf in the K/V of {shown})")
         return read
 
     def _block_store(self) -> BlockStore:
@@ -307,7 +354,28 @@ class PackReader:
             for i in store.mismatched(where, list(range(len(indices)))):
                 faults.append(f"block {self._blocks.name(indices[i])}: checksum mismatch")
             self._tensors.bytes_read += store.stored_bytes(where)
+            faults += self._nonfinite_blocks(indices)
         return faults
+
+    def _nonfinite_blocks(self, indices: list[int]) -> list[str]:
+        """Faults for the blocks at `indices` whose K/V (decoded, for a quantized pack) hold NaN or
+        Inf: a chunk at once, block by block only where it fails."""
+        store = self._block_store()
+
+        def finite(chosen: list[int]) -> bool:
+            where = BlockRows(self._blocks, chosen, self.quant.group if self.quant else 1)
+            keys, values, _ = store.read_rows(
+                where, [np.arange(len(chosen))] * where.layers, None, None
+            )
+            return all_finite(keys) and all_finite(values)
+
+        if finite(indices):
+            return []
+        return [
+            f"block {self._blocks.name(i)}: NaN or Inf in its K/V"
+            for i in indices
+            if not finite([i])
+        ]
 
     def _verify(self, where: BlockRows, pending: list[int]) -> None:
         """Check the sha256 of the blocks at `pending` (positions in `where`) against the table."""
@@ -332,6 +400,8 @@ class PackReader:
             k, v, pos = (self._tensors.tensor(f"{name}.{part}") for part in ("k", "v", "pos"))
             if tensors_sha256([k, v, pos]) != meta["sha256"]:
                 raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
+            if not all_finite([k, v]):
+                raise PackError(f"{self.path} is corrupted (NaN or Inf in the K/V of {name})")
             counts = meta["layer_counts"]
             if meta.get("shared_positions"):  # v7: one layer's rows serve them all
                 if len(set(counts)) > 1 or pos.shape[0] != counts[0]:

@@ -1,0 +1,175 @@
+"""Every tensor of a pack has the dtype and shape its header and block table say (v3 on), and the
+table agrees with itself: checked on open, before any count from the file sizes an allocation.
+
+Formats before v7 carry no digest over their table, times or directory, so these checks are all
+that stands between a flipped bit there and a read that allocates from it; they are the same
+checks v7 and v8 get, in each version's own layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mmkv_cli.errors import PackError
+from mmkv_cli.pack.format import BLOCKS, OLD_TABLE_COLUMNS, TABLE_COLUMNS
+from mmkv_cli.pack.header import KVShape
+from mmkv_cli.pack.integrity import KV_DTYPES
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a format version keeps what."""
+
+    token_major: bool  # K/V [tokens, heads, dim] and positions [tokens, P] (v4 on)
+    positions: str  # the positions' dtype
+    shared_positions: bool  # a span may store one layer's positions for all (v7 on)
+    columns: int  # the block table's columns before the layer counts
+    integers: tuple[str, ...]  # dtypes the table and the tokens per step may have
+    reps_per_layer: bool  # representatives [blocks, layers, dim] (v6 on), else [blocks, dim]
+    reps_in_kv_dtype: bool  # in the KV's dtype (v7 on), else float32
+
+
+def layout(version: int) -> Layout:
+    current = version >= 7
+    return Layout(
+        token_major=version >= 4,
+        positions="I32" if current else "I64",
+        shared_positions=current,
+        columns=TABLE_COLUMNS if current else OLD_TABLE_COLUMNS,
+        integers=("I64", "I32") if version >= 8 else ("I64",),
+        reps_per_layer=version >= 6,
+        reps_in_kv_dtype=current,
+    )
+
+
+def _need(ok: bool, where: str, what: str) -> None:
+    if not ok:
+        raise PackError(f"{where} is corrupted ({what})")
+
+
+def expect(entries: dict, name: str, dtype: str | tuple, shape: list, where: str) -> None:
+    """Tensor `name` exists with this dtype and shape (None in `shape`: any size there)."""
+    entry = entries.get(name)
+    _need(entry is not None, where, f"tensor {name} missing")
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    got = entry["shape"]
+    fits = len(got) == len(shape) and all(w is None or w == g for w, g in zip(shape, got))
+    _need(entry["dtype"] in dtypes and fits, where, f"tensor {name} is not {dtypes[0]} {shape}")
+
+
+def check_table(rows: np.ndarray, times: np.ndarray, group: int, form: Layout, where: str) -> dict:
+    """The block table against itself: every offset the running sum the writer makes, counts and
+    steps in range. Returns the rows each block tensor must have."""
+    counts = rows[:, form.columns :]
+    _need((counts >= 0).all() and (rows[:, 0] >= 0).all(), where, "negative table entries")
+    totals = counts.sum(axis=1)
+    _need(np.array_equal(rows[:, 3], np.cumsum(totals) - totals), where, "table offsets")
+    position_rows, groups = totals, np.zeros_like(totals)
+    if form.columns == TABLE_COLUMNS:
+        shared = rows[:, 5]
+        _need(np.isin(shared, (0, 1)).all(), where, "table flags")
+        same = (counts == counts[:, :1]).all(axis=1)
+        _need(same[shared == 1].all(), where, "shared positions with unequal layer counts")
+        position_rows = np.where(shared == 1, counts[:, 0], totals)
+        _need(
+            np.array_equal(rows[:, 4], np.cumsum(position_rows) - position_rows),
+            where,
+            "table position offsets",
+        )
+        if group:
+            groups = (-(-counts // group)).sum(axis=1)
+        _need(np.array_equal(rows[:, 6], np.cumsum(groups) - groups), where, "table key groups")
+    first, stop = rows[:, 1], rows[:, 2]
+    _need(((first == -1) & (stop == -1) | (first >= 0) & (stop >= first)).all(), where, "steps")
+    _need(not np.isinf(times).any(), where, "block times")
+    return {
+        "tokens": int(totals.sum()),
+        "positions": int(position_rows.sum()),
+        "groups": int(groups.sum()),
+    }
+
+
+def _kv(form: Layout, tokens: int, kv: KVShape) -> list:
+    return (
+        [tokens, kv.kv_heads, kv.head_dim]
+        if form.token_major
+        else [kv.kv_heads, tokens, kv.head_dim]
+    )
+
+
+def _positions(form: Layout, rows: int, dims: int | None) -> list:
+    return [rows, dims] if form.token_major else [dims, rows]
+
+
+def check_tensors(
+    header: dict, entries: dict, spans: dict, table, quant, kv: KVShape, version: int, where: str
+) -> None:
+    """Every tensor's dtype and shape as the header, the KV shape and the table say: nothing is
+    allocated from a count that the tensors do not bear out."""
+    form = layout(version)
+    code = KV_DTYPES[kv.dtype]
+    dims = (header.get("layout") or {}).get("position_dims")
+    for name in ("prefix", "suffix"):
+        meta = spans[name]
+        counts = meta["layer_counts"]
+        _need(len(counts) == kv.layers, where, f"{name} counts")
+        shared = form.shared_positions and meta.get("shared_positions")
+        _need(not shared or len(set(counts)) == 1, where, f"positions of {name}")
+        for part in ("k", "v"):
+            expect(entries, f"{name}.{part}", code, _kv(form, sum(counts), kv), where)
+        rows = counts[0] if shared else sum(counts)
+        expect(entries, f"{name}.pos", form.positions, _positions(form, rows, dims), where)
+    for name, stored in (("media.timestamps", "F64"), ("layout.step_lengths", form.integers)):
+        if name in entries:
+            expect(entries, name, stored, [None], where)
+    count = len(table)
+    _need(count == header["blocks"]["count"], where, "block count")
+    # before the early return: a forged pack of no blocks may still claim representatives
+    _check_reps(header, entries, count, kv, form, where)
+    if not count:
+        return
+    expect(entries, f"{BLOCKS}.table", form.integers, [count, form.columns + kv.layers], where)
+    expect(entries, f"{BLOCKS}.time", "F64", [count, 2], where)
+    expect(entries, f"{BLOCKS}.sha256", "U8", [count, 32], where)
+    _need((table.codes() < len(header["blocks"]["granularities"])).all(), where, "granularities")
+    sizes = check_table(table.rows(), table.times(), quant.group if quant else 0, form, where)
+    width = kv.head_dim * quant.bits // 8 if quant else kv.head_dim
+    stored = KVShape(kv.layers, kv.kv_heads, width, kv.dtype)
+    for part in ("k", "v"):
+        expect(
+            entries,
+            f"{BLOCKS}.{part}",
+            "U8" if quant else code,
+            _kv(form, sizes["tokens"], stored),
+            where,
+        )
+    expect(
+        entries, f"{BLOCKS}.pos", form.positions, _positions(form, sizes["positions"], dims), where
+    )
+    if quant:
+        heads, dim = kv.kv_heads, kv.head_dim
+        groups = heads * dim // quant.value_group(heads, dim)
+        expect(entries, f"{BLOCKS}.kq", "F16", [sizes["groups"], 2, heads, dim], where)
+        expect(entries, f"{BLOCKS}.vq", "F16", [sizes["tokens"], groups, 2], where)
+
+
+def _check_reps(header: dict, entries: dict, count: int, kv: KVShape, form: Layout, where: str):
+    reps = header.get("representatives")
+    if not reps:
+        return
+    width = kv.kv_heads * kv.head_dim
+    _need(reps["dim"] == width, where, "representatives")
+    dtype = KV_DTYPES[kv.dtype] if form.reps_in_kv_dtype else "F32"
+    if not form.reps_per_layer:
+        expect(entries, "reps", dtype, [count, width], where)
+        return
+    stored = reps.get("layers")
+    _need(stored in (1, kv.layers), where, "representatives")
+    expect(entries, "reps", dtype, [count, stored, width], where)
+    if header["format_version"] >= 8:  # every byte of them covered: a digest per chunk
+        digest = header["integrity"].get("reps")
+        start, stop = entries["reps"]["data_offsets"]
+        chunks = max(1, -(-(stop - start) // digest["chunk"])) if digest else -1
+        _need(digest is not None and len(digest["sha256"]) == chunks, where, "reps digests")
