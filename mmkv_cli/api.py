@@ -22,10 +22,10 @@ from mmkv_cli.methods.choice import resolve_method
 from mmkv_cli.methods.context import WholeContext
 from mmkv_cli.options import (
     MAX_QUESTION_CHARS,
-    SEED_RANGE,
     AskOptions,
     EncodeOptions,
     LoadOptions,
+    check_generation,
 )
 from mmkv_cli.pack import PackReader, check_writable
 from mmkv_cli.pack.report import inspect, verify  # the verbs that read a pack alone
@@ -209,27 +209,56 @@ HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{
 
 def pack_model(reader: PackReader) -> str:
     """The model a pack names, when it may be loaded on the pack's word: a preset known here, or a
-    hub id. Never a path: a stranger's pack must not point `ask` at any checkpoint or file on this
-    machine (--model chooses one explicitly)."""
+    hub id already on this machine. Never a path (a stranger's pack must not point `ask` at any
+    checkpoint or file here), nor a download: --model chooses either explicitly."""
     from mmkv_cli.backbones.spec import model_names
 
     named = reader.header.fingerprint.model
     if isinstance(named, str) and named in model_names():
         return named
     if isinstance(named, str) and HUB_ID.fullmatch(named) and not Path(named).exists():
-        return named
+        if _in_hub_cache(named):
+            return named
+        raise PackError(
+            f"{reader.path} names the hub model '{named}', which is not on this machine: pass "
+            f"--model {named} to download and use it (or --model with another checkpoint)"
+        )
     raise PackError(
         f"{reader.path} names the model {str(named)[:80]!r}, which is neither a preset here nor a "
         "hub id: pass --model to choose the checkpoint"
     )
 
 
+def _in_hub_cache(repo: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo, "config.json"), str)
+    except ValueError:  # not a repo id the hub library accepts
+        return False
+
+
 def load_for(reader: PackReader, load: LoadOptions) -> LoadOptions:
     """How to load the backbone that answers from `reader`: `load`'s model, else the pack's own. A
     rehearsal model is built at the depth the pack records (a CPU bench cuts it); a checkpoint's
-    depth is its own, and ignores it."""
+    depth is its own, and ignores it. Refused before anything is built when the model's config
+    makes KV of another shape than the pack holds."""
+    from mmkv_cli.backbones.loading import planned_kv
+
     layers = load.layers or reader.header.kv.layers
-    return replace(load, model=load.model or pack_model(reader), layers=layers)
+    chosen = replace(load, model=load.model or pack_model(reader), layers=layers)
+    planned, kv = planned_kv(chosen), reader.header.kv
+    if planned is not None and (planned["kv_heads"], planned["head_dim"], planned["layers"]) != (
+        kv.kv_heads,
+        kv.head_dim,
+        kv.layers,
+    ):
+        raise PackError(
+            f"{reader.path} holds KV of {kv.layers} layers x {kv.kv_heads} heads x {kv.head_dim}, "
+            f"and model '{chosen.model}' makes {planned['layers']} layers x {planned['kv_heads']} "
+            f"heads x {planned['head_dim']}: ask with the model that encoded it (--model)"
+        )
+    return chosen
 
 
 class PackSession:
@@ -278,13 +307,9 @@ class PackSession:
             raise UsageError("the question is not valid UTF-8 text") from None
         if options.prune_budget is not None and not options.prune:
             raise UsageError("--budget at ask only applies with --prune METHOD")
-        if options.generation.max_new_tokens < 1:
-            raise UsageError("--max-new-tokens must be at least 1")
+        check_generation(options.generation)
         if len(question) > MAX_QUESTION_CHARS:  # chat and serve too, not only ask's files
             raise UsageError(f"the question is longer than {MAX_QUESTION_CHARS} characters")
-        seed = options.generation.seed
-        if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-            raise UsageError(f"--seed must fit in 64 bits ({SEED_RANGE[0]} to {SEED_RANGE[1]})")
         pruner = ask_pruner(options.prune, options.prune_budget) if options.prune else None
         before = self.reader.bytes_read
         answer = answer_from_pack(

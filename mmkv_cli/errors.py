@@ -42,3 +42,10 @@ class StorageError(MmkvError):
     """Object storage cannot be reached, refuses access, or its driver is not installed."""
 
     exit_code = 7
+
+
+class AddressError(MmkvError):
+    """`serve` cannot listen where it was asked: the port is taken, or the address is not this
+    machine's."""
+
+    exit_code = 8

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from mmkv_cli.errors import UsageError
+
 
 class Positions(str, Enum):
     """Where stored keys sit in the context at ask."""
@@ -57,6 +59,22 @@ class GenerationOptions:
     top_p: float = 1.0  # nucleus sampling mass (with temperature > 0)
     seed: int | None = None  # sampling seed (None: nondeterministic)
     stop: tuple[str, ...] = ()  # stop strings: the answer ends before the first one
+
+
+def check_generation(options: GenerationOptions) -> None:
+    """Sampling settings every verb that answers takes (ask, chat, serve, live), checked before a
+    model loads: one clear line for each, never a NaN that samples garbage."""
+    import math
+
+    if options.max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be at least 1")
+    if not (math.isfinite(options.temperature) and options.temperature >= 0):
+        raise UsageError(f"--temperature must be a number >= 0, not {options.temperature}")
+    if not (math.isfinite(options.top_p) and 0 < options.top_p <= 1):
+        raise UsageError(f"--top-p must be in (0, 1], not {options.top_p}")
+    seed = options.seed
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise UsageError(f"--seed must fit in 64 bits ({SEED_RANGE[0]} to {SEED_RANGE[1]})")
 
 
 @dataclass(frozen=True)

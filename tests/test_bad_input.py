@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from mmkv_cli import api
 from mmkv_cli.cli.app import app
-from mmkv_cli.errors import UsageError
+from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.media.stills import MAX_PAGE_PIXELS, page_scale
 from mmkv_cli.options import EncodeOptions
 from mmkv_cli.pack.atomic import TEMP_SUFFIX, sweep_stale
@@ -235,3 +235,65 @@ def test_a_question_too_long_or_a_seed_past_64_bits_is_one_clear_line_in_every_v
     with pytest.raises(pydantic.ValidationError):  # the server answers 400, not 500
         ChatRequest(model="p", messages=message, seed=2**70)
     assert session.ask("what color ?", AskOptions(generation=GenerationOptions(2))).token_ids
+
+
+@pytest.mark.parametrize(
+    "named, refusal",
+    [
+        (
+            "rehearsal-qwen2.5-vl-7b",
+            "holds KV of 4 layers x 2 heads x 32, and model .* makes",
+        ),  # a 7B-wide model, never built
+        ("someone/not-downloaded-model", "not on this machine: pass --model"),  # no download
+    ],
+)
+def test_a_packs_model_name_is_checked_before_anything_is_built(pack, tmp_path, named, refusal):
+    """Issue 40, item 10: the name a pack gives is its word only; its shapes and this machine's
+    cache decide before a model is built or fetched."""
+    import time
+
+    from tests.mutants import Parts
+
+    parts = Parts.of(Path(pack).read_bytes())
+    header = parts.header()
+    header["fingerprint"]["model"] = named
+    parts.set_header(header)
+    forged = tmp_path / "relabelled.kvpack"
+    forged.write_bytes(parts.bytes())
+    start = time.perf_counter()
+    with pytest.raises(PackError, match=refusal):
+        api.PackSession(forged)
+    assert time.perf_counter() - start < 5  # building the 7B-wide model took 44 s
+
+
+def test_numbers_and_nesting_past_any_sense_are_one_line_not_an_internal_error(tmp_path, pack):
+    """Issue 40, item 12, and the /dev/zero row of item 11."""
+    from mmkv_cli.batch.manifest import read_manifest
+    from mmkv_cli.encode.checkpoint import META, _read
+    from mmkv_cli.study.eval_sets.items import make_item
+    from mmkv_cli.study.eval_sets.readers import load_items
+
+    runner = CliRunner()
+    for bad in ("nan", "-1", "inf"):
+        result = runner.invoke(app, ["ask", pack, "q ?", "--temperature", bad])
+        assert result.exit_code == 2 and "--temperature" in result.output, result.output
+    with pytest.raises(UsageError, match="not a number of seconds"):
+        make_item("v.mp4", "q ?", "a", at=10**400)
+    deep = "[" * 100_000 + "]" * 100_000
+    sets = tmp_path / "deep.jsonl"
+    sets.write_text(deep + "\n")
+    with pytest.raises(UsageError, match="nested too deep"):
+        load_items(sets, task="mmkv", media=tmp_path)
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(deep + "\n")
+    with pytest.raises(UsageError, match="nested too deep"):
+        read_manifest(str(manifest))
+    manifest.write_text('{"media": "/dev/zero"}\n')
+    with pytest.raises(UsageError, match="not a regular file"):
+        read_manifest(str(manifest))
+    junk = tmp_path / "piece.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"x": __import__("torch").zeros(1)}, str(junk), metadata={META: deep})
+    with pytest.raises(PackError, match="not a readable checkpoint"):
+        _read(junk)

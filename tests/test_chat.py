@@ -120,3 +120,23 @@ def test_chat_reads_piped_lines_in_a_real_process(tmp_path, backbones):
     answers = done.stdout.strip().splitlines()
     assert len(answers) == 2 and answers[0] == "red"
     assert "unknown command /nope" in done.stderr
+    long = "why " * 6000  # over 20,000 characters: refused, and the chat goes on
+    done = subprocess.run(
+        [sys.executable, "-m", "mmkv_cli", "chat", str(pack), "--max-new-tokens", "4"],
+        input=f"{long}\nwhat color is the circle ?\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 1 and done.stdout.strip() == "red"  # one question got no answer
+    for bad in ("nan", "-1"):
+        refused = subprocess.run(
+            [sys.executable, "-m", "mmkv_cli", "chat", str(pack), "--temperature", bad],
+            input="",
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+        assert refused.returncode == 2 and "--temperature" in refused.stderr, refused.stderr

@@ -85,3 +85,25 @@ def test_nan_or_inf_sealed_into_a_pack_is_refused_not_answered(subjects, tmp_pat
         assert "NaN or Inf" in str(err)
     else:  # retrieval passed the forged block by: the answer is the pack's own
         assert tensor == "blocks.kq" and torch.equal(answer.first_logits, made[1][1])
+
+
+def test_mutants_of_every_older_format_are_refused_or_read_whole(tmp_path):
+    """Issue 40: v3, v6 and v7 packs get the same open-time checks as v8 where their bytes allow;
+    a mutant of one never ends in an internal error or hands out NaN/Inf."""
+    from pathlib import Path
+
+    from tests.mutants import read_everything
+
+    fixtures = [(Path(__file__).parent / "data" / f"v{v}.kvpack").read_bytes() for v in (3, 6, 7)]
+    rng = random.Random(40)
+    kinds, seen, bad = sorted(KINDS), Counter(), []
+    path = tmp_path / "m.kvpack"
+    for n in range(600):
+        kind = kinds[n % len(kinds)]
+        path.write_bytes(mutate(fixtures[n // len(kinds) % 3], kind, rng))
+        result = read_everything(path)
+        seen[kind, result.split(":")[0]] += 1
+        if result.startswith("internal"):
+            bad.append((n, kind, result))
+    assert not bad, bad[:10]
+    assert seen["nonfinite", "refused"] > 0 and seen["table", "refused"] > 0

@@ -358,3 +358,17 @@ def test_chunk_digests_cover_each_chunk_on_threads(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 4)
     assert chunk_digests(memoryview(data), 1 << 16) == want
     assert chunk_digests(memoryview(b""), 1 << 16) == [hashlib.sha256(b"").hexdigest()]
+
+
+def test_a_tensor_named_twice_in_the_directory_is_refused(tmp_path):
+    path = tmp_path / "a.kvpack"
+    write(path)
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    text = raw[8 : 8 + length].decode()
+    entry = '"blocks.time":' + json.dumps(json.loads(text)["blocks.time"], separators=(",", ":"))
+    twice = text.replace("{", "{" + entry + ",", 1)
+    twice += " " * (-len(twice) % 8)
+    path.write_bytes(struct.pack("<Q", len(twice)) + twice.encode() + raw[8 + length :])
+    with pytest.raises(PackError, match="given twice"):
+        PackReader(path)

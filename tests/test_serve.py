@@ -80,7 +80,9 @@ def test_eight_concurrent_streams_get_the_sequential_answers(server, expected):
 
 def test_the_other_endpoints_and_extra_fields(server, packs):
     info = httpx.get(f"{server}/v1/packs/clip").json()
-    assert info == json.loads(json.dumps(api.inspect((packs / "clip.kvpack").resolve())))
+    local = api.inspect((packs / "clip.kvpack").resolve())
+    assert info == json.loads(json.dumps({**local, "path": "clip.kvpack"}))  # not the server's path
+    assert str(packs.resolve()) not in json.dumps(info)
     reply = httpx.post(
         f"{server}/v1/chat/completions",
         json={

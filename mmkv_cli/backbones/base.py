@@ -62,6 +62,16 @@ def fill(template: str, question: str) -> str:
     return template.replace("{question}", question, 1)
 
 
+def text_kv(cfg) -> dict:
+    """{layers, kv_heads, head_dim} of a language model's transformers config."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return {
+        "layers": cfg.num_hidden_layers,
+        "kv_heads": cfg.num_key_value_heads,
+        "head_dim": head_dim,
+    }
+
+
 class Backbone:
     """Adapter over a transformers vision-language model. Subclasses fill in the family
     specifics."""
@@ -244,14 +254,7 @@ class Backbone:
         return h.hexdigest()[:16]
 
     def kv_shape(self) -> dict:
-        cfg = self.text_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return {
-            "layers": cfg.num_hidden_layers,
-            "kv_heads": cfg.num_key_value_heads,
-            "head_dim": head_dim,
-            "dtype": str(self.dtype).replace("torch.", ""),
-        }
+        return {**text_kv(self.text_config), "dtype": str(self.dtype).replace("torch.", "")}
 
     def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inv_freq [D/2], position axis of each frequency [D/2]) for delta-rotating stored

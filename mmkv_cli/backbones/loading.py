@@ -9,14 +9,14 @@ from dataclasses import replace
 import torch
 
 from mmkv_cli.backbones import FAMILIES, tiny
-from mmkv_cli.backbones.base import Backbone, PromptPieces
+from mmkv_cli.backbones.base import Backbone, PromptPieces, text_kv
 from mmkv_cli.backbones.demo import build_demo
-from mmkv_cli.backbones.rehearsal import build_rehearsal
+from mmkv_cli.backbones.rehearsal import build_rehearsal, rehearsal_shape
 from mmkv_cli.backbones.spec import ModelSpec, default_model, load_model_spec, model_names
 from mmkv_cli.errors import ModelError, UsageError
 from mmkv_cli.options import LoadOptions
 
-__all__ = ["load_backbone", "resolve_device", "resolve_dtype"]
+__all__ = ["load_backbone", "planned_kv", "resolve_device", "resolve_dtype"]
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -86,6 +86,29 @@ def load_backbone(options: LoadOptions | None = None) -> Backbone:
     spec = spec or ModelSpec(source=name)
     chosen = options.dtype if options.dtype != "auto" else spec.dtype
     return _load_pretrained(name, spec, target, resolve_dtype(chosen, target, tiny=False))
+
+
+def planned_kv(options: LoadOptions) -> dict | None:
+    """The KV the model `options` names would make ({layers, kv_heads, head_dim}), read from its
+    config without building it or touching the network: a pack's shapes are checked against it
+    before a 7B-wide model is built or downloaded. None where it cannot tell cheaply: the built-in
+    small models (built in a blink, checked after) and a checkpoint not on this machine."""
+    name = options.model or default_model()
+    spec = load_model_spec(name)
+    if spec is not None and spec.source == "rehearsal":
+        shape = rehearsal_shape(spec.shape)
+        layers = min(options.layers or spec.layers or shape["layers"], shape["layers"])
+        return dict(shape, layers=layers)
+    if spec is not None and spec.source in ("tiny", "demo", "demo-grid"):
+        return None
+    from transformers import AutoConfig
+
+    source = (spec or ModelSpec(source=name)).source
+    try:
+        text = AutoConfig.from_pretrained(source, local_files_only=True).get_text_config()
+    except Exception:  # noqa: BLE001 (not here: load_backbone says why, in its own words)
+        return None
+    return text_kv(text)
 
 
 def _load_pretrained(name: str, spec: ModelSpec, device, dtype) -> Backbone:

@@ -58,6 +58,18 @@ ROPE_THETA = 1_000_000.0
 CHEAP_VISION = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2)
 
 
+def rehearsal_shape(shape: str | None) -> dict:
+    """{layers, kv_heads, head_dim} of the published model `shape`, without building anything."""
+    if shape not in SHAPES:
+        raise ModelError(f"no rehearsal shape '{shape}' (known: {', '.join(SHAPES)})")
+    text = SHAPES[shape][1]
+    return {
+        "layers": text["num_hidden_layers"],
+        "kv_heads": text["num_key_value_heads"],
+        "head_dim": text["hidden_size"] // text["num_attention_heads"],
+    }
+
+
 def _text(shape: dict, layers: int | None, tokenizer, **rope) -> dict:
     cut = dict(
         shape,

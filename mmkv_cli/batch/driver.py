@@ -40,8 +40,8 @@ class Ledger:
         for line in (before or "").splitlines():
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a crash: that item simply runs again
+            except (json.JSONDecodeError, RecursionError):
+                continue  # a line cut short by a crash (or junk): that item simply runs again
             if isinstance(row, dict) and row.get("media_digest") and row.get("media_version"):
                 self.known[str(row.get("media"))] = {
                     "version": row["media_version"],

@@ -104,6 +104,8 @@ def _rows(spec: str) -> list[BatchItem]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise UsageError(f"{spec}:{n}: not JSON ({err.msg})") from None
+            except RecursionError:
+                raise UsageError(f"{spec}:{n}: JSON nested too deep") from None
             if not isinstance(row, dict):
                 raise UsageError(f"{spec}:{n}: each line must be a JSON object")
             records.append((f"{spec}:{n}", row))
@@ -164,4 +166,8 @@ def _item(row: dict, where: str, base: str) -> BatchItem:
         options[key] = value
     if not is_url(media) and not Path(media).is_absolute():
         media = f"{base}/{media}" if is_url(base) else str(Path(base) / media)
+    local = None if is_url(media) else Path(media)
+    if local is not None and local.exists() and not (local.is_file() or local.is_dir()):
+        # a device or a FIFO: hashing /dev/zero would never end
+        raise UsageError(f"{where}: {media} is not a regular file or folder")
     return BatchItem(media, None if ident is None else str(ident), options, where)

@@ -32,7 +32,7 @@ from mmkv_cli.cli.common import (
     model_names,
     run,
 )
-from mmkv_cli.errors import MmkvError, UsageError
+from mmkv_cli.errors import MmkvError
 from mmkv_cli.methods import pruning_methods
 from mmkv_cli.options import (
     AskOptions,
@@ -40,6 +40,7 @@ from mmkv_cli.options import (
     EncodeOptions,
     GenerationOptions,
     Positions,
+    check_generation,
 )
 
 app = typer.Typer(
@@ -220,16 +221,14 @@ def ask(
         from mmkv_cli.cli.questions import gather
 
         asked = gather(list(questions or []), questions_file)
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise UsageError("--temperature must be >= 0 and --top-p in (0, 1]")
+        generation = GenerationOptions(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
+        check_generation(generation)  # before the model loads
         options = AskOptions(
             at=at,
             positions=positions,
             prune=prune.value if prune else None,
             prune_budget=budget,
-            generation=GenerationOptions(
-                max_new_tokens, temperature, top_p, seed, tuple(stop or ())
-            ),
+            generation=generation,
         )
         session = api.PackSession(pack, load=load_options(model, device, dtype))
         failed = _answer_all(session, asked, options, as_json, explain)

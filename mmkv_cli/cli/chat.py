@@ -38,6 +38,7 @@ class Chat:
     tokens: int = HISTORY_TOKENS
     history: list[tuple[str, str]] = field(default_factory=list)
     last: object = None  # the last Answer
+    failed: int = 0  # questions that got an error, not an answer (the exit code says so)
 
 
 def chat_loop(session, lines: Iterable[str], chat: Chat, write: Say, note: Say, explain) -> None:
@@ -59,6 +60,7 @@ def chat_loop(session, lines: Iterable[str], chat: Chat, write: Say, note: Say, 
             answer = session.ask(text, options, on_token=write)
         except MmkvError as err:
             note(f"error: {err}")
+            chat.failed += 1
             continue
         write("\n")
         chat.history.append((text, answer.answer))

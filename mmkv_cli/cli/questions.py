@@ -55,6 +55,8 @@ def _parse_json(text: str, where: str) -> Question:
         row = json.loads(text)
     except json.JSONDecodeError as err:
         raise UsageError(f"{where}: not valid JSON ({err.msg})") from None
+    except RecursionError:
+        raise UsageError(f"{where}: JSON nested too deep") from None
     if not isinstance(row, dict):
         raise UsageError(f"{where}: a JSON line must be an object with a 'question'")
     unknown = sorted(set(row) - FIELDS)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import ipaddress
+import socket
 import sys
 
 import typer
 
 from mmkv_cli.cli.common import DeviceOpt, DtypeOpt, load_options, model_names, run
-from mmkv_cli.errors import UsageError
-from mmkv_cli.options import AskOptions, Dtype, GenerationOptions
+from mmkv_cli.errors import AddressError, UsageError
+from mmkv_cli.options import AskOptions, Dtype, GenerationOptions, check_generation
 
 
 def chat(
@@ -35,10 +38,9 @@ def chat(
         from mmkv_cli.cli.chat import Chat, chat_loop
         from mmkv_cli.cli.display import err_console, show_retrieved
 
-        if temperature < 0:
-            raise typer.BadParameter("--temperature must be >= 0")
-        session = api.PackSession(pack, load=load_options(model, device, dtype))
         options = AskOptions(generation=GenerationOptions(max_new_tokens, temperature))
+        check_generation(options.generation)  # before the model loads
+        session = api.PackSession(pack, load=load_options(model, device, dtype))
         interactive = sys.stdin.isatty()
         if interactive:
             err_console.print(
@@ -52,16 +54,50 @@ def chat(
         def note(line: str) -> None:
             err_console.print(line, highlight=False, markup=False)
 
+        chat = Chat(options, turns, turn_tokens)
         chat_loop(
             session,
             _typed_lines() if interactive else sys.stdin,
-            Chat(options, turns, turn_tokens),
+            chat,
             write,
             note,
             lambda answer: show_retrieved(answer.retrieved, answer.blocks_used),
         )
+        if chat.failed:  # as `ask` does: a script sees that some questions got no answer
+            raise typer.Exit(1)
 
     run(body)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) and listening, handed to uvicorn: an unknown address or a
+    taken port is refused here, in one line, before any work."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, UnicodeError) as err:
+        why = err.strerror if isinstance(err, socket.gaierror) else "not a host name"
+        raise AddressError(f"--host {host}: not an address of this machine ({why})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as err:
+        sock.close()
+        what = "is taken" if err.errno == errno.EADDRINUSE else f"cannot be used ({err.strerror})"
+        raise AddressError(f"{host}:{port} {what}: pick another --port or --host") from None
+    return sock
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return all(
+            ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None)
+        )
+    except (socket.gaierror, UnicodeError, ValueError):
+        return False
 
 
 def _typed_lines():
@@ -108,13 +144,21 @@ def serve(
             ) from None
         from mmkv_cli.cli.display import err_console
 
+        listening = listen(host, port)  # before any pack is read: a taken port is one line
         app = create_app(
             packs, load_options(model, device, dtype), api_key=api_key, models=models, queue=queue
         )
         count = len(app.state.packs.names())
+        if not api_key and not _loopback(host):
+            err_console.print(
+                f"[yellow]warning:[/yellow] serving on {host} without --api-key: anyone who can "
+                "reach this port can read every pack here",
+                highlight=False,
+            )
         err_console.print(
             f"serving {count} packs from {packs} on http://{host}:{port}/v1", highlight=False
         )
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        server.run(sockets=[listening])
 
     run(body)

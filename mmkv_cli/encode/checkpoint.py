@@ -274,8 +274,8 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt") as fh:
             meta = json.loads((fh.metadata() or {}).get(META, "null"))
             tensors = {name: fh.get_tensor(name) for name in sorted(fh.keys())}
-    except (OSError, SafetensorError, ValueError) as err:
-        raise PackError(f"{path} is not a readable checkpoint ({err})") from None
+    except (OSError, SafetensorError, ValueError, RecursionError) as err:
+        raise PackError(f"{path} is not a readable checkpoint ({type(err).__name__})") from None
     if not isinstance(meta, dict):
         raise PackError(f"{path} is not an mmkv checkpoint this version reads")
     if tensors_sha256(list(tensors.values())) != meta.get("sha256"):

@@ -62,14 +62,23 @@ def read_directory(fh, path, ensure=None) -> tuple[dict, int]:
     if ensure is not None:
         ensure([(8, 8 + length)])
     try:
-        header = json.loads(os.pread(fh.fileno(), length, 8))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise PackError(f"{path} is corrupted (unreadable header)") from err
+        header = json.loads(os.pread(fh.fileno(), length, 8), object_pairs_hook=_unique)
+    except (ValueError, RecursionError) as err:  # bad JSON or UTF-8, or a key given twice
+        raise PackError(f"{path} is corrupted (unreadable header: {str(err)[:80]})") from None
     if not isinstance(header, dict):
         raise PackError(f"{path} is corrupted (unreadable header)")
     entries = {k: v for k, v in header.items() if k != "__metadata__"}
     check_directory(entries, size - 8 - length, str(path))
     return header, 8 + length
+
+
+def _unique(pairs: list[tuple]) -> dict:
+    """A JSON object whose keys are all different: a tensor or field named twice would let two
+    readers (mmkv, safetensors) see two different packs in one file."""
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        raise ValueError("a key is given twice")
+    return found
 
 
 def parse_header(meta, where: str) -> dict:
@@ -81,8 +90,8 @@ def parse_header(meta, where: str) -> dict:
     if hashlib.sha256(text.encode()).hexdigest() != meta.get(META_HEADER_SHA):
         raise PackError(f"{where} is corrupted (header checksum mismatch)")
     try:
-        header = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+        header = json.loads(text, object_pairs_hook=_unique)
+    except (ValueError, RecursionError):
         raise PackError(f"{where} is corrupted (unreadable header)") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
         raise PackError(f"{where} is not a kvpack")

@@ -196,7 +196,7 @@ def _pack_routes(app: FastAPI, packs: Packs) -> None:
             try:
                 info = inspect(packs.path(name))
             except (MmkvError, LookupError) as err:
-                info = {"error": str(err)}
+                info = {"error": packs.shelf.hide(str(err))}
             data.append(
                 {
                     "id": name,
@@ -213,11 +213,12 @@ def _pack_routes(app: FastAPI, packs: Packs) -> None:
         from mmkv_cli.api import inspect
 
         try:
-            return inspect(packs.path(name))
+            info = inspect(packs.path(name))
         except LookupError as err:
             return _error(404, str(err), "not_found_error")
         except MmkvError as err:
-            return _error(STATUS.get(type(err), 400), str(err))
+            return _error(STATUS.get(type(err), 400), packs.shelf.hide(str(err)))
+        return {**info, "path": packs.shelf.hide(info["path"])}
 
 
 def _chat_route(app: FastAPI, packs: Packs, streams: Streams) -> None:
@@ -243,7 +244,7 @@ def _chat_route(app: FastAPI, packs: Packs, streams: Streams) -> None:
         except Busy:
             return _busy()
         except MmkvError as err:
-            return _error(STATUS.get(type(err), 400), str(err))
+            return _error(STATUS.get(type(err), 400), packs.shelf.hide(str(err)))
         return _completion(body, answer, created, ident)
 
 
@@ -338,7 +339,11 @@ async def _stream(
                 yield chunk({"content": piece})
             error = task.exception()
             if error is not None:
-                message = str(error) if isinstance(error, MmkvError) else "internal error"
+                message = (
+                    packs.shelf.hide(str(error))
+                    if isinstance(error, MmkvError)
+                    else "internal error"
+                )
                 yield f"data: {json.dumps({'error': {'message': message}})}\n\n"
             else:
                 answer = task.result()

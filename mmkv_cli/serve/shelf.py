@@ -29,6 +29,10 @@ class Shelf(Protocol):
 
     def names(self) -> list[str]: ...
 
+    def hide(self, text: str) -> str:
+        """`text` (an error, a listing) with the server's own location of the packs taken out:
+        a client knows a pack by its name."""
+
 
 class FolderShelf:
     def __init__(self, folder: Path):
@@ -43,6 +47,11 @@ class FolderShelf:
             raise LookupError(f"no pack named '{name}'")
         stat = path.stat()
         return path, (stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, stat.st_size)
+
+    def hide(self, text: str) -> str:
+        for place in (str(self.folder), self.where):
+            text = text.replace(place.rstrip("/") + "/", "")
+        return text
 
     def names(self) -> list[str]:
         out = []
@@ -83,6 +92,9 @@ class BucketShelf:
             raise LookupError(f"pack '{name}' cannot be reached: {str(err)[:200]}") from None
         version = (info.get("ETag") or info.get("etag") or info.get("mtime"), info.get("size"))
         return f"{self.scheme}://{key}", version
+
+    def hide(self, text: str) -> str:
+        return text.replace(f"{self.scheme}://{self.prefix}/", "").replace(self.where + "/", "")
 
     def names(self) -> list[str]:
         self.fs.invalidate_cache(self.prefix)

@@ -40,7 +40,7 @@ def _done(predictions: Path) -> dict[str, dict]:
         try:
             row = json.loads(line)
             rows[row["key"]] = row
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
             clean = False
     if not clean or not predictions.read_text().endswith("\n"):
         tmp = predictions.with_name(predictions.name + ".part")
@@ -80,7 +80,7 @@ def open_run(folder: Path, settings: dict, fresh: bool) -> dict[str, dict]:
     elif predictions.exists() and predictions.stat().st_size:
         try:
             old = json.loads(config.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             old = {}
         if not isinstance(old, dict) or old.get("settings_sha256") != digest:
             before = old.get("settings") if isinstance(old, dict) else None

@@ -60,10 +60,11 @@ def make_item(video, question, answer, options=None, at=None, kind=None, fmt="te
     options = [str(o) for o in (options or [])]
     if len(options) > len(LETTERS):
         raise UsageError(f"'{str(question)[:60]}' has more than {len(LETTERS)} options")
-    if at is not None and (
-        isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at) or at < 0
-    ):
-        raise UsageError(f"the moment of '{str(question)[:60]}' is not a number of seconds: {at!r}")
+    if at is not None and not _seconds(at):
+        shown = repr(at)[:40]
+        raise UsageError(
+            f"the moment of '{str(question)[:60]}' is not a number of seconds: {shown}"
+        )
     if fmt not in FORMATS:
         raise UsageError(f"unknown answer format {fmt!r} (known: {', '.join(FORMATS)})")
     if options:
@@ -90,6 +91,16 @@ def make_item(video, question, answer, options=None, at=None, kind=None, fmt="te
     )
 
 
+def _seconds(value) -> bool:
+    """A moment in a stream: a finite, non-negative number (an int of 400 digits is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value)) and value >= 0
+    except OverflowError:
+        return False
+
+
 def _first_number(text: str) -> float | None:
     found = re.search(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+", text)
     if not found:
@@ -110,7 +121,7 @@ def _list_items(answer) -> list[str]:
         text = answer.strip()
         try:
             parsed = json.loads(text.replace("'", '"')) if text.startswith("[") else None
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             parsed = None
         answer = parsed if isinstance(parsed, list) else re.split(r"[,;\n]", text.strip("[]"))
     return sorted(n for n in (normalise(x) for x in answer) if n)

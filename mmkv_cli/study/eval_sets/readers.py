@@ -34,6 +34,8 @@ def _records(path: Path) -> list:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise UsageError(f"{path}: not JSON ({err.msg}, line {err.lineno})") from None
+    except RecursionError:
+        raise UsageError(f"{path}: JSON nested too deep") from None
     return data if isinstance(data, list) else [data]
 
 
@@ -106,7 +108,10 @@ def read_egoschema(path: Path, media: Path, answers: Path | None = None) -> list
     answers = answers or path.with_name("subset_answers.json")
     if not answers.is_file():
         raise UsageError(f"EgoSchema needs its answers: no {answers} (subset_answers.json)")
-    gold = json.loads(answers.read_text(encoding="utf-8"))
+    try:
+        gold = json.loads(answers.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError):
+        raise UsageError(f"{answers}: not JSON") from None
     if not isinstance(gold, dict):
         raise UsageError(f"{answers} is not a {{q_uid: answer index}} mapping")
     items = []
