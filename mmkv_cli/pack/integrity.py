@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from mmkv_cli.errors import PackError
 from mmkv_cli.pack.format import (
+    BLOCKS,
     FORMAT_NAME,
     META_HEADER,
     META_HEADER_SHA,
@@ -265,3 +266,21 @@ def check_spans(spans: dict, layers: int, where: str) -> None:
         sha = meta.get("sha256")
         _need(isinstance(sha, str) and HEX64.fullmatch(sha) is not None, where, f"{name} sha256")
         _need(isinstance(meta.get("shared_positions", False), bool), where, f"{name} positions")
+
+
+def uncovered(version: int, header: dict, entries: dict) -> list[str]:
+    """What a pack of format `version` stores with no checksum over it: checked on open for shape
+    and sense only (v8: nothing; v7: the representatives when it lacks their digest)."""
+    out = []
+    if version < 7:
+        out = ["the tensor directory"] if version >= 3 else []
+        named = {
+            f"{BLOCKS}.table": "the block table",
+            f"{BLOCKS}.time": "block times",
+            "media.timestamps": "frame timestamps",
+            "layout.step_lengths": "tokens per step",
+        }
+        out += [what for name, what in named.items() if name in entries]
+    if header.get("representatives") and (header.get("integrity") or {}).get("reps") is None:
+        out.append("representatives")
+    return out

@@ -24,15 +24,14 @@ from mmkv_cli.pack.format import (
 from mmkv_cli.pack.hashing import chunk_digests, hashed_beside
 from mmkv_cli.pack.header import KVShape, read_header
 from mmkv_cli.pack.integrity import (
-    STORED_KV_DTYPES,
     check_header,
-    check_kv_shape,
     check_spans,
     index_digest,
     parse_header,
+    uncovered,
 )
 from mmkv_cli.pack.quant import QuantSpec
-from mmkv_cli.pack.shapes import check_tensors
+from mmkv_cli.pack.shapes import check_tensors, kv_shape_of
 from mmkv_cli.pack.source import block_byte_ranges, open_pack_file
 from mmkv_cli.pack.table import BlockRows, BlockTable
 from mmkv_cli.pack.tensors import StoredTensors
@@ -121,23 +120,10 @@ class PackReader:
         return blocks
 
     def _kv_shape(self) -> KVShape:
-        """The KV's layers, heads, width and dtype: as the header says (v7 on, checked against
-        every tensor); older headers may not say, and the prefix's tensors tell, within the same
-        bounds."""
-        stored = self._stored.get("kv") or {}
-        entry = self._entries.get("prefix.k")
-        shape = entry["shape"] if entry is not None else []
-        if len(shape) != 3 or entry["dtype"] not in STORED_KV_DTYPES:
-            raise PackError(f"{self.path} is corrupted (prefix keys)")
-        heads = shape[1] if self._token_major else shape[0]
-        kv = KVShape(
-            layers=stored.get("layers", len(self.spans_meta["prefix"].get("layer_counts") or [])),
-            kv_heads=stored.get("kv_heads", heads),
-            head_dim=stored.get("head_dim", shape[2]),
-            dtype=stored.get("dtype", STORED_KV_DTYPES[entry["dtype"]]),
-        )
-        check_kv_shape(kv, self._where)
-        return kv
+        prefix = self.spans_meta["prefix"]
+        counts = prefix.get("layer_counts") if isinstance(prefix, dict) else None
+        layers = len(counts) if isinstance(counts, list) else 0
+        return kv_shape_of(self._stored, self._entries, layers, self._token_major, self._where)
 
     def _check_index(self) -> None:
         """The header's digest of the directory and the small tensors no other checksum covers."""
@@ -173,23 +159,8 @@ class PackReader:
         )
 
     def uncovered(self) -> list[str]:
-        """What this pack stores with no checksum over it, in its format: checked on open for
-        shape and sense only (v8: nothing)."""
-        version, present = self.format_version, set(self._entries)
-        out = []
-        if version < 7:
-            out = ["the tensor directory"] if version >= 3 else []
-            named = {
-                f"{BLOCKS}.table": "the block table",
-                f"{BLOCKS}.time": "block times",
-                "media.timestamps": "frame timestamps",
-                "layout.step_lengths": "tokens per step",
-            }
-            out += [what for name, what in named.items() if name in present]
-        digest = (self._stored.get("integrity") or {}).get("reps")
-        if self._stored.get("representatives") and digest is None:
-            out.append("representatives")
-        return out
+        """What this pack stores with no checksum over it, in its format (v8: nothing)."""
+        return uncovered(self.format_version, self._stored, self._entries)
 
     @property
     def blocks(self) -> BlockTable:

@@ -15,7 +15,7 @@ import numpy as np
 from mmkv_cli.errors import PackError
 from mmkv_cli.pack.format import BLOCKS, OLD_TABLE_COLUMNS, TABLE_COLUMNS
 from mmkv_cli.pack.header import KVShape
-from mmkv_cli.pack.integrity import KV_DTYPES
+from mmkv_cli.pack.integrity import KV_DTYPES, STORED_KV_DTYPES, check_kv_shape
 
 
 @dataclass(frozen=True)
@@ -173,3 +173,21 @@ def _check_reps(header: dict, entries: dict, count: int, kv: KVShape, form: Layo
         start, stop = entries["reps"]["data_offsets"]
         chunks = max(1, -(-(stop - start) // digest["chunk"])) if digest else -1
         _need(digest is not None and len(digest["sha256"]) == chunks, where, "reps digests")
+
+
+def kv_shape_of(stored: dict, entries: dict, layers: int, token_major: bool, where: str) -> KVShape:
+    """The KV's layers, heads, width and dtype: as the header says (v7 on, checked against every
+    tensor); older headers may not say, and the prefix's keys tell (`layers`: its layer counts),
+    within the same bounds."""
+    kv = stored.get("kv") or {}
+    entry = entries.get("prefix.k")
+    shape = entry["shape"] if entry is not None else []
+    _need(len(shape) == 3 and entry["dtype"] in STORED_KV_DTYPES, where, "prefix keys")
+    found = KVShape(
+        layers=kv.get("layers", layers),
+        kv_heads=kv.get("kv_heads", shape[1] if token_major else shape[0]),
+        head_dim=kv.get("head_dim", shape[2]),
+        dtype=kv.get("dtype", STORED_KV_DTYPES[entry["dtype"]]),
+    )
+    check_kv_shape(found, where)
+    return found
