@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +24,7 @@ from mmkv_cli.options import (
     AskOptions,
     EncodeOptions,
     LoadOptions,
-    check_generation,
+    check_ask,
 )
 from mmkv_cli.pack import PackReader, check_writable
 from mmkv_cli.pack.report import inspect, verify  # the verbs that read a pack alone
@@ -69,6 +68,15 @@ def encode(
     """Encode `media` into a .kvpack at `output`; returns a summary (the inspect view plus
     timings). Either may be a URL (s3://...): remote media is downloaded first, a remote pack is
     written here and published whole. shown_as: the media's name in the pack (its URL)."""
+    options = options or EncodeOptions()
+    if is_url(output) or is_url(media):
+        return _encode_remote(media, str(output), options, backbone, load, progress, on_start)
+    output = local_path(output)
+    quant, choice = _checked_before_loading(media, output, options)  # before torch loads
+    if backbone is None:
+        from mmkv_cli.backbones.spec import check_available
+
+        check_available((load or LoadOptions()).model)  # without torch: under a second
     from mmkv_cli.backbones.loading import load_backbone
     from mmkv_cli.encode.checkpoint import Checkpointing
     from mmkv_cli.encode.encoder import encode_media
@@ -76,11 +84,6 @@ def encode(
     from mmkv_cli.media import load_media
     from mmkv_cli.methods import EncodeContext
 
-    options = options or EncodeOptions()
-    if is_url(output) or is_url(media):
-        return _encode_remote(media, str(output), options, backbone, load, progress, on_start)
-    output = local_path(output)
-    quant, choice = _checked_before_loading(media, output, options)
     backbone = backbone or load_backbone(load)
     kv = backbone.kv_shape()
     quant.check(kv["kv_heads"], kv["head_dim"])  # and against this model's width
@@ -104,15 +107,22 @@ def _checked_before_loading(media: str, output: Path, options: EncodeOptions):
     (writable, not the media, no checkpoint it would overwrite), the method, budget and guidance.
     Returns (the quantization, the method chosen)."""
     from mmkv_cli.encode.checkpoint import Checkpointing
+    from mmkv_cli.media import check_media
     from mmkv_cli.pack.quant import QuantSpec
 
     quant = QuantSpec(options.kv_bits, options.kv_group)
     quant.check(1, 8)  # the bits and group alone, before the model loads
+    if options.fps is not None and not (math.isfinite(options.fps) and options.fps > 0):
+        raise UsageError(f"--fps must be a positive number, not {options.fps}")
+    if options.max_frames is not None and options.max_frames < 0:
+        raise UsageError(f"--max-frames must be >= 0, not {options.max_frames}")
     refuse_input_as_output(media, output)
     check_writable(output, options.force)  # fail before any expensive work
     Checkpointing.refuse_overwrite(output, options.checkpoint_every, options.resume)
     choice = resolve_method(options.method).with_budget(options.budget, options.budget_tokens)
-    return quant, choice.with_guidance(options.guidance_prompt)
+    choice = choice.with_guidance(options.guidance_prompt)
+    check_media(media)  # after the method: a preset is checked even without media
+    return quant, choice
 
 
 def _encode_remote(media, output, options, backbone, load, progress, on_start) -> dict:
@@ -204,20 +214,17 @@ def stored_method(reader: PackReader):
         raise PackError(f"{reader.path}: {err}") from None
 
 
-HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
-
-
 def pack_model(reader: PackReader) -> str:
     """The model a pack names, when it may be loaded on the pack's word: a preset known here, or a
     hub id already on this machine. Never a path (a stranger's pack must not point `ask` at any
     checkpoint or file here), nor a download: --model chooses either explicitly."""
-    from mmkv_cli.backbones.spec import model_names
+    from mmkv_cli.backbones.spec import HUB_ID, in_hub_cache, model_names
 
     named = reader.header.fingerprint.model
     if isinstance(named, str) and named in model_names():
         return named
     if isinstance(named, str) and HUB_ID.fullmatch(named) and not Path(named).exists():
-        if _in_hub_cache(named):
+        if in_hub_cache(named):
             return named
         raise PackError(
             f"{reader.path} names the hub model '{named}', which is not on this machine: pass "
@@ -227,15 +234,6 @@ def pack_model(reader: PackReader) -> str:
         f"{reader.path} names the model {str(named)[:80]!r}, which is neither a preset here nor a "
         "hub id: pass --model to choose the checkpoint"
     )
-
-
-def _in_hub_cache(repo: str) -> bool:
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        return isinstance(try_to_load_from_cache(repo, "config.json"), str)
-    except ValueError:  # not a repo id the hub library accepts
-        return False
 
 
 def load_for(reader: PackReader, load: LoadOptions) -> LoadOptions:
@@ -299,15 +297,11 @@ class PackSession:
         from mmkv_cli.ask.prune import ask_pruner
 
         options = options or AskOptions()
-        if options.at is not None and not (math.isfinite(options.at) and options.at >= 0):
-            raise UsageError("--at must be a finite number of seconds (or an index), 0 or more")
+        check_ask(options)
         try:
             question.encode("utf-8")
         except UnicodeEncodeError:
             raise UsageError("the question is not valid UTF-8 text") from None
-        if options.prune_budget is not None and not options.prune:
-            raise UsageError("--budget at ask only applies with --prune METHOD")
-        check_generation(options.generation)
         if len(question) > MAX_QUESTION_CHARS:  # chat and serve too, not only ask's files
             raise UsageError(f"the question is longer than {MAX_QUESTION_CHARS} characters")
         pruner = ask_pruner(options.prune, options.prune_budget) if options.prune else None
@@ -334,8 +328,11 @@ def ask(
     return PackSession(pack, backbone=backbone, load=load).ask(question, options, on_token)
 
 
-def answer_record(answer: Answer, question: str, at: float | None = None, ident=None) -> dict:
-    """An answer as `ask --json` prints it (one JSON object per question)."""
+def answer_record(
+    answer: Answer, question: str, at: float | None = None, ident=None, explain: bool = True
+) -> dict:
+    """An answer as `ask --json` prints it (one JSON object per question); the retrieved blocks
+    only when explained (an hour's retrieval lists dozens of blocks a question)."""
     record = {"id": ident} if ident is not None else {}
     return {
         **record,
@@ -350,6 +347,6 @@ def answer_record(answer: Answer, question: str, at: float | None = None, ident=
         "blocks": len(answer.blocks_used),
         "bytes_read": answer.bytes_read,
         "bytes_fetched": answer.bytes_fetched,
-        "retrieved": answer.retrieved,
+        **({"retrieved": answer.retrieved} if explain else {}),
         "kv_tokens_after_prune": answer.kv_tokens,
     }

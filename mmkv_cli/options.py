@@ -87,3 +87,16 @@ class AskOptions:
     keep_logits: bool = False  # keep the first answer token's logits (tests, comparisons)
     # earlier (question, answer) turns, oldest first: the question follows them, after the context
     history: tuple[tuple[str, str], ...] = ()
+
+
+def check_ask(options: AskOptions) -> None:
+    """An ask's own settings and its sampling, checked before a model loads."""
+    import math
+
+    if options.at is not None and not (math.isfinite(options.at) and options.at >= 0):
+        raise UsageError("--at must be a finite number of seconds (or an index), 0 or more")
+    if options.prune_budget is not None and not options.prune:
+        raise UsageError("--budget at ask only applies with --prune METHOD")
+    if options.prune_budget is not None and not 0 < options.prune_budget <= 1:
+        raise UsageError(f"--budget must be in (0, 1], not {options.prune_budget}")
+    check_generation(options.generation)

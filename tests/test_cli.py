@@ -147,7 +147,11 @@ def error_cases(tmp_path, qwen_pack):
             "no frames",
         ),
         (["encode", clip, *tiny, "--method", "magic", "-o", out], 2, "unknown method 'magic'"),
-        (["encode", clip, "-m", "no-such/model", "-o", out], 5, "not available locally"),
+        (
+            ["encode", clip, "-m", "no-such/model", "-o", out],
+            5,
+            "is not on this machine and HF_HUB_OFFLINE is set: try --model demo",
+        ),
         (
             ["encode", clip, *tiny, "--method", "recency", "--budget", "1.5", "-o", out],
             2,
@@ -190,6 +194,14 @@ def error_cases(tmp_path, qwen_pack):
             "is the media being encoded",
         ),
         (["inspect", str(junk)], 4, "not a kvpack"),
+        (
+            ["encode", clip, "-m", "dmeo", "-o", out],
+            2,
+            "unknown model 'dmeo': did you mean 'demo'?",
+        ),
+        (["encode", clip, *tiny, "--method", "mkuv", "-o", out], 2, "did you mean 'mukv'?"),
+        (["encode", clip, *tiny, "--fps", "0", "-o", out], 2, "--fps must be a positive number"),
+        (["ask", str(qwen_pack), "what ?", "--at", "-1"], 2, "--at must be a finite number"),
     ]
 
 

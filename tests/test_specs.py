@@ -151,10 +151,12 @@ def test_inspect_reports_the_kv_share_averaged_over_layers(tmp_path, backbones):
     mukv = encode_pack(
         SAMPLES / "clip.mp4", tmp_path / "m.kvpack", method="mukv", backbone=backbone
     )
-    assert mukv["overlapping_views"] == ["segment", "frame", "patch"]
+    # the tiny grid's patch blocks are too small to keep a token at rho 0.1: not stored
+    assert mukv["overlapping_views"] == ["segment", "frame"]
     shares = {g: mukv["granularities"][g]["stream_share"] for g in mukv["overlapping_views"]}
     assert sum(shares.values()) == pytest.approx(mukv["visual_kv_share"], abs=1e-3)
-    assert "as 3 overlapping views of the stream" in kept_label(mukv)
+    assert mukv["visual_kv_share"] <= 1.0
+    assert "as 2 overlapping views of the stream" in kept_label(mukv)
 
 
 def test_help_methods_and_inspect_never_import_torch(tmp_path, backbones):

@@ -28,7 +28,7 @@ class Answer:
     context_tokens: int
     ttft_s: float
     total_s: float
-    decode_s_per_token: float
+    decode_s_per_token: float | None  # None: the answer took no decode step
     blocks_used: list[str]
     retrieved: list[dict] = field(default_factory=list)
     bytes_read: int = 0
@@ -280,7 +280,8 @@ def _decode(backbone: Backbone, cache, logits, position: int, options: AskOption
         logits, step, backbone.decode, backbone.stop_ids(), options.generation, on_token
     )
     steps = len(made.token_ids) - 1
-    decode_s = (time.perf_counter() - decode_start) / steps if steps > 0 and decode_start else 0.0
+    # None for a one-token answer: no decode step ran, so there is no rate to report
+    decode_s = (time.perf_counter() - decode_start) / steps if steps > 0 and decode_start else None
     return made, decode_s
 
 

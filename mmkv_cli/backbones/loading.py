@@ -12,7 +12,13 @@ from mmkv_cli.backbones import FAMILIES, tiny
 from mmkv_cli.backbones.base import Backbone, PromptPieces, text_kv
 from mmkv_cli.backbones.demo import build_demo
 from mmkv_cli.backbones.rehearsal import build_rehearsal, rehearsal_shape
-from mmkv_cli.backbones.spec import ModelSpec, default_model, load_model_spec, model_names
+from mmkv_cli.backbones.spec import (
+    ModelSpec,
+    check_available,
+    default_model,
+    load_model_spec,
+    model_names,
+)
 from mmkv_cli.errors import ModelError, UsageError
 from mmkv_cli.options import LoadOptions
 
@@ -62,6 +68,7 @@ def load_backbone(options: LoadOptions | None = None) -> Backbone:
     and carried on it as `backbone.spec`."""
     options = options or LoadOptions()
     name = options.model or default_model()
+    check_available(name)  # no network wait for a checkpoint that cannot come
     spec = load_model_spec(name)
     target = resolve_device(options.device)
     if spec is not None and spec.source == "rehearsal":  # real shapes, random weights, no hub

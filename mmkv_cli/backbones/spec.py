@@ -3,12 +3,14 @@ model name that is a preset (anything else is an HF id or a local folder)."""
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 from dataclasses import dataclass
 from typing import Literal
 
 from mmkv_cli.backbones import FamilyName
-from mmkv_cli.errors import UsageError
+from mmkv_cli.errors import ModelError, UsageError
 from mmkv_cli.presets import NAME, find_preset, preset_names, read_preset
 from mmkv_cli.spec import knob, override
 
@@ -51,6 +53,73 @@ def load_model_spec(name: str) -> ModelSpec | None:
             f"{path}: lacks the field '{'family' if spec.family is None else 'source'}'"
         )
     return spec
+
+
+BUILT_IN = ("tiny", "demo", "demo-grid", "rehearsal")  # sources built here, never fetched
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
+HUB_PROBE_S = (
+    1.5  # how long the hub may take to accept a connection before it counts as unreachable
+)
+
+
+def check_available(name: str | None) -> None:
+    """Refuse, at once and without torch, a model that cannot load here: a name that is neither a
+    preset, a folder nor a hub id (with the nearest preset), or a hub checkpoint that is not on this
+    machine while the hub is offline or unreachable (with what to do instead)."""
+    name = name or default_model()
+    spec = load_model_spec(name)
+    source = spec.source if spec is not None else name
+    if source in BUILT_IN or os.path.isdir(source):
+        return
+    if not HUB_ID.fullmatch(source):
+        near = difflib.get_close_matches(name, model_names(), n=1)
+        hint = f"did you mean '{near[0]}'? " if near else ""
+        raise UsageError(
+            f"unknown model '{name}': {hint}(`mmkv models` lists the presets; a checkpoint is a "
+            "hub id ORG/NAME or a local folder)"
+        )
+    if in_hub_cache(source):
+        return
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+    if offline or not _hub_reachable():
+        why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face hub cannot be reached"
+        raise ModelError(
+            f"model '{name}' ({source}) is not on this machine and {why}: try --model demo (built "
+            f"in; it answers about the synthetic shape clips), or download it where there is "
+            f"network (`hf download {source}`) and pass its folder with --model"
+        )
+
+
+def in_hub_cache(repo: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo, "config.json"), str)
+    except ValueError:  # not a repo id the hub library accepts
+        return False
+
+
+def _hub_reachable() -> bool:
+    """Whether the hub accepts a connection within HUB_PROBE_S (name lookup included, which has
+    no timeout of its own: it runs on a thread that is left behind if it hangs)."""
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    reached: list[bool] = []
+
+    def probe() -> None:
+        try:
+            with socket.create_connection((endpoint.hostname, endpoint.port or 443), HUB_PROBE_S):
+                reached.append(True)
+        except OSError:
+            pass
+
+    worker = threading.Thread(target=probe, daemon=True)
+    worker.start()
+    worker.join(HUB_PROBE_S)
+    return bool(reached)
 
 
 def model_spec(name: str | None) -> ModelSpec:

@@ -68,7 +68,8 @@ def prefill_blocks(
     KV bytes. origins [P, steps]: the stream position of every step's first token."""
     groups: dict[tuple[str, int], list[BlockPlan]] = defaultdict(list)
     for plan in plans:
-        groups[(plan.granularity, plan.tokens.numel())].append(plan)
+        if plan.keep != 0:  # a block its budget leaves empty is neither prefilled nor stored
+            groups[(plan.granularity, plan.tokens.numel())].append(plan)
     last = backbone.text_config.num_hidden_layers - 1
     init = prefix.layer_counts[0]
     rope = backbone.rope_tables()
@@ -101,7 +102,7 @@ def prefill_blocks(
             attention = recorder.column_sum[last][:, init:].cpu()
             for row, plan in enumerate(batch):
                 keep = policy.choose(
-                    granularity, attention[row], cache.layers[last].keys[row, :, init:].cpu()
+                    plan, attention[row], cache.layers[last].keys[row, :, init:].cpu()
                 )
                 at = keep.to(cache.layers[last].keys.device)
                 kept_placed, kept_stream = placed[:, row, keep], stream[:, row, keep]

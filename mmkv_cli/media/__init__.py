@@ -9,7 +9,19 @@ from mmkv_cli.media.base import Media
 from mmkv_cli.media.stills import IMAGE_SUFFIXES, load_images, load_pdf
 from mmkv_cli.media.video import load_video
 
-__all__ = ["Media", "load_media"]
+__all__ = ["Media", "check_media", "load_media"]
+
+
+def check_media(spec: str) -> None:
+    """What can be refused about a media path without reading it: one that is not there, or is a
+    FIFO or a device (which would block or never end). A glob is checked when it is expanded."""
+    path = Path(spec)
+    if any(ch in spec for ch in "*?[") and not path.exists():
+        return
+    if not path.exists():
+        raise MediaError(f"no such file or folder: {spec}")
+    if not (path.is_file() or path.is_dir()):
+        raise MediaError(f"{spec} is not a regular file or folder")
 
 
 def load_media(spec: str, fps: float = 1.0, max_frames: int = 64, backend: str = "auto") -> Media:
@@ -21,10 +33,7 @@ def load_media(spec: str, fps: float = 1.0, max_frames: int = 64, backend: str =
     path = Path(spec)
     if any(ch in spec for ch in "*?[") and not path.exists():
         return load_images(spec, max_frames)
-    if not path.exists():
-        raise MediaError(f"no such file or folder: {spec}")
-    if not (path.is_file() or path.is_dir()):  # a FIFO or device would block or never end
-        raise MediaError(f"{spec} is not a regular file or folder")
+    check_media(spec)
     if path.is_dir() or path.suffix.lower() in IMAGE_SUFFIXES:
         return (
             load_images(spec, max_frames) if path.is_dir() else load_images(str(path), max_frames)

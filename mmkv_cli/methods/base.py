@@ -144,6 +144,7 @@ class BlockPlan:
     granularity: str
     tokens: torch.Tensor  # indices into the visual stream (or a chunk of it), ascending
     steps: tuple[int, int]  # temporal steps [start, stop) it covers
+    keep: int | None = None  # tokens it keeps, fixed while planning (0: not stored, not prefilled)
 
 
 class BlockwiseMemory(Protocol):
@@ -171,9 +172,9 @@ class BlockwiseMemory(Protocol):
         """The blocks over these steps, tokens indexed from the first step's first token."""
 
     def choose(
-        self, granularity: str, attention: torch.Tensor, last_keys: torch.Tensor
+        self, plan: BlockPlan, attention: torch.Tensor, last_keys: torch.Tensor
     ) -> torch.Tensor:
-        """Local indices a block keeps. attention [N] column sums; last_keys [H_kv, N, D]."""
+        """Local indices block `plan` keeps. attention [N] column sums; last_keys [H_kv, N, D]."""
 
 
 # --- the ask side ---

@@ -3,6 +3,7 @@ with its typed parameters and budget, checked before any work."""
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -66,7 +67,9 @@ def resolve_method(name: str, _seen: tuple[str, ...] = ()) -> MethodChoice:
         if name in METHODS:
             method = METHODS[name]
             return MethodChoice(name, method, method.params(), method.budget, method.description)
-        raise UsageError(f"unknown method '{name}' (known: {', '.join(method_names())})")
+        near = difflib.get_close_matches(name, method_names(), n=1)
+        hint = f"did you mean '{near[0]}'? " if near else ""
+        raise UsageError(f"unknown method '{name}': {hint}(known: {', '.join(method_names())})")
     if name in _seen:
         raise UsageError(f"preset {path} extends itself (through {' -> '.join(_seen)})")
     data = read_preset(path)

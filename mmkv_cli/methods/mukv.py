@@ -124,8 +124,11 @@ def fused_score(attention: torch.Tensor, frequency: torch.Tensor, alpha: float) 
 
 
 def keep_count(block_tokens: int, rho: float) -> int:
-    """floor(rho * |block|), at least one token so no block is emptied (tiny grids only)."""
-    return max(1, min(block_tokens, math.floor(rho * block_tokens)))
+    """floor(rho x |block|), as the paper and the authors' code keep: a function of the block
+    alone, so its kept tokens and its key do not depend on where it sits, and no block rounds the
+    budget up. A block of a tiny grid may keep none: it is then neither prefilled nor stored (a
+    floor of one token a block kept 1.6x the budget on the demo's 4-token frames)."""
+    return min(block_tokens, math.floor(rho * block_tokens + 1e-9))
 
 
 # --- the block plan: which stream tokens form each block ---
@@ -226,7 +229,9 @@ class MuKVMemory:
     def plan(
         self, step_starts, step_lengths, grid_offsets, grid, frames_per_step
     ) -> list[BlockPlan]:
-        return plan_blocks(
+        """A chunk's blocks, each with the tokens it keeps (keep_count): no view holds more than
+        its share, so a pack never holds more than the budget."""
+        plans = plan_blocks(
             step_starts,
             step_lengths,
             grid_offsets,
@@ -235,18 +240,20 @@ class MuKVMemory:
             self.params.patch_blocks,
             self.params.views,
         )
+        for plan in plans:
+            plan.keep = keep_count(plan.tokens.numel(), self.rho[plan.granularity])
+        return plans
 
     def choose(
-        self, granularity: str, attention: torch.Tensor, last_keys: torch.Tensor
+        self, plan: BlockPlan, attention: torch.Tensor, last_keys: torch.Tensor
     ) -> torch.Tensor:
-        """Local indices a block keeps. attention [N] column sums; last_keys [H_kv, N, D]."""
+        """Local indices block `plan` keeps. attention [N] column sums; last_keys [H_kv, N, D]."""
         n = attention.shape[0]
-        rho = self.rho[granularity]
-        if rho >= 1.0:
+        if plan.keep >= n:
             return torch.arange(n)
         frequency = frequency_signal(last_keys.float().mean(dim=0), self.params.frequency)
-        alpha = self.params.alpha.as_dict()[granularity]
-        return top_in_order(fused_score(attention, frequency, alpha), keep_count(n, rho))
+        alpha = self.params.alpha.as_dict()[plan.granularity]
+        return top_in_order(fused_score(attention, frequency, alpha), plan.keep)
 
 
 def context(params: MuKVParams) -> RetrievalContext:
