@@ -2,20 +2,23 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU wheels that pair with torchvision (see README: PyPI's torchvision fails beside torch 2.13).
+# torch and torchvision as a pair that imports together (PyPI's torchvision failed beside torch 2.13).
+# PyPI's wheels: CUDA builds on Linux (a venv of about 6.6 GB). TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# installs the CPU-only builds instead.
 TORCH := torch==2.14.1 torchvision==0.29.1
+TORCH_INDEX ?=
 OUT ?= out
 # demo-grid's last training run: cuda where a GPU is, and processes rendering its clips ahead
 # (7 kept an H100 busy)
 TRAIN_DEVICE ?= cpu
 TRAIN_WORKERS ?= 0
 
-.PHONY: setup demo demo-model test wheel-check samples bench bench-scale clean
+.PHONY: setup demo demo-model test docs wheel-check samples bench bench-scale clean
 
 $(BIN)/mmkv: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH)
 	$(BIN)/pip install -q -e '.[test,serve,ray,s3,eval]'
 	touch $(BIN)/mmkv
 
@@ -69,8 +72,13 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(OUT)/site
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests
 	VENV=$(VENV) .ci/wheel_check
+
+# The documentation site (docs/, mkdocs material) into site/; `make test` builds it with --strict.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # The built wheel, installed in a fresh venv outside the checkout, runs methods / encode / ask.
 wheel-check: setup

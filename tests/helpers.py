@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -119,13 +120,14 @@ def serving(packs: str):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (an access line a request: never a full pipe)
     process = subprocess.Popen(
         [sys.executable, "-m", "mmkv_cli", "serve", "--packs", packs, "--port", str(port)]
         + ["--device", "cpu"],
         cwd=ROOT,
         env={**os.environ, "MMKV_API_KEY": ""},
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=log,
         text=True,
     )
     base = f"http://127.0.0.1:{port}"
@@ -139,11 +141,13 @@ def serving(packs: str):
                 time.sleep(0.2)
         else:
             process.kill()
-            pytest.fail(f"server did not start: {process.stderr.read()}")
+            log.seek(0)
+            pytest.fail(f"server did not start: {log.read()}")
         yield base
     finally:
         process.terminate()
         process.wait(timeout=20)
+        log.close()
 
 
 def pack_header(layers=3, dtype="float32", heads=2, dim=8, **sections):

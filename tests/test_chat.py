@@ -140,3 +140,24 @@ def test_chat_reads_piped_lines_in_a_real_process(tmp_path, backbones):
             cwd=ROOT,
         )
         assert refused.returncode == 2 and "--temperature" in refused.stderr, refused.stderr
+
+
+def test_ctrl_c_stops_the_answer_in_flight_and_the_chat_goes_on(session):
+    """Issue 39, item 5: as ollama's REPL does; the stopped turn is not kept as history."""
+    chat = Chat(AskOptions(generation=GenerationOptions(3)))
+    ask, calls, notes = session.ask, [], []
+
+    def interrupted_once(question, options, on_token=None):
+        calls.append(question)
+        if len(calls) == 1:
+            on_token("half an ans")
+            raise KeyboardInterrupt
+        return ask(question, options, on_token)
+
+    session.ask = interrupted_once
+    try:
+        chat_loop(session, ["first ?", "second ?"], chat, lambda _: None, notes.append, print)
+    finally:
+        del session.ask
+    assert calls == ["first ?", "second ?"] and [q for q, _ in chat.history] == ["second ?"]
+    assert any("stopped" in n for n in notes) and chat.failed == 0

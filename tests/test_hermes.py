@@ -256,7 +256,7 @@ def test_pack_never_exceeds_the_budget_over_a_long_stream_and_ask_runs_in_a_new_
     )
     assert done.returncode == 0, done.stderr
     answer = json.loads(done.stdout)
-    assert answer["ttft_s"] > 0 and answer["retrieved"] == []
+    assert answer["ttft_s"] > 0 and "retrieved" not in answer  # listed with --explain only
     assert answer["context_tokens"] <= info["prompt_tokens"] + budget + 1 + 16
 
 

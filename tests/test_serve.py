@@ -81,7 +81,8 @@ def test_eight_concurrent_streams_get_the_sequential_answers(server, expected):
 def test_the_other_endpoints_and_extra_fields(server, packs):
     info = httpx.get(f"{server}/v1/packs/clip").json()
     local = api.inspect((packs / "clip.kvpack").resolve())
-    assert info == json.loads(json.dumps({**local, "path": "clip.kvpack"}))  # not the server's path
+    media = {**local["media"], "source": "clip.mp4"}  # no path of the server's, nor the encoder's
+    assert info == json.loads(json.dumps({**local, "path": "clip.kvpack", "media": media}))
     assert str(packs.resolve()) not in json.dumps(info)
     reply = httpx.post(
         f"{server}/v1/chat/completions",
@@ -200,3 +201,63 @@ def test_an_evicted_backbone_takes_its_sessions_with_it(packs, monkeypatch):
     assert held.backbone(LoadOptions("a")) is first and "clip" in held.sessions  # a hit keeps it
     held.backbone(LoadOptions("a", layers=1))  # another depth of a rehearsal model: its own
     assert list(held.backbones) == [LoadOptions("a", layers=1)] and "clip" not in held.sessions
+
+
+def test_openai_compatible_without_surprises(server, packs):
+    """Issue 39, item 4: models by id, errors in OpenAI's shape, unsupported fields refused by name,
+    usage in streams, CORS only when asked, Prometheus metrics."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    model = client.models.retrieve("clip")
+    assert model.id == "clip" and model.created > 1_700_000_000  # when the pack was written
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    for method, path, status in (("GET", "/v1/nothing", 404), ("DELETE", "/v1/models", 405)):
+        reply = httpx.request(method, f"{server}{path}")
+        assert reply.status_code == status and reply.json()["error"]["message"], reply.text
+    say = [{"role": "user", "content": QUESTIONS[0]}]
+    image = [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    for extra, named in (
+        ({"n": 2}, "n is not supported"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": image}]}, "image_url parts"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ):
+        body = {"model": "clip", "messages": say, **extra}
+        reply = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
+        assert reply.status_code == 400 and named in reply.json()["error"]["message"], reply.text
+    stream = client.chat.completions.create(
+        model="clip", messages=say, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens > 0 and chunks[-1].choices == []
+    preflight = {"Origin": "http://page.example", "Access-Control-Request-Method": "POST"}
+    assert httpx.options(f"{server}/v1/chat/completions", headers=preflight).status_code != 200
+    metrics = httpx.get(f"{server}/metrics").text
+    assert 'mmkv_requests_total{route="/v1/chat/completions",status="200"}' in metrics
+    assert "mmkv_time_to_first_token_seconds_count" in metrics and "mmkv_queue_depth" in metrics
+
+
+def test_system_messages_are_used_and_cors_is_opt_in(packs):
+    from mmkv_cli.serve.requests import ChatRequest
+
+    body = ChatRequest(
+        model="clip",
+        messages=[
+            {"role": "system", "content": "Answer in one word."},
+            {"role": "user", "content": "what color is the circle ?"},
+        ],
+    )
+    assert body.conversation()[0] == "Answer in one word.\n\nwhat color is the circle ?"
+
+    async def preflight():
+        app, client = _in_process(packs, cors=["http://page.example"])
+        async with client:
+            return await client.options(
+                "/v1/chat/completions",
+                headers={"Origin": "http://page.example", "Access-Control-Request-Method": "POST"},
+            )
+
+    reply = asyncio.run(preflight())
+    assert reply.status_code == 200
+    assert reply.headers["access-control-allow-origin"] == "http://page.example"

@@ -120,7 +120,7 @@ def run_batch(
 
 
 def summary(rows: list[dict], items: int, seconds: float) -> dict:
-    """The batch in figures: counts by status, bytes written, items a minute."""
+    """The batch in figures: counts by status, bytes written, items encoded a minute."""
     by_status = {s: sum(r["status"] == s for r in rows) for s in ("ok", "skipped", "failed")}
     return {
         "items": items,
@@ -128,7 +128,10 @@ def summary(rows: list[dict], items: int, seconds: float) -> dict:
         "not_run": items - len(rows),
         "bytes_written": sum(r.get("bytes") or 0 for r in rows if r["status"] == "ok"),
         "seconds": round(seconds, 2),
-        "items_per_minute": round(len(rows) / seconds * 60, 2) if seconds > 0 else None,
+        # encodes a minute: items skipped (their pack already there) or failed took no encode
+        "items_per_minute": (
+            round(by_status["ok"] / seconds * 60, 2) if seconds > 0 and by_status["ok"] else None
+        ),
         "failures": [
             {"media": r["media"], "error": r["error"]} for r in rows if r["status"] == "failed"
         ],

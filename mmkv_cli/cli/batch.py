@@ -7,11 +7,14 @@ import time
 import typer
 
 from mmkv_cli.cli.common import (
+    BudgetTokensOpt,
     DeviceOpt,
     DtypeOpt,
+    FpsOpt,
     JsonOpt,
     KvBitsOpt,
     KvGroupOpt,
+    MaxFramesOpt,
     ModelOpt,
     emit_json,
     load_options,
@@ -31,11 +34,16 @@ def batch(
     out: str = typer.Option(
         ..., "--out", help="Folder or URL prefix the packs and batch.jsonl go to."
     ),
-    method: str = typer.Option("full", "--method", autocompletion=method_names),
+    method: str = typer.Option(
+        "full",
+        "--method",
+        help="Memory policy or preset for every row without one.",
+        autocompletion=method_names,
+    ),
     budget: float | None = typer.Option(None, "--budget", help="Share of visual tokens kept."),
-    budget_tokens: int | None = typer.Option(None, "--budget-tokens"),
-    fps: float | None = typer.Option(None, "--fps"),
-    max_frames: int | None = typer.Option(None, "--max-frames"),
+    budget_tokens: int | None = BudgetTokensOpt,
+    fps: float | None = FpsOpt,
+    max_frames: int | None = MaxFramesOpt,
     kv_bits: int = KvBitsOpt,
     kv_group: int = KvGroupOpt,
     ray: str | None = typer.Option(
@@ -45,8 +53,12 @@ def batch(
         "(ray://head:10001). Without it, items run here one after another.",
     ),
     workers: int = typer.Option(1, "--workers", help="Ray actors, one backbone each."),
-    cpus_per_worker: float = typer.Option(1.0, "--cpus-per-worker"),
-    gpus_per_worker: float = typer.Option(0.0, "--gpus-per-worker"),
+    cpus_per_worker: float = typer.Option(
+        1.0, "--cpus-per-worker", help="CPU cores each Ray worker reserves."
+    ),
+    gpus_per_worker: float = typer.Option(
+        0.0, "--gpus-per-worker", help="GPUs each Ray worker reserves (fractions share one)."
+    ),
     model: str | None = ModelOpt,
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
@@ -66,7 +78,8 @@ def batch(
         options = EncodeOptions(
             method, budget, budget_tokens, fps, max_frames, kv_bits=kv_bits, kv_group=kv_group
         )
-        settings = BatchSettings(load_options(model, device, dtype), options, out)
+        load = load_options(model, device, dtype, here=ray is None)  # workers load their own
+        settings = BatchSettings(load, options, out)
         started = time.perf_counter()
         with _progress() as progress:
             task = progress.add_task("batch", total=len(items), failed=0)
@@ -127,12 +140,13 @@ def _show(report: dict, out: str) -> None:
     from mmkv_cli.cli.display import human_bytes, out_console
 
     table = Table(title=f"batch: {out}", title_justify="left", box=box.SIMPLE_HEAD)
-    for column in ("items", "ok", "skipped", "failed", "written", "items/min"):
+    for column in ("items", "ok", "skipped", "failed", "written", "encoded/min"):
         table.add_column(column, justify="right")
+    rate = report["items_per_minute"]
     table.add_row(
         *(str(report[k]) for k in ("items", "ok", "skipped", "failed")),
         human_bytes(report["bytes_written"]),
-        str(report["items_per_minute"]),
+        "-" if rate is None else str(rate),
     )
     out_console.print(table)
     for failure in report["failures"]:

@@ -62,6 +62,10 @@ def chat_loop(session, lines: Iterable[str], chat: Chat, write: Say, note: Say, 
             note(f"error: {err}")
             chat.failed += 1
             continue
+        except KeyboardInterrupt:  # Ctrl-C stops this answer, not the chat (as ollama's does)
+            write("\n")
+            note("(answer stopped; the turn is not kept)")
+            continue
         write("\n")
         chat.history.append((text, answer.answer))
         chat.last = answer

@@ -31,6 +31,9 @@ def devices(incomplete: str) -> list[str]:
 
 
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else.")
+JsonLinesOpt = typer.Option(
+    False, "--json", help="Print one JSON object per question on stdout (JSONL), nothing else."
+)
 ModelOpt = typer.Option(
     None,
     "--model",
@@ -42,6 +45,18 @@ DeviceOpt = typer.Option(
     "auto", "--device", help="auto, cpu, cuda or cuda:N.", autocompletion=devices
 )
 DtypeOpt = typer.Option(Dtype.auto, "--dtype", help="Weights' dtype (auto: bf16 on CUDA).")
+# the media and the budget, the same for every command that encodes (encode, batch, profile, eval)
+FpsOpt = typer.Option(None, "--fps", help="Frames sampled per second (default: model preset).")
+MaxFramesOpt = typer.Option(None, "--max-frames", help="At most this many frames (thinned evenly).")
+BudgetTokensOpt = typer.Option(
+    None, "--budget-tokens", help="Visual tokens kept per layer instead of a share."
+)
+MaxNewTokensOpt = typer.Option(16, "--max-new-tokens", help="Longest answer, in tokens.")
+# sampling, the same for every command that answers (ask, chat)
+TemperatureOpt = typer.Option(0.0, "--temperature", help="0: greedy; above: sampled.")
+TopPOpt = typer.Option(1.0, "--top-p", help="Nucleus mass when sampling.")
+SeedOpt = typer.Option(None, "--seed", help="Sampling seed.")
+StopOpt = typer.Option(None, "--stop", help="End the answer before this text (repeatable).")
 KvBitsOpt = typer.Option(
     16,
     "--kv-bits",
@@ -92,5 +107,13 @@ def emit_json(obj: dict) -> None:
     sys.stdout.flush()
 
 
-def load_options(model: str | None, device: str, dtype: Dtype) -> LoadOptions:
+def load_options(model: str | None, device: str, dtype: Dtype, here: bool = True) -> LoadOptions:
+    """The load options of a command, a --model given checked before anything heavy (a name that
+    is not one, a checkpoint not here while the hub cannot be reached: one line in well under a
+    second; the default model is checked where it is loaded). here: False where the model loads
+    elsewhere (Ray workers)."""
+    from mmkv_cli.backbones.spec import check_available
+
+    if here and model is not None:
+        check_available(model)
     return LoadOptions(model=model, device=device, dtype=dtype.value)

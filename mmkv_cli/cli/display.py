@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 err_console = Console(stderr=True)
@@ -39,32 +48,30 @@ def eval_progress() -> Progress:
         MofNCompleteColumn(),
         TextColumn("clips"),
         TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
         console=err_console,
         transient=True,
     )
 
 
+def show_workers(result: dict) -> None:
+    """What each Ray worker did, and the videos that failed (each with its one line)."""
+    table = Table(title=f"on Ray: {result['videos']} videos", title_justify="left")
+    for column in ("worker", "videos", "seconds"):
+        table.add_column(column, justify="left" if column == "worker" else "right", no_wrap=True)
+    for name, did in sorted(result["workers"].items()):
+        table.add_row(name, str(did["videos"]), f"{did['seconds']:.1f}")
+    out_console.print(table)
+    for failure in result["failed"]:
+        out_console.print(f"failed: {failure['video']}: {failure['error']}", highlight=False)
+
+
 def show_eval(runs: list[dict], figure: str) -> None:
-    """Accuracy per run and per question type; the last row is chance level for each column. `kept`:
-    the share of visual KV the packs held, measured."""
+    """Accuracy per run, then per question type in a table of its own (two narrow tables fit 80
+    columns where one wide one cut its cells); the last row is chance level. `kept`: the share of
+    visual KV the packs held, measured."""
     types = list(dict.fromkeys(t for r in runs for t in r["by_type"]))
-    table = Table(
-        title="eval: accuracy", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0)
-    )
-    for column in ("method", "budget", "protocol", "kept", "n", "all", *types):
-        table.add_column(column, justify="left" if column == "method" else "right", no_wrap=True)
-    for r in runs:
-        kept = f"{r['kept']:.2f}" if r.get("kept") is not None else "-"
-        budget = f"{r['budget_tokens']}t" if r.get("budget_tokens") else f"{r['budget']:g}"
-        table.add_row(
-            r["method"],
-            budget,
-            r.get("protocol", "replay"),
-            kept,
-            str(r["n"]),
-            f"{r['accuracy']:.2f}",
-            *(f"{r['by_type'][t]['accuracy']:.2f}" if t in r["by_type"] else "-" for t in types),
-        )
     first = runs[0]["by_type"] if runs else {}
     chances = [first.get(t, {}).get("chance") for t in types]
     overall = (
@@ -72,16 +79,31 @@ def show_eval(runs: list[dict], figure: str) -> None:
         if runs and all(c is not None for c in chances)
         else None
     )
-    table.add_row(
-        "[dim]chance[/dim]",
-        "",
-        "",
-        "",
-        "",
-        *(f"[dim]{c:.2f}[/dim]" if c is not None else "-" for c in (overall, *chances)),
-    )
-    out_console.print(table)
+    summary = _eval_table("eval: accuracy", ("method", "budget", "protocol", "kept", "n", "all"))
+    by_type = _eval_table("accuracy by question type", ("method", "budget", *types))
+    for r in runs:
+        kept = f"{r['kept']:.2f}" if r.get("kept") is not None else "-"
+        budget = f"{r['budget_tokens']}t" if r.get("budget_tokens") else f"{r['budget']:g}"
+        protocol = r.get("protocol", "replay")
+        summary.add_row(r["method"], budget, protocol, kept, str(r["n"]), f"{r['accuracy']:.2f}")
+        by_type.add_row(
+            r["method"],
+            budget if protocol == "replay" else f"{budget} {protocol}",
+            *(f"{r['by_type'][t]['accuracy']:.2f}" if t in r["by_type"] else "-" for t in types),
+        )
+    dim = [f"[dim]{c:.2f}[/dim]" if c is not None else "-" for c in (overall, *chances)]
+    summary.add_row("[dim]chance[/dim]", "", "", "", "", dim[0])
+    by_type.add_row("[dim]chance[/dim]", "", *dim[1:])
+    out_console.print(summary)
+    out_console.print(by_type)
     out_console.print(f"plot: {figure}", highlight=False)
+
+
+def _eval_table(title: str, columns: tuple) -> Table:
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0))
+    for column in columns:
+        table.add_column(column, justify="left" if column == "method" else "right", no_wrap=True)
+    return table
 
 
 def budget_label(info: dict) -> str:
@@ -196,19 +218,23 @@ def show_profile(result: dict) -> None:
         ("decode/tok", "decode_s_per_token", lambda v: f"{1000 * v:.1f}ms"),
     ]
     compared = columns
+    runs = result["methods"][0].get("repeat", 1) if result["methods"] else 1
+    each = f", medians of {runs} runs" if runs > 1 else ", one run each (--repeat N for medians)"
     measured = Table(
-        title=f"profile: {result['model']} on {result['device']}", title_justify="left"
+        title=f"profile: {result['model']} on {result['device']}{each}", title_justify="left"
     )
     ratios = Table(title=f"ratio to {result['reference']}", title_justify="left")
     for table, shown in ((measured, columns), (ratios, compared)):
-        table.add_column("method")
+        table.add_column("method", no_wrap=True)
         for title, _, _ in shown:
-            table.add_column(title, justify="right")
+            table.add_column(title, justify="right", overflow="fold")
+    from mmkv_cli.study.profile import label as run_label
+
     for r in result["methods"]:
-        label = short_label(r)
-        if r.get("kv_bits", 16) != 16:
-            label += f" {r['kv_bits']}b"
-        measured.add_row(label, *(fmt(r[key]) for _, key, fmt in columns))
+        label = run_label(r)
+        measured.add_row(
+            label, *("-" if r[key] is None else fmt(r[key]) for _, key, fmt in columns)
+        )
         ratios.add_row(
             label,
             *(
@@ -241,16 +267,36 @@ def show_quantization(result: dict) -> None:
 
 
 def show_listing(title: str, rows: list[dict], columns: list[str]) -> None:
+    """Rows under `columns`; the first column holds names one types, so it is never cut or wrapped,
+    and the others fold (whole, over lines) rather than end in an ellipsis."""
     table = Table(title=title, title_justify="left")
-    for col in columns:
-        table.add_column(col)
+    widest = max((len(str(row.get(columns[0], ""))) for row in rows), default=0)
+    for i, col in enumerate(columns):
+        if i == 0:
+            table.add_column(col, no_wrap=True, min_width=max(widest, len(col)))
+        else:  # words wrap; a long identifier (an HF id) folds instead of ending in '…'
+            table.add_column(col, overflow="fold" if col == "source" else "ellipsis")
     for row in rows:
         table.add_row(*(str(row.get(c, "")) for c in columns))
     out_console.print(table)
 
 
-def show_retrieved(retrieved: list[dict], used: list[str]) -> None:
-    """Why the context holds what it holds: each retrieved block, its span and its scores."""
+# what a block's span is measured in, by the pack's media kind: seconds, or page / image indices
+SPAN_UNITS = {"pdf": ("pages", False), "images": ("images", False)}
+
+
+def _span(time: list | None, seconds: bool) -> str:
+    if not time:
+        return "-"
+    if seconds:
+        return f"{time[0]:.1f}-{time[1]:.1f}"
+    first, last = int(time[0]), int(time[1])
+    return str(first) if first == last else f"{first}-{last}"
+
+
+def show_retrieved(retrieved: list[dict], used: list[str], kind: str | None = "video") -> None:
+    """Why the context holds what it holds: each retrieved block, its span (seconds of a video,
+    pages of a document, images of a set) and its scores."""
     if not retrieved:
         err_console.print(
             f"[dim]no retrieval: the context holds all {len(used)} stored blocks[/dim]"
@@ -258,11 +304,30 @@ def show_retrieved(retrieved: list[dict], used: list[str]) -> None:
         return
     layered = "layers" in retrieved[0]  # per-layer retrieval: how many layers took each block
     table = Table(title="retrieved blocks (context order)")
-    columns = ["block", "granularity", "time (s)", "score", "reranked"] + ["layers"] * layered
+    unit, seconds = SPAN_UNITS.get(kind or "video", ("time (s)", True))
+    columns = ["block", "granularity", unit, "score", "reranked"] + ["layers"] * layered
     for column in columns:
         table.add_column(column, justify="left" if column in columns[:3] else "right")
     for r in retrieved:
-        span = f"{r['time'][0]:.1f}-{r['time'][1]:.1f}" if r.get("time") else "-"
+        span = _span(r.get("time"), seconds)
         row = [r["block"], r["granularity"], span, f"{r['score']:.3f}", f"{r['reranked']:.3f}"]
         table.add_row(*row, *([str(r["layers"])] if layered else []))
     err_console.print(table)
+
+
+@contextmanager
+def questions_progress(total: int):
+    """A bar on stderr over the questions answered, with an ETA; yields tick(answered)."""
+    bar = Progress(
+        TextColumn("[bold]questions"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=err_console,
+        transient=True,
+    )
+    task = bar.add_task("questions", total=total)
+    with bar:
+        yield lambda done: bar.update(task, completed=done)

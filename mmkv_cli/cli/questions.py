@@ -1,7 +1,8 @@
 """Questions for one load: from the command line, a file or stdin, one per line or JSONL.
 
-A line is a question, or a JSON object {"question", "at"?, "id"?}; blank lines are skipped. Every
-line is checked before any model is loaded, so a bad line 90 costs no answers to lines 1-89.
+A line is a question, or a JSON object {"question", "at"?, "id"?, "pack"?}; blank lines are
+skipped. Every line is checked before any model is loaded, so a bad line 90 costs no answers to
+lines 1-89.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from mmkv_cli.errors import UsageError
 from mmkv_cli.options import MAX_QUESTION_CHARS
 
 MAX_QUESTIONS = 100_000
-FIELDS = {"question", "at", "id"}
+FIELDS = {"question", "at", "id", "pack"}
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Question:
     text: str
     at: float | None = None  # overrides `--at` for this question
     id: str | int | None = None  # echoed in the answer's JSON
+    pack: str | None = None  # the pack it asks (a file naming a pack per line); None: ask's PACK
 
 
 def parse_lines(lines: Iterable[str], where: str) -> list[Question]:
@@ -61,7 +63,7 @@ def _parse_json(text: str, where: str) -> Question:
         raise UsageError(f"{where}: a JSON line must be an object with a 'question'")
     unknown = sorted(set(row) - FIELDS)
     if unknown:
-        raise UsageError(f"{where}: unknown key '{unknown[0]}' (question, at, id)")
+        raise UsageError(f"{where}: unknown key '{unknown[0]}' (question, at, id, pack)")
     question = row.get("question")
     if not isinstance(question, str) or not question.strip():
         raise UsageError(f"{where}: 'question' must be non-empty text")
@@ -73,7 +75,11 @@ def _parse_json(text: str, where: str) -> Question:
     ident = row.get("id")
     if ident is not None and (isinstance(ident, bool) or not isinstance(ident, str | int)):
         raise UsageError(f"{where}: 'id' must be text or an integer")
-    return Question(_plain(question.strip(), where).text, None if at is None else float(at), ident)
+    pack = row.get("pack")
+    if pack is not None and (not isinstance(pack, str) or not pack.strip() or len(pack) > 4096):
+        raise UsageError(f"{where}: 'pack' must be a path or URL")
+    seconds = None if at is None else float(at)
+    return Question(_plain(question.strip(), where).text, seconds, ident, pack)
 
 
 def read_stdin() -> list[str]:

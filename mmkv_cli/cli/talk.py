@@ -5,20 +5,46 @@ from __future__ import annotations
 import contextlib
 import errno
 import ipaddress
+import os
 import socket
 import sys
+from pathlib import Path
 
 import typer
 
-from mmkv_cli.cli.common import DeviceOpt, DtypeOpt, load_options, model_names, run
+from mmkv_cli.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    SeedOpt,
+    StopOpt,
+    TemperatureOpt,
+    TopPOpt,
+    load_options,
+    model_names,
+    run,
+)
 from mmkv_cli.errors import AddressError, UsageError
 from mmkv_cli.options import AskOptions, Dtype, GenerationOptions, check_generation
+
+# typed questions kept between chat sessions, as a shell keeps its commands
+HISTORY = (
+    Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "mmkv" / "history"
+)
+HISTORY_LINES = 1000
 
 
 def chat(
     pack: str = typer.Argument(..., help="A .kvpack written by `mmkv encode`."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Longest answer, in tokens."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy; above: sampled."),
+    temperature: float = TemperatureOpt,
+    top_p: float = TopPOpt,
+    seed: int | None = SeedOpt,
+    stop: list[str] | None = StopOpt,
+    history: str = typer.Option(
+        str(HISTORY),
+        "--history",
+        help="Where typed questions are kept between sessions ('' keeps none).",
+    ),
     turns: int = typer.Option(
         8, "--turns", help="Earlier turns a follow-up sees (0: none).", min=0
     ),
@@ -38,8 +64,9 @@ def chat(
         from mmkv_cli.cli.chat import Chat, chat_loop
         from mmkv_cli.cli.display import err_console, show_retrieved
 
-        options = AskOptions(generation=GenerationOptions(max_new_tokens, temperature))
-        check_generation(options.generation)  # before the model loads
+        generation = GenerationOptions(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
+        options = AskOptions(generation=generation)
+        check_generation(generation)  # before the model loads
         session = api.PackSession(pack, load=load_options(model, device, dtype))
         interactive = sys.stdin.isatty()
         if interactive:
@@ -57,11 +84,13 @@ def chat(
         chat = Chat(options, turns, turn_tokens)
         chat_loop(
             session,
-            _typed_lines() if interactive else sys.stdin,
+            _typed_lines(history) if interactive else sys.stdin,
             chat,
             write,
             note,
-            lambda answer: show_retrieved(answer.retrieved, answer.blocks_used),
+            lambda answer: show_retrieved(
+                answer.retrieved, answer.blocks_used, session.reader.header.media.kind
+            ),
         )
         if chat.failed:  # as `ask` does: a script sees that some questions got no answer
             raise typer.Exit(1)
@@ -91,6 +120,18 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _log_access() -> None:
+    """One line on stderr for each request, as web servers print them."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    access = logging.getLogger("mmkv.access")
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
+
+
 def _loopback(host: str) -> bool:
     try:
         return all(
@@ -100,16 +141,31 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def _typed_lines():
-    """Lines typed at a terminal, with line editing (readline) when the platform has it."""
+def _typed_lines(history: str):
+    """Lines typed at a terminal, with line editing and a history file (readline) where the
+    platform has it. Ctrl-C at the prompt clears the line, as a shell's does; Ctrl-D leaves."""
+    readline = None
     with contextlib.suppress(ImportError):
-        import readline  # noqa: F401  (enables editing and history for input())
-    while True:
-        try:
-            yield input("> ")
-        except EOFError:
-            sys.stdout.write("\n")
-            return
+        import readline  # enables editing and history for input()
+    if readline is not None and history:
+        path = Path(history).expanduser()
+        with contextlib.suppress(OSError):
+            readline.read_history_file(path)
+        readline.set_history_length(HISTORY_LINES)
+    try:
+        while True:
+            try:
+                yield input("> ")
+            except KeyboardInterrupt:
+                sys.stdout.write("\n")
+            except EOFError:
+                sys.stdout.write("\n")
+                return
+    finally:
+        if readline is not None and history:
+            with contextlib.suppress(OSError):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                readline.write_history_file(path)
 
 
 def serve(
@@ -127,6 +183,11 @@ def serve(
     models: int = typer.Option(2, "--models", help="Backbones kept loaded (LRU).", min=1),
     model: str | None = typer.Option(
         None, "--model", "-m", help="Answer every pack with this model.", autocompletion=model_names
+    ),
+    cors: list[str] | None = typer.Option(
+        None,
+        "--cors",
+        help="Let web pages from this origin call the API (repeatable; '*' for any).",
     ),
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
@@ -146,8 +207,14 @@ def serve(
 
         listening = listen(host, port)  # before any pack is read: a taken port is one line
         app = create_app(
-            packs, load_options(model, device, dtype), api_key=api_key, models=models, queue=queue
+            packs,
+            load_options(model, device, dtype),
+            api_key=api_key,
+            models=models,
+            queue=queue,
+            cors=cors,
         )
+        _log_access()
         count = len(app.state.packs.names())
         if not api_key and not _loopback(host):
             err_console.print(

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import threading
 import time
 import uuid
@@ -24,18 +25,22 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmkv_cli.api import load_for
 from mmkv_cli.errors import MmkvError, UsageError
 from mmkv_cli.options import AskOptions, LoadOptions
+from mmkv_cli.serve.metrics import Metrics
+from mmkv_cli.serve.pack_routes import pack_routes
 from mmkv_cli.serve.requests import ChatRequest
-from mmkv_cli.serve.responses import STATUS, chunk_event
+from mmkv_cli.serve.responses import STATUS, chunk_event, usage_event
 from mmkv_cli.serve.responses import error as _error
 from mmkv_cli.serve.shelf import FolderShelf, Shelf, shelf
 from mmkv_cli.serve.stream_routes import stream_answer, stream_routes
 from mmkv_cli.serve.streams import Streams
 
 MAX_BODY_BYTES = 1 << 20  # a chat request is text: 1 MiB is generous
+ACCESS = logging.getLogger("mmkv.access")  # one line a request; `mmkv serve` prints it to stderr
 
 
 class Busy(Exception):
@@ -117,9 +122,12 @@ def create_app(
     api_key: str | None = None,
     models: int = 2,
     queue: int = 16,
+    cors: list[str] | None = None,
 ) -> FastAPI:
-    """The OpenAI-compatible app over the packs in `folder`: guards, error bodies, routes."""
+    """The OpenAI-compatible app over the packs in `folder`: guards, error bodies, routes, and
+    for browsers the origins in `cors` (`*`: any)."""
     packs = Packs(shelf(folder), load or LoadOptions(), models, queue)
+    metrics = Metrics(lambda: packs.pending, lambda: len(packs.backbones))
     local = packs.shelf.folder if isinstance(packs.shelf, FolderShelf) else None
     streams = Streams(local, packs.load, packs.backbone)
 
@@ -129,20 +137,44 @@ def create_app(
         await asyncio.get_running_loop().run_in_executor(None, streams.stop_all)  # packs kept
 
     app = FastAPI(title="mmkv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.state.packs, app.state.streams = packs, streams
-    _guard(app, api_key)
+    app.state.packs, app.state.streams, app.state.metrics = packs, streams, metrics
+    _guard(app, api_key, metrics)
+    if cors:  # added last, so it runs first: a preflight carries no key
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware, allow_origins=cors, allow_methods=["*"], allow_headers=["*"]
+        )
     _error_bodies(app)
-    _pack_routes(app, packs)
+    pack_routes(app, packs, metrics)
     stream_routes(app, streams)
-    _chat_route(app, packs, streams)
+    _chat_route(app, packs, streams, metrics)
     return app
 
 
-def _guard(app: FastAPI, api_key: str | None) -> None:
-    """Every request: a bounded body of a declared length, and the API key where one is set."""
+def _guard(app: FastAPI, api_key: str | None, metrics: Metrics) -> None:
+    """Every request: counted, timed and logged (one access line), a bounded body of a declared
+    length, and the API key where one is set."""
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
+        began = time.perf_counter()
+        response = await _guarded(request, call_next)
+        seconds = time.perf_counter() - began
+        route = request.scope.get("route")
+        metrics.observe(route.path if route else "unmatched", response.status_code, seconds)
+        client = request.client.host if request.client else "-"
+        ACCESS.info(
+            '%s "%s %s" %d %.3fs',
+            client,
+            request.method,
+            request.url.path,
+            response.status_code,
+            seconds,
+        )
+        return response
+
+    async def _guarded(request: Request, call_next):
         length = request.headers.get("content-length")
         if request.method == "POST" and length is None:
             return _error(411, "a request body needs a Content-Length")
@@ -168,7 +200,23 @@ def _error_bodies(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return _error(400, "the request body is not valid JSON")
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return _error(400, f"{where or 'body'}: {first.get('msg', 'invalid')}")
+        message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+        return _error(400, message if not where else f"{where}: {message}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):
+        if err.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        elif err.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(err.detail)
+        return _error(
+            err.status_code,
+            message,
+            "not_found_error" if err.status_code == 404 else "invalid_request_error",
+            err.headers,
+        )
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, err: Exception):
@@ -176,52 +224,7 @@ def _error_bodies(app: FastAPI) -> None:
         return _error(500, f"internal error: {type(err).__name__}: {first}", "server_error")
 
 
-def _pack_routes(app: FastAPI, packs: Packs) -> None:
-    """Health, the packs as OpenAI models, and one pack's inspect view."""
-
-    @app.get("/health")
-    async def health():
-        return {
-            "status": "ok",
-            "packs": len(packs.names()),
-            "models_loaded": [load.model for load in packs.backbones],
-        }
-
-    @app.get("/v1/models")
-    async def list_models():
-        from mmkv_cli.api import inspect
-
-        data = []
-        for name in packs.names():
-            try:
-                info = inspect(packs.path(name))
-            except (MmkvError, LookupError) as err:
-                info = {"error": packs.shelf.hide(str(err))}
-            data.append(
-                {
-                    "id": name,
-                    "object": "model",
-                    "owned_by": "mmkv",
-                    "created": 0,
-                    "mmkv": _summary(info),
-                }
-            )
-        return {"object": "list", "data": data}
-
-    @app.get("/v1/packs/{name}")
-    async def pack_info(name: str):
-        from mmkv_cli.api import inspect
-
-        try:
-            info = inspect(packs.path(name))
-        except LookupError as err:
-            return _error(404, str(err), "not_found_error")
-        except MmkvError as err:
-            return _error(STATUS.get(type(err), 400), packs.shelf.hide(str(err)))
-        return {**info, "path": packs.shelf.hide(info["path"])}
-
-
-def _chat_route(app: FastAPI, packs: Packs, streams: Streams) -> None:
+def _chat_route(app: FastAPI, packs: Packs, streams: Streams, metrics: Metrics) -> None:
     """A question to a pack (or a running stream) by name, answered whole or streamed."""
 
     @app.post("/v1/chat/completions")
@@ -238,29 +241,15 @@ def _chat_route(app: FastAPI, packs: Packs, streams: Streams) -> None:
         options = replace(body.options(), history=turns)
         created, ident = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:24]}"
         if body.stream:
-            return await _stream(packs, body, question, options, created, ident)
+            return await _stream(packs, body, question, options, created, ident, metrics)
         try:
             answer = await packs.run(lambda: packs.session(body.model).ask(question, options))
+            metrics.ttft.observe(answer.ttft_s)
         except Busy:
             return _busy()
         except MmkvError as err:
             return _error(STATUS.get(type(err), 400), packs.shelf.hide(str(err)))
         return _completion(body, answer, created, ident)
-
-
-def _summary(info: dict) -> dict:
-    keys = (
-        "model",
-        "method",
-        "budget",
-        "media",
-        "visual_tokens_total",
-        "visual_kv_share",
-        "blocks",
-        "bytes",
-        "error",
-    )
-    return {k: info[k] for k in keys if k in info}
 
 
 def _finish(body: ChatRequest, answer) -> str:
@@ -288,12 +277,16 @@ def _completion(body: ChatRequest, answer, created: int, ident: str) -> dict:
                 "finish_reason": _finish(body, answer),
             }
         ],
-        "usage": {
-            "prompt_tokens": answer.context_tokens,
-            "completion_tokens": len(answer.token_ids),
-            "total_tokens": answer.context_tokens + len(answer.token_ids),
-        },
+        "usage": _usage(answer),
         "mmkv": _extra(body, answer),
+    }
+
+
+def _usage(answer) -> dict:
+    return {
+        "prompt_tokens": answer.context_tokens,
+        "completion_tokens": len(answer.token_ids),
+        "total_tokens": answer.context_tokens + len(answer.token_ids),
     }
 
 
@@ -302,7 +295,13 @@ class _Gone(Exception):
 
 
 async def _stream(
-    packs: Packs, body: ChatRequest, question: str, options: AskOptions, created: int, ident: str
+    packs: Packs,
+    body: ChatRequest,
+    question: str,
+    options: AskOptions,
+    created: int,
+    ident: str,
+    metrics: Metrics,
 ):
     """SSE chunks as tokens come from the model thread; a client that leaves ends the generation."""
     loop = asyncio.get_running_loop()
@@ -347,7 +346,10 @@ async def _stream(
                 yield f"data: {json.dumps({'error': {'message': message}})}\n\n"
             else:
                 answer = task.result()
+                metrics.ttft.observe(answer.ttft_s)
                 yield chunk({}, _finish(body, answer), _extra(body, answer))
+                if body.include_usage():
+                    yield usage_event(ident, created, body.model, _usage(answer))
             yield "data: [DONE]\n\n"
         finally:
             gone.set()

@@ -30,3 +30,17 @@ def chunk_event(
     if extra is not None:
         data["mmkv"] = extra
     return f"data: {json.dumps(data)}\n\n"
+
+
+def usage_event(ident: str, created: int, model: str, usage: dict) -> str:
+    """The last chunk of a stream asked for with stream_options.include_usage: no choices, the
+    usage."""
+    data = {
+        "id": ident,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage,
+    }
+    return f"data: {json.dumps(data)}\n\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import statistics
 import tempfile
 import threading
 import time
@@ -80,13 +81,18 @@ def profile(
     load: LoadOptions | None = None,
     progress=None,
     kv_bits: list[int] | None = None,
+    repeat: int = 1,
 ) -> dict:
-    """Encode `media` once per method and per stored bits (options.budget for every compressing
+    """Encode `media` per method and per stored bits (options.budget for every compressing
     method, each method's own otherwise), ask `question` from each pack, and compare everything
-    with full's figures at the first bits. Each quantized pack's first answer token is compared
-    with the same method's pack at the first bits listed (KL divergence, top-1 agreement)."""
+    with full's figures at the first bits. Each is run `repeat` times after one unmeasured warm-up
+    and reported by its medians (one cold run moves by several times on a busy machine). Each
+    quantized pack's first answer token is compared with the same method's pack at the first bits
+    listed (KL divergence, top-1 agreement)."""
     if not methods:
         raise UsageError("--methods needs at least one method")
+    if repeat < 1:
+        raise UsageError("--repeat must be at least 1")
     kv_bits = kv_bits or [16]
     choices = {name: resolve_method(name) for name in methods}  # unknown names fail before loading
     for bits in kv_bits:
@@ -110,10 +116,20 @@ def profile(
         api.ask(warm, question, AskOptions(generation=GenerationOptions(2)), backbone=backbone)
         for name, bits in itertools.product(methods, kv_bits):
             pack = Path(tmp) / f"{name}-{bits}.kvpack"
-            with PeakMemory(backbone.device) as mem:
-                made = encode_options(name, kv_bits=bits)
-                summary = api.encode(media, pack, made, backbone=backbone)
-            answer = api.ask(pack, question, asking, backbone=backbone)
+            runs = []
+            for _ in range(repeat):
+                with PeakMemory(backbone.device) as mem:
+                    made = encode_options(name, kv_bits=bits)
+                    summary = api.encode(media, pack, made, backbone=backbone)
+                answer = api.ask(pack, question, asking, backbone=backbone)
+                runs.append((summary, answer, mem.peak))
+            summary, answer, _ = runs[0]
+            timed = {
+                "encode_s": _median([run[0]["encode_s"] for run in runs]),
+                "peak_mem_bytes": _median([run[2] for run in runs]),
+                "ttft_s": _median([run[1].ttft_s for run in runs]),
+                "decode_s_per_token": _median([run[1].decode_s_per_token for run in runs]),
+            }
             first = logits.setdefault(name, answer.first_logits)
             rows.append(
                 {
@@ -122,14 +138,12 @@ def profile(
                     **first_token_change(first, answer.first_logits),
                     "budget": summary["budget"],
                     "budget_tokens": summary["budget_tokens"],
-                    "encode_s": summary["encode_s"],
                     "bytes": summary["bytes"],
                     "visual_tokens_kept": summary["visual_tokens_kept"],
                     "visual_tokens_total": summary["visual_tokens_total"],
-                    "peak_mem_bytes": mem.peak,
                     "peak_kv_bytes": summary["peak_kv_bytes"],
-                    "ttft_s": answer.ttft_s,
-                    "decode_s_per_token": answer.decode_s_per_token,
+                    **timed,
+                    "repeat": repeat,
                     "answer": answer.answer,
                 }
             )
@@ -139,7 +153,7 @@ def profile(
         (r for r in rows if r["method"] == "full" and r["kv_bits"] == kv_bits[0]), rows[0]
     )
     for row in rows:
-        row["ratio"] = {m: (row[m] / reference[m] if reference[m] else None) for m in METRICS}
+        row["ratio"] = {m: _ratio(row[m], reference[m]) for m in METRICS}
     return {
         "model": backbone.name,
         "device": str(backbone.device),
@@ -150,6 +164,36 @@ def profile(
         "methods": rows,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+def _median(values: list) -> float | None:
+    """The median of the values measured (None where none was: a one-token answer's decode)."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _ratio(value, reference) -> float | None:
+    return value / reference if value is not None and reference else None
+
+
+# what each measured figure is called where people read it (the plot's panels)
+IN_WORDS = {
+    "encode_s": "encode time",
+    "bytes": "pack size",
+    "peak_mem_bytes": "peak memory while encoding",
+    "ttft_s": "time to first token",
+    "decode_s_per_token": "decode time per token",
+}
+
+
+def label(row: dict) -> str:
+    """A run named by its method, its budget (as a share or tokens) and its bits."""
+    name = row["method"]
+    if row.get("budget_tokens"):
+        name += f" @{row['budget_tokens']} tok"
+    elif row.get("budget") not in (None, 1.0):
+        name += f" @{row['budget']:g}"
+    return name if row.get("kv_bits", 16) == 16 else f"{name} {row['kv_bits']}-bit"
 
 
 def first_token_change(reference: torch.Tensor, logits: torch.Tensor) -> dict:
@@ -166,17 +210,14 @@ def plot(result: dict, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [
-        r["method"] if r["kv_bits"] == 16 else f"{r['method']}/{r['kv_bits']}b"
-        for r in result["methods"]
-    ]
-    shown = ["encode_s", "bytes", "peak_mem_bytes", "ttft_s", "decode_s_per_token"]
+    names = [label(r) for r in result["methods"]]
+    shown = list(IN_WORDS)
     fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 3.2))
     for ax, metric in zip(axes, shown):
         values = [r["ratio"][metric] or 0.0 for r in result["methods"]]
         ax.bar(names, values, color="#4c72b0")
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-        ax.set_title(f"{metric} / {result['reference']}", fontsize=9)
+        ax.set_title(f"{IN_WORDS[metric]}, ÷ {result['reference']}'s", fontsize=9)
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     fig.suptitle(f"mmkv profile: {result['model']} on {Path(result['media']).name}", fontsize=10)
     fig.tight_layout()

@@ -1,0 +1,25 @@
+"""`import mmkv`: keyword arguments in, the same answers as the CLI's verbs out."""
+
+import pytest
+
+import mmkv
+from mmkv_cli import api
+from mmkv_cli.options import AskOptions, LoadOptions
+
+
+def test_encode_ask_open_and_stream_answer_as_the_api_does(tmp_path, clip):
+    out = tmp_path / "c.kvpack"
+    summary = mmkv.encode(clip, out, model="demo", method="recency", budget=0.5, max_frames=8)
+    assert summary["method"] == "recency" and mmkv.inspect(out)["budget"] == 0.5
+    question = "which shape appeared first ?"
+    expected = api.ask(out, question, AskOptions(), load=LoadOptions("demo")).answer
+    assert mmkv.ask(out, question).answer == expected
+    with mmkv.open(out) as pack:
+        assert "".join(pack.stream(question)) == expected
+        pieces = pack.stream("what color is the circle ?", max_new_tokens=16)
+        next(pieces)
+        pieces.close()  # stopping early stops the decoding; the pack answers on
+        assert pack.ask(question, at=1.0).answer
+    with pytest.raises(mmkv.UsageError, match="temperature"):
+        mmkv.ask(out, question, temperature=float("nan"))
+    assert mmkv.verify(out)["ok"]
