@@ -215,3 +215,63 @@ def test_eval_errors_are_one_line(tmp_path):
         app, ["eval", str(tmp_path / "q.jsonl"), "-m", "tiny-llava-ov", "--budgets", "2"]
     )
     assert budget.exit_code == 2 and "budget" in budget.output
+
+
+def test_eval_on_a_local_ray_answers_as_in_process_and_resumes_video_by_video(tmp_path):
+    """Issue 41: each video (all its questions, every run) is one item on a Ray actor; the
+    predictions equal the in-process run's, and a rerun redoes only the videos not finished."""
+    pytest.importorskip("ray")
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    runner = CliRunner()
+    made = runner.invoke(app, ["synth", str(tmp_path / "set"), "--clips", "3", "--frames", "8"])
+    assert made.exit_code == 0, made.output
+    qa = str(tmp_path / "set" / "qa.jsonl")
+    common = ["eval", qa, "-m", "demo", "--methods", "full,hermes", "--budget-tokens", "16"]
+    common += ["--budgets", "0.5", "--max-new-tokens", "2", "--json"]
+    here = runner.invoke(app, [*common, "-o", str(tmp_path / "here")])
+    assert here.exit_code == 0, here.output
+
+    def on_ray(out):
+        return subprocess.run(
+            [sys.executable, "-m", "mmkv_cli", *common, "-o", str(out)]
+            + ["--ray", "local", "--workers", "2"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+            env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+        )
+
+    done = on_ray(tmp_path / "ray")
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["videos"] == 3 and report["failed"] == []
+    assert sum(w["videos"] for w in report["workers"].values()) == 3
+
+    def answers(root):
+        found = {}
+        for path in sorted(root.glob("demo/*/predictions.jsonl")):
+            rows = [json.loads(line) for line in path.read_text().splitlines()]
+            found[path.parent.name] = {r["key"]: (r["raw"], r["correct"], r["kept"]) for r in rows}
+        return found
+
+    assert answers(tmp_path / "ray") == answers(
+        tmp_path / "here"
+    )  # the same code, the same answers
+    assert [r["accuracy"] for r in report["runs"]] == [
+        r["accuracy"] for r in json.loads(here.stdout)["runs"]
+    ]
+    # one video's answers lost from one run: the rerun sends only that video, for that run only
+    folder = next((tmp_path / "ray" / "demo").glob("hermes-t16*"))
+    rows = (folder / "predictions.jsonl").read_text().splitlines()
+    lost = json.loads(rows[-1])["video"]
+    kept = [r for r in rows if json.loads(r)["video"] != lost]
+    (folder / "predictions.jsonl").write_text("\n".join(kept) + "\n")
+    again = on_ray(tmp_path / "ray")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads(again.stdout)["videos"] == 1
+    assert answers(tmp_path / "ray") == answers(tmp_path / "here")

@@ -145,3 +145,74 @@ def test_multi_line_stdin_is_one_question_per_line_and_a_failure_does_not_stop_t
     assert result.exit_code == 1 and "1 of 3 questions failed" in result.stderr
     assert [("error" in r) for r in rows] == [False, True, False]
     assert "empty after tokenisation" in rows[1]["error"]
+
+
+def _demo_packs(tmp_path):
+    """Two demo packs of the sample clip, full and recency: answers differ between them."""
+    packs = {}
+    for method in ("full", "recency"):
+        packs[method] = tmp_path / f"{method}.kvpack"
+        encode_pack(SAMPLES / "clip.mp4", packs[method], "demo", method, max_frames=8)
+    return packs
+
+
+def test_a_questions_file_naming_packs_is_answered_pack_by_pack_in_file_order(tmp_path):
+    """Issue 41: each pack opened once, every answer in the file's order, a missing pack failing
+    only its own lines; the same answers as asking each pack alone."""
+    packs = _demo_packs(tmp_path)
+    lines = [
+        {"question": "what color is the circle ?", "pack": str(packs["full"]), "id": 1},
+        {"question": "which shape appeared first ?", "pack": str(packs["recency"])},
+        {"question": "which shape appeared last ?", "pack": str(tmp_path / "gone.kvpack")},
+        {"question": "which shape appeared first ?", "pack": str(packs["full"]), "at": 1.0},
+    ]
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["ask", "--questions", str(questions), "--max-new-tokens", "4"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1 and "1 of 4 questions failed" in result.stderr, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["question"] for r in rows] == [line["question"] for line in lines]
+    assert rows[0]["id"] == 1 and "no such pack" in rows[2]["error"]
+    for line, row in zip(lines, rows):
+        if "error" in row:
+            continue
+        alone = ask_pack(line["pack"], line["question"], at=line.get("at"), max_new_tokens=4)
+        assert row["answer"] == alone.answer and row["pack"] == line["pack"]
+    unnamed = tmp_path / "plain.jsonl"
+    unnamed.write_text('{"question": "what color ?"}\n{"question": "x ?", "pack": "p.kvpack"}\n')
+    refused = runner.invoke(app, ["ask", "--questions", str(unnamed)])
+    assert refused.exit_code == 2 and "question 1 names no pack" in refused.stderr
+
+
+def test_questions_naming_packs_on_a_local_ray_answer_as_here(tmp_path):
+    pytest.importorskip("ray")
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    packs = _demo_packs(tmp_path)
+    asked = ["what color is the circle ?", "which shape appeared first ?"]
+    lines = [{"question": q, "pack": str(p)} for p in packs.values() for q in asked]
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["ask", "--questions", str(questions), "--max-new-tokens", "4"]
+    here = runner.invoke(app, args)
+    assert here.exit_code == 0, here.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "mmkv_cli", *args, "--ray", "local", "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    def answers(out):
+        return [(r["pack"], r["question"], r["answer"]) for r in map(json.loads, out.splitlines())]
+
+    assert answers(done.stdout) == answers(here.stdout)
+    assert "packs in" in done.stderr  # the per-worker summary

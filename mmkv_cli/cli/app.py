@@ -8,39 +8,34 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import replace
-from enum import Enum
 
 import typer
 
 from mmkv_cli import __version__
+from mmkv_cli.cli import asking as cli_asking
 from mmkv_cli.cli import batch as cli_batch
 from mmkv_cli.cli import live as cli_live
 from mmkv_cli.cli import packs as cli_pack
 from mmkv_cli.cli import study as cli_study
 from mmkv_cli.cli import talk as cli_talk
 from mmkv_cli.cli.common import (
+    BudgetTokensOpt,
     DeviceOpt,
     DtypeOpt,
+    FpsOpt,
     JsonOpt,
     KvBitsOpt,
     KvGroupOpt,
+    MaxFramesOpt,
     ModelOpt,
     emit_json,
     load_options,
     method_names,
-    model_names,
     run,
 )
-from mmkv_cli.errors import MmkvError
-from mmkv_cli.methods import pruning_methods
 from mmkv_cli.options import (
-    AskOptions,
     Dtype,
     EncodeOptions,
-    GenerationOptions,
-    Positions,
-    check_generation,
 )
 
 app = typer.Typer(
@@ -50,10 +45,6 @@ app = typer.Typer(
     help="Encode video, image sets and documents into compressed KV caches; answer from them "
     "later.",
 )
-
-
-# the methods that prune a context's visual KV by the question (`ask --prune`), from the registry
-PruneMethod = Enum("PruneMethod", {name: name for name in pruning_methods()}, type=str)
 
 
 def _version(value: bool) -> None:
@@ -92,19 +83,15 @@ def encode(
     budget: float | None = typer.Option(
         None, "--budget", help="Share of visual tokens kept, in (0, 1] (compressing methods)."
     ),
-    budget_tokens: int | None = typer.Option(
-        None, "--budget-tokens", help="Visual tokens kept per layer instead of a share."
-    ),
+    budget_tokens: int | None = BudgetTokensOpt,
     guidance_prompt: str | None = typer.Option(
         None,
         "--guidance-prompt",
         help="The prompt whose attention scores tokens at encode, for the methods that use one "
         "(default: one fitting the media kind).",
     ),
-    fps: float | None = typer.Option(
-        None, "--fps", help="Frames sampled per second (default: model preset)."
-    ),
-    max_frames: int | None = typer.Option(None, "--max-frames", help="At most this many frames."),
+    fps: float | None = FpsOpt,
+    max_frames: int | None = MaxFramesOpt,
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
     kv_bits: int = KvBitsOpt,
     kv_group: int = KvGroupOpt,
@@ -169,117 +156,7 @@ def encode(
     run(body)
 
 
-@app.command()
-def ask(
-    pack: str = typer.Argument(..., help="A .kvpack written by `mmkv encode`."),
-    questions: list[str] | None = typer.Argument(
-        None, help="One or more questions; '-' reads them from stdin, one per line."
-    ),
-    questions_file: str | None = typer.Option(
-        None,
-        "--questions",
-        help="A file of questions, one per line or JSONL {question, at?, id?}; '-' for stdin.",
-    ),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Longest answer, in tokens."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy; above: sampled."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus mass when sampling."),
-    seed: int | None = typer.Option(None, "--seed", help="Sampling seed."),
-    stop: list[str] | None = typer.Option(
-        None, "--stop", help="End the answer before this text (repeatable)."
-    ),
-    model: str | None = typer.Option(
-        None,
-        "--model",
-        "-m",
-        help="Override the model the pack names.",
-        autocompletion=model_names,
-    ),
-    explain: bool = typer.Option(False, "--explain", help="List the retrieved blocks and scores."),
-    at: float | None = typer.Option(
-        None, "--at", help="The question's moment (s): only blocks shown by then count."
-    ),
-    positions: Positions | None = typer.Option(
-        None, "--positions", help="Keep the stored positions or compact them (default: method's)."
-    ),
-    prune: PruneMethod | None = typer.Option(
-        None, "--prune", help="Prune the context's visual KV by the question before decoding."
-    ),
-    budget: float | None = typer.Option(
-        None, "--budget", help="With --prune: share of the visual KV kept."
-    ),
-    device: str = DeviceOpt,
-    dtype: Dtype = DtypeOpt,
-    as_json: bool = JsonOpt,
-) -> None:
-    """Answer questions from a saved pack, without the media.
-
-    The model loads once for all of them.
-    --json prints one JSON object per question (JSONL), in input order."""
-
-    def body() -> None:
-        from mmkv_cli import api
-        from mmkv_cli.cli.questions import gather
-
-        asked = gather(list(questions or []), questions_file)
-        generation = GenerationOptions(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
-        check_generation(generation)  # before the model loads
-        options = AskOptions(
-            at=at,
-            positions=positions,
-            prune=prune.value if prune else None,
-            prune_budget=budget,
-            generation=generation,
-        )
-        session = api.PackSession(pack, load=load_options(model, device, dtype))
-        failed = _answer_all(session, asked, options, as_json, explain)
-        if failed:
-            raise MmkvError(f"{failed} of {len(asked)} questions failed (see above)")
-
-    run(body)
-
-
-def _answer_all(session, asked: list, options: AskOptions, as_json: bool, explain: bool) -> int:
-    """Answer each question in order, streaming text (or one JSON line each); a question that
-    fails reports its one-line error and the others still run. Returns how many failed."""
-    from mmkv_cli import api
-    from mmkv_cli.cli.display import err_console
-
-    def stream(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-
-    failed = 0
-    for number, q in enumerate(asked, 1):
-        mine = replace(options, at=q.at if q.at is not None else options.at)
-        if len(asked) > 1 and not as_json:
-            err_console.print(f"[dim][{number}/{len(asked)}][/dim] {q.text}", highlight=False)
-        try:
-            answer = session.ask(q.text, mine, on_token=None if as_json else stream)
-        except MmkvError as err:
-            if len(asked) == 1:
-                raise
-            failed += 1
-            if as_json:
-                emit_json(
-                    {
-                        **({"id": q.id} if q.id is not None else {}),
-                        "question": q.text,
-                        "at": mine.at,
-                        "error": str(err),
-                    }
-                )
-            else:
-                err_console.print(f"[red]error:[/red] {err}", highlight=False)
-            continue
-        if as_json:
-            emit_json(api.answer_record(answer, q.text, mine.at, q.id))
-            continue
-        sys.stdout.write("\n")
-        if explain:
-            from mmkv_cli.cli.display import show_retrieved
-
-            show_retrieved(answer.retrieved, answer.blocks_used)
-    return failed
+app.command()(cli_asking.ask)
 
 
 @app.command()

@@ -10,9 +10,12 @@ import typer
 from mmkv_cli.cli.common import (
     DeviceOpt,
     DtypeOpt,
+    FpsOpt,
     JsonOpt,
     KvBitsOpt,
     KvGroupOpt,
+    MaxFramesOpt,
+    MaxNewTokensOpt,
     ModelOpt,
     emit_json,
     load_options,
@@ -44,10 +47,13 @@ def profile(
     question: str = typer.Option(
         "what happened first?", "--question", help="Question asked from each pack."
     ),
-    max_new_tokens: int = typer.Option(16, "--max-new-tokens"),
-    fps: float | None = typer.Option(None, "--fps"),
-    max_frames: int | None = typer.Option(None, "--max-frames"),
+    max_new_tokens: int = MaxNewTokensOpt,
+    fps: float | None = FpsOpt,
+    max_frames: int | None = MaxFramesOpt,
     plot: str | None = typer.Option(None, "--plot", help="Write a PNG of the ratios to full."),
+    repeat: int = typer.Option(
+        1, "--repeat", help="Runs per method after a warm-up; medians are reported.", min=1
+    ),
     kv_bits: str = typer.Option(
         "16", "--kv-bits", help="Comma-separated stored bits to compare (16, 8, 4, 2)."
     ),
@@ -78,6 +84,7 @@ def profile(
             max_new_tokens,
             load_options(model, device, dtype),
             kv_bits=bits,
+            repeat=repeat,
         )
         if plot:
             try:
@@ -129,10 +136,10 @@ def eval_(
     positions: Positions | None = typer.Option(
         None, "--positions", help="Keep or compact positions (default: each method's)."
     ),
-    max_new_tokens: int = typer.Option(8, "--max-new-tokens"),
+    max_new_tokens: int = typer.Option(8, "--max-new-tokens", help="Longest answer, in tokens."),
     limit: int | None = typer.Option(None, "--limit", help="Only the first N questions."),
-    fps: float | None = typer.Option(None, "--fps"),
-    max_frames: int | None = typer.Option(None, "--max-frames"),
+    fps: float | None = FpsOpt,
+    max_frames: int | None = MaxFramesOpt,
     fresh: bool = typer.Option(
         False, "--fresh", help="Start the runs over: drop answers earlier runs left in OUT."
     ),
@@ -140,12 +147,27 @@ def eval_(
     model: str | None = ModelOpt,
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
+    ray: str | None = typer.Option(
+        None,
+        "--ray",
+        help="Spread the videos over Ray workers: local (start one here), auto (this node's "
+        "cluster) or an address (ray://head:10001).",
+    ),
+    workers: int = typer.Option(
+        1, "--workers", help="Ray workers, each holding a backbone.", min=1
+    ),
+    cpus_per_worker: float = typer.Option(
+        1.0, "--cpus-per-worker", help="CPU cores each Ray worker reserves."
+    ),
+    gpus_per_worker: float = typer.Option(
+        0.0, "--gpus-per-worker", help="GPUs each Ray worker reserves (fractions share one)."
+    ),
     as_json: bool = JsonOpt,
 ) -> None:
     """Score methods and budgets on a question set: each clip encoded once per run."""
 
     def body() -> None:
-        from mmkv_cli.cli.display import eval_progress, show_eval
+        from mmkv_cli.cli.display import eval_progress, show_eval, show_workers
         from mmkv_cli.study import evaluate as ev
 
         names = [m.strip() for m in methods.split(",") if m.strip()]
@@ -169,7 +191,12 @@ def eval_(
             protocol=protocol,
             budget_tokens=tokens,
         )
-        load = load_options(model, device, dtype)
+        if ray is None and workers > 1:
+            raise UsageError("--workers > 1 runs on Ray: add --ray local, --ray auto or an address")
+        load = load_options(model, device, dtype, here=ray is None)  # workers load their own
+        cluster = (
+            ev.Cluster(ray, workers, cpus_per_worker, gpus_per_worker) if ray is not None else None
+        )
         with eval_progress() as bar:
 
             def progress(label: str, clips: int):
@@ -177,7 +204,18 @@ def eval_(
                 return lambda done: bar.update(task_id, completed=done)
 
             result = ev.evaluate(
-                qa_file, names, levels, out, settings, load, limit, fresh, task, media, progress
+                qa_file,
+                names,
+                levels,
+                out,
+                settings,
+                load,
+                limit,
+                fresh,
+                task,
+                media,
+                progress,
+                cluster,
             )
         if as_json:
             fields = (
@@ -191,14 +229,16 @@ def eval_(
                 "by_type",
                 "n",
             )
-            emit_json(
-                {
-                    "runs": [{k: r.get(k) for k in fields} for r in result["runs"]],
-                    "plot": result["plot"],
-                }
-            )
+            runs = [{k: r.get(k) for k in fields} for r in result["runs"]]
+            ray_keys = ("videos", "failed", "workers", "pool_seconds")
+            on_ray = {k: result[k] for k in ray_keys if k in result}
+            emit_json({"runs": runs, "plot": result["plot"], **on_ray})
         else:
             show_eval(result["runs"], result["plot"])
+            if "workers" in result:
+                show_workers(result)
+        if result.get("failed"):
+            raise typer.Exit(1)
 
     run(body)
 
