@@ -1,7 +1,7 @@
 """`mmkv eval --ray` (issue 41): the same predictions as in-process, Ray's overhead, and what a lost
 worker or an interrupted eval costs.
 
-    python bench/eval_ray.py [--clips 8] [--frames 32] [--seed 4141]
+    python bench/eval_ray.py [--clips 8] [--frames 96] [--seed 4141]
 
 On a fresh synthetic set (demo backbone; methods full and hermes at 16 tokens, stream and replay
 protocols both), each mode a fresh `mmkv eval` process timed start to exit:
@@ -63,7 +63,7 @@ def timed(qa: Path, out: Path, mode: str) -> dict:
     seconds = time.perf_counter() - began
     if done.returncode != 0:
         raise SystemExit(f"{mode} failed: {done.stderr[-1500:]}")
-    report = json.loads(done.stdout)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
     per_video = sum(w["seconds"] for w in report.get("workers", {}).values())
     return {"seconds": round(seconds, 2), "worker_seconds": round(per_video, 2), "report": report}
 
@@ -86,10 +86,19 @@ def interrupted(qa: Path, out: Path, mode: str, how) -> subprocess.Popen:
     return process
 
 
+def _report(out: str, err: str):
+    """The eval's JSON report, or what it said instead."""
+    try:
+        report = json.loads(out.strip().splitlines()[-1])  # Ray may print lines of its own first
+        return {k: v for k, v in report.items() if k in ("videos", "failed", "workers")}
+    except (json.JSONDecodeError, IndexError):
+        return {"stdout": out[-500:], "stderr": err[-1000:]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--clips", type=int, default=8)
-    parser.add_argument("--frames", type=int, default=32)
+    parser.add_argument("--frames", type=int, default=96)  # long enough to kill a worker mid-run
     parser.add_argument("--seed", type=int, default=4141)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="mmkv-eval-ray-") as folder:
@@ -146,7 +155,7 @@ def main() -> None:
             "exit": killed.returncode,
             "rows": after_kill["rows"],
             "every_question_once": after_kill == reference,
-            "failed": json.loads(out).get("failed") if out.strip() else err[-300:],
+            "report": _report(out, err),
         },
         "ctrl_c_then_rerun": {
             "rows_before_rerun": rows_before,
