@@ -27,11 +27,13 @@ def test_pyramid_budgets_fall_with_depth_and_average_the_budget():
     assert budgets[0] > budgets[14] > budgets[-1]
     assert budgets[-1] == 20 and budgets[0] == 780
     assert abs(sum(budgets) - 28 * 400) <= 28
-    # near a budget of 1 the pyramid's top is capped at what there is and the rest rises: the
-    # average holds
-    full = pyramid_budgets(4, 1000, beta=20, available=1000)
-    assert full == [1000] * 4
-    high = pyramid_budgets(4, 800, beta=20, available=1000)
+    assert pyramid_budgets(4, 1000, beta=20, available=1000) == [1000] * 4
+    # over half the tokens, KVCache-Factory (the authors' code) gives every layer the same budget
+    # before its clamp could act (q_len < 2 x (capacity - window): SnapKV's uniform budgets)
+    assert pyramid_budgets(4, 800, beta=20, available=1000) == [800] * 4
+    assert pyramid_budgets(4, 500, beta=20, available=1000)[0] == 975  # at half: still a pyramid
+    # mmkv's earlier reading: the top capped at what there is, the rest rising, the average held
+    high = pyramid_budgets(4, 800, beta=20, available=1000, large_budget="clamp")
     assert high[0] == 1000 and high[0] > high[-1] and abs(sum(high) - 4 * 800) <= 4
 
 

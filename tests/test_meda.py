@@ -43,7 +43,7 @@ def test_each_evicted_key_merges_into_its_nearest_kept_key_in_the_same_head():
         ]
     )
     values = torch.arange(16, dtype=torch.float32).reshape(2, 4, 2)
-    k, v, target = merge_evicted(keys, values, torch.tensor([0, 1]))
+    k, v, target = merge_evicted(keys, values, torch.tensor([0, 1]), form="mean")
     assert target.tolist() == [[1, 0], [0, 1]]
     assert torch.allclose(k[0, 1], (keys[0, 1] + keys[0, 2]) / 2)
     assert torch.allclose(k[0, 0], (keys[0, 0] + keys[0, 3]) / 2)
@@ -51,10 +51,26 @@ def test_each_evicted_key_merges_into_its_nearest_kept_key_in_the_same_head():
     assert torch.allclose(v[1, 1], (values[1, 1] + values[1, 3]) / 2)
     assert torch.allclose(v[0, 1], (values[0, 1] + values[0, 2]) / 2)
     # A kept key nobody joins stays as it was.
-    k2, v2, target2 = merge_evicted(keys, values, torch.tensor([0, 1, 2]))
+    k2, v2, target2 = merge_evicted(keys, values, torch.tensor([0, 1, 2]), form="mean")
     assert target2.tolist() == [[0], [1]]
     assert torch.equal(k2[0, 1], keys[0, 1]) and torch.equal(k2[0, 2], keys[0, 2])
     assert torch.equal(k2[1, 0], keys[1, 0]) and torch.equal(v2[1, 2], values[1, 2])
+
+
+def test_the_pivot_merge_is_meda_classes_pair_averages_around_the_kept_entry():
+    """The authors' AttnEntropyTextPivotMerge_LayerWise: each joiner is first averaged with the
+    kept pivot, then the pivot and those pair averages are averaged: written out for one pivot
+    with two joiners and one with one, from that definition."""
+    keys = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [0.9, 0.1], [0.8, 0.3], [0.1, 0.9]]])
+    values = torch.tensor([[[2.0, 0.0], [0.0, 4.0], [6.0, 2.0], [4.0, 8.0], [2.0, 6.0]]])
+    k, v, target = merge_evicted(keys, values, torch.tensor([0, 1]))  # pivot: the default
+    assert target.tolist() == [[0, 0, 1]]  # tokens 2 and 3 join 0, token 4 joins 1
+    for x, merged in ((keys[0], k[0]), (values[0], v[0])):
+        pivot0 = (x[0] + (x[2] + x[0]) / 2 + (x[3] + x[0]) / 2) / 3
+        pivot1 = (x[1] + (x[4] + x[1]) / 2) / 2
+        assert torch.allclose(merged[0], pivot0) and torch.allclose(merged[1], pivot1)
+    mean_k, _, _ = merge_evicted(keys, values, torch.tensor([0, 1]), form="mean")
+    assert torch.allclose(mean_k[0, 0], (keys[0, 0] + keys[0, 2] + keys[0, 3]) / 3)
 
 
 def test_merging_block_by_block_matches_merging_at_once():

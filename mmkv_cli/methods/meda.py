@@ -39,6 +39,11 @@ class MedaParams(GuidedParams):
         "text_and_visual",
         "merge targets: kept text and visual tokens (paper Eq. 11, authors' code) or visual only",
     )
+    merge_form: Literal["pivot", "mean"] = knob(
+        "pivot",
+        "a kept entry j with joiners i: pivot (the authors' class) (k_j + sum (k_i + k_j) / 2) / "
+        "(n + 1); mean, the plain average of j and its joiners",
+    )
     score_every: int = score_every_knob()
 
 
@@ -82,11 +87,17 @@ SIMILARITY_BLOCK_BYTES = 64 << 20
 
 
 def merge_evicted(
-    keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, block_rows: int | None = None
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kept: torch.Tensor,
+    block_rows: int | None = None,
+    form: str = "pivot",
 ):
     """keys, values [H, n, D]; kept: local indices. Each evicted token joins the kept token whose
-    key is most cosine-similar in the same head; a kept K, V becomes the mean of itself and its
-    joiners. block_rows: evicted tokens compared at a time (None: SIMILARITY_BLOCK_BYTES' worth).
+    key is most cosine-similar in the same head. A kept K, V with n joiners i becomes, by `form`:
+    pivot (MEDA's class), each joiner first averaged with the pivot, (x_j + sum (x_i + x_j) / 2) /
+    (n + 1); mean, (x_j + sum x_i) / (n + 1). block_rows: evicted tokens compared at a time (None:
+    SIMILARITY_BLOCK_BYTES' worth).
 
     Returns (keys [H, k, D], values [H, k, D], target [H, n_evicted]: the kept slot each evicted
     token joined), in float32 on the keys' device.
@@ -110,12 +121,15 @@ def merge_evicted(
         ],
         dim=1,
     )  # [H, evicted]
-    count = torch.ones(heads, kept.numel(), device=keys.device)
-    count.scatter_add_(1, target, torch.ones_like(target, dtype=torch.float32))
+    joiners = torch.zeros(heads, kept.numel(), device=keys.device)
+    joiners.scatter_add_(1, target, torch.ones_like(target, dtype=torch.float32))
+    n = joiners.unsqueeze(-1)
     index = target.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
-    k_sum = k_keep.clone().scatter_add_(1, index, k_gone)
-    v_sum = v_keep.clone().scatter_add_(1, index, v_gone)
-    return k_sum / count.unsqueeze(-1), v_sum / count.unsqueeze(-1), target
+    k_in = torch.zeros_like(k_keep).scatter_add_(1, index, k_gone)  # sum of each entry's joiners
+    v_in = torch.zeros_like(v_keep).scatter_add_(1, index, v_gone)
+    if form == "pivot":
+        k_in, v_in = (k_in + n * k_keep) / 2, (v_in + n * v_keep) / 2
+    return (k_keep + k_in) / (n + 1), (v_keep + v_in) / (n + 1), target
 
 
 # --- the memory policy ---
@@ -191,7 +205,7 @@ class MedaMemory(KeepAll):
             keys = torch.cat([prompt_k, keys], dim=1)
             values = torch.cat([prompt_v, values], dim=1)
         kept = torch.cat([torch.arange(text), local + text])
-        merged_k, merged_v, _ = merge_evicted(keys, values, kept)
+        merged_k, merged_v, _ = merge_evicted(keys, values, kept, form=self.params.merge_form)
         state.cache.retain(layer, local)
         state.cache.replace(layer, merged_k[:, text:], merged_v[:, text:])
         if text:

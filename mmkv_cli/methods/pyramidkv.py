@@ -2,16 +2,19 @@
 depth (more in shallow layers, where attention is spread; fewer in deep ones, where it is
 concentrated).
 
-The schedule is the paper's arithmetic sequence (last layer budget / beta, first 2 budget - that);
-kvpress's PyramidKVPress computes the same line and agrees to within one token per layer. From the
-authors' KVCache-Factory code come only the clamp when the first layer would need more tokens than
-exist; their code also sets the observation window apart from the budget, which is not done here
-(the window is the guidance prompt or the question, never stored visual KV)."""
+The schedule is the paper's arithmetic sequence (last layer budget / beta, first 2 budget - that),
+with what the authors' KVCache-Factory code does when a budget is more than half the tokens: every
+layer keeps the same (`large_budget: uniform`). mmkv's earlier reading clamps the first layer to
+what exists and keeps the pyramid below it (`large_budget: clamp`). Their code also sets the
+observation window apart from the budget, which is not done here (the window is the guidance prompt
+or the question, never stored visual KV); kvpress falls back to uniform budgets at small budgets
+too (docs/methods.md)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper
 from mmkv_cli.methods.running_cache import StreamState
@@ -26,17 +29,29 @@ class PyramidKVParams(GuidedParams):
     beta: float = knob(
         20.0, "the last layer keeps budget / beta, the first 2 x budget - that", low=1
     )
+    large_budget: Literal["uniform", "clamp"] = knob(
+        "uniform",
+        "a budget over half the tokens: every layer the same (the authors' KVCache-Factory) or "
+        "the first layer clamped to what exists, the pyramid below it",
+    )
 
 
 def pyramid_budgets(
-    layers: int, per_layer: int, beta: float, available: int | None = None
+    layers: int,
+    per_layer: int,
+    beta: float,
+    available: int | None = None,
+    large_budget: str = "uniform",
 ) -> list[int]:
     """Budgets falling linearly from the first layer to the last, averaging `per_layer`: the last
-    layer keeps per_layer / beta, the first 2 per_layer - that. When the first would need more than
-    the `available` tokens, it keeps them all and the last layers get what is left of the average
-    (the authors' clamp), so a budget near 1 keeps nearly everything, not a truncated pyramid."""
+    layer keeps per_layer / beta, the first 2 per_layer - that. A budget over half the `available`
+    tokens: with `uniform` every layer keeps per_layer, as KVCache-Factory's code does (it checks
+    this before its clamp, which then never acts); with `clamp` the first keeps them all and the
+    last layers get what is left of the average, a pyramid to the end."""
     if layers == 1:
         return [per_layer]
+    if available is not None and 2 * per_layer > available and large_budget == "uniform":
+        return [per_layer] * layers
     low = per_layer / beta
     high = 2 * per_layer - low
     if available is not None and high > available:
@@ -55,6 +70,7 @@ def prune_at_ask(rows, visual, question, budget: float, params: PyramidKVParams)
         max(1, math.floor(budget * mean)),
         params.beta,
         available=min(s.numel() for s in scores),
+        large_budget=params.large_budget,
     )
     return [top_in_order(s, min(s.numel(), b)) for s, b in zip(scores, budgets)]
 
@@ -62,7 +78,8 @@ def prune_at_ask(rows, visual, question, budget: float, params: PyramidKVParams)
 class PyramidKVMemory(TopKAtEnd):
     def budgets(self, state: StreamState) -> list[int]:
         per_layer = self.budget.tokens_of(state.total)
-        return pyramid_budgets(state.layers, per_layer, self.params.beta, available=state.total)
+        p = self.params
+        return pyramid_budgets(state.layers, per_layer, p.beta, state.total, p.large_budget)
 
     def layer_scores(self, state: StreamState):
         attention = state.attend(self.context.guidance(self.params.guidance_prompt))
