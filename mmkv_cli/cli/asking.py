@@ -10,16 +10,20 @@ from enum import Enum
 import typer
 
 from mmkv_cli.cli.common import (
+    CpusPerWorkerOpt,
     DeviceOpt,
     DtypeOpt,
+    GpusPerWorkerOpt,
     JsonLinesOpt,
     SeedOpt,
     StopOpt,
     TemperatureOpt,
     TopPOpt,
+    WorkersOpt,
     emit_json,
     load_options,
     model_names,
+    ray_option,
     run,
 )
 from mmkv_cli.cluster.pool import Cluster
@@ -71,20 +75,10 @@ def ask(
     ),
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
-    ray: str | None = typer.Option(
-        None,
-        "--ray",
-        help="Answer the packs on Ray workers: local, auto or an address (ray://head:10001).",
-    ),
-    workers: int = typer.Option(
-        1, "--workers", help="Ray workers, each holding a backbone.", min=1
-    ),
-    cpus_per_worker: float = typer.Option(
-        1.0, "--cpus-per-worker", help="CPU cores each Ray worker reserves."
-    ),
-    gpus_per_worker: float = typer.Option(
-        0.0, "--gpus-per-worker", help="GPUs each Ray worker reserves (fractions share one)."
-    ),
+    ray: str | None = ray_option("the packs"),
+    workers: int = WorkersOpt,
+    cpus_per_worker: float = CpusPerWorkerOpt,
+    gpus_per_worker: float = GpusPerWorkerOpt,
     as_json: bool = JsonLinesOpt,
 ) -> None:
     """Answer questions from a saved pack, without the media.

@@ -8,17 +8,21 @@ import typer
 
 from mmkv_cli.cli.common import (
     BudgetTokensOpt,
+    CpusPerWorkerOpt,
     DeviceOpt,
     DtypeOpt,
     FpsOpt,
+    GpusPerWorkerOpt,
     JsonOpt,
     KvBitsOpt,
     KvGroupOpt,
     MaxFramesOpt,
     ModelOpt,
+    WorkersOpt,
     emit_json,
     load_options,
     method_names,
+    ray_option,
     run,
 )
 from mmkv_cli.options import Dtype, EncodeOptions
@@ -46,19 +50,10 @@ def batch(
     max_frames: int | None = MaxFramesOpt,
     kv_bits: int = KvBitsOpt,
     kv_group: int = KvGroupOpt,
-    ray: str | None = typer.Option(
-        None,
-        "--ray",
-        help="Run on Ray: local (start one here), auto (this node's cluster) or an address "
-        "(ray://head:10001). Without it, items run here one after another.",
-    ),
-    workers: int = typer.Option(1, "--workers", help="Ray actors, one backbone each."),
-    cpus_per_worker: float = typer.Option(
-        1.0, "--cpus-per-worker", help="CPU cores each Ray worker reserves."
-    ),
-    gpus_per_worker: float = typer.Option(
-        0.0, "--gpus-per-worker", help="GPUs each Ray worker reserves (fractions share one)."
-    ),
+    ray: str | None = ray_option("the items"),
+    workers: int = WorkersOpt,
+    cpus_per_worker: float = CpusPerWorkerOpt,
+    gpus_per_worker: float = GpusPerWorkerOpt,
     model: str | None = ModelOpt,
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,

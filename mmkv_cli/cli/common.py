@@ -52,6 +52,26 @@ BudgetTokensOpt = typer.Option(
     None, "--budget-tokens", help="Visual tokens kept per layer instead of a share."
 )
 MaxNewTokensOpt = typer.Option(16, "--max-new-tokens", help="Longest answer, in tokens.")
+
+
+def ray_option(what: str):
+    """--ray for a command that spreads `what` over Ray workers."""
+    return typer.Option(
+        None,
+        "--ray",
+        help=f"Spread {what} over Ray workers: local (start one here), auto (this node's cluster) "
+        "or an address (ray://head:10001). Without it, all runs here.",
+    )
+
+
+# the shape of the Ray workers, the same for every command that runs on Ray (batch, eval, ask)
+WorkersOpt = typer.Option(1, "--workers", help="Ray workers, each holding a backbone.", min=1)
+CpusPerWorkerOpt = typer.Option(
+    1.0, "--cpus-per-worker", help="CPU cores each Ray worker reserves."
+)
+GpusPerWorkerOpt = typer.Option(
+    0.0, "--gpus-per-worker", help="GPUs each Ray worker reserves (fractions share one)."
+)
 # sampling, the same for every command that answers (ask, chat)
 TemperatureOpt = typer.Option(0.0, "--temperature", help="0: greedy; above: sampled.")
 TopPOpt = typer.Option(1.0, "--top-p", help="Nucleus mass when sampling.")

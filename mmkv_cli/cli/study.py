@@ -8,17 +8,21 @@ from pathlib import Path
 import typer
 
 from mmkv_cli.cli.common import (
+    CpusPerWorkerOpt,
     DeviceOpt,
     DtypeOpt,
     FpsOpt,
+    GpusPerWorkerOpt,
     JsonOpt,
     KvBitsOpt,
     KvGroupOpt,
     MaxFramesOpt,
     MaxNewTokensOpt,
     ModelOpt,
+    WorkersOpt,
     emit_json,
     load_options,
+    ray_option,
     run,
 )
 from mmkv_cli.errors import UsageError
@@ -147,21 +151,10 @@ def eval_(
     model: str | None = ModelOpt,
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
-    ray: str | None = typer.Option(
-        None,
-        "--ray",
-        help="Spread the videos over Ray workers: local (start one here), auto (this node's "
-        "cluster) or an address (ray://head:10001).",
-    ),
-    workers: int = typer.Option(
-        1, "--workers", help="Ray workers, each holding a backbone.", min=1
-    ),
-    cpus_per_worker: float = typer.Option(
-        1.0, "--cpus-per-worker", help="CPU cores each Ray worker reserves."
-    ),
-    gpus_per_worker: float = typer.Option(
-        0.0, "--gpus-per-worker", help="GPUs each Ray worker reserves (fractions share one)."
-    ),
+    ray: str | None = ray_option("the videos"),
+    workers: int = WorkersOpt,
+    cpus_per_worker: float = CpusPerWorkerOpt,
+    gpus_per_worker: float = GpusPerWorkerOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Score methods and budgets on a question set: each clip encoded once per run."""
