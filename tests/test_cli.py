@@ -307,3 +307,22 @@ def test_every_command_lists_a_one_line_summary():
     for name in group.commands:
         row = next(line for line in listing.splitlines() if line.startswith(f"│ {name} "))
         assert row.rstrip(" │").endswith((".", ")")), row
+
+
+def test_help_reads_plainly_for_every_command():
+    """Issue 39, item 6: usage lines name arguments in capitals (PACK, [QUESTIONS...]), not Typer's
+    `{pack}`; flags carry no `<bool>`; every option says what it is for."""
+    import typer
+
+    command = typer.main.get_command(app)
+    for name, sub in command.commands.items():
+        shown = runner.invoke(app, [name, "--help"], env={"COLUMNS": "100"})
+        assert shown.exit_code == 0, (name, shown.output)
+        usage = next(line for line in shown.output.splitlines() if "Usage:" in line)
+        assert "{" not in usage and "}" not in usage, usage
+        assert "<bool>" not in shown.output, name
+        assert all(p.help for p in sub.params if p.param_type_name == "option"), name
+    assert (
+        "ask [OPTIONS] [PACK] [QUESTIONS...]"
+        in runner.invoke(app, ["ask", "--help"], env={"COLUMNS": "100"}).output
+    )

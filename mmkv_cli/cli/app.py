@@ -20,9 +20,11 @@ from mmkv_cli.cli import study as cli_study
 from mmkv_cli.cli import talk as cli_talk
 from mmkv_cli.cli.common import (
     BudgetTokensOpt,
+    Command,
     DeviceOpt,
     DtypeOpt,
     FpsOpt,
+    Group,
     JsonOpt,
     KvBitsOpt,
     KvGroupOpt,
@@ -39,6 +41,7 @@ from mmkv_cli.options import (
 )
 
 app = typer.Typer(
+    cls=Group,
     add_completion=True,
     pretty_exceptions_enable=False,
     no_args_is_help=True,
@@ -70,7 +73,7 @@ def main_options(
     run(lambda: use_presets(presets))  # None: the built-in and $MMKV_PRESETS ones only
 
 
-@app.command()
+@app.command(cls=Command)
 def encode(
     media: str = typer.Argument(..., help="Video file, PDF, image, image folder or glob."),
     output: str = typer.Option(..., "--output", "-o", help="The .kvpack to write."),
@@ -156,10 +159,10 @@ def encode(
     run(body)
 
 
-app.command()(cli_asking.ask)
+app.command(cls=Command)(cli_asking.ask)
 
 
-@app.command()
+@app.command(cls=Command)
 def inspect(pack: str = typer.Argument(..., help="A .kvpack."), as_json: bool = JsonOpt) -> None:
     """Show what a pack holds: model, method, blocks, tokens and bytes per layer."""
 
@@ -173,7 +176,7 @@ def inspect(pack: str = typer.Argument(..., help="A .kvpack."), as_json: bool = 
     run(body)
 
 
-@app.command()
+@app.command(cls=Command)
 def methods(as_json: bool = JsonOpt) -> None:
     """List the compression methods: paper, default budget, parameters."""
 
@@ -215,7 +218,7 @@ def methods(as_json: bool = JsonOpt) -> None:
     run(body)
 
 
-@app.command()
+@app.command(cls=Command)
 def models(as_json: bool = JsonOpt) -> None:
     """List the model presets (any HF id or local path of a supported family works too)."""
 
@@ -244,15 +247,15 @@ def models(as_json: bool = JsonOpt) -> None:
     run(body)
 
 
-app.command()(cli_live.live)
-app.command()(cli_study.profile)
-app.command("eval")(cli_study.eval_)
-app.command()(cli_study.synth)
-app.command()(cli_talk.chat)
-app.command()(cli_talk.serve)
-app.command()(cli_pack.convert)
-app.command()(cli_pack.verify)
-app.command()(cli_batch.batch)
+app.command(cls=Command)(cli_live.live)
+app.command(cls=Command)(cli_study.profile)
+app.command("eval", cls=Command)(cli_study.eval_)
+app.command(cls=Command)(cli_study.synth)
+app.command(cls=Command)(cli_talk.chat)
+app.command(cls=Command)(cli_talk.serve)
+app.command(cls=Command)(cli_pack.convert)
+app.command(cls=Command)(cli_pack.verify)
+app.command(cls=Command)(cli_batch.batch)
 
 
 def main() -> None:

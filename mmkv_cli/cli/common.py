@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Callable
 
 import typer
+from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from mmkv_cli.errors import MmkvError
 from mmkv_cli.options import Dtype, LoadOptions
@@ -137,3 +138,35 @@ def load_options(model: str | None, device: str, dtype: Dtype, here: bool = True
     if here and model is not None:
         check_available(model)
     return LoadOptions(model=model, device=device, dtype=dtype.value)
+
+
+class Command(TyperCommand):
+    """Help as people read it: arguments in the usage line in capitals (`PACK [QUESTIONS...]`, not
+    Typer's `{pack}`), and flags without a type column (`<bool>` says nothing a flag does not)."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name != "argument":
+                pieces += param.get_usage_pieces(ctx)
+                continue
+            name = (param.metavar or param.name or "").upper() + ("..." if param.nargs != 1 else "")
+            pieces.append(name if param.required else f"[{name}]")
+        return pieces
+
+    def get_params(self, ctx) -> list:
+        return _untyped_flags(super().get_params(ctx))
+
+
+class Group(TyperGroup):
+    """The app itself: its flags (--version, --help) without a type column, as its commands'."""
+
+    def get_params(self, ctx) -> list:
+        return _untyped_flags(super().get_params(ctx))
+
+
+def _untyped_flags(params: list) -> list:
+    for param in params:
+        if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
+            param.metavar = ""
+    return params
