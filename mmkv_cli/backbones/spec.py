@@ -4,6 +4,7 @@ model name that is a preset (anything else is an HF id or a local folder)."""
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -99,6 +100,7 @@ def in_hub_cache(repo: str) -> bool:
         return False
 
 
+@functools.cache  # once a process: encode checks before torch loads, load_backbone again
 def _hub_reachable() -> bool:
     """Whether the hub accepts a connection within HUB_PROBE_S (name lookup included, which has
     no timeout of its own: it runs on a thread that is left behind if it hangs)."""

@@ -15,6 +15,7 @@ from mmkv_cli.cli.common import (
     DtypeOpt,
     GpusPerWorkerOpt,
     JsonLinesOpt,
+    PackModelOpt,
     SeedOpt,
     StopOpt,
     TemperatureOpt,
@@ -22,7 +23,6 @@ from mmkv_cli.cli.common import (
     WorkersOpt,
     emit_json,
     load_options,
-    model_names,
     ray_option,
     run,
 )
@@ -53,13 +53,7 @@ def ask(
     top_p: float = TopPOpt,
     seed: int | None = SeedOpt,
     stop: list[str] | None = StopOpt,
-    model: str | None = typer.Option(
-        None,
-        "--model",
-        "-m",
-        help="Override the model the pack names.",
-        autocompletion=model_names,
-    ),
+    model: str | None = PackModelOpt,
     explain: bool = typer.Option(False, "--explain", help="List the retrieved blocks and scores."),
     at: float | None = typer.Option(
         None, "--at", help="The question's moment (s): only blocks shown by then count."

@@ -104,28 +104,9 @@ def batch(
 
 
 def _progress():
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    from mmkv_cli.cli.display import counting_progress
 
-    from mmkv_cli.cli.display import err_console
-
-    return Progress(
-        TextColumn("[bold]batch"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("items, {task.fields[failed]} failed"),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
-        console=err_console,
-        transient=True,
-    )
+    return counting_progress("batch", "items, {task.fields[failed]} failed")
 
 
 def _show(report: dict, out: str) -> None:

@@ -42,6 +42,13 @@ ModelOpt = typer.Option(
     help="Preset name, HF id or local path (default: $MMKV_MODEL or llava-ov-0.5b).",
     autocompletion=model_names,
 )
+PackModelOpt = typer.Option(
+    None,
+    "--model",
+    "-m",
+    help="Override the model the pack names.",
+    autocompletion=model_names,
+)
 DeviceOpt = typer.Option(
     "auto", "--device", help="auto, cpu, cuda or cuda:N.", autocompletion=devices
 )

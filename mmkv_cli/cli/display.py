@@ -41,18 +41,24 @@ def encode_progress() -> Progress:
     )
 
 
-def eval_progress() -> Progress:
+def counting_progress(label: str, unit: str) -> Progress:
+    """A transient bar on stderr counting `unit` done of a total, with the time taken and an ETA
+    (label and unit may name task fields: {task.description}, {task.fields[failed]})."""
     return Progress(
-        TextColumn("[bold]{task.description}"),
+        TextColumn(f"[bold]{label}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("clips"),
+        TextColumn(unit),
         TimeElapsedColumn(),
         TextColumn("eta"),
         TimeRemainingColumn(),
         console=err_console,
         transient=True,
     )
+
+
+def eval_progress() -> Progress:
+    return counting_progress("{task.description}", "clips")
 
 
 def show_workers(result: dict) -> None:
@@ -318,16 +324,7 @@ def show_retrieved(retrieved: list[dict], used: list[str], kind: str | None = "v
 @contextmanager
 def questions_progress(total: int):
     """A bar on stderr over the questions answered, with an ETA; yields tick(answered)."""
-    bar = Progress(
-        TextColumn("[bold]questions"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
-        console=err_console,
-        transient=True,
-    )
+    bar = counting_progress("questions", "")
     task = bar.add_task("questions", total=total)
     with bar:
         yield lambda done: bar.update(task, completed=done)

@@ -15,6 +15,7 @@ import typer
 from mmkv_cli.cli.common import (
     DeviceOpt,
     DtypeOpt,
+    PackModelOpt,
     SeedOpt,
     StopOpt,
     TemperatureOpt,
@@ -51,9 +52,7 @@ def chat(
     turn_tokens: int = typer.Option(
         2048, "--turn-tokens", help="At most this many tokens of earlier turns.", min=0
     ),
-    model: str | None = typer.Option(
-        None, "--model", "-m", help="Override the model the pack names.", autocompletion=model_names
-    ),
+    model: str | None = PackModelOpt,
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
 ) -> None:

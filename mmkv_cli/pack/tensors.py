@@ -140,16 +140,17 @@ class StoredTensors:
         read means the file was cut under the reader."""
         fd = self._file.fileno()
         into = [piece for piece in into if len(piece)]
-        while into:
-            got = os.preadv(fd, into, offset)
+        first = 0  # the first buffer not yet filled
+        while first < len(into):
+            got = os.preadv(fd, into[first:], offset)
             if got <= 0:
                 raise PackError(f"{self.path} changed while it was being read")
             offset += got
-            while into and got >= len(into[0]):  # whole buffers filled; a partial one goes on
-                got -= len(into[0])
-                into.pop(0)
-            if got:
-                into[0] = into[0][got:]
+            while first < len(into) and got >= len(into[first]):  # whole buffers filled
+                got -= len(into[first])
+                first += 1
+            if got:  # a buffer filled in part: the rest of it next
+                into[first] = into[first][got:]
 
     def array(self, name: str) -> np.ndarray:
         """Tensor `name` read whole into memory, as numpy (no torch needed)."""
