@@ -261,3 +261,24 @@ def test_system_messages_are_used_and_cors_is_opt_in(packs):
     reply = asyncio.run(preflight())
     assert reply.status_code == 200
     assert reply.headers["access-control-allow-origin"] == "http://page.example"
+
+
+def test_serve_refuses_an_unknown_host_and_a_taken_port_in_one_line():
+    """Issue 40 item 12 and issue 39 item 4: checked when the socket is bound, before any pack is
+    read; exit 8, not a uvicorn traceback or exit 3."""
+    import socket
+
+    from typer.testing import CliRunner
+
+    from mmkv_cli.cli.app import app
+
+    runner = CliRunner()
+    bad = runner.invoke(app, ["serve", "--packs", ".", "--host", "not..a..host"])
+    assert bad.exit_code == 8 and "not an address of this machine" in bad.stderr, bad.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = str(taken.getsockname()[1])
+        busy = runner.invoke(app, ["serve", "--packs", ".", "--port", port])
+    assert busy.exit_code == 8 and f"127.0.0.1:{port} is taken" in busy.stderr, busy.stderr
+    assert len(busy.stderr.strip().splitlines()) == 1
