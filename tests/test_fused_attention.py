@@ -13,7 +13,7 @@ from mmkv_cli.kernels.attention import Recorder, recording
 
 
 def _reference(query, key, value):
-    """Attention and head-mean probabilities written out in full: [B, q, H, D], [B, q, k]."""
+    """Attention and every head's probabilities written out in full: [B, q, H, D], [B, H, q, k]."""
     group = query.shape[1] // key.shape[1]
     k, v = (t.repeat_interleave(group, dim=1) for t in (key, value))
     scores = query @ k.transpose(-1, -2) * query.shape[-1] ** -0.5
@@ -21,7 +21,7 @@ def _reference(query, key, value):
     visible = torch.arange(keys)[None, :] <= torch.arange(rows)[:, None] + (keys - rows)
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = scores.softmax(dim=-1)
-    return (probs @ v).transpose(1, 2), probs.mean(dim=1)
+    return (probs @ v).transpose(1, 2), probs
 
 
 @pytest.mark.parametrize(
@@ -33,8 +33,10 @@ def test_fused_recording_equals_the_written_out_attention(batch, heads, kv_heads
     query = torch.randn(batch, heads, rows, 16) * 2  # sharp rows: small probabilities matter
     key, value = torch.randn(batch, kv_heads, keys, 16), torch.randn(batch, kv_heads, keys, 16)
     prompt = slice(0, min(6, keys))  # a reducer's columns, reaching into the rows' own keys
-    reducer = {"mass": (prompt, lambda block: block.sum(dim=-1).sum(dim=-1))}
-    expected_out, expected_probs = _reference(query, key, value)
+    # a reducer sees every head: the mass each head's rows put on the prompt columns [B, H]
+    reducer = {"mass": (prompt, lambda block: block.sum(dim=(2, 3)))}
+    expected_out, per_head = _reference(query, key, value)
+    expected_probs = per_head.mean(dim=1)
 
     fused = Recorder(layers={0}, column_sums=True, reducers=reducer)
     blockwise = Recorder(layers={0}, column_sums=True, reducers=reducer)
@@ -48,7 +50,7 @@ def test_fused_recording_equals_the_written_out_attention(batch, heads, kv_heads
     assert torch.allclose(blockwise.column_sum[0], sums, atol=1e-5, rtol=1e-4)
     # every row is a distribution: the column sums add up to the number of rows
     assert torch.allclose(fused.column_sum[0].sum(dim=-1), torch.full((batch,), float(rows)))
-    mass = expected_probs[..., prompt].sum(dim=(1, 2))
+    mass = per_head[..., prompt].sum(dim=(2, 3))
     assert torch.allclose(fused.reduced[0]["mass"], mass, atol=1e-5)
     assert torch.allclose(blockwise.reduced[0]["mass"], mass, atol=1e-5)
 
@@ -61,7 +63,8 @@ def test_the_attention_function_takes_the_fused_path_on_the_cpu_and_keeps_the_dt
     recorder = Recorder(layers={0}, column_sums=True)
     with recording(recorder):
         out, _ = attention._attention(SimpleNamespace(layer_idx=0), query, key, value, None)
-    expected, probs = _reference(query.float(), key.float(), value.float())
+    expected, per_head = _reference(query.float(), key.float(), value.float())
+    probs = per_head.mean(dim=1)
     assert out.dtype == torch.bfloat16
     assert torch.allclose(out.float(), expected, atol=2e-2)
     assert torch.allclose(recorder.column_sum[0], probs.sum(dim=1), atol=1e-4)
@@ -93,7 +96,7 @@ def test_a_row_stride_sums_every_nth_row_times_n_on_both_paths(stride, rows, key
     torch.manual_seed(stride * rows)
     query = torch.randn(2, 4, rows, 16) * 2
     key, value = torch.randn(2, 2, keys, 16), torch.randn(2, 2, keys, 16)
-    _, probs = _reference(query, key, value)
+    probs = _reference(query, key, value)[1].mean(dim=1)
     expected = probs[:, ::stride].sum(dim=1) * stride
 
     fused = Recorder(layers={0}, column_sums=True, row_stride=stride)

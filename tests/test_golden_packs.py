@@ -1,7 +1,8 @@
 """Moving code does not move bytes: tests/data/golden/*.kvpack were written by mmkv before the stage
 packages (issue 35), and the same encodes today give the same header and the same tensors. A golden
 pack is written again only where a method's output changed on purpose, said in its commit: MuKV's
-budget bound (issue 39, mukv-qwen3), MEDA's pivot merge (issue 38, meda-llava-images)."""
+budget bound (issue 39, mukv-qwen3), MEDA's pivot merge and per-head entropy
+(issue 38, meda-llava-images)."""
 
 import json
 from pathlib import Path
@@ -30,6 +31,14 @@ CASES = {
 VARYING = {"created", "stats"}
 
 
+def without_digests(record):
+    """The header less every span's sha256: a digest of bytes compared below within float
+    tolerance (another CPU's kernels may round the last bit differently)."""
+    if isinstance(record, dict):
+        return {k: without_digests(v) for k, v in record.items() if k != "sha256"}
+    return record
+
+
 def read(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     with safe_open(str(path), "numpy") as f:
         header = json.loads(f.metadata()["mmkv"])
@@ -48,7 +57,7 @@ def test_an_encode_writes_the_pack_it_wrote_before_the_move(tmp_path, monkeypatc
     for key in VARYING:
         want_header.pop(key), got_header.pop(key)
     want_header.pop("integrity"), got_header.pop("integrity")  # digests of the compared bytes
-    assert got_header == want_header
+    assert without_digests(got_header) == without_digests(want_header)
     assert sorted(got) == sorted(want)
     for tensor, expected in want.items():
         actual = got[tensor]

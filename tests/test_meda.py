@@ -8,7 +8,13 @@ import torch
 
 from mmkv_cli.encode.encoder import encode_media
 from mmkv_cli.media import load_media
-from mmkv_cli.methods.meda import entropy_ratios, merge_evicted, recent_and_heavy, row_entropy
+from mmkv_cli.methods.meda import (
+    entropy_ratios,
+    head_entropy_total,
+    merge_evicted,
+    recent_and_heavy,
+    row_entropy,
+)
 from tests.helpers import choose
 
 
@@ -17,6 +23,24 @@ def test_row_entropy_is_renormalised_over_the_chosen_columns():
     h = row_entropy(rows, slice(1, 3))
     assert h[0] == pytest.approx(math.log(2), abs=1e-5)  # 0.25 / 0.25 -> uniform over two
     assert h[1] == pytest.approx(0.0, abs=1e-4)  # all of it on one column
+
+
+def test_entropy_is_each_heads_own_then_averaged_as_the_authors_compute_it():
+    # one row, two heads, each sure of a different key: every head's entropy is 0, so their mean is
+    # 0; averaged over heads first the row is uniform over two keys, log 2
+    block = torch.tensor([[[[1.0, 0.0]], [[0.0, 1.0]]]])  # [B=1, H=2, r=1, k=2]
+    assert head_entropy_total(block, "per_head").item() == pytest.approx(0.0, abs=1e-4)
+    assert head_entropy_total(block, "head_mean").item() == pytest.approx(math.log(2), abs=1e-5)
+    # two rows, heads of entropy log 2 and log 4 (renormalised over the columns given): the rows'
+    # per-head means add up, (log 2 + log 4) / 2 each
+    half = torch.tensor([0.5, 0.5, 0.0, 0.0]) * 0.5  # attention leaking elsewhere: renormalised
+    quarter = torch.full((4,), 0.25)
+    block = torch.stack([torch.stack([half, half]), torch.stack([quarter, quarter])])[None]
+    expected = 2 * (math.log(2) + math.log(4)) / 2
+    assert head_entropy_total(block, "per_head").item() == pytest.approx(expected, abs=1e-5)
+    # per_head is never above head_mean (entropy is concave)
+    rows = torch.rand(3, 4, 5, 9).softmax(dim=-1)
+    assert (head_entropy_total(rows, "per_head") <= head_entropy_total(rows, "head_mean")).all()
 
 
 def test_entropy_allocation_gives_more_to_the_higher_entropy_layer_and_sums_to_the_budget():

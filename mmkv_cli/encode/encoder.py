@@ -210,7 +210,7 @@ def encode_streaming(
         position_limit=int(backbone.text_config.max_position_embeddings),
         rope=backbone.rope_tables(),
     )
-    state.attend = lambda text, rows=False: text_attention(backbone, state, text, rows)
+    state.attend = lambda text, **how: text_attention(backbone, state, text, **how)
     peak_kv, skip, cuts = 0, 0, []  # cuts: where each save cut the stream (saved_state.py)
     if checkpoint and checkpoint.restored:
         restored = checkpoint.take_restored()  # tensors popped as used: none outlives its use
@@ -264,30 +264,50 @@ def stream_chunk(
         policy.observe(state, recorder)
 
 
-def text_attention(backbone: Backbone, state: StreamState, text: str, rows: bool = False):
+def text_attention(
+    backbone: Backbone,
+    state: StreamState,
+    text: str,
+    rows: bool = False,
+    reducers: dict | None = None,
+):
     """Per layer, the attention the rows of `text` (as a question turn after the stream so far) pay
     each cached visual token, mean over heads and rows; the text is cut off the cache again
     afterwards.
 
     rows=True: per layer the text rows' attention over all keys [q, k], with the key columns of the
     cached visual tokens and of the text, as (rows, visual slices, text slices).
+    reducers (name -> fn(block [B, H, rows, visual columns])): per layer, each reducer's mean over
+    the text rows, every head kept (MEDA's per-head entropy); nothing [H, q, k] is held whole.
     """
     ids = backbone.question_ids(text)
     last_step = state.token_step[: state.seen] == state.token_step[state.seen - 1]
     start = int(state.placed(0, state.seen)[:, last_step].max()) + 1  # right after the newest step
-    recorder = Recorder(layers=set(range(state.layers)), column_sums=not rows, rows=rows)
-    with state.cache.scratch() as lengths, recording(recorder):
+    ends = [int(e.keys.shape[2]) for e in state.cache.cache.layers]
+    starts = [state.cache.visual_start(layer) for layer in range(state.layers)]
+    visual = [slice(s, n) for s, n in zip(starts, ends)]
+    recorder = Recorder(
+        layers=set(range(state.layers)),
+        column_sums=not rows and not reducers,
+        rows=rows,
+        reducers={name: (dict(enumerate(visual)), fn) for name, fn in (reducers or {}).items()},
+    )
+    with state.cache.scratch(), recording(recorder):
         positions = backbone.text_positions(start, len(ids))
         backbone.forward(backbone.embed_ids(ids), positions, state.cache.cache)
-    starts = [state.cache.visual_start(layer) for layer in range(state.layers)]
+    if reducers:
+        return [
+            {name: total[0].cpu() / len(ids) for name, total in recorder.reduced[layer].items()}
+            for layer in range(state.layers)
+        ]
     if rows:
         return (
             [recorder.row[layer][0].cpu() for layer in range(state.layers)],
-            [slice(s, n) for s, n in zip(starts, lengths)],
-            [slice(n, n + len(ids)) for n in lengths],
+            visual,
+            [slice(n, n + len(ids)) for n in ends],
         )
     return [
-        recorder.column_sum[layer][0, starts[layer] : lengths[layer]].cpu() / len(ids)
+        recorder.column_sum[layer][0, starts[layer] : ends[layer]].cpu() / len(ids)
         for layer in range(state.layers)
     ]
 

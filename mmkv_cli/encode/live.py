@@ -217,7 +217,7 @@ class StreamRunner:
 
     def _bind(self, state: StreamState) -> None:
         backbone = self.owner.backbone
-        state.attend = lambda text, rows=False: text_attention(backbone, state, text, rows)
+        state.attend = lambda text, **how: text_attention(backbone, state, text, **how)
 
     def _place(self, state: StreamState, frames: int) -> StreamLayout:
         """The layout of the first `frames` frames, set on `state`: where its tokens go, and the

@@ -18,7 +18,7 @@ import contextvars
 from contextlib import contextmanager
 
 from mmkv_cli.kernels import fused_attention as fused
-from mmkv_cli.kernels.recorder import Recorder
+from mmkv_cli.kernels.recorder import Recorder, reducer_columns
 from mmkv_cli.lazy import torch
 
 __all__ = ["Recorder", "causal_column_sums", "causal_rows", "install", "recording"]
@@ -101,7 +101,7 @@ def _blockwise_recorded(recorder: Recorder, layer: int, query, key, value, scali
         if recorder.rows:
             rows.append(mean)
         for name, (columns, fn) in recorder.reducers.items():
-            got = fn(mean[..., columns])
+            got = fn(probs[..., reducer_columns(columns, layer)])
             totals[name] = totals[name] + got if name in totals else got
     if recorder.column_sums:
         recorder.column_sum[layer] = sums

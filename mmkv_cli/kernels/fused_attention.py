@@ -19,7 +19,7 @@ Everything runs in float32, as the block path does, and matches it to float roun
 
 from __future__ import annotations
 
-from mmkv_cli.kernels.recorder import Recorder
+from mmkv_cli.kernels.recorder import Recorder, reducer_columns
 from mmkv_cli.lazy import torch
 
 BLOCK_ELEMENTS = 1 << 22  # explicit score blocks (own keys, reducers' columns): about 16 MB
@@ -107,7 +107,8 @@ def recorded(recorder: Recorder, layer: int, query, key, value, scaling: float):
     if recorder.reducers:
         totals = recorder.reduced.setdefault(layer, {})
         for name, (columns, fn) in recorder.reducers.items():
-            for _, probs in probability_blocks(query, key, lse, scaling, columns):
-                got = fn(probs.mean(dim=1))
+            at = reducer_columns(columns, layer)
+            for _, probs in probability_blocks(query, key, lse, scaling, at):
+                got = fn(probs)
                 totals[name] = totals[name] + got if name in totals else got
     return out.to(query.dtype).transpose(1, 2).contiguous()

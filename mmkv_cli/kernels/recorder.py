@@ -17,8 +17,9 @@ class Recorder:
     column_sums: bool = False
     queries: bool = False
     rows: bool = False
-    # name -> (key columns, fn(block [B, rows, columns] head-mean attention) -> tensor), summed
-    # over a layer's rows: a reducer reads only its own columns (MEDA: the prompt), not whole rows
+    # name -> (key columns, fn(block [B, H, rows, columns] attention of every head) -> tensor),
+    # summed over a layer's rows: a reducer reads only its own columns (MEDA: the prompt), not
+    # whole rows. The columns are one slice, or a slice per layer ({layer: slice}).
     reducers: dict = field(default_factory=dict)
     # column sums from every Nth query row only, times N: an estimate that spares most of the second
     # pass over QK^T on the fused path (1: every row, exact)
@@ -29,3 +30,8 @@ class Recorder:
     reduced: dict[int, dict] = field(default_factory=dict)
     row: dict[int, torch.Tensor] = field(default_factory=dict)
     query: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def reducer_columns(columns: slice | dict[int, slice], layer: int) -> slice:
+    """The key columns a reducer reads in `layer`: its one slice, or that layer's own."""
+    return columns[layer] if isinstance(columns, dict) else columns

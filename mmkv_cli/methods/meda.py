@@ -2,12 +2,13 @@
 dropped.
 
 E_l = E_TV + E_VT: the entropy of text rows over visual keys (the guidance prompt's rows at encode)
-plus that of visual rows over text keys (recorded chunk by chunk while streaming), heads averaged.
+plus that of visual rows over text keys (recorded chunk by chunk while streaming), each head's
+own entropy averaged over heads (the authors' compute_crossmodal_entropy).
 ratio_l = softmax_l(E) * L * rho, clamped to [min_layer_ratio, 1]: layers whose attention is spread
 keep more. In a layer, a recent window and the top tokens by cumulative attention (3:1) are kept;
 every evicted token is merged into its most cosine-similar kept key of the same head, text (the
 prompt before the video, never evicted) or visual, as paper Eq. 11 and the authors' code allow; kept
-K and V become the mean of themselves and what merged in.
+K and V absorb what merged in by the authors' pivot form (merge_evicted).
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ class MedaParams(GuidedParams):
         "a kept entry j with joiners i: pivot (the authors' class) (k_j + sum (k_i + k_j) / 2) / "
         "(n + 1); mean, the plain average of j and its joiners",
     )
+    entropy_heads: Literal["per_head", "head_mean"] = knob(
+        "per_head",
+        "per_head: each head's row entropy, then the mean over heads (the authors' "
+        "compute_crossmodal_entropy); head_mean: the entropy of the head-averaged rows",
+    )
     score_every: int = score_every_knob()
 
 
@@ -57,6 +63,18 @@ def row_entropy(rows: torch.Tensor, columns: slice) -> torch.Tensor:
     sub = rows[..., columns].float()
     sub = sub / sub.sum(dim=-1, keepdim=True).clamp_min(1e-12)
     return -(sub * (sub + 1e-12).log()).sum(dim=-1)
+
+
+def head_entropy_total(block: torch.Tensor, heads: str = "per_head") -> torch.Tensor:
+    """block [B, H, r, k] attention of every head -> [B] the rows' entropies (over the block's
+    columns, renormalised) summed over rows: per_head, each head's entropy averaged over heads;
+    head_mean, the entropy of the rows averaged over heads first (never more than per_head's, by
+    concavity)."""
+    if heads == "per_head":
+        return row_entropy(block, ALL).mean(dim=1).sum(dim=-1)
+    if heads == "head_mean":
+        return row_entropy(block.mean(dim=1), ALL).sum(dim=-1)
+    raise ValueError(f"unknown entropy_heads '{heads}' (per_head, head_mean)")
 
 
 def entropy_ratios(entropy: list[float], rho: float, low: float = 0.01) -> list[float]:
@@ -149,8 +167,11 @@ class MedaMemory(KeepAll):
             layers=set(range(state.layers)),
             column_sums=True,
             row_stride=self.params.score_every,
-            reducers={"vt_entropy": (text, lambda block: row_entropy(block, ALL).sum(dim=-1))},
+            reducers={"vt_entropy": (text, self._entropy)},
         )
+
+    def _entropy(self, block: torch.Tensor) -> torch.Tensor:
+        return head_entropy_total(block, self.params.entropy_heads)
 
     def observe(self, state: StreamState, recorder: Recorder) -> None:
         if not self.cumulative:
@@ -179,8 +200,9 @@ class MedaMemory(KeepAll):
 
     def finish(self, state: StreamState) -> None:
         guidance = self.context.guidance(self.params.guidance_prompt)
-        rows, visual, _ = state.attend(guidance, rows=True)
-        tv = [float(row_entropy(r, v).mean()) for r, v in zip(rows, visual)]
+        # the guidance rows' entropy over the visual keys (one total per layer, each head's own)
+        means = state.attend(guidance, reducers={"tv_entropy": self._entropy})
+        tv = [float(m["tv_entropy"]) for m in means]
         vt = [e / max(1, self.visual_rows) for e in self.vt_entropy]
         share = self.budget.share_of(state.total)
         entropy = [a + b for a, b in zip(tv, vt)]

@@ -176,7 +176,7 @@ class RunningCache:
 
 
 # text -> per layer the attention its rows pay the cached visual tokens (or, rows=True, the raw
-# rows)
+# rows; reducers={name: fn}: each reducer's per-head total over the rows, per layer)
 Attend = Callable[..., object]
 
 
