@@ -6,6 +6,8 @@ import torch
 
 from mmkv_cli.methods.infinipot import (
     choose,
+    pairs_by_cache_slot,
+    recent_entries,
     recent_mask,
     spatial_slots,
     tar_scores,
@@ -33,13 +35,43 @@ def test_a_token_that_repeats_the_recent_frames_is_redundant_one_that_changed_is
     keys[0, 1] = torch.tensor([0, 0, 0, 0, 0, 0, 1.0, 0])  # frame 0, place 1: looked different
     steps = torch.arange(3).repeat_interleave(4)
     reference = recent_mask(steps, 0.34)  # the newest frame
-    score = tar_scores(keys, steps, reference)
+    score = tar_scores(keys, steps, spatial_slots(steps), reference)
     assert score[1] == pytest.approx(0.0) and score[0] == pytest.approx(-1.0)
     assert int(score[:8].argmax()) == 1
     # against the previous frame: frame 1 place 1 now differs from frame 0 place 1 too
-    previous = tar_scores(keys, steps, "previous")
+    previous = tar_scores(keys, steps, spatial_slots(steps), "previous")
     assert previous[:4].tolist() == [0.0] * 4  # nothing before the first frame
     assert previous[5] == pytest.approx(0.0) and previous[4] == pytest.approx(-1.0)
+
+
+def test_the_reference_counts_frames_worth_of_held_entries_as_the_authors_code_does():
+    # process_kv_cache: int(query_ratio x held tokens / tokens a frame) frames, the newest entries.
+    # A cache cut to 32 frames that took in 24 more holds 56: the reference is 14 frames, not 8
+    assert int(recent_entries(56 * 196, 196, 0.25).sum()) == 14 * 196
+    assert int(recent_entries(32 * 196, 196, 0.25).sum()) == 8 * 196
+    # after an uneven eviction the count floors (9.5 frames held -> 2 frames of reference)
+    mask = recent_entries(38, 4, 0.25)
+    assert mask.tolist() == [False] * 30 + [True] * 8
+    assert not recent_entries(3, 4, 0.25).any()  # less than a frame's worth: none
+
+
+def test_after_an_eviction_the_code_pairs_by_cache_index_and_spatial_by_grid_place():
+    # frames of 4 places; the older frame lost its place 1: its places 0, 2, 3 sit at cache 0..2,
+    # the newer frame (the reference) at cache 3..6. Every key is its place's unit vector
+    places = torch.tensor([0, 2, 3, 0, 1, 2, 3])
+    keys = torch.eye(8)[places].unsqueeze(0)
+    steps = torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    reference = recent_entries(7, 4, 0.6)  # int(0.6 x 7 / 4) = 1 frame: cache 3..6
+    assert reference.tolist() == [False] * 3 + [True] * 4
+    # spatial: every older token meets its own place in the reference: all redundant
+    spatial = tar_scores(keys, steps, places, reference)
+    assert spatial[:3].tolist() == pytest.approx([-1.0, -1.0, -1.0])
+    # the code: runs of 4 counted back from the newest entry; cache 0..2 are slots 1..3 of a
+    # partial run, so place 0 (cache 0) meets place 1 of the reference and looks novel
+    frames, slots = pairs_by_cache_slot(7, 4)
+    assert frames.tolist() == [-1, -1, -1, 0, 0, 0, 0] and slots.tolist() == [1, 2, 3, 0, 1, 2, 3]
+    by_slot = tar_scores(keys, frames, slots, reference)
+    assert by_slot[:3].tolist() == pytest.approx([0.0, -1.0, -1.0])
 
 
 def test_value_norms_average_the_heads():

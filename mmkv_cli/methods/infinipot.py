@@ -6,9 +6,13 @@ layer is cut back so that the chunk fits: part of what stays is chosen by Tempor
 key differs from the keys at the same spatial place in those frames - and the rest by Value Norm
 (VaN): tokens whose values are large. No attention map and no prompt is needed.
 
-Departures from the authors' code (`kvcache_utils.py`): the pack keeps one token set per layer, so
-TaR and VaN are averaged over KV heads instead of selecting per head; the optional value-norm
-pooling is not offered. `reference: previous` scores against the previous frame instead.
+As the authors' `process_kv_cache` does, the reference is the newest int(0.25 x held tokens /
+tokens a frame) frames' worth of entries, and a token is paired with the reference entry whose
+cache index is equal to its own mod the tokens of a frame. Departures: the pack keeps one token set
+per layer, so TaR and VaN are averaged over KV heads instead of selecting per head; the optional
+value-norm pooling is not offered. `reference: previous` scores against the previous frame;
+`reference_count: held_steps` and `pairing: spatial` are the paper's reading of "recent frames" and
+"the same spatial place".
 """
 
 from __future__ import annotations
@@ -43,6 +47,17 @@ class InfiniPotParams(StreamParams):
         "TaR compares a token with the same place in the recent frames (the authors' code) or in "
         "the previous frame",
     )
+    reference_count: Literal["held_tokens", "held_steps"] = knob(
+        "held_tokens",
+        "the reference: the newest int(recent_share x held tokens / tokens a frame) frames' "
+        "worth of entries (the authors' process_kv_cache), or ceil(recent_share x held steps) "
+        "whole steps",
+    )
+    pairing: Literal["cache_slot", "spatial"] = knob(
+        "cache_slot",
+        "same place: equal index mod tokens a frame in the held cache (the authors' code), or the "
+        "same place of the frame grid, wherever evictions left the token (the paper's intent)",
+    )
 
 
 # --- scoring: pure functions over tensors ---
@@ -67,40 +82,60 @@ def recent_mask(steps: torch.Tensor, share: float) -> torch.Tensor:
     return steps >= held[-count] if count else torch.zeros_like(steps, dtype=torch.bool)
 
 
-def tar_scores(
-    keys: torch.Tensor, steps: torch.Tensor, reference: torch.Tensor | str
-) -> torch.Tensor:
-    """Temporal-axis redundancy turned into a keep score: keys [H, n, D], steps [n] (ascending).
+def recent_entries(n: int, per_frame: int, share: float) -> torch.Tensor:
+    """[n] True for the newest int(share x n / per_frame) x per_frame held entries: the authors'
+    reference, counted in frames' worth of cache entries, not in the frames they came from."""
+    count = int(share * n / per_frame) * per_frame if per_frame > 0 else 0
+    return torch.arange(n) >= n - count if count else torch.zeros(n, dtype=torch.bool)
 
-    reference: a [n] mask of the reference tokens (recent frames): a token scores minus the mean
-    cosine similarity to the reference tokens at its spatial place, heads averaged. "previous":
-    minus the similarity to the same place in the previous held step (0 where there is none).
-    Higher means less redundant, more worth keeping.
+
+def tar_scores(
+    keys: torch.Tensor,
+    frames: torch.Tensor,
+    slots: torch.Tensor,
+    reference: torch.Tensor | str,
+) -> torch.Tensor:
+    """Temporal-axis redundancy turned into a keep score: keys [H, n, D]; frames [n] (ascending)
+    which frame a token counts in and slots [n] its place there (see pairs_by_cache_slot and
+    spatial_slots).
+
+    reference: a [n] mask of the reference tokens: a token scores minus the mean, over the
+    reference frames that hold its place, of the cosine similarity to the token there, heads
+    averaged. "previous": minus the similarity to the same place in the previous frame (0 where
+    there is none). Higher means less redundant, more worth keeping.
     """
     unit = torch.nn.functional.normalize(keys.float(), dim=-1)
-    slots = spatial_slots(steps)
     size = int(slots.max()) + 1 if slots.numel() else 0
-    score = torch.zeros(steps.numel())
-    if isinstance(reference, str):  # previous step
-        rank = torch.unique(steps, return_inverse=True)[1]
+    score = torch.zeros(frames.numel())
+    if isinstance(reference, str):  # previous frame
+        rank = torch.unique(frames, return_inverse=True)[1]
         table = torch.full((int(rank.max()) + 1 if rank.numel() else 0, size), -1)
-        table[rank, slots] = torch.arange(steps.numel())
+        table[rank, slots] = torch.arange(frames.numel())
         before = torch.where(rank > 0, table[(rank - 1).clamp_min(0), slots], -1)
         has = before >= 0
         cos = (unit[:, has] * unit[:, before[has]]).sum(dim=-1).mean(dim=0)
         score[has] = -cos
         return score
-    total = torch.zeros(steps.numel())
-    counted = torch.zeros(steps.numel())
-    for step in torch.unique(steps[reference]).tolist():
+    total = torch.zeros(frames.numel())
+    counted = torch.zeros(frames.numel())
+    for frame in torch.unique(frames[reference]).tolist():
         at = torch.full((size,), -1)
-        mine = (steps == step).nonzero().squeeze(1)
+        mine = ((frames == frame) & reference).nonzero().squeeze(1)
         at[slots[mine]] = mine
         other = at[slots]
         has = other >= 0
         total[has] += (unit[:, has] * unit[:, other[has]]).sum(dim=-1).mean(dim=0)
         counted[has] += 1
     return -total / counted.clamp_min(1)
+
+
+def pairs_by_cache_slot(n: int, per_frame: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The authors' pairing: the held visual entries cut into runs of per_frame by cache index,
+    (frame [n], slot [n]) = divmod(index, per_frame), whichever frame a token came from. The runs
+    are counted back from the newest entry, so the reference (whole runs, the newest) lines up as
+    in the code, whose held count is always a multiple of a frame; a partial oldest run is -1."""
+    index = torch.arange(n) - n % per_frame
+    return torch.div(index, per_frame, rounding_mode="floor"), index % per_frame
 
 
 def value_norms(values: torch.Tensor) -> torch.Tensor:
@@ -112,10 +147,10 @@ def choose(
     tar: torch.Tensor, van: torch.Tensor, reference: torch.Tensor, count: int, tar_share: float
 ) -> torch.Tensor:
     """Local indices (ascending) of `count` tokens: the reference tokens and the best by TaR up to
-    round(tar_share x count), then the best by value norm among the rest."""
+    count - round((1 - tar_share) x count), then the best by value norm among the rest."""
     n = tar.numel()
     count = min(count, n)
-    tar_budget = round(tar_share * count)
+    tar_budget = count - round((1 - tar_share) * count)  # the code rounds the VaN part
     keep = torch.zeros(n, dtype=torch.bool)
     ref = reference.nonzero().squeeze(1)
     keep[ref[max(0, ref.numel() - tar_budget) :]] = True  # the newest, if there are too many
@@ -159,14 +194,25 @@ class InfiniPotMemory(KeepAll):
 
     def _compress(self, state: StreamState, count: int) -> None:
         p = self.params
+        per_frame = int(torch.bincount(state.token_step).max())  # a step's tokens: a "frame"
+        places = spatial_slots(state.token_step)  # every stream token's place in its grid
         for layer in range(state.layers):
-            if state.cache.count(layer) <= count:
+            n = state.cache.count(layer)
+            if n <= count:
                 continue
             keys, values = state.cache.visual(layer)
             steps = state.token_step[state.cache.index[layer]]
-            reference = recent_mask(steps, p.recent_share if p.reference == "recent" else 0)
+            share = p.recent_share if p.reference == "recent" else 0
+            if p.reference_count == "held_tokens":
+                reference = recent_entries(n, per_frame, share)
+            else:
+                reference = recent_mask(steps, share)
+            if p.pairing == "cache_slot":
+                frames, slots = pairs_by_cache_slot(n, per_frame)
+            else:
+                frames, slots = steps, places[state.cache.index[layer]]
             tar = tar_scores(
-                keys.cpu(), steps, reference if p.reference == "recent" else "previous"
+                keys.cpu(), frames, slots, reference if p.reference == "recent" else "previous"
             )
             kept = choose(tar, value_norms(values.cpu()), reference, count, p.tar_share)
             state.cache.retain(layer, kept)
