@@ -49,7 +49,7 @@ ASKS = [
     AskOptions(generation=GenerationOptions(max_new_tokens=1), keep_logits=True),
     AskOptions(at=2.0, generation=GenerationOptions(max_new_tokens=1), keep_logits=True),
 ]
-SUBJECTS = [("full", 16), ("mukv", 4), ("hermes", 8), ("rekv-layers", 2)]
+SUBJECTS = [("full", 16), ("mukv", 4), ("hermes", 8), ("rekv", 2)]
 
 
 class Hang(Exception):

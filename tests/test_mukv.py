@@ -126,7 +126,7 @@ def test_retrieval_picks_the_block_holding_a_planted_needle(tmp_path, backbones,
 
     backbone = backbones["tiny-llava-ov"]
     pack = tmp_path / "r.kvpack"
-    encode_pack(clip, pack, method="rekv", backbone=backbone, max_frames=8)
+    encode_pack(clip, pack, method="rekv-paper", backbone=backbone, max_frames=8)
     reader = PackReader(pack)
     question = "what color is the circle ?"
     ids = backbone.question_ids(question, reader.header.prompt.question)
@@ -137,7 +137,7 @@ def test_retrieval_picks_the_block_holding_a_planted_needle(tmp_path, backbones,
     segments[5].representative = needle
     planted = tmp_path / "planted.kvpack"
     write_pack(planted, reader.header, reader.span("prefix"), segments, reader.span("suffix"))
-    policy = context(ReKVParams(k=1))
+    policy = context(ReKVParams(k=1, layers="last", similarity="cosine"))
     again = PackReader(planted)
     chosen = policy.select(
         again.blocks,
@@ -355,3 +355,52 @@ def test_offloaded_entries_do_not_keep_the_cache_they_were_cut_from_alive():
         )
         assert held.shape[-1 if held.dim() < 3 else -2] == 10
     assert running.count(0) == 90
+
+
+@pytest.mark.parametrize("name", ["tiny-llava-ov", "tiny-qwen2-vl"])
+def test_mukv_compares_keys_after_rope_as_its_authors_code_does(tmp_path, backbones, clip, name):
+    """question_answering: the question prefilled after the init prompt, its last token's
+    last-layer key as it is (after RoPE) against each block's mean kept key as the block was
+    prefilled; mukv-paper keeps both position-free."""
+    from mmkv_cli.ask.answer import question_vector
+
+    backbone = backbones[name]
+    encode_pack(clip, tmp_path / "code.kvpack", method="mukv", backbone=backbone, max_frames=8)
+    encode_pack(
+        clip, tmp_path / "paper.kvpack", method="mukv-paper", backbone=backbone, max_frames=8
+    )
+    code, paper = PackReader(tmp_path / "code.kvpack"), PackReader(tmp_path / "paper.kvpack")
+    assert code.rotated_representatives and not paper.rotated_representatives
+    ids = backbone.question_ids("what color is the circle ?", code.header.prompt.question)
+    prefix = code.span("prefix")
+    cache = backbone.cache_from_layers(prefix.keys, prefix.values)
+    with torch.inference_mode():
+        placed = backbone.text_positions(prefix.layer_counts[0], len(ids))
+        backbone.forward(backbone.embed_ids(ids), placed, cache)
+    last_key = cache.layers[-1].keys[0, :, -1].reshape(-1).float().cpu()
+    assert torch.allclose(question_vector(backbone, code, ids, "last_key")[-1], last_key, atol=1e-5)
+    # the paper's reading rotates that key back to before RoPE: a different vector, same norm
+    free = question_vector(backbone, paper, ids, "last_key")[-1]
+    assert not torch.allclose(free, last_key, atol=1e-3)
+    assert torch.linalg.vector_norm(free) == pytest.approx(
+        float(torch.linalg.vector_norm(last_key)), rel=1e-4
+    )
+
+
+def test_a_retrieval_key_is_the_mean_key_after_rope_or_rotated_back_before_it():
+    from mmkv_cli.kernels.rope import rotate_keys
+    from mmkv_cli.methods.scoring import retrieval_key
+
+    torch.manual_seed(0)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    axes = torch.zeros(4, dtype=torch.long)  # 1-D RoPE: every frequency reads axis 0
+    rope = (inv_freq, axes)
+    free = torch.randn(2, 5, 8)  # [H_kv, n, D] before RoPE
+    at = torch.tensor([[3, 4, 5, 9, 12]])
+    rotated = rotate_keys(free, at, inv_freq, axes)
+    post = retrieval_key([rotated], [at], rope, "post_rope")
+    pre = retrieval_key([rotated], [at], rope, "pre_rope")
+    assert torch.allclose(post, rotated.mean(dim=1).reshape(1, -1), atol=1e-6)
+    assert torch.allclose(pre, free.mean(dim=1).reshape(1, -1), atol=1e-5)
+    with pytest.raises(ValueError, match="space"):
+        retrieval_key([rotated], [at], rope, "sideways")

@@ -145,14 +145,14 @@ def test_rekv_can_retrieve_layer_by_layer(tmp_path, backbones, clip):
 
     backbone = backbones["tiny-llava-ov"]
     pack = tmp_path / "r.kvpack"
-    encode_pack(clip, pack, method="rekv", backbone=backbone, max_frames=8)
+    encode_pack(clip, pack, method="rekv-paper", backbone=backbone, max_frames=8)
     reader = PackReader(pack)
-    assert reader.representatives().shape[1] == 1  # one key a block by default
+    assert reader.representatives().shape[1] == 1  # the paper's reading: one key a block
     from mmkv_cli.encode.encoder import encode_media
 
     media = load_media(clip, max_frames=8)
-    each = encode_media(backbone, media, choose("rekv", layers="each"))
-    last = encode_media(backbone, media, choose("rekv"))
+    each = encode_media(backbone, media, choose("rekv"))  # the authors' code: a key per layer
+    last = encode_media(backbone, media, choose("rekv", layers="last"))
     dim = reader.representatives().shape[2]
     for a, b in zip(each.blocks, last.blocks):
         assert a.representative.shape == (4, dim) and b.representative.shape == (1, dim)
@@ -198,7 +198,7 @@ def test_rekv_can_retrieve_layer_by_layer(tmp_path, backbones, clip):
         )
 
 
-@pytest.mark.parametrize("method", ["rekv-layers", "mukv-layers"])
+@pytest.mark.parametrize("method", ["rekv", "mukv-layers"])
 def test_the_per_layer_presets_answer_end_to_end(tmp_path, backbones, clip, method):
     backbone = backbones["tiny-qwen2-vl"]
     pack = tmp_path / "l.kvpack"

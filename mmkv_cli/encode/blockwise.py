@@ -118,7 +118,10 @@ def prefill_blocks(
                         steps=plan.steps,
                         time=(step_times[plan.steps[0]][0], step_times[plan.steps[1] - 1][1]),
                         representative=retrieval_key(
-                            keys if every_layer else keys[-1:], [kept_placed] * len(keys), rope
+                            keys if every_layer else keys[-1:],
+                            [kept_placed] * len(keys),
+                            rope,
+                            policy.retrieval_space,
                         ),
                         extra={"first": int(plan.tokens[0])},
                     )

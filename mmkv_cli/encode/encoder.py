@@ -41,6 +41,7 @@ class Encoded:
     layout: dict
     visual_tokens_total: int
     stats: dict = field(default_factory=dict)
+    representatives: str = "pre_rope"  # what block representatives are means of (pack/format.py)
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Streamed:
     visual_end: list[int]  # per layer
     peak_kv_bytes: int
     shift: int = 0  # how far a policy that compacted positions moved the rest of the stream up
+    representatives: str = "pre_rope"  # pre_rope, or post_rope: keys as a block was prefilled
 
 
 @dataclass
@@ -165,6 +167,7 @@ def finished(
         blocks=done.blocks,
         suffix=suffix,
         visual_tokens_total=sum(layout.step_lengths),
+        representatives=done.representatives,
         layout={
             "position_dims": backbone.position_dims,
             "next_position": layout.next_position - done.shift,
@@ -356,7 +359,13 @@ def encode_blockwise(
             checkpoint.save(progress, {}, sealed, block_rows(blocks[saved:]))
             saved = len(blocks)
     _check_count(stream.media, seen, total)
-    return Streamed(order_blocks(blocks), cache, prefix.layer_counts, peak_kv)
+    return Streamed(
+        order_blocks(blocks),
+        cache,
+        prefix.layer_counts,
+        peak_kv,
+        representatives=policy.retrieval_space,
+    )
 
 
 def _check_count(media: Media, seen: int, total: int) -> None:

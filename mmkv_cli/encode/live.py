@@ -267,7 +267,8 @@ class BlockRunner:
             blocks, peak = blocks + made, max(peak, more)
         cache = copy.deepcopy(self.owner.cache) if fork else self.owner.cache  # the suffix follows
         counts = self.prefix_span.layer_counts
-        return self.prefix_span, Streamed(order_blocks(blocks), cache, counts, peak)
+        space = self.policy.retrieval_space
+        return self.prefix_span, Streamed(order_blocks(blocks), cache, counts, peak, 0, space)
 
     def _made(self, frames: np.ndarray, first: int, done: int, seen: int):
         """The blocks of one chunk of whole segments (the last may be short): (blocks, tokens

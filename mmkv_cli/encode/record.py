@@ -86,7 +86,17 @@ def write_encoded(
     atomically; returns its size in bytes."""
     header, series = pack_header(backbone, choice, context, media, encoded)
     prefix, blocks, suffix = encoded.prefix, encoded.blocks, encoded.suffix
-    return write_pack(path, header, prefix, blocks, suffix, force, quant, series=series)
+    return write_pack(
+        path,
+        header,
+        prefix,
+        blocks,
+        suffix,
+        force,
+        quant,
+        encoded.representatives,
+        series=series,
+    )
 
 
 def encode_identity(

@@ -154,6 +154,9 @@ class BlockwiseMemory(Protocol):
     batch_tokens: int  # tokens in one prefill batch's cache: rows x (init prompt + block)
     chunk_frames: int
     retrieval_layers: str  # last: a block's retrieval key from its last layer; each: one per layer
+    # pre_rope: a retrieval key is its kept keys' mean rotated back to before RoPE; post_rope: the
+    # mean of the kept keys as the block was prefilled after the init prompt (MuKV's code)
+    retrieval_space: str
 
     def begin(self, total: int) -> None:
         """Before any block: the stream will give `total` visual tokens."""

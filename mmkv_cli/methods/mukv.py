@@ -1,11 +1,13 @@
 """MuKV (seed 000): multi-grained blocks, each prefilled on its own and compressed by a dual signal.
 
-Three granularities cut the same visual stream: patch (a spatial quarter of a step's token grid),
-frame (one temporal step) and segment (F frames); or, with views: middle_frame, patch and frame
-blocks come from each segment's middle step only. Every block is prefilled after the init prompt
-only, scored by last-layer attention column sums fused with a key-frequency signal, and keeps
-floor(rho_g * |block|) tokens in temporal order. At ask, blocks are retrieved per granularity and
-reranked (retrieval.py).
+Three granularities cut the same visual stream: patch (a quarter of a step's token grid: a
+contiguous run as in the authors' code, or a spatial quarter), frame (one temporal step) and
+segment (F frames); or, with views: middle_frame, patch and frame blocks come from each segment's
+middle step only. Every block is prefilled after the init prompt only, scored by last-layer
+attention column sums fused with a key-frequency signal, and keeps floor(rho_g * |block|) tokens in
+temporal order. At ask, blocks are retrieved per granularity and reranked (retrieval.py): as the
+authors' code does, the question's last-layer key of its last token (prefilled after the init
+prompt) against each block's mean kept key as the block was prefilled, both after RoPE.
 """
 
 from __future__ import annotations
@@ -56,9 +58,10 @@ class MuKVParams:
         "stream: every view cuts the whole stream (the paper's figures, the authors' code); "
         "middle_frame: patch and frame blocks of each segment's middle frame (the paper's prose)",
     )
-    patch_blocks: Literal["spatial", "raster"] = knob(
-        "spatial",
-        "patch blocks: spatial quarters (the paper) or contiguous runs (the authors' code)",
+    patch_blocks: Literal["raster", "spatial"] = knob(
+        "raster",
+        "patch blocks: contiguous runs of a quarter of the grid (the authors' code) or its spatial "
+        "quarters (the paper's prose)",
     )
     rho: Shares = knob(
         Shares(), "share of a block's tokens kept, per granularity (sum: the budget)"
@@ -73,8 +76,15 @@ class MuKVParams:
     batch_tokens: int = knob(
         4096, "tokens in one prefill batch's cache: rows x (init + block)", low=1
     )
-    query: Literal["query_mean", "last_key"] = knob(
-        "query_mean", "question vector: mean of its last-layer queries (paper) or last key (code)"
+    query: Literal["last_key", "query_mean"] = knob(
+        "last_key",
+        "question vector: its last token's last-layer key (the authors' question_answering) or "
+        "the mean of its last-layer queries (the paper's prose)",
+    )
+    key_space: Literal["placed", "position_free"] = knob(
+        "placed",
+        "representatives and question vector as the blocks and the question were prefilled after "
+        "the init prompt, keys after RoPE (the authors' code), or rotated back to before RoPE",
     )
     k: Counts = knob(Counts(), "blocks retrieved per granularity")
     rerank: Shares = knob(
@@ -206,6 +216,7 @@ class MuKVMemory:
         self.chunk_frames = params.chunk_frames
         self.batch_tokens = params.batch_tokens
         self.retrieval_layers = params.layers
+        self.retrieval_space = "post_rope" if params.key_space == "placed" else "pre_rope"
         # The budget is the pack's share of one stream: the three views' rho are scaled to sum to
         # it.
         self._budget = budget

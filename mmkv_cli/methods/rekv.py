@@ -1,7 +1,8 @@
 """ReKV (the retrieval baseline of MuKV): the whole stream kept, one block per frame (temporal step)
 with its mean key before RoPE as representative; at ask the top-k blocks by the question's mean
-query before RoPE, in time order: one choice for every layer from the last layer's vectors, or (as
-the authors' code does) each layer its own from its own keys and queries."""
+query before RoPE, in time order. As the authors' code does, each layer picks its own blocks from
+its own keys and queries by a raw dot product; the paper's reading (preset rekv-paper) lets the
+last layer's vectors choose for every layer, by cosine."""
 
 from __future__ import annotations
 
@@ -31,13 +32,15 @@ class ReKVParams(StreamParams):
     positions: Literal["keep", "reindex"] = knob(
         "keep", "keep the stored positions at ask, or compact them (keys re-rotated)"
     )
-    similarity: Literal["cosine", "dot"] = knob(
-        "cosine", "question against representative: cosine (the paper) or dot product (the code)"
+    similarity: Literal["dot", "cosine"] = knob(
+        "dot",
+        "question against representative: dot product (the authors' code, which calls it cosine "
+        "similarity) or cosine (the paper)",
     )
-    layers: Literal["last", "each"] = knob(
-        "last",
-        "last: the last layer's vectors choose the blocks of every layer; each: every layer picks "
-        "its own k blocks with its own vectors (the authors' code; stores a key per layer)",
+    layers: Literal["each", "last"] = knob(
+        "each",
+        "each: every layer picks its own k blocks with its own vectors (the authors' code; stores "
+        "a key per layer); last: the last layer's vectors choose the blocks of every layer",
     )
 
 

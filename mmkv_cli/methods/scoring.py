@@ -59,17 +59,23 @@ def keep_share(scores: list[torch.Tensor], share: float) -> list[torch.Tensor]:
 
 
 def retrieval_key(
-    keys: list[torch.Tensor], positions: list[torch.Tensor], rope: tuple
+    keys: list[torch.Tensor], positions: list[torch.Tensor], rope: tuple, space: str = "pre_rope"
 ) -> torch.Tensor | None:
-    """A block's position-free retrieval key: per given layer, the mean of its keys [H_kv, n, D]
-    rotated back to before RoPE by their positions [P, n], heads concatenated -> [layers, H_kv * D].
-    None when a layer holds none of the block's tokens."""
+    """A block's retrieval key: per given layer, the mean of its keys [H_kv, n, D], heads
+    concatenated -> [layers, H_kv * D]. pre_rope: each key rotated back to before RoPE by its
+    position [P, n] first (position-free); post_rope: the keys as they are (MuKV's code averages
+    them as the block was prefilled, at init_len + j). None when a layer holds none of the block's
+    tokens."""
     if any(k.shape[1] == 0 for k in keys):
         return None
+    if space not in ("pre_rope", "post_rope"):
+        raise ValueError(f"unknown retrieval key space '{space}' (pre_rope, post_rope)")
     inv_freq, axes = rope
     return torch.stack(
         [
-            unrotate(k.float(), p, inv_freq, axes).mean(dim=1).reshape(-1)
+            (k.float() if space == "post_rope" else unrotate(k.float(), p, inv_freq, axes))
+            .mean(dim=1)
+            .reshape(-1)
             for k, p in zip(keys, positions)
         ]
     ).cpu()

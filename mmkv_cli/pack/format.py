@@ -30,7 +30,8 @@ FORMAT_VERSION = 8
 # and positions as [P, tokens], with timestamps and step lengths in the header; v2-v4 named the
 # prefix and suffix "segments" in the header (v5: "spans") and kept a fixed token budget among the
 # params. v2-v5 stored one representative per block, [blocks, dim], the mean of keys after RoPE;
-# v6 stores [blocks, layers, dim] means of keys before RoPE ("space": "pre_rope"). v2-v6 stored
+# v6 stores [blocks, layers, dim] means of keys before RoPE ("space": "pre_rope"; "post_rope" from
+# v8 for MuKV's code: the keys as each block was prefilled after the init prompt). v2-v6 stored
 # positions int64, once per layer, and K/V only as computed (no "quant"). v2-v7 stored the block
 # table and the tokens per step int64 always.
 READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8)

@@ -219,6 +219,8 @@ def check_header(header: dict, version: int, where: str) -> None:
     reps = header.get("representatives")
     if reps is not None:
         _need(isinstance(reps, dict) and _is_int(reps.get("dim"), 1, 1 << 20), where, "reps")
+        # absent before v6 (means after RoPE); named since
+        _need(reps.get("space") in (None, "pre_rope", "post_rope"), where, "reps.space")
     if current:
         digests = _section(header, "integrity", where, required=True)
         _need(

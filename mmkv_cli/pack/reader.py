@@ -217,7 +217,8 @@ class PackReader:
 
     @property
     def rotated_representatives(self) -> bool:
-        """Whether the representatives are means of keys after RoPE (packs before v6)."""
+        """Whether the representatives are means of keys after RoPE (packs before v6, and MuKV's
+        code: keys as each block was prefilled after the init prompt)."""
         return (self._stored.get("representatives") or {}).get("space") != "pre_rope"
 
     def span(self, name: str, keep: bool = True, dtype: torch.dtype | None = None) -> Span:

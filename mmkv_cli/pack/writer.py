@@ -166,7 +166,8 @@ def write_pack(
 ) -> int:
     """Write header + spans to `path` atomically; returns the file size in bytes. quant: how the
     blocks' K/V are stored (None: as computed); the prefix and suffix always are as computed.
-    reps_space: what the representatives are means of ("post_rope": a pack before v6, converted).
+    reps_space: what the representatives are means of: keys before RoPE ("pre_rope") or after it
+    ("post_rope": MuKV's code, as each block was prefilled; or a pack before v6, converted).
     shapes: what the table holds of each block, where the caller knows it without loading them
     (default: read off the blocks). series: "media.timestamps" and "layout.step_lengths".
 
