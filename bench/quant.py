@@ -1,12 +1,16 @@
-"""Quantized packs (issue 15): size, answer drift, accuracy and ask latency at 8, 4 and 2 bits.
+"""Quantized packs (issues 15, 38): size, answer drift, accuracy and ask latency at 8, 4 and 2 bits.
 
     python bench/quant.py [--frames 16] [--ttft-frames 128] [--ttft-layers 2] [--clips 12]
 
 1. Size at real widths: rehearsal LLaVA-OV-0.5B (2 KV heads x 64, all 24 layers) and 7B (4 x 128,
-   4 of its 28 layers: the 7B weights would not fit this machine) in bf16, full and recency at
-   0.1, the 16-bit pack converted to 8/4/2 bits with groups of 64 and of 128: pack bytes / 16-bit
-   pack bytes, and the 16-bit pack's bytes / its physical KV (tokens held x layers x 2 x heads x
-   head dim x 2 bytes). Positions are stored once for all layers, so depth matters a little.
+   4 of its 28 layers: the 7B weights would not fit this machine) in bf16, full, recency at 0.1
+   and mukv at 0.1 (patch blocks of about 5 tokens), and the demo backbone (4-token frames, fp32
+   KV) full and recency at 0.1; the 16-bit pack converted to 8/4/2 bits with key groups (spanning
+   the blocks of a layer, v9) of 32, 64 and 128 tokens: pack bytes / 16-bit pack bytes at the
+   KV's own 16 bits (the demo's fp32 pack counts as half its bytes), and the 16-bit pack's bytes /
+   its physical KV (tokens held x layers x 2 x heads x head dim x 2 bytes). The prompt's KV stays
+   as computed and positions are stored whole, which weighs on short or heavily pruned packs, so
+   `kv_*` is the blocks' K/V alone: codes and both scales / the same tokens at 16 bits.
 2. Answer drift on the demo backbone (fp32 KV as computed): the first answer token's KL divergence
    and top-1 agreement against the unquantized pack, over the sample clip and a fresh synthetic set.
 3. `mmkv eval` accuracy at 16/8/4/2 bits on the same fresh clips (full and mukv).
@@ -34,42 +38,68 @@ from mmkv_cli import api  # noqa: E402
 from mmkv_cli.backbones.loading import load_backbone  # noqa: E402
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions  # noqa: E402
 from mmkv_cli.pack.convert import convert  # noqa: E402
+from mmkv_cli.pack.integrity import read_directory  # noqa: E402
 from mmkv_cli.pack.quant import QuantSpec  # noqa: E402
 from mmkv_cli.study.evaluate import EvalSettings, evaluate, load_items, prompt_for  # noqa: E402
 from mmkv_cli.study.profile import first_token_change  # noqa: E402
 from mmkv_cli.study.synth import write_dataset  # noqa: E402
 
 BITS = (8, 4, 2)
+GROUPS = (32, 64, 128)
 CLIP = ROOT / "samples" / "clip.mp4"
 LOGITS = AskOptions(generation=GenerationOptions(max_new_tokens=1), keep_logits=True)
 
 
+def block_kv_bytes(path: Path) -> tuple[int, int]:
+    """(bytes of the blocks' K/V codes and scales, the blocks' K/V elements) of a pack."""
+    with open(path, "rb") as fh:
+        entries = read_directory(fh, path)[0]
+    size = sum(
+        entries[f"blocks.{part}"]["data_offsets"][1] - entries[f"blocks.{part}"]["data_offsets"][0]
+        for part in ("k", "v", "kq", "vq")
+        if f"blocks.{part}" in entries
+    )
+    tokens, heads, _ = entries["blocks.k"]["shape"]
+    return size, 2 * tokens * heads * entries["prefix.k"]["shape"][2]
+
+
 def sizes(work: Path, video: Path, frames: int) -> list[dict]:
     rows = []
-    for model, layers in (("rehearsal-llava-ov-0.5b", None), ("rehearsal-llava-ov-7b", 4)):
-        backbone = load_backbone(LoadOptions(model, "cpu", "bfloat16", layers=layers))
+    subjects = (
+        ("rehearsal-llava-ov-0.5b", None, "bfloat16", (("full", None), ("recency", 0.1))),
+        ("rehearsal-llava-ov-7b", 4, "bfloat16", (("full", None), ("recency", 0.1), ("mukv", 0.1))),
+        ("demo", None, "auto", (("full", None), ("recency", 0.1), ("mukv", 0.5))),
+    )
+    for model, layers, dtype, methods in subjects:
+        # the demo's clips are 64 frames of 4 tokens: a 10% budget holds 26 tokens a layer there
+        frames_here = max(frames, 64) if model == "demo" else frames
+        backbone = load_backbone(LoadOptions(model, "cpu", dtype, layers=layers))
         kv = backbone.kv_shape()
-        for method, budget in (("full", None), ("recency", 0.1)):
+        # the demo's KV is fp32: its ratios are against the same KV at 16 bits
+        wide = 2 if kv["dtype"] == "float32" else 1
+        for method, budget in methods:
             base = work / f"{model}-{method}-16.kvpack"
-            options = EncodeOptions(method, budget, fps=2.0, max_frames=frames, force=True)
+            options = EncodeOptions(method, budget, fps=2.0, max_frames=frames_here, force=True)
             info = api.encode(str(video), base, options, backbone=backbone)
             held = sum(layer["tokens_kept"] for layer in info["layers"])
             held += info["prompt_tokens"] * len(info["layers"])
-            physical = held * 2 * kv["kv_heads"] * kv["head_dim"] * 2
+            physical = held * 2 * kv["kv_heads"] * kv["head_dim"] * 2 * wide
             row = {
                 "model": model,
                 "kv": f"{kv['kv_heads']}x{kv['head_dim']}",
                 "layers": kv["layers"],
                 "method": method if budget is None else f"{method}@{budget}",
-                "frames": frames,
+                "frames": frames_here,
                 "bytes_16": info["bytes"],
                 "overhead_16": info["bytes"] / physical,
             }
             for bits in BITS:
-                for group in (64, 128):
+                for group in GROUPS:
                     out = work / f"{model}-{method}-{bits}-{group}.kvpack"
                     made = convert(base, out, QuantSpec(bits, group))["bytes"]
-                    row[f"ratio_{bits}_g{group}"] = made / info["bytes"]
+                    row[f"ratio_{bits}_g{group}"] = made * wide / info["bytes"]
+                    kv_bytes, elements = block_kv_bytes(out)
+                    row[f"kv_{bits}_g{group}"] = kv_bytes / (elements * 2)
                     out.unlink()
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -171,7 +201,7 @@ def main() -> None:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="mmkv-quant-") as tmp:
         work = Path(tmp)
-        write_dataset(work / "long", 1, max(args.frames, args.ttft_frames), 5, kind="normal")
+        write_dataset(work / "long", 1, max(args.frames, args.ttft_frames, 64), 5, kind="normal")
         video = work / "long" / "clips" / "clip_0000.mp4"
         write_dataset(work / "set", args.clips, 64, args.seed, kind="mixed")
         qa_file = work / "set" / "qa.jsonl"

@@ -42,7 +42,9 @@ class EncodeOptions:
     guidance_prompt: str | None = None  # for methods that score by a prompt (None: by media kind)
     force: bool = False  # replace an existing output
     kv_bits: int = 16  # bits per stored visual K/V value: 16 (as computed), 8, 4 or 2
-    kv_group: int = 64  # quantization group: tokens per key group, channels per value group
+    # quantization group: tokens per key group, channels per value group (QuantSpec's default, the
+    # smallest packs at real width in bench/quant.py)
+    kv_group: int = 128
     checkpoint_every: int = 0  # save the streaming state every N chunks beside the output (0: no)
     resume: bool = False  # continue from the checkpoint an interrupted encode left
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mmkv_cli.pack.hashing import chunk_digests
 from mmkv_cli.pack.integrity import index_digest
 
 # same element size, so a dtype edit keeps every byte range valid
@@ -181,11 +182,20 @@ def nonfinite(parts: Parts, rng: random.Random, name: str | None = None) -> byte
         spans = header["spans" if "spans" in header else "segments"]  # v2-v4: "segments"
         spans[span]["sha256"] = hashlib.sha256(b"".join(pieces)).hexdigest()
         parts.set_header(header)
+    elif name == "blocks.kq" and _spanning(header):  # v9: the key scales' own chunk digests
+        digest = header["integrity"]["key_scales"]
+        digest["sha256"] = chunk_digests(_tensor_bytes(parts, name), digest["chunk"])
+        parts.set_header(header)
     else:
         row = element // max(1, math.prod(entry["shape"][1:]))
         _reseal_block(parts, header, name, row)
     parts.reseal()
     return parts.bytes()
+
+
+def _spanning(header: dict) -> bool:
+    """v9: key groups run across blocks, their scales covered by no block's checksum."""
+    return (header.get("quant") or {}).get("key_groups") == "span"
 
 
 def _tensor_bytes(parts: Parts, name: str, rows: tuple[int, int] | None = None) -> bytes:
@@ -214,13 +224,13 @@ def _reseal_block(parts: Parts, header: dict, name: str, row: int) -> None:
         "pos": (int(table[index, 4]), int(table[index, 4]) + positions),
         "vq": (offset, offset + tokens),
     }
-    if "blocks.kq" in parts.directory:
+    if "blocks.kq" in parts.directory and not _spanning(header):
         group = header["quant"]["group"]
         groups = int(sum(-(-int(c) // group) for c in counts))
         spans["kq"] = (int(table[index, 6]), int(table[index, 6]) + groups)
     digest = hashlib.sha256()
     for part in ("k", "v", "pos", "kq", "vq"):
-        if f"blocks.{part}" in parts.directory:
+        if f"blocks.{part}" in parts.directory and part in spans:
             digest.update(_tensor_bytes(parts, f"blocks.{part}", spans[part]))
     start = parts.directory["blocks.sha256"]["data_offsets"][0] + 32 * index
     parts.data[start : start + 32] = digest.digest()

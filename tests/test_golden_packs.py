@@ -1,8 +1,9 @@
 """Moving code does not move bytes: tests/data/golden/*.kvpack were written by mmkv before the stage
 packages (issue 35), and the same encodes today give the same header and the same tensors. A golden
 pack is written again only where a method's output changed on purpose, said in its commit: MuKV's
-budget bound (issue 39, mukv-qwen3), MEDA's pivot merge and per-head entropy
-(issue 38, meda-llava-images)."""
+budget bound (issue 39, mukv-qwen3), MEDA's pivot merge and per-head entropy (issue 38,
+meda-llava-images), MuKV's code defaults (issue 38, mukv-qwen3), and all four for format v9 (issue
+38: key groups spanning blocks; only mukv-qwen3, the quantized one, changed bytes)."""
 
 import json
 from pathlib import Path

@@ -1,5 +1,5 @@
 """Older packs stay readable: tests/data/v3.kvpack, v6.kvpack and v7.kvpack were written by the
-format-v3, v6 and v7 writers from `fixture()`."""
+format-v3, v6 and v7 writers from `fixture()`, and v8q.kvpack by the v8 writer, 4-bit."""
 
 from pathlib import Path
 
@@ -101,6 +101,37 @@ def test_a_v7_pack_reads_back_exactly():
     assert stored_dtype(DATA / "v7.kvpack", "blocks.table") == "I64"  # v7: int64 always
     assert_reads_back(reader)
     assert not reader.rotated_representatives
+
+
+def _per_block_round_trip(keys, group, bits=4):
+    """Keys [H, n, D] of one layer of one block through the v7/v8 key groups: runs of `group`
+    tokens of that block alone, a float16 scale and zero per channel, q = round((x - low) / s)."""
+    out = []
+    for first in range(0, keys.shape[1], group):
+        run = keys[:, first : first + group]
+        low, high = run.amin(dim=1, keepdim=True), run.amax(dim=1, keepdim=True)
+        scale = ((high - low) / ((1 << bits) - 1)).half().float()
+        zero = low.half().float()
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        out.append(((run - zero) / safe).round().clamp(0, (1 << bits) - 1) * scale + zero)
+    return torch.cat(out, dim=1) if out else keys
+
+
+def test_a_quantized_v8_pack_decodes_its_per_block_key_groups():
+    """tests/data/v8q.kvpack: `fixture()` written 4-bit with key groups of 2 tokens by the v8
+    writer (each block's layer runs grouped on their own; v9 lets groups run across blocks)."""
+    reader = PackReader(DATA / "v8q.kvpack")
+    assert reader.format_version == 8 and reader.quant.bits == 4 and not reader.quant.span
+    _, blocks, _ = fixture()
+    keys, _, positions = reader.gather(["b1", "b0"])
+    for layer in range(3):
+        want = torch.cat([_per_block_round_trip(blocks[i].keys[layer], 2) for i in (1, 0)], dim=1)
+        assert torch.equal(keys[layer], want), layer
+        assert torch.equal(
+            positions[layer],
+            torch.cat([blocks[1].positions[layer], blocks[0].positions[layer]], dim=1),
+        )
+    assert PackReader(DATA / "v8q.kvpack").block_faults() == []
 
 
 def test_the_table_and_step_lengths_are_int32_where_every_value_fits(tmp_path):

@@ -7,13 +7,14 @@ from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.pack import PackReader, Span, write_pack
 from mmkv_cli.pack.quant import (
     QuantSpec,
+    SpanningKeyRanges,
     dequantize_keys,
     dequantize_values,
-    key_groups,
-    key_ranges,
+    layer_first_groups,
     pack_codes,
-    quantize_keys,
+    quantize_keys_with,
     quantize_values,
+    spanning_groups,
     unpack_codes,
 )
 from tests.helpers import pack_header
@@ -27,21 +28,52 @@ def test_codes_pack_and_unpack_exactly(bits):
     assert torch.equal(unpack_codes(packed, bits), codes)
 
 
+def key_groups(counts, group):
+    """One block alone: its layers' runs, each cut into groups of its own."""
+    return spanning_groups([0] * len(counts), counts, group, layer_first_groups(counts, group))
+
+
+def quantize_keys(keys, counts, bits, group):
+    """One block's keys quantized as a pack of that block alone stores them."""
+    ranges = SpanningKeyRanges(counts, group, bits, keys.shape[1], keys.shape[2])
+    ranges.add(keys, counts)
+    scales = ranges.finish()
+    return quantize_keys_with(keys, scales, key_groups(counts, group), bits), scales
+
+
 def test_key_groups_restart_at_every_layer_run():
     # layers keep 5, 0 and 3 tokens; groups of 2 tokens
     assert key_groups([5, 0, 3], 2).tolist() == [0, 0, 1, 1, 2, 3, 3, 4]
 
 
-def test_key_ranges_are_each_groups_own_min_and_max():
-    counts = [5, 0, 3, 4]  # a short last group, an empty layer, a layer of whole groups
-    x = torch.randn(sum(counts), 6)
-    low, high = key_ranges(x, counts, 2)
-    ids = key_groups(counts, 2)
-    assert low.shape == high.shape == (int(ids.max()) + 1, 6)
-    for g in range(low.shape[0]):
-        assert torch.equal(low[g], x[ids == g].amin(0)) and torch.equal(
-            high[g], x[ids == g].amax(0)
-        )
+def test_key_groups_run_on_across_blocks_layer_by_layer():
+    # three blocks keep (3, 1), (2, 0), (4, 3) tokens in layers 0 and 1; groups of 4 tokens:
+    # layer 0's 9 tokens make groups 0, 1, 2; layer 1's 4 tokens group 3
+    firsts = layer_first_groups([9, 4], 4)
+    assert firsts == [0, 3]
+    assert spanning_groups([0, 0], [3, 1], 4, firsts).tolist() == [0, 0, 0, 3]
+    assert spanning_groups([3, 1], [2, 0], 4, firsts).tolist() == [0, 1]
+    assert spanning_groups([5, 1], [4, 3], 4, firsts).tolist() == [1, 1, 1, 2, 3, 3, 3]
+
+
+def test_spanning_ranges_are_each_groups_own_min_and_max_across_blocks():
+    # the keys of two blocks; each group's scale must come from exactly its own tokens
+    torch.manual_seed(1)
+    blocks = [(torch.randn(5, 1, 6), [3, 2]), (torch.randn(7, 1, 6), [4, 3])]
+    ranges = SpanningKeyRanges([7, 5], 2, 8, 1, 6)
+    for keys, counts in blocks:
+        ranges.add(keys, counts)
+    assert ranges.closed == [3, 2]  # the last group of each layer is still open
+    scales = ranges.finish().float()  # [groups, 2 (scale, zero), 1, 6]
+    # layer 0: tokens 3 + 4 = 7 -> groups 0..3; layer 1: 2 + 3 = 5 -> groups 4..6
+    layer0 = torch.cat([blocks[0][0][:3], blocks[1][0][:4]])[:, 0]
+    layer1 = torch.cat([blocks[0][0][3:], blocks[1][0][4:]])[:, 0]
+    runs = [layer0[i : i + 2] for i in range(0, 7, 2)] + [layer1[i : i + 2] for i in range(0, 5, 2)]
+    assert scales.shape[0] == len(runs) == 7
+    for g, run in enumerate(runs):
+        low, high = run.amin(0), run.amax(0)
+        assert torch.allclose(scales[g, 1, 0], low.half().float())
+        assert torch.allclose(scales[g, 0, 0], ((high - low) / 255).half().float())
 
 
 def _expanded(scales, counts, group):
@@ -137,22 +169,39 @@ def test_a_quantized_pack_reads_back_its_dequantized_kv(tmp_path, bits, monkeypa
     keys, values, positions = reader.gather(names)
     for layer in range(3):
         want_keys, want_values = [], []
+        # the layer's keys of every block in table order, cut into groups of 8 tokens together
+        run = torch.cat([b.keys[layer] for b in blocks], dim=1)  # [H, tokens, D]
+        decoded = torch.cat(
+            [_round_trip(run[:, i : i + 8], bits) for i in range(0, run.shape[1], 8)], dim=1
+        )
+        starts = [sum(b.layer_counts[layer] for b in blocks[:i]) for i in range(len(blocks))]
         for name in names:
-            block = blocks[int(name[1:])]
+            index = int(name[1:])
+            block = blocks[index]
             counts = block.layer_counts
-            codes, scales = quantize_keys(block.part(0), counts, bits, 8)
-            k = dequantize_keys(codes, _expanded(scales, counts, 8).float(), bits)
+            n = counts[layer]
+            want_keys.append(decoded[:, starts[index] : starts[index] + n])
             value_codes, value_scales = quantize_values(block.part(1), bits, 8)
             v = dequantize_values(value_codes, value_scales.float(), bits)
             first = sum(counts[:layer])
-            want_keys.append(k[first : first + counts[layer]].transpose(0, 1))
-            want_values.append(v[first : first + counts[layer]].transpose(0, 1))
+            want_values.append(v[first : first + n].transpose(0, 1))
         assert torch.equal(keys[layer], torch.cat(want_keys, dim=1))
         assert torch.equal(values[layer], torch.cat(want_values, dim=1))
         want = torch.cat([blocks[int(n[1:])].positions[layer] for n in names], dim=1)
         assert torch.equal(positions[layer], want) and positions[layer].dtype == torch.int64
     # the prefix stays exact (as computed)
     assert torch.equal(reader.span("prefix").keys[1], span("prefix", [3] * 3, 0).keys[1])
+
+
+def _round_trip(keys, bits):
+    """Keys [H, n, D] of one group through a per-channel float16 scale and zero and back, as the
+    definition reads: q = round((x - low) / scale), x' = q * scale + low."""
+    low, high = keys.amin(dim=1, keepdim=True), keys.amax(dim=1, keepdim=True)
+    scale = ((high - low) / ((1 << bits) - 1)).half().float()
+    zero = low.half().float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = ((keys - zero) / safe).round().clamp(0, (1 << bits) - 1)
+    return codes * scale + zero
 
 
 def test_per_layer_gathers_read_each_layers_blocks(tmp_path):
@@ -174,7 +223,23 @@ def test_positions_are_int32_and_stored_once_when_layers_agree(tmp_path):
     assert reader._entries["prefix.pos"]["shape"] == [3, 3]
 
 
-@pytest.mark.parametrize("part", ["blocks.k", "blocks.kq", "blocks.vq", "blocks.pos"])
+def test_the_spanning_key_scales_are_checksummed_apart_and_named_by_verify(tmp_path):
+    path = tmp_path / "q.kvpack"
+    write(path, QuantSpec(4, 8))
+    reader = PackReader(path)
+    assert "key_scales" in reader._stored["integrity"]
+    start = reader._tensors.data_start + reader._entries["blocks.kq"]["data_offsets"][0]
+    with open(path, "r+b") as fh:
+        fh.seek(start + 3)
+        byte = fh.read(1)
+        fh.seek(start + 3)
+        fh.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(PackError, match="checksum mismatch in key scales"):
+        PackReader(path).gather(["b1"])
+    assert PackReader(path).block_faults() == ["key scales: checksum mismatch"]
+
+
+@pytest.mark.parametrize("part", ["blocks.k", "blocks.vq", "blocks.pos"])
 def test_every_stored_part_of_a_block_is_checksummed(tmp_path, part):
     path = tmp_path / "q.kvpack"
     write(path, QuantSpec(4, 8))

@@ -12,7 +12,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from mmkv_cli.errors import MmkvError
-from mmkv_cli.options import Dtype, LoadOptions
+from mmkv_cli.options import Dtype, EncodeOptions, LoadOptions
 
 
 def method_names(incomplete: str) -> list[str]:
@@ -91,7 +91,9 @@ KvBitsOpt = typer.Option(
     help="Bits per stored visual K/V value: 16 (as computed), 8, 4 or 2 (KIVI layout).",
 )
 KvGroupOpt = typer.Option(
-    64, "--kv-group", help="Quantization group: tokens per key group, channels per value group."
+    EncodeOptions().kv_group,
+    "--kv-group",
+    help="Quantization group: tokens per key group (across blocks), channels per value group.",
 )
 
 

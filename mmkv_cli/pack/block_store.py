@@ -27,12 +27,20 @@ class BlockStore:
     """views: part -> (the stored tensor, a FileArray or numpy once read whole; torch dtype name),
     for the parts the pack stores.
     token_major: tokens on the first axis (v4 on; v2/v3 kept them second). kv_dtype: what a
-    quantized block decodes into unless asked otherwise. bytes_read counts what was copied out."""
+    quantized block decodes into unless asked otherwise. bytes_read counts what was copied out.
+    key_scales: v9's spanning key scales [groups, 2, H, D], read and checked once when first
+    needed (no block's checksum covers them); before v9 they are block rows ("kq" in views)."""
 
     def __init__(
-        self, views: dict, quant: QuantSpec | None, kv_dtype: str | None, token_major: bool
+        self,
+        views: dict,
+        quant: QuantSpec | None,
+        kv_dtype: str | None,
+        token_major: bool,
+        key_scales=None,
     ) -> None:
         self.views = views
+        self.key_scales = key_scales
         self.quant = quant
         self.kv_dtype = kv_dtype
         self.token_major = token_major
@@ -87,7 +95,11 @@ class BlockStore:
         groups, expand = where.key_group_rows(taken)
         k, v, vq = (self._pick(p, rows).to(device) for p in ("k", "v", "vq"))
         # float32 before they are spread over the tokens: one conversion per group, not per token
-        key_scales = self._pick("kq", groups).to(device).float()
+        if self.key_scales is not None:
+            key_scales = self.key_scales().index_select(0, torch.from_numpy(groups))
+        else:
+            key_scales = self._pick("kq", groups)
+        key_scales = key_scales.to(device).float()
         expand = torch.from_numpy(expand).to(device)
         dtype = dtype or getattr(torch, self.kv_dtype)
         keys, values = [], []

@@ -1,4 +1,4 @@
-"""The .kvpack format (v8): one safetensors file, a JSON header in its metadata, tensors by span.
+"""The .kvpack format (v9): one safetensors file, a JSON header in its metadata, tensors by span.
 
 A span is the per-layer KV of one stretch of the stream: the prefix (init prompt), one visual block,
 or the suffix. Each span holds its per-layer K, V and original positions concatenated along the
@@ -14,7 +14,9 @@ so opening a pack parses a few KB whatever its length. Block representatives sit
 may be quantized (pack/quant.py: codes in "blocks.k/.v", scales in "blocks.kq/.vq"), positions are
 int32 and stored once for a span whose layers all keep the same tokens. From v8 the block table and
 the tokens per step are int32 where every value fits (int64 otherwise), and the representatives
-have a digest per 4 MiB, hashed on every core. See docs/kvpack.md.
+have a digest per 4 MiB, hashed on every core. From v9 a quantized pack's key groups run across the
+blocks of each layer, their scales ("blocks.kq") one small tensor with a digest per 4 MiB that no
+block's checksum covers. See docs/kvpack.md.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from mmkv_cli.lazy import torch
 
 FORMAT_NAME = "mmkv.kvpack"
-FORMAT_VERSION = 8
+FORMAT_VERSION = 9
 # v2 kept the block table as JSON in the header; v2 and v3 stored K/V head-major ([H_kv, tokens, D])
 # and positions as [P, tokens], with timestamps and step lengths in the header; v2-v4 named the
 # prefix and suffix "segments" in the header (v5: "spans") and kept a fixed token budget among the
@@ -33,8 +35,10 @@ FORMAT_VERSION = 8
 # v6 stores [blocks, layers, dim] means of keys before RoPE ("space": "pre_rope"; "post_rope" from
 # v8 for MuKV's code: the keys as each block was prefilled after the init prompt). v2-v6 stored
 # positions int64, once per layer, and K/V only as computed (no "quant"). v2-v7 stored the block
-# table and the tokens per step int64 always.
-READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8)
+# table and the tokens per step int64 always. v7 and v8 gave each block's layer runs key groups of
+# their own, the scales among the blocks' rows (a block's checksum covered them); v9 lets them run
+# across blocks ("key_groups": "span" in the quant header; the table's key-group column is 0).
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9)
 BLOCKS = "blocks"  # tensors "blocks.k/.v/.pos": every block's tokens, one range each
 # Header lists that grow with the video, stored as tensors of these names (and dtypes) from v4 on;
 # from v8 an int64 one is stored int32 where every value fits.

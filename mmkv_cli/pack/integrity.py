@@ -230,6 +230,8 @@ def check_header(header: dict, version: int, where: str) -> None:
         )
         if "reps" in digests:
             _need(_reps_digest(digests["reps"], version), where, "integrity.reps")
+        if "key_scales" in digests:
+            _need(_reps_digest(digests["key_scales"], 8), where, "integrity.key_scales")
 
 
 def _reps_digest(value, version: int) -> bool:

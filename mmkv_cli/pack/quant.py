@@ -7,9 +7,12 @@ stands for q * scale + zero, scale and zero stored in float16. Codes are packed 
 dimension, 8 / bits codes to a byte, lowest bits first, so a token's codes stay one row of bytes
 and a block stays one contiguous row range of every tensor.
 
-Key groups never cross a layer's run of tokens inside a span (a span stores its layers one after
-another): one layer's outliers never widen another layer's scale, and a reader can find the groups
-of any (block, layer) from the token counts alone.
+Key groups never cross layers: one layer's outliers never widen another layer's scale. From v9 a
+layer's key groups run across the blocks (`span`): layer l's tokens of every block, in table order,
+are cut into groups of `group` tokens, so a block of a few tokens no longer pays a whole scale row
+per channel for itself; the scales sit apart in one small tensor (layer after layer), and each
+block's codes stay one byte range. Before v9 each block's layer runs had groups of their own. Either
+way a reader finds the group of any token from the table's token counts alone.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ class QuantSpec:
     """How a pack's block KV is stored. bits 16 means as computed, in the backbone's dtype."""
 
     bits: int = 16  # bits per stored K/V value: 16 (unquantized), 8, 4 or 2
-    group: int = 64  # tokens per key group (per channel); channels per value group (per token)
+    group: int = 128  # tokens per key group (per channel); channels per value group (per token)
+    span: bool = True  # key groups run across blocks (v9); False: each block's own (v7, v8)
 
     @property
     def quantized(self) -> bool:
@@ -70,7 +74,9 @@ class QuantSpec:
                 type(stored.get(k)) is int for k in ("bits", "group")
             ):
                 raise ValueError
-            quant = cls(stored["bits"], stored["group"])
+            if stored.get("key_groups", "block") not in ("block", "span"):
+                raise ValueError
+            quant = cls(stored["bits"], stored["group"], stored.get("key_groups") == "span")
             if stored.get("scale_dtype") != "float16" or not quant.quantized:
                 raise ValueError
             quant.check(int(kv["kv_heads"]), int(kv["head_dim"]))
@@ -87,6 +93,7 @@ class QuantSpec:
             "keys": "per_channel",
             "values": "per_token",
             "scale_dtype": "float16",
+            **({"key_groups": "span"} if self.span else {}),
         }
 
 
@@ -127,51 +134,83 @@ def _codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) 
     return ((x - zero) / safe).round_().clamp_(0, (1 << bits) - 1).to(torch.uint8)
 
 
-def key_groups(counts: list[int], group: int) -> torch.Tensor:
-    """[sum counts] the key group of every token of a span whose layers keep `counts` tokens: each
-    layer's run is cut into groups of `group` tokens on its own."""
-    runs = torch.tensor(counts, dtype=torch.int64)
-    per_run = (runs + group - 1) // group
-    first_group = torch.cumsum(per_run, 0) - per_run
-    first_token = torch.cumsum(runs, 0) - runs
-    run_of = torch.repeat_interleave(torch.arange(len(counts)), runs)
-    within = torch.arange(int(runs.sum())) - first_token[run_of]
-    return first_group[run_of] + within // group
+def layer_first_groups(totals: list[int], group: int) -> list[int]:
+    """Spanning key groups: the first group row of each layer, whose run over all blocks holds
+    `totals[l]` tokens (layer after layer, each cut into groups of its own)."""
+    first, out = 0, []
+    for total in totals:
+        out.append(first)
+        first += -(-total // group)
+    return out
 
 
-def key_ranges(x: torch.Tensor, counts: list[int], group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel (low, high) [groups, C] of every key group of token-major x [sum counts, C].
-    A group is a contiguous run of tokens, so each layer's run reduces as whole groups (one
-    reshape) plus its shorter last group: no per-token scatter."""
-    lows, highs, first = [], [], 0
-    for count in counts:
-        whole = count // group * group
-        for start, stop in ((first, first + whole), (first + whole, first + count)):
-            if stop > start:
-                runs = x[start:stop].reshape(-1, min(group, stop - start), x.shape[1])
-                low, high = torch.aminmax(runs, dim=1)
-                lows.append(low)
-                highs.append(high)
-        first += count
-    if not lows:
-        return x.new_empty(0, x.shape[1]), x.new_empty(0, x.shape[1])
-    return torch.cat(lows), torch.cat(highs)
+def spanning_groups(before: list[int], counts: list[int], group: int, firsts: list[int]):
+    """[sum counts] the spanning key group row of every token of one block whose layers keep
+    `counts` tokens, after `before[l]` tokens of layer l in the blocks before it."""
+    rows = [
+        firsts[layer] + (before[layer] + torch.arange(count)) // group
+        for layer, count in enumerate(counts)
+    ]
+    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
 
 
-def quantize_keys(
-    keys: torch.Tensor, counts: list[int], bits: int, group: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-major keys [n, H, D] of a span -> (packed codes [n, H, D * bits / 8] uint8, scale and
-    zero [groups, 2, H, D] float16), per channel over groups of `group` tokens of each layer."""
+class SpanningKeyRanges:
+    """The float16 scale and zero of every spanning key group, gathered block by block in table
+    order: each layer's open group grows until it holds `group` tokens, then its row of `scales`
+    ([groups, 2, H, D], layer after layer, as a pack stores them) is set. closed[l]: how many of
+    layer l's groups are final; finish() closes the last ones."""
+
+    def __init__(self, totals: list[int], group: int, bits: int, heads: int, dim: int):
+        self.group, self.bits, self.shape = group, bits, (heads, dim)
+        self.firsts = layer_first_groups(totals, group)
+        count = sum(-(-t // group) for t in totals)
+        self.scales = torch.zeros(count, 2, heads, dim, dtype=torch.float16)
+        self.closed = [0] * len(totals)
+        self.open: list[tuple | None] = [None] * len(totals)
+        self.filled = [0] * len(totals)
+
+    def add(self, keys: torch.Tensor, counts: list[int]) -> None:
+        """One block's token-major keys [sum counts, H, D], its layers one after another."""
+        x = keys.float().reshape(keys.shape[0], -1)
+        first = 0
+        for layer, count in enumerate(counts):
+            at = first
+            while at < first + count:
+                take = min(self.group - self.filled[layer], first + count - at)
+                low, high = torch.aminmax(x[at : at + take], dim=0)
+                held = self.open[layer]
+                if held is not None:
+                    low, high = torch.minimum(low, held[0]), torch.maximum(high, held[1])
+                self.open[layer], self.filled[layer] = (low, high), self.filled[layer] + take
+                if self.filled[layer] == self.group:
+                    self._close(layer)
+                at += take
+            first += count
+
+    def finish(self) -> torch.Tensor:
+        """Close every layer's last group; returns the scales."""
+        for layer, held in enumerate(self.open):
+            if held is not None:
+                self._close(layer)
+        return self.scales
+
+    def _close(self, layer: int) -> None:
+        low, high = self.open[layer]
+        stored = _scale_zero(low[None], high[None], self.bits)[0]  # [C, 2]
+        self.scales[self.firsts[layer] + self.closed[layer]] = stored.T.reshape(2, *self.shape)
+        self.closed[layer] += 1
+        self.open[layer], self.filled[layer] = None, 0
+
+
+def quantize_keys_with(
+    keys: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """Token-major keys [n, H, D] -> packed codes [n, H, D * bits / 8], each token against the
+    stored (float16) scale and zero of its group: scales [groups, 2, H, D], rows [n] group rows."""
     n, heads, dim = keys.shape
-    x = keys.float().reshape(n, heads * dim)
-    low, high = key_ranges(x, counts, group)
-    stored = _scale_zero(low, high, bits)  # [groups, C, 2]
-    scale, zero = stored.float().unbind(-1)
-    ids = key_groups(counts, group)
-    codes = _codes(x, scale[ids], zero[ids], bits).reshape(n, heads, dim)
-    groups = stored.shape[0]
-    return pack_codes(codes, bits), stored.transpose(1, 2).reshape(groups, 2, heads, dim)
+    picked = scales.index_select(0, rows).float().reshape(n, 2, -1)
+    codes = _codes(keys.float().reshape(n, -1), picked[:, 0], picked[:, 1], bits)
+    return pack_codes(codes.reshape(n, heads, dim), bits)
 
 
 def quantize_values(

@@ -55,6 +55,7 @@ class PackReader:
         self._verified: set[str] = set()  # blocks whose checksum gather() has checked
         self._store: BlockStore | None = None  # the block tensors, on the first read
         self._reps: torch.Tensor | None = None  # the representatives, once read and checked
+        self._key_scales: torch.Tensor | None = None  # v9's spanning key scales, once checked
         self._spans: dict[str, Span] = {}
         self._open_header()
         self._blocks = self._open_table()
@@ -254,7 +255,7 @@ class PackReader:
         indices = [self._blocks.index_of(name) for name in names]
         if None in indices:
             raise PackError(f"{self.path} has no block {names[indices.index(None)]}")
-        where = BlockRows(self._blocks, indices, self.quant.group if self.quant else 1)
+        where = self._rows(indices)
         store = self._block_store()
         self._tensors.still_whole()
         self._fetch(where)
@@ -289,15 +290,35 @@ class PackReader:
             raise PackError(f"{self.path} is corrupted (NaN or Inf in the K/V of {shown})")
         return read
 
+    def _rows(self, indices: list[int]) -> BlockRows:
+        """Where the blocks at `indices` (table rows) sit in the block tensors."""
+        if self.quant is None:
+            return BlockRows(self._blocks, indices, 1)
+        return BlockRows(self._blocks, indices, self.quant.group, self.quant.span)
+
+    def key_scales(self) -> torch.Tensor:
+        """v9: the spanning key groups' scales and zeros [groups, 2, H, D] float16, read and
+        checked against their chunk digests once, then held (about 0.8% of the fp16 KV at a group
+        of 128 tokens). Callers must not write into it."""
+        if self._key_scales is None:
+            stored = self._tensors.array(f"{BLOCKS}.kq")
+            digest = self._stored["integrity"]["key_scales"]
+            if chunk_digests(stored, digest["chunk"]) != digest["sha256"]:
+                raise PackError(f"{self.path} is corrupted (checksum mismatch in key scales)")
+            self._key_scales = torch.from_numpy(stored).view(torch.float16)
+        return self._key_scales
+
     def _block_store(self) -> BlockStore:
         if self._store is None:
-            parts = PARTS if self.quant else PARTS[:3]
+            span = self.quant is not None and self.quant.span
+            parts = [p for p in PARTS if not (span and p == "kq")] if self.quant else PARTS[:3]
             views = {part: self._tensors.view(f"{BLOCKS}.{part}") for part in parts}
             if not self._token_major:  # v2/v3: a block's rows lie apart in every head; read whole
                 views = {part: (array.read(), dtype) for part, (array, dtype) in views.items()}
             # what quantized K/V decode into by default (v7 on; older packs are never quantized)
             kv_dtype = self.header.kv.dtype if self.quant else None
-            self._store = BlockStore(views, self.quant, kv_dtype, self._token_major)
+            scales = self.key_scales if span else None
+            self._store = BlockStore(views, self.quant, kv_dtype, self._token_major, scales)
         return self._store
 
     @property
@@ -318,9 +339,14 @@ class PackReader:
         """Every block checked against its checksum (verify): the names of those that fail."""
         faults = []
         store = self._block_store()
+        if store.key_scales is not None:
+            try:
+                store.key_scales()
+            except PackError:  # every quantized block decodes through them: none can be read
+                return ["key scales: checksum mismatch"]
         for first in range(0, len(self._blocks), chunk):
             indices = list(range(first, min(len(self._blocks), first + chunk)))
-            where = BlockRows(self._blocks, indices, self.quant.group if self.quant else 1)
+            where = self._rows(indices)
             self._tensors.still_whole()
             self._fetch(where)
             for i in store.mismatched(where, list(range(len(indices)))):
@@ -335,7 +361,7 @@ class PackReader:
         store = self._block_store()
 
         def finite(chosen: list[int]) -> bool:
-            where = BlockRows(self._blocks, chosen, self.quant.group if self.quant else 1)
+            where = self._rows(chosen)
             keys, values, _ = store.read_rows(
                 where, [np.arange(len(chosen))] * where.layers, None, None
             )

@@ -59,9 +59,12 @@ def expect(entries: dict, name: str, dtype: str | tuple, shape: list, where: str
     _need(entry["dtype"] in dtypes and fits, where, f"tensor {name} is not {dtypes[0]} {shape}")
 
 
-def check_table(rows: np.ndarray, times: np.ndarray, group: int, form: Layout, where: str) -> dict:
+def check_table(
+    rows: np.ndarray, times: np.ndarray, group: int, form: Layout, where: str, span: bool = False
+) -> dict:
     """The block table against itself: every offset the running sum the writer makes, counts and
-    steps in range. Returns the rows each block tensor must have."""
+    steps in range. Returns the rows each block tensor must have. span: key groups run across the
+    blocks (v9): the key-group column is 0 and each layer's run has ceil(tokens / group)."""
     counts = rows[:, form.columns :]
     _need((counts >= 0).all() and (rows[:, 0] >= 0).all(), where, "negative table entries")
     totals = counts.sum(axis=1)
@@ -78,9 +81,13 @@ def check_table(rows: np.ndarray, times: np.ndarray, group: int, form: Layout, w
             where,
             "table position offsets",
         )
-        if group:
-            groups = (-(-counts // group)).sum(axis=1)
-        _need(np.array_equal(rows[:, 6], np.cumsum(groups) - groups), where, "table key groups")
+        if span:
+            _need(not rows[:, 6].any(), where, "table key groups")
+            groups = -(-counts.sum(axis=0) // group)
+        else:
+            if group:
+                groups = (-(-counts // group)).sum(axis=1)
+            _need(np.array_equal(rows[:, 6], np.cumsum(groups) - groups), where, "table key groups")
     first, stop = rows[:, 1], rows[:, 2]
     _need(((first == -1) & (stop == -1) | (first >= 0) & (stop >= first)).all(), where, "steps")
     _need(not np.isinf(times).any(), where, "block times")
@@ -134,7 +141,9 @@ def check_tensors(
     expect(entries, f"{BLOCKS}.time", "F64", [count, 2], where)
     expect(entries, f"{BLOCKS}.sha256", "U8", [count, 32], where)
     _need((table.codes() < len(header["blocks"]["granularities"])).all(), where, "granularities")
-    sizes = check_table(table.rows(), table.times(), quant.group if quant else 0, form, where)
+    span = quant is not None and quant.span
+    _need(span == (quant is not None and version >= 9), where, "quantization header")
+    sizes = check_table(table.rows(), table.times(), quant.group if quant else 0, form, where, span)
     width = kv.head_dim * quant.bits // 8 if quant else kv.head_dim
     stored = KVShape(kv.layers, kv.kv_heads, width, kv.dtype)
     for part in ("k", "v"):
@@ -153,6 +162,12 @@ def check_tensors(
         groups = heads * dim // quant.value_group(heads, dim)
         expect(entries, f"{BLOCKS}.kq", "F16", [sizes["groups"], 2, heads, dim], where)
         expect(entries, f"{BLOCKS}.vq", "F16", [sizes["tokens"], groups, 2], where)
+        if span:  # every byte of them covered: a digest per chunk
+            digest = header["integrity"].get("key_scales")
+            start, stop = entries[f"{BLOCKS}.kq"]["data_offsets"]
+            chunks = max(1, -(-(stop - start) // digest["chunk"])) if digest else -1
+            counted = digest is not None and len(digest["sha256"]) == chunks
+            _need(counted, where, "key scale digests")
 
 
 def _check_reps(header: dict, entries: dict, count: int, kv: KVShape, form: Layout, where: str):

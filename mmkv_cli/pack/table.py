@@ -35,6 +35,7 @@ class BlockTable(Sequence):
         self._rows, self._times, self._digests = (np.asarray(a) for a in (rows, times, digests))
         self._names = names  # v2 packs named blocks freely; later ones name them b<row>
         self._cache: dict[int, dict] = {}
+        self._runs_of: tuple | None = None  # layer_runs(), for the group it was asked for
 
     def name(self, index: int) -> str:
         return self._names[index] if self._names is not None else block_name(index)
@@ -108,6 +109,16 @@ class BlockTable(Sequence):
         """[N, layers] tokens each block keeps per layer."""
         return self._rows[:, self.columns :]
 
+    def layer_runs(self, group: int) -> tuple[np.ndarray, np.ndarray]:
+        """Spanning key groups (v9): ([N, layers] tokens of layer l in the blocks before each,
+        [layers] each layer's first group row). Computed once per table."""
+        if self._runs_of is None or self._runs_of[0] != group:
+            counts = self.layer_totals().astype(np.int64)
+            before = np.cumsum(counts, axis=0) - counts
+            groups = -(-counts.sum(axis=0) // group)
+            self._runs_of = (group, before, np.cumsum(groups) - groups)
+        return self._runs_of[1], self._runs_of[2]
+
     @classmethod
     def from_dicts(cls, blocks: list[dict]) -> BlockTable:
         """A table from per-block dicts (the v2 header's JSON list)."""
@@ -151,9 +162,10 @@ class BlockRows:
     """Where some blocks' rows are in each stored block tensor. A block keeps its layers' tokens
     one layer after another: layer l of block i starts at offset_i + counts_i[:l] in K, V and the
     value scales, at its position offset (+ the same, unless one set of positions serves every
-    layer) in positions, and its key groups run per layer from its first key group."""
+    layer) in positions. Its key groups run per layer from its first key group (v7, v8), or (span,
+    v9) each layer's tokens of all blocks in table order are cut into groups together."""
 
-    def __init__(self, table: BlockTable, indices: list[int], group: int):
+    def __init__(self, table: BlockTable, indices: list[int], group: int, span: bool = False):
         self.indices = indices
         self.offsets, self.counts, self.digests = table.spans(indices)
         self.position_offsets, self.shared, self.first_groups = table.storage(indices)
@@ -164,10 +176,14 @@ class BlockRows:
         self.position_starts = self.position_offsets[:, None] + np.where(
             self.shared[:, None] == 1, 0, before
         )
+        self.span = span
         self.groups = -(-self.counts // group)
         self.group_starts = (
             self.first_groups[:, None] + np.cumsum(self.groups, axis=1) - self.groups
         )
+        if span:  # where each (block, layer) starts in its layer's run, and each run's first group
+            before, self.layer_first = table.layer_runs(group)
+            self.run_starts = before[indices]
 
     def block_ranges(self, part: str) -> list[tuple[int, int]]:
         """Every block's row range [start, stop) in the block tensor of `part`."""
@@ -202,9 +218,18 @@ class BlockRows:
 
     def key_group_rows(self, taken: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """(the key-scale rows the tokens use, each once, and every token's index into them)."""
-        firsts, counts = self._runs(self.group_starts, taken)
-        within = run_rows(np.zeros_like(firsts), counts)  # each token's place in its run
-        groups = np.repeat(firsts, counts) + within // self.group
+        if self.span:
+            firsts, counts = self._runs(self.run_starts, taken)
+            bases = np.concatenate(
+                [np.full(len(t), self.layer_first[layer]) for layer, t in enumerate(taken)]
+            )
+            within = run_rows(np.zeros_like(firsts), counts)
+            place = np.repeat(firsts, counts) + within  # each token's place in its layer's run
+            groups = np.repeat(bases, counts) + place // self.group
+        else:
+            firsts, counts = self._runs(self.group_starts, taken)
+            within = run_rows(np.zeros_like(firsts), counts)  # each token's place in its run
+            groups = np.repeat(firsts, counts) + within // self.group
         change = np.ones(len(groups), dtype=bool)
         change[1:] = groups[1:] != groups[:-1]
         return groups[change], np.cumsum(change) - 1

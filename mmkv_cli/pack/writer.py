@@ -19,7 +19,6 @@ from mmkv_cli.pack.format import (
     FORMAT_VERSION,
     META_HEADER,
     META_HEADER_SHA,
-    PARTS,
     SERIES,
     BlockShape,
     Span,
@@ -30,7 +29,13 @@ from mmkv_cli.pack.format import (
 from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_digests
 from mmkv_cli.pack.header import PackHeader
 from mmkv_cli.pack.integrity import index_digest
-from mmkv_cli.pack.quant import QuantSpec, quantize_keys, quantize_values
+from mmkv_cli.pack.quant import (
+    QuantSpec,
+    SpanningKeyRanges,
+    quantize_keys_with,
+    quantize_values,
+    spanning_groups,
+)
 from mmkv_cli.pack.stored import block_shape, store, stored_positions
 
 
@@ -83,54 +88,107 @@ def _shapes(blocks: Sequence[Span]):
 
 def _layout(shapes, quant: QuantSpec):
     """(granularity names, table rows, times, rows of blocks.k, .pos, .kq, representatives) for
-    the blocks of `shapes`, in one pass."""
+    the blocks of `shapes`, in one pass. Key groups span the blocks (v9): the table's key-group
+    column is 0, and each layer's run over every block has ceil(tokens / group) of them."""
     kinds, table, times, reps = [], [], [], []
-    offset = positions = groups = 0
+    offset = positions = 0
+    totals: list[int] = []
     for block in shapes:
         if block.granularity not in kinds:
             kinds.append(block.granularity)
         counts, shared = list(block.layer_counts), block.shared_positions
         steps = list(block.steps) if block.steps else [-1, -1]
-        table.append(
-            [kinds.index(block.granularity), *steps, offset, positions, int(shared), groups]
-            + counts
-        )
+        table.append([kinds.index(block.granularity), *steps, offset, positions, int(shared), 0])
+        table[-1] += counts
+        totals = [a + b for a, b in zip(totals, counts)] if totals else list(counts)
         times.append([round(float(t), 4) for t in block.time] if block.time else [float("nan")] * 2)
         reps.append(block.representative)
         offset += sum(counts)
         positions += counts[0] if shared else sum(counts)
-        if quant.quantized:
-            groups += sum(-(-n // quant.group) for n in counts)
-    return kinds, table, times, [offset, positions, groups], reps
+    groups = sum(-(-n // quant.group) for n in totals) if quant.quantized else 0
+    return kinds, table, times, [offset, positions, groups], reps, totals
 
 
-def _stored_parts(block: Span, quant: QuantSpec) -> list[torch.Tensor]:
-    """A block's stored tensors in PARTS order: K, V, positions, and (quantized) the keys' and
-    the values' scales."""
+class _KeyScales:
+    """Spanning key groups in one pass over the blocks: a block's key codes are made as soon as
+    every group its tokens fall in is closed (a small block waits for the next few, never more
+    than a group's tokens of them), and the scales are complete after the last block."""
+
+    def __init__(self, quant: QuantSpec, totals: list[int], heads: int, dim: int):
+        self.quant = quant
+        self.ranges = SpanningKeyRanges(totals, quant.group, quant.bits, heads, dim)
+        self.before = [0] * len(totals)
+        self.waiting: list[tuple[Span, list[int]]] = []
+
+    def feed(self, block: Span) -> list[tuple[Span, torch.Tensor]]:
+        """Take in the next block; the blocks (in order) whose codes can now be made."""
+        self.ranges.add(block.part(0), block.layer_counts)
+        self.waiting.append((block, self.before))
+        self.before = [a + b for a, b in zip(self.before, block.layer_counts)]
+        ready = 0
+        while ready < len(self.waiting) and self._closed(*self.waiting[ready]):
+            ready += 1
+        return self._codes(ready)
+
+    def finish(self) -> list[tuple[Span, torch.Tensor]]:
+        self.ranges.finish()
+        return self._codes(len(self.waiting))
+
+    def _closed(self, block: Span, before: list[int]) -> bool:
+        group, closed = self.quant.group, self.ranges.closed
+        return all(
+            n == 0 or (start + n - 1) // group < done
+            for start, n, done in zip(before, block.layer_counts, closed)
+        )
+
+    def _codes(self, ready: int) -> list[tuple[Span, torch.Tensor]]:
+        out = []
+        for block, before in self.waiting[:ready]:
+            rows = spanning_groups(before, block.layer_counts, self.quant.group, self.ranges.firsts)
+            codes = quantize_keys_with(block.part(0), self.ranges.scales, rows, self.quant.bits)
+            out.append((block, codes))
+        del self.waiting[:ready]
+        return out
+
+
+def _stored_parts(block: Span, quant: QuantSpec, codes: torch.Tensor | None) -> list:
+    """A block's stored tensors in the order of its streamed parts: K, V, positions, and
+    (quantized: codes, its key codes) the values' scales; the keys' scales are one tensor apart."""
     positions = stored_positions(block)[0]
-    if not quant.quantized:
+    if codes is None:
         return [block.part(0), block.part(1), positions]
-    keys, key_scales = quantize_keys(block.part(0), block.layer_counts, quant.bits, quant.group)
     heads, dim = block.keys[0].shape[0], block.keys[0].shape[2]
     values, value_scales = quantize_values(block.part(1), quant.bits, quant.value_group(heads, dim))
-    return [keys, values, positions, key_scales, value_scales]
+    return [codes, values, positions, value_scales]
 
 
-def _write_blocks(fh, blocks: Sequence[Span], quant: QuantSpec, starts: list[int]):
-    """Write every block's stored tensors where they go (starts: where each of the PARTS tensors
-    begins in the file), each block made (and quantized) once. Returns where each part's writes
-    ended and the blocks' digests.
+def _write_blocks(fh, blocks: Sequence[Span], starts: list[int], keys: _KeyScales | None):
+    """Write every block's stored tensors where they go (starts: where each streamed part's
+    tensor begins in the file), each block made (and quantized) once, then (quantized) the keys'
+    scales. Returns where each part's writes ended and the blocks' digests.
     The file keeps all blocks' K, then all V, ...: each part is a run of writes in block order."""
     at, digests = list(starts), []
-    for block in blocks:
+
+    def write(block: Span, codes: torch.Tensor | None) -> None:
         digest = hashlib.sha256()
-        for part, data in enumerate(_stored_parts(block, quant)):
+        for part, data in enumerate(_stored_parts(block, keys.quant if keys else None, codes)):
             raw = raw_bytes(data)
             digest.update(raw)
             fh.seek(at[part])
             fh.write(raw)
             at[part] += raw.nbytes
         digests.append(digest.digest())
+
+    for block in blocks:
+        for made in keys.feed(block) if keys else [(block, None)]:
+            write(*made)
+    if keys:
+        for made in keys.finish():
+            write(*made)
+        raw = raw_bytes(keys.ranges.scales)
+        fh.seek(at[-1])
+        fh.write(raw)
+        at[-1] += raw.nbytes
     return at, digests
 
 
@@ -145,10 +203,10 @@ def _block_tensors(blocks: list[Span], quant: QuantSpec, rows: list[int]) -> dic
         f"{BLOCKS}.v": (kv_code, [rows[0], heads, width]),
         f"{BLOCKS}.pos": ("I32", [rows[1], first.positions[0].shape[0]]),
     }
-    if quant.quantized:
-        out[f"{BLOCKS}.kq"] = ("F16", [rows[2], 2, heads, dim])
+    if quant.quantized:  # the keys' scales last: they are complete once the last block is made
         groups = heads * dim // quant.value_group(heads, dim)
         out[f"{BLOCKS}.vq"] = ("F16", [rows[0], groups, 2])
+        out[f"{BLOCKS}.kq"] = ("F16", [rows[2], 2, heads, dim])
     return out
 
 
@@ -183,10 +241,15 @@ def write_pack(
     small.update(series_tensors(series or {}))
     # All blocks share a few tensors (a handful of safetensors entries, whatever the video
     # length); each block is a contiguous row range of each of them.
-    kinds, table, times, rows, reps = _layout(_shapes(blocks) if shapes is None else shapes, quant)
+    layout = _layout(_shapes(blocks) if shapes is None else shapes, quant)
+    kinds, table, times, rows, reps, totals = layout
     streamed: dict[str, tuple[str, list[int]]] = {}
+    keys = None
     if blocks:
         streamed = _block_tensors(blocks, quant, rows)
+        if quant.quantized:
+            heads, dim = streamed[f"{BLOCKS}.kq"][1][2:]
+            keys = _KeyScales(quant, totals, heads, dim)
         small[f"{BLOCKS}.table"] = narrowed(torch.tensor(table, dtype=torch.int64))
         small[f"{BLOCKS}.time"] = torch.tensor(times, dtype=torch.float64)
     if reps and all(r is not None for r in reps):
@@ -204,8 +267,17 @@ def write_pack(
         "representatives": _representatives(small.get("reps"), reps_space),
         "integrity": _integrity(entries, small),
     }
-    head = _safetensors_head(stored, entries)
-    return _write_file(path, head, small, blocks, quant, entries, streamed, force)
+    if keys:  # their digests once they are made: the same length, so the head's stays
+        chunks = -(-math.prod(streamed[f"{BLOCKS}.kq"][1]) * 2 // REPS_CHUNK)
+        stored["integrity"]["key_scales"] = {"chunk": REPS_CHUNK, "sha256": ["0" * 64] * chunks}
+
+    def head(scales: torch.Tensor | None) -> bytes:
+        if scales is not None:
+            digests = chunk_digests(raw_bytes(scales), REPS_CHUNK)
+            stored["integrity"]["key_scales"]["sha256"] = digests
+        return _safetensors_head(stored, entries)
+
+    return _write_file(path, head, small, blocks, keys, entries, streamed, force)
 
 
 def _span_tensors(prefix: Span, suffix: Span) -> tuple[dict[str, torch.Tensor], dict]:
@@ -268,24 +340,32 @@ def _safetensors_head(stored: dict, entries: dict) -> bytes:
     return struct.pack("<Q", len(head)) + head
 
 
-def _write_file(path, head, small, blocks, quant, entries, streamed, force) -> int:
-    """Every byte to a temporary file beside `path`, fsync'd, then renamed into place."""
+def _write_file(path, head, small, blocks, keys, entries, streamed, force) -> int:
+    """Every byte to a temporary file beside `path`, fsync'd, then renamed into place. head(key
+    scales): the file's first bytes, made again with the key scales' digests once they exist."""
     sweep_stale(path)
     tmp = path.parent / f".{path.name}.{os.getpid()}{TEMP_SUFFIX}"
     try:
         with open(tmp, "wb") as fh:  # mode: 0666 less the umask, as any new file
-            fh.write(head)
+            first = head(None)
+            fh.write(first)
             for tensor in small.values():
                 fh.write(raw_bytes(tensor))
-            data_start = len(head)
-            parts = [f"{BLOCKS}.{part}" for part in PARTS if f"{BLOCKS}.{part}" in streamed]
+            data_start = len(first)
+            parts = list(streamed)  # the blocks' parts in file order, the keys' scales last
             starts = [data_start + entries[name]["data_offsets"][0] for name in parts]
-            ends, digests = _write_blocks(fh, blocks, quant, starts)
+            ends, digests = _write_blocks(fh, blocks, starts, keys)
             if ends != [data_start + entries[name]["data_offsets"][1] for name in parts]:
                 raise PackError(f"internal: the blocks of {path} did not fill their tensors")
             if blocks:
                 fh.seek(data_start + entries[f"{BLOCKS}.sha256"]["data_offsets"][0])
                 fh.write(b"".join(digests))
+            if keys:
+                final = head(keys.ranges.scales)
+                if len(final) != len(first):
+                    raise PackError(f"internal: the head of {path} changed length")
+                fh.seek(0)
+                fh.write(final)
             fh.flush()
             os.fsync(fh.fileno())
         if path.exists() and not force:  # appeared while we were encoding
