@@ -1,5 +1,7 @@
 """Quantized KV: the scoring-free maths on tensors, then packs written quantized and read back."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -292,3 +294,33 @@ def test_quantized_packs_are_smaller_by_their_bits(tmp_path):
     for bits in (8, 4, 2):
         key_bits, value_bits = bits + 4 * 32 / 196, bits + 32 / 64
         assert sizes[bits] / sizes[16] < ((key_bits + value_bits) / 2 + 0.1) / 16  # + positions
+
+
+def test_a_forged_key_group_layout_is_refused_on_open(tmp_path):
+    """A v9 pack relabelled as per-block groups (or a v8 one as spanning), its header re-sealed:
+    the scales' shape or the header's own rule gives it away before any block is read."""
+    from mmkv_cli import api
+    from tests.mutants import Parts
+
+    write(tmp_path / "q.kvpack", QuantSpec(4, 8))
+
+    def forged(edit) -> Path:
+        parts = Parts.of((tmp_path / "q.kvpack").read_bytes())
+        header = parts.header()
+        edit(header)
+        parts.set_header(header)
+        out = tmp_path / "forged.kvpack"
+        out.write_bytes(parts.bytes())
+        return out
+
+    cases = [
+        lambda h: h["quant"].pop("key_groups"),
+        lambda h: h["quant"].update(key_groups="sideways"),
+        lambda h: h.update(format_version=8),
+        lambda h: h["integrity"]["key_scales"]["sha256"].append("0" * 64),
+    ]
+    for edit in cases:
+        path = forged(edit)
+        for look in (api.inspect, api.verify):
+            with pytest.raises(PackError, match="corrupted"):
+                look(path)
