@@ -100,6 +100,25 @@ def test_summary_token_is_the_mean_of_evicted_keys_rotated_to_the_summary_slot()
         and torch.allclose(second[0], key, atol=1e-5)
         and torch.allclose(second[1], value)
     )
+    # Across compressions the slot moves (after the layer's last kept token): the summary is
+    # rotated by the move, then the next evictions fold in; it stays the mean of every evicted key
+    # rotated to the final slot, each counted once.
+    moved_to = torch.tensor([57])
+    carried = rotate_keys(first[0], (moved_to - target).view(1, 1), inv_freq, axes)
+    third = fold_into_summary(
+        stored[:, 2:],
+        values[:, 2:],
+        positions[:, 2:],
+        moved_to,
+        inv_freq,
+        axes,
+        (carried, first[1], first[2]),
+    )
+    at_end = rotate_keys(raw, moved_to.view(1, 1).expand(1, 5), inv_freq, axes).mean(
+        dim=1, keepdim=True
+    )
+    assert third[2] == 5 and torch.allclose(third[0], at_end, atol=1e-5)
+    assert torch.allclose(third[1], value, atol=1e-6)
 
 
 def _encode(backbone, media, reindex: str, budget_tokens: int, chunk: int = 4):

@@ -153,3 +153,37 @@ def test_evicted_visual_kv_may_merge_into_the_prompts_text_tokens(backbones):
     before, after = plain.prefix.values[layer], out["text_and_visual"].prefix.values[layer]
     moved = (before - after).abs().amax(dim=(0, 2)) > 0
     assert 0 < int(moved.sum()) <= before.shape[1]
+
+
+@pytest.mark.parametrize("model", ["tiny-llava-ov", "tiny-qwen2-vl"])
+def test_finish_reads_the_guidance_rows_entropy_head_by_head_on_a_real_stream(backbones, model):
+    """MEDA's finish on a streamed cache (M-RoPE on Qwen2-VL): the text-to-visual entropy its
+    reducers gather equals the one written out from every head's attention rows."""
+    from mmkv_cli.methods import Budget, EncodeContext
+    from mmkv_cli.methods.meda import MedaMemory, head_entropy_total
+    from tests.helpers import with_policy
+
+    media = load_media("samples/clip.mp4", fps=8, max_frames=16)
+    choice = choose("meda", budget=0.25, chunk_frames=8)
+    policy = MedaMemory(choice.params, Budget(share=0.25), EncodeContext("video"))
+    seen = {}
+    finish = policy.finish
+
+    def watched(state):
+        guidance = policy.context.guidance(policy.params.guidance_prompt)
+        for heads in ("per_head", "head_mean"):
+            means = state.attend(
+                guidance, reducers={"e": lambda block, h=heads: head_entropy_total(block, h)}
+            )
+            seen[heads] = [float(m["e"]) for m in means]
+        rows, visual, _ = state.attend(guidance, rows=True)  # head-averaged rows, written out
+        seen["rows"] = [float(row_entropy(r, v).mean()) for r, v in zip(rows, visual)]
+        finish(state)
+
+    policy.finish = watched
+    encode_media(backbones[model], media, with_policy(choice, policy))
+    assert seen["head_mean"] == pytest.approx(seen["rows"], rel=1e-4, abs=1e-5)
+    # each head's own entropy is never above that of the heads' mean (concavity); a tiny random
+    # model's rows are near uniform, so the two are close, but not equal
+    assert all(p <= m + 1e-5 for p, m in zip(seen["per_head"], seen["head_mean"]))
+    assert any(p < m - 1e-5 for p, m in zip(seen["per_head"], seen["head_mean"]))
