@@ -1,4 +1,5 @@
-"""Quantized packs (issues 15, 38): size, answer drift, accuracy and ask latency at 8, 4 and 2 bits.
+"""Quantized packs (issues 15, 38): size, answer drift, accuracy and ask latency at 8, 4, 2 and
+1.5 bits (VidKV's mixed keys and ternary values).
 
     python bench/quant.py [--frames 16] [--ttft-frames 128] [--ttft-layers 2] [--clips 12]
 
@@ -14,8 +15,8 @@
 2. Answer drift on the demo backbone (fp32 KV as computed): the first answer token's KL divergence
    and top-1 agreement against the unquantized pack, over the sample clip and a fresh synthetic set.
 3. `mmkv eval` accuracy at 16/8/4/2 bits on the same fresh clips (full and mukv).
-4. Ask TTFT from a 4-bit pack / from the bf16 pack, rehearsal 0.5B on the CPU (the whole stream
-   read and dequantized: full keeps every block).
+4. Ask TTFT from an 8/4/2/1.5-bit pack / from the bf16 pack, rehearsal 0.5B on the CPU (the whole
+   stream read and dequantized: full keeps every block).
 Writes bench/results/quant.json.
 """
 
@@ -44,7 +45,7 @@ from mmkv_cli.study.evaluate import EvalSettings, evaluate, load_items, prompt_f
 from mmkv_cli.study.profile import first_token_change  # noqa: E402
 from mmkv_cli.study.synth import write_dataset  # noqa: E402
 
-BITS = (8, 4, 2)
+BITS = (8, 4, 2, 1.5)
 GROUPS = (32, 64, 128)
 CLIP = ROOT / "samples" / "clip.mp4"
 LOGITS = AskOptions(generation=GenerationOptions(max_new_tokens=1), keep_logits=True)
@@ -165,7 +166,7 @@ def ttft(work: Path, video: Path, frames: int, layers: int) -> dict:
     options = EncodeOptions("full", fps=2.0, max_frames=frames, force=True)
     api.encode(str(video), base, options, backbone=backbone)
     packs = {16: base}
-    for bits in (8, 4):
+    for bits in BITS:
         packs[bits] = work / f"ttft-{bits}.kvpack"
         convert(base, packs[bits], QuantSpec(bits), force=True)
     one = AskOptions(generation=GenerationOptions(max_new_tokens=1))
@@ -185,8 +186,7 @@ def ttft(work: Path, video: Path, frames: int, layers: int) -> dict:
         "frames": frames,
         "tokens": frames * 196,
         "by_bits": times,
-        "ttft_ratio_4_over_16": times[4]["ttft_s"] / times[16]["ttft_s"],
-        "ttft_ratio_8_over_16": times[8]["ttft_s"] / times[16]["ttft_s"],
+        **{f"ttft_ratio_{b}_over_16": times[b]["ttft_s"] / times[16]["ttft_s"] for b in BITS},
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -34,6 +35,8 @@ class LoadOptions:
 
 @dataclass(frozen=True)
 class EncodeOptions:
+    """What an encode stores, and how. kv_bits is normalised as kv_bits_value does."""
+
     method: str = "full"  # a method or a method preset
     budget: float | None = None  # share of visual tokens kept (None: the method's default)
     budget_tokens: int | None = None  # visual tokens kept per layer, instead of a share
@@ -41,12 +44,33 @@ class EncodeOptions:
     max_frames: int | None = None  # None: the model's
     guidance_prompt: str | None = None  # for methods that score by a prompt (None: by media kind)
     force: bool = False  # replace an existing output
-    kv_bits: int = 16  # bits per stored visual K/V value: 16 (as computed), 8, 4 or 2
+    # bits per stored visual K/V value: 16 (as computed), 8, 4, 2 or 1.5 (VidKV's mixed bits)
+    kv_bits: float = 16
     # quantization group: tokens per key group, channels per value group (QuantSpec's default, the
     # smallest packs at real width in bench/quant.py)
     kv_group: int = 128
     checkpoint_every: int = 0  # save the streaming state every N chunks beside the output (0: no)
     resume: bool = False  # continue from the checkpoint an interrupted encode left
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_bits", kv_bits_value(self.kv_bits))
+
+
+# bits a pack's visual K/V may be stored at: 16 as computed; 8, 4, 2 after KIVI; 1.5 after VidKV
+KV_BITS = (16, 8, 4, 2, 1.5)
+
+
+def kv_bits_value(value) -> int | float:
+    """A --kv-bits value as the rest of mmkv takes it: a whole number as an int (8.0 -> 8), 1.5 as
+    is; one that is not offered is refused in one line."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if number not in KV_BITS or isinstance(value, bool):
+        shown = f"{number:g}" if math.isfinite(number) else repr(value)
+        raise UsageError(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))}, not {shown}")
+    return int(number) if number.is_integer() else number
 
 
 # what a question and a sampling seed may be, checked by every verb that answers (api.PackSession)

@@ -53,7 +53,7 @@ def test_profile_compares_stored_bits_side_by_side():
             "--methods",
             "full",
             "--kv-bits",
-            "16,8,2",
+            "16,8,2,1.5",
             "--max-frames",
             "8",
             "--max-new-tokens",
@@ -63,11 +63,12 @@ def test_profile_compares_stored_bits_side_by_side():
     )
     assert result.exit_code == 0, result.stderr
     rows = json.loads(result.stdout)["methods"]
-    assert [r["kv_bits"] for r in rows] == [16, 8, 2]
+    assert [r["kv_bits"] for r in rows] == [16, 8, 2, 1.5]
     assert rows[0]["first_token_kl"] == 0 and rows[0]["top1_agrees"]
-    assert rows[2]["ratio"]["bytes"] < rows[1]["ratio"]["bytes"] < 1.0
-    assert rows[2]["first_token_kl"] >= 0
+    sizes = [r["ratio"]["bytes"] for r in rows]
+    assert sizes[3] < sizes[2] < sizes[1] < 1.0
+    assert rows[2]["first_token_kl"] >= 0 and rows[3]["first_token_kl"] >= 0
     shown = CliRunner().invoke(
         app, ["profile", str(SAMPLES / "clip.mp4"), "-m", "demo", "--kv-bits", "16,x"]
     )
-    assert shown.exit_code == 2 and "--kv-bits takes" in shown.output
+    assert shown.exit_code == 2 and "--kv-bits must be one of" in shown.output

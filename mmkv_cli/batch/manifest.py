@@ -22,7 +22,7 @@ ROW_OPTIONS: dict[str, type | tuple[type, ...]] = {
     "budget_tokens": int,
     "fps": (int, float),
     "max_frames": int,
-    "kv_bits": int,
+    "kv_bits": (int, float),
     "kv_group": int,
     "guidance_prompt": str,
 }

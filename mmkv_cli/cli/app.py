@@ -96,7 +96,7 @@ def encode(
     fps: float | None = FpsOpt,
     max_frames: int | None = MaxFramesOpt,
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
-    kv_bits: int = KvBitsOpt,
+    kv_bits: float = KvBitsOpt,
     kv_group: int = KvGroupOpt,
     checkpoint_every: int = typer.Option(
         0,

@@ -48,7 +48,7 @@ def batch(
     budget_tokens: int | None = BudgetTokensOpt,
     fps: float | None = FpsOpt,
     max_frames: int | None = MaxFramesOpt,
-    kv_bits: int = KvBitsOpt,
+    kv_bits: float = KvBitsOpt,
     kv_group: int = KvGroupOpt,
     ray: str | None = ray_option("the items"),
     workers: int = WorkersOpt,

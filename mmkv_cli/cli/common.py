@@ -88,7 +88,8 @@ StopOpt = typer.Option(None, "--stop", help="End the answer before this text (re
 KvBitsOpt = typer.Option(
     16,
     "--kv-bits",
-    help="Bits per stored visual K/V value: 16 (as computed), 8, 4 or 2 (KIVI layout).",
+    help="Bits per stored visual K/V value: 16 (as computed), 8, 4, 2 (KIVI layout) or 1.5 "
+    "(VidKV: keys 2-bit on half the channels and 1-bit FFT signs on the rest, ternary values).",
 )
 KvGroupOpt = typer.Option(
     EncodeOptions().kv_group,

@@ -59,7 +59,7 @@ def live(
     stall: float = typer.Option(10.0, "--stall", help="Seconds of silence that end the stream."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Longest answer, in tokens."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
-    kv_bits: int = KvBitsOpt,
+    kv_bits: float = KvBitsOpt,
     kv_group: int = KvGroupOpt,
     model: str | None = ModelOpt,
     device: str = DeviceOpt,

@@ -5,21 +5,22 @@ from __future__ import annotations
 import typer
 
 from mmkv_cli.cli.common import JsonOpt, emit_json, run
+from mmkv_cli.options import kv_bits_value
 
 
 def convert(
     source: str = typer.Argument(..., help="The .kvpack to convert."),
     output: str = typer.Argument(..., help="The .kvpack to write."),
-    kv_bits: int | None = typer.Option(
+    kv_bits: float | None = typer.Option(
         None,
         "--kv-bits",
-        help="Bits per stored visual K/V value: 16 (as computed), 8, 4 or 2 (default: the "
+        help="Bits per stored visual K/V value: 16 (as computed), 8, 4, 2 or 1.5 (default: the "
         "source's).",
     ),
     kv_group: int | None = typer.Option(
         None,
         "--kv-group",
-        help="With --kv-bits: tokens per key group, channels per value group (default: 64).",
+        help="With --kv-bits: tokens per key group, channels per value group (default: 128).",
     ),
     start: float | None = typer.Option(
         None, "--from", help="Keep only blocks showing this second or later."
@@ -44,7 +45,8 @@ def convert(
 
         quant = None  # stored as the source is
         if kv_bits is not None:
-            quant = QuantSpec(kv_bits) if kv_group is None else QuantSpec(kv_bits, kv_group)
+            bits = kv_bits_value(kv_bits)
+            quant = QuantSpec(bits) if kv_group is None else QuantSpec(bits, kv_group)
         elif kv_group is not None:
             raise UsageError("--kv-group sets how --kv-bits quantizes: pass --kv-bits too")
         info = api.convert(source, output, quant, start, stop, force)

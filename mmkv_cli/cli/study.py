@@ -26,14 +26,7 @@ from mmkv_cli.cli.common import (
     run,
 )
 from mmkv_cli.errors import UsageError
-from mmkv_cli.options import Dtype, EncodeOptions, Positions
-
-
-def parse_ints(text: str, option: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise UsageError(f"{option} takes comma-separated whole numbers, not '{text}'") from None
+from mmkv_cli.options import Dtype, EncodeOptions, Positions, kv_bits_value
 
 
 class ClipKind(str, Enum):
@@ -59,7 +52,7 @@ def profile(
         1, "--repeat", help="Runs per method after a warm-up; medians are reported.", min=1
     ),
     kv_bits: str = typer.Option(
-        "16", "--kv-bits", help="Comma-separated stored bits to compare (16, 8, 4, 2)."
+        "16", "--kv-bits", help="Comma-separated stored bits to compare (16, 8, 4, 2, 1.5)."
     ),
     kv_group: int = KvGroupOpt,
     model: str | None = ModelOpt,
@@ -74,7 +67,7 @@ def profile(
         from mmkv_cli.study import profile as prof
 
         names = [m.strip() for m in methods.split(",") if m.strip()]
-        bits = parse_ints(kv_bits, "--kv-bits")
+        bits = [kv_bits_value(v.strip()) for v in kv_bits.split(",") if v.strip()]
         if plot and not Path(plot).resolve().parent.is_dir():  # before the work, not after
             raise UsageError(f"cannot write the plot {plot}: its folder does not exist")
         media_options = EncodeOptions(
@@ -147,7 +140,7 @@ def eval_(
     fresh: bool = typer.Option(
         False, "--fresh", help="Start the runs over: drop answers earlier runs left in OUT."
     ),
-    kv_bits: int = KvBitsOpt,
+    kv_bits: float = KvBitsOpt,
     model: str | None = ModelOpt,
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
@@ -180,7 +173,7 @@ def eval_(
             max_frames=max_frames,
             positions=positions,
             max_new_tokens=max_new_tokens,
-            kv_bits=kv_bits,
+            kv_bits=kv_bits_value(kv_bits),
             protocol=protocol,
             budget_tokens=tokens,
         )

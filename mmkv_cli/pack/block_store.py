@@ -93,7 +93,8 @@ class BlockStore:
             )
             return keys, values, positions
         groups, expand = where.key_group_rows(taken)
-        k, v, vq = (self._pick(p, rows).to(device) for p in ("k", "v", "vq"))
+        k, v = (self._pick(p, rows).to(device) for p in ("k", "v"))
+        vq = self._pick("vq", rows).to(device).float() if "vq" in self.views else None
         # float32 before they are spread over the tokens: one conversion per group, not per token
         if self.key_scales is not None:
             key_scales = self.key_scales().index_select(0, torch.from_numpy(groups))
@@ -106,7 +107,13 @@ class BlockStore:
         for first, stop in zip((0, *ends[:-1].tolist()), ends.tolist()):
             at = slice(first, stop)
             layer = dequantize(
-                k[at], v[at], key_scales, expand[at], vq[at].float(), self.quant.bits, dtype
+                k[at],
+                v[at],
+                key_scales,
+                expand[at],
+                None if vq is None else vq[at],
+                self.quant.bits,
+                dtype,
             )
             keys.append(layer[0].transpose(0, 1))
             values.append(layer[1].transpose(0, 1))

@@ -21,8 +21,14 @@ from dataclasses import dataclass
 
 from mmkv_cli.errors import UsageError
 from mmkv_cli.lazy import torch
+from mmkv_cli.options import KV_BITS
+from mmkv_cli.pack import vidkv
+from mmkv_cli.pack.codes import pack_codes, unpack_codes
 
-BITS = (16, 8, 4, 2)  # 16: not quantized (the backbone's own dtype)
+# 16: not quantized (the backbone's own dtype); 1.5: VidKV's mixed 1/2-bit keys and ternary values
+# (vidkv.py)
+BITS = KV_BITS
+MIXED = 1.5
 FLOAT16_MAX = 65504.0
 MAX_GROUP = 1 << 16
 CHUNK_TOKENS = 2048  # tokens dequantized at a time on a CPU (their float32 copies fit in cache)
@@ -32,13 +38,38 @@ CHUNK_TOKENS = 2048  # tokens dequantized at a time on a CPU (their float32 copi
 class QuantSpec:
     """How a pack's block KV is stored. bits 16 means as computed, in the backbone's dtype."""
 
-    bits: int = 16  # bits per stored K/V value: 16 (unquantized), 8, 4 or 2
+    bits: float = 16  # bits per stored K/V value: 16 (unquantized), 8, 4, 2 or 1.5 (VidKV)
     group: int = 128  # tokens per key group (per channel); channels per value group (per token)
     span: bool = True  # key groups run across blocks (v9); False: each block's own (v7, v8)
 
     @property
     def quantized(self) -> bool:
         return self.bits != 16
+
+    @property
+    def mixed(self) -> bool:
+        """VidKV's 1.5 bits: keys 2-bit on half the channels, 1-bit FFT signs on the rest."""
+        return self.bits == MIXED
+
+    @property
+    def key_planes(self) -> int:
+        """float16 planes a key group stores: scale and zero (mixed: and which channels are 2-bit,
+        and the values' per-channel means over the group)."""
+        return 4 if self.mixed else 2
+
+    @property
+    def block_parts(self) -> tuple[str, ...]:
+        """What each block stores of the block tensors, in checksum order (v9): codes and
+        positions, and the values' per-token scales (KIVI; mixed values share the key groups)."""
+        return ("k", "v", "pos") if self.mixed else ("k", "v", "pos", "vq")
+
+    def key_width(self, head_dim: int) -> int:
+        """Bytes of one head's key codes per token."""
+        return vidkv.key_width(head_dim) if self.mixed else head_dim * int(self.bits) // 8
+
+    def value_width(self, head_dim: int) -> int:
+        """Bytes of one head's value codes per token."""
+        return vidkv.value_width(head_dim) if self.mixed else head_dim * int(self.bits) // 8
 
     def value_group(self, kv_heads: int, head_dim: int) -> int:
         """Channels per value group: `group`, or a token's whole width when that is smaller."""
@@ -58,7 +89,7 @@ class QuantSpec:
                 f"--kv-group {self.group} does not divide the KV width {width} "
                 f"({kv_heads} heads x {head_dim}); pick a divisor of it"
             )
-        if head_dim % (8 // self.bits):
+        if head_dim % (8 if self.mixed else 8 // int(self.bits)):
             raise UsageError(f"head dim {head_dim} cannot be packed at {self.bits} bits")
 
     @classmethod
@@ -70,9 +101,9 @@ class QuantSpec:
         if stored is None:
             return None
         try:
-            if not isinstance(stored, dict) or not all(
-                type(stored.get(k)) is int for k in ("bits", "group")
-            ):
+            if not isinstance(stored, dict) or type(stored.get("group")) is not int:
+                raise ValueError
+            if type(stored.get("bits")) is not int and stored.get("bits") != MIXED:
                 raise ValueError
             if stored.get("key_groups", "block") not in ("block", "span"):
                 raise ValueError
@@ -95,26 +126,6 @@ class QuantSpec:
             "scale_dtype": "float16",
             **({"key_groups": "span"} if self.span else {}),
         }
-
-
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes [..., D] (each < 2^bits) -> bytes [..., D * bits / 8], lowest bits first."""
-    if bits == 8:
-        return codes.to(torch.uint8)
-    per_byte = 8 // bits
-    grouped = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, per_byte)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (grouped << shifts).sum(dim=-1, dtype=torch.uint8)
-
-
-def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of pack_codes: bytes [..., B] -> uint8 codes [..., B * 8 / bits]."""
-    if bits == 8:
-        return packed
-    mask = (1 << bits) - 1
-    # one shift per position in the byte, stacked: faster than a broadcast shift on the CPU
-    codes = torch.stack([(packed >> shift) & mask for shift in range(0, 8, bits)], dim=-1)
-    return codes.reshape(*packed.shape[:-1], -1)
 
 
 def _scale_zero(low: torch.Tensor, high: torch.Tensor, bits: int) -> torch.Tensor:
@@ -164,19 +175,26 @@ class SpanningKeyRanges:
         self.group, self.bits, self.shape = group, bits, (heads, dim)
         self.firsts = layer_first_groups(totals, group)
         count = sum(-(-t // group) for t in totals)
-        self.scales = torch.zeros(count, 2, heads, dim, dtype=torch.float16)
+        planes = 4 if bits == MIXED else 2
+        self.scales = torch.zeros(count, planes, heads, dim, dtype=torch.float16)
+        # mixed: the open group's keys and values themselves (its 2-bit channels, FFT scales and
+        # value means need all of its tokens: at most `group` tokens a layer are held)
+        self.held: list[list[tuple]] = [[] for _ in totals]
         self.closed = [0] * len(totals)
         self.open: list[tuple | None] = [None] * len(totals)
         self.filled = [0] * len(totals)
 
-    def add(self, keys: torch.Tensor, counts: list[int]) -> None:
-        """One block's token-major keys [sum counts, H, D], its layers one after another."""
+    def add(self, keys: torch.Tensor, counts: list[int], values: torch.Tensor | None = None):
+        """One block's token-major keys [sum counts, H, D], its layers one after another (mixed:
+        and its values)."""
         x = keys.float().reshape(keys.shape[0], -1)
         first = 0
         for layer, count in enumerate(counts):
             at = first
             while at < first + count:
                 take = min(self.group - self.filled[layer], first + count - at)
+                if self.bits == MIXED:
+                    self.held[layer].append((keys[at : at + take], values[at : at + take]))
                 low, high = torch.aminmax(x[at : at + take], dim=0)
                 held = self.open[layer]
                 if held is not None:
@@ -196,8 +214,16 @@ class SpanningKeyRanges:
 
     def _close(self, layer: int) -> None:
         low, high = self.open[layer]
-        stored = _scale_zero(low[None], high[None], self.bits)[0]  # [C, 2]
-        self.scales[self.firsts[layer] + self.closed[layer]] = stored.T.reshape(2, *self.shape)
+        row = self.firsts[layer] + self.closed[layer]
+        if self.bits == MIXED:
+            _scale_zero(low[None], high[None], 2)  # refuses what float16 cannot hold
+            keys, values = (torch.cat(part) for part in zip(*self.held[layer]))
+            _scale_zero(values.float().amin()[None], values.float().amax()[None], 2)
+            self.scales[row] = vidkv.group_planes(keys, values)
+            self.held[layer] = []
+        else:
+            stored = _scale_zero(low[None], high[None], int(self.bits))[0]  # [C, 2]
+            self.scales[row] = stored.T.reshape(2, *self.shape)
         self.closed[layer] += 1
         self.open[layer], self.filled[layer] = None, 0
 
@@ -208,6 +234,9 @@ def quantize_keys_with(
     """Token-major keys [n, H, D] -> packed codes [n, H, D * bits / 8], each token against the
     stored (float16) scale and zero of its group: scales [groups, 2, H, D], rows [n] group rows."""
     n, heads, dim = keys.shape
+    if bits == MIXED:
+        return vidkv.encode_keys(keys, scales.index_select(0, rows))
+    bits = int(bits)
     picked = scales.index_select(0, rows).float().reshape(n, 2, -1)
     codes = _codes(keys.float().reshape(n, -1), picked[:, 0], picked[:, 1], bits)
     return pack_codes(codes.reshape(n, heads, dim), bits)
@@ -219,6 +248,7 @@ def quantize_values(
     """Token-major values [n, H, D] -> (packed codes [n, H, D * bits / 8] uint8, scale and zero
     [n, H * D / group, 2] float16), per token over groups of `group` channels."""
     n, heads, dim = values.shape
+    bits = int(bits)
     x = values.float().reshape(n, -1, group)
     stored = _scale_zero(x.amin(dim=-1), x.amax(dim=-1), bits)
     scale, zero = (t.unsqueeze(-1) for t in stored.float().unbind(-1))
@@ -252,19 +282,24 @@ def dequantize(
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed codes of n tokens' keys and values [n, H, B] -> ([n, H, D], [n, H, D]) of `dtype`.
-    key_scales [groups, 2, H, D] holds each key group once, key_group [n] the group of every
-    token; value_scales [n, groups, 2].
+    key_scales [groups, planes, H, D] holds each key group once, key_group [n] the group of every
+    token; value_scales [n, groups, 2] (None at 1.5 bits: VidKV's codes, vidkv.py).
 
     On a CPU the tokens go a chunk at a time, so the float32 working copies stay in cache: five
     times faster than whole-tensor passes over a real context."""
-    n, heads, width = keys.shape
-    dim = width * 8 // bits
+    n, heads, _ = keys.shape
+    dim = key_scales.shape[-1]
     out_keys = torch.empty(n, heads, dim, dtype=dtype, device=keys.device)
     out_values = torch.empty_like(out_keys)
     step = n if keys.device.type == "cuda" else CHUNK_TOKENS
+    prepared = vidkv.prepare(key_scales) if bits == MIXED else None  # once per group
     for first in range(0, n, max(1, step)):
         rows = slice(first, first + step)
         scales = key_scales.index_select(0, key_group[rows])
-        out_keys[rows] = dequantize_keys(keys[rows], scales, bits)
-        out_values[rows] = dequantize_values(values[rows], value_scales[rows], bits)
+        if bits == MIXED:  # the values' scales are the key groups' fourth plane
+            out_keys[rows] = vidkv.decode_keys_at(keys[rows], prepared, key_group[rows])
+            out_values[rows] = vidkv.decode_values(values[rows], scales)
+        else:
+            out_keys[rows] = dequantize_keys(keys[rows], scales, int(bits))
+            out_values[rows] = dequantize_values(values[rows], value_scales[rows], int(bits))
     return out_keys, out_values

@@ -311,7 +311,12 @@ class PackReader:
     def _block_store(self) -> BlockStore:
         if self._store is None:
             span = self.quant is not None and self.quant.span
-            parts = [p for p in PARTS if not (span and p == "kq")] if self.quant else PARTS[:3]
+            if self.quant is None:
+                parts = PARTS[:3]
+            elif span:  # v9: the key scales are one tensor apart, checked on their own
+                parts = list(self.quant.block_parts)
+            else:
+                parts = list(PARTS)
             views = {part: self._tensors.view(f"{BLOCKS}.{part}") for part in parts}
             if not self._token_major:  # v2/v3: a block's rows lie apart in every head; read whole
                 views = {part: (array.read(), dtype) for part, (array, dtype) in views.items()}

@@ -144,9 +144,9 @@ def check_tensors(
     span = quant is not None and quant.span
     _need(span == (quant is not None and version >= 9), where, "quantization header")
     sizes = check_table(table.rows(), table.times(), quant.group if quant else 0, form, where, span)
-    width = kv.head_dim * quant.bits // 8 if quant else kv.head_dim
-    stored = KVShape(kv.layers, kv.kv_heads, width, kv.dtype)
-    for part in ("k", "v"):
+    widths = (quant.key_width(kv.head_dim), quant.value_width(kv.head_dim)) if quant else None
+    for part, width in zip(("k", "v"), widths or (kv.head_dim,) * 2):
+        stored = KVShape(kv.layers, kv.kv_heads, width, kv.dtype)
         expect(
             entries,
             f"{BLOCKS}.{part}",
@@ -160,8 +160,10 @@ def check_tensors(
     if quant:
         heads, dim = kv.kv_heads, kv.head_dim
         groups = heads * dim // quant.value_group(heads, dim)
-        expect(entries, f"{BLOCKS}.kq", "F16", [sizes["groups"], 2, heads, dim], where)
-        expect(entries, f"{BLOCKS}.vq", "F16", [sizes["tokens"], groups, 2], where)
+        planes = [sizes["groups"], quant.key_planes, heads, dim]
+        expect(entries, f"{BLOCKS}.kq", "F16", planes, where)
+        if not quant.mixed:  # 1.5 bits: the values' scales are the key groups' fourth plane
+            expect(entries, f"{BLOCKS}.vq", "F16", [sizes["tokens"], groups, 2], where)
         if span:  # every byte of them covered: a digest per chunk
             digest = header["integrity"].get("key_scales")
             start, stop = entries[f"{BLOCKS}.kq"]["data_offsets"]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from mmkv_cli.errors import OutputExistsError, PackError
 from mmkv_cli.lazy import torch
+from mmkv_cli.pack import vidkv
 from mmkv_cli.pack.atomic import TEMP_SUFFIX, check_writable, sweep_stale
 from mmkv_cli.pack.format import (
     BLOCKS,
@@ -120,9 +121,10 @@ class _KeyScales:
         self.before = [0] * len(totals)
         self.waiting: list[tuple[Span, list[int]]] = []
 
-    def feed(self, block: Span) -> list[tuple[Span, torch.Tensor]]:
+    def feed(self, block: Span) -> list[tuple[Span, list]]:
         """Take in the next block; the blocks (in order) whose codes can now be made."""
-        self.ranges.add(block.part(0), block.layer_counts)
+        values = block.part(1) if self.quant.mixed else None
+        self.ranges.add(block.part(0), block.layer_counts, values)
         self.waiting.append((block, self.before))
         self.before = [a + b for a, b in zip(self.before, block.layer_counts)]
         ready = 0
@@ -130,7 +132,7 @@ class _KeyScales:
             ready += 1
         return self._codes(ready)
 
-    def finish(self) -> list[tuple[Span, torch.Tensor]]:
+    def finish(self) -> list[tuple[Span, list]]:
         self.ranges.finish()
         return self._codes(len(self.waiting))
 
@@ -141,25 +143,23 @@ class _KeyScales:
             for start, n, done in zip(before, block.layer_counts, closed)
         )
 
-    def _codes(self, ready: int) -> list[tuple[Span, torch.Tensor]]:
-        out = []
+    def _codes(self, ready: int) -> list[tuple[Span, list]]:
+        """(block, its stored parts) for the first `ready` waiting blocks."""
+        out, quant = [], self.quant
         for block, before in self.waiting[:ready]:
-            rows = spanning_groups(before, block.layer_counts, self.quant.group, self.ranges.firsts)
-            codes = quantize_keys_with(block.part(0), self.ranges.scales, rows, self.quant.bits)
-            out.append((block, codes))
+            rows = spanning_groups(before, block.layer_counts, quant.group, self.ranges.firsts)
+            keys = quantize_keys_with(block.part(0), self.ranges.scales, rows, quant.bits)
+            positions = stored_positions(block)[0]
+            if quant.mixed:  # values per channel, against the same groups' fourth plane
+                planes = self.ranges.scales.index_select(0, rows)
+                out.append((block, [keys, vidkv.encode_values(block.part(1), planes), positions]))
+                continue
+            heads, dim = block.keys[0].shape[0], block.keys[0].shape[2]
+            group = quant.value_group(heads, dim)
+            values, value_scales = quantize_values(block.part(1), quant.bits, group)
+            out.append((block, [keys, values, positions, value_scales]))
         del self.waiting[:ready]
         return out
-
-
-def _stored_parts(block: Span, quant: QuantSpec, codes: torch.Tensor | None) -> list:
-    """A block's stored tensors in the order of its streamed parts: K, V, positions, and
-    (quantized: codes, its key codes) the values' scales; the keys' scales are one tensor apart."""
-    positions = stored_positions(block)[0]
-    if codes is None:
-        return [block.part(0), block.part(1), positions]
-    heads, dim = block.keys[0].shape[0], block.keys[0].shape[2]
-    values, value_scales = quantize_values(block.part(1), quant.bits, quant.value_group(heads, dim))
-    return [codes, values, positions, value_scales]
 
 
 def _write_blocks(fh, blocks: Sequence[Span], starts: list[int], keys: _KeyScales | None):
@@ -169,9 +169,11 @@ def _write_blocks(fh, blocks: Sequence[Span], starts: list[int], keys: _KeyScale
     The file keeps all blocks' K, then all V, ...: each part is a run of writes in block order."""
     at, digests = list(starts), []
 
-    def write(block: Span, codes: torch.Tensor | None) -> None:
+    def write(block: Span, stored: list | None) -> None:
         digest = hashlib.sha256()
-        for part, data in enumerate(_stored_parts(block, keys.quant if keys else None, codes)):
+        if stored is None:  # as computed
+            stored = [block.part(0), block.part(1), stored_positions(block)[0]]
+        for part, data in enumerate(stored):
             raw = raw_bytes(data)
             digest.update(raw)
             fh.seek(at[part])
@@ -197,16 +199,18 @@ def _block_tensors(blocks: list[Span], quant: QuantSpec, rows: list[int]) -> dic
     first = blocks[0]
     heads, dim = first.keys[0].shape[0], first.keys[0].shape[2]
     kv_code = "U8" if quant.quantized else _dtype_code(first.keys[0])
-    width = dim * quant.bits // 8 if quant.quantized else dim
+    key_width = quant.key_width(dim) if quant.quantized else dim
+    value_width = quant.value_width(dim) if quant.quantized else dim
     out = {
-        f"{BLOCKS}.k": (kv_code, [rows[0], heads, width]),
-        f"{BLOCKS}.v": (kv_code, [rows[0], heads, width]),
+        f"{BLOCKS}.k": (kv_code, [rows[0], heads, key_width]),
+        f"{BLOCKS}.v": (kv_code, [rows[0], heads, value_width]),
         f"{BLOCKS}.pos": ("I32", [rows[1], first.positions[0].shape[0]]),
     }
-    if quant.quantized:  # the keys' scales last: they are complete once the last block is made
+    if quant.quantized and not quant.mixed:
         groups = heads * dim // quant.value_group(heads, dim)
         out[f"{BLOCKS}.vq"] = ("F16", [rows[0], groups, 2])
-        out[f"{BLOCKS}.kq"] = ("F16", [rows[2], 2, heads, dim])
+    if quant.quantized:  # the keys' scales last: they are complete once the last block is made
+        out[f"{BLOCKS}.kq"] = ("F16", [rows[2], quant.key_planes, heads, dim])
     return out
 
 

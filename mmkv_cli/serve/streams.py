@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mmkv_cli.errors import MmkvError, UsageError
 from mmkv_cli.live import Follow, LiveQuestion
 from mmkv_cli.media.live import LiveOptions
-from mmkv_cli.options import EncodeOptions, GenerationOptions, LoadOptions
+from mmkv_cli.options import KV_BITS, EncodeOptions, GenerationOptions, LoadOptions
 from mmkv_cli.serve.shelf import PACK_NAME
 
 MAX_STREAMS = 8  # each holds a memory and a decoding thread
@@ -38,7 +38,7 @@ class StreamRequest(BaseModel):
     budget_tokens: int | None = Field(None, ge=1, le=1 << 24)
     fps: float | None = Field(None, gt=0, le=60)
     model: str | None = Field(None, max_length=200)
-    kv_bits: Literal[16, 8, 4, 2] = 16
+    kv_bits: Literal[KV_BITS] = 16
     snapshot_every: float | None = Field(None, gt=0)
     behind: Literal["wait", "drop"] | None = None
     stall_s: float = Field(10.0, gt=0, le=3600)

@@ -71,7 +71,7 @@ class EvalSettings:
     max_frames: int | None = None
     positions: Positions | None = None
     max_new_tokens: int = 8
-    kv_bits: int = 16  # bits per stored visual K/V value (16: as computed)
+    kv_bits: float = 16  # bits per stored visual K/V value (16: as computed; options.KV_BITS)
     # replay: encode the whole clip, ask with --at; stream: answer each question when the stream
     # reaches its moment, from the memory then (stream_protocol.py); auto: stream when the
     # questions carry moments
