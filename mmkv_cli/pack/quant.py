@@ -295,11 +295,12 @@ def dequantize(
     prepared = vidkv.prepare(key_scales) if bits == MIXED else None  # once per group
     for first in range(0, n, max(1, step)):
         rows = slice(first, first + step)
-        scales = key_scales.index_select(0, key_group[rows])
         if bits == MIXED:  # the values' scales are the key groups' fourth plane
-            out_keys[rows] = vidkv.decode_keys_at(keys[rows], prepared, key_group[rows])
-            out_values[rows] = vidkv.decode_values(values[rows], scales)
+            at = key_group[rows]
+            out_keys[rows] = vidkv.decode_keys_at(keys[rows], prepared, at)
+            out_values[rows] = vidkv.decode_values_with(values[rows], prepared[3][at])
         else:
+            scales = key_scales.index_select(0, key_group[rows])
             out_keys[rows] = dequantize_keys(keys[rows], scales, int(bits))
             out_values[rows] = dequantize_values(values[rows], value_scales[rows], int(bits))
     return out_keys, out_values

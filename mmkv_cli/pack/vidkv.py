@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack.codes import pack_codes, unpack_codes
+from mmkv_cli.pack.codes import pack_codes
 
 TRITS_PER_BYTE = 5
 
@@ -95,14 +95,15 @@ def encode_keys(keys: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
 
 def prepare(planes: torch.Tensor) -> tuple:
     """Key groups' planes [G, 4, H, D] -> what decoding needs of each, made once per group, not
-    per token: (channel order, scales and zeros in that order, the inverse FFT as a matrix)."""
+    per token: (where each channel sits among [2-bit ones, easy ones], the 2-bit scales and zeros
+    and the component scales in that order, the values' means, the inverse FFT as a matrix)."""
     planes = planes.float()
     order = _order(planes)
     scale, zero = planes[:, 0].gather(-1, order), planes[:, 1].gather(-1, order)
     half = planes.shape[-1] // 2
     # from_components is linear: its rows for the unit vectors make it one matrix product
     inverse = from_components(torch.eye(half, device=planes.device))
-    return order, scale, zero, inverse
+    return torch.argsort(order, dim=-1), scale, zero, planes[:, 3], inverse
 
 
 def decode_keys(packed: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
@@ -112,14 +113,26 @@ def decode_keys(packed: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
 
 def decode_keys_at(packed: torch.Tensor, prepared: tuple, rows: torch.Tensor) -> torch.Tensor:
     """Key codes [n, H, B] of groups rows [n] of `prepared` (prepare()) -> float32 [n, H, D]."""
-    *per_group, inverse = prepared
-    order, scale, zero = (t.index_select(0, rows) for t in per_group)
-    dim = order.shape[-1]
+    where, scale, zero, _, inverse = prepared
+    where, scale, zero = (t.index_select(0, rows) for t in (where, scale, zero))
+    n, heads, dim = scale.shape
     half = dim // 2
-    hard = unpack_codes(packed[..., : dim // 8], 2).float() * scale[..., :half] + zero[..., :half]
-    signs = unpack_codes(packed[..., dim // 8 :], 1)[..., :half].float() * 2 - 1
-    easy = (signs * scale[..., half:]) @ inverse
-    return torch.empty_like(scale).scatter_(-1, order, torch.cat([hard, easy], dim=-1))
+    levels, signs = _unpacking(str(packed.device))  # lookups, not shifts: five times as fast
+    hard = levels.index_select(0, packed[..., : dim // 8].reshape(-1).long()).reshape(n, heads, -1)
+    easy = signs.index_select(0, packed[..., dim // 8 :].reshape(-1).long())
+    easy = easy.reshape(n, heads, -1)[..., :half]
+    hard = hard * scale[..., :half] + zero[..., :half]
+    easy = (easy * scale[..., half:]) @ inverse
+    return torch.cat([hard, easy], dim=-1).gather(-1, where)
+
+
+@functools.cache
+def _unpacking(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """([256, 4] a byte's four 2-bit codes, [256, 8] its eight bits as -1 / +1), lowest first."""
+    byte = torch.arange(256)
+    levels = torch.stack([(byte >> s) & 3 for s in range(0, 8, 2)], dim=-1).float()
+    signs = torch.stack([(byte >> s) & 1 for s in range(8)], dim=-1).float() * 2 - 1
+    return levels.to(device), signs.to(device)
 
 
 def encode_values(values: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
@@ -136,11 +149,16 @@ def encode_values(values: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
 
 
 def decode_values(packed: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
-    """The inverse of encode_values, float32 [n, H, D]."""
-    n, heads, dim = planes[:, 3].shape
+    """The inverse of encode_values, float32 [n, H, D] (planes: each token's group's)."""
+    return decode_values_with(packed, planes[:, 3].float())
+
+
+def decode_values_with(packed: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+    """Ternary value codes [n, H, ceil(D/5)] and each token's channel means [n, H, D]."""
+    n, heads, dim = means.shape
     table = _trits(str(packed.device))  # a byte's five trits: a lookup, not five divisions
-    q = table[packed.long()].reshape(n, heads, -1)[..., :dim]
-    return q * planes[:, 3].float()
+    q = table.index_select(0, packed.reshape(-1).long()).reshape(n, heads, -1)[..., :dim]
+    return q * means
 
 
 @functools.cache
