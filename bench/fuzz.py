@@ -1,4 +1,4 @@
-"""Fuzz packs (issues 18, 40): N seeded mutants of real packs, each asked from; counts per kind.
+"""Fuzz packs (issues 18, 40, 38): N seeded mutants of real packs, each asked from; counts per kind.
 
     python bench/fuzz.py [--mutants 10000] [--old 3000] [--rewrites 200] [--seed 2026]
 
@@ -12,11 +12,11 @@ NaN/Inf logits), hang (over 60 s), internal (a crash). Goals: 0 internal, 0 hang
 and 0 changed among the kinds not re-sealed. Each mutant is asked twice: plainly and at second 2
 (the block times' path).
 
-Then: mutants of the older fixtures (tests/data/v3, v6, v7: no model, so every byte is read back
-instead of asked); packs rewritten in place under an open session (`cp` over a served pack: each
-question after it refused or answered from the bytes opened); and the read rate of a whole pack at
-real width through the memory map the reader used before issue 40 and through pread, now. Writes
-bench/results/fuzz.json.
+Then: mutants of the older fixtures (tests/data/v3, v6, v7, v8q: no model, so every byte is read
+back instead of asked); packs rewritten in place under an open session (`cp` over a served pack:
+each question after it refused or answered from the bytes opened); and the read rate of a whole
+pack at real width through the memory map the reader used before issue 40 and through pread, now.
+Writes bench/results/fuzz.json.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ ASKS = [
     AskOptions(generation=GenerationOptions(max_new_tokens=1), keep_logits=True),
     AskOptions(at=2.0, generation=GenerationOptions(max_new_tokens=1), keep_logits=True),
 ]
-SUBJECTS = [("full", 16), ("mukv", 4), ("hermes", 8), ("rekv", 2)]
+SUBJECTS = [("full", 16), ("mukv", 4), ("hermes", 8), ("rekv", 2), ("recency", 1.5)]
+OLD = ("3", "6", "7", "8q")  # tests/data/v{name}.kvpack
 
 
 class Hang(Exception):
@@ -87,7 +88,7 @@ def asked(path: Path, backbone, references) -> str:
 def v8_mutants(args, backbone, rng, tmp: Path) -> tuple[dict, list]:
     subjects = []
     for method, bits in SUBJECTS:
-        path = tmp / f"{method}.kvpack"
+        path = tmp / f"{method}-{bits}.kvpack"
         options = EncodeOptions(method, max_frames=16, kv_bits=bits, kv_group=8)
         api.encode(str(ROOT / "samples" / "clip.mp4"), path, options, backbone=backbone)
         session = api.PackSession(path, backbone=backbone)
@@ -108,14 +109,14 @@ def v8_mutants(args, backbone, rng, tmp: Path) -> tuple[dict, list]:
 
 
 def old_mutants(args, rng, tmp: Path) -> tuple[Counter, list]:
-    fixtures = [(ROOT / "tests" / "data" / f"v{v}.kvpack").read_bytes() for v in (3, 6, 7)]
+    fixtures = [(ROOT / "tests" / "data" / f"v{v}.kvpack").read_bytes() for v in OLD]
     counts, crashes = Counter(), []
     target = tmp / "old.kvpack"
     kinds = sorted(KINDS)
     for n in range(args.old):
         kind = kinds[n % len(kinds)]
-        version = (3, 6, 7)[n // len(kinds) % 3]
-        target.write_bytes(mutate(fixtures[(3, 6, 7).index(version)], kind, rng))
+        version = OLD[n // len(kinds) % len(OLD)]
+        target.write_bytes(mutate(fixtures[OLD.index(version)], kind, rng))
         result = bounded(lambda: read_everything(target))
         if result.startswith("internal"):
             crashes.append(f"v{version} {n} {kind}: {result}")
@@ -230,7 +231,7 @@ def main() -> None:
     table = {kind: {r: counts[kind, r] for r in outcomes} for kind in kinds}
     old_table = {
         v: {r: old[v, r] for r in ("refused", "read", "hang", "internal")}
-        for v in ("v3", "v6", "v7")
+        for v in (f"v{name}" for name in OLD)
     }
     damaged = sum(counts[k, "changed"] for k in kinds if not KINDS[k])
     internal = sum(counts[k, "internal"] for k in kinds) + sum(

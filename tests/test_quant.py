@@ -236,7 +236,7 @@ def test_the_spanning_key_scales_are_checksummed_apart_and_named_by_verify(tmp_p
         byte = fh.read(1)
         fh.seek(start + 3)
         fh.write(bytes([byte[0] ^ 0x01]))
-    with pytest.raises(PackError, match="checksum mismatch in key scales"):
+    with pytest.raises(PackError, match="checksum mismatch in the key scales"):
         PackReader(path).gather(["b1"])
     assert PackReader(path).block_faults() == ["key scales: checksum mismatch"]
 

@@ -118,3 +118,54 @@ def test_a_pack_at_one_and_a_half_bits_reads_back_what_the_definitions_decode(tm
         want_v = V.decode_values(V.encode_values(v, planes), planes).transpose(0, 1)
         assert torch.allclose(values[layer], want_v, atol=1e-6)
     assert reader.block_faults() == []
+
+
+def test_forged_channel_flags_are_refused_even_when_resealed(tmp_path):
+    """A forger who rewrites a group's 2-bit flags and re-seals every digest still meets one clear
+    error: each flag must be 0 or 1, and half of a head's channels 2-bit."""
+    import numpy as np
+
+    from mmkv_cli.errors import PackError
+    from mmkv_cli.pack.hashing import chunk_digests
+    from tests.mutants import Parts
+
+    g = torch.Generator().manual_seed(9)
+    n = 12
+    span = Span(
+        "b0",
+        [torch.randn(2, n, 16, generator=g) for _ in range(2)],
+        [torch.randn(2, n, 16, generator=g) for _ in range(2)],
+        [torch.arange(n).unsqueeze(0)] * 2,
+        "frame",
+        (0, 1),
+        (0.0, 0.5),
+    )
+    prompt = Span("prefix", span.keys, span.values, span.positions)
+    path = tmp_path / "v.kvpack"
+    header = pack_header(layers=2, dim=16)
+    write_pack(path, header, prompt, [span], replace_name(prompt, "suffix"), False, QuantSpec(1.5))
+    for flag in (0.5, 0.0):
+        parts = Parts.of(path.read_bytes())
+        start, stop = parts.directory["blocks.kq"]["data_offsets"]
+        planes = (
+            np.frombuffer(bytes(parts.data[start:stop]), np.float16).reshape(-1, 4, 2, 16).copy()
+        )
+        first_hard = int(np.flatnonzero(planes[0, 2, 0] == 1)[0])
+        planes[0, 2, 0, first_hard] = flag  # not a flag, or one 2-bit channel too few
+        parts.data[start:stop] = planes.tobytes()
+        stored = parts.header()
+        digest = stored["integrity"]["key_scales"]
+        digest["sha256"] = chunk_digests(planes.tobytes(), digest["chunk"])
+        parts.set_header(stored)
+        parts.reseal()
+        forged = tmp_path / "forged.kvpack"
+        forged.write_bytes(parts.bytes())
+        with pytest.raises(PackError, match="channel flags"):
+            PackReader(forged).gather(["b0"])
+        assert "channel flags" in PackReader(forged).block_faults()[0]
+
+
+def replace_name(span: Span, name: str) -> Span:
+    from dataclasses import replace
+
+    return replace(span, name=name)

@@ -35,6 +35,7 @@ from mmkv_cli.pack.shapes import check_tensors, kv_shape_of
 from mmkv_cli.pack.source import block_byte_ranges, open_pack_file
 from mmkv_cli.pack.table import BlockRows, BlockTable
 from mmkv_cli.pack.tensors import StoredTensors
+from mmkv_cli.pack.vidkv import two_bit_flags_sound
 
 # Reads of at least this many K/V bytes are checksummed on a thread beside the copy; below it the
 # thread's start costs more than it saves (docs/measurements.md)
@@ -297,16 +298,30 @@ class PackReader:
         return BlockRows(self._blocks, indices, self.quant.group, self.quant.span)
 
     def key_scales(self) -> torch.Tensor:
-        """v9: the spanning key groups' scales and zeros [groups, 2, H, D] float16, read and
-        checked against their chunk digests once, then held (about 0.8% of the fp16 KV at a group
-        of 128 tokens). Callers must not write into it."""
+        """v9: the spanning key groups' planes [groups, planes, H, D] float16 (scales and zeros; at
+        1.5 bits also which channels are 2-bit and the values' means), read and checked against
+        their chunk digests once, then held (about 0.8% of the fp16 KV at a group of 128 tokens).
+        A re-sealed forgery is refused too: a NaN or Inf anywhere in them, or (1.5 bits) a channel
+        flag that is not 0 or 1, or not half the channels 2-bit. Callers must not write into it."""
         if self._key_scales is None:
-            stored = self._tensors.array(f"{BLOCKS}.kq")
-            digest = self._stored["integrity"]["key_scales"]
-            if chunk_digests(stored, digest["chunk"]) != digest["sha256"]:
-                raise PackError(f"{self.path} is corrupted (checksum mismatch in key scales)")
-            self._key_scales = torch.from_numpy(stored).view(torch.float16)
+            scales, fault = self._read_key_scales()
+            if fault:
+                raise PackError(f"{self.path} is corrupted ({fault} in the key scales)")
+            self._key_scales = scales
         return self._key_scales
+
+    def _read_key_scales(self) -> tuple[torch.Tensor | None, str | None]:
+        """(the key scales, None), or (None, what is wrong with them)."""
+        stored = self._tensors.array(f"{BLOCKS}.kq")
+        digest = self._stored["integrity"]["key_scales"]
+        if chunk_digests(stored, digest["chunk"]) != digest["sha256"]:
+            return None, "checksum mismatch"
+        scales = torch.from_numpy(stored).view(torch.float16)
+        if not all_finite([scales]):
+            return None, "NaN or Inf"
+        if self.quant.mixed and not two_bit_flags_sound(scales[:, 2]):
+            return None, "channel flags not 0/1, half of them 1,"
+        return scales, None
 
     def _block_store(self) -> BlockStore:
         if self._store is None:
@@ -344,11 +359,11 @@ class PackReader:
         """Every block checked against its checksum (verify): the names of those that fail."""
         faults = []
         store = self._block_store()
-        if store.key_scales is not None:
-            try:
-                store.key_scales()
-            except PackError:  # every quantized block decodes through them: none can be read
-                return ["key scales: checksum mismatch"]
+        if store.key_scales is not None and self._key_scales is None:
+            scales, fault = self._read_key_scales()
+            if fault:  # every quantized block decodes through them: none can be read
+                return [f"key scales: {fault}"]
+            self._key_scales = scales
         for first in range(0, len(self._blocks), chunk):
             indices = list(range(first, min(len(self._blocks), first + chunk)))
             where = self._rows(indices)

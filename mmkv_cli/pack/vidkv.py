@@ -72,6 +72,14 @@ def group_planes(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return planes.to(torch.float16)
 
 
+def two_bit_flags_sound(flags: torch.Tensor) -> bool:
+    """flags [G, H, D] (plane 2 of stored groups): every one 0 or 1, half of each head's 1."""
+    ones = flags == 1
+    return bool(((flags == 0) | ones).all()) and bool(
+        (ones.sum(dim=-1) == flags.shape[-1] // 2).all()
+    )
+
+
 def _order(planes: torch.Tensor) -> torch.Tensor:
     """[n, H, D] channel indices: each token's 2-bit channels ascending, then its 1-bit ones."""
     easy = (planes[:, 2] < 0.5).to(torch.int8)
