@@ -225,17 +225,23 @@ def test_positions_are_int32_and_stored_once_when_layers_agree(tmp_path):
     assert reader._entries["prefix.pos"]["shape"] == [3, 3]
 
 
+def flip(path, tensor: str, at: int, mask: int) -> PackReader:
+    """Flip `mask` in byte `at` of `tensor`'s bytes in the pack at `path` (opened first)."""
+    reader = PackReader(path)
+    start = reader._tensors.data_start + reader._entries[tensor]["data_offsets"][0]
+    with open(path, "r+b") as fh:
+        fh.seek(start + at)
+        byte = fh.read(1)
+        fh.seek(start + at)
+        fh.write(bytes([byte[0] ^ mask]))
+    return reader
+
+
 def test_the_spanning_key_scales_are_checksummed_apart_and_named_by_verify(tmp_path):
     path = tmp_path / "q.kvpack"
     write(path, QuantSpec(4, 8))
-    reader = PackReader(path)
+    reader = flip(path, "blocks.kq", 3, 0x01)
     assert "key_scales" in reader._stored["integrity"]
-    start = reader._tensors.data_start + reader._entries["blocks.kq"]["data_offsets"][0]
-    with open(path, "r+b") as fh:
-        fh.seek(start + 3)
-        byte = fh.read(1)
-        fh.seek(start + 3)
-        fh.write(bytes([byte[0] ^ 0x01]))
     with pytest.raises(PackError, match="checksum mismatch in the key scales"):
         PackReader(path).gather(["b1"])
     assert PackReader(path).block_faults() == ["key scales: checksum mismatch"]
@@ -245,13 +251,7 @@ def test_the_spanning_key_scales_are_checksummed_apart_and_named_by_verify(tmp_p
 def test_every_stored_part_of_a_block_is_checksummed(tmp_path, part):
     path = tmp_path / "q.kvpack"
     write(path, QuantSpec(4, 8))
-    reader = PackReader(path)
-    start = reader._tensors.data_start + reader._entries[part]["data_offsets"][0]
-    with open(path, "r+b") as fh:
-        fh.seek(start + 1)
-        byte = fh.read(1)
-        fh.seek(start + 1)
-        fh.write(bytes([byte[0] ^ 0x10]))
+    flip(path, part, 1, 0x10)
     with pytest.raises(PackError, match="checksum mismatch in b0"):
         PackReader(path).gather(["b0"])
 

@@ -195,7 +195,8 @@ class InfiniPotMemory(KeepAll):
     def _compress(self, state: StreamState, count: int) -> None:
         p = self.params
         per_frame = int(torch.bincount(state.token_step).max())  # a step's tokens: a "frame"
-        places = spatial_slots(state.token_step)  # every stream token's place in its grid
+        # every stream token's place in its grid (a pass over the whole stream: spatial only)
+        places = spatial_slots(state.token_step) if p.pairing == "spatial" else None
         for layer in range(state.layers):
             n = state.cache.count(layer)
             if n <= count:

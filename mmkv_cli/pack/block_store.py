@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from mmkv_cli.lazy import torch
+from mmkv_cli.pack import vidkv
 from mmkv_cli.pack.hashing import BlockHashes, mismatched, stored_bytes
 from mmkv_cli.pack.quant import QuantSpec, dequantize
 from mmkv_cli.pack.table import BlockRows
@@ -101,6 +102,8 @@ class BlockStore:
         else:
             key_scales = self._pick("kq", groups)
         key_scales = key_scales.to(device).float()
+        # 1.5 bits: every group's channel order and scales made once for all the layers read
+        prepared = vidkv.prepare(key_scales) if self.quant.mixed else None
         expand = torch.from_numpy(expand).to(device)
         dtype = dtype or getattr(torch, self.kv_dtype)
         keys, values = [], []
@@ -114,6 +117,7 @@ class BlockStore:
                 None if vq is None else vq[at],
                 self.quant.bits,
                 dtype,
+                prepared,
             )
             keys.append(layer[0].transpose(0, 1))
             values.append(layer[1].transpose(0, 1))

@@ -128,13 +128,18 @@ class QuantSpec:
         }
 
 
-def _scale_zero(low: torch.Tensor, high: torch.Tensor, bits: int) -> torch.Tensor:
-    """[..., 2] float16 (scale, zero) for ranges [low, high]; refused when float16 cannot hold
-    them."""
-    if float(torch.maximum(low.abs().max(), high.abs().max())) > FLOAT16_MAX:
+def _refuse_beyond_float16(*tensors: torch.Tensor) -> None:
+    """Quantized KV keeps float16 scales: values float16 cannot hold are refused."""
+    if any(t.numel() and float(t.abs().max()) > FLOAT16_MAX for t in tensors):
         raise UsageError(
             "KV values exceed float16's range, so they cannot be quantized: keep --kv-bits 16"
         )
+
+
+def _scale_zero(low: torch.Tensor, high: torch.Tensor, bits: int) -> torch.Tensor:
+    """[..., 2] float16 (scale, zero) for ranges [low, high]; refused when float16 cannot hold
+    them."""
+    _refuse_beyond_float16(low, high)
     scale = (high - low) / ((1 << bits) - 1)
     return torch.stack([scale, low], dim=-1).to(torch.float16)
 
@@ -175,7 +180,7 @@ class SpanningKeyRanges:
         self.group, self.bits, self.shape = group, bits, (heads, dim)
         self.firsts = layer_first_groups(totals, group)
         count = sum(-(-t // group) for t in totals)
-        planes = 4 if bits == MIXED else 2
+        planes = QuantSpec(bits).key_planes
         self.scales = torch.zeros(count, planes, heads, dim, dtype=torch.float16)
         # mixed: the open group's keys and values themselves (its 2-bit channels, FFT scales and
         # value means need all of its tokens: at most `group` tokens a layer are held)
@@ -187,19 +192,21 @@ class SpanningKeyRanges:
     def add(self, keys: torch.Tensor, counts: list[int], values: torch.Tensor | None = None):
         """One block's token-major keys [sum counts, H, D], its layers one after another (mixed:
         and its values)."""
-        x = keys.float().reshape(keys.shape[0], -1)
+        x = None if self.bits == MIXED else keys.float().reshape(keys.shape[0], -1)
         first = 0
         for layer, count in enumerate(counts):
             at = first
             while at < first + count:
                 take = min(self.group - self.filled[layer], first + count - at)
-                if self.bits == MIXED:
+                if self.bits == MIXED:  # the group's planes come from its tokens at its close
                     self.held[layer].append((keys[at : at + take], values[at : at + take]))
-                low, high = torch.aminmax(x[at : at + take], dim=0)
-                held = self.open[layer]
-                if held is not None:
-                    low, high = torch.minimum(low, held[0]), torch.maximum(high, held[1])
-                self.open[layer], self.filled[layer] = (low, high), self.filled[layer] + take
+                else:
+                    low, high = torch.aminmax(x[at : at + take], dim=0)
+                    held = self.open[layer]
+                    if held is not None:
+                        low, high = torch.minimum(low, held[0]), torch.maximum(high, held[1])
+                    self.open[layer] = (low, high)
+                self.filled[layer] += take
                 if self.filled[layer] == self.group:
                     self._close(layer)
                 at += take
@@ -207,21 +214,20 @@ class SpanningKeyRanges:
 
     def finish(self) -> torch.Tensor:
         """Close every layer's last group; returns the scales."""
-        for layer, held in enumerate(self.open):
-            if held is not None:
+        for layer, filled in enumerate(self.filled):
+            if filled:
                 self._close(layer)
         return self.scales
 
     def _close(self, layer: int) -> None:
-        low, high = self.open[layer]
         row = self.firsts[layer] + self.closed[layer]
         if self.bits == MIXED:
-            _scale_zero(low[None], high[None], 2)  # refuses what float16 cannot hold
             keys, values = (torch.cat(part) for part in zip(*self.held[layer]))
-            _scale_zero(values.float().amin()[None], values.float().amax()[None], 2)
+            _refuse_beyond_float16(keys, values)
             self.scales[row] = vidkv.group_planes(keys, values)
             self.held[layer] = []
         else:
+            low, high = self.open[layer]
             stored = _scale_zero(low[None], high[None], int(self.bits))[0]  # [C, 2]
             self.scales[row] = stored.T.reshape(2, *self.shape)
         self.closed[layer] += 1
@@ -280,10 +286,12 @@ def dequantize(
     value_scales: torch.Tensor,
     bits: int,
     dtype: torch.dtype,
+    prepared: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed codes of n tokens' keys and values [n, H, B] -> ([n, H, D], [n, H, D]) of `dtype`.
     key_scales [groups, planes, H, D] holds each key group once, key_group [n] the group of every
-    token; value_scales [n, groups, 2] (None at 1.5 bits: VidKV's codes, vidkv.py).
+    token; value_scales [n, groups, 2] (None at 1.5 bits: VidKV's codes, vidkv.py, whose groups
+    `prepared` holds when a caller decodes many layers from the same key_scales).
 
     On a CPU the tokens go a chunk at a time, so the float32 working copies stay in cache: five
     times faster than whole-tensor passes over a real context."""
@@ -292,7 +300,8 @@ def dequantize(
     out_keys = torch.empty(n, heads, dim, dtype=dtype, device=keys.device)
     out_values = torch.empty_like(out_keys)
     step = n if keys.device.type == "cuda" else CHUNK_TOKENS
-    prepared = vidkv.prepare(key_scales) if bits == MIXED else None  # once per group
+    if bits == MIXED and prepared is None:
+        prepared = vidkv.prepare(key_scales)  # once per group, not per token
     for first in range(0, n, max(1, step)):
         rows = slice(first, first + step)
         if bits == MIXED:  # the values' scales are the key groups' fourth plane

@@ -99,8 +99,10 @@ def _layout(shapes, quant: QuantSpec):
             kinds.append(block.granularity)
         counts, shared = list(block.layer_counts), block.shared_positions
         steps = list(block.steps) if block.steps else [-1, -1]
-        table.append([kinds.index(block.granularity), *steps, offset, positions, int(shared), 0])
-        table[-1] += counts
+        # the key-group column (v7/v8) stays 0: v9's groups follow each layer's run
+        table.append(
+            [kinds.index(block.granularity), *steps, offset, positions, int(shared), 0, *counts]
+        )
         totals = [a + b for a, b in zip(totals, counts)] if totals else list(counts)
         times.append([round(float(t), 4) for t in block.time] if block.time else [float("nan")] * 2)
         reps.append(block.representative)
