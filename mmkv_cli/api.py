@@ -29,6 +29,7 @@ from mmkv_cli.options import (
 from mmkv_cli.pack import PackReader, check_writable
 from mmkv_cli.pack.report import inspect, verify  # the verbs that read a pack alone
 from mmkv_cli.pack.storage import is_url, local_path
+from mmkv_cli.reduce.choice import check_reducer
 from mmkv_cli.spec import as_plain, override
 
 if TYPE_CHECKING:
@@ -71,12 +72,18 @@ def encode(
     options = options or EncodeOptions()
     if is_url(output) or is_url(media):
         return _encode_remote(media, str(output), options, backbone, load, progress, on_start)
+    from mmkv_cli.backbones import tower_families
+    from mmkv_cli.media import media_kind
+
     output = local_path(output)
     quant, choice = _checked_before_loading(media, output, options)  # before torch loads
     if backbone is None:
-        from mmkv_cli.backbones.spec import check_available
+        from mmkv_cli.backbones.spec import check_available, load_model_spec
 
         check_available((load or LoadOptions()).model)  # without torch: under a second
+        preset = load_model_spec((load or LoadOptions()).model or "")
+        if preset is not None and preset.family is not None:
+            check_reducer(choice.reduce, media_kind(media), preset.family, tower_families())
     from mmkv_cli.backbones.loading import load_backbone
     from mmkv_cli.encode.checkpoint import Checkpointing
     from mmkv_cli.encode.encoder import encode_media
@@ -85,6 +92,8 @@ def encode(
     from mmkv_cli.methods import EncodeContext
 
     backbone = backbone or load_backbone(load)
+    # a checkpoint's family is known once its config is read: still before any media or prefill
+    check_reducer(choice.reduce, media_kind(media), backbone.family, tower_families())
     kv = backbone.kv_shape()
     quant.check(kv["kv_heads"], kv["head_dim"])  # and against this model's width
     fps = options.fps if options.fps is not None else backbone.spec.fps
@@ -106,11 +115,14 @@ def _checked_before_loading(media: str, output: Path, options: EncodeOptions):
     """Everything an encode can refuse before the model loads: the bits and group, the output
     (writable, not the media, no checkpoint it would overwrite), the method, budget and guidance.
     Returns (the quantization, the method chosen)."""
+    from mmkv_cli.backbones import tower_families
     from mmkv_cli.encode.checkpoint import Checkpointing
-    from mmkv_cli.media import check_media
+    from mmkv_cli.media import check_media, media_kind
     from mmkv_cli.pack.quant import QuantSpec
 
-    quant = QuantSpec(options.kv_bits, options.kv_group)
+    choice = resolve_method(options.method).with_budget(options.budget, options.budget_tokens)
+    choice = choice.with_guidance(options.guidance_prompt).with_reduce(options.reduce)
+    quant = QuantSpec(options.bits_for(choice.method), options.kv_group)
     quant.check(1, 8)  # the bits and group alone, before the model loads
     if options.fps is not None and not (math.isfinite(options.fps) and options.fps > 0):
         raise UsageError(f"--fps must be a positive number, not {options.fps}")
@@ -119,9 +131,8 @@ def _checked_before_loading(media: str, output: Path, options: EncodeOptions):
     refuse_input_as_output(media, output)
     check_writable(output, options.force)  # fail before any expensive work
     Checkpointing.refuse_overwrite(output, options.checkpoint_every, options.resume)
-    choice = resolve_method(options.method).with_budget(options.budget, options.budget_tokens)
-    choice = choice.with_guidance(options.guidance_prompt)
     check_media(media)  # after the method: a preset is checked even without media
+    check_reducer(choice.reduce, media_kind(media), None, tower_families())  # the media kind
     return quant, choice
 
 

@@ -44,16 +44,24 @@ class EncodeOptions:
     max_frames: int | None = None  # None: the model's
     guidance_prompt: str | None = None  # for methods that score by a prompt (None: by media kind)
     force: bool = False  # replace an existing output
-    # bits per stored visual K/V value: 16 (as computed), 8, 4, 2 or 1.5 (VidKV's mixed bits)
-    kv_bits: float = 16
+    # bits per stored visual K/V value: 16 (as computed), 8, 4, 2 or 1.5 (VidKV's mixed bits);
+    # None: the method's own (16 but for methods that quantize as part of them: StreamingTOM 4)
+    kv_bits: float | None = None
     # quantization group: tokens per key group, channels per value group (QuantSpec's default, the
     # smallest packs at real width in bench/quant.py)
     kv_group: int = 128
     checkpoint_every: int = 0  # save the streaming state every N chunks beside the output (0: no)
     resume: bool = False  # continue from the checkpoint an interrupted encode left
 
+    reduce: str | None = None  # a token reducer before the prefill (None: the method's; "none")
+
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kv_bits", kv_bits_value(self.kv_bits))
+        if self.kv_bits is not None:
+            object.__setattr__(self, "kv_bits", kv_bits_value(self.kv_bits))
+
+    def bits_for(self, method) -> int | float:
+        """The bits this encode stores at: the command line's, else the method's (a Method)."""
+        return self.kv_bits if self.kv_bits is not None else kv_bits_value(method.kv_bits)
 
 
 # bits a pack's visual K/V may be stored at: 16 as computed; 8, 4, 2 after KIVI; 1.5 after VidKV

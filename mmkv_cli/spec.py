@@ -12,10 +12,19 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from dataclasses import field, fields, is_dataclass, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from mmkv_cli.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Paper:
+    """What a method or a token reducer follows."""
+
+    title: str
+    year: int
+    url: str = ""
 
 
 def knob(

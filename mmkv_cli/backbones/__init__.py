@@ -20,6 +20,8 @@ class Family:
     adapter: str  # the Backbone subclass in that module
     hf_class: str  # transformers' class a checkpoint of this family loads as
     tiny_builder: str  # the builder in tiny.py of a small random model of this family
+    # the adapter gives the vision tower's attention per visual token (token reducers that read it)
+    tower_attention: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -28,6 +30,7 @@ FAMILIES: dict[str, Family] = {
         "LlavaOnevisionBackbone",
         "LlavaOnevisionForConditionalGeneration",
         "build_tiny_llava_ov",
+        tower_attention=True,
     ),
     "qwen2_vl": Family(
         "qwen_vl", "QwenVLBackbone", "Qwen2VLForConditionalGeneration", "build_tiny_qwen2_vl"
@@ -41,3 +44,8 @@ FAMILIES: dict[str, Family] = {
 }
 # a family's name, as a preset's `family:` field is typed (its values come from FAMILIES)
 FamilyName = Literal[tuple(FAMILIES)]  # type: ignore[valid-type]
+
+
+def tower_families() -> list[str]:
+    """The families whose adapters expose the vision tower's attention."""
+    return [name for name, family in FAMILIES.items() if family.tower_attention]

@@ -13,6 +13,7 @@ import transformers
 from transformers import DynamicCache
 
 from mmkv_cli.backbones.spec import ModelSpec
+from mmkv_cli.errors import ModelError
 from mmkv_cli.kernels import attention
 
 
@@ -112,6 +113,14 @@ class Backbone:
         """The stream tokens of these frames' steps, and any extra inputs the language model needs
         for them."""
         return self.visual_embeds(frames), {}
+
+    def visual_chunk_scored(
+        self, frames: np.ndarray, step_times: list[tuple[float, float]], layout: StreamLayout
+    ) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        """visual_chunk, and the attention each grid token got in the vision tower [steps, grid
+        tokens] (token reducers that read it). Only families whose registry row says
+        tower_attention give it; the encoder refuses the rest before any work."""
+        raise ModelError(f"the {self.family} adapter does not expose its vision tower's attention")
 
     def suffix_embeds(self) -> torch.Tensor:
         """What follows the last visual token, as embeddings [1, s, hidden]."""

@@ -52,8 +52,8 @@ def check_items(items: list[BatchItem], settings: BatchSettings) -> None:
             choice = resolve_method(options.method).with_budget(
                 options.budget, options.budget_tokens
             )
-            choice.with_guidance(options.guidance_prompt)
-            QuantSpec(options.kv_bits, options.kv_group).check(1, 8)
+            choice.with_guidance(options.guidance_prompt).with_reduce(options.reduce)
+            QuantSpec(options.bits_for(choice.method), options.kv_group).check(1, 8)
             if options.fps is not None and not (math.isfinite(options.fps) and options.fps > 0):
                 raise UsageError(f"fps must be positive, got {options.fps}")
             if options.max_frames is not None and options.max_frames < 0:
@@ -70,6 +70,8 @@ def pack_name(media: str, digest: str, fingerprint: dict, options: EncodeOptions
     from mmkv_cli.methods.choice import resolve_method
 
     choice = resolve_method(options.method).with_budget(options.budget, options.budget_tokens)
+    choice = choice.with_reduce(options.reduce)
+    bits = options.bits_for(choice.method)
     identity = {
         "media": digest,
         "model": [fingerprint.get(k) for k in ("family", "config_sha256", "weights_sha256")],
@@ -79,7 +81,8 @@ def pack_name(media: str, digest: str, fingerprint: dict, options: EncodeOptions
         "guidance_prompt": options.guidance_prompt,
         "fps": options.fps if options.fps is not None else spec.fps,
         "max_frames": options.max_frames if options.max_frames is not None else spec.max_frames,
-        "kv": [options.kv_bits, options.kv_group if options.kv_bits < 16 else None],
+        "reduce": choice.reduce.record() if choice.reduce is not None else None,
+        "kv": [bits, options.kv_group if bits < 16 else None],
     }
     key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
     stem = Path(media.rstrip("/").rsplit("/", 1)[-1]).stem or "media"

@@ -30,6 +30,7 @@ from mmkv_cli.cli.common import (
     KvGroupOpt,
     MaxFramesOpt,
     ModelOpt,
+    ReduceOpt,
     emit_json,
     load_options,
     method_names,
@@ -96,8 +97,9 @@ def encode(
     fps: float | None = FpsOpt,
     max_frames: int | None = MaxFramesOpt,
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
-    kv_bits: float = KvBitsOpt,
+    kv_bits: float | None = KvBitsOpt,
     kv_group: int = KvGroupOpt,
+    reduce: str | None = ReduceOpt,
     checkpoint_every: int = typer.Option(
         0,
         "--checkpoint-every",
@@ -129,6 +131,7 @@ def encode(
             kv_group=kv_group,
             checkpoint_every=checkpoint_every,
             resume=resume,
+            reduce=reduce,
         )
         load = load_options(model, device, dtype)
         if as_json:

@@ -18,6 +18,7 @@ from mmkv_cli.cli.common import (
     KvGroupOpt,
     MaxFramesOpt,
     ModelOpt,
+    ReduceOpt,
     WorkersOpt,
     emit_json,
     load_options,
@@ -48,8 +49,9 @@ def batch(
     budget_tokens: int | None = BudgetTokensOpt,
     fps: float | None = FpsOpt,
     max_frames: int | None = MaxFramesOpt,
-    kv_bits: float = KvBitsOpt,
+    kv_bits: float | None = KvBitsOpt,
     kv_group: int = KvGroupOpt,
+    reduce: str | None = ReduceOpt,
     ray: str | None = ray_option("the items"),
     workers: int = WorkersOpt,
     cpus_per_worker: float = CpusPerWorkerOpt,
@@ -71,7 +73,14 @@ def batch(
 
         items = read_manifest(manifest)
         options = EncodeOptions(
-            method, budget, budget_tokens, fps, max_frames, kv_bits=kv_bits, kv_group=kv_group
+            method,
+            budget,
+            budget_tokens,
+            fps,
+            max_frames,
+            kv_bits=kv_bits,
+            kv_group=kv_group,
+            reduce=reduce,
         )
         load = load_options(model, device, dtype, here=ray is None)  # workers load their own
         settings = BatchSettings(load, options, out)

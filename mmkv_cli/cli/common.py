@@ -13,6 +13,7 @@ from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from mmkv_cli.errors import MmkvError
 from mmkv_cli.options import Dtype, EncodeOptions, LoadOptions
+from mmkv_cli.reduce import REDUCERS
 
 
 def method_names(incomplete: str) -> list[str]:
@@ -86,10 +87,18 @@ TopPOpt = typer.Option(1.0, "--top-p", help="Nucleus mass when sampling.")
 SeedOpt = typer.Option(None, "--seed", help="Sampling seed.")
 StopOpt = typer.Option(None, "--stop", help="End the answer before this text (repeatable).")
 KvBitsOpt = typer.Option(
-    16,
+    None,
     "--kv-bits",
     help="Bits per stored visual K/V value: 16 (as computed), 8, 4, 2 (KIVI layout) or 1.5 "
-    "(VidKV: keys 2-bit on half the channels and 1-bit FFT signs on the rest, ternary values).",
+    "(VidKV: keys 2-bit on half the channels and 1-bit FFT signs on the rest, ternary values). "
+    "Default: the method's own (16, but 4 for a method that quantizes as part of it).",
+)
+ReduceOpt = typer.Option(
+    None,
+    "--reduce",
+    help="A token reducer between the vision tower and the prefill: "
+    f"{', '.join(REDUCERS)}, or none (default: the method's own, if it has one).",
+    autocompletion=lambda: [*REDUCERS, "none"],
 )
 KvGroupOpt = typer.Option(
     EncodeOptions().kv_group,

@@ -15,6 +15,7 @@ from mmkv_cli.cli.common import (
     KvBitsOpt,
     KvGroupOpt,
     ModelOpt,
+    ReduceOpt,
     emit_json,
     load_options,
     method_names,
@@ -59,8 +60,9 @@ def live(
     stall: float = typer.Option(10.0, "--stall", help="Seconds of silence that end the stream."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Longest answer, in tokens."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
-    kv_bits: float = KvBitsOpt,
+    kv_bits: float | None = KvBitsOpt,
     kv_group: int = KvGroupOpt,
+    reduce: str | None = ReduceOpt,
     model: str | None = ModelOpt,
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
@@ -78,7 +80,13 @@ def live(
         if max_new_tokens < 1:
             raise UsageError("--max-new-tokens must be at least 1")
         options = EncodeOptions(
-            method, budget, budget_tokens, force=force, kv_bits=kv_bits, kv_group=kv_group
+            method,
+            budget,
+            budget_tokens,
+            force=force,
+            kv_bits=kv_bits,
+            kv_group=kv_group,
+            reduce=reduce,
         )
         load = load_options(model, device, dtype)
         following = Follow(

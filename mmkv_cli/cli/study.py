@@ -140,7 +140,7 @@ def eval_(
     fresh: bool = typer.Option(
         False, "--fresh", help="Start the runs over: drop answers earlier runs left in OUT."
     ),
-    kv_bits: float = KvBitsOpt,
+    kv_bits: float | None = KvBitsOpt,
     model: str | None = ModelOpt,
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
@@ -173,7 +173,7 @@ def eval_(
             max_frames=max_frames,
             positions=positions,
             max_new_tokens=max_new_tokens,
-            kv_bits=kv_bits_value(kv_bits),
+            kv_bits=kv_bits_value(kv_bits) if kv_bits is not None else None,
             protocol=protocol,
             budget_tokens=tokens,
         )

@@ -27,9 +27,16 @@ GRANULARITY_ORDER = {"segment": 0, "frame": 1, "patch": 2}
 
 
 def chunk_plans(
-    policy: BlockwiseMemory, layout: StreamLayout, first_step: int, steps: int, frames_per_step: int
+    policy: BlockwiseMemory,
+    layout: StreamLayout,
+    first_step: int,
+    steps: int,
+    frames_per_step: int,
+    prefilled: torch.Tensor | None = None,
 ) -> list[BlockPlan]:
-    """Plans for steps [first_step, first_step + steps), tokens indexed within the chunk."""
+    """Plans for steps [first_step, first_step + steps), tokens indexed within the chunk.
+    prefilled [chunk tokens] bool: what a token reducer let through; a block then holds only
+    those, and keeps no more than it holds (its budget is still a share of the stream's block)."""
     lengths = layout.step_lengths[first_step : first_step + steps]
     starts = torch.cumsum(torch.tensor([0] + lengths[:-1]), 0).tolist()
     plans = policy.plan(
@@ -41,6 +48,10 @@ def chunk_plans(
     )
     for plan in plans:
         plan.steps = (plan.steps[0] + first_step, plan.steps[1] + first_step)
+        if prefilled is not None:
+            plan.tokens = plan.tokens[prefilled[plan.tokens]]
+            if plan.keep is not None:
+                plan.keep = min(plan.keep, plan.tokens.numel())
     return plans
 
 

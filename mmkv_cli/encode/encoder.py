@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from mmkv_cli.backbones import tower_families
 from mmkv_cli.backbones.base import Backbone, StreamLayout
 from mmkv_cli.encode.blockwise import chunk_plans, order_blocks, prefill_blocks
 from mmkv_cli.encode.checkpoint import Checkpointing
+from mmkv_cli.encode.reducing import ChunkReducer
 from mmkv_cli.encode.saved_state import (
     block_rows,
     blocks_from,
@@ -29,6 +31,7 @@ from mmkv_cli.methods.base import BlockwiseMemory, StreamingMemory
 from mmkv_cli.methods.choice import MethodChoice
 from mmkv_cli.methods.running_cache import RunningCache, StreamState
 from mmkv_cli.pack import Span
+from mmkv_cli.reduce.choice import check_reducer
 
 Progress = Callable[[int, int], None]  # (frames done, visual tokens done)
 
@@ -55,6 +58,7 @@ class Streamed:
     peak_kv_bytes: int
     shift: int = 0  # how far a policy that compacted positions moved the rest of the stream up
     representatives: str = "pre_rope"  # pre_rope, or post_rope: keys as a block was prefilled
+    prefilled: int | None = None  # visual tokens prefilled (None: every one the stream gave)
 
 
 @dataclass
@@ -67,6 +71,7 @@ class Stream:
     step_times: list[tuple[float, float]]
     chunk_frames: int
     progress: Progress | None
+    reducer: ChunkReducer | None = None  # tokens dropped or merged before the prefill
 
     def chunks(self, unit_steps: int, skip: int = 0):
         """(first step, frames, frames done after it) of every chunk: whole multiples of
@@ -121,6 +126,7 @@ def encode_media(
     stream pins."""
     if media.num_frames == 0:
         raise MediaError(f"no frames in {media.source}")
+    check_reducer(choice.reduce, media.kind, backbone.family, tower_families())
     started = time.perf_counter()
     per_step = backbone.frames_per_step
     steps = -(-media.num_frames // per_step)
@@ -131,7 +137,10 @@ def encode_media(
     prefix_ids = backbone.text_ids(backbone.prompt.prefix)
     backbone.forward(backbone.embed_ids(prefix_ids), layout.prefix, cache)
     prefix = _span("prefix", cache, [0] * len(cache.layers), len(prefix_ids), layout.prefix)
-    stream = Stream(backbone, media, layout, step_times, choice.params.chunk_frames, progress)
+    reducer = ChunkReducer(choice.reduce) if choice.reduce is not None else None
+    stream = Stream(
+        backbone, media, layout, step_times, choice.params.chunk_frames, progress, reducer
+    )
     budget = choice.budget or Budget(share=1.0)
     method = choice.method
     if method.blockwise is not None:
@@ -162,11 +171,12 @@ def finished(
         backbone.forward(suffix_embeds, suffix_positions, done.cache)
     suffix = _span("suffix", done.cache, done.visual_end, None, suffix_positions)
     per_step = backbone.frames_per_step
+    total = sum(layout.step_lengths)
     return Encoded(
         prefix=prefix,
         blocks=done.blocks,
         suffix=suffix,
-        visual_tokens_total=sum(layout.step_lengths),
+        visual_tokens_total=total,
         representatives=done.representatives,
         layout={
             "position_dims": backbone.position_dims,
@@ -183,6 +193,7 @@ def finished(
         stats={
             "encode_s": time.perf_counter() - started,
             "peak_kv_bytes": done.peak_kv_bytes,
+            "visual_tokens_prefilled": total if done.prefilled is None else done.prefilled,
         },
     )
 
@@ -220,17 +231,23 @@ def encode_streaming(
         progress, tensors = restored.progress, restored.tensors
         cuts = restore_running_cache(running, tensors)
         policy.restore({k[7:]: v for k, v in tensors.items() if k.startswith("policy.")})
+        if stream.reducer is not None:
+            stream.reducer.restore(
+                {k[7:]: v for k, v in tensors.items() if k.startswith("reduce.")}
+            )
         state.seen, state.shift = progress["seen"], progress["shift"]
+        state.prefilled = progress.get("prefilled", state.seen)
         peak_kv, skip = progress["peak_kv"], progress["chunks"]
     for number, (first_step, frames, done) in enumerate(stream.chunks(1, skip), start=skip + 1):
         steps = stream.step_times[first_step : first_step + len(frames) // backbone.frames_per_step]
-        stream_chunk(backbone, state, policy, frames, steps, layout)
+        stream_chunk(backbone, state, policy, frames, steps, layout, stream.reducer)
         peak_kv = max(peak_kv, running.kv_bytes())
         policy.after_chunk(state)
         stream.report(done, state.seen)
         if checkpoint and checkpoint.due(number) and state.seen < total:
             progress = {"chunks": number, "seen": state.seen, "shift": state.shift}
-            saved = {f"policy.{k}": v for k, v in policy.saved().items()}
+            progress["prefilled"] = state.prefilled
+            saved = {f"policy.{k}": v for k, v in policy.saved().items()} | reducer_saved(stream)
             cuts.append(running.streamed)
             live, sealed = running_cache_tensors(running, cuts)
             checkpoint.save({**progress, "peak_kv": peak_kv}, live | saved, sealed)
@@ -241,7 +258,29 @@ def encode_streaming(
     visual_end = [
         running.visual_start(layer) + running.count(layer) for layer in range(state.layers)
     ]
-    return Streamed(blocks, cache, visual_end, max(peak_kv, running.kv_bytes()), state.shift)
+    peak = max(peak_kv, running.kv_bytes())
+    return Streamed(blocks, cache, visual_end, peak, state.shift, prefilled=state.prefilled)
+
+
+def reducer_saved(stream: Stream) -> dict:
+    """The reducer's state for a checkpoint, its names under reduce."""
+    if stream.reducer is None:
+        return {}
+    return {f"reduce.{k}": v for k, v in stream.reducer.saved().items()}
+
+
+def visual_tokens(
+    backbone: Backbone,
+    frames: np.ndarray,
+    steps: list[tuple[float, float]],
+    layout: StreamLayout,
+    first_step: int,
+    reducer: ChunkReducer | None,
+) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+    """A chunk's stream tokens, extra LM inputs, and which of them to prefill (None: all)."""
+    if reducer is None:
+        return (*backbone.visual_chunk(frames, steps, layout), None)
+    return reducer.visual(backbone, frames, steps, layout, first_step)
 
 
 def stream_chunk(
@@ -251,17 +290,29 @@ def stream_chunk(
     frames: np.ndarray,
     steps: list[tuple[float, float]],
     layout: StreamLayout,
+    reducer: ChunkReducer | None = None,
 ) -> None:
     """One chunk through the running cache, placed where the layout puts it, the policy
     recording what it scores by (H2O, MEDA: what every query row attends to). Eviction is the
-    caller's: `policy.after_chunk` (a live stream runs it once the next step is known)."""
-    embeds, extra = backbone.visual_chunk(frames, steps, layout)
+    caller's: `policy.after_chunk` (a live stream runs it once the next step is known). A token the
+    reducer drops is never prefilled: to the policy it is a token evicted as it arrived."""
+    first_step = int(state.token_step[state.seen])
+    embeds, extra, keep = visual_tokens(backbone, frames, steps, layout, first_step, reducer)
     n = embeds.shape[1]
+    index = torch.arange(state.seen, state.seen + n)
     placed = state.placed(state.seen, state.seen + n)
+    if keep is not None:
+        at = keep.nonzero()[:, 0]
+        embeds, placed, index = embeds[:, at.to(embeds.device)], placed[:, at], index[at]
+        extra = backbone.select_extra(extra, at[None]) if extra else extra
+    state.prefilled += len(index)
+    if not len(index):
+        state.seen += n
+        return  # the whole chunk was dropped: nothing to prefill or record
     recorder = policy.recorder(state)
     with recording(recorder) if recorder else nullcontext():
         backbone.forward(embeds, placed, state.cache.cache, **extra)
-    state.cache.appended(torch.arange(state.seen, state.seen + n), placed)
+    state.cache.appended(index, placed)
     state.seen += n
     if recorder:
         policy.observe(state, recorder)
@@ -330,11 +381,17 @@ def encode_blockwise(
     policy.begin(total)
     starts = torch.cumsum(torch.tensor([0, *layout.step_lengths[:-1]]), 0)
     origins = layout.visual[:, starts].cpu()  # every step's first token: where it is placed from
-    blocks, seen, peak_kv, skip = [], 0, 0, 0
+    blocks, seen, peak_kv, skip, prefilled = [], 0, 0, 0, 0
     if checkpoint and checkpoint.restored:
         restored = checkpoint.take_restored()  # tensors popped as used: none outlives its use
         progress, blocks = restored.progress, blocks_from(restored.tensors, restored.rows)
         seen, peak_kv, skip = progress["seen"], progress["peak_kv"], progress["chunks"]
+        prefilled = progress.get("prefilled", seen)
+        if stream.reducer is not None:
+            tensors = restored.tensors
+            stream.reducer.restore(
+                {k[7:]: v for k, v in tensors.items() if k.startswith("reduce.")}
+            )
     saved = len(blocks)  # blocks before it are in the checkpoint already
     # every block so far as a checkpoint seals it, grown by the new ones at each save: listing an
     # hour's blocks again at every save costs more than the save (docs/measurements.md)
@@ -342,9 +399,12 @@ def encode_blockwise(
     unit = policy.segment_steps(per_step)
     for number, (first_step, frames, done) in enumerate(stream.chunks(unit, skip), start=skip + 1):
         times = stream.step_times[first_step : first_step + len(frames) // per_step]
-        embeds, extra = backbone.visual_chunk(frames, times, layout)
+        embeds, extra, keep = visual_tokens(
+            backbone, frames, times, layout, first_step, stream.reducer
+        )
         n = embeds.shape[1]
-        plans = chunk_plans(policy, layout, first_step, len(times), per_step)
+        plans = chunk_plans(policy, layout, first_step, len(times), per_step, keep)
+        prefilled += n if keep is None else int(keep.sum())
         positions = layout.visual[:, seen : seen + n].cpu()
         made, peak = prefill_blocks(
             backbone, policy, prefix, embeds, extra, positions, plans, stream.step_times, origins
@@ -354,9 +414,9 @@ def encode_blockwise(
         peak_kv = max(peak_kv, peak)
         stream.report(done, seen)
         if checkpoint and checkpoint.due(number) and seen < total:
-            progress = {"chunks": number, "seen": seen, "peak_kv": peak_kv}
+            progress = {"chunks": number, "seen": seen, "peak_kv": peak_kv, "prefilled": prefilled}
             sealed |= blocks_tensors(blocks[saved:], saved)
-            checkpoint.save(progress, {}, sealed, block_rows(blocks[saved:]))
+            checkpoint.save(progress, reducer_saved(stream), sealed, block_rows(blocks[saved:]))
             saved = len(blocks)
     _check_count(stream.media, seen, total)
     return Streamed(
@@ -365,6 +425,7 @@ def encode_blockwise(
         prefix.layer_counts,
         peak_kv,
         representatives=policy.retrieval_space,
+        prefilled=prefilled,
     )
 
 

@@ -22,6 +22,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from mmkv_cli.backbones import tower_families
 from mmkv_cli.backbones.base import Backbone, StreamLayout
 from mmkv_cli.encode.blockwise import chunk_plans, order_blocks, prefill_blocks
 from mmkv_cli.encode.encoder import (
@@ -32,12 +33,15 @@ from mmkv_cli.encode.encoder import (
     finished,
     stream_chunk,
     text_attention,
+    visual_tokens,
 )
+from mmkv_cli.encode.reducing import ChunkReducer
 from mmkv_cli.errors import MediaError, UsageError
 from mmkv_cli.methods import Budget, EncodeContext
 from mmkv_cli.methods.choice import MethodChoice
 from mmkv_cli.methods.running_cache import RunningCache, StreamState
 from mmkv_cli.pack import Span
+from mmkv_cli.reduce.choice import check_reducer
 
 
 def check_live(choice: MethodChoice) -> MethodChoice:
@@ -64,8 +68,11 @@ class LiveEncoder:
 
     def __init__(self, backbone: Backbone, choice: MethodChoice, context: EncodeContext):
         self.backbone, self.choice = backbone, check_live(choice)
+        check_reducer(choice.reduce, "video", backbone.family, tower_families())
         self.context = context
         self.per_step = backbone.frames_per_step
+        # the same reducer a file's encode runs, carried chunk to chunk (a memory copies it)
+        self.reducer = ChunkReducer(choice.reduce) if choice.reduce is not None else None
         budget = choice.budget or Budget(share=1.0)
         if choice.method.blockwise is not None:
             self.runner = BlockRunner(self, choice.method.blockwise(choice.params, budget))
@@ -189,21 +196,23 @@ class StreamRunner:
         done = len(self.owner.times)
         layout = self._place(self.state, done)
         steps = self.owner.step_times(done)[first:]
-        stream_chunk(self.owner.backbone, self.state, self.policy, frames, steps, layout)
+        backbone, reducer = self.owner.backbone, self.owner.reducer
+        stream_chunk(backbone, self.state, self.policy, frames, steps, layout, reducer)
         self.peak_kv = max(self.peak_kv, self.state.cache.kv_bytes())
         self.evict_due = True
 
     def end(self, fork: bool, layout: StreamLayout, pending, first: int):
-        state, policy = self.state, self.policy
+        state, policy, reducer = self.state, self.policy, self.owner.reducer
         if fork:  # the KV shared, never copied (RunningCache.fork); the policy's state copied
             state = replace(self.state, cache=self.state.cache.fork(), attend=None)
             policy = copy.deepcopy(self.policy)
+            reducer = copy.copy(reducer)  # its tensors are replaced, never written in place
             self._bind(state)
         frames = len(self.owner.times)
         self._place(state, frames)
         if pending is not None:  # the stream's last chunk: what came after the last whole one
             steps = self.owner.step_times(frames)[first:]
-            stream_chunk(self.owner.backbone, state, policy, pending, steps, layout)
+            stream_chunk(self.owner.backbone, state, policy, pending, steps, layout, reducer)
         if pending is not None or self.evict_due:
             policy.after_chunk(state)  # seen == total: the last chunk's eviction
         peak = max(self.peak_kv, state.cache.kv_bytes())
@@ -213,7 +222,9 @@ class StreamRunner:
         running = state.cache
         visual_end = [running.visual_start(i) + running.count(i) for i in range(state.layers)]
         prefix = self.owner.prefix(running.cache, state.layers)  # MEDA may merge into it
-        return prefix, Streamed(blocks, running.cache, visual_end, peak, state.shift)
+        done = Streamed(blocks, running.cache, visual_end, peak, state.shift)
+        done.prefilled = state.prefilled
+        return prefix, done
 
     def _bind(self, state: StreamState) -> None:
         backbone = self.owner.backbone
@@ -246,6 +257,7 @@ class BlockRunner:
         self.owner, self.policy = owner, policy
         self.blocks: list[Span] = []
         self.seen = 0  # visual tokens made into blocks
+        self.prefilled = 0  # of those, the ones the reducer let through
         self.peak_kv = 0
 
     def begin(self) -> None:
@@ -256,29 +268,33 @@ class BlockRunner:
         pass  # blocks are independent: nothing waits for the next step
 
     def chunk(self, frames: np.ndarray, first: int) -> None:
-        made, self.seen, peak = self._made(frames, first, len(self.owner.times), self.seen)
+        reducer = self.owner.reducer
+        made, seen, peak, prefilled = self._made(frames, first, len(self.owner.times), reducer)
+        self.seen, self.prefilled = self.seen + seen, self.prefilled + prefilled
         self.blocks += made
         self.peak_kv = max(self.peak_kv, peak)
 
     def end(self, fork: bool, layout: StreamLayout, pending, first: int):
-        blocks, peak = list(self.blocks), self.peak_kv
+        blocks, peak, prefilled = list(self.blocks), self.peak_kv, self.prefilled
         if pending is not None:  # the segment still arriving, made on the spot
-            made, _, more = self._made(pending, first, len(self.owner.times), self.seen)
-            blocks, peak = blocks + made, max(peak, more)
+            reducer = copy.copy(self.owner.reducer) if fork else self.owner.reducer
+            made, _, more, extra = self._made(pending, first, len(self.owner.times), reducer)
+            blocks, peak, prefilled = blocks + made, max(peak, more), prefilled + extra
         cache = copy.deepcopy(self.owner.cache) if fork else self.owner.cache  # the suffix follows
         counts = self.prefix_span.layer_counts
         space = self.policy.retrieval_space
-        return self.prefix_span, Streamed(order_blocks(blocks), cache, counts, peak, 0, space)
+        done = Streamed(order_blocks(blocks), cache, counts, peak, 0, space, prefilled)
+        return self.prefix_span, done
 
-    def _made(self, frames: np.ndarray, first: int, done: int, seen: int):
-        """The blocks of one chunk of whole segments (the last may be short): (blocks, tokens
-        seen after it, peak KV bytes)."""
-        owner, backbone = self.owner, self.owner.backbone
+    def _made(self, frames: np.ndarray, first: int, done: int, reducer):
+        """The blocks of one chunk of whole segments (the last may be short): (blocks, tokens it
+        gave, peak KV bytes, tokens prefilled)."""
+        owner, backbone, seen = self.owner, self.owner.backbone, self.seen
         layout = owner.layout(done)
         steps = owner.step_times(done)[first:]
-        embeds, extra = backbone.visual_chunk(frames, steps, layout)
+        embeds, extra, keep = visual_tokens(backbone, frames, steps, layout, first, reducer)
         n = embeds.shape[1]
-        plans = chunk_plans(self.policy, layout, first, len(steps), owner.per_step)
+        plans = chunk_plans(self.policy, layout, first, len(steps), owner.per_step, keep)
         starts = torch.cumsum(torch.tensor([0, *layout.step_lengths[:-1]]), 0)
         origins = layout.visual[:, starts].cpu()
         positions = layout.visual[:, seen : seen + n].cpu()
@@ -293,4 +309,4 @@ class BlockRunner:
             owner.step_times(done),
             origins,
         )
-        return made, seen + n, peak
+        return made, n, peak, n if keep is None else int(keep.sum())

@@ -38,6 +38,7 @@ def method_record(choice: MethodChoice, guidance_prompt: str | None) -> MethodRe
         budget_tokens=None if budget is None else budget.tokens,
         params=as_plain(choice.params),
         guidance_prompt=guidance_prompt,
+        reduce=choice.reduce.record() if choice.reduce is not None else None,
     )
 
 
@@ -117,6 +118,7 @@ def encode_identity(
         "params": as_plain(choice.params),
         "budget": None if choice.budget is None else [choice.budget.share, choice.budget.tokens],
         "guidance_prompt": guidance_prompt,
+        "reduce": choice.reduce.record() if choice.reduce is not None else None,
         "fps": fps,
         "max_frames": max_frames,
     }

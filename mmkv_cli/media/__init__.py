@@ -9,7 +9,7 @@ from mmkv_cli.media.base import Media
 from mmkv_cli.media.stills import IMAGE_SUFFIXES, load_images, load_pdf
 from mmkv_cli.media.video import load_video
 
-__all__ = ["Media", "check_media", "load_media"]
+__all__ = ["Media", "check_media", "load_media", "media_kind"]
 
 
 def check_media(spec: str) -> None:
@@ -22,6 +22,16 @@ def check_media(spec: str) -> None:
         raise MediaError(f"no such file or folder: {spec}")
     if not (path.is_file() or path.is_dir()):
         raise MediaError(f"{spec} is not a regular file or folder")
+
+
+def media_kind(spec: str) -> str:
+    """What load_media would make of `spec`, from its name alone: images, pdf or video."""
+    path = Path(spec)
+    if any(ch in spec for ch in "*?[") and not path.exists():
+        return "images"
+    if path.is_dir() or path.suffix.lower() in IMAGE_SUFFIXES:
+        return "images"
+    return "pdf" if path.suffix.lower() == ".pdf" else "video"
 
 
 def load_media(spec: str, fps: float = 1.0, max_frames: int = 64, backend: str = "auto") -> Media:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mmkv_cli.spec import knob
+from mmkv_cli.spec import Paper, knob
 
 if TYPE_CHECKING:
     import torch
@@ -33,13 +33,6 @@ GUIDANCE = {
     "images": "What do these images show? Describe the people, objects, text and scenes in each.",
     "pdf": "What do these pages say? Summarise their text, tables and figures, page by page.",
 }
-
-
-@dataclass(frozen=True)
-class Paper:
-    title: str
-    year: int
-    url: str = ""
 
 
 @dataclass(frozen=True)
@@ -230,6 +223,8 @@ class Method:
     blockwise: Callable[[Any, Budget], BlockwiseMemory] | None = None
     context: Callable[[Any], ContextPolicy] | None = None  # None: every stored block (WholeContext)
     prune_at_ask: AskPruner | None = None  # offered to `ask --prune`
+    reducer: str | None = None  # the token reducer it runs before the prefill (StreamingTOM's CTR)
+    kv_bits: float = 16  # bits its pack stores K/V at unless `--kv-bits` says (StreamingTOM: 4)
 
     @property
     def keeps_all(self) -> bool:

@@ -11,9 +11,18 @@ from mmkv_cli.errors import UsageError
 from mmkv_cli.methods import METHODS, Budget, Method
 from mmkv_cli.methods.base import GuidedParams
 from mmkv_cli.presets import find_preset, preset_names, read_preset
+from mmkv_cli.reduce.choice import ReducerChoice, resolve_reducer
 from mmkv_cli.spec import override
 
-METHOD_KEYS = ("extends", "description", "budget", "budget_tokens", "params")
+METHOD_KEYS = (
+    "extends",
+    "description",
+    "budget",
+    "budget_tokens",
+    "params",
+    "reduce",
+    "reduce_params",
+)
 
 
 @dataclass(frozen=True)
@@ -25,6 +34,7 @@ class MethodChoice:
     params: Any  # an instance of method.params
     budget: Budget | None  # None: the method keeps every token
     description: str
+    reduce: ReducerChoice | None = None  # the token reducer before the prefill (None: every token)
 
     def with_budget(self, share: float | None = None, tokens: int | None = None) -> MethodChoice:
         """The command line's budget: a share (--budget) or a token count (--budget-tokens)."""
@@ -39,6 +49,13 @@ class MethodChoice:
             raise UsageError(f"--budget-tokens must be at least 1, got {tokens}")
         budget = Budget(tokens=tokens) if tokens is not None else Budget(share=check_budget(share))
         return replace(self, budget=budget)
+
+    def with_reduce(self, name: str | None) -> MethodChoice:
+        """The command line's `--reduce NAME` (None: as the method or preset says; 'none': no
+        reducer). Naming the reducer the preset already has keeps the preset's parameters."""
+        if name is None or (self.reduce is not None and name == self.reduce.name):
+            return self
+        return replace(self, reduce=resolve_reducer(name))
 
     def with_guidance(self, prompt: str | None) -> MethodChoice:
         """Refuse `--guidance-prompt` for a method that scores by no prompt."""
@@ -65,8 +82,7 @@ def resolve_method(name: str, _seen: tuple[str, ...] = ()) -> MethodChoice:
     path = find_preset("methods", name)
     if path is None:
         if name in METHODS:
-            method = METHODS[name]
-            return MethodChoice(name, method, method.params(), method.budget, method.description)
+            return _in_code(name)
         near = difflib.get_close_matches(name, method_names(), n=1)
         hint = f"did you mean '{near[0]}'? " if near else ""
         raise UsageError(f"unknown method '{name}': {hint}(known: {', '.join(method_names())})")
@@ -80,15 +96,18 @@ def resolve_method(name: str, _seen: tuple[str, ...] = ()) -> MethodChoice:
     if not isinstance(base_name, str):
         raise UsageError(f"{path}: 'extends' must name a method ({', '.join(METHODS)})")
     if base_name == name and name in METHODS:  # a user file named after a method in code
-        method = METHODS[name]
-        base = MethodChoice(name, method, method.params(), method.budget, method.description)
+        base = _in_code(name)
     else:
         base = resolve_method(base_name, (*_seen, name))
     params = override(base.params, data.get("params") or {}, f"{path}: params")
     description = data.get("description", base.description)
     if not isinstance(description, str):
         raise UsageError(f"{path}: description must be text")
-    choice = MethodChoice(name, base.method, params, base.budget, description)
+    reduce = base.reduce
+    if "reduce" in data or "reduce_params" in data:
+        named = data.get("reduce", base.reduce.name if base.reduce else None)
+        reduce = resolve_reducer(named, data.get("reduce_params"), f"{path}: reduce")
+    choice = MethodChoice(name, base.method, params, base.budget, description, reduce)
     for key, flag in (("budget", "share"), ("budget_tokens", "tokens")):
         if key in data:
             value = data[key]
@@ -102,3 +121,10 @@ def resolve_method(name: str, _seen: tuple[str, ...] = ()) -> MethodChoice:
             except UsageError as err:
                 raise UsageError(f"{path}: {key}: {err}") from None
     return choice
+
+
+def _in_code(name: str) -> MethodChoice:
+    """A method in code as it comes: its defaults, its budget, its own reducer if it has one."""
+    method = METHODS[name]
+    reduce = resolve_reducer(method.reducer, where=f"method {name}")
+    return MethodChoice(name, method, method.params(), method.budget, method.description, reduce)

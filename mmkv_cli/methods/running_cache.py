@@ -189,6 +189,7 @@ class StreamState:
     layout_positions: torch.Tensor  # [P, total + 1] the layout's positions, then the suffix's first
     total: int  # visual tokens the whole media will give
     seen: int = 0  # visual tokens streamed so far
+    prefilled: int = 0  # of those, the ones a token reducer let through (all, without one)
     shift: int = 0  # subtracted from layout positions of tokens still to come (set by compaction)
     position_limit: int = 1 << 30  # the model's max_position_embeddings
     rope: tuple | None = None  # (inv_freq, axes) for delta-rotating cached keys

@@ -71,6 +71,7 @@ class MethodRecord(Section):
     budget_tokens: int | None = None
     params: dict = field(default_factory=dict)  # the parameter class's fields, as plain data
     guidance_prompt: str | None = None
+    reduce: dict | None = None  # the token reducer before the prefill: {name, params} (None: none)
     extra: dict = field(default_factory=dict)
     # False for v2-v4 packs, which kept other keys beside the parameters: apply those that still
     # fit the class (not stored: a pack written now holds the class's fields alone)

@@ -203,6 +203,21 @@ def check_header(header: dict, version: int, where: str) -> None:
         value = method.get(key)
         _need(value is None or (isinstance(value, str) and len(value) <= 128), where, key)
     _need(isinstance(method.get("params", {}), dict), where, "method.params")
+    reduce = method.get("reduce")
+    _need(
+        reduce is None
+        or (
+            isinstance(reduce, dict)
+            and isinstance(reduce.get("name"), str)
+            and len(reduce["name"]) <= 64
+            and isinstance(reduce.get("params", {}), dict)
+        ),
+        where,
+        "method.reduce",
+    )
+    stats = header.get("stats") or {}
+    if isinstance(stats, dict) and stats.get("visual_tokens_prefilled") is not None:
+        _need(_is_int(stats["visual_tokens_prefilled"]), where, "stats.visual_tokens_prefilled")
     if header.get("visual_tokens_total") is not None:
         _need(_is_int(header["visual_tokens_total"]), where, "visual_tokens_total")
     blocks = _section(header, "blocks", where, required=version >= 3)

@@ -72,6 +72,7 @@ def inspect(pack: str | Path) -> dict:
         "method": h.method.name,
         "budget": h.method.budget,
         "budget_tokens": h.method.budget_tokens,
+        "reduce": h.method.reduce["name"] if h.method.reduce else None,
         "media": {
             "kind": h.media.kind,
             "source": h.media.source,
@@ -79,7 +80,9 @@ def inspect(pack: str | Path) -> dict:
             "frames": h.media.frames,
         },
         "blocks": len(reader.blocks),
-        "visual_tokens_total": total,
+        "visual_tokens_total": total,  # seen: every visual token the media gave
+        # prefilled: those a token reducer let through to the language model (all without one)
+        "visual_tokens_prefilled": h.stats.get("visual_tokens_prefilled", total),
         "visual_tokens_kept": round(kept, 2),  # per layer, averaged over layers
         "visual_kv_share": round(kept / max(1, total or 0), 4),
         # MuKV-style packs cut the same stream several ways: each view holds its own share of it

@@ -71,7 +71,8 @@ class EvalSettings:
     max_frames: int | None = None
     positions: Positions | None = None
     max_new_tokens: int = 8
-    kv_bits: float = 16  # bits per stored visual K/V value (16: as computed; options.KV_BITS)
+    # bits per stored visual K/V value (16: as computed; options.KV_BITS); None: each method's own
+    kv_bits: float | None = None
     # replay: encode the whole clip, ask with --at; stream: answer each question when the stream
     # reaches its moment, from the memory then (stream_protocol.py); auto: stream when the
     # questions carry moments
@@ -100,6 +101,15 @@ class Level:
         return f"t{self.tokens}" if self.tokens is not None else f"b{self.share or 1:g}"
 
 
+def bits_of(method: str, settings: EvalSettings) -> int | float:
+    """The bits a run stores at: the eval's, else the method's own."""
+    from mmkv_cli.methods.choice import resolve_method
+    from mmkv_cli.options import kv_bits_value
+
+    bits = settings.kv_bits
+    return kv_bits_value(bits if bits is not None else resolve_method(method).method.kv_bits)
+
+
 @dataclass(frozen=True)
 class PlannedRun:
     """One method at one budget under one protocol: where its answers go."""
@@ -118,8 +128,12 @@ class PlannedRun:
     def folder(self) -> Path:
         s = self.settings
         return run_folder(
-            self.root, self.model, self.method, self.level.label, s.kv_bits, s.protocol
+            self.root, self.model, self.method, self.level.label, self.bits, s.protocol
         )
+
+    @property
+    def bits(self) -> int | float:
+        return bits_of(self.method, self.settings)
 
 
 def evaluate_run(
@@ -163,7 +177,7 @@ def run_result(items: list[Item], done: dict, run: PlannedRun) -> dict:
         "budget": run.level.budget,
         "budget_tokens": run.level.tokens,
         "protocol": run.settings.protocol,
-        "kv_bits": run.settings.kv_bits,
+        "kv_bits": run.bits,
         **metrics(_scored(items, done), chance_level),
     }
     (run.folder / "metrics.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -187,7 +201,7 @@ def run_config(items: list[Item], fingerprint: dict, run: PlannedRun) -> dict:
         "max_frames": settings.max_frames,
         "positions": settings.positions.value if settings.positions else None,
         "max_new_tokens": settings.max_new_tokens,
-        "kv_bits": settings.kv_bits,
+        "kv_bits": run.bits,
         "questions_sha256": questions_digest(items),
     }
     if level.tokens is not None:  # keys a replay run at a share never had: its folder still fits
@@ -227,7 +241,7 @@ def _answer_clip(video, todo, pack, backbone, method, level: Level, settings: Ev
         fps=settings.fps,
         max_frames=settings.max_frames,
         force=True,
-        kv_bits=settings.kv_bits,
+        kv_bits=bits_of(method, settings),
     )
     info = api.encode(video, pack, encoding, backbone=backbone)
     kept = kept_share(info)
@@ -250,7 +264,7 @@ def _answer_streamed(video, todo, pack, backbone, method, level: Level, settings
     fps = settings.fps if settings.fps is not None else backbone.spec.fps
     frames = settings.max_frames if settings.max_frames is not None else backbone.spec.max_frames
     for item, answer, info in answered_live(
-        video, todo, backbone, choice, fps, frames, settings.kv_bits, asking, prompt_for
+        video, todo, backbone, choice, fps, frames, bits_of(method, settings), asking, prompt_for
     ):
         yield _row(item, video, answer, kept_share(info))
 

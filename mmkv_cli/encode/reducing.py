@@ -1,0 +1,65 @@
+"""The token reducer as the encoders run it: a chunk's visual tokens from the backbone (with the
+tower's attention when the reducer reads it), its grid tokens cut out step by step and handed to
+the reducer with the step before, the kept ones' embeddings written back. Markers between steps
+(Qwen3-VL's timestamps) always go on. Reducers run on the host in float32: a step is at most a few
+hundred tokens, and the same arithmetic on every device keeps CPU and CUDA choices alike."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mmkv_cli.backbones.base import Backbone, StreamLayout
+from mmkv_cli.reduce import StepTokens
+from mmkv_cli.reduce.choice import ReducerChoice
+
+
+def grid_index(layout: StreamLayout, first_step: int, steps: int) -> torch.Tensor:
+    """[steps, T]: where each step's grid tokens sit in a chunk starting at `first_step`."""
+    lengths = layout.step_lengths[first_step : first_step + steps]
+    starts = torch.cumsum(torch.tensor([0, *lengths[:-1]]), 0)
+    offsets = torch.tensor(layout.offsets()[first_step : first_step + steps])
+    tokens = layout.grid[0] * layout.grid[1]
+    return (starts + offsets)[:, None] + torch.arange(tokens)[None, :]
+
+
+class ChunkReducer:
+    """One encode's reducer and what it carries from chunk to chunk: the last step's grid tokens."""
+
+    def __init__(self, choice: ReducerChoice):
+        self.choice = choice
+        self.previous: torch.Tensor | None = None  # [T, H] float32, on the host
+
+    def visual(
+        self,
+        backbone: Backbone,
+        frames: np.ndarray,
+        steps: list[tuple[float, float]],
+        layout: StreamLayout,
+        first_step: int,
+    ) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        """(the chunk's embeddings [1, n, H] with merged tokens written in, the extra LM inputs,
+        keep [n] bool: the tokens to prefill)."""
+        importance = None
+        if self.choice.reducer.tower_attention:
+            embeds, extra, importance = backbone.visual_chunk_scored(frames, steps, layout)
+        else:
+            embeds, extra = backbone.visual_chunk(frames, steps, layout)
+        where = grid_index(layout, first_step, len(steps))
+        flat = where.flatten().to(embeds.device)
+        grid = embeds[0, flat].float().cpu().view(*where.shape, -1)
+        reduced = self.choice.reducer.reduce(
+            self.choice.params, StepTokens(grid, self.previous, importance, layout.grid)
+        )
+        self.previous = grid[-1]
+        keep = torch.ones(embeds.shape[1], dtype=torch.bool)
+        keep[where.flatten()] = reduced.keep.flatten()
+        embeds = embeds.clone()
+        embeds[0, flat] = reduced.grid.flatten(0, 1).to(embeds.device, embeds.dtype)
+        return embeds, extra, keep
+
+    def saved(self) -> dict[str, torch.Tensor]:
+        return {} if self.previous is None else {"previous": self.previous}
+
+    def restore(self, saved: dict[str, torch.Tensor]) -> None:
+        self.previous = saved.get("previous")

@@ -1,0 +1,73 @@
+"""The token-reducer seam: between the vision tower and the language model's prefill, a reducer sees
+one chunk's visual tokens step by step (a temporal step's grid of tokens, the step before it, and
+the tower's attention where it reads it) and says which tokens go on, with what embeddings. Kept
+tokens keep their stream index, grid place and time, so RoPE / M-RoPE positions, retrieval and the
+pack's layout keep their meaning; a dropped token is, to a memory policy, a token evicted as it
+arrived.
+
+A reducer is a `Reducer` record: its typed parameters (the authors' defaults) and a pure function
+over tensors. The scoring they share (each token against its place in the step before) is here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mmkv_cli.lazy import torch
+from mmkv_cli.spec import Paper
+
+
+@dataclass
+class StepTokens:
+    """What a reducer sees of one chunk, grid tokens only (markers between steps always go on)."""
+
+    grid: torch.Tensor  # [S, T, H]: the chunk's S steps, T tokens each in raster order, as embedded
+    previous: (
+        torch.Tensor | None
+    )  # [T, H]: the step before the chunk, whole (None: the stream's first)
+    importance: (
+        torch.Tensor | None
+    )  # [S, T]: attention each token got in the tower (None: not read)
+    grid_shape: tuple[int, int]  # (rows, cols) of a step's T tokens
+
+
+@dataclass
+class Reduced:
+    keep: torch.Tensor  # [S, T] bool: the tokens prefilled
+    grid: torch.Tensor  # [S, T, H]: their embeddings (a merging reducer rewrote the kept ones)
+
+
+@dataclass(frozen=True)
+class Reducer:
+    """A token reducer as the registry knows it."""
+
+    name: str
+    description: str
+    paper: Paper
+    params: type  # the typed parameter class (defaults in code, presets override)
+    reduce: Callable[[Any, StepTokens], Reduced]  # (params, tokens) -> what goes on
+    temporal: bool  # compares a step with the one before: video only
+    tower_attention: bool  # reads the vision tower's attention: only families that expose it
+
+
+def similarity_to_previous(grid: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+    """[S, T] cosine similarity of every token with the same place in the step before, the step
+    before taken whole (what was dropped of it included); the stream's first step gets -inf."""
+    steps = grid.float()
+    before = torch.cat([previous.float()[None], steps[:-1]]) if previous is not None else None
+    if before is None:
+        first = torch.full((1, grid.shape[1]), float("-inf"))
+        if len(grid) == 1:
+            return first
+        rest = torch.nn.functional.cosine_similarity(steps[1:], steps[:-1], dim=-1)
+        return torch.cat([first, rest])
+    return torch.nn.functional.cosine_similarity(steps, before, dim=-1)
+
+
+def top_in_order(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the `count` highest scores, ascending (ties to the earlier index)."""
+    count = max(0, min(count, scores.numel()))
+    order = torch.sort(-scores.float(), stable=True).indices[:count]
+    return torch.sort(order).values
