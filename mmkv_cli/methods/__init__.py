@@ -14,6 +14,8 @@ from mmkv_cli.methods import (
     recency,
     rekv,
     snapkv,
+    streamingtom,
+    streammem,
 )
 from mmkv_cli.methods.base import Budget, EncodeContext, Method, Paper, Selection
 
@@ -33,6 +35,8 @@ METHODS: dict[str, Method] = {
         pyramidkv,
         aircache,
         meda,
+        streamingtom,
+        streammem,
     )
 }
 

@@ -14,6 +14,14 @@ if TYPE_CHECKING:
     from mmkv_cli.kernels.recorder import Recorder
 
 
+def slide_window(state: StreamState, window: int | None) -> None:
+    """Keep encode's attention on the newest `window` visual tokens of every layer: older entries
+    move to host memory and still go into the pack (ReKV's and StreamingTOM's sliding window)."""
+    for layer in range(state.layers if window else 0):
+        if state.cache.count(layer) > window:
+            state.cache.offload(layer, state.cache.count(layer) - window)
+
+
 class KeepAll:
     """The streaming memory that keeps every token: one block per temporal step. Policies that evict
     subclass it and override the hooks they need."""

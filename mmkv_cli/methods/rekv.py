@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mmkv_cli.methods.base import Method, Paper, StreamParams
-from mmkv_cli.methods.keep_all import KeepAll
+from mmkv_cli.methods.keep_all import KeepAll, slide_window
 from mmkv_cli.methods.retrieval import RetrievalContext, RetrievalOptions
 from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import retrieval_key
@@ -49,10 +49,7 @@ class ReKVMemory(KeepAll):
     moved out of the running cache, so encode cost grows linearly with the video."""
 
     def after_chunk(self, state: StreamState) -> None:
-        window = self.params.window_tokens
-        for layer in range(state.layers if window else 0):
-            if state.cache.count(layer) > window:
-                state.cache.offload(layer, state.cache.count(layer) - window)
+        slide_window(state, self.params.window_tokens)
 
     def representative(self, keys, positions, rope):
         if self.params.layers == "each":

@@ -23,7 +23,12 @@ from mmkv_cli.spec import Paper, knob
 
 @dataclass(frozen=True)
 class CTRParams:
-    retain_tokens: int = knob(50, "tokens each step keeps (the authors' setting: 50 of 196)", low=1)
+    retain: float = knob(
+        50 / 196,
+        "share of a step's tokens it keeps (the authors' 50 of LLaVA-OV's 196; at least one)",
+        above=0.0,
+        high=1.0,
+    )
     similarity_threshold: float = knob(
         0.9, "a token more similar than this to its place in the step before is static", low=-1.0
     )
@@ -83,16 +88,22 @@ def merge_into_centres(tokens: torch.Tensor, centres: torch.Tensor, beta: float)
     return merged.to(tokens.dtype)
 
 
+def retained(params: CTRParams, total: int) -> int:
+    """Tokens a step of `total` keeps: 50 of 196 at the authors' share."""
+    return max(1, min(total, round(params.retain * total)))
+
+
 def reduce_step(
     grid: torch.Tensor, similarity: torch.Tensor, importance: torch.Tensor, params: CTRParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step: (keep [T] bool, embeddings [T, H] with the static centres merged)."""
     total = len(grid)
     keep = torch.zeros(total, dtype=torch.bool)
-    if params.retain_tokens >= total:
+    retain = retained(params, total)
+    if retain >= total:
         return keep | True, grid
     static = similarity > params.similarity_threshold
-    keep_static, keep_dynamic = split_budget(params.retain_tokens, int(static.sum()), total)
+    keep_static, keep_dynamic = split_budget(retain, int(static.sum()), total)
     out = grid.clone()
     where = static.nonzero()[:, 0]
     if keep_static > 0:
