@@ -9,13 +9,25 @@ import pytest
 import torch
 
 from mmkv_cli import api
+from mmkv_cli.backbones import tower_families
+from mmkv_cli.errors import UsageError
 from mmkv_cli.methods import METHODS
+from mmkv_cli.methods.choice import resolve_method
 from mmkv_cli.pack import PackReader
 from tests.conftest import SAMPLES, TINY
 from tests.helpers import ask_pack, encode_pack
 from tests.method_cases import CASES, case_for
 
 MEDIA = {"video": "clip.mp4", "images": "images", "pdf": "doc.pdf"}
+
+
+def serves(method: str, family: str, media: str) -> bool:
+    """Whether the method's own token reducer takes this media kind on this family."""
+    reduce = resolve_method(method).reduce
+    if reduce is None:
+        return True
+    temporal_ok = not reduce.reducer.temporal or media == "video"
+    return temporal_ok and (not reduce.reducer.tower_attention or family in tower_families())
 
 
 @pytest.mark.parametrize("media", MEDIA)
@@ -25,6 +37,11 @@ def test_method_encodes_inspects_and_answers(tmp_path, backbones, method, family
     backbone = backbones[family]
     case = case_for(method)
     pack = tmp_path / "p.kvpack"
+    if not serves(method, backbone.family, media):  # its own reducer cannot: one line, no pack
+        with pytest.raises(UsageError, match="reducer"):
+            encode_pack(SAMPLES / MEDIA[media], pack, method=method, backbone=backbone)
+        assert not pack.exists()
+        return
     info = encode_pack(
         SAMPLES / MEDIA[media],
         pack,
@@ -43,8 +60,9 @@ def test_method_encodes_inspects_and_answers(tmp_path, backbones, method, family
     total, kept = info["visual_tokens_total"], info["visual_tokens_kept"]
     layers = [layer["tokens_kept"] for layer in info["layers"]]
     assert kept == pytest.approx(sum(layers) / len(layers), abs=0.01)
-    if METHODS[method].keeps_all:
-        assert layers == [total] * len(layers)
+    if METHODS[method].keeps_all:  # every token its reducer (if any) let through
+        assert layers == [info["visual_tokens_prefilled"]] * len(layers)
+        assert (info["visual_tokens_prefilled"] < total) == (METHODS[method].reducer is not None)
     elif "budget_tokens" in case.budget:
         assert min(layers) > 0 and max(layers) <= case.budget["budget_tokens"]
     elif not case.views_overlap:  # the others keep about the budget, on average

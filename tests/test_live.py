@@ -13,6 +13,7 @@ from mmkv_cli.media import load_media
 from mmkv_cli.media.base import Media
 from mmkv_cli.methods import METHODS, EncodeContext
 from mmkv_cli.methods.choice import resolve_method
+from mmkv_cli.reduce import REDUCERS
 from tests.conftest import SAMPLES, TINY
 
 EVERY = sorted(METHODS)
@@ -48,11 +49,11 @@ def assert_same_spans(got, want):
             assert torch.allclose(x.float(), y.float(), atol=1e-5), a.name
 
 
-def follow(backbone, method: str, moments: tuple[int, ...]):
+def follow(backbone, method: str, moments: tuple[int, ...], reduce: str | None = None):
     """Push the sample clip frame by frame; at each moment (frames in), the live memory and the
     encode of the clip cut there."""
     media = load_media(str(SAMPLES / "clip.mp4"), fps=4.0, max_frames=64)
-    choice = live_choice(method)
+    choice = live_choice(method).with_reduce(reduce)
     live = LiveEncoder(backbone, choice, EncodeContext("video"))
     frames = media.read(0, media.num_frames)
     for i, at in enumerate(media.timestamps):
@@ -76,8 +77,21 @@ def follow(backbone, method: str, moments: tuple[int, ...]):
 
 @pytest.mark.parametrize("method", EVERY)
 def test_every_method_holds_live_what_the_cut_media_holds(backbones, method):
-    for got, want in follow(backbones["tiny-qwen2.5-vl"], method, (4, 7)):
+    # a method whose own reducer reads the tower's attention runs on the family that gives it
+    reducer = METHODS[method].reducer
+    tower = reducer is not None and REDUCERS[reducer].tower_attention
+    backbone = backbones["tiny-llava-ov" if tower else "tiny-qwen2.5-vl"]
+    for got, want in follow(backbone, method, (4, 7)):
         assert_same_spans(got, want)
+
+
+@pytest.mark.parametrize(
+    ("method", "reduce"), [("hermes", "dtd"), ("mukv", "dtd"), ("full", "ctr")]
+)
+def test_a_reducer_holds_live_what_the_cut_media_holds(backbones, method, reduce):
+    for got, want in follow(backbones["tiny-llava-ov"], method, (4, 7), reduce):
+        assert_same_spans(got, want)
+        assert got.stats["visual_tokens_prefilled"] == want.stats["visual_tokens_prefilled"]
 
 
 @pytest.mark.parametrize("family", TINY)

@@ -1,0 +1,223 @@
+"""Token reducers: their scoring on tensors written from the authors' definitions, and the seam
+end to end (kept tokens keep their places, dropped ones are never prefilled, refusals before any
+work)."""
+
+import pytest
+import torch
+
+from mmkv_cli.encode.reducing import grid_index
+from mmkv_cli.errors import UsageError
+from mmkv_cli.pack import PackReader
+from mmkv_cli.reduce import REDUCERS, StepTokens, ctr, dtd, visionzip
+from mmkv_cli.reduce.base import similarity_to_previous
+from mmkv_cli.reduce.choice import check_reducer, resolve_reducer
+from tests.conftest import SAMPLES
+from tests.helpers import ask_pack, encode_pack
+from tests.test_cli import mmkv
+
+
+def tokens(grid, previous=None, importance=None, shape=(1, 4)):
+    return StepTokens(grid.float(), previous, importance, shape)
+
+
+# --- DTD ---
+
+
+def test_dtd_drops_what_barely_changed_against_the_whole_step_before():
+    a, b = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
+    previous = torch.stack([a, a, a, a])
+    step1 = torch.stack([a, a, b, b])  # places 2, 3 changed
+    step2 = torch.stack([a, b, b, a])  # against step1 whole: places 1 and 3 changed
+    out = dtd.reduce(dtd.DTDParams(0.5), tokens(torch.stack([step1, step2]), previous))
+    assert out.keep.tolist() == [[False, False, True, True], [False, True, False, True]]
+    assert torch.equal(out.grid, torch.stack([step1, step2]))  # nothing merged
+    first = dtd.reduce(dtd.DTDParams(0.5), tokens(step1[None]))  # the stream's first step
+    assert first.keep.all()
+
+
+def test_dtd_threshold_one_keeps_every_token():
+    grid = torch.randn(3, 4, 8)
+    grid[1] = grid[0]
+    assert dtd.reduce(dtd.DTDParams(1.0), tokens(grid, grid[0])).keep.all()
+    sims = similarity_to_previous(grid, None)
+    assert sims[0].isneginf().all() and torch.allclose(sims[1], torch.ones(4))
+
+
+# --- CTR ---
+
+
+def test_ctr_splits_its_budget_as_the_authors_round_it():
+    assert ctr.split_budget(50, 98, 196) == (25, 25)
+    assert ctr.split_budget(50, 10, 196) == (2, 48)
+    assert ctr.split_budget(50, 190, 196) == (48, 2)  # the static part rounded down
+    assert ctr.split_budget(50, 0, 196) == (0, 50)
+    assert ctr.retained(ctr.CTRParams(), 196) == 50 and ctr.retained(ctr.CTRParams(), 16) == 4
+
+
+def test_density_peaks_find_one_centre_in_each_cluster():
+    torch.manual_seed(0)
+    left = torch.randn(6, 4) * 0.01
+    right = torch.randn(5, 4) * 0.01 + 5
+    centres = ctr.density_peaks(torch.cat([left, right]), 2, k=3)
+    assert (centres < 6).sum() == 1 and (centres >= 6).sum() == 1
+
+
+def test_a_static_centre_becomes_beta_itself_plus_the_rest_its_members_mean():
+    points = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [10.0, 10.0], [11.0, 10.0]])
+    merged = ctr.merge_into_centres(points, torch.tensor([0, 3]), beta=0.6)
+    assert torch.allclose(merged[0], 0.6 * points[0] + 0.4 * points[1:3].mean(0))
+    assert torch.allclose(merged[1], 0.6 * points[3] + 0.4 * points[4])
+
+
+def test_ctr_keeps_its_count_moving_tokens_by_attention_still_ones_merged():
+    torch.manual_seed(1)
+    previous = torch.randn(8, 6)
+    step = previous.clone()
+    step[4:] = torch.randn(4, 6)  # places 4-7 move
+    importance = torch.tensor([[0.0, 0, 0, 0, 0.1, 0.9, 0.2, 0.8]])
+    params = ctr.CTRParams(retain=0.5, beta=0.6)  # 4 of 8: 2 still, 2 moving
+    out = ctr.reduce(params, tokens(step[None], previous, importance, (2, 4)))
+    kept = out.keep[0].nonzero()[:, 0].tolist()
+    assert len(kept) == 4 and {5, 7} <= set(kept)  # the two moving tokens the tower looked at
+    still = [i for i in kept if i < 4]
+    assert len(still) == 2
+    changed = [i for i in still if not torch.equal(out.grid[0, i], step[i])]
+    assert changed  # a centre that others joined is their merge, at its own place
+    assert torch.equal(out.grid[0, 4:], step[4:])  # moving tokens are kept as they are
+
+
+# --- VisionZip ---
+
+
+def test_visionzip_keeps_the_dominant_tokens_and_merges_contextual_ones():
+    grid = torch.tensor([[1.0, 0], [0, 1], [1, 0.1], [0.1, 1], [5, 5], [1, 0.2]])
+    importance = torch.tensor([[0.0, 0, 0, 0, 1.0, 0]])
+    params = visionzip.VisionZipParams(dominant=1 / 6, contextual=2 / 6)
+    out = visionzip.reduce(params, tokens(grid[None], None, importance, (2, 3)))
+    assert out.keep[0].tolist() == [True, False, True, False, True, False]
+    # targets at stride len(rest) // 2 = 2 over the rest [0, 1, 2, 3, 5]: 0 and 2
+    rest = grid[[0, 1, 2, 3, 5]]
+    unit = torch.nn.functional.normalize(rest, dim=-1)
+    nearest = (unit[[1, 3, 4]] @ unit[[0, 2]].T).argmax(-1).tolist()
+    members = {0: [], 1: []}
+    for who, target in zip([1, 3, 4], nearest):
+        members[target].append(rest[who])
+    for target, slot in ((0, 0), (1, 2)):
+        extra = torch.stack(members[target]).mean(0) if members[target] else torch.zeros(2)
+        assert torch.allclose(out.grid[0, slot], rest[[0, 2][target]] + extra)
+    mean = visionzip.reduce(
+        visionzip.VisionZipParams(1 / 6, 2 / 6, "mean"), tokens(grid[None], None, importance)
+    )
+    assert mean.keep.equal(out.keep) and not torch.allclose(mean.grid, out.grid)
+
+
+# --- the seam ---
+
+
+def positions(reader: PackReader) -> list[int]:
+    """The first layer's stored positions of every block, in order."""
+    spans = [reader.span(reader.blocks.name(i)) for i in range(len(reader.blocks))]
+    return [int(p) for span in spans for p in span.positions[0][0]]
+
+
+def test_grid_index_skips_the_markers_between_steps():
+    class Layout:
+        step_lengths = [6, 6, 6]
+        grid = (2, 2)
+
+        def offsets(self):
+            return [1, 1, 1]
+
+    assert grid_index(Layout(), 1, 2).tolist() == [[1, 2, 3, 4], [7, 8, 9, 10]]
+
+
+def test_a_reducer_that_keeps_everything_writes_the_same_pack(tmp_path, backbones):
+    backbone = backbones["tiny-llava-ov"]
+    plain = encode_pack(SAMPLES / "clip.mp4", tmp_path / "a.kvpack", backbone=backbone)
+    same = tmp_path / "b.kvpack"
+    (tmp_path / "methods").mkdir()
+    (tmp_path / "methods" / "keep.yaml").write_text(
+        "extends: full\nreduce: dtd\nreduce_params: {drop_threshold: 1.0}\n"
+    )
+    from mmkv_cli.presets import use_presets
+
+    use_presets(tmp_path)
+    try:
+        info = encode_pack(SAMPLES / "clip.mp4", same, method="keep", backbone=backbone)
+    finally:
+        use_presets(None)
+    assert (
+        info["reduce"] == "dtd" and info["visual_tokens_prefilled"] == plain["visual_tokens_total"]
+    )
+    a, b = (
+        ask_pack(p, "what shape?", backbone=backbone, keep_logits=True)
+        for p in (tmp_path / "a.kvpack", same)
+    )
+    assert torch.allclose(a.first_logits, b.first_logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["dtd", "ctr", "visionzip"])
+def test_kept_tokens_keep_the_places_they_had_in_the_whole_stream(tmp_path, backbones, name):
+    backbone = backbones["tiny-llava-ov"]
+    full = tmp_path / "full.kvpack"
+    encode_pack(SAMPLES / "clip.mp4", full, backbone=backbone)
+    cut = tmp_path / "cut.kvpack"
+    info = encode_pack(SAMPLES / "clip.mp4", cut, backbone=backbone, reduce=name)
+    assert 0 < info["visual_tokens_prefilled"] < info["visual_tokens_total"]
+    assert info["visual_tokens_kept"] == info["visual_tokens_prefilled"]
+    every = {int(p) for p in positions(PackReader(full))}
+    reader = PackReader(cut)
+    kept = positions(reader)
+    assert len(kept) == info["visual_tokens_prefilled"] and set(kept) <= every
+    assert reader.header.method.reduce["name"] == name
+
+
+def test_a_dropping_reducer_prefills_fewer_tokens_than_the_stream(tmp_path, backbones):
+    info = encode_pack(
+        SAMPLES / "clip.mp4",
+        tmp_path / "p.kvpack",
+        backbone=backbones["tiny-llava-ov"],
+        method="hermes",
+        budget_tokens=24,
+        reduce="dtd",
+    )
+    assert info["visual_tokens_prefilled"] < info["visual_tokens_total"]
+    assert info["visual_tokens_kept"] <= 24
+
+
+def test_reducers_it_cannot_serve_are_refused_in_one_line_before_any_work(tmp_path):
+    out = tmp_path / "p.kvpack"
+    for args, says in (
+        (["--reduce", "dtd", str(SAMPLES / "doc.pdf")], "takes video, not pdf"),
+        (["--reduce", "ctr", str(SAMPLES / "images")], "takes video, not images"),
+        (
+            ["--reduce", "visionzip", "--model", "tiny-qwen2-vl", str(SAMPLES / "clip.mp4")],
+            "does not expose",
+        ),
+        (["--reduce", "dtz", str(SAMPLES / "clip.mp4")], "did you mean 'dtd'"),
+        (
+            ["--method", "streamingtom", "--model", "tiny-qwen2.5-vl", str(SAMPLES / "clip.mp4")],
+            "reads the vision tower's attention",
+        ),
+    ):
+        result = mmkv("encode", *args, "-o", str(out))
+        assert result.returncode == 2, args
+        assert says in result.stderr and len(result.stderr.strip().splitlines()) == 1, args
+        assert not out.exists()
+
+
+def test_a_preset_reducer_is_checked_against_its_types(tmp_path):
+    with pytest.raises(UsageError, match="drop_threshold"):
+        resolve_reducer("dtd", {"drop_threshold": 2.0})
+    with pytest.raises(UsageError, match="unknown"):
+        resolve_reducer("dtd", {"threshold": 0.5})
+    with pytest.raises(UsageError, match="without a reducer"):
+        resolve_reducer(None, {"drop_threshold": 0.5})
+    assert resolve_reducer("none") is None
+    check_reducer(resolve_reducer("visionzip"), "pdf", "llava_onevision", ["llava_onevision"])
+
+
+def test_every_reducer_is_typed_and_cited():
+    for name, reducer in REDUCERS.items():
+        assert reducer.name == name and reducer.paper.url.startswith("https://")
+        reducer.params()  # every field has its default
