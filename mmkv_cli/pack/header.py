@@ -42,7 +42,9 @@ class Section:
         out = {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name != "extra" and f.metadata.get("stored", True)
+            if f.name != "extra"
+            and f.metadata.get("stored", True)
+            and not (f.metadata.get("when_set") and getattr(self, f.name) is None)
         }
         return {**out, **self.extra}
 
@@ -71,7 +73,8 @@ class MethodRecord(Section):
     budget_tokens: int | None = None
     params: dict = field(default_factory=dict)  # the parameter class's fields, as plain data
     guidance_prompt: str | None = None
-    reduce: dict | None = None  # the token reducer before the prefill: {name, params} (None: none)
+    # the token reducer before the prefill: {name, params}; absent from packs made without one
+    reduce: dict | None = field(default=None, metadata={"when_set": True})
     extra: dict = field(default_factory=dict)
     # False for v2-v4 packs, which kept other keys beside the parameters: apply those that still
     # fit the class (not stored: a pack written now holds the class's fields alone)
