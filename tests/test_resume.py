@@ -50,7 +50,7 @@ def same_pack(a: Path, b: Path) -> bool:
     )
 
 
-def interrupt(backbone, video: str, out: Path, method: str, chunks: int) -> None:
+def interrupt(backbone, video: str, out: Path, method: str, chunks: int, **more) -> None:
     """Encode with a checkpoint after every chunk, stopped just after chunk `chunks` is saved."""
     calls = []
 
@@ -60,20 +60,28 @@ def interrupt(backbone, video: str, out: Path, method: str, chunks: int) -> None
             raise Stop
 
     with pytest.raises(Stop):
-        options = EncodeOptions(method, checkpoint_every=1, **OPTIONS)
+        options = EncodeOptions(method, checkpoint_every=1, **OPTIONS, **more)
         api.encode(video, out, options, backbone=backbone, progress=stop)
 
 
-@pytest.mark.parametrize("method", ["hermes", "h2o", "meda", "infinipot", "rekv", "mukv"])
-def test_an_interrupted_encode_resumes_to_the_same_pack(world, method):
+@pytest.mark.parametrize(
+    ("method", "reduce"),
+    [
+        *((m, None) for m in ["hermes", "h2o", "meda", "infinipot", "rekv", "mukv"]),
+        ("hermes", "dtd"),  # the reducer's step before is in the checkpoint too
+        ("mukv", "dtd"),
+        ("streamingtom", None),  # its own reducer, ctr
+    ],
+)
+def test_an_interrupted_encode_resumes_to_the_same_pack(world, method, reduce):
     backbone, tmp = world
     video = str(tmp / "set" / "clips" / "clip_0000.mp4")
-    whole = tmp / f"{method}-whole.kvpack"
-    api.encode(video, whole, EncodeOptions(method, **OPTIONS), backbone=backbone)
-    cut = tmp / f"{method}-cut.kvpack"
-    interrupt(backbone, video, cut, method, chunks=2)
+    whole = tmp / f"{method}-{reduce}-whole.kvpack"
+    api.encode(video, whole, EncodeOptions(method, **OPTIONS, reduce=reduce), backbone=backbone)
+    cut = tmp / f"{method}-{reduce}-cut.kvpack"
+    interrupt(backbone, video, cut, method, chunks=2, reduce=reduce)
     assert checkpoint_path(cut).exists() and not cut.exists()
-    resumed = EncodeOptions(method, checkpoint_every=1, resume=True, **OPTIONS)
+    resumed = EncodeOptions(method, checkpoint_every=1, resume=True, **OPTIONS, reduce=reduce)
     api.encode(video, cut, resumed, backbone=backbone)
     assert same_pack(whole, cut)
     assert not checkpoint_path(cut).exists()  # removed once the pack is written

@@ -38,7 +38,8 @@ class StreamRequest(BaseModel):
     budget_tokens: int | None = Field(None, ge=1, le=1 << 24)
     fps: float | None = Field(None, gt=0, le=60)
     model: str | None = Field(None, max_length=200)
-    kv_bits: Literal[KV_BITS] = 16
+    kv_bits: Literal[KV_BITS] | None = None  # None: the method's own
+    reduce: str | None = Field(None, max_length=64)  # a token reducer; None: the method's own
     snapshot_every: float | None = Field(None, gt=0)
     behind: Literal["wait", "drop"] | None = None
     stall_s: float = Field(10.0, gt=0, le=3600)
@@ -93,7 +94,10 @@ class Streams:
                 raise UsageError(f"a pack named '{request.name}' exists: pick another name")
             load = LoadOptions(request.model or self.load.model, self.load.device, self.load.dtype)
             options = EncodeOptions(
-                request.method, budget_tokens=request.budget_tokens, kv_bits=request.kv_bits
+                request.method,
+                budget_tokens=request.budget_tokens,
+                kv_bits=request.kv_bits,
+                reduce=request.reduce,
             )
             live = LiveOptions(fps=request.fps, behind=request.behind, stall_s=request.stall_s)
             follow = Follow(

@@ -41,13 +41,18 @@ def metrics(rows: list[dict], chance: Callable[[str, int], float | None]) -> dic
     for t in by_type.values():
         t["accuracy"] = t["correct"] / t["n"]
     n = len(rows)
-    shares = [r["kept"] for r in rows if r.get("kept") is not None]
     return {
         "n": n,
         "accuracy": sum(int(r["correct"]) for r in rows) / n if n else 0.0,
-        "kept": round(sum(shares) / len(shares), 4) if shares else None,
+        **{key: _mean(rows, key) for key in ("kept", "prefilled", "kv_bytes", "encode_s")},
         "by_type": by_type,
     }
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    """The rows' mean of `key`, over those that have it (answers of older runs lack the newer)."""
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return round(sum(values) / len(values), 4) if values else None
 
 
 def chance_level(kind: str, options: int) -> float | None:
@@ -211,8 +216,9 @@ def run_config(items: list[Item], fingerprint: dict, run: PlannedRun) -> dict:
     return config
 
 
-def _row(item: Item, video: str, answer, kept) -> dict:
+def _row(item: Item, video: str, answer, info: dict) -> dict:
     guess = predicted(item, answer.answer)
+    total = info.get("visual_tokens_total") or 0
     return {
         "key": item.key,
         "video": video,
@@ -225,7 +231,14 @@ def _row(item: Item, video: str, answer, kept) -> dict:
         "correct": correct(item, guess),
         "context_tokens": answer.context_tokens,
         "ttft_s": round(answer.ttft_s, 4),
-        "kept": kept,
+        "kept": kept_share(info),
+        # what the encode cost and left: tokens prefilled (after any reducer), the pack's KV bytes,
+        # the encode's seconds (a replay's; a stream's is spread over its moments)
+        "prefilled": round(info.get("visual_tokens_prefilled", total) / total, 4)
+        if total
+        else None,
+        "kv_bytes": info.get("kv_bytes"),
+        "encode_s": info.get("encode_s"),
     }
 
 
@@ -244,12 +257,11 @@ def _answer_clip(video, todo, pack, backbone, method, level: Level, settings: Ev
         kv_bits=bits_of(method, settings),
     )
     info = api.encode(video, pack, encoding, backbone=backbone)
-    kept = kept_share(info)
     generation = GenerationOptions(max_new_tokens=settings.max_new_tokens)
     for item in todo:
         asking = AskOptions(at=item.at, positions=settings.positions, generation=generation)
         answer = api.ask(pack, prompt_for(item), asking, backbone=backbone)
-        yield _row(item, video, answer, kept)
+        yield _row(item, video, answer, info)
 
 
 def _answer_streamed(video, todo, pack, backbone, method, level: Level, settings: EvalSettings):
@@ -266,7 +278,7 @@ def _answer_streamed(video, todo, pack, backbone, method, level: Level, settings
     for item, answer, info in answered_live(
         video, todo, backbone, choice, fps, frames, bits_of(method, settings), asking, prompt_for
     ):
-        yield _row(item, video, answer, kept_share(info))
+        yield _row(item, video, answer, info)
 
 
 def _scored(items: list[Item], done: dict) -> list[dict]:
