@@ -23,8 +23,9 @@ from mmkv_cli.encode.saved_state import (
     restore_running_cache,
     running_cache_tensors,
 )
+from mmkv_cli.encode.text_attention import text_attention
 from mmkv_cli.errors import MediaError
-from mmkv_cli.kernels.attention import Recorder, recording
+from mmkv_cli.kernels.attention import recording
 from mmkv_cli.media import Media
 from mmkv_cli.methods import Budget, EncodeContext
 from mmkv_cli.methods.base import BlockwiseMemory, StreamingMemory
@@ -231,10 +232,7 @@ def encode_streaming(
         progress, tensors = restored.progress, restored.tensors
         cuts = restore_running_cache(running, tensors)
         policy.restore({k[7:]: v for k, v in tensors.items() if k.startswith("policy.")})
-        if stream.reducer is not None:
-            stream.reducer.restore(
-                {k[7:]: v for k, v in tensors.items() if k.startswith("reduce.")}
-            )
+        restore_reducer(stream, tensors)
         state.seen, state.shift = progress["seen"], progress["shift"]
         state.prefilled = progress.get("prefilled", state.seen)
         peak_kv, skip = progress["peak_kv"], progress["chunks"]
@@ -267,6 +265,12 @@ def reducer_saved(stream: Stream) -> dict:
     if stream.reducer is None:
         return {}
     return {f"reduce.{k}": v for k, v in stream.reducer.saved().items()}
+
+
+def restore_reducer(stream: Stream, tensors: dict) -> None:
+    """Take back what reducer_saved gave."""
+    if stream.reducer is not None:
+        stream.reducer.restore({k[7:]: v for k, v in tensors.items() if k.startswith("reduce.")})
 
 
 def visual_tokens(
@@ -318,54 +322,6 @@ def stream_chunk(
         policy.observe(state, recorder)
 
 
-def text_attention(
-    backbone: Backbone,
-    state: StreamState,
-    text: str,
-    rows: bool = False,
-    reducers: dict | None = None,
-):
-    """Per layer, the attention the rows of `text` (as a question turn after the stream so far) pay
-    each cached visual token, mean over heads and rows; the text is cut off the cache again
-    afterwards.
-
-    rows=True: per layer the text rows' attention over all keys [q, k], with the key columns of the
-    cached visual tokens and of the text, as (rows, visual slices, text slices).
-    reducers (name -> fn(block [B, H, rows, visual columns])): per layer, each reducer's mean over
-    the text rows, every head kept (MEDA's per-head entropy); nothing [H, q, k] is held whole.
-    """
-    ids = backbone.question_ids(text)
-    last_step = state.token_step[: state.seen] == state.token_step[state.seen - 1]
-    start = int(state.placed(0, state.seen)[:, last_step].max()) + 1  # right after the newest step
-    ends = [int(e.keys.shape[2]) for e in state.cache.cache.layers]
-    starts = [state.cache.visual_start(layer) for layer in range(state.layers)]
-    visual = [slice(s, n) for s, n in zip(starts, ends)]
-    recorder = Recorder(
-        layers=set(range(state.layers)),
-        column_sums=not rows and not reducers,
-        rows=rows,
-        reducers={name: (dict(enumerate(visual)), fn) for name, fn in (reducers or {}).items()},
-    )
-    with state.cache.scratch(), recording(recorder):
-        positions = backbone.text_positions(start, len(ids))
-        backbone.forward(backbone.embed_ids(ids), positions, state.cache.cache)
-    if reducers:
-        return [
-            {name: total[0].cpu() / len(ids) for name, total in recorder.reduced[layer].items()}
-            for layer in range(state.layers)
-        ]
-    if rows:
-        return (
-            [recorder.row[layer][0].cpu() for layer in range(state.layers)],
-            visual,
-            [slice(n, n + len(ids)) for n in ends],
-        )
-    return [
-        recorder.column_sum[layer][0, starts[layer] : ends[layer]].cpu() / len(ids)
-        for layer in range(state.layers)
-    ]
-
-
 def encode_blockwise(
     stream: Stream,
     policy: BlockwiseMemory,
@@ -387,11 +343,7 @@ def encode_blockwise(
         progress, blocks = restored.progress, blocks_from(restored.tensors, restored.rows)
         seen, peak_kv, skip = progress["seen"], progress["peak_kv"], progress["chunks"]
         prefilled = progress.get("prefilled", seen)
-        if stream.reducer is not None:
-            tensors = restored.tensors
-            stream.reducer.restore(
-                {k[7:]: v for k, v in tensors.items() if k.startswith("reduce.")}
-            )
+        restore_reducer(stream, restored.tensors)
     saved = len(blocks)  # blocks before it are in the checkpoint already
     # every block so far as a checkpoint seals it, grown by the new ones at each save: listing an
     # hour's blocks again at every save costs more than the save (docs/measurements.md)

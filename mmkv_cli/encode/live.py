@@ -32,10 +32,10 @@ from mmkv_cli.encode.encoder import (
     _span,
     finished,
     stream_chunk,
-    text_attention,
     visual_tokens,
 )
 from mmkv_cli.encode.reducing import ChunkReducer
+from mmkv_cli.encode.text_attention import text_attention
 from mmkv_cli.errors import MediaError, UsageError
 from mmkv_cli.methods import Budget, EncodeContext
 from mmkv_cli.methods.choice import MethodChoice

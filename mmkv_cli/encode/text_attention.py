@@ -1,0 +1,57 @@
+"""What a text pays the cached visual tokens of a running encode: the seam through which streaming
+policies score by a prompt (`StreamState.attend`), the text run as a question turn after the stream
+so far and cut off the cache again."""
+
+from __future__ import annotations
+
+from mmkv_cli.backbones.base import Backbone
+from mmkv_cli.kernels.attention import Recorder, recording
+from mmkv_cli.methods.running_cache import StreamState
+
+
+def text_attention(
+    backbone: Backbone,
+    state: StreamState,
+    text: str,
+    rows: bool = False,
+    reducers: dict | None = None,
+):
+    """Per layer, the attention the rows of `text` (as a question turn after the stream so far) pay
+    each cached visual token, mean over heads and rows; the text is cut off the cache again
+    afterwards.
+
+    rows=True: per layer the text rows' attention over all keys [q, k], with the key columns of the
+    cached visual tokens and of the text, as (rows, visual slices, text slices).
+    reducers (name -> fn(block [B, H, rows, visual columns])): per layer, each reducer's mean over
+    the text rows, every head kept (MEDA's per-head entropy); nothing [H, q, k] is held whole.
+    """
+    ids = backbone.question_ids(text)
+    last_step = state.token_step[: state.seen] == state.token_step[state.seen - 1]
+    start = int(state.placed(0, state.seen)[:, last_step].max()) + 1  # right after the newest step
+    ends = [int(e.keys.shape[2]) for e in state.cache.cache.layers]
+    starts = [state.cache.visual_start(layer) for layer in range(state.layers)]
+    visual = [slice(s, n) for s, n in zip(starts, ends)]
+    recorder = Recorder(
+        layers=set(range(state.layers)),
+        column_sums=not rows and not reducers,
+        rows=rows,
+        reducers={name: (dict(enumerate(visual)), fn) for name, fn in (reducers or {}).items()},
+    )
+    with state.cache.scratch(), recording(recorder):
+        positions = backbone.text_positions(start, len(ids))
+        backbone.forward(backbone.embed_ids(ids), positions, state.cache.cache)
+    if reducers:
+        return [
+            {name: total[0].cpu() / len(ids) for name, total in recorder.reduced[layer].items()}
+            for layer in range(state.layers)
+        ]
+    if rows:
+        return (
+            [recorder.row[layer][0].cpu() for layer in range(state.layers)],
+            visual,
+            [slice(n, n + len(ids)) for n in ends],
+        )
+    return [
+        recorder.column_sum[layer][0, starts[layer] : ends[layer]].cpu() / len(ids)
+        for layer in range(state.layers)
+    ]
