@@ -13,12 +13,15 @@ class Case:
     # several views of one stream (MuKV's patches, frames and segments): what a layer keeps may
     # add up to more than the budget, so only "fewer than everything" is asked of it
     views_overlap: bool = False
+    # one summary entry a temporal step beside the budget (StreamMem's frame prototypes)
+    per_step_extra: bool = False
 
 
 CASES = {
     # a token budget under the stream, so it compresses while streaming
     "hermes": Case({"budget_tokens": 24}),
     "mukv": Case(views_overlap=True),
+    "streammem": Case(per_step_extra=True),
 }
 
 

@@ -312,12 +312,14 @@ def stream_chunk(
     state.prefilled += len(index)
     if not len(index):
         state.seen += n
+        state.cache.passed(state.seen)
         return  # the whole chunk was dropped: nothing to prefill or record
     recorder = policy.recorder(state)
     with recording(recorder) if recorder else nullcontext():
         backbone.forward(embeds, placed, state.cache.cache, **extra)
     state.cache.appended(index, placed)
     state.seen += n
+    state.cache.passed(state.seen)
     if recorder:
         policy.observe(state, recorder)
 

@@ -37,7 +37,7 @@ class RunningCache:
         # stream index. Such an entry's bytes never change while it is held, whatever is evicted
         # around it, so a checkpoint writes them once (an hour of `full` or a 25% window: GBs)
         self.pristine = [torch.empty(0, dtype=torch.bool) for _ in range(layers)]
-        self.streamed = 0  # visual tokens appended so far: stream indices [0, streamed)
+        self.streamed = 0  # the stream has come this far: indices [0, streamed) appended or dropped
 
     @property
     def layers(self) -> int:
@@ -78,7 +78,12 @@ class RunningCache:
             self.index[layer] = torch.cat([self.index[layer], index])
             self.positions[layer] = torch.cat([self.positions[layer], positions], dim=1)
             self.pristine[layer] = torch.cat([self.pristine[layer], fresh])
-        self.streamed += len(index)
+        self.streamed = max(self.streamed, int(index[-1]) + 1) if len(index) else self.streamed
+
+    def passed(self, stop: int) -> None:
+        """The stream has come up to index `stop`: what a token reducer dropped of it was never
+        appended, yet a checkpoint cuts the stream there."""
+        self.streamed = max(self.streamed, stop)
 
     def retain(self, layer: int, local: torch.Tensor) -> None:
         """Keep only the visual entries at `local` (indices into this layer's visual part,

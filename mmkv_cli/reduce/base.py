@@ -54,16 +54,15 @@ class Reducer:
 
 def similarity_to_previous(grid: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
     """[S, T] cosine similarity of every token with the same place in the step before, the step
-    before taken whole (what was dropped of it included); the stream's first step gets -inf."""
+    before taken whole (what was dropped of it included); the stream's first step gets -inf.
+    Clamped to [-1, 1]: an unchanged token is 1 exactly, so a threshold of 1 drops nothing."""
     steps = grid.float()
-    before = torch.cat([previous.float()[None], steps[:-1]]) if previous is not None else None
-    if before is None:
-        first = torch.full((1, grid.shape[1]), float("-inf"))
-        if len(grid) == 1:
-            return first
-        rest = torch.nn.functional.cosine_similarity(steps[1:], steps[:-1], dim=-1)
-        return torch.cat([first, rest])
-    return torch.nn.functional.cosine_similarity(steps, before, dim=-1)
+    first = steps[:1] if previous is None else previous.float()[None]
+    before = torch.cat([first, steps[:-1]])
+    similarity = torch.nn.functional.cosine_similarity(steps, before, dim=-1).clamp(-1.0, 1.0)
+    if previous is None:
+        similarity[0] = float("-inf")
+    return similarity
 
 
 def top_in_order(scores: torch.Tensor, count: int) -> torch.Tensor:
