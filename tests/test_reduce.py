@@ -7,6 +7,7 @@ import torch
 
 from mmkv_cli.encode.reducing import grid_index
 from mmkv_cli.errors import UsageError
+from mmkv_cli.media import load_media
 from mmkv_cli.pack import PackReader
 from mmkv_cli.reduce import REDUCERS, StepTokens, ctr, dtd, visionzip
 from mmkv_cli.reduce.base import similarity_to_previous
@@ -190,15 +191,8 @@ def test_reducers_it_cannot_serve_are_refused_in_one_line_before_any_work(tmp_pa
     for args, says in (
         (["--reduce", "dtd", str(SAMPLES / "doc.pdf")], "takes video, not pdf"),
         (["--reduce", "ctr", str(SAMPLES / "images")], "takes video, not images"),
-        (
-            ["--reduce", "visionzip", "--model", "tiny-qwen2-vl", str(SAMPLES / "clip.mp4")],
-            "does not expose",
-        ),
         (["--reduce", "dtz", str(SAMPLES / "clip.mp4")], "did you mean 'dtd'"),
-        (
-            ["--method", "streamingtom", "--model", "tiny-qwen2.5-vl", str(SAMPLES / "clip.mp4")],
-            "reads the vision tower's attention",
-        ),
+        (["--method", "streamingtom", str(SAMPLES / "doc.pdf")], "takes video, not pdf"),
     ):
         result = mmkv("encode", *args, "-o", str(out))
         assert result.returncode == 2, args
@@ -215,9 +209,54 @@ def test_a_preset_reducer_is_checked_against_its_types(tmp_path):
         resolve_reducer(None, {"drop_threshold": 0.5})
     assert resolve_reducer("none") is None
     check_reducer(resolve_reducer("visionzip"), "pdf", "llava_onevision", ["llava_onevision"])
+    with pytest.raises(UsageError, match="adapter does not expose"):
+        check_reducer(resolve_reducer("ctr"), "video", "a_new_family", ["llava_onevision"])
 
 
 def test_every_reducer_is_typed_and_cited():
     for name, reducer in REDUCERS.items():
         assert reducer.name == name and reducer.paper.url.startswith("https://")
         reducer.params()  # every field has its default
+
+
+# --- the tower's attention, as each family gives it ---
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def test_a_qwen_tower_gives_each_token_the_attention_its_merged_patches_got(backbones, family):
+    backbone = backbones[family]
+    frames = load_media(str(SAMPLES / "clip.mp4"), fps=2.0, max_frames=4).read(0, 4)
+    steps = [(0.0, 0.5), (1.0, 1.5)]
+    layout = backbone.stream_layout(tuple(frames.shape[1:3]), steps)
+    embeds, _, importance = backbone.visual_chunk_scored(frames, steps, layout)
+    plain, _ = backbone.visual_chunk(frames, steps, layout)
+    assert torch.equal(embeds, plain)  # reading the attention changes nothing
+    assert importance.shape == (2, layout.grid[0] * layout.grid[1])
+    # each step's patches attend among themselves: their shares sum to 1, a token averages 4
+    assert torch.allclose(importance.sum(dim=1), torch.full((2,), 0.25), atol=1e-5)
+
+
+def test_qwen25_puts_its_window_ordered_units_back_in_raster_order(backbones):
+    from mmkv_cli.backbones.tower_attention import layer_inputs
+
+    backbone = backbones["tiny-qwen2.5-vl"]
+    visual = backbone.model.model.visual
+    frames = load_media(str(SAMPLES / "clip.mp4"), fps=2.0, max_frames=4).read(0, 4)
+    with layer_inputs(visual.merger) as merged, layer_inputs(visual) as tower:
+        out = backbone.visual_embeds(frames)[0]
+    with torch.inference_mode():
+        in_window_order = visual.merger(*merged[0][0], **merged[0][1])
+    grid = tower[0][1]["grid_thw"]
+    assert not torch.allclose(in_window_order, out)  # the tiny tower's windows do permute
+    assert torch.allclose(backbone._merged_order(in_window_order, grid), out)
+
+
+def test_llava_ov_pools_the_patch_attention_to_the_token_grid(backbones):
+    backbone = backbones["tiny-llava-ov"]
+    frames = load_media(str(SAMPLES / "clip.mp4"), fps=2.0, max_frames=3).read(0, 3)
+    steps = [(0.0, 0.0), (0.5, 0.5), (1.0, 1.0)]
+    layout = backbone.stream_layout(tuple(frames.shape[1:3]), steps)
+    embeds, _, importance = backbone.visual_chunk_scored(frames, steps, layout)
+    assert torch.equal(embeds, backbone.visual_embeds(frames))
+    assert importance.shape == (3, layout.grid[0] * layout.grid[1])
+    assert bool((importance > 0).all()) and torch.isfinite(importance).all()

@@ -33,13 +33,25 @@ FAMILIES: dict[str, Family] = {
         tower_attention=True,
     ),
     "qwen2_vl": Family(
-        "qwen_vl", "QwenVLBackbone", "Qwen2VLForConditionalGeneration", "build_tiny_qwen2_vl"
+        "qwen_vl",
+        "QwenVLBackbone",
+        "Qwen2VLForConditionalGeneration",
+        "build_tiny_qwen2_vl",
+        tower_attention=True,
     ),
     "qwen2_5_vl": Family(
-        "qwen_vl", "Qwen25VLBackbone", "Qwen2_5_VLForConditionalGeneration", "build_tiny_qwen2_5_vl"
+        "qwen_vl",
+        "Qwen25VLBackbone",
+        "Qwen2_5_VLForConditionalGeneration",
+        "build_tiny_qwen2_5_vl",
+        tower_attention=True,
     ),
     "qwen3_vl": Family(
-        "qwen3_vl", "Qwen3VLBackbone", "Qwen3VLForConditionalGeneration", "build_tiny_qwen3_vl"
+        "qwen3_vl",
+        "Qwen3VLBackbone",
+        "Qwen3VLForConditionalGeneration",
+        "build_tiny_qwen3_vl",
+        tower_attention=True,
     ),
 }
 # a family's name, as a preset's `family:` field is typed (its values come from FAMILIES)

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from mmkv_cli.backbones.base import Backbone, PromptPieces, StreamLayout
+from mmkv_cli.backbones.tower_attention import layer_inputs, siglip_received
 
 PROMPT = PromptPieces(
     prefix="<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n",
@@ -48,28 +49,20 @@ class LlavaOnevisionBackbone(Backbone):
     def visual_chunk_scored(
         self, frames: np.ndarray, step_times: list[tuple[float, float]], layout: StreamLayout
     ) -> tuple[torch.Tensor, dict, torch.Tensor]:
-        """The chunk's tokens, and the attention each got in the tower's feature layer (mean over
-        heads and query patches, the importance StreamingTOM and VisionZip read), pooled to the
-        token grid as the features are: one tower pass, its layer's input taken on the way."""
+        """The chunk's tokens, and the attention each got in the tower's feature layer, pooled to
+        the token grid as the features are (bilinear, as apply_pooling does)."""
         config = self.model.config
         layers = self.model.model.vision_tower.encoder.layers
         at = config.vision_feature_layer
         attention = layers[at if at < 0 else at - 1].self_attn
-        seen: list[torch.Tensor] = []
-        hook = attention.register_forward_pre_hook(
-            lambda _, args, kwargs: seen.append(kwargs.get("hidden_states", *args[:1])),
-            with_kwargs=True,
-        )
-        try:
+        with layer_inputs(attention) as calls:
             embeds = self.visual_embeds(frames)
-        finally:
-            hook.remove()
-        received = torch.stack([received_attention(attention, f) for f in torch.cat(seen)])
+        patches = torch.cat([siglip_received(attention, *call) for call in calls])
         if config.vision_feature_select_strategy == "default":
-            received = received[:, 1:]  # the class token is not a feature
-        side = math.isqrt(received.shape[1])
+            patches = patches[:, 1:]  # the class token is not a feature
+        side = math.isqrt(patches.shape[1])
         pooled = torch.nn.functional.interpolate(
-            received.view(-1, 1, side, side), size=layout.grid, mode="bilinear"
+            patches.view(-1, 1, side, side), size=layout.grid, mode="bilinear"
         )
         return embeds, {}, pooled.flatten(1).cpu()
 
@@ -99,14 +92,3 @@ class LlavaOnevisionBackbone(Backbone):
             step_lengths=[self.tokens_per_step(frame_hw)] * steps,
             grid=self.visual_grid(frame_hw),
         )
-
-
-def received_attention(attention, hidden: torch.Tensor) -> torch.Tensor:
-    """[P]: the attention each of one frame's P patches gets in a tower attention layer, mean over
-    heads and queries. hidden [P, width]: the layer's input; one frame at a time, so [heads, P, P]
-    is the most held (34 MB at SigLIP's 729 patches)."""
-    heads = attention.num_heads
-    q = attention.q_proj(hidden).view(len(hidden), heads, -1).transpose(0, 1).float()
-    k = attention.k_proj(hidden).view(len(hidden), heads, -1).transpose(0, 1).float()
-    probs = torch.softmax(q @ k.transpose(1, 2) * attention.scale, dim=-1)
-    return probs.mean(dim=(0, 1))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from transformers.vision_utils import get_vision_window_index
 
 from mmkv_cli.backbones.base import Backbone, PromptPieces, StreamLayout
+from mmkv_cli.backbones.tower_attention import layer_inputs, qwen_received
 
 PROMPT = PromptPieces(
     prefix="<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -57,6 +59,25 @@ class QwenVLBackbone(Backbone):
         )
         return torch.cat(out.pooler_output, dim=0).unsqueeze(0)
 
+    @torch.inference_mode()
+    def visual_chunk_scored(
+        self, frames: np.ndarray, step_times: list[tuple[float, float]], layout: StreamLayout
+    ) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        """The chunk's tokens, and the attention each got in the tower's last block (a temporal
+        step's patches among themselves), averaged over the patches the merger joins into it."""
+        visual = self.model.model.visual
+        attention = visual.blocks[-1].attn
+        with layer_inputs(visual) as tower, layer_inputs(attention) as calls:
+            embeds, extra = self.visual_chunk(frames, step_times, layout)
+        patches = torch.cat([qwen_received(attention, *call) for call in calls])
+        units = patches.view(-1, visual.spatial_merge_size**2).mean(dim=1)
+        grids = torch.cat([kwargs.get("grid_thw", *args[1:2]) for args, kwargs in tower])
+        return embeds, extra, self._merged_order(units, grids).view(len(step_times), -1).cpu()
+
+    def _merged_order(self, units: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Merged units as the tower's blocks saw them, in the order its output gives them."""
+        return units
+
     def _rope_kwargs(self, step_times: list[tuple[float, float]]) -> dict:
         if self.family == "qwen2_5_vl":  # temporal positions follow real time in 2.5-VL
             starts = [t[0] for t in step_times]
@@ -101,3 +122,12 @@ class QwenVLBackbone(Backbone):
 
 class Qwen25VLBackbone(QwenVLBackbone):
     family = "qwen2_5_vl"
+
+    def _merged_order(self, units: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        # the 2.5 tower runs its blocks over merged units grouped by attention window, and puts
+        # them back in raster order after the merger
+        visual = self.model.model.visual
+        window, _ = get_vision_window_index(
+            grid_thw, visual.spatial_merge_size, visual.window_size, visual.patch_size
+        )
+        return units[torch.argsort(window.to(units.device))]
