@@ -181,11 +181,12 @@ def inspect(pack: str = typer.Argument(..., help="A .kvpack."), as_json: bool = 
 
 @app.command(cls=Command)
 def methods(as_json: bool = JsonOpt) -> None:
-    """List the compression methods: paper, default budget, parameters."""
+    """List the compression methods (paper, default budget, parameters) and the token reducers."""
 
     def body() -> None:
         from mmkv_cli.cli.display import show_listing
         from mmkv_cli.methods.choice import method_names, resolve_method
+        from mmkv_cli.reduce import REDUCERS
         from mmkv_cli.spec import as_plain, describe
 
         rows = []
@@ -211,12 +212,28 @@ def methods(as_json: bool = JsonOpt) -> None:
                     "params": [
                         {**p, "value": defaults[p["name"]]} for p in describe(method.params)
                     ],
+                    "reduce": choice.reduce.record() if choice.reduce else None,
+                    "kv_bits": method.kv_bits,
                 }
             )
+        reducers = [
+            {
+                "name": name,
+                "description": reducer.description,
+                "paper": {"title": reducer.paper.title, "year": reducer.paper.year},
+                "video_only": reducer.temporal,
+                "reads_tower_attention": reducer.tower_attention,
+                "params": describe(reducer.params),
+            }
+            for name, reducer in REDUCERS.items()
+        ]
         if as_json:
-            emit_json({"methods": rows})
+            emit_json({"methods": rows, "reducers": reducers})
         else:
-            show_listing("methods", rows, ["name", "budget", "description"])
+            for row in rows:
+                row["reducer"] = row["reduce"]["name"] if row["reduce"] else ""
+            show_listing("methods", rows, ["name", "budget", "reducer", "description"])
+            show_listing("reducers (encode --reduce)", reducers, ["name", "description"])
 
     run(body)
 

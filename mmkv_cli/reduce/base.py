@@ -65,6 +65,14 @@ def similarity_to_previous(grid: torch.Tensor, previous: torch.Tensor | None) ->
     return similarity
 
 
+def step_by_step(
+    tokens: StepTokens, reduce_step: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+) -> Reduced:
+    """A reducer that takes each step on its own: reduce_step(s) -> (keep [T], grid [T, H])."""
+    keeps, grids = zip(*(reduce_step(s) for s in range(len(tokens.grid))))
+    return Reduced(keep=torch.stack(keeps), grid=torch.stack(grids))
+
+
 def top_in_order(scores: torch.Tensor, count: int) -> torch.Tensor:
     """Indices of the `count` highest scores, ascending (ties to the earlier index)."""
     count = max(0, min(count, scores.numel()))

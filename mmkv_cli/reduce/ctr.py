@@ -16,6 +16,7 @@ from mmkv_cli.reduce.base import (
     Reducer,
     StepTokens,
     similarity_to_previous,
+    step_by_step,
     top_in_order,
 )
 from mmkv_cli.spec import Paper, knob
@@ -118,13 +119,9 @@ def reduce_step(
 
 def reduce(params: CTRParams, tokens: StepTokens) -> Reduced:
     similarity = similarity_to_previous(tokens.grid, tokens.previous)
-    keeps, grids = zip(
-        *(
-            reduce_step(tokens.grid[s], similarity[s], tokens.importance[s], params)
-            for s in range(len(tokens.grid))
-        )
+    return step_by_step(
+        tokens, lambda s: reduce_step(tokens.grid[s], similarity[s], tokens.importance[s], params)
     )
-    return Reduced(keep=torch.stack(keeps), grid=torch.stack(grids))
 
 
 REDUCER = Reducer(

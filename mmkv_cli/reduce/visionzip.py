@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mmkv_cli.lazy import torch
-from mmkv_cli.reduce.base import Reduced, Reducer, StepTokens, top_in_order
+from mmkv_cli.reduce.base import Reduced, Reducer, StepTokens, step_by_step, top_in_order
 from mmkv_cli.spec import Paper, knob
 
 
@@ -71,13 +71,7 @@ def reduce_step(
 
 
 def reduce(params: VisionZipParams, tokens: StepTokens) -> Reduced:
-    keeps, grids = zip(
-        *(
-            reduce_step(tokens.grid[s], tokens.importance[s], params)
-            for s in range(len(tokens.grid))
-        )
-    )
-    return Reduced(keep=torch.stack(keeps), grid=torch.stack(grids))
+    return step_by_step(tokens, lambda s: reduce_step(tokens.grid[s], tokens.importance[s], params))
 
 
 REDUCER = Reducer(
