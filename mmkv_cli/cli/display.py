@@ -141,6 +141,16 @@ def kept_label(info: dict) -> str:
     return f"{share}, as {len(views)} overlapping views of the stream ({parts})"
 
 
+def prefilled_label(info: dict) -> str:
+    """Tokens the media gave against those the language model was run on (a reducer's cut)."""
+    total, prefilled = info["visual_tokens_total"], info["visual_tokens_prefilled"]
+    if total is None or prefilled is None:
+        return "not recorded"
+    reducer = f", reducer {info['reduce']}" if info.get("reduce") else ""
+    share = 100 * prefilled / max(total, 1)
+    return f"{prefilled} of {total} visual tokens seen ({share:.1f}%){reducer}"
+
+
 def storage_label(info: dict) -> str:
     """How the visual KV is stored: bits, group and bytes per token per layer."""
     per_token = f"{info['kv_bytes_per_token']:g} bytes a token per layer"
@@ -181,6 +191,7 @@ def show_inspect(info: dict) -> None:
             f"{info['media']['kind']} {info['media']['source']} ({info['media']['frames']} frames)",
         ),
         ("blocks", str(info["blocks"])),
+        ("prefilled", prefilled_label(info)),
         ("visual tokens", kept_label(info)),
         ("prompt tokens", str(info["prompt_tokens"])),
         (

@@ -58,12 +58,12 @@ def density_peaks(tokens: torch.Tensor, count: int, k: int) -> torch.Tensor:
     earlier token (the authors break them with noise)."""
     n, width = tokens.shape
     if n <= 1 or count >= n:
-        return torch.arange(n)
+        return torch.arange(n, device=tokens.device)
     dist = torch.cdist(tokens.float(), tokens.float()) / width**0.5
     # the k smallest distances, the token's own 0 among them (as the authors count them)
     near = torch.topk(dist, min(k, n - 1), dim=-1, largest=False).values
     density = torch.exp(-(near**2).mean(dim=-1))
-    index = torch.arange(n)
+    index = torch.arange(n, device=tokens.device)
     denser = (density[None, :] > density[:, None]) | (
         (density[None, :] == density[:, None]) & (index[None, :] < index[:, None])
     )
@@ -74,7 +74,7 @@ def density_peaks(tokens: torch.Tensor, count: int, k: int) -> torch.Tensor:
 def merge_into_centres(tokens: torch.Tensor, centres: torch.Tensor, beta: float) -> torch.Tensor:
     """[len(centres), H]: each centre as beta x itself + (1 - beta) x the mean of the other tokens
     nearest it (a centre nothing joined stays as it is)."""
-    others = torch.ones(len(tokens), dtype=torch.bool)
+    others = torch.ones(len(tokens), dtype=torch.bool, device=tokens.device)
     others[centres] = False
     merged = tokens[centres].float().clone()
     if not bool(others.any()):
@@ -99,7 +99,7 @@ def reduce_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step: (keep [T] bool, embeddings [T, H] with the static centres merged)."""
     total = len(grid)
-    keep = torch.zeros(total, dtype=torch.bool)
+    keep = torch.zeros(total, dtype=torch.bool, device=grid.device)
     retain = retained(params, total)
     if retain >= total:
         return keep | True, grid

@@ -41,12 +41,13 @@ def contextual_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(target indices into rest [N, H], their merged embeddings [count, H])."""
     stride = max(1, len(rest) // count)
-    targets = torch.arange(0, len(rest), stride)[:count]
-    joins = torch.ones(len(rest), dtype=torch.bool)
+    targets = torch.arange(0, len(rest), stride, device=rest.device)[:count]
+    joins = torch.ones(len(rest), dtype=torch.bool, device=rest.device)
     joins[targets] = False
     unit = torch.nn.functional.normalize(rest.float(), dim=-1)
     nearest = (unit[joins] @ unit[targets].T).argmax(dim=-1)
-    sums = torch.zeros(len(targets), rest.shape[1]).index_add_(0, nearest, rest[joins].float())
+    sums = torch.zeros(len(targets), rest.shape[1], device=rest.device)
+    sums = sums.index_add_(0, nearest, rest[joins].float())
     joined = torch.bincount(nearest, minlength=len(targets))
     if merge == "sum":
         merged = rest[targets].float() + sums / joined.clamp_min(1)[:, None]
@@ -59,7 +60,7 @@ def reduce_step(
     grid: torch.Tensor, importance: torch.Tensor, params: VisionZipParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dominant, contextual = counts(params, len(grid))
-    keep = torch.zeros(len(grid), dtype=torch.bool)
+    keep = torch.zeros(len(grid), dtype=torch.bool, device=grid.device)
     keep[top_in_order(importance, dominant)] = True
     out = grid.clone()
     if contextual > 0:
