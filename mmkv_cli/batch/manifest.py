@@ -25,6 +25,7 @@ ROW_OPTIONS: dict[str, type | tuple[type, ...]] = {
     "kv_bits": (int, float),
     "kv_group": int,
     "guidance_prompt": str,
+    "reduce": str,
 }
 COLUMNS = {"media", "id", *ROW_OPTIONS}
 MAX_ROWS = 1_000_000

@@ -81,9 +81,10 @@ def pack_name(media: str, digest: str, fingerprint: dict, options: EncodeOptions
         "guidance_prompt": options.guidance_prompt,
         "fps": options.fps if options.fps is not None else spec.fps,
         "max_frames": options.max_frames if options.max_frames is not None else spec.max_frames,
-        "reduce": choice.reduce.record() if choice.reduce is not None else None,
         "kv": [bits, options.kv_group if bits < 16 else None],
     }
+    if choice.reduce is not None:  # only then: the names of packs made before reducers stay
+        identity["reduce"] = choice.reduce.record()
     key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
     stem = Path(media.rstrip("/").rsplit("/", 1)[-1]).stem or "media"
     return f"{stem[:80]}-{key[:16]}.kvpack"

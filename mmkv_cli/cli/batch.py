@@ -34,7 +34,7 @@ def batch(
         ...,
         help="A folder, a glob, a bucket prefix (s3://b/videos/), or a JSONL/CSV file with a media "
         "column and optional per-row options (method, budget, budget_tokens, fps, max_frames, "
-        "kv_bits, kv_group, guidance_prompt, id).",
+        "kv_bits, kv_group, guidance_prompt, reduce, id).",
     ),
     out: str = typer.Option(
         ..., "--out", help="Folder or URL prefix the packs and batch.jsonl go to."

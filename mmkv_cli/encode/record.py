@@ -110,7 +110,7 @@ def encode_identity(
 ) -> dict:
     """Everything that makes an encode's saved state this encode's (a checkpoint is bound to it)."""
     fingerprint = backbone.fingerprint()
-    return {
+    identity = {
         "media": media.digest,
         "frames": media.num_frames,
         "model": [fingerprint.get(k) for k in ("family", "config_sha256", "weights_sha256")],
@@ -118,7 +118,9 @@ def encode_identity(
         "params": as_plain(choice.params),
         "budget": None if choice.budget is None else [choice.budget.share, choice.budget.tokens],
         "guidance_prompt": guidance_prompt,
-        "reduce": choice.reduce.record() if choice.reduce is not None else None,
         "fps": fps,
         "max_frames": max_frames,
     }
+    if choice.reduce is not None:  # only then: checkpoints made before reducers still resume
+        identity["reduce"] = choice.reduce.record()
+    return identity
