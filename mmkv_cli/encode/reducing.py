@@ -55,7 +55,7 @@ class ChunkReducer:
         reduced = self.choice.reducer.reduce(
             self.choice.params, StepTokens(grid, previous, importance, layout.grid)
         )
-        self.previous = grid[-1]
+        self.previous = grid[-1].clone()  # not a view: the chunk's grid is let go
         keep = torch.ones(embeds.shape[1], dtype=torch.bool)
         keep[where.flatten()] = reduced.keep.flatten().cpu()
         embeds = embeds.clone()
