@@ -52,9 +52,10 @@ def encode(
     budget_tokens: int | None = None,
     fps: float | None = None,
     max_frames: int | None = None,
-    kv_bits: float = 16,
+    kv_bits: float | None = None,
     kv_group: int = EncodeOptions.kv_group,
     guidance_prompt: str | None = None,
+    reduce: str | None = None,
     force: bool = False,
     device: str = "auto",
     dtype: str = "auto",
@@ -62,7 +63,9 @@ def encode(
 ) -> dict:
     """Encode `media` (a video, an image, a folder or glob of images, a PDF) into the pack `out`
     with `method` at `budget` (a share of visual tokens) or `budget_tokens` (a count per layer).
-    Returns what `mmkv encode --json` prints. progress(frames done, visual tokens done)."""
+    kv_bits None: the method's own; reduce: a token reducer before the prefill (dtd, ctr,
+    visionzip; None: the method's own, 'none': none). Returns what `mmkv encode --json` prints.
+    progress(frames done, visual tokens done)."""
     options = EncodeOptions(
         method=method,
         budget=budget,
@@ -73,6 +76,7 @@ def encode(
         force=force,
         kv_bits=kv_bits,
         kv_group=kv_group,
+        reduce=reduce,
     )
     load = LoadOptions(model=model, device=device, dtype=dtype)
     return _api.encode(str(media), out, options, load=load, progress=progress)
