@@ -200,6 +200,43 @@ def test_reducers_it_cannot_serve_are_refused_in_one_line_before_any_work(tmp_pa
         assert not out.exists()
 
 
+def test_a_preset_over_a_preset_overrides_its_reducer_parameters(tmp_path):
+    from mmkv_cli.methods.choice import resolve_method
+    from mmkv_cli.presets import use_presets
+
+    (tmp_path / "methods").mkdir()
+    (tmp_path / "methods" / "a.yaml").write_text(
+        "extends: streamingtom\nreduce_params: {retain: 0.5, beta: 0.2}\n"
+    )
+    (tmp_path / "methods" / "b.yaml").write_text("extends: a\nreduce_params: {k: 3}\n")
+    (tmp_path / "methods" / "c.yaml").write_text("extends: a\nreduce: none\n")
+    use_presets(tmp_path)
+    try:
+        b, c = resolve_method("b").reduce, resolve_method("c").reduce
+    finally:
+        use_presets(None)
+    assert b.name == "ctr" and (b.params.retain, b.params.beta, b.params.k) == (0.5, 0.2, 3)
+    assert c is None
+
+
+def test_a_forged_prefilled_count_is_refused_on_open(tmp_path, backbones):
+    from mmkv_cli import api
+    from mmkv_cli.errors import PackError
+    from tests.mutants import Parts
+
+    pack = tmp_path / "p.kvpack"
+    encode_pack(SAMPLES / "clip.mp4", pack, backbone=backbones["tiny-llava-ov"], reduce="dtd")
+    for value in (10**9, -1, "many"):
+        parts = Parts.of(pack.read_bytes())
+        header = parts.header()
+        header["stats"]["visual_tokens_prefilled"] = value
+        parts.set_header(header)
+        forged = tmp_path / "forged.kvpack"
+        forged.write_bytes(parts.bytes())
+        with pytest.raises(PackError, match="corrupted"):
+            api.inspect(forged)
+
+
 def test_a_preset_reducer_is_checked_against_its_types(tmp_path):
     with pytest.raises(UsageError, match="drop_threshold"):
         resolve_reducer("dtd", {"drop_threshold": 2.0})

@@ -106,7 +106,7 @@ def resolve_method(name: str, _seen: tuple[str, ...] = ()) -> MethodChoice:
     reduce = base.reduce
     if "reduce" in data or "reduce_params" in data:
         named = data.get("reduce", base.reduce.name if base.reduce else None)
-        reduce = resolve_reducer(named, data.get("reduce_params"), f"{path}: reduce")
+        reduce = resolve_reducer(named, data.get("reduce_params"), f"{path}: reduce", base.reduce)
     choice = MethodChoice(name, base.method, params, base.budget, description, reduce)
     for key, flag in (("budget", "share"), ("budget_tokens", "tokens")):
         if key in data:

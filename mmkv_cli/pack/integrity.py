@@ -217,7 +217,9 @@ def check_header(header: dict, version: int, where: str) -> None:
     )
     stats = header.get("stats") or {}
     if isinstance(stats, dict) and stats.get("visual_tokens_prefilled") is not None:
-        _need(_is_int(stats["visual_tokens_prefilled"]), where, "stats.visual_tokens_prefilled")
+        prefilled, total = stats["visual_tokens_prefilled"], header.get("visual_tokens_total")
+        fits = _is_int(prefilled) and (not _is_int(total) or prefilled <= total)
+        _need(fits, where, "stats.visual_tokens_prefilled")
     if header.get("visual_tokens_total") is not None:
         _need(_is_int(header["visual_tokens_total"]), where, "visual_tokens_total")
     blocks = _section(header, "blocks", where, required=version >= 3)

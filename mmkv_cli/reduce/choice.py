@@ -32,9 +32,13 @@ class ReducerChoice:
 
 
 def resolve_reducer(
-    name: str | None, params: Mapping | None = None, where: str = "--reduce"
+    name: str | None,
+    params: Mapping | None = None,
+    where: str = "--reduce",
+    base: ReducerChoice | None = None,
 ) -> ReducerChoice | None:
-    """The reducer called `name` (None or 'none': no reducer) with `params` over its defaults."""
+    """The reducer called `name` (None or 'none': no reducer) with `params` over its defaults, or
+    over `base`'s parameters when `base` is that reducer (a preset extending one that set them)."""
     if name is None or name == NONE:
         if params:
             raise UsageError(f"{where}: reduce_params given without a reducer")
@@ -47,9 +51,8 @@ def resolve_reducer(
     reducer = REDUCERS[name]
     if params is not None and not isinstance(params, Mapping):
         raise UsageError(f"{where}: reduce_params must be a mapping")
-    return ReducerChoice(
-        reducer, override(reducer.params(), params or {}, f"{where}: reduce_params")
-    )
+    start = base.params if base is not None and base.reducer is reducer else reducer.params()
+    return ReducerChoice(reducer, override(start, params or {}, f"{where}: reduce_params"))
 
 
 def check_reducer(
