@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.methods import METHODS
 from mmkv_cli.methods.base import ContextPolicy
-from mmkv_cli.methods.choice import resolve_method
+from mmkv_cli.methods.choice import choice_for
 from mmkv_cli.methods.context import WholeContext
 from mmkv_cli.options import (
     MAX_QUESTION_CHARS,
@@ -91,9 +91,7 @@ def encode(
     from mmkv_cli.media import load_media
     from mmkv_cli.methods import EncodeContext
 
-    backbone = backbone or load_backbone(load)
-    # a checkpoint's family is known once its config is read: still before any media or prefill
-    check_reducer(choice.reduce, media_kind(media), backbone.family, tower_families())
+    backbone = backbone or load_backbone(load)  # encode_media checks the reducer on its family
     kv = backbone.kv_shape()
     quant.check(kv["kv_heads"], kv["head_dim"])  # and against this model's width
     fps = options.fps if options.fps is not None else backbone.spec.fps
@@ -120,8 +118,7 @@ def _checked_before_loading(media: str, output: Path, options: EncodeOptions):
     from mmkv_cli.media import check_media, media_kind
     from mmkv_cli.pack.quant import QuantSpec
 
-    choice = resolve_method(options.method).with_budget(options.budget, options.budget_tokens)
-    choice = choice.with_guidance(options.guidance_prompt).with_reduce(options.reduce)
+    choice = choice_for(options)
     quant = QuantSpec(options.bits_for(choice.method), options.kv_group)
     quant.check(1, 8)  # the bits and group alone, before the model loads
     if options.fps is not None and not (math.isfinite(options.fps) and options.fps > 0):

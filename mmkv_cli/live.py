@@ -58,15 +58,14 @@ class Follow:
         from mmkv_cli.backbones.spec import model_spec
         from mmkv_cli.encode.live import LiveEncoder, check_live
         from mmkv_cli.methods import EncodeContext
-        from mmkv_cli.methods.choice import resolve_method
+        from mmkv_cli.methods.choice import choice_for
         from mmkv_cli.pack.quant import QuantSpec
 
         if snapshot_every is not None and not snapshot_every > 0:
             raise UsageError("--snapshot-every must be a positive number of seconds")
         self.output = local_path(output)
         check_writable(self.output, options.force)
-        choice = resolve_method(options.method).with_budget(options.budget, options.budget_tokens)
-        choice = choice.with_guidance(options.guidance_prompt).with_reduce(options.reduce)
+        choice = choice_for(options)
         self.quant = QuantSpec(options.bits_for(choice.method), options.kv_group)
         self.quant.check(1, 8)
         self.choice = check_live(choice)

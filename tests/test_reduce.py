@@ -17,8 +17,8 @@ from tests.helpers import ask_pack, encode_pack
 from tests.test_cli import mmkv
 
 
-def tokens(grid, previous=None, importance=None, shape=(1, 4)):
-    return StepTokens(grid.float(), previous, importance, shape)
+def tokens(grid, previous=None, importance=None):
+    return StepTokens(grid.float(), previous, importance)
 
 
 # --- DTD ---
@@ -77,7 +77,7 @@ def test_ctr_keeps_its_count_moving_tokens_by_attention_still_ones_merged():
     step[4:] = torch.randn(4, 6)  # places 4-7 move
     importance = torch.tensor([[0.0, 0, 0, 0, 0.1, 0.9, 0.2, 0.8]])
     params = ctr.CTRParams(retain=0.5, beta=0.6)  # 4 of 8: 2 still, 2 moving
-    out = ctr.reduce(params, tokens(step[None], previous, importance, (2, 4)))
+    out = ctr.reduce(params, tokens(step[None], previous, importance))
     kept = out.keep[0].nonzero()[:, 0].tolist()
     assert len(kept) == 4 and {5, 7} <= set(kept)  # the two moving tokens the tower looked at
     still = [i for i in kept if i < 4]
@@ -94,7 +94,7 @@ def test_visionzip_keeps_the_dominant_tokens_and_merges_contextual_ones():
     grid = torch.tensor([[1.0, 0], [0, 1], [1, 0.1], [0.1, 1], [5, 5], [1, 0.2]])
     importance = torch.tensor([[0.0, 0, 0, 0, 1.0, 0]])
     params = visionzip.VisionZipParams(dominant=1 / 6, contextual=2 / 6)
-    out = visionzip.reduce(params, tokens(grid[None], None, importance, (2, 3)))
+    out = visionzip.reduce(params, tokens(grid[None], None, importance))
     assert out.keep[0].tolist() == [True, False, True, False, True, False]
     # targets at stride len(rest) // 2 = 2 over the rest [0, 1, 2, 3, 5]: 0 and 2
     rest = grid[[0, 1, 2, 3, 5]]

@@ -39,7 +39,7 @@ class BatchSettings:
 
 def check_items(items: list[BatchItem], settings: BatchSettings) -> None:
     """Every row's options checked (method, budget, bits, sampling) before any model loads."""
-    from mmkv_cli.methods.choice import resolve_method
+    from mmkv_cli.methods.choice import choice_for
     from mmkv_cli.pack.quant import QuantSpec
 
     checked = set()
@@ -49,10 +49,7 @@ def check_items(items: list[BatchItem], settings: BatchSettings) -> None:
             continue
         where = item.where or "options"
         try:
-            choice = resolve_method(options.method).with_budget(
-                options.budget, options.budget_tokens
-            )
-            choice.with_guidance(options.guidance_prompt).with_reduce(options.reduce)
+            choice = choice_for(options)
             QuantSpec(options.bits_for(choice.method), options.kv_group).check(1, 8)
             if options.fps is not None and not (math.isfinite(options.fps) and options.fps > 0):
                 raise UsageError(f"fps must be positive, got {options.fps}")
@@ -67,10 +64,9 @@ def pack_name(media: str, digest: str, fingerprint: dict, options: EncodeOptions
     """STEM-HASH.kvpack, HASH over everything that makes the pack what it is: the media's bytes,
     the model's fingerprint, the method with its parameters and budget, the sampling and the bits.
     Two runs that would write the same pack name it the same; any change names another."""
-    from mmkv_cli.methods.choice import resolve_method
+    from mmkv_cli.methods.choice import choice_for
 
-    choice = resolve_method(options.method).with_budget(options.budget, options.budget_tokens)
-    choice = choice.with_reduce(options.reduce)
+    choice = choice_for(options)
     bits = options.bits_for(choice.method)
     identity = {
         "media": digest,

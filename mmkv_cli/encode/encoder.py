@@ -231,7 +231,7 @@ def encode_streaming(
         restored = checkpoint.take_restored()  # tensors popped as used: none outlives its use
         progress, tensors = restored.progress, restored.tensors
         cuts = restore_running_cache(running, tensors)
-        policy.restore({k[7:]: v for k, v in tensors.items() if k.startswith("policy.")})
+        policy.restore(named_under(tensors, "policy."))
         restore_reducer(stream, tensors)
         state.seen, state.shift = progress["seen"], progress["shift"]
         state.prefilled = progress.get("prefilled", state.seen)
@@ -270,7 +270,12 @@ def reducer_saved(stream: Stream) -> dict:
 def restore_reducer(stream: Stream, tensors: dict) -> None:
     """Take back what reducer_saved gave."""
     if stream.reducer is not None:
-        stream.reducer.restore({k[7:]: v for k, v in tensors.items() if k.startswith("reduce.")})
+        stream.reducer.restore(named_under(tensors, "reduce."))
+
+
+def named_under(tensors: dict, prefix: str) -> dict:
+    """The checkpoint's tensors named `prefix`..., by the rest of their names."""
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
 def visual_tokens(
@@ -310,14 +315,11 @@ def stream_chunk(
         embeds, placed, index = embeds[:, at.to(embeds.device)], placed[:, at], index[at]
         extra = backbone.select_extra(extra, at[None]) if extra else extra
     state.prefilled += len(index)
-    if not len(index):
-        state.seen += n
-        state.cache.passed(state.seen)
-        return  # the whole chunk was dropped: nothing to prefill or record
-    recorder = policy.recorder(state)
-    with recording(recorder) if recorder else nullcontext():
-        backbone.forward(embeds, placed, state.cache.cache, **extra)
-    state.cache.appended(index, placed)
+    recorder = policy.recorder(state) if len(index) else None  # all dropped: nothing to run
+    if len(index):
+        with recording(recorder) if recorder else nullcontext():
+            backbone.forward(embeds, placed, state.cache.cache, **extra)
+        state.cache.appended(index, placed)
     state.seen += n
     state.cache.passed(state.seen)
     if recorder:

@@ -222,8 +222,9 @@ class StreamRunner:
         running = state.cache
         visual_end = [running.visual_start(i) + running.count(i) for i in range(state.layers)]
         prefix = self.owner.prefix(running.cache, state.layers)  # MEDA may merge into it
-        done = Streamed(blocks, running.cache, visual_end, peak, state.shift)
-        done.prefilled = state.prefilled
+        done = Streamed(
+            blocks, running.cache, visual_end, peak, state.shift, prefilled=state.prefilled
+        )
         return prefix, done
 
     def _bind(self, state: StreamState) -> None:

@@ -53,7 +53,7 @@ class ChunkReducer:
         if importance is not None:
             importance = importance.to(grid.device)
         reduced = self.choice.reducer.reduce(
-            self.choice.params, StepTokens(grid, previous, importance, layout.grid)
+            self.choice.params, StepTokens(grid, previous, importance)
         )
         self.previous = grid[-1].clone()  # not a view: the chunk's grid is let go
         keep = torch.ones(embeds.shape[1], dtype=torch.bool)

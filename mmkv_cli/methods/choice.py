@@ -10,6 +10,7 @@ from typing import Any
 from mmkv_cli.errors import UsageError
 from mmkv_cli.methods import METHODS, Budget, Method
 from mmkv_cli.methods.base import GuidedParams
+from mmkv_cli.options import EncodeOptions
 from mmkv_cli.presets import find_preset, preset_names, read_preset
 from mmkv_cli.reduce.choice import ReducerChoice, resolve_reducer
 from mmkv_cli.spec import override
@@ -65,6 +66,13 @@ class MethodChoice:
             if not prompt.strip():
                 raise UsageError("--guidance-prompt is empty")
         return self
+
+
+def choice_for(options: EncodeOptions) -> MethodChoice:
+    """The method an encode's options name, with their budget, guidance prompt and reducer, each
+    checked before any work."""
+    choice = resolve_method(options.method).with_budget(options.budget, options.budget_tokens)
+    return choice.with_guidance(options.guidance_prompt).with_reduce(options.reduce)
 
 
 def check_budget(budget: float) -> float:

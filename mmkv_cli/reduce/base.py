@@ -23,14 +23,12 @@ from mmkv_cli.spec import Paper
 class StepTokens:
     """What a reducer sees of one chunk, grid tokens only (markers between steps always go on)."""
 
-    grid: torch.Tensor  # [S, T, H]: the chunk's S steps, T tokens each in raster order, as embedded
-    previous: (
-        torch.Tensor | None
-    )  # [T, H]: the step before the chunk, whole (None: the stream's first)
-    importance: (
-        torch.Tensor | None
-    )  # [S, T]: attention each token got in the tower (None: not read)
-    grid_shape: tuple[int, int]  # (rows, cols) of a step's T tokens
+    # [S, T, H]: the chunk's S steps, T tokens each in raster order, as embedded
+    grid: torch.Tensor
+    # [T, H]: the step before the chunk, whole (None: the stream's first)
+    previous: torch.Tensor | None
+    # [S, T]: the attention each token got in the vision tower (None: not read)
+    importance: torch.Tensor | None
 
 
 @dataclass
