@@ -118,8 +118,8 @@ class Backbone:
         self, frames: np.ndarray, step_times: list[tuple[float, float]], layout: StreamLayout
     ) -> tuple[torch.Tensor, dict, torch.Tensor]:
         """visual_chunk, and the attention each grid token got in the vision tower [steps, grid
-        tokens] (token reducers that read it). Only families whose registry row says
-        tower_attention give it; the encoder refuses the rest before any work."""
+        tokens], on the model's device (token reducers that read it). Only families whose registry
+        row says tower_attention give it; the encoder refuses the rest before any work."""
         raise ModelError(f"the {self.family} adapter does not expose its vision tower's attention")
 
     def suffix_embeds(self) -> torch.Tensor:

@@ -64,7 +64,7 @@ class LlavaOnevisionBackbone(Backbone):
         pooled = torch.nn.functional.interpolate(
             patches.view(-1, 1, side, side), size=layout.grid, mode="bilinear"
         )
-        return embeds, {}, pooled.flatten(1).cpu()
+        return embeds, {}, pooled.flatten(1)
 
     @torch.inference_mode()
     def suffix_embeds(self) -> torch.Tensor:

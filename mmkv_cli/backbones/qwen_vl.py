@@ -72,7 +72,7 @@ class QwenVLBackbone(Backbone):
         patches = torch.cat([qwen_received(attention, *call) for call in calls])
         units = patches.view(-1, visual.spatial_merge_size**2).mean(dim=1)
         grids = torch.cat([kwargs.get("grid_thw", *args[1:2]) for args, kwargs in tower])
-        return embeds, extra, self._merged_order(units, grids).view(len(step_times), -1).cpu()
+        return embeds, extra, self._merged_order(units, grids).view(len(step_times), -1)
 
     def _merged_order(self, units: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Merged units as the tower's blocks saw them, in the order its output gives them."""

@@ -49,7 +49,7 @@ def qwen_received(attention: torch.nn.Module, args: tuple, kwargs: dict) -> torc
     n = hidden.shape[0]
     q, k, _ = attention.qkv(hidden).reshape(n, 3, attention.num_heads, -1).unbind(1)
     q, k = rotated(q, cos, sin), rotated(k, cos, sin)
-    out = torch.empty(n)
+    out = torch.empty(n, device=hidden.device)
     for start, stop in zip(cu[:-1], cu[1:]):
         part = slice(start, stop)
         out[part] = received(q[part].transpose(0, 1), k[part].transpose(0, 1), attention.scaling)
