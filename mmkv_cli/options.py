@@ -61,11 +61,16 @@ class EncodeOptions:
 
     def bits_for(self, method) -> int | float:
         """The bits this encode stores at: the command line's, else the method's (a Method)."""
-        return self.kv_bits if self.kv_bits is not None else kv_bits_value(method.kv_bits)
+        return given_or_own_bits(self.kv_bits, method)
 
 
 # bits a pack's visual K/V may be stored at: 16 as computed; 8, 4, 2 after KIVI; 1.5 after VidKV
 KV_BITS = (16, 8, 4, 2, 1.5)
+
+
+def given_or_own_bits(bits, method) -> int | float:
+    """The bits asked for, else the method's own (a Method: 16, or 4 for StreamingTOM)."""
+    return kv_bits_value(bits if bits is not None else method.kv_bits)
 
 
 def kv_bits_value(value) -> int | float:

@@ -109,10 +109,9 @@ class Level:
 def bits_of(method: str, settings: EvalSettings) -> int | float:
     """The bits a run stores at: the eval's, else the method's own."""
     from mmkv_cli.methods.choice import resolve_method
-    from mmkv_cli.options import kv_bits_value
+    from mmkv_cli.options import given_or_own_bits
 
-    bits = settings.kv_bits
-    return kv_bits_value(bits if bits is not None else resolve_method(method).method.kv_bits)
+    return given_or_own_bits(settings.kv_bits, resolve_method(method).method)
 
 
 @dataclass(frozen=True)
@@ -254,7 +253,7 @@ def _answer_clip(video, todo, pack, backbone, method, level: Level, settings: Ev
         fps=settings.fps,
         max_frames=settings.max_frames,
         force=True,
-        kv_bits=bits_of(method, settings),
+        kv_bits=settings.kv_bits,  # None: the method's own, as the run's folder names it
     )
     info = api.encode(video, pack, encoding, backbone=backbone)
     generation = GenerationOptions(max_new_tokens=settings.max_new_tokens)
@@ -268,6 +267,7 @@ def _answer_streamed(video, todo, pack, backbone, method, level: Level, settings
     """Stream: the clip followed once as a live stream, each question answered from the memory at
     its moment (stream_protocol.py): a row per item."""
     from mmkv_cli.methods.choice import resolve_method
+    from mmkv_cli.options import given_or_own_bits
     from mmkv_cli.study.stream_protocol import answered_live
 
     choice = resolve_method(method).with_budget(level.share, level.tokens)
@@ -275,8 +275,9 @@ def _answer_streamed(video, todo, pack, backbone, method, level: Level, settings
     asking = AskOptions(positions=settings.positions, generation=generation)
     fps = settings.fps if settings.fps is not None else backbone.spec.fps
     frames = settings.max_frames if settings.max_frames is not None else backbone.spec.max_frames
+    bits = given_or_own_bits(settings.kv_bits, choice.method)
     for item, answer, info in answered_live(
-        video, todo, backbone, choice, fps, frames, bits_of(method, settings), asking, prompt_for
+        video, todo, backbone, choice, fps, frames, bits, asking, prompt_for
     ):
         yield _row(item, video, answer, info)
 
