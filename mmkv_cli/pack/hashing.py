@@ -119,10 +119,28 @@ def hashed_beside(hashes: BlockHashes, read: Callable[[], T]) -> T:
     return out
 
 
+def raw_view(data) -> memoryview:
+    """A C-contiguous buffer (bytes, memoryview, numpy array of any shape and dtype) as its flat
+    bytes, without a copy: slicing it cuts bytes, never rows."""
+    view = memoryview(data)
+    if view.nbytes == 0:  # an empty shape cannot be cast
+        return memoryview(b"")
+    if view.ndim == 1 and view.format in ("B", "b", "c"):
+        return view
+    return view.cast("B")
+
+
+def chunk_count(nbytes: int, chunk: int) -> int:
+    """How many digests `chunk_digests` makes of `nbytes` bytes (one for none)."""
+    return max(1, -(-nbytes // chunk))
+
+
 def chunk_digests(data, chunk: int) -> list[str]:
-    """The sha256 of each `chunk` bytes of `data` (a flat byte buffer; one digest when empty),
-    hashed on up to HASH_THREADS threads."""
-    pieces = [data[i : i + chunk] for i in range(0, max(1, len(data)), chunk)]
+    """The sha256 of each `chunk` bytes of `data`'s raw bytes (one digest when empty), hashed on up
+    to HASH_THREADS threads. The one place writer, reader, verify and the tests' forgeries cut
+    chunks: a shaped array is cut by its bytes, as it was written."""
+    flat = raw_view(data)
+    pieces = [flat[i : i + chunk] for i in range(0, chunk_count(len(flat), chunk) * chunk, chunk)]
     workers = min(HASH_THREADS, os.cpu_count() or 1, len(pieces))
     if workers < 2:
         return [hashlib.sha256(piece).hexdigest() for piece in pieces]

@@ -14,6 +14,7 @@ import numpy as np
 
 from mmkv_cli.errors import PackError
 from mmkv_cli.pack.format import BLOCKS, OLD_TABLE_COLUMNS, TABLE_COLUMNS
+from mmkv_cli.pack.hashing import chunk_count
 from mmkv_cli.pack.header import KVShape
 from mmkv_cli.pack.integrity import KV_DTYPES, STORED_KV_DTYPES, check_kv_shape
 
@@ -167,7 +168,7 @@ def check_tensors(
         if span:  # every byte of them covered: a digest per chunk
             digest = header["integrity"].get("key_scales")
             start, stop = entries[f"{BLOCKS}.kq"]["data_offsets"]
-            chunks = max(1, -(-(stop - start) // digest["chunk"])) if digest else -1
+            chunks = chunk_count(stop - start, digest["chunk"]) if digest else -1
             counted = digest is not None and len(digest["sha256"]) == chunks
             _need(counted, where, "key scale digests")
 
@@ -188,7 +189,7 @@ def _check_reps(header: dict, entries: dict, count: int, kv: KVShape, form: Layo
     if header["format_version"] >= 8:  # every byte of them covered: a digest per chunk
         digest = header["integrity"].get("reps")
         start, stop = entries["reps"]["data_offsets"]
-        chunks = max(1, -(-(stop - start) // digest["chunk"])) if digest else -1
+        chunks = chunk_count(stop - start, digest["chunk"]) if digest else -1
         _need(digest is not None and len(digest["sha256"]) == chunks, where, "reps digests")
 
 

@@ -27,7 +27,7 @@ from mmkv_cli.pack.format import (
     raw_bytes,
     tensors_sha256,
 )
-from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_digests
+from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_count, chunk_digests
 from mmkv_cli.pack.header import PackHeader
 from mmkv_cli.pack.integrity import index_digest
 from mmkv_cli.pack.quant import (
@@ -274,7 +274,7 @@ def write_pack(
         "integrity": _integrity(entries, small),
     }
     if keys:  # their digests once they are made: the same length, so the head's stays
-        chunks = -(-math.prod(streamed[f"{BLOCKS}.kq"][1]) * 2 // REPS_CHUNK)
+        chunks = chunk_count(math.prod(streamed[f"{BLOCKS}.kq"][1]) * 2, REPS_CHUNK)
         stored["integrity"]["key_scales"] = {"chunk": REPS_CHUNK, "sha256": ["0" * 64] * chunks}
 
     def head(scales: torch.Tensor | None) -> bytes:

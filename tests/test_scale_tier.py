@@ -1,0 +1,123 @@
+"""Sizes a real pack reaches and a one-layer test pack never does (docs/scale-tests.md).
+
+A 7B pack's representatives are 28 layers x 512 channels a block (28 KiB in float16): they pass the
+4 MiB digest chunk at about 147 blocks. These packs are built at that real size, or with the
+threshold lowered where the real size would cost minutes, and each crosses its threshold by at
+least two steps. A failure here is the kind only a user's hour of video would otherwise show.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+from mmkv_cli.errors import PackError
+from mmkv_cli.pack import PackReader, Span, write_pack
+from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_count, chunk_digests
+from mmkv_cli.pack.quant import QuantSpec
+from mmkv_cli.pack.report import verify
+from tests.helpers import pack_header
+from tests.mutants import Parts
+
+LAYERS, HEADS, DIM = 28, 4, 128  # LLaVA-OV-7B's language model (Qwen2-7B): 28 x 4 KV heads x 128
+
+
+def block(name: str, tokens: int, seed: int, layers: int = LAYERS) -> Span:
+    g = torch.Generator().manual_seed(seed)
+    kv = [torch.randn(HEADS, tokens, DIM, generator=g).half() for _ in range(2 * layers)]
+    return Span(
+        name=name,
+        keys=kv[:layers],
+        values=kv[layers:],
+        positions=[torch.arange(tokens).expand(3, -1) + seed * tokens for _ in range(layers)],
+        granularity="frame",
+        steps=(seed, seed + 1),
+        time=(float(seed), seed + 0.5),
+        representative=torch.randn(layers, HEADS * DIM, generator=g).half(),
+    )
+
+
+def plain(name: str, tokens: int, layers: int = LAYERS) -> Span:
+    return Span(
+        name=name,
+        keys=[torch.zeros(HEADS, tokens, DIM, dtype=torch.float16)] * layers,
+        values=[torch.ones(HEADS, tokens, DIM, dtype=torch.float16)] * layers,
+        positions=[torch.arange(tokens).expand(3, -1)] * layers,
+    )
+
+
+def write_7b(path, blocks: int, tokens: int = 1, quant=None, layers: int = LAYERS):
+    header = pack_header(layers=layers, dtype="float16", heads=HEADS, dim=DIM)
+    spans = [block(f"b{i}", tokens, i, layers) for i in range(blocks)]
+    write_pack(path, header, plain("prefix", 2, layers), spans, plain("suffix", 1, layers), False,
+               quant)  # fmt: skip
+    return spans
+
+
+@pytest.fixture(scope="module")
+def reps_pack(tmp_path_factory):
+    """320 blocks at 7B width: 8.75 MiB of representatives, three 4 MiB digest chunks."""
+    path = tmp_path_factory.mktemp("scale") / "reps.kvpack"
+    spans = write_7b(path, 320)
+    return path, spans
+
+
+def test_representatives_past_two_digest_chunks_open_and_verify(reps_pack):
+    path, spans = reps_pack
+    header = Parts.of(path.read_bytes()).header()
+    digests = header["integrity"]["reps"]["sha256"]
+    reps_bytes = 320 * LAYERS * HEADS * DIM * 2
+    assert reps_bytes > 2 * REPS_CHUNK and len(digests) == chunk_count(reps_bytes, REPS_CHUNK) == 3
+    reader = PackReader(path)
+    reps = reader.representatives()
+    assert torch.equal(reps, torch.stack([s.representative for s in spans]))
+    assert verify(path)["ok"]
+
+
+def test_a_flipped_byte_in_the_last_reps_chunk_is_caught(reps_pack, tmp_path):
+    path, _ = reps_pack
+    parts = Parts.of(path.read_bytes())
+    start, stop = parts.directory["reps"]["data_offsets"]
+    parts.data[stop - 3] ^= 0x01  # in the third chunk: a one-digest reader would miss which
+    bad = tmp_path / "bad.kvpack"
+    bad.write_bytes(parts.bytes())
+    with pytest.raises(PackError, match="checksum mismatch in reps"):
+        PackReader(bad).representatives()
+    assert not verify(bad)["ok"]
+
+
+def test_chunk_digests_cut_a_shaped_array_by_bytes_not_rows():
+    rows = np.arange(3 * 70_000, dtype=np.float16).reshape(3, 70_000)  # 140,000 bytes a row
+    flat = rows.tobytes()
+    want = [
+        hashlib.sha256(flat[i : i + (1 << 16)]).hexdigest() for i in range(0, len(flat), 1 << 16)
+    ]  # noqa: E501
+    assert len(want) == 7
+    assert chunk_digests(rows, 1 << 16) == chunk_digests(flat, 1 << 16) == want
+    assert chunk_digests(memoryview(rows), 1 << 16) == want
+    assert chunk_digests(np.zeros((0, 4), np.float16), 1 << 16) == [hashlib.sha256().hexdigest()]
+
+
+def test_spanning_key_scales_past_two_digest_chunks(tmp_path, monkeypatch):
+    """v9's key scales cross the chunk (lowered to its floor, 64 KiB) by more than two steps: 2-bit
+    keys in groups of 16 tokens over 28 layers of 40 tokens make 84 groups of 2 KiB."""
+    monkeypatch.setattr("mmkv_cli.pack.writer.REPS_CHUNK", 1 << 16)
+    path = tmp_path / "q.kvpack"
+    spans = write_7b(path, 4, tokens=10, quant=QuantSpec(2, 16))
+    header = Parts.of(path.read_bytes()).header()
+    digest = header["integrity"]["key_scales"]
+    start, stop = Parts.of(path.read_bytes()).directory["blocks.kq"]["data_offsets"]
+    assert digest["chunk"] == 1 << 16 and stop - start > 2 * (1 << 16)
+    assert len(digest["sha256"]) == chunk_count(stop - start, 1 << 16) >= 3
+    reader = PackReader(path)
+    keys, _, _ = reader.gather([s.name for s in spans])
+    want = torch.cat([s.keys[LAYERS - 1] for s in spans], dim=1).float()
+    assert (keys[LAYERS - 1].float() - want).abs().max() < 1.5  # 2-bit: within a step of the range
+    assert verify(path)["ok"]
+    parts = Parts.of(path.read_bytes())
+    parts.data[stop - 5] ^= 0x01
+    (tmp_path / "bad.kvpack").write_bytes(parts.bytes())
+    assert verify(tmp_path / "bad.kvpack")["faults"] == ["key scales: checksum mismatch"]
