@@ -1,22 +1,29 @@
 # mmkv developer entry points. `make demo` and `make test` work on a fresh clone (they set up first).
-PY ?= python3
+# Any supported Python (3.11-3.14): `make setup PYTHON=python3.13`
+PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # torch and torchvision as a pair that imports together (PyPI's torchvision failed beside torch 2.13).
-# PyPI's wheels: CUDA builds on Linux (a venv of about 6.6 GB). TORCH_INDEX=https://download.pytorch.org/whl/cpu
-# installs the CPU-only builds instead.
+# PyPI's wheels: CUDA builds on Linux (a venv of about 6.6 GB). CPU=1 installs the CPU-only builds
+# (about 200 MB) from PyTorch's own index instead; TORCH_INDEX names any other index.
 TORCH := torch==2.14.1 torchvision==0.29.1
-TORCH_INDEX ?=
+CPU ?=
+TORCH_INDEX ?= $(if $(CPU),https://download.pytorch.org/whl/cpu)
 OUT ?= out
 # demo-grid's last training run: cuda where a GPU is, and processes rendering its clips ahead
 # (7 kept an H100 busy)
 TRAIN_DEVICE ?= cpu
 TRAIN_WORKERS ?= 0
 
-.PHONY: setup demo demo-model test docs wheel-check samples bench bench-scale clean
+.PHONY: setup demo demo-model test test-matrix docs wheel-check samples bench bench-scale clean
 
 $(BIN)/mmkv: pyproject.toml
-	$(PY) -m venv $(VENV)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+		echo "make setup: mmkv needs Python 3.11 or newer; '$(PYTHON)' is not (PYTHON=python3.13 picks another)"; exit 2; }
+	@if [ -z "$(TORCH_INDEX)" ] && ! command -v nvidia-smi > /dev/null; then \
+		echo "make setup: no NVIDIA GPU here; PyPI's torch is a CUDA build (about 6.6 GB)."; \
+		echo "  'make setup CPU=1' installs the CPU-only torch (about 200 MB) instead."; fi
+	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH)
 	$(BIN)/pip install -q -e '.[test,serve,ray,s3,eval]'
@@ -75,6 +82,12 @@ test: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(OUT)/site
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests
 	VENV=$(VENV) .ci/wheel_check
+
+# Every entry of the supported matrix (.ci/matrix.txt): a fresh venv per Python / torch pair from the
+# built wheel, then encode, ask, inspect, verify, the facade and serve. `.ci/run` runs the oldest and
+# newest entries; this runs them all (about 6 minutes each, and 4 more for each Python it builds).
+test-matrix:
+	.ci/matrix all matrix
 
 # The documentation site (docs/, mkdocs material) into site/; `make test` builds it with --strict.
 docs: setup

@@ -49,3 +49,9 @@ class AddressError(MmkvError):
     machine's."""
 
     exit_code = 8
+
+
+class SetupError(MmkvError):
+    """The interpreter, torch or transformers is outside the range mmkv supports."""
+
+    exit_code = 9

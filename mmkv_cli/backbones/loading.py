@@ -21,6 +21,7 @@ from mmkv_cli.backbones.spec import (
 )
 from mmkv_cli.errors import ModelError, UsageError
 from mmkv_cli.options import LoadOptions
+from mmkv_cli.runtime import require_supported
 
 __all__ = ["load_backbone", "planned_kv", "resolve_device", "resolve_dtype"]
 DTYPES = {
@@ -66,6 +67,7 @@ def resolve_dtype(dtype: str, device: torch.device, tiny: bool) -> torch.dtype:
 def load_backbone(options: LoadOptions | None = None) -> Backbone:
     """The backbone `options.model` names (a preset, an HF id or a folder), its preset resolved once
     and carried on it as `backbone.spec`."""
+    require_supported()  # an old torch or transformers named in one line, not deep in a model class
     options = options or LoadOptions()
     name = options.model or default_model()
     check_available(name)  # no network wait for a checkpoint that cannot come

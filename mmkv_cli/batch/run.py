@@ -110,7 +110,7 @@ class BatchWorker:
             line = (str(err).strip().splitlines() or [""])[0][:300]
             row.update(status="failed", error=f"{type(err).__name__}: {line}")
         row["seconds"] = round(time.perf_counter() - started, 3)
-        row["at"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        row["at"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         return row
 
     def _name(self, item: BatchItem, digest: str) -> tuple[str, str]:

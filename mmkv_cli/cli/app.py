@@ -36,10 +36,12 @@ from mmkv_cli.cli.common import (
     method_names,
     run,
 )
+from mmkv_cli.errors import SetupError
 from mmkv_cli.options import (
     Dtype,
     EncodeOptions,
 )
+from mmkv_cli.runtime import python_problem
 
 app = typer.Typer(
     cls=Group,
@@ -281,6 +283,10 @@ app.command(cls=Command)(cli_batch.batch)
 def main() -> None:
     """The console entry point: a usage error is one line on stderr and exit 2, as any other
     error."""
+    too_old = python_problem()
+    if too_old:
+        sys.stderr.write(f"error: {too_old}\n")
+        sys.exit(SetupError.exit_code)
     if not sys.argv[1:]:
         sys.argv.append("--help")
     command = typer.main.get_command(app)

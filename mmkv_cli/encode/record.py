@@ -67,7 +67,7 @@ def pack_header(
         rotary=backbone.rotary(),
         visual_tokens_total=encoded.visual_tokens_total,
         stats=stats,
-        created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         mmkv_version=__version__,
     )
     return header, series

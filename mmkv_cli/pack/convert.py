@@ -164,7 +164,7 @@ def _converted_header(reader: PackReader, params, prefix: Span, kept: int, cut: 
         dtype=str(prefix.keys[0].dtype).replace("torch.", ""),
     )
     converted = {
-        "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "source": str(reader.path),
         "source_format_version": header.format_version,
         "source_kv_bits": reader.quant.bits if reader.quant else 16,
