@@ -114,7 +114,9 @@ def build_cache(
         for i, (joined, where) in enumerate(
             ((keys, backbone.device), (values, backbone.device), (kept_positions, "cpu"))
         ):
-            joined.append(torch.cat([p[i][layer].to(where) for p in parts], dim=1))
+            # to the device without a wait (host to device); positions stay on the host
+            ahead = where != "cpu"
+            joined.append(torch.cat([p[i][layer].to(where, non_blocking=ahead) for p in parts], 1))
             if gathered:  # let go of the layer as it is joined: the context is held once
                 gathered[i][layer] = None
     # stored: never derived from the cache length
@@ -179,11 +181,11 @@ def question_vector(
         else:
             vector, at = recorder.query[layer][0].float(), positions  # [H, q, D]
         if not rotated:
-            vector = unrotate(vector, at.cpu(), inv_freq, axes)
+            vector = unrotate(vector, at, inv_freq, axes)
         vector = vector.mean(dim=1)  # [H, D]
         kv_heads = prefix.keys[layer].shape[0]
-        out.append(vector.reshape(kv_heads, -1, vector.shape[-1]).mean(dim=1).reshape(-1).cpu())
-    return torch.stack(out)
+        out.append(vector.reshape(kv_heads, -1, vector.shape[-1]).mean(dim=1).reshape(-1))
+    return torch.stack(out).cpu()  # one wait for every layer's query
 
 
 def _representatives(reader: PackReader) -> torch.Tensor:

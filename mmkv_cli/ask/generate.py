@@ -18,13 +18,11 @@ def pick(logits: torch.Tensor, options: GenerationOptions, rng: torch.Generator 
     """The next token from logits [vocab]: the argmax at temperature 0, else a sample from the
     temperature-scaled distribution cut to its top-p mass. Never from NaN or Inf: an argmax of them
     is an arbitrary token, an answer that only looks like one."""
-    if not bool(torch.isfinite(logits).all()):
-        raise ModelError(
-            "the model's next-token scores are not finite (NaN or Inf): the KV it was given or its "
-            "weights are broken, so no answer is given"
-        )
-    if options.temperature <= 0:
-        return int(logits.argmax(dim=-1))
+    if options.temperature <= 0:  # the token and the check in one transfer: one wait a token
+        token, finite = torch.stack([logits.argmax(dim=-1), torch.isfinite(logits).all()]).tolist()
+        _refuse_non_finite(finite)
+        return token
+    _refuse_non_finite(bool(torch.isfinite(logits).all()))
     probs = torch.softmax(logits.float() / options.temperature, dim=-1)
     if options.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
@@ -33,6 +31,14 @@ def pick(logits: torch.Tensor, options: GenerationOptions, rng: torch.Generator 
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=rng))
+
+
+def _refuse_non_finite(finite) -> None:
+    if not finite:
+        raise ModelError(
+            "the model's next-token scores are not finite (NaN or Inf): the KV it was given or its "
+            "weights are broken, so no answer is given"
+        )
 
 
 @dataclass

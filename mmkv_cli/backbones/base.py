@@ -3,6 +3,7 @@ models."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -155,7 +156,8 @@ class Backbone:
 
     def embed_ids(self, ids: list[int]) -> torch.Tensor:
         table = self.model.get_input_embeddings()
-        return table(torch.tensor([ids], dtype=torch.long, device=self.device))
+        ids = torch.tensor([ids], dtype=torch.long)  # made on the host, sent without a wait
+        return table(ids.to(self.device, non_blocking=True))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -197,7 +199,10 @@ class Backbone:
         cache = self.new_cache()
         for layer, (k, v) in enumerate(zip(keys, values)):
             k, v = (
-                t.to(self.device, self.dtype).unsqueeze(0).expand(batch, -1, -1, -1) for t in (k, v)
+                t.to(self.device, self.dtype, non_blocking=True)
+                .unsqueeze(0)
+                .expand(batch, -1, -1, -1)
+                for t in (k, v)
             )
             if not adopt or batch != 1:
                 cache.update(k, v, layer)
@@ -226,7 +231,7 @@ class Backbone:
         n]."""
         out = self._lm(
             inputs_embeds=embeds.to(self.dtype),
-            position_ids=self._lm_positions(positions.to(self.device)),
+            position_ids=self._lm_positions(positions.to(self.device, non_blocking=True)),
             cache=cache,  # 5.24 renamed past_key_values (removed in 5.40)
             use_cache=True,
             **extra,
@@ -246,11 +251,12 @@ class Backbone:
             "family": self.family,
             "revision": getattr(self.model.config, "_commit_hash", None),
             "config_sha256": hashlib.sha256(config.encode()).hexdigest()[:16],
-            "weights_sha256": self._weights_probe(),
+            "weights_sha256": self._weights_probe_digest,  # once: reading weights waits for them
             "transformers": transformers.__version__,
         }
 
-    def _weights_probe(self) -> str:
+    @functools.cached_property
+    def _weights_probe_digest(self) -> str:
         """A cheap digest of a few weights: tells two checkpoints of one architecture apart."""
         h = hashlib.sha256()
         probes = [
@@ -267,7 +273,11 @@ class Backbone:
 
     def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inv_freq [D/2], position axis of each frequency [D/2]) for delta-rotating stored
-        keys."""
+        keys, on the host; read off the model once (reading a buffer waits for the device)."""
+        return self._rope_tables
+
+    @functools.cached_property
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         rotary = self._lm.rotary_emb
         inv_freq = rotary.inv_freq.detach().float().cpu()
         if self.position_dims == 1:

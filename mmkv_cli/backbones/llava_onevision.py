@@ -38,7 +38,7 @@ class LlavaOnevisionBackbone(Backbone):
         pixels = self.video_processor(videos=[frames], return_tensors="pt")["pixel_values_videos"]
         config = self.model.config
         out = self.model.model.get_video_features(
-            pixels.to(self.device, self.dtype),
+            pixels.to(self.device, self.dtype, non_blocking=True),
             vision_feature_layer=config.vision_feature_layer,
             vision_feature_select_strategy=config.vision_feature_select_strategy,
             return_dict=True,

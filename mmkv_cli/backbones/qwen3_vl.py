@@ -122,8 +122,8 @@ class Qwen3VLBackbone(QwenVLBackbone):
     ) -> tuple[torch.Tensor, dict]:
         inputs = self._process_at(frames, layout.resize_to)
         out = self.model.model.get_video_features(
-            inputs["pixel_values_videos"].to(self.device, self.dtype),
-            inputs["video_grid_thw"].to(self.device),
+            inputs["pixel_values_videos"].to(self.device, self.dtype, non_blocking=True),
+            inputs["video_grid_thw"].to(self.device, non_blocking=True),
             return_dict=True,
         )
         visual = torch.cat(out.pooler_output, dim=0)

@@ -53,8 +53,8 @@ class QwenVLBackbone(Backbone):
     def visual_embeds(self, frames: np.ndarray) -> torch.Tensor:
         inputs = self._process(frames)
         out = self.model.model.get_video_features(
-            inputs["pixel_values_videos"].to(self.device, self.dtype),
-            inputs["video_grid_thw"].to(self.device),
+            inputs["pixel_values_videos"].to(self.device, self.dtype, non_blocking=True),
+            inputs["video_grid_thw"].to(self.device, non_blocking=True),
             return_dict=True,
         )
         return torch.cat(out.pooler_output, dim=0).unsqueeze(0)

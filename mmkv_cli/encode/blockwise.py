@@ -18,6 +18,7 @@ import torch
 
 from mmkv_cli.backbones.base import Backbone, StreamLayout
 from mmkv_cli.kernels.attention import Recorder, recording
+from mmkv_cli.kernels.host import HostCopies
 from mmkv_cli.kernels.rope import compact_positions, rotate_keys
 from mmkv_cli.methods.base import BlockPlan, BlockwiseMemory
 from mmkv_cli.methods.scoring import retrieval_key
@@ -74,9 +75,11 @@ def prefill_blocks(
     plans: list[BlockPlan],
     step_times,
     origins: torch.Tensor,
+    copies: HostCopies,
 ) -> tuple[list[Span], int]:
     """Prefill and compress every planned block of one chunk; returns the blocks and the peak batch
-    KV bytes. origins [P, steps]: the stream position of every step's first token."""
+    KV bytes. origins [P, steps]: the stream position of every step's first token. The blocks'
+    tensors are sent to the host through `copies`: read them after `copies.settle()`."""
     groups: dict[tuple[str, int], list[BlockPlan]] = defaultdict(list)
     for plan in plans:
         if plan.keep != 0:  # a block its budget leaves empty is neither prefilled nor stored
@@ -104,36 +107,45 @@ def prefill_blocks(
             recorder = Recorder(layers={last}, column_sums=True)
             with recording(recorder):
                 backbone.forward(
-                    embeds[0, index.to(embeds.device)],
+                    embeds[0, index.to(embeds.device, non_blocking=True)],
                     placed,
                     cache,
                     **backbone.select_extra(extra, index),
                 )
             peak = max(peak, sum(e.keys.numel() * e.keys.element_size() * 2 for e in cache.layers))
-            attention = recorder.column_sum[last][:, init:].cpu()
+            # chosen, gathered, re-rotated and keyed on the device; what the pack keeps leaves it
+            # through `copies` (no wait here: the host reads it once the encode settles them)
+            attention = recorder.column_sum[last][:, init:]
+            placed_on, stream_on = (
+                t.to(attention.device, non_blocking=True) for t in (placed, stream)
+            )
             for row, plan in enumerate(batch):
-                keep = policy.choose(
-                    plan, attention[row], cache.layers[last].keys[row, :, init:].cpu()
+                keep = policy.choose(plan, attention[row], cache.layers[last].keys[row, :, init:])
+                kept_placed, kept_stream = placed_on[:, row, keep], stream_on[:, row, keep]
+                keys = [e.keys[row, :, init:][:, keep] for e in cache.layers]
+                key = retrieval_key(
+                    keys if every_layer else keys[-1:],
+                    [kept_placed] * len(keys),
+                    rope,
+                    policy.retrieval_space,
                 )
-                at = keep.to(cache.layers[last].keys.device)
-                kept_placed, kept_stream = placed[:, row, keep], stream[:, row, keep]
-                keys = [e.keys[row, :, init:][:, at] for e in cache.layers]
+                kept_positions = copies.host(kept_stream)
                 blocks.append(
                     Span(
                         name="",
                         # stored at their stream positions (keys re-rotated from the prefill's)
-                        keys=[rotate_keys(k, kept_stream - kept_placed, *rope).cpu() for k in keys],
-                        values=[e.values[row, :, init:][:, at].cpu() for e in cache.layers],
-                        positions=[kept_stream.cpu()] * len(keys),
+                        keys=[
+                            copies.host(rotate_keys(k, kept_stream - kept_placed, *rope))
+                            for k in keys
+                        ],
+                        values=[
+                            copies.host(e.values[row, :, init:][:, keep]) for e in cache.layers
+                        ],
+                        positions=[kept_positions] * len(keys),
                         granularity=granularity,
                         steps=plan.steps,
                         time=(step_times[plan.steps[0]][0], step_times[plan.steps[1] - 1][1]),
-                        representative=retrieval_key(
-                            keys if every_layer else keys[-1:],
-                            [kept_placed] * len(keys),
-                            rope,
-                            policy.retrieval_space,
-                        ),
+                        representative=None if key is None else copies.host(key),
                         extra={"first": int(plan.tokens[0])},
                     )
                 )

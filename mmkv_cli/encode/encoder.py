@@ -26,6 +26,7 @@ from mmkv_cli.encode.saved_state import (
 from mmkv_cli.encode.text_attention import text_attention
 from mmkv_cli.errors import MediaError
 from mmkv_cli.kernels.attention import recording
+from mmkv_cli.kernels.host import HostCopies
 from mmkv_cli.media import Media
 from mmkv_cli.methods import Budget, EncodeContext
 from mmkv_cli.methods.base import BlockwiseMemory, StreamingMemory
@@ -312,7 +313,11 @@ def stream_chunk(
     placed = state.placed(state.seen, state.seen + n)
     if keep is not None:
         at = keep.nonzero()[:, 0]
-        embeds, placed, index = embeds[:, at.to(embeds.device)], placed[:, at], index[at]
+        embeds, placed, index = (
+            embeds[:, at.to(embeds.device, non_blocking=True)],
+            placed[:, at],
+            index[at],
+        )
         extra = backbone.select_extra(extra, at[None]) if extra else extra
     state.prefilled += len(index)
     recorder = policy.recorder(state) if len(index) else None  # all dropped: nothing to run
@@ -353,6 +358,7 @@ def encode_blockwise(
     # hour's blocks again at every save costs more than the save (docs/measurements.md)
     sealed = blocks_tensors(blocks) if checkpoint else {}
     unit = policy.segment_steps(per_step)
+    copies = HostCopies(backbone.device)  # blocks leave the device while the next chunk runs
     for number, (first_step, frames, done) in enumerate(stream.chunks(unit, skip), start=skip + 1):
         times = stream.step_times[first_step : first_step + len(frames) // per_step]
         embeds, extra, keep = visual_tokens(
@@ -362,8 +368,9 @@ def encode_blockwise(
         plans = chunk_plans(policy, layout, first_step, len(times), per_step, keep)
         prefilled += n if keep is None else int(keep.sum())
         positions = layout.visual[:, seen : seen + n].cpu()
+        timing = stream.step_times
         made, peak = prefill_blocks(
-            backbone, policy, prefix, embeds, extra, positions, plans, stream.step_times, origins
+            backbone, policy, prefix, embeds, extra, positions, plans, timing, origins, copies
         )
         blocks += made
         seen += n
@@ -371,10 +378,12 @@ def encode_blockwise(
         stream.report(done, seen)
         if checkpoint and checkpoint.due(number) and seen < total:
             progress = {"chunks": number, "seen": seen, "peak_kv": peak_kv, "prefilled": prefilled}
+            copies.settle()  # the blocks are read to be saved
             sealed |= blocks_tensors(blocks[saved:], saved)
             checkpoint.save(progress, reducer_saved(stream), sealed, block_rows(blocks[saved:]))
             saved = len(blocks)
     _check_count(stream.media, seen, total)
+    copies.settle()  # one wait for every block's KV sent to the host
     return Streamed(
         order_blocks(blocks),
         cache,

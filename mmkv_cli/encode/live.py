@@ -37,6 +37,7 @@ from mmkv_cli.encode.encoder import (
 from mmkv_cli.encode.reducing import ChunkReducer
 from mmkv_cli.encode.text_attention import text_attention
 from mmkv_cli.errors import MediaError, UsageError
+from mmkv_cli.kernels.host import HostCopies
 from mmkv_cli.methods import Budget, EncodeContext
 from mmkv_cli.methods.choice import MethodChoice
 from mmkv_cli.methods.running_cache import RunningCache, StreamState
@@ -309,5 +310,7 @@ class BlockRunner:
             plans,
             owner.step_times(done),
             origins,
+            copies := HostCopies(backbone.device),
         )
+        copies.settle()  # a live memory answers between chunks: its blocks are read now
         return made, n, peak, n if keep is None else int(keep.sum())

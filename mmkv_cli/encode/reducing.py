@@ -47,7 +47,7 @@ class ChunkReducer:
         else:
             embeds, extra = backbone.visual_chunk(frames, steps, layout)
         where = grid_index(layout, first_step, len(steps))
-        flat = where.flatten().to(embeds.device)
+        flat = where.flatten().to(embeds.device, non_blocking=True)
         grid = embeds[0, flat].float().view(*where.shape, -1)
         previous = self.previous.to(grid.device) if self.previous is not None else None
         if importance is not None:

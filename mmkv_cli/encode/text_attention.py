@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from mmkv_cli.backbones.base import Backbone
 from mmkv_cli.kernels.attention import Recorder, recording
+from mmkv_cli.kernels.host import host_all
 from mmkv_cli.methods.running_cache import StreamState
 
 
@@ -40,18 +41,23 @@ def text_attention(
     with state.cache.scratch(), recording(recorder):
         positions = backbone.text_positions(start, len(ids))
         backbone.forward(backbone.embed_ids(ids), positions, state.cache.cache)
+    # every layer's share brought over in one copy: a copy a layer waited once a layer
     if reducers:
+        names = list(reducers)
+        totals = host_all(
+            [recorder.reduced[layer][n][0] for layer in range(state.layers) for n in names]
+        )
         return [
-            {name: total[0].cpu() / len(ids) for name, total in recorder.reduced[layer].items()}
+            {n: totals[layer * len(names) + i] / len(ids) for i, n in enumerate(names)}
             for layer in range(state.layers)
         ]
     if rows:
         return (
-            [recorder.row[layer][0].cpu() for layer in range(state.layers)],
+            host_all([recorder.row[layer][0] for layer in range(state.layers)]),
             visual,
             [slice(n, n + len(ids)) for n in ends],
         )
-    return [
-        recorder.column_sum[layer][0, starts[layer] : ends[layer]].cpu() / len(ids)
-        for layer in range(state.layers)
+    sums = [
+        recorder.column_sum[layer][0, starts[layer] : ends[layer]] for layer in range(state.layers)
     ]
+    return [s / len(ids) for s in host_all(sums)]

@@ -84,7 +84,7 @@ def column_sums(query, key, lse, scaling: float, stride: int = 1):
     batch, heads, n, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     past = k_len - n
-    sums = torch.zeros(batch, k_len)
+    sums = torch.zeros(batch, k_len, device=query.device)  # on the device: read by the policy
     if past:
         rows, row_lse = query[:, :, ::stride], lse[:, :, ::stride]
         stacked = rows.float().reshape(batch, kv_heads, -1, dim)

@@ -25,9 +25,13 @@ def rotate_keys(
 
     inv_freq [D/2] and axes [D/2] (the position axis each frequency reads; all 0 for 1-D RoPE).
     """
-    delta = delta.to(keys.device)
-    frequencies = inv_freq.to(keys.device, torch.float64)
-    angle = delta.to(torch.float64)[axes.to(keys.device)].T * frequencies  # [n, D/2]
+    # the tables and deltas are host bookkeeping: sent to the keys' device without a wait
+    delta = delta.to(keys.device, non_blocking=delta.device.type == "cpu")
+    frequencies = inv_freq.to(
+        keys.device, torch.float64, non_blocking=inv_freq.device.type == "cpu"
+    )
+    axes = axes.to(keys.device, non_blocking=axes.device.type == "cpu")
+    angle = delta.to(torch.float64)[axes].T * frequencies  # [n, D/2]
     angle = torch.cat([angle, angle], dim=-1)
     k = keys.to(torch.float64)
     out = k * angle.cos() + rotate_half(k) * angle.sin()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mmkv_cli.kernels.host import host_all
 from mmkv_cli.kernels.recorder import Recorder
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import Budget, Method, Paper, StreamParams, score_every_knob
@@ -32,11 +33,15 @@ class H2OMemory(TopKAtEnd):
     def observe(self, state: StreamState, recorder: Recorder) -> None:
         if not self.cumulative:
             self.cumulative = [torch.zeros(state.total) for _ in range(state.layers)]
+        sums = host_all(  # every layer's in one copy: one wait a chunk
+            [
+                recorder.column_sum[layer][0, start : start + state.cache.count(layer)]
+                for layer, start in enumerate(map(state.cache.visual_start, range(state.layers)))
+            ]
+        )
         for layer in range(state.layers):
-            start = state.cache.visual_start(layer)
-            sums = recorder.column_sum[layer][0, start : start + state.cache.count(layer)]
             self.cumulative[layer] = accumulate(
-                self.cumulative[layer], sums.cpu(), state.cache.index[layer]
+                self.cumulative[layer], sums[layer], state.cache.index[layer]
             )
 
     def saved(self) -> dict[str, torch.Tensor]:

@@ -178,7 +178,7 @@ class HermesMemory(KeepAll):
             out[f"position.{layer}"] = position
             if self.summary.get(layer) is not None:  # a slot with nothing folded in yet
                 key, value, count = self.summary[layer]
-                out |= {f"key.{layer}": key, f"value.{layer}": value}
+                out |= {f"key.{layer}": key.cpu(), f"value.{layer}": value.cpu()}
                 out[f"count.{layer}"] = torch.tensor(count)
         return out
 
@@ -280,7 +280,7 @@ class HermesMemory(KeepAll):
             old = state.cache.positions[layer]
             new = compact_positions(old, start)
             keys, _ = state.cache.visual(layer)
-            moved = rotate_keys(keys, (new - old).to(keys.device), inv_freq, axes)
+            moved = rotate_keys(keys, new - old, inv_freq, axes)
             state.cache.replace(layer, keys=moved, positions=new)
             if new.numel():
                 top = max(top, int(new.max()))
@@ -302,8 +302,8 @@ class HermesMemory(KeepAll):
         for layer in range(state.layers):
             if layer in self.summary:
                 k, v, _ = self.summary[layer]
-                keys.append(k.to(shape.dtype))
-                values.append(v.to(shape.dtype))
+                keys.append(k.to("cpu", shape.dtype))  # for the pack, once
+                values.append(v.to("cpu", shape.dtype))
                 positions.append(self.summary_position[layer].view(dims, 1).clone())
             else:
                 keys.append(empty)
@@ -331,13 +331,14 @@ class HermesMemory(KeepAll):
 
 
 def _evicted(state: StreamState, layer: int, kept_local: torch.Tensor) -> tuple:
-    """The visual K, V (on the host) and positions a layer is about to let go."""
+    """The visual K, V (where the cache is: folded there) and positions a layer is about to let
+    go."""
     keys, values = state.cache.visual(layer)
     gone = torch.ones(keys.shape[1], dtype=torch.bool)
     gone[kept_local] = False
     gone = gone.nonzero().squeeze(1)
-    at = gone.to(keys.device)
-    return keys[:, at].cpu(), values[:, at].cpu(), state.cache.positions[layer][:, gone]
+    at = gone.to(keys.device, non_blocking=True)
+    return keys[:, at], values[:, at], state.cache.positions[layer][:, gone]
 
 
 METHOD = Method(

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from mmkv_cli.kernels.host import host_all
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import Budget, Method, Paper, StreamParams
 from mmkv_cli.methods.keep_all import KeepAll
@@ -104,29 +105,42 @@ def tar_scores(
     averaged. "previous": minus the similarity to the same place in the previous frame (0 where
     there is none). Higher means less redundant, more worth keeping.
     """
+    mine, theirs = compared_pairs(frames, slots, reference)
+    device = keys.device  # the similarities on the keys' device; the pairing is host bookkeeping
+    a, b = (t.to(device, non_blocking=True) for t in (mine, theirs))
     unit = torch.nn.functional.normalize(keys.float(), dim=-1)
+    cos = (unit[:, a] * unit[:, b]).sum(dim=-1).mean(dim=0)
+    total = torch.zeros(frames.numel(), device=device).index_add_(0, a, -cos)
+    if isinstance(reference, str):  # previous frame: at most one pair a token
+        return total
+    counted = torch.bincount(mine, minlength=frames.numel()).clamp_min(1)
+    return total / counted.to(device, non_blocking=True)
+
+
+def compared_pairs(
+    frames: torch.Tensor, slots: torch.Tensor, reference: torch.Tensor | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, the token it is compared with) index pairs for tar_scores, each [m]: per reference
+    frame in turn, every token whose place that frame holds; or ("previous") the same place in the
+    previous frame."""
     size = int(slots.max()) + 1 if slots.numel() else 0
-    score = torch.zeros(frames.numel())
-    if isinstance(reference, str):  # previous frame
+    if isinstance(reference, str):
         rank = torch.unique(frames, return_inverse=True)[1]
         table = torch.full((int(rank.max()) + 1 if rank.numel() else 0, size), -1)
         table[rank, slots] = torch.arange(frames.numel())
         before = torch.where(rank > 0, table[(rank - 1).clamp_min(0), slots], -1)
         has = before >= 0
-        cos = (unit[:, has] * unit[:, before[has]]).sum(dim=-1).mean(dim=0)
-        score[has] = -cos
-        return score
-    total = torch.zeros(frames.numel())
-    counted = torch.zeros(frames.numel())
+        return has.nonzero().squeeze(1), before[has]
+    mine, theirs = [torch.empty(0, dtype=torch.long)], [torch.empty(0, dtype=torch.long)]
     for frame in torch.unique(frames[reference]).tolist():
         at = torch.full((size,), -1)
-        mine = ((frames == frame) & reference).nonzero().squeeze(1)
-        at[slots[mine]] = mine
+        held = ((frames == frame) & reference).nonzero().squeeze(1)
+        at[slots[held]] = held
         other = at[slots]
         has = other >= 0
-        total[has] += (unit[:, has] * unit[:, other[has]]).sum(dim=-1).mean(dim=0)
-        counted[has] += 1
-    return -total / counted.clamp_min(1)
+        mine.append(has.nonzero().squeeze(1))
+        theirs.append(other[has])
+    return torch.cat(mine), torch.cat(theirs)
 
 
 def pairs_by_cache_slot(n: int, per_frame: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,6 +211,7 @@ class InfiniPotMemory(KeepAll):
         per_frame = int(torch.bincount(state.token_step).max())  # a step's tokens: a "frame"
         # every stream token's place in its grid (a pass over the whole stream: spatial only)
         places = spatial_slots(state.token_step) if p.pairing == "spatial" else None
+        scored, norms = [], []
         for layer in range(state.layers):
             n = state.cache.count(layer)
             if n <= count:
@@ -212,10 +227,13 @@ class InfiniPotMemory(KeepAll):
                 frames, slots = pairs_by_cache_slot(n, per_frame)
             else:
                 frames, slots = steps, places[state.cache.index[layer]]
-            tar = tar_scores(
-                keys.cpu(), frames, slots, reference if p.reference == "recent" else "previous"
-            )
-            kept = choose(tar, value_norms(values.cpu()), reference, count, p.tar_share)
+            compared = reference if p.reference == "recent" else "previous"
+            scored.append((layer, reference, tar_scores(keys, frames, slots, compared)))
+            norms.append(value_norms(values))
+        # every layer's scores over in one copy (one wait); the choice is host bookkeeping
+        read = host_all([tar for *_, tar in scored] + norms)
+        for i, (layer, reference, _) in enumerate(scored):
+            kept = choose(read[i], read[len(scored) + i], reference, count, p.tar_share)
             state.cache.retain(layer, kept)
 
 

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from mmkv_cli.kernels.host import host_all
 from mmkv_cli.kernels.recorder import Recorder
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper, score_every_knob
@@ -177,13 +178,20 @@ class MedaMemory(KeepAll):
         if not self.cumulative:
             self.cumulative = [torch.zeros(state.total) for _ in range(state.layers)]
             self.vt_entropy = [0.0] * state.layers
-        for layer in range(state.layers):
-            start = state.cache.visual_start(layer)
-            sums = recorder.column_sum[layer][0, start : start + state.cache.count(layer)]
+        layers = range(state.layers)
+        starts = [state.cache.visual_start(layer) for layer in layers]
+        read = host_all(  # every layer's sums and entropy in one copy: one wait a chunk
+            [
+                recorder.column_sum[i][0, s : s + state.cache.count(i)]
+                for i, s in zip(layers, starts)
+            ]
+            + [recorder.reduced[layer]["vt_entropy"][0] for layer in layers]
+        )
+        for layer in layers:
             self.cumulative[layer] = accumulate(
-                self.cumulative[layer], sums.cpu(), state.cache.index[layer]
+                self.cumulative[layer], read[layer], state.cache.index[layer]
             )
-            self.vt_entropy[layer] += float(recorder.reduced[layer]["vt_entropy"][0])
+            self.vt_entropy[layer] += float(read[state.layers + layer])
         self.visual_rows = state.seen
 
     def saved(self) -> dict[str, torch.Tensor]:

@@ -118,7 +118,7 @@ def frequency_signal(keys: torch.Tensor, mode: str = "fft") -> torch.Tensor:
     keys = keys.float()
     n = keys.shape[0]
     if n < 2:
-        return torch.zeros(n)
+        return torch.zeros(n, device=keys.device)
     if mode == "fft":
         spectrum = torch.fft.rfft(keys, dim=0)
         spectrum[: spectrum.shape[0] // 2] = 0
@@ -261,7 +261,7 @@ class MuKVMemory:
         """Local indices block `plan` keeps. attention [N] column sums; last_keys [H_kv, N, D]."""
         n = attention.shape[0]
         if plan.keep >= n:
-            return torch.arange(n)
+            return torch.arange(n, device=attention.device)
         frequency = frequency_signal(last_keys.float().mean(dim=0), self.params.frequency)
         alpha = self.params.alpha.as_dict()[plan.granularity]
         return top_in_order(fused_score(attention, frequency, alpha), plan.keep)

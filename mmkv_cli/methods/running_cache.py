@@ -89,7 +89,7 @@ class RunningCache:
         """Keep only the visual entries at `local` (indices into this layer's visual part,
         ascending)."""
         keys, values = self.visual(layer)
-        at = local.to(keys.device)
+        at = local.to(keys.device, non_blocking=True)  # host to device: no wait
         self._splice(layer, self.visual_start(layer), self.count(layer), keys[:, at], values[:, at])
         self.index[layer] = self.index[layer][local.cpu()]
         self.positions[layer] = self.positions[layer][:, local.cpu()]

@@ -65,7 +65,7 @@ def retrieval_key(
     concatenated -> [layers, H_kv * D]. pre_rope: each key rotated back to before RoPE by its
     position [P, n] first (position-free); post_rope: the keys as they are (MuKV's code averages
     them as the block was prefilled, at init_len + j). None when a layer holds none of the block's
-    tokens."""
+    tokens. On the keys' device: the caller brings it over with the block."""
     if any(k.shape[1] == 0 for k in keys):
         return None
     if space not in ("pre_rope", "post_rope"):
@@ -78,7 +78,7 @@ def retrieval_key(
             .reshape(-1)
             for k, p in zip(keys, positions)
         ]
-    ).cpu()
+    )
 
 
 def cosine_scores(query: torch.Tensor, reps: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ def prototype(
     attention each got (uniform when it got none)."""
     w = weights.float().clamp_min(0)
     w = w / w.sum() if float(w.sum()) > 0 else torch.full_like(w, 1 / len(w))
-    w = w.to(keys.device)[None, :, None]
+    w = w.to(keys.device, non_blocking=w.device.type == "cpu")[None, :, None]
     return (keys.float() * w).sum(dim=1).to(keys.dtype), (values.float() * w).sum(dim=1).to(
         values.dtype
     )

@@ -286,7 +286,7 @@ class PackReader:
         """`read` (keys, values, positions) unless its K/V hold NaN or Inf: a checksum says the
         bytes are the writer's, not that the writer was honest (a re-sealed forgery) or sane. On a
         quantized pack this checks the decoded values, so the scales too."""
-        if not all_finite(read[0]) or not all_finite(read[1]):
+        if not all_finite([*read[0], *read[1]]):  # one verdict for K and V: one wait
             shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
             raise PackError(f"{self.path} is corrupted (NaN or Inf in the K/V of {shown})")
         return read
