@@ -121,3 +121,65 @@ def test_spanning_key_scales_past_two_digest_chunks(tmp_path, monkeypatch):
     parts.data[stop - 5] ^= 0x01
     (tmp_path / "bad.kvpack").write_bytes(parts.bytes())
     assert verify(tmp_path / "bad.kvpack")["faults"] == ["key scales: checksum mismatch"]
+
+
+def test_a_context_past_the_overlap_threshold_reads_back_exactly(reps_pack, tmp_path):
+    """320 blocks at 7B width are 17.5 MiB of K/V: past two steps of the 8 MiB at which a read is
+    hashed on threads beside the copy, with blocks of 56 KiB (hashed in parallel past 8 KiB)."""
+    from mmkv_cli.pack.hashing import PARALLEL_HASH_BLOCK_BYTES
+    from mmkv_cli.pack.reader import OVERLAP_BYTES
+
+    path, spans = reps_pack
+    kv_bytes = sum(2 * t.numel() * t.element_size() for s in spans for t in s.keys)
+    assert kv_bytes > 2 * OVERLAP_BYTES and kv_bytes // 320 > 2 * PARALLEL_HASH_BLOCK_BYTES
+    keys, values, positions = PackReader(path).gather([s.name for s in spans])
+    for layer in (0, LAYERS - 1):
+        assert torch.equal(keys[layer], torch.cat([s.keys[layer] for s in spans], dim=1))
+        assert torch.equal(values[layer], torch.cat([s.values[layer] for s in spans], dim=1))
+        assert torch.equal(positions[layer], torch.cat([s.positions[layer] for s in spans], dim=1))
+    parts = Parts.of(path.read_bytes())
+    start, stop = parts.directory["blocks.v"]["data_offsets"]
+    parts.data[stop - 7] ^= 0x04  # the last block's last value
+    bad = tmp_path / "bad.kvpack"
+    bad.write_bytes(parts.bytes())
+    with pytest.raises(PackError, match=f"checksum mismatch in {spans[-1].name}"):
+        PackReader(bad).gather([s.name for s in spans])
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "dtype"),
+    [
+        (0, 2**31 - 1, torch.int32),
+        (-(2**31), 0, torch.int32),
+        (0, 2**31, torch.int64),  # one past: kept wide
+        (-(2**31) - 1, 0, torch.int64),
+        (0, 2**33, torch.int64),  # two steps past
+    ],
+)
+def test_tables_narrow_to_int32_only_when_every_value_fits(low, high, dtype):
+    from mmkv_cli.pack.writer import narrowed
+
+    out = narrowed(torch.tensor([low, high], dtype=torch.int64))
+    assert out.dtype == dtype and out.tolist() == [low, high]
+
+
+def test_positions_at_the_int32_edge_round_trip_and_past_it_are_refused(tmp_path):
+    """A stream's positions are stored int32: the last one that fits reads back exact, and one
+    past the edge is refused in one line before anything is written."""
+    edge = 2**31 - 1
+    layers = 2
+
+    def at(first: int) -> Span:
+        span = block("b0", 3, 1, layers)
+        span.positions = [torch.arange(first, first + 3).expand(3, -1)] * layers
+        return span
+
+    header = pack_header(layers=layers, dtype="float16", heads=HEADS, dim=DIM)
+    path = tmp_path / "edge.kvpack"
+    write_pack(path, header, plain("prefix", 2, layers), [at(edge - 2)], plain("suffix", 1, layers))
+    _, _, positions = PackReader(path).gather(["b0"])
+    assert positions[0][0].tolist() == [edge - 2, edge - 1, edge]
+    past = tmp_path / "past.kvpack"
+    with pytest.raises(PackError, match="does not fit 32 bits"):
+        write_pack(past, header, plain("prefix", 2, layers), [at(edge)], plain("suffix", 1, layers))
+    assert not past.exists()
