@@ -51,8 +51,9 @@ step("encode", [mmkv, "encode", str(CLIP), "--model", "demo", "-o", "clip.kvpack
 step("ask", [mmkv, "ask", "clip.kvpack", QUESTION], expect="red")
 step("encode hermes", [mmkv, "encode", str(CLIP), "--model", "demo", "--method", "hermes"]
      + ["-o", "hermes.kvpack", "--force"])  # fmt: skip
-step("verify", [mmkv, "verify", "hermes.kvpack"])
-for args in (["--help"], ["methods", "--json"], ["models"], ["inspect", "hermes.kvpack", "--json"]):
+verify = ["verify", "hermes.kvpack"]
+for args in (["--help"], ["methods", "--json"], ["models"], ["inspect", "hermes.kvpack", "--json"],
+             verify):  # fmt: skip
     step(f"{args[0]} without torch", [sys.executable, "-c", no_torch, *args], "False False 0")
 python(
     "facade",

@@ -159,7 +159,7 @@ def test_inspect_reports_the_kv_share_averaged_over_layers(tmp_path, backbones):
     assert "as 2 overlapping views of the stream" in kept_label(mukv)
 
 
-def test_help_methods_and_inspect_never_import_torch(tmp_path, backbones):
+def test_help_methods_inspect_and_verify_never_import_torch(tmp_path, backbones):
     pack = tmp_path / "p.kvpack"
     encode_pack(SAMPLES / "clip.mp4", pack, backbone=backbones["tiny-qwen2-vl"], max_frames=4)
     probe = (
@@ -167,7 +167,13 @@ def test_help_methods_and_inspect_never_import_torch(tmp_path, backbones):
         "try:\n    main()\nexcept SystemExit as done:\n    code = done.code\n"
         "print('LOADED', 'torch' in sys.modules, 'transformers' in sys.modules, code)\n"
     )
-    for args in (["--help"], ["methods", "--json"], ["models"], ["inspect", str(pack), "--json"]):
+    for args in (
+        ["--help"],
+        ["methods", "--json"],
+        ["models"],
+        ["inspect", str(pack), "--json"],
+        ["verify", str(pack)],  # stored as computed: numpy checks every byte and value
+    ):
         done = subprocess.run(
             [sys.executable, "-c", probe, *args],
             capture_output=True,

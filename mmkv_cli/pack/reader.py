@@ -11,6 +11,7 @@ import numpy as np
 from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
 from mmkv_cli.pack.block_store import BlockStore, all_finite
+from mmkv_cli.pack.finite import finite_stored
 from mmkv_cli.pack.format import (
     BLOCKS,
     OLD_TABLE_COLUMNS,
@@ -19,9 +20,8 @@ from mmkv_cli.pack.format import (
     TABLE_COLUMNS,
     Span,
     split_layers,
-    tensors_sha256,
 )
-from mmkv_cli.pack.hashing import chunk_digests, hashed_beside
+from mmkv_cli.pack.hashing import chunk_digests, hashed_beside, raw_view
 from mmkv_cli.pack.header import KVShape, read_header
 from mmkv_cli.pack.integrity import (
     check_header,
@@ -204,7 +204,11 @@ class PackReader:
             self._reps = self._read_representatives()
         return self._reps
 
-    def _read_representatives(self) -> torch.Tensor:
+    def stored_representatives(self) -> np.ndarray | None:
+        """The representatives as stored, checked against their digests, or None (numpy: no
+        torch)."""
+        if not self._stored.get("representatives"):
+            return None
         stored = self._tensors.array("reps")
         digest = (self._stored.get("integrity") or {}).get("reps")
         if self.format_version >= 8:  # a digest per chunk (checked on open), on threads
@@ -213,6 +217,10 @@ class PackReader:
             whole = digest is None or hashlib.sha256(stored).hexdigest() == digest
         if not whole:
             raise PackError(f"{self.path} is corrupted (checksum mismatch in reps)")
+        return stored
+
+    def _read_representatives(self) -> torch.Tensor:
+        stored = self.stored_representatives()
         dtype = getattr(torch, self._tensors.view("reps")[1])
         reps = torch.from_numpy(stored).view(dtype)  # scores convert the rows they compare
         return reps.unsqueeze(1) if reps.dim() == 2 else reps  # v2-v5: [blocks, dim]
@@ -382,10 +390,17 @@ class PackReader:
 
         def finite(chosen: list[int]) -> bool:
             where = self._rows(chosen)
+            if self.quant is None:  # as stored: numpy reads them (no torch for verify)
+                return all(
+                    finite_stored(store.block_bytes(view, start, stop), dtype)
+                    for part in ("k", "v")
+                    for view, dtype in [store.views[part]]
+                    for start, stop in where.block_ranges(part)
+                )
             keys, values, _ = store.read_rows(
                 where, [np.arange(len(chosen))] * where.layers, None, None
             )
-            return all_finite(keys) and all_finite(values)
+            return all_finite([*keys, *values])
 
         if finite(indices):
             return []
@@ -394,6 +409,25 @@ class PackReader:
             for i in indices
             if not finite([i])
         ]
+
+    def span_arrays(self, name: str) -> tuple[np.ndarray, ...]:
+        """A prompt span's stored K, V and positions, checked: its checksum, no NaN or Inf, its
+        shared positions one layer's worth (numpy: no torch)."""
+        meta = self.spans_meta[name]
+        parts = [f"{name}.{part}" for part in ("k", "v", "pos")]
+        k, v, pos = (self._tensors.array(part) for part in parts)
+        digest = hashlib.sha256()
+        for array in (k, v, pos):
+            digest.update(raw_view(array))
+        if digest.hexdigest() != meta["sha256"]:
+            raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
+        dtypes = [self._tensors.view(part)[1] for part in parts[:2]]
+        if not all(finite_stored(a, dtype) for a, dtype in zip((k, v), dtypes)):
+            raise PackError(f"{self.path} is corrupted (NaN or Inf in the K/V of {name})")
+        counts = meta["layer_counts"]
+        if meta.get("shared_positions") and (len(set(counts)) > 1 or pos.shape[0] != counts[0]):
+            raise PackError(f"{self.path} is corrupted (positions of {name})")
+        return k, v, pos
 
     def _verify(self, where: BlockRows, pending: list[int]) -> None:
         """Check the sha256 of the blocks at `pending` (positions in `where`) against the table."""
@@ -415,15 +449,12 @@ class PackReader:
                 [t.contiguous() for t in part] for part in self.gather([name], dtype=dtype)
             )
         else:
-            k, v, pos = (self._tensors.tensor(f"{name}.{part}") for part in ("k", "v", "pos"))
-            if tensors_sha256([k, v, pos]) != meta["sha256"]:
-                raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
-            if not all_finite([k, v]):
-                raise PackError(f"{self.path} is corrupted (NaN or Inf in the K/V of {name})")
+            k, v, pos = (
+                torch.from_numpy(array).view(getattr(torch, self._tensors.view(f"{name}.{p}")[1]))
+                for array, p in zip(self.span_arrays(name), ("k", "v", "pos"))
+            )
             counts = meta["layer_counts"]
             if meta.get("shared_positions"):  # v7: one layer's rows serve them all
-                if len(set(counts)) > 1 or pos.shape[0] != counts[0]:
-                    raise PackError(f"{self.path} is corrupted (positions of {name})")
                 pos = pos.repeat(len(counts), 1)
             keys, values, positions = (
                 [t.contiguous() for t in split_layers(part, counts, self._token_major)]
