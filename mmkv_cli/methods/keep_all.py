@@ -63,8 +63,7 @@ class KeepAll:
         layer."""
         steps = len(step_times)
         per_layer = []
-        for layer in range(state.layers):
-            keys, values, positions, index = state.cache.take_held(layer)
+        for keys, values, positions, index in state.cache.take_all_held():
             step = state.token_step[index]
             if not bool((step[1:] >= step[:-1]).all()):  # in stream order already: no copy
                 order = torch.argsort(step, stable=True)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from mmkv_cli.kernels.host import HostCopies
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.archive import Archive
 
@@ -136,16 +137,23 @@ class RunningCache:
         )
         self.retain(layer, torch.arange(count, self.count(layer)))
 
-    def take_held(
-        self, layer: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Everything this layer keeps for the pack, offloaded entries first: K, V [H_kv, n, D] on
-        the host, positions [P, n], stream indices [n]. The offloaded entries are handed over (the
-        layer's archive empties): at an hour of video they are GBs, and a second host copy of every
-        layer would double the encode's memory while the pack is made."""
-        keys, values = self.visual(layer)
-        live = (keys.cpu(), values.cpu(), self.positions[layer], self.index[layer])
-        return self.archive[layer].take_joined(live)
+    def take_all_held(self) -> list[tuple]:
+        """Every layer's `take_held`: K, V [H_kv, n, D] on the host (offloaded entries first),
+        positions [P, n], stream indices [n]. Every layer's K/V is sent to pinned host memory
+        first and waited for once, not once a layer. The offloaded entries are handed over (the
+        archives empty): at an hour of video they are GBs, and a second host copy of every layer
+        would double the encode's memory while the pack is made."""
+        layers = range(self.layers)
+        copies = HostCopies(self.cache.layers[0].keys.device) if self.layers else None
+        sent = [tuple(copies.host(t) for t in self.visual(layer)) for layer in layers]
+        if copies:
+            copies.settle()
+        return [
+            self.archive[layer].take_joined(
+                (*sent[layer], self.positions[layer], self.index[layer])
+            )
+            for layer in layers
+        ]
 
     def insert_front(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Put one token ([H_kv, 1, D]) right after the prompt of this layer, replacing the one

@@ -1,0 +1,182 @@
+"""What only a GPU shows, in one run of under 8 minutes on one H100 (`make bench-gpu`):
+
+    python bench/gpu.py [--device cuda] [--frames 512] [--quick]
+
+1. parity: every method and reducer on the demo backbone, encoded and asked on the CPU and on the
+   device: answers and kept tokens equal, and a device-made pack answered on the CPU.
+2. syncs: one streaming encode per method at 7B width and full depth with
+   `torch.cuda.set_sync_debug_mode("warn")`: the host syncs the device reports, per chunk.
+3. floor: a bare chunked prefill of the language model over the same tokens (no mmkv around it).
+4. scale, reduce and live: bench/scale.py, bench/reduce.py and bench/live.py at 7B full depth.
+
+Writes bench/results/gpu-<part>.json. `--quick` runs every part small, on any device (the CPU
+here): what CI-less sessions use to check that the script itself runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT))
+QUESTIONS = ["what color is the circle ?", "which shape appeared first ?"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def parity(device: str, work: Path) -> dict:
+    """Every method (and reducer on full) on the demo: the device's answers and kept tokens
+    against the CPU's."""
+    from mmkv_cli import api
+    from mmkv_cli.backbones.loading import load_backbone
+    from mmkv_cli.methods import METHODS
+    from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
+    from mmkv_cli.reduce import REDUCERS
+    from tests.method_cases import case_for
+
+    models = {d: load_backbone(LoadOptions("demo", d)) for d in ("cpu", device)}
+    asking = AskOptions(generation=GenerationOptions(max_new_tokens=8))
+    rows = [(m, None) for m in METHODS] + [("full", r) for r in REDUCERS]
+    out = []
+    for method, reduce in rows:
+        seen = {}
+        for where, backbone in models.items():
+            pack = work / f"{method}-{reduce}-{where}.kvpack"
+            options = EncodeOptions(method, force=True, reduce=reduce, **case_for(method).budget)
+            info = api.encode(str(ROOT / "samples" / "clip.mp4"), pack, options, backbone=backbone)
+            answers = [api.ask(pack, q, asking, backbone=backbone).answer for q in QUESTIONS]
+            seen[where] = (answers, info["visual_tokens_kept"], pack)
+        crossed = [  # the device's pack answered on the CPU
+            api.ask(seen[device][2], q, asking, backbone=models["cpu"]).answer for q in QUESTIONS
+        ]
+        same = seen["cpu"][:2] == seen[device][:2] and crossed == seen["cpu"][0]
+        out.append({"method": method, "reduce": reduce, "equal": same, "cpu": seen["cpu"][:2],
+                    device: seen[device][:2], "device_pack_on_cpu": crossed})  # fmt: skip
+        print(f"parity {method} {reduce or ''}: {'equal' if same else 'DIFFERENT'}", flush=True)
+    return {"device": device, "rows": out, "all_equal": all(r["equal"] for r in out)}
+
+
+def syncs(device: str, model: str, layers: int, frames: int, methods: list[str]) -> dict:
+    """Host syncs the CUDA runtime reports during an encode, per chunk (CPU: not measurable)."""
+    import torch
+
+    from mmkv_cli import api
+    from mmkv_cli.backbones.loading import load_backbone
+    from mmkv_cli.options import EncodeOptions, LoadOptions
+    from tests.method_cases import case_for
+
+    if not device.startswith("cuda"):
+        return {"device": device, "skipped": "host syncs are reported by CUDA only"}
+    backbone = load_backbone(LoadOptions(model, device, layers=layers or None))
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        video = make_video(Path(tmp), frames)
+        for method in methods:
+            options = EncodeOptions(method, fps=2.0, max_frames=frames, force=True,
+                                    **case_for(method).budget)  # fmt: skip
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                info = api.encode(str(video), Path(tmp) / "p.kvpack", options, backbone=backbone)
+            torch.cuda.set_sync_debug_mode(0)
+            chunks = max(1, frames // 16)
+            count = sum("synchroniz" in str(w.message) for w in caught)
+            out[method] = {
+                "syncs": count,
+                "per_chunk": count / chunks,
+                "encode_s": info["encode_s"],
+            }
+            print(f"syncs {method}: {count} ({count / chunks:.1f} a chunk)", flush=True)
+    return {"device": device, "model": model, "frames": frames, "methods": out}
+
+
+def floor(device: str, model: str, layers: int, frames: int) -> dict:
+    """The language model alone over frames x 196 tokens, 16 frames a chunk, into one cache."""
+    import torch
+
+    from mmkv_cli.backbones.loading import load_backbone
+    from mmkv_cli.options import LoadOptions
+
+    backbone = load_backbone(LoadOptions(model, device, layers=layers or None))
+    width = backbone.text_config.hidden_size
+    chunk = 16 * 196
+    cache = backbone.new_cache()
+    embeds = torch.randn(1, chunk, width, device=backbone.device, dtype=backbone.dtype)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for first in range(0, frames * 196, chunk):
+            positions = torch.arange(first, first + chunk, device=backbone.device)[None]
+            backbone.forward(embeds, positions.expand(backbone.position_dims, -1), cache)
+    if backbone.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    tokens = frames * 196
+    print(f"floor: {tokens} tokens in {seconds:.2f} s", flush=True)
+    return {"device": device, "model": model, "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds}  # fmt: skip
+
+
+def make_video(folder: Path, frames: int) -> Path:
+    import av
+    import numpy as np
+
+    path = folder / "clip.mp4"
+    rng = np.random.default_rng(0)
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("mpeg4", rate=2)
+        stream.width = stream.height = 384
+        for _ in range(frames):
+            image = np.kron(rng.integers(0, 255, (12, 12, 3)), np.ones((32, 32, 1))).astype("uint8")
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return path
+
+
+def bench(script: str, *args: str) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], env=ENV)
+    if done.returncode != 0:
+        print(f"{script} exited {done.returncode}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--frames", type=int, default=512)
+    ap.add_argument("--quick", action="store_true", help="every part small: checks the script")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, layers, frames = "rehearsal-llava-ov-7b", 0, args.frames
+    if args.quick:
+        model, layers, frames = "rehearsal-llava-ov-0.5b", 1, 32
+    streaming = ["full", "hermes", "rekv", "streamingtom", "infinipot", "streammem"]
+
+    def save(part: str, result: dict) -> None:
+        (out / f"gpu-{part}.json").write_text(json.dumps(result, indent=1) + "\n")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save("parity", parity(args.device, Path(tmp)))
+    save("syncs", syncs(args.device, model, layers, min(frames, 128), streaming))
+    save("floor", floor(args.device, model, layers, frames))
+    common = ["--model", model, "--layers", str(layers), "--device", args.device]
+    methods = "full,hermes,rekv,streamingtom"
+    scale = ["--frames", str(frames), "--methods", methods, "--out", str(out), "--name"]
+    bench("scale.py", *common, *scale, "gpu-scale.json")
+    bench("reduce.py", *common, "--frames", str(min(frames, 128)))
+    if not args.quick:
+        bench("live.py", "--model", model, "--minutes", "1", "--methods", "hermes,infinipot")
+
+
+if __name__ == "__main__":
+    main()
