@@ -183,3 +183,19 @@ def test_positions_at_the_int32_edge_round_trip_and_past_it_are_refused(tmp_path
     with pytest.raises(PackError, match="does not fit 32 bits"):
         write_pack(past, header, plain("prefix", 2, layers), [at(edge)], plain("suffix", 1, layers))
     assert not past.exists()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_stored_values_are_checked_finite_by_their_exponent_bits(dtype):
+    from mmkv_cli.pack.finite import finite_stored
+
+    big = torch.finfo(getattr(torch, dtype)).max
+    values = torch.tensor([0.0, -1.5, big, -big], dtype=getattr(torch, dtype))
+    as_stored = values.view(torch.uint16).numpy() if dtype == "bfloat16" else values.numpy()
+    assert finite_stored(as_stored, dtype)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        broken = values.clone()
+        broken[1] = bad
+        stored = broken.view(torch.uint16).numpy() if dtype == "bfloat16" else broken.numpy()
+        assert not finite_stored(stored, dtype), (dtype, bad)
+    assert finite_stored(np.arange(4, dtype=np.int32), "int32")
