@@ -71,21 +71,29 @@ def density_peaks(tokens: torch.Tensor, count: int, k: int) -> torch.Tensor:
     return top_in_order(density * to_denser, count)
 
 
+def first_where(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices (ascending) of the `count` True entries of `mask`, `count` known to the caller:
+    no wait for the device to say how many there are, as `nonzero` makes."""
+    return torch.sort((~mask).to(torch.uint8), stable=True).indices[:count]
+
+
 def merge_into_centres(tokens: torch.Tensor, centres: torch.Tensor, beta: float) -> torch.Tensor:
     """[len(centres), H]: each centre as beta x itself + (1 - beta) x the mean of the other tokens
     nearest it (a centre nothing joined stays as it is)."""
+    merged = tokens[centres].float().clone()
+    if len(centres) == len(tokens):
+        return merged.to(tokens.dtype)
     others = torch.ones(len(tokens), dtype=torch.bool, device=tokens.device)
     others[centres] = False
-    merged = tokens[centres].float().clone()
-    if not bool(others.any()):
-        return merged.to(tokens.dtype)
-    rest = tokens[others].float()
+    rest = tokens[first_where(others, len(tokens) - len(centres))].float()
     nearest = torch.cdist(rest, tokens[centres].float()).argmin(dim=-1)
     sums = torch.zeros_like(merged).index_add_(0, nearest, rest)
-    counts = torch.bincount(nearest, minlength=len(centres))
-    joined = counts > 0
-    means = sums[joined] / counts[joined, None]
-    merged[joined] = beta * merged[joined] + (1 - beta) * means
+    counts = torch.zeros(len(centres), device=tokens.device).index_add_(
+        0, nearest, torch.ones(len(nearest), device=tokens.device)
+    )
+    joined = (counts > 0)[:, None]
+    means = sums / counts.clamp_min(1)[:, None]
+    merged = torch.where(joined, beta * merged + (1 - beta) * means, merged)
     return merged.to(tokens.dtype)
 
 
@@ -95,32 +103,42 @@ def retained(params: CTRParams, total: int) -> int:
 
 
 def reduce_step(
-    grid: torch.Tensor, similarity: torch.Tensor, importance: torch.Tensor, params: CTRParams
+    grid: torch.Tensor,
+    similarity: torch.Tensor,
+    importance: torch.Tensor,
+    params: CTRParams,
+    static_count: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step: (keep [T] bool, embeddings [T, H] with the static centres merged)."""
+    """One step: (keep [T] bool, embeddings [T, H] with the static centres merged). static_count:
+    how many of its tokens are static (read for every step of the chunk at once)."""
     total = len(grid)
     keep = torch.zeros(total, dtype=torch.bool, device=grid.device)
     retain = retained(params, total)
     if retain >= total:
         return keep | True, grid
     static = similarity > params.similarity_threshold
-    keep_static, keep_dynamic = split_budget(retain, int(static.sum()), total)
+    keep_static, keep_dynamic = split_budget(retain, static_count, total)
     out = grid.clone()
-    where = static.nonzero()[:, 0]
     if keep_static > 0:
+        where = first_where(static, static_count)
         centres = density_peaks(grid[where], keep_static, params.k)
         out[where[centres]] = merge_into_centres(grid[where], centres, params.beta)
         keep[where[centres]] = True
-    if keep_dynamic > 0:
-        moving = (~static).nonzero()[:, 0]
-        keep[moving[top_in_order(importance[moving], keep_dynamic)]] = True
+    if keep_dynamic > 0:  # the static ones last: the moving ones' order is as among themselves
+        moving = importance.float().masked_fill(static, float("-inf"))
+        keep[top_in_order(moving, keep_dynamic)] = True
     return keep, out
 
 
 def reduce(params: CTRParams, tokens: StepTokens) -> Reduced:
     similarity = similarity_to_previous(tokens.grid, tokens.previous)
+    # every step's count of static tokens in one read: the chunk's one wait for the device
+    counts = (similarity > params.similarity_threshold).sum(dim=-1).tolist()
     return step_by_step(
-        tokens, lambda s: reduce_step(tokens.grid[s], similarity[s], tokens.importance[s], params)
+        tokens,
+        lambda s: reduce_step(
+            tokens.grid[s], similarity[s], tokens.importance[s], params, counts[s]
+        ),
     )
 
 
