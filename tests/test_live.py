@@ -135,7 +135,7 @@ def test_a_fork_of_the_running_cache_shares_its_kv_and_never_changes_it():
     fork.retain(0, torch.tensor([0, 2, 5]))
     fork.offload(0, 2)
     fork.replace(0, keys=torch.zeros(2, 1, 4))
-    taken = fork.take_held(0)
+    taken = fork.take_all_held()[0]
     assert taken[3].tolist() == [0, 1, 2, 3, 5, 8]  # the fork's own view of the stream
     after = (*running.visual(0), running.index[0], running.positions[0])
     assert all(torch.equal(a, b) for a, b in zip(before, after))  # the stream is as it was

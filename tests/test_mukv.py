@@ -329,11 +329,12 @@ def test_the_pack_takes_over_offloaded_entries_instead_of_copying_them():
     running.appended(torch.arange(6), torch.arange(2, 8).unsqueeze(0))
     for layer in range(2):
         running.offload(layer, 4)
-    k, v, positions, index = running.take_held(0)
-    assert torch.equal(k, keys[0, :, 2:]) and torch.equal(v, values[0, :, 2:])
-    assert index.tolist() == list(range(6)) and positions.tolist() == [list(range(2, 8))]
-    assert len(running.archive[0]) == 0 and len(running.archive[1]) == 4
-    assert running.take_held(0)[3].tolist() == [4, 5]  # what is left in the window, once
+    held = running.take_all_held()
+    for k, v, positions, index in held:
+        assert torch.equal(k, keys[0, :, 2:]) and torch.equal(v, values[0, :, 2:])
+        assert index.tolist() == list(range(6)) and positions.tolist() == [list(range(2, 8))]
+    assert len(running.archive[0]) == 0 and len(running.archive[1]) == 0  # handed over
+    assert running.take_all_held()[0][3].tolist() == [4, 5]  # what is left in the window, once
 
 
 def test_offloaded_entries_do_not_keep_the_cache_they_were_cut_from_alive():
