@@ -117,7 +117,7 @@ def _rows(spec: str) -> list[BatchItem]:
 
 def _read_local(path: Path) -> str | None:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a byte-order mark is not text
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as err:

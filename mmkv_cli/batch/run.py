@@ -17,6 +17,7 @@ from pathlib import Path
 
 from mmkv_cli.batch.manifest import BatchItem
 from mmkv_cli.errors import MmkvError, UsageError
+from mmkv_cli.names import stem_from
 from mmkv_cli.options import EncodeOptions, LoadOptions
 from mmkv_cli.pack.storage import exists, is_url, local_copy, local_path
 from mmkv_cli.spec import as_plain
@@ -82,8 +83,8 @@ def pack_name(media: str, digest: str, fingerprint: dict, options: EncodeOptions
     if choice.reduce is not None:  # only then: the names of packs made before reducers stay
         identity["reduce"] = choice.reduce.record()
     key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
-    stem = Path(media.rstrip("/").rsplit("/", 1)[-1]).stem or "media"
-    return f"{stem[:80]}-{key[:16]}.kvpack"
+    stem = stem_from(Path(media.rstrip("/").rsplit("/", 1)[-1]).stem)  # a name, whatever the file's
+    return f"{stem}-{key[:16]}.kvpack"
 
 
 class BatchWorker:

@@ -89,6 +89,12 @@ def live(
             reduce=reduce,
         )
         load = load_options(model, device, dtype)
+        # a signal while the model loads is kept, not fatal: the follow stops as soon as it exists
+        stopping, started = threading.Event(), []
+        for stop in (signal.SIGTERM, signal.SIGINT):  # the final pack is written on the way out
+            signal.signal(
+                stop, lambda signum, frame: [stopping.set(), *(f.stop() for f in started)]
+            )
         following = Follow(
             source,
             output,
@@ -102,14 +108,16 @@ def live(
         feeder = threading.Thread(
             target=_feed, args=(following, questions), name="mmkv-live-questions", daemon=True
         )
+        started.append(following)
+        if stopping.is_set():
+            raise MediaError(f"stopped before {source} gave a frame: no pack written")
         feeder.start()
-        for stop in (signal.SIGTERM, signal.SIGINT):  # the final pack is written on the way out
-            signal.signal(stop, lambda signum, frame: following.stop())
         done = following.run()
         err_console.print(
             f"wrote {done['path']}: {done['frames']} frames to {done['moment']:.2f} s "
             f"({done['stopped']}; {done['dropped']} dropped, {done['snapshots']} snapshots)",
             highlight=False,
+            soft_wrap=True,  # one line however long the path: a log reads it as one
         )
         if done["error"]:
             raise MediaError(f"{done['error']} (the memory so far is in {done['path']})")
@@ -127,14 +135,20 @@ def _feed(following, questions: str | None) -> None:
     if questions is None:
         lines, where = _typed(), "prompt"
     elif questions == "-":
+        if sys.stdin is None or sys.stdin.closed:
+            err_console.print(
+                "error: stdin is closed: '-' has no questions to read", highlight=False
+            )
+            return
         lines, where = sys.stdin, "stdin"
     else:
         try:
-            lines, where = open(questions, encoding="utf-8"), questions  # noqa: SIM115
+            lines, where = open(questions, encoding="utf-8-sig"), questions  # noqa: SIM115
         except OSError as err:
             err_console.print(f"error: {questions}: {err.strerror}", highlight=False)
             return
     for number, line in enumerate(lines, 1):
+        line = line.removeprefix("\ufeff") if number == 1 else line  # a BOM on a pipe
         try:
             for q in parse_lines([line], f"{where}:{number}"):
                 following.ask(LiveQuestion(q.text, q.id, q.at))

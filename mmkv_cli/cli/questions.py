@@ -29,6 +29,9 @@ class Question:
     pack: str | None = None  # the pack it asks (a file naming a pack per line); None: ask's PACK
 
 
+BOM = "\ufeff"
+
+
 def parse_lines(lines: Iterable[str], where: str) -> list[Question]:
     """Questions from text lines; `where` names the source in errors (a file name, "stdin")."""
     out = []
@@ -83,8 +86,10 @@ def _parse_json(text: str, where: str) -> Question:
 
 
 def read_stdin() -> list[str]:
+    if sys.stdin is None or sys.stdin.closed:
+        raise UsageError("stdin is closed: '-' has no questions to read")
     try:
-        return sys.stdin.read().splitlines()
+        return sys.stdin.read().removeprefix(BOM).splitlines()  # a byte-order mark is not text
     except UnicodeDecodeError:
         raise UsageError("stdin is not UTF-8 text") from None
 
@@ -108,7 +113,7 @@ def gather(arguments: list[str], file: str | None) -> list[Question]:
         else:
             path = Path(file)
             try:
-                lines = path.read_text(encoding="utf-8").splitlines()
+                lines = path.read_text(encoding="utf-8-sig").splitlines()  # a BOM is not text
             except FileNotFoundError:
                 raise UsageError(f"{file}: no such questions file") from None
             except (OSError, UnicodeDecodeError) as err:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import queue
 import sys
 import threading
@@ -175,7 +176,12 @@ class LiveSource:
 
         timeout = str(int(self.options.stall_s * 1e6))
         if self.kind == "pipe":
-            return av.open(sys.stdin.buffer, mode="r")
+            if sys.stdin is None or sys.stdin.closed:
+                raise MediaError("stdin is closed: '-' has nothing to read (pipe a stream into it)")
+            # its own unbuffered descriptor: a reader still waiting on the pipe when the process
+            # ends holds no lock of sys.stdin's buffer, which the interpreter's shutdown takes
+            # (held, it aborted with "could not acquire lock for <stdin>", exit 134)
+            return av.open(os.fdopen(os.dup(sys.stdin.fileno()), "rb", buffering=0), mode="r")
         if self.kind == "file":
             return av.open(GrowingFile(self.spec, self.options.stall_s, self._stop), mode="r")
         if self.kind == "device":

@@ -114,7 +114,7 @@ def read_text(url: str) -> str | None:
     """A small object's text, or None when there is none."""
     fs, key = filesystem(url)
     try:
-        return fs.cat_file(key).decode()
+        return fs.cat_file(key).decode("utf-8-sig")  # a byte-order mark is not text
     except FileNotFoundError:
         return None
     except Exception as err:

@@ -3,20 +3,18 @@ a plain file name, never a way out of the place."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Protocol
 
 from mmkv_cli.errors import UsageError
+from mmkv_cli.names import name_problem
 from mmkv_cli.pack.storage import filesystem, is_url, local_path
-
-PACK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def _stem(name: str) -> str:
     stem = name[: -len(".kvpack")] if name.endswith(".kvpack") else name
-    if not PACK_NAME.fullmatch(stem) or ".." in stem:
-        raise LookupError(f"no pack named '{name}'")
+    if name_problem(stem) is not None:
+        raise LookupError(f"no pack named '{name[:128]}'")
     return stem
 
 
@@ -100,7 +98,7 @@ class BucketShelf:
         self.fs.invalidate_cache(self.prefix)
         found = self.fs.glob(f"{self.prefix}/*.kvpack")
         stems = (Path(p).stem for p in sorted(found))
-        return [s for s in stems if PACK_NAME.fullmatch(s) and ".." not in s]
+        return [s for s in stems if name_problem(s) is None]
 
 
 def shelf(where: str | Path) -> FolderShelf | BucketShelf:

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mmkv_cli.errors import MmkvError, UsageError
 from mmkv_cli.live import Follow, LiveQuestion
 from mmkv_cli.media.live import LiveOptions
+from mmkv_cli.names import inside, name_problem
 from mmkv_cli.options import KV_BITS, EncodeOptions, GenerationOptions, LoadOptions
-from mmkv_cli.serve.shelf import PACK_NAME
 
 MAX_STREAMS = 8  # each holds a memory and a decoding thread
 ANSWER_WAIT_S = 600.0  # a question waits for the stream's next frame, then for its answer
@@ -32,7 +32,7 @@ class StreamRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(pattern=PACK_NAME.pattern, max_length=128)
+    name: str = Field(max_length=128)  # becomes NAME.kvpack in the packs folder: checked below
     source: str = Field(max_length=2048)
     method: str = Field("hermes", max_length=128)
     budget_tokens: int | None = Field(None, ge=1, le=1 << 24)
@@ -43,6 +43,14 @@ class StreamRequest(BaseModel):
     snapshot_every: float | None = Field(None, gt=0)
     behind: Literal["wait", "drop"] | None = None
     stall_s: float = Field(10.0, gt=0, le=3600)
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        problem = name_problem(name)
+        if problem is not None:
+            raise ValueError(problem)
+        return name
 
 
 @dataclass
@@ -89,7 +97,7 @@ class Streams:
                 raise UsageError(f"a stream named '{request.name}' is running")
             if len(running) >= MAX_STREAMS:
                 raise UsageError(f"{MAX_STREAMS} streams are running: stop one first")
-            output = self.folder / f"{request.name}.kvpack"
+            output = inside(self.folder, request.name, ".kvpack", "stream name")
             if output.exists():
                 raise UsageError(f"a pack named '{request.name}' exists: pick another name")
             load = LoadOptions(request.model or self.load.model, self.load.device, self.load.dtype)

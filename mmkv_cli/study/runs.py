@@ -18,13 +18,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mmkv_cli.errors import UsageError
+from mmkv_cli.names import name_problem, stem_from
 
 
 def run_folder(
     out: Path, model: str, method: str, level: str, kv_bits: int = 16, protocol: str = "replay"
 ) -> Path:
     """OUT/<model>/<method>-<level>[-kvB][-stream]: level b<share> or t<tokens>."""
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model)
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model)  # a model may be a path or an HF id
+    if name_problem(safe) is not None:  # '..', a leading '_' (a path): a plain folder name
+        safe = stem_from(model, "model")
     stored = "" if kv_bits == 16 else f"-kv{kv_bits}"
     streamed = "-stream" if protocol == "stream" else ""
     return out / safe / f"{method}-{level}{stored}{streamed}"

@@ -27,7 +27,7 @@ def _records(path: Path) -> list:
         return pq.read_table(path).to_pylist()
     if path.stat().st_size > MAX_BYTES:
         raise UsageError(f"{path} is over {MAX_BYTES >> 20} MiB: not an annotation file")
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")
     try:
         if path.suffix == ".jsonl":
             return [json.loads(line) for line in text.splitlines() if line.strip()]
