@@ -149,3 +149,27 @@ def test_a_scheme_without_its_driver_says_what_to_install():
     with pytest.raises(StorageError, match="pip install gcsfs") as err:
         api.inspect("gs://bucket/x.kvpack")
     assert err.value.exit_code == 7
+
+
+def test_an_object_replaced_under_a_reader_is_one_clear_error(s3_packs):
+    """Every range is read from the version opened (If-Match its ETag): a pack replaced by another
+    of the same size between two reads is refused at the next read, never read from both."""
+    import s3fs
+
+    from mmkv_cli.pack import PackReader
+
+    _, local, _ = s3_packs
+    fs = s3fs.S3FileSystem()
+    url = "s3://packs/pinned/clip.kvpack"
+    fs.pipe(url, local.read_bytes())
+    reader = PackReader(url)  # header, table and small tensors fetched
+    assert reader.source.etag
+    names = [reader.blocks.name(i) for i in range(len(reader.blocks))]
+    reader.gather(names[:1])
+    data = bytearray(local.read_bytes())
+    data[-100] ^= 0xFF  # the same size, other bytes
+    fs.pipe(url, bytes(data))
+    with pytest.raises(PackError, match="changed while it was being read"):
+        reader.gather(names[1:])
+    fresh = PackReader(url)  # opened again: the new version, read whole from itself
+    assert fresh.source.etag != reader.source.etag

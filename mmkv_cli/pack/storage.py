@@ -189,6 +189,10 @@ class RemoteFile:
         if info.get("type") == "directory" or not isinstance(info.get("size"), int):
             raise PackError(f"no such pack: {url}")
         self.size = info["size"]
+        # the version every range is read from: an object replaced under the reader is one clear
+        # error at its next read, never blocks from two versions
+        self.etag = info.get("ETag") or info.get("etag")
+        self.version = info.get("VersionId") or info.get("version_id")
         import tempfile
 
         self.file = tempfile.TemporaryFile(prefix="mmkv-mirror-")  # noqa: SIM115 (held open)
@@ -205,14 +209,12 @@ class RemoteFile:
         if not wanted:
             return
         try:
-            parts = self._fs.cat_ranges(
-                [self._key] * len(wanted), [a for a, _ in wanted], [b for _, b in wanted]
-            )
+            parts = self._fetch(wanted)
         except Exception as err:
-            raise StorageError(f"cannot read {self.url}: {_reason(err)}") from None
+            raise self._failure(err) from None
         for (start, stop), data in zip(wanted, parts):
             if isinstance(data, BaseException):
-                raise StorageError(f"cannot read {self.url}: {_reason(data)}")
+                raise self._failure(data)
             if len(data) != stop - start:
                 raise PackError(f"{self.url} changed while it was being read")
             os.pwrite(self.file.fileno(), data, start)
@@ -220,8 +222,46 @@ class RemoteFile:
         self.fetched += sum(b - a for a, b in wanted)
         self.requests += len(wanted)
 
+    def _fetch(self, wanted: list[tuple[int, int]]) -> list:
+        """The bytes of `wanted`: on S3, each range asked of the version opened (If-Match its
+        ETag, or its VersionId); elsewhere, read and then checked against the ETag opened."""
+        starts, stops = [a for a, _ in wanted], [b for _, b in wanted]
+        if "s3" in _protocols(self._fs) and (self.etag or self.version):
+            from fsspec.asyn import sync
+
+            return sync(self._fs.loop, self._pinned_s3, wanted)
+        parts = self._fs.cat_ranges([self._key] * len(wanted), starts, stops)
+        if self.etag:
+            now = self._fs.info(self._key, refresh=True)
+            if (now.get("ETag") or now.get("etag")) != self.etag:
+                raise PackError(f"{self.url} changed while it was being read")
+        return parts
+
+    async def _pinned_s3(self, wanted: list[tuple[int, int]]) -> list:
+        import asyncio
+
+        bucket, key, _ = self._fs.split_path(self._key)
+        pin = {"VersionId": self.version} if self.version else {"IfMatch": self.etag}
+
+        async def one(start: int, stop: int) -> bytes:
+            got = await self._fs._call_s3(
+                "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{stop - 1}", **pin
+            )
+            async with got["Body"] as body:
+                return await body.read()
+
+        return await asyncio.gather(*(one(a, b) for a, b in wanted), return_exceptions=True)
+
+    def _failure(self, err: BaseException) -> Exception:
+        if isinstance(err, PackError):
+            return err
+        text = f"{type(err).__name__} {err}"
+        if any(m in text for m in ("PreconditionFailed", "pre-conditions", "412", "NoSuchVersion")):
+            return PackError(f"{self.url} changed while it was being read (it was replaced)")
+        return StorageError(f"cannot read {self.url}: {_reason(err)}")
+
     def unchanged(self) -> bool:
-        # the mirror is this reader's own; a changed object shows as a range of the wrong length
+        # the mirror is this reader's own, filled from the version opened
         return True
 
     def close(self) -> None:
