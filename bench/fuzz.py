@@ -16,7 +16,9 @@ Then: mutants of the older fixtures (tests/data/v3, v6, v7, v8q: no model, so ev
 back instead of asked); packs rewritten in place under an open session (`cp` over a served pack:
 each question after it refused or answered from the bytes opened); and the read rate of a whole
 pack at real width through the memory map the reader used before issue 40 and through pread, now.
-Writes bench/results/fuzz.json.
+Then the abuse of issue 49 (tests/abuse.py): every hostile name at every serve route and verb
+(goal: 400 or 404, nothing created), and every way out of `mmkv live -` (goal: exit 0 with a pack
+that verifies, or 3 with one line). Writes bench/results/fuzz.json.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from mmkv_cli import api  # noqa: E402
 from mmkv_cli.backbones.loading import load_backbone  # noqa: E402
 from mmkv_cli.errors import MmkvError  # noqa: E402
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions  # noqa: E402
+from tests.abuse import STDIN_ENDINGS, end_live_from_stdin, walk_serve_routes  # noqa: E402
 from tests.mutants import KINDS, mutate, read_everything  # noqa: E402
 
 QUESTION = "which shape appeared first ?"
@@ -226,6 +229,13 @@ def main() -> None:
         old, old_crashes = old_mutants(args, rng, tmp)
         rewrites = rewritten_under_reader(args, backbone, subjects, tmp)
         rates = read_rates(tmp)
+        names = walk_serve_routes(tmp / "names")  # a fresh root: anything created is counted
+        endings = {}
+        for case, expected in STDIN_ENDINGS.items():
+            (tmp / case).mkdir()
+            code, lines, verified = end_live_from_stdin(case, tmp / case)
+            clean = code == expected[-1] and len(lines) == 1 and verified in (True, None)
+            endings[case] = {"exit": code, "lines": len(lines), "verified": verified, "ok": clean}
     kinds = sorted(KINDS)
     outcomes = ("refused", "same", "changed", "nonfinite", "hang", "internal")
     table = {kind: {r: counts[kind, r] for r in outcomes} for kind in kinds}
@@ -255,7 +265,12 @@ def main() -> None:
         "answers_from_nonfinite_logits": nonfinite,
         "silent_acceptances_of_damage": damaged + rewrites["changed"],
         "crashes": (crashes + old_crashes)[:50],
+        "hostile_names": {f"{route} {status}": n for (route, status), n in sorted(names.items())},
+        "live_stdin_endings": endings,
     }
+    abused = sum(n for (route, status), n in names.items() if route != "created" and status >= 500)
+    abused += sum(n for (route, count), n in names.items() if route == "created" and count)
+    abused += sum(not e["ok"] for e in endings.values())
     print(f"{'kind':<10}{'resealed':>9}" + "".join(f"{r:>10}" for r in outcomes))
     for kind, row in table.items():
         print(
@@ -266,6 +281,8 @@ def main() -> None:
         print(f"{version:<10}" + "".join(f"{k} {n:<8}" for k, n in row.items()))
     print(f"rewritten under an open session: {dict(rewrites)}")
     print(f"read rate: {rates}")
+    print(f"hostile names: {result['hostile_names']}")
+    print(f"live - endings: {endings}")
     print(
         f"internal errors: {internal}; hangs: {hangs}; answers from NaN/Inf: {nonfinite}; "
         f"damaged packs answering differently: {result['silent_acceptances_of_damage']}"
@@ -273,7 +290,7 @@ def main() -> None:
     out = ROOT / "bench" / "results" / "fuzz.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
-    if internal or hangs or nonfinite or result["silent_acceptances_of_damage"]:
+    if internal or hangs or nonfinite or result["silent_acceptances_of_damage"] or abused:
         sys.exit(1)
 
 
