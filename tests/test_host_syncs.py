@@ -114,3 +114,12 @@ def test_a_question_waits_at_most_twice_before_its_first_token(demo, method, tmp
         ask_pack(pack, "what color is the circle ?", backbone=backbone, max_new_tokens=1)
     # a retrieving method's question vector, then the first token
     assert counter.total <= ASK_DEBT.get(method, 2), dict(counter.calls)
+
+
+@pytest.mark.parametrize("method", ["rekv", "streamingtom"])
+def test_offloading_past_the_window_waits_at_most_once_a_chunk(demo, method):
+    """Past its encode window (15,000 tokens at real scale: every chunk of an hour), the oldest KV
+    goes to pinned host slabs without a wait; a small window crosses it here."""
+    choice = choose(method, chunk_frames=CHUNK_FRAMES, window_tokens=8)
+    two, four = (encode_syncs(demo, choice, chunks * CHUNK_FRAMES) for chunks in (2, 4))
+    assert (four - two) / 2 <= ENCODE_DEBT.get(method, 1)

@@ -28,6 +28,7 @@ class Column:
         self.unit = unit  # a slab holds a whole number of these many entries
         self.slabs: list[torch.Tensor] = []
         self.filled = 0  # entries along dim in the last slab
+        self._copied = None  # a CUDA event after the last copy into the slabs, until it is read
 
     def __len__(self) -> int:
         if not self.slabs:
@@ -42,16 +43,28 @@ class Column:
                 self.filled = 0
             slab = self.slabs[-1]
             take = min(count - done, slab.shape[self.dim] - self.filled)
-            slab.narrow(self.dim, self.filled, take).copy_(tensor.narrow(self.dim, done, take))
+            # from a GPU into pinned slabs without a wait; the host reads them after ready()
+            slab.narrow(self.dim, self.filled, take).copy_(
+                tensor.narrow(self.dim, done, take), non_blocking=True
+            )
             self.filled += take
             done += take
+        if tensor.is_cuda and count:
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(tensor.device))
+
+    def ready(self) -> None:
+        """Wait for the copies still on their way from the GPU (once, when first read)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
     def _slab(self, like: torch.Tensor) -> torch.Tensor:
         per_entry = like.element_size() * like.numel() // max(1, like.shape[self.dim])
         shape = list(like.shape)
         room = self.slab_bytes // max(1, per_entry)
         shape[self.dim] = max(self.unit, room // self.unit * self.unit)
-        return torch.empty(shape, dtype=like.dtype, device="cpu")
+        return torch.empty(shape, dtype=like.dtype, device="cpu", pin_memory=like.is_cuda)
 
     def entries(self, start: int, stop: int) -> torch.Tensor:
         """Entries [start, stop) along dim: a view where they lie in one slab, else joined."""
@@ -72,6 +85,7 @@ class Column:
 
     def parts(self) -> list[torch.Tensor]:
         """The filled part of each slab, as views."""
+        self.ready()
         if not self.slabs:
             return []
         last = self.slabs[-1].narrow(self.dim, 0, self.filled)
