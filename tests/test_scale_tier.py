@@ -179,6 +179,13 @@ def test_positions_at_the_int32_edge_round_trip_and_past_it_are_refused(tmp_path
     write_pack(path, header, plain("prefix", 2, layers), [at(edge - 2)], plain("suffix", 1, layers))
     _, _, positions = PackReader(path).gather(["b0"])
     assert positions[0][0].tolist() == [edge - 2, edge - 1, edge]
+    low = tmp_path / "low.kvpack"  # the int32 floor fits too
+    write_pack(low, header, plain("prefix", 2, layers), [at(-(2**31))], plain("suffix", 1, layers))
+    assert PackReader(low).gather(["b0"])[2][0][0].tolist() == [
+        -(2**31),
+        -(2**31) + 1,
+        -(2**31) + 2,
+    ]
     past = tmp_path / "past.kvpack"
     with pytest.raises(PackError, match="does not fit 32 bits"):
         write_pack(past, header, plain("prefix", 2, layers), [at(edge)], plain("suffix", 1, layers))

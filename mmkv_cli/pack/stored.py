@@ -33,7 +33,7 @@ def stored_positions(span: Span) -> tuple[torch.Tensor, bool]:
     """[rows, P] int32 positions: one layer's when every layer agrees, else each layer's in turn."""
     shared = shares_positions(span)
     rows = span.positions[0].T if shared else span.part(2)
-    if rows.numel() and int(rows.abs().max()) > INT32_MAX:
+    if rows.numel() and not -INT32_MAX - 1 <= int(rows.min()) <= int(rows.max()) <= INT32_MAX:
         raise PackError("a position does not fit 32 bits; this stream is too long to store")
     return rows.to(torch.int32).contiguous(), shared
 
