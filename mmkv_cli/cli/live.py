@@ -129,7 +129,7 @@ def _feed(following, questions: str | None) -> None:
     """Questions into the follow, a line at a time, as they come: a bad line is one line on stderr
     and the stream goes on."""
     from mmkv_cli.cli.display import err_console
-    from mmkv_cli.cli.questions import parse_lines
+    from mmkv_cli.cli.questions import BOM, parse_lines
     from mmkv_cli.live import LiveQuestion
 
     if questions is None:
@@ -148,7 +148,7 @@ def _feed(following, questions: str | None) -> None:
             err_console.print(f"error: {questions}: {err.strerror}", highlight=False)
             return
     for number, line in enumerate(lines, 1):
-        line = line.removeprefix("\ufeff") if number == 1 else line  # a BOM on a pipe
+        line = line.removeprefix(BOM) if number == 1 else line  # a BOM on a pipe
         try:
             for q in parse_lines([line], f"{where}:{number}"):
                 following.ask(LiveQuestion(q.text, q.id, q.at))

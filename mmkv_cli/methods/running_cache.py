@@ -138,11 +138,11 @@ class RunningCache:
         self.retain(layer, torch.arange(count, self.count(layer)))
 
     def take_all_held(self) -> list[tuple]:
-        """Every layer's `take_held`: K, V [H_kv, n, D] on the host (offloaded entries first),
-        positions [P, n], stream indices [n]. Every layer's K/V is sent to pinned host memory
-        first and waited for once, not once a layer. The offloaded entries are handed over (the
-        archives empty): at an hour of video they are GBs, and a second host copy of every layer
-        would double the encode's memory while the pack is made."""
+        """Per layer, everything it keeps for the pack: K, V [H_kv, n, D] on the host (offloaded
+        entries first), positions [P, n], stream indices [n]. Every layer's K/V is sent to pinned
+        host memory first and waited for once, not once a layer. The offloaded entries are handed
+        over (the archives empty): at an hour of video they are GBs, and a second host copy of
+        every layer would double the encode's memory while the pack is made."""
         layers = range(self.layers)
         copies = HostCopies(self.cache.layers[0].keys.device) if self.layers else None
         sent = [tuple(copies.host(t) for t in self.visual(layer)) for layer in layers]

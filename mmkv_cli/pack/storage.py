@@ -256,7 +256,7 @@ class RemoteFile:
         if isinstance(err, PackError):
             return err
         text = f"{type(err).__name__} {err}"
-        if any(m in text for m in ("PreconditionFailed", "pre-conditions", "412", "NoSuchVersion")):
+        if any(m in text for m in ("PreconditionFailed", "pre-conditions", "NoSuchVersion")):
             return PackError(f"{self.url} changed while it was being read (it was replaced)")
         return StorageError(f"cannot read {self.url}: {_reason(err)}")
 

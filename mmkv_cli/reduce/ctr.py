@@ -104,19 +104,19 @@ def retained(params: CTRParams, total: int) -> int:
 
 def reduce_step(
     grid: torch.Tensor,
-    similarity: torch.Tensor,
+    static: torch.Tensor,
     importance: torch.Tensor,
     params: CTRParams,
     static_count: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step: (keep [T] bool, embeddings [T, H] with the static centres merged). static_count:
-    how many of its tokens are static (read for every step of the chunk at once)."""
+    """One step: (keep [T] bool, embeddings [T, H] with the static centres merged). static [T]:
+    the tokens like their place in the step before; static_count: how many (read for every step
+    of the chunk at once)."""
     total = len(grid)
     keep = torch.zeros(total, dtype=torch.bool, device=grid.device)
     retain = retained(params, total)
     if retain >= total:
         return keep | True, grid
-    static = similarity > params.similarity_threshold
     keep_static, keep_dynamic = split_budget(retain, static_count, total)
     out = grid.clone()
     if keep_static > 0:
@@ -131,14 +131,11 @@ def reduce_step(
 
 
 def reduce(params: CTRParams, tokens: StepTokens) -> Reduced:
-    similarity = similarity_to_previous(tokens.grid, tokens.previous)
-    # every step's count of static tokens in one read: the chunk's one wait for the device
-    counts = (similarity > params.similarity_threshold).sum(dim=-1).tolist()
+    static = similarity_to_previous(tokens.grid, tokens.previous) > params.similarity_threshold
+    counts = static.sum(dim=-1).tolist()  # every step's in one read: the chunk's one wait
     return step_by_step(
         tokens,
-        lambda s: reduce_step(
-            tokens.grid[s], similarity[s], tokens.importance[s], params, counts[s]
-        ),
+        lambda s: reduce_step(tokens.grid[s], static[s], tokens.importance[s], params, counts[s]),
     )
 
 
