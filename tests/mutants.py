@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmkv_cli.pack.hashing import chunk_digests
+from mmkv_cli.pack.format import digest_name
+from mmkv_cli.pack.hashing import chunk_digests, new_digest
 from mmkv_cli.pack.integrity import index_digest
 
 # same element size, so a dtype edit keeps every byte range valid
@@ -86,7 +87,8 @@ class Parts:
 
         header = self.header()
         if "integrity" in header:
-            header["integrity"]["index"] = index_digest(entries, tensor)
+            algorithm = digest_name(header["format_version"])
+            header["integrity"]["index"] = index_digest(entries, tensor, algorithm)
         self.set_header(header)
 
     def bytes(self) -> bytes:
@@ -177,14 +179,17 @@ def nonfinite(parts: Parts, rng: random.Random, name: str | None = None) -> byte
     )
     header = parts.header()
     span = name.split(".")[0]
+    algorithm = digest_name(header["format_version"])
     if span != "blocks":
         pieces = [_tensor_bytes(parts, f"{span}.{p}") for p in ("k", "v", "pos")]
         spans = header["spans" if "spans" in header else "segments"]  # v2-v4: "segments"
-        spans[span]["sha256"] = hashlib.sha256(b"".join(pieces)).hexdigest()
+        resealed = new_digest(algorithm)
+        resealed.update(b"".join(pieces))
+        spans[span][algorithm] = resealed.hexdigest()
         parts.set_header(header)
     elif name == "blocks.kq" and _spanning(header):  # v9: the key scales' own chunk digests
         digest = header["integrity"]["key_scales"]
-        digest["sha256"] = chunk_digests(_tensor_bytes(parts, name), digest["chunk"])
+        digest[algorithm] = chunk_digests(_tensor_bytes(parts, name), digest["chunk"], algorithm)
         parts.set_header(header)
     else:
         row = element // max(1, math.prod(entry["shape"][1:]))
@@ -208,7 +213,7 @@ def _tensor_bytes(parts: Parts, name: str, rows: tuple[int, int] | None = None) 
 
 
 def _reseal_block(parts: Parts, header: dict, name: str, row: int) -> None:
-    """The sha256 of the block holding row `row` of block tensor `name`, recomputed (v7 on)."""
+    """The checksum of the block holding row `row` of block tensor `name`, recomputed (v7 on)."""
     table_entry = parts.directory["blocks.table"]
     table = np.frombuffer(
         _tensor_bytes(parts, "blocks.table"), STORED[table_entry["dtype"]]
@@ -228,11 +233,12 @@ def _reseal_block(parts: Parts, header: dict, name: str, row: int) -> None:
         group = header["quant"]["group"]
         groups = int(sum(-(-int(c) // group) for c in counts))
         spans["kq"] = (int(table[index, 6]), int(table[index, 6]) + groups)
-    digest = hashlib.sha256()
+    algorithm = digest_name(header["format_version"])
+    digest = new_digest(algorithm)
     for part in ("k", "v", "pos", "kq", "vq"):
         if f"blocks.{part}" in parts.directory and part in spans:
             digest.update(_tensor_bytes(parts, f"blocks.{part}", spans[part]))
-    start = parts.directory["blocks.sha256"]["data_offsets"][0] + 32 * index
+    start = parts.directory[f"blocks.{algorithm}"]["data_offsets"][0] + 32 * index
     parts.data[start : start + 32] = digest.digest()
 
 

@@ -272,7 +272,8 @@ def test_block_table_columns_agree_with_its_rows_and_with_a_v2_json_table(tmp_pa
     ]
     assert eligible_at(table, 1.5).tolist() == [0] and eligible_at(table, None).tolist() == [0, 1]
     # a v2 pack kept the same rows as JSON in its header, under names of its own
-    v2 = BlockTable.from_dicts([{**r, "name": f"old{i}"} for i, r in enumerate(rows)])
+    old = [{**r, "name": f"old{i}", "sha256": r["digest"]} for i, r in enumerate(rows)]
+    v2 = BlockTable.from_dicts([{k: v for k, v in r.items() if k != "digest"} for r in old])
     assert [{**v2[i], "name": None} for i in range(2)] == [{**r, "name": None} for r in rows]
     assert v2.index_of("old1") == 1 and v2.index_of("b1") is None and table.index_of("b7") is None
 
@@ -315,7 +316,7 @@ def test_a_pack_is_a_valid_safetensors_file_that_the_library_reads_too(tmp_path)
         assert stored.shape[0] == sum(sum(b.layer_counts) for b in blocks)
         assert torch.equal(stored[:3].transpose(0, 1), blocks[0].keys[0])  # block 0, layer 0
         assert torch.equal(
-            lib.get_tensor("blocks.sha256"), torch.from_numpy(reader.blocks.spans([0, 1])[2])
+            lib.get_tensor("blocks.blake3"), torch.from_numpy(reader.blocks.spans([0, 1])[2])
         )
 
 
@@ -338,26 +339,30 @@ def test_representatives_need_one_digest_per_chunk(tmp_path):
     parts = Parts.of(path.read_bytes())
     header = parts.header()
     assert header["integrity"]["reps"]["chunk"] == REPS_CHUNK
-    assert len(header["integrity"]["reps"]["sha256"]) == 1  # 128 bytes: one chunk
-    for digests in ([], header["integrity"]["reps"]["sha256"] * 2):
-        header["integrity"]["reps"]["sha256"] = digests
+    assert len(header["integrity"]["reps"]["blake3"]) == 1  # 128 bytes: one chunk
+    for digests in ([], header["integrity"]["reps"]["blake3"] * 2):
+        header["integrity"]["reps"]["blake3"] = digests
         parts.set_header(header)
         path.write_bytes(parts.bytes())
         with pytest.raises(PackError, match="reps digests"):
             PackReader(path)
 
 
-def test_chunk_digests_cover_each_chunk_on_threads(monkeypatch):
+@pytest.mark.parametrize("algorithm", ["sha256", "blake3"])
+def test_chunk_digests_cover_each_chunk_on_threads(monkeypatch, algorithm):
     import hashlib
 
+    import blake3
+
+    reference = {"sha256": hashlib.sha256, "blake3": blake3.blake3}[algorithm]
     data = bytes(range(256)) * 1000  # 256,000 bytes: four chunks of 64 KiB, the last short
-    serial = chunk_digests(memoryview(data), 1 << 16)
+    serial = chunk_digests(memoryview(data), 1 << 16, algorithm)
     starts = range(0, len(data), 1 << 16)
-    want = [hashlib.sha256(data[i : i + (1 << 16)]).hexdigest() for i in starts]
+    want = [reference(data[i : i + (1 << 16)]).hexdigest() for i in starts]
     assert serial == want and len(want) == 4
     monkeypatch.setattr("os.cpu_count", lambda: 4)
-    assert chunk_digests(memoryview(data), 1 << 16) == want
-    assert chunk_digests(memoryview(b""), 1 << 16) == [hashlib.sha256(b"").hexdigest()]
+    assert chunk_digests(memoryview(data), 1 << 16, algorithm) == want
+    assert chunk_digests(memoryview(b""), 1 << 16, algorithm) == [reference(b"").hexdigest()]
 
 
 def test_a_tensor_named_twice_in_the_directory_is_refused(tmp_path):

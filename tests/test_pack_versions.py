@@ -1,17 +1,22 @@
 """Older packs stay readable: tests/data/v3.kvpack, v6.kvpack and v7.kvpack were written by the
-format-v3, v6 and v7 writers from `fixture()`, and v8q.kvpack by the v8 writer, 4-bit."""
+format-v3, v6 and v7 writers from `fixture()`, v8q.kvpack by the v8 writer, 4-bit, and v9.kvpack
+and v9q.kvpack (4-bit, key groups of 2 tokens) by the v9 writer, the last with sha256 checksums."""
 
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
+from mmkv_cli import api
+from mmkv_cli.errors import PackError
 from mmkv_cli.pack import PackReader, Span, write_pack
 from mmkv_cli.pack.format import FORMAT_VERSION
 from mmkv_cli.pack.header import LayoutRecord
 from mmkv_cli.pack.integrity import read_directory
 from mmkv_cli.pack.writer import narrowed
 from tests.helpers import pack_header
+from tests.mutants import Parts
 
 DATA = Path(__file__).parent / "data"
 HEADER = pack_header(layout=LayoutRecord(next_position=20, position_dims=3))
@@ -132,6 +137,31 @@ def test_a_quantized_v8_pack_decodes_its_per_block_key_groups():
             torch.cat([blocks[1].positions[layer], blocks[0].positions[layer]], dim=1),
         )
     assert PackReader(DATA / "v8q.kvpack").block_faults() == []
+
+
+def test_v9_packs_with_sha256_checksums_read_back_and_verify():
+    """v10 made every checksum BLAKE3: a v9 pack's sha256 ones are still checked, and caught."""
+    plain = PackReader(DATA / "v9.kvpack")
+    assert plain.format_version == 9 and plain.digest == "sha256" and plain.quant is None
+    assert_reads_back(plain)
+    quantized = PackReader(DATA / "v9q.kvpack")
+    assert quantized.quant.bits == 4 and quantized.quant.span and quantized.block_faults() == []
+    keys, _, _ = quantized.gather(["b0", "b1"])
+    _, blocks, _ = fixture()
+    assert (keys[0] - torch.cat([b.keys[0] for b in blocks], dim=1)).abs().max() < 0.5
+    for name in ("v9.kvpack", "v9q.kvpack"):
+        assert api.verify(DATA / name)["ok"], name
+
+
+def test_a_flipped_byte_in_a_v9_block_fails_its_sha256(tmp_path):
+    parts = Parts.of((DATA / "v9.kvpack").read_bytes())
+    start, _ = parts.directory["blocks.v"]["data_offsets"]
+    parts.data[start + 1] ^= 0x40
+    bad = tmp_path / "bad.kvpack"
+    bad.write_bytes(parts.bytes())
+    with pytest.raises(PackError, match="checksum mismatch in b0"):
+        PackReader(bad).gather(["b0"])
+    assert not api.verify(bad)["ok"]
 
 
 def test_the_table_and_step_lengths_are_int32_where_every_value_fits(tmp_path):

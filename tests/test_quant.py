@@ -317,7 +317,7 @@ def test_a_forged_key_group_layout_is_refused_on_open(tmp_path):
         lambda h: h["quant"].pop("key_groups"),
         lambda h: h["quant"].update(key_groups="sideways"),
         lambda h: h.update(format_version=8),
-        lambda h: h["integrity"]["key_scales"]["sha256"].append("0" * 64),
+        lambda h: h["integrity"]["key_scales"]["blake3"].append("0" * 64),
     ]
     for edit in cases:
         path = forged(edit)

@@ -8,11 +8,10 @@ least two steps. A failure here is the kind only a user's hour of video would ot
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import pytest
 import torch
+from blake3 import blake3
 
 from mmkv_cli.errors import PackError
 from mmkv_cli.pack import PackReader, Span, write_pack
@@ -68,7 +67,7 @@ def reps_pack(tmp_path_factory):
 def test_representatives_past_two_digest_chunks_open_and_verify(reps_pack):
     path, spans = reps_pack
     header = Parts.of(path.read_bytes()).header()
-    digests = header["integrity"]["reps"]["sha256"]
+    digests = header["integrity"]["reps"]["blake3"]
     reps_bytes = 320 * LAYERS * HEADS * DIM * 2
     assert reps_bytes > 2 * REPS_CHUNK and len(digests) == chunk_count(reps_bytes, REPS_CHUNK) == 3
     reader = PackReader(path)
@@ -92,13 +91,12 @@ def test_a_flipped_byte_in_the_last_reps_chunk_is_caught(reps_pack, tmp_path):
 def test_chunk_digests_cut_a_shaped_array_by_bytes_not_rows():
     rows = np.arange(3 * 70_000, dtype=np.float16).reshape(3, 70_000)  # 140,000 bytes a row
     flat = rows.tobytes()
-    want = [
-        hashlib.sha256(flat[i : i + (1 << 16)]).hexdigest() for i in range(0, len(flat), 1 << 16)
-    ]  # noqa: E501
+    want = [blake3(flat[i : i + (1 << 16)]).hexdigest() for i in range(0, len(flat), 1 << 16)]
     assert len(want) == 7
-    assert chunk_digests(rows, 1 << 16) == chunk_digests(flat, 1 << 16) == want
-    assert chunk_digests(memoryview(rows), 1 << 16) == want
-    assert chunk_digests(np.zeros((0, 4), np.float16), 1 << 16) == [hashlib.sha256().hexdigest()]
+    assert chunk_digests(rows, 1 << 16, "blake3") == chunk_digests(flat, 1 << 16, "blake3") == want
+    assert chunk_digests(memoryview(rows), 1 << 16, "blake3") == want
+    empty = np.zeros((0, 4), np.float16)
+    assert chunk_digests(empty, 1 << 16, "blake3") == [blake3().hexdigest()]
 
 
 def test_spanning_key_scales_past_two_digest_chunks(tmp_path, monkeypatch):
@@ -111,7 +109,7 @@ def test_spanning_key_scales_past_two_digest_chunks(tmp_path, monkeypatch):
     digest = header["integrity"]["key_scales"]
     start, stop = Parts.of(path.read_bytes()).directory["blocks.kq"]["data_offsets"]
     assert digest["chunk"] == 1 << 16 and stop - start > 2 * (1 << 16)
-    assert len(digest["sha256"]) == chunk_count(stop - start, 1 << 16) >= 3
+    assert len(digest["blake3"]) == chunk_count(stop - start, 1 << 16) >= 3
     reader = PackReader(path)
     keys, _, _ = reader.gather([s.name for s in spans])
     want = torch.cat([s.keys[LAYERS - 1] for s in spans], dim=1).float()
@@ -206,3 +204,86 @@ def test_stored_values_are_checked_finite_by_their_exponent_bits(dtype):
         stored = broken.view(torch.uint16).numpy() if dtype == "bfloat16" else broken.numpy()
         assert not finite_stored(stored, dtype), (dtype, bad)
     assert finite_stored(np.arange(4, dtype=np.int32), "int32")
+
+
+def constant_block(index: int, tokens: int) -> Span:
+    """A block at 7B width whose every key is index + layer / 32 and every value minus that:
+    expanded views (a few bytes each until written), so a 4.5 GB pack costs no memory to build,
+    and a read from the wrong offset cannot return the right numbers."""
+    keys = [
+        torch.full((HEADS, 1, DIM), index + layer / 32, dtype=torch.float16).expand(-1, tokens, -1)
+        for layer in range(LAYERS)
+    ]
+    return Span(
+        name=f"b{index}",
+        keys=keys,
+        values=[-k for k in keys],
+        positions=[torch.arange(tokens).expand(3, -1) + index * tokens] * LAYERS,
+        granularity="frame",
+        steps=(index, index + 1),
+        time=(float(index), index + 0.5),
+    )
+
+
+def test_a_pack_past_4_gib_reads_verifies_and_names_a_flip_past_the_boundary(tmp_path):
+    """400 frames of 196 tokens at 7B width: blocks.k and blocks.v are 2.25 GB each (byte
+    offsets inside one tensor past 2^31), the file 4.5 GB (offsets past 2^32): the last block's
+    values lie wholly past 4 GiB."""
+    count, tokens = 400, 196
+    path = tmp_path / "big.kvpack"
+    header = pack_header(layers=LAYERS, dtype="float16", heads=HEADS, dim=DIM)
+    blocks = [constant_block(i, tokens) for i in range(count)]
+    write_pack(path, header, plain("prefix", 2), blocks, plain("suffix", 1))
+    assert path.stat().st_size > (1 << 32) + (1 << 27)
+    with open(path, "rb") as fh:
+        data_start = 8 + int.from_bytes(fh.read(8), "little")
+        fh.seek(0)
+        directory = Parts.of(fh.read(data_start)).directory
+    start, stop = directory["blocks.v"]["data_offsets"]
+    assert directory["blocks.k"]["data_offsets"][1] > 1 << 31 and start > 1 << 31
+    last = data_start + stop - tokens * LAYERS * HEADS * DIM * 2  # the last block's values
+    assert last > 1 << 32
+    reader = PackReader(path)
+    keys, values, positions = reader.gather([f"b{count - 1}", "b0"])
+    for layer in (0, LAYERS - 1):
+        want = torch.cat([blocks[count - 1].keys[layer], blocks[0].keys[layer]], dim=1)
+        assert torch.equal(keys[layer], want) and torch.equal(values[layer], -want)
+    assert positions[0][0, 0] == (count - 1) * tokens
+    assert verify(path)["ok"]
+    with open(path, "r+b") as fh:  # a flip in the last block's values, past 4 GiB
+        fh.seek(last + 5)
+        byte = fh.read(1)[0]
+        fh.seek(last + 5)
+        fh.write(bytes([byte ^ 0x01]))
+    with pytest.raises(PackError, match=f"checksum mismatch in b{count - 1}"):
+        PackReader(path).gather([f"b{count - 1}"])
+    report = verify(path)
+    assert not report["ok"]
+    assert [f for f in report["faults"] if f"b{count - 1}" in f] == report["faults"], report
+
+
+def test_reads_longer_than_one_preadv_returns_are_finished_by_the_loop(reps_pack, monkeypatch):
+    """Linux returns at most 2 GiB - 4 KiB from one preadv; the reader loops over short reads.
+    The cap lowered to 4099 bytes (an odd size, so reads stop inside a buffer and a row)."""
+    import os
+
+    path, spans = reps_pack
+    want = PackReader(path).gather([s.name for s in spans[:40]])
+    real, calls = os.preadv, []
+
+    def capped(fd, buffers, offset):
+        left, cut = 4099, []
+        for buffer in buffers:
+            if left <= 0:
+                break
+            cut.append(memoryview(buffer)[:left])
+            left -= len(cut[-1])
+        calls.append(offset)
+        return real(fd, cut, offset)
+
+    monkeypatch.setattr("mmkv_cli.pack.tensors.os.preadv", capped)
+    got = PackReader(path).gather([s.name for s in spans[:40]])
+    assert len(calls) > 100
+    for mine, theirs in zip(got, want):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+    assert verify(path)["ok"]

@@ -8,6 +8,7 @@ from mmkv_cli.errors import UsageError
 from mmkv_cli.options import kv_bits_value
 from mmkv_cli.pack import PackReader, Span, write_pack
 from mmkv_cli.pack import vidkv as V
+from mmkv_cli.pack.format import FORMAT_VERSION
 from mmkv_cli.pack.quant import QuantSpec
 from tests.helpers import pack_header
 
@@ -107,7 +108,7 @@ def test_a_pack_at_one_and_a_half_bits_reads_back_what_the_definitions_decode(tm
         QuantSpec(1.5, 32),
     )
     reader = PackReader(path)
-    assert reader.quant.bits == 1.5 and reader.header.format_version == 9
+    assert reader.quant.bits == 1.5 and reader.header.format_version == FORMAT_VERSION
     keys, values, _ = reader.gather(["b0"])
     for layer in range(2):
         # token-major [n, H, D]; one group a layer: 10 < 32 tokens
@@ -155,7 +156,7 @@ def test_forged_channel_flags_are_refused_even_when_resealed(tmp_path):
         parts.data[start:stop] = planes.tobytes()
         stored = parts.header()
         digest = stored["integrity"]["key_scales"]
-        digest["sha256"] = chunk_digests(planes.tobytes(), digest["chunk"])
+        digest["blake3"] = chunk_digests(planes.tobytes(), digest["chunk"], "blake3")
         parts.set_header(stored)
         parts.reseal()
         forged = tmp_path / "forged.kvpack"

@@ -31,7 +31,7 @@ from pathlib import Path
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.lazy import torch
 from mmkv_cli.pack.atomic import sweep_stale
-from mmkv_cli.pack.format import tensors_sha256
+from mmkv_cli.pack.format import tensors_digest
 
 SUFFIX = ".mmkv-checkpoint"
 FORMAT, VERSION = "mmkv.checkpoint", 5  # 3: what never changes is written once, in segments;
@@ -168,7 +168,7 @@ def _write(target: Path, path: Path, tensors: dict[str, torch.Tensor], meta: dic
     from safetensors.torch import save_file
 
     plain = _writable(tensors)
-    digest = tensors_sha256(list(plain.values()))
+    digest = tensors_digest(list(plain.values()), "sha256")
     sweep_stale(path, path.name, ".part")  # partial checkpoints of killed encodes
     partial = path.with_name(f"{path.name}.{os.getpid()}.part")
     try:
@@ -278,6 +278,6 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise PackError(f"{path} is not a readable checkpoint ({type(err).__name__})") from None
     if not isinstance(meta, dict):
         raise PackError(f"{path} is not an mmkv checkpoint this version reads")
-    if tensors_sha256(list(tensors.values())) != meta.get("sha256"):
+    if tensors_digest(list(tensors.values()), "sha256") != meta.get("sha256"):
         raise PackError(f"{path} is corrupted (checksum mismatch)")
     return meta, tensors

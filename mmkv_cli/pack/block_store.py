@@ -29,7 +29,8 @@ class BlockStore:
     token_major: tokens on the first axis (v4 on; v2/v3 kept them second). kv_dtype: what a
     quantized block decodes into unless asked otherwise. bytes_read counts what was copied out.
     key_scales: v9's spanning key scales [groups, 2, H, D], read and checked once when first
-    needed (no block's checksum covers them); before v9 they are block rows ("kq" in views)."""
+    needed (no block's checksum covers them); before v9 they are block rows ("kq" in views).
+    algorithm: the hash of the blocks' checksums (format.digest_name)."""
 
     def __init__(
         self,
@@ -37,9 +38,11 @@ class BlockStore:
         quant: QuantSpec | None,
         kv_dtype: str | None,
         token_major: bool,
-        key_scales=None,
+        key_scales,
+        algorithm: str,
     ) -> None:
         self.views = views
+        self.algorithm = algorithm
         self.key_scales = key_scales
         self.quant = quant
         self.kv_dtype = kv_dtype
@@ -53,12 +56,14 @@ class BlockStore:
         return 2 * row * int(where.counts[pending].sum())
 
     def mismatched(self, where: BlockRows, pending: list[int]) -> list[int]:
-        """The blocks at `pending` whose sha256 differs from the table's."""
-        return mismatched(self.views, where, pending, self.block_bytes, self.token_major)
+        """The blocks at `pending` whose checksum differs from the table's."""
+        return mismatched(self.hashes(where, pending))
 
     def hashes(self, where: BlockRows, pending: list[int]) -> BlockHashes:
         """The checksums of the blocks at `pending`, to compute on threads beside a read."""
-        return BlockHashes(self.views, where, pending, self.block_bytes, self.token_major)
+        return BlockHashes(
+            self.views, where, pending, self.block_bytes, self.token_major, self.algorithm
+        )
 
     def stored_bytes(self, where: BlockRows) -> int:
         """Bytes every block tensor holds for the blocks of `where` (what checking them reads)."""

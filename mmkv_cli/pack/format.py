@@ -16,18 +16,19 @@ int32 and stored once for a span whose layers all keep the same tokens. From v8 
 the tokens per step are int32 where every value fits (int64 otherwise), and the representatives
 have a digest per 4 MiB, hashed on every core. From v9 a quantized pack's key groups run across the
 blocks of each layer, their scales ("blocks.kq") one small tensor with a digest per 4 MiB that no
-block's checksum covers. See docs/kvpack.md.
+block's checksum covers. From v10 every checksum is BLAKE3 (sha256 before; the header's own stays
+sha256), named so: "blocks.blake3", and "blake3" where the header held "sha256". See docs/kvpack.md.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 from mmkv_cli.lazy import torch
+from mmkv_cli.pack.hashing import digest_of
 
 FORMAT_NAME = "mmkv.kvpack"
-FORMAT_VERSION = 9
+FORMAT_VERSION = 10
 # v2 kept the block table as JSON in the header; v2 and v3 stored K/V head-major ([H_kv, tokens, D])
 # and positions as [P, tokens], with timestamps and step lengths in the header; v2-v4 named the
 # prefix and suffix "segments" in the header (v5: "spans") and kept a fixed token budget among the
@@ -38,15 +39,16 @@ FORMAT_VERSION = 9
 # table and the tokens per step int64 always. v7 and v8 gave each block's layer runs key groups of
 # their own, the scales among the blocks' rows (a block's checksum covered them); v9 lets them run
 # across blocks ("key_groups": "span" in the quant header; the table's key-group column is 0).
-READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9)
+# v2-v9 made every checksum sha256; v10 makes them BLAKE3 (the header's own checksum stays sha256).
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10)
 BLOCKS = "blocks"  # tensors "blocks.k/.v/.pos": every block's tokens, one range each
 # Header lists that grow with the video, stored as tensors of these names (and dtypes) from v4 on;
 # from v8 an int64 one is stored int32 where every value fits.
 SERIES = {"media.timestamps": "float64", "layout.step_lengths": "int64"}
 # Block table, one row per block: "blocks.table" int64 (v8: int32 where all fit) [N, 7 + layers] =
 # (granularity index, first step, stop step, offset, position offset, positions shared (0/1), first
-# key group, layer counts...), "blocks.time" float64 [N, 2] (NaN: none), "blocks.sha256" uint8
-# [N, 32]. v3-v6 had the first four columns only.
+# key group, layer counts...), "blocks.time" float64 [N, 2] (NaN: none), "blocks.<digest>" uint8
+# [N, 32] ("blocks.sha256" before v10). v3-v6 had the first four columns only.
 TABLE_COLUMNS = 7
 OLD_TABLE_COLUMNS = 4
 # The stored tensors of a span, in the order its checksum covers them: keys, values, positions,
@@ -111,11 +113,15 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def tensors_sha256(tensors: list[torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(raw_bytes(t))
-    return h.hexdigest()
+def digest_name(version: int) -> str:
+    """The hash of every checksum in a pack of format `version` but the header's own, which is
+    also what its digest fields and the table's digest tensor ("blocks.<name>") are called."""
+    return "blake3" if version >= 10 else "sha256"
+
+
+def tensors_digest(tensors: list[torch.Tensor], algorithm: str) -> str:
+    """The hex digest of `tensors`' stored bytes one after another."""
+    return digest_of([raw_bytes(t) for t in tensors], algorithm)
 
 
 def split_layers(

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import blake3
+
 # Blocks of at least this many bytes on average are checksummed on up to HASH_THREADS threads:
 # from here up, threads fed runs of blocks beat one (docs/measurements.md); a real backbone's blocks
 # are MBs.
@@ -21,18 +23,29 @@ T = TypeVar("T")
 # Bytes of the representatives each digest covers (v8), so that they are hashed on every core: an
 # hour's per-layer retrieval index at 7B is tens of MB, checked on every fresh ask
 REPS_CHUNK = 4 << 20
+# The hashes a pack's checksums are made with, by name (format.digest_name says which a version
+# uses): BLAKE3 hashes at about 2.5x sha256's rate a core, which sets the pace of every fresh read
+DIGESTS = {"sha256": hashlib.sha256, "blake3": blake3.blake3}
+
+
+def new_digest(algorithm: str):
+    """An empty hash of `algorithm` ("sha256" or "blake3"): update(bytes), digest(), hexdigest()."""
+    return DIGESTS[algorithm]()
 
 
 class BlockHashes:
-    """The sha256 of some blocks' rows of every block tensor in `views`, compared with the
-    table's. Runs of blocks come from one queue, so any thread that is free can `work` on them: a
-    reader that copies rows while a thread hashes joins in once its copy is done (one sha256 stream
-    is slower than the copy, and would otherwise set the pace of every large read).
+    """The digest (`algorithm`) of some blocks' rows of every block tensor in `views`, compared
+    with the table's. Runs of blocks come from one queue, so any thread that is free can `work` on
+    them: a reader that copies rows while a thread hashes joins in once its copy is done (one hash
+    stream is slower than the copy, and would otherwise set the pace of every large read).
 
     where: BlockRows; pending: the blocks to check (positions in `where`); block_bytes(view, start,
     stop): a block's stored bytes of a tensor, in checksum order."""
 
-    def __init__(self, views: dict, where, pending: list[int], block_bytes, token_major: bool):
+    def __init__(
+        self, views: dict, where, pending: list[int], block_bytes, token_major: bool, algorithm: str
+    ):
+        self._new = DIGESTS[algorithm]
         spans = {part: where.block_ranges(part) for part in views}
         self._ranges = {i: [(views[p][0], *spans[p][i]) for p in views] for i in pending}
         self._where, self._block_bytes = where, block_bytes
@@ -53,9 +66,9 @@ class BlockHashes:
             if run is None:
                 return
             for i in run:
-                digest = hashlib.sha256()
+                digest = self._new()
                 for view, start, stop in self._ranges[i]:
-                    digest.update(self._block_bytes(view, start, stop))
+                    digest.update(raw_view(self._block_bytes(view, start, stop)))
                 if digest.digest() != self._where.digests[i].tobytes():
                     self._bad.append(i)
 
@@ -84,12 +97,10 @@ def stored_bytes(views: dict, where, chosen, token_major: bool) -> int:
     return total
 
 
-def mismatched(views: dict, where, pending: list[int], block_bytes, token_major: bool) -> list[int]:
-    """The blocks at `pending` (positions in BlockRows `where`) whose sha256 over their rows of
-    every block tensor in `views` differs from the table's. A read of large blocks is hashed on
-    several threads (hashlib lets go of the GIL on big buffers): on a real backbone the checksums
-    of a retrieved context (hundreds of MB) would otherwise cost more than reading it."""
-    hashes = BlockHashes(views, where, pending, block_bytes, token_major)
+def mismatched(hashes: BlockHashes) -> list[int]:
+    """The blocks `hashes` covers whose digest differs from the table's. A read of large blocks is
+    hashed on several threads (both hashes let go of the GIL on big buffers): on a real backbone the
+    checksums of a retrieved context (hundreds of MB) would otherwise cost more than reading it."""
     workers = hashes.threads()
     if workers > 1:
         with ThreadPoolExecutor(workers) as pool:
@@ -135,14 +146,28 @@ def chunk_count(nbytes: int, chunk: int) -> int:
     return max(1, -(-nbytes // chunk))
 
 
-def chunk_digests(data, chunk: int) -> list[str]:
-    """The sha256 of each `chunk` bytes of `data`'s raw bytes (one digest when empty), hashed on up
-    to HASH_THREADS threads. The one place writer, reader, verify and the tests' forgeries cut
-    chunks: a shaped array is cut by its bytes, as it was written."""
+def chunk_digests(data, chunk: int, algorithm: str) -> list[str]:
+    """The digest (`algorithm`) of each `chunk` bytes of `data`'s raw bytes (one digest when
+    empty), hashed on up to HASH_THREADS threads. The one place writer, reader, verify and the
+    tests' forgeries cut chunks: a shaped array is cut by its bytes, as it was written."""
     flat = raw_view(data)
     pieces = [flat[i : i + chunk] for i in range(0, chunk_count(len(flat), chunk) * chunk, chunk)]
     workers = min(HASH_THREADS, os.cpu_count() or 1, len(pieces))
+
+    def one(piece) -> str:
+        digest = new_digest(algorithm)
+        digest.update(piece)
+        return digest.hexdigest()
+
     if workers < 2:
-        return [hashlib.sha256(piece).hexdigest() for piece in pieces]
+        return [one(piece) for piece in pieces]
     with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(lambda piece: hashlib.sha256(piece).hexdigest(), pieces))
+        return list(pool.map(one, pieces))
+
+
+def digest_of(pieces, algorithm: str) -> str:
+    """The hex digest (`algorithm`) of `pieces` (buffers of any shape) one after another."""
+    digest = new_digest(algorithm)
+    for piece in pieces:
+        digest.update(raw_view(piece))
+    return digest.hexdigest()

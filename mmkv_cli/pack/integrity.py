@@ -26,7 +26,9 @@ from mmkv_cli.pack.format import (
     META_HEADER,
     META_HEADER_SHA,
     READABLE_VERSIONS,
+    digest_name,
 )
+from mmkv_cli.pack.hashing import new_digest
 
 if TYPE_CHECKING:
     from mmkv_cli.pack.header import PackHeader
@@ -38,7 +40,7 @@ ELEMENT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U
 KV_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 STORED_KV_DTYPES = {code: name for name, code in KV_DTYPES.items()}
 # small tensors covered by the header's index digest (present ones, in this order)
-# (blocks.sha256 is not: it is written after the blocks, and a flip in it fails its block's check)
+# (the table's digests are not: written after the blocks, a flip in one fails its block's check)
 INDEXED = ("blocks.table", "blocks.time", "media.timestamps", "layout.step_lengths")
 HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -136,9 +138,11 @@ def directory_text(entries: dict) -> bytes:
     return json.dumps(plain, separators=(",", ":")).encode()
 
 
-def index_digest(entries: dict, tensor_bytes) -> str:
-    """sha256 of the directory and the indexed tensors' bytes; tensor_bytes(name) gives them."""
-    h = hashlib.sha256(directory_text(entries))
+def index_digest(entries: dict, tensor_bytes, algorithm: str) -> str:
+    """The digest (`algorithm`) of the directory and the indexed tensors' bytes;
+    tensor_bytes(name) gives them."""
+    h = new_digest(algorithm)
+    h.update(directory_text(entries))
     for name in INDEXED:
         if name in entries:
             h.update(tensor_bytes(name))
@@ -248,19 +252,21 @@ def check_header(header: dict, version: int, where: str) -> None:
         if "reps" in digests:
             _need(_reps_digest(digests["reps"], version), where, "integrity.reps")
         if "key_scales" in digests:
-            _need(_reps_digest(digests["key_scales"], 8), where, "integrity.key_scales")
+            scales = _reps_digest(digests["key_scales"], max(8, version))
+            _need(scales, where, "integrity.key_scales")
 
 
 def _reps_digest(value, version: int) -> bool:
-    """v8: {"chunk": bytes, "sha256": [one digest per chunk]}; v7: one digest."""
+    """v8: {"chunk": bytes, "sha256": [one digest per chunk]} (v10: "blake3"); v7: one digest."""
     if version < 8:
         return isinstance(value, str) and HEX64.fullmatch(value) is not None
+    key = digest_name(version)
     return (
         isinstance(value, dict)
         and _is_int(value.get("chunk"), 1 << 16, 1 << 30)
-        and isinstance(value.get("sha256"), list)
-        and len(value["sha256"]) <= 1 << 16
-        and all(isinstance(d, str) and HEX64.fullmatch(d) for d in value["sha256"])
+        and isinstance(value.get(key), list)
+        and len(value[key]) <= 1 << 16
+        and all(isinstance(d, str) and HEX64.fullmatch(d) for d in value[key])
     )
 
 
@@ -278,14 +284,15 @@ def check_askable(header: PackHeader, where: str) -> None:
     _need(missing is None, where, f"no {missing}")
 
 
-def check_spans(spans: dict, layers: int, where: str) -> None:
+def check_spans(spans: dict, layers: int, version: int, where: str) -> None:
+    key = digest_name(version)
     for name in ("prefix", "suffix"):
         meta = spans.get(name)
         _need(isinstance(meta, dict), where, f"no {name}")
         counts = meta.get("layer_counts")
         _need(_ints(counts, 0, 1 << 40) and len(counts) == layers, where, f"{name} counts")
-        sha = meta.get("sha256")
-        _need(isinstance(sha, str) and HEX64.fullmatch(sha) is not None, where, f"{name} sha256")
+        sha = meta.get(key)
+        _need(isinstance(sha, str) and HEX64.fullmatch(sha) is not None, where, f"{name} {key}")
         _need(isinstance(meta.get("shared_positions", False), bool), where, f"{name} positions")
 
 

@@ -3,7 +3,6 @@ through the descriptor opened)."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +18,10 @@ from mmkv_cli.pack.format import (
     SERIES,
     TABLE_COLUMNS,
     Span,
+    digest_name,
     split_layers,
 )
-from mmkv_cli.pack.hashing import chunk_digests, hashed_beside, raw_view
+from mmkv_cli.pack.hashing import chunk_digests, digest_of, hashed_beside
 from mmkv_cli.pack.header import KVShape, read_header
 from mmkv_cli.pack.integrity import (
     check_header,
@@ -70,6 +70,7 @@ class PackReader:
         """The directory and the stored header, checked; the prefix and suffix spans' entries."""
         self._stored = parse_header(self._tensors.metadata, self._where)  # the JSON, as stored
         self.format_version = version = self._stored["format_version"]
+        self.digest = digest_name(version)  # the hash of its checksums, and their fields' name
         if version >= 4:  # remote: every small tensor in one request (not the blocks nor reps)
             large = {f"{BLOCKS}.{part}" for part in PARTS} | {"reps"}
             self.source.ensure(
@@ -90,9 +91,8 @@ class PackReader:
             prefix = self.spans_meta["prefix"]
             counts = prefix.get("layer_counts") if isinstance(prefix, dict) else None
             layers = len(counts) if isinstance(counts, list) else 0
-            check_spans(
-                self.spans_meta, stored["kv"]["layers"] if version >= 7 else layers, self._where
-            )
+            layers = stored["kv"]["layers"] if version >= 7 else layers
+            check_spans(self.spans_meta, layers, version, self._where)
         if version >= 7:
             self._check_index()
         self._kv = self._kv_shape()
@@ -135,7 +135,7 @@ class PackReader:
             small[name] = self._tensors.raw(name)  # kept: the table is read from these bytes
             return small[name]
 
-        found = index_digest(self._entries, read)
+        found = index_digest(self._entries, read, self.digest)
         if found != self._stored["integrity"]["index"]:
             raise PackError(f"{self.path} is corrupted (index digest mismatch)")
 
@@ -156,7 +156,7 @@ class PackReader:
             meta["granularities"],
             self._tensors.array(f"{BLOCKS}.table").astype(np.int64),  # v8 may store it int32
             self._tensors.array(f"{BLOCKS}.time"),
-            self._tensors.array(f"{BLOCKS}.sha256"),
+            self._tensors.array(f"{BLOCKS}.{self.digest}"),
             columns=self._columns,
         )
 
@@ -212,9 +212,9 @@ class PackReader:
         stored = self._tensors.array("reps")
         digest = (self._stored.get("integrity") or {}).get("reps")
         if self.format_version >= 8:  # a digest per chunk (checked on open), on threads
-            whole = chunk_digests(stored, digest["chunk"]) == digest["sha256"]
+            whole = chunk_digests(stored, digest["chunk"], self.digest) == digest[self.digest]
         else:
-            whole = digest is None or hashlib.sha256(stored).hexdigest() == digest
+            whole = digest is None or digest_of([stored], self.digest) == digest
         if not whole:
             raise PackError(f"{self.path} is corrupted (checksum mismatch in reps)")
         return stored
@@ -322,7 +322,7 @@ class PackReader:
         """(the key scales, None), or (None, what is wrong with them)."""
         stored = self._tensors.array(f"{BLOCKS}.kq")
         digest = self._stored["integrity"]["key_scales"]
-        if chunk_digests(stored, digest["chunk"]) != digest["sha256"]:
+        if chunk_digests(stored, digest["chunk"], self.digest) != digest[self.digest]:
             return None, "checksum mismatch"
         scales = torch.from_numpy(stored).view(torch.float16)
         if not all_finite([scales]):
@@ -346,7 +346,9 @@ class PackReader:
             # what quantized K/V decode into by default (v7 on; older packs are never quantized)
             kv_dtype = self.header.kv.dtype if self.quant else None
             scales = self.key_scales if span else None
-            self._store = BlockStore(views, self.quant, kv_dtype, self._token_major, scales)
+            self._store = BlockStore(
+                views, self.quant, kv_dtype, self._token_major, scales, self.digest
+            )
         return self._store
 
     @property
@@ -416,10 +418,7 @@ class PackReader:
         meta = self.spans_meta[name]
         parts = [f"{name}.{part}" for part in ("k", "v", "pos")]
         k, v, pos = (self._tensors.array(part) for part in parts)
-        digest = hashlib.sha256()
-        for array in (k, v, pos):
-            digest.update(raw_view(array))
-        if digest.hexdigest() != meta["sha256"]:
+        if digest_of((k, v, pos), self.digest) != meta[self.digest]:
             raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
         dtypes = [self._tensors.view(part)[1] for part in parts[:2]]
         if not all(finite_stored(a, dtype) for a, dtype in zip((k, v), dtypes)):
@@ -430,7 +429,8 @@ class PackReader:
         return k, v, pos
 
     def _verify(self, where: BlockRows, pending: list[int]) -> None:
-        """Check the sha256 of the blocks at `pending` (positions in `where`) against the table."""
+        """Check the checksums of the blocks at `pending` (positions in `where`) against the
+        table."""
         self._refuse(where, self._block_store().mismatched(where, pending))
 
     def _refuse(self, where: BlockRows, bad: list[int]) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmkv_cli.errors import PackError
-from mmkv_cli.pack.format import BLOCKS, OLD_TABLE_COLUMNS, TABLE_COLUMNS
+from mmkv_cli.pack.format import BLOCKS, OLD_TABLE_COLUMNS, TABLE_COLUMNS, digest_name
 from mmkv_cli.pack.hashing import chunk_count
 from mmkv_cli.pack.header import KVShape
 from mmkv_cli.pack.integrity import KV_DTYPES, STORED_KV_DTYPES, check_kv_shape
@@ -140,7 +140,7 @@ def check_tensors(
         return
     expect(entries, f"{BLOCKS}.table", form.integers, [count, form.columns + kv.layers], where)
     expect(entries, f"{BLOCKS}.time", "F64", [count, 2], where)
-    expect(entries, f"{BLOCKS}.sha256", "U8", [count, 32], where)
+    expect(entries, f"{BLOCKS}.{digest_name(version)}", "U8", [count, 32], where)
     _need((table.codes() < len(header["blocks"]["granularities"])).all(), where, "granularities")
     span = quant is not None and quant.span
     _need(span == (quant is not None and version >= 9), where, "quantization header")
@@ -169,7 +169,7 @@ def check_tensors(
             digest = header["integrity"].get("key_scales")
             start, stop = entries[f"{BLOCKS}.kq"]["data_offsets"]
             chunks = chunk_count(stop - start, digest["chunk"]) if digest else -1
-            counted = digest is not None and len(digest["sha256"]) == chunks
+            counted = digest is not None and len(digest[digest_name(version)]) == chunks
             _need(counted, where, "key scale digests")
 
 
@@ -186,11 +186,13 @@ def _check_reps(header: dict, entries: dict, count: int, kv: KVShape, form: Layo
     stored = reps.get("layers")
     _need(stored in (1, kv.layers), where, "representatives")
     expect(entries, "reps", dtype, [count, stored, width], where)
-    if header["format_version"] >= 8:  # every byte of them covered: a digest per chunk
+    version = header["format_version"]
+    if version >= 8:  # every byte of them covered: a digest per chunk
         digest = header["integrity"].get("reps")
         start, stop = entries["reps"]["data_offsets"]
         chunks = chunk_count(stop - start, digest["chunk"]) if digest else -1
-        _need(digest is not None and len(digest["sha256"]) == chunks, where, "reps digests")
+        counted = digest is not None and len(digest[digest_name(version)]) == chunks
+        _need(counted, where, "reps digests")
 
 
 def kv_shape_of(stored: dict, entries: dict, layers: int, token_major: bool, where: str) -> KVShape:

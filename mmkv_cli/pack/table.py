@@ -65,7 +65,7 @@ class BlockTable(Sequence):
                 "time": None if math.isnan(time[0]) else time,
                 "offset": row[3],
                 "layer_counts": row[self.columns :],
-                "sha256": self._digests[index].tobytes().hex(),
+                "digest": self._digests[index].tobytes().hex(),
             }
         return self._cache[index]
 

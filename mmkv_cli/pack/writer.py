@@ -24,10 +24,11 @@ from mmkv_cli.pack.format import (
     BlockShape,
     Span,
     block_name,
+    digest_name,
     raw_bytes,
-    tensors_sha256,
+    tensors_digest,
 )
-from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_count, chunk_digests
+from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_count, chunk_digests, new_digest
 from mmkv_cli.pack.header import PackHeader
 from mmkv_cli.pack.integrity import index_digest
 from mmkv_cli.pack.quant import (
@@ -38,6 +39,8 @@ from mmkv_cli.pack.quant import (
     spanning_groups,
 )
 from mmkv_cli.pack.stored import block_shape, store, stored_positions
+
+DIGEST = digest_name(FORMAT_VERSION)  # the hash of every checksum written, and their fields' name
 
 
 def series_tensors(series: dict[str, list]) -> dict[str, torch.Tensor]:
@@ -172,7 +175,7 @@ def _write_blocks(fh, blocks: Sequence[Span], starts: list[int], keys: _KeyScale
     at, digests = list(starts), []
 
     def write(block: Span, stored: list | None) -> None:
-        digest = hashlib.sha256()
+        digest = new_digest(DIGEST)
         if stored is None:  # as computed
             stored = [block.part(0), block.part(1), stored_positions(block)[0]]
         for part, data in enumerate(stored):
@@ -275,12 +278,12 @@ def write_pack(
     }
     if keys:  # their digests once they are made: the same length, so the head's stays
         chunks = chunk_count(math.prod(streamed[f"{BLOCKS}.kq"][1]) * 2, REPS_CHUNK)
-        stored["integrity"]["key_scales"] = {"chunk": REPS_CHUNK, "sha256": ["0" * 64] * chunks}
+        stored["integrity"]["key_scales"] = {"chunk": REPS_CHUNK, DIGEST: ["0" * 64] * chunks}
 
     def head(scales: torch.Tensor | None) -> bytes:
         if scales is not None:
-            digests = chunk_digests(raw_bytes(scales), REPS_CHUNK)
-            stored["integrity"]["key_scales"]["sha256"] = digests
+            digests = chunk_digests(raw_bytes(scales), REPS_CHUNK, DIGEST)
+            stored["integrity"]["key_scales"][DIGEST] = digests
         return _safetensors_head(stored, entries)
 
     return _write_file(path, head, small, blocks, keys, entries, streamed, force)
@@ -296,7 +299,7 @@ def _span_tensors(prefix: Span, suffix: Span) -> tuple[dict[str, torch.Tensor], 
         spans_meta[seg.name] = {
             "layer_counts": seg.layer_counts,
             "shared_positions": shared,
-            "sha256": tensors_sha256(list(parts.values())),
+            DIGEST: tensors_digest(list(parts.values()), DIGEST),
         }
     return small, spans_meta
 
@@ -316,7 +319,7 @@ def _directory(small: dict, streamed: dict, blocks: int) -> dict:
     for name, (code, shape) in streamed.items():
         place(name, code, shape, math.prod(shape) * ELEMENT_BYTES[code])
     if blocks:
-        place(f"{BLOCKS}.sha256", "U8", [blocks, 32], 32 * blocks)
+        place(f"{BLOCKS}.{DIGEST}", "U8", [blocks, 32], 32 * blocks)
     return entries
 
 
@@ -329,10 +332,10 @@ def _representatives(reps: torch.Tensor | None, space: str) -> dict | None:
 def _integrity(entries: dict, small: dict) -> dict:
     """The header's digests: the directory and the small tensors no other checksum covers, and
     the representatives a chunk at a time."""
-    integrity: dict = {"index": index_digest(entries, lambda name: raw_bytes(small[name]))}
+    integrity: dict = {"index": index_digest(entries, lambda name: raw_bytes(small[name]), DIGEST)}
     if "reps" in small:
-        digests = chunk_digests(raw_bytes(small["reps"]), REPS_CHUNK)
-        integrity["reps"] = {"chunk": REPS_CHUNK, "sha256": digests}
+        digests = chunk_digests(raw_bytes(small["reps"]), REPS_CHUNK, DIGEST)
+        integrity["reps"] = {"chunk": REPS_CHUNK, DIGEST: digests}
     return integrity
 
 
@@ -364,7 +367,7 @@ def _write_file(path, head, small, blocks, keys, entries, streamed, force) -> in
             if ends != [data_start + entries[name]["data_offsets"][1] for name in parts]:
                 raise PackError(f"internal: the blocks of {path} did not fill their tensors")
             if blocks:
-                fh.seek(data_start + entries[f"{BLOCKS}.sha256"]["data_offsets"][0])
+                fh.seek(data_start + entries[f"{BLOCKS}.{DIGEST}"]["data_offsets"][0])
                 fh.write(b"".join(digests))
             if keys:
                 final = head(keys.ranges.scales)
