@@ -5,7 +5,8 @@ and whole when the stream ends, is stopped, or breaks: nothing encoded is lost).
 A question without a moment is answered when it arrives, from the memory then; one with `at` is
 answered when the stream reaches that moment, before the first frame after it goes in, so its
 memory is exactly that of the stream cut at `at` (encode/live.py). Each answer says the moment it
-saw, how long the answer took to start, and how far the encode was behind the source.
+saw, how long the answer took to start, and how far the encode was behind the source: how long ago
+the newest frame it holds came out of the source.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class LiveQuestion:
 
 
 Answered = Callable[[dict], None]  # one answer record (as `ask --json` prints it, and more)
+Ready = Callable[[dict], None]  # {"moment", "after_s"}: the first frame is in
 
 
 class Follow:
@@ -53,6 +55,7 @@ class Follow:
         snapshot_every: float | None = None,
         generation: GenerationOptions | None = None,
         on_answer: Answered | None = None,
+        on_ready: Ready | None = None,
     ):
         from mmkv_cli.backbones.loading import load_backbone
         from mmkv_cli.backbones.spec import model_spec
@@ -73,15 +76,22 @@ class Follow:
         if live.fps is None:  # the model's own rate, known before it loads
             spec = backbone.spec if backbone is not None else model_spec(load.model)
             live = replace(live, fps=spec.fps)
-        self.source = LiveSource(source, live)
-        self.backbone = backbone or load_backbone(load)
+        self._began = time.monotonic()
+        self.source = LiveSource(source, live)  # checked before the model loads
+        if self.source.kind in ("pipe", "file"):  # its bytes wait: read while the model loads
+            self.source.start()
+        try:
+            self.backbone = backbone or load_backbone(load)
+        except BaseException:
+            self.source.close()
+            raise
         kv = self.backbone.kv_shape()
         self.quant.check(kv["kv_heads"], kv["head_dim"])
         self.context = EncodeContext("video", options.guidance_prompt)
         self.encoder = LiveEncoder(self.backbone, self.choice, self.context)
         self.snapshot_every = snapshot_every
         self.generation = generation or GenerationOptions()
-        self.on_answer = on_answer
+        self.on_answer, self.on_ready = on_answer, on_ready
         self.questions: queue.Queue[LiveQuestion | None] = queue.Queue()
         self.waiting: list[LiveQuestion] = []  # questions with a moment still to come
         self.snapshots = 0
@@ -107,6 +117,8 @@ class Follow:
                 self._take_questions()
                 self._answer_due(before=at)
                 self.encoder.push(frame, at)
+                if self.on_ready and len(self.encoder.times) == 1:
+                    self.on_ready({"moment": at, "after_s": time.monotonic() - self._began})
                 self._answer_now()
                 self._snapshot_due()
         except KeyboardInterrupt:
@@ -121,7 +133,8 @@ class Follow:
             raise MediaError(error or f"{self.source.spec} gave no frame")
         self._take_questions()
         for question in self.waiting:  # moments past the end: from the final memory
-            self._answer(question)
+            ended = f"the stream ended at {self.encoder.moment:.2f} s, before its moment"
+            self._answer(question, note=ended if question.at is not None else None)
         self.waiting = []
         size = self._write(self.encoder.close(), self.output)
         return {
@@ -162,8 +175,9 @@ class Follow:
         for question in now:
             self._answer(question)
 
-    def _answer(self, question: LiveQuestion) -> None:
+    def _answer(self, question: LiveQuestion, note: str | None = None) -> None:
         started = time.perf_counter()
+        behind = max(0.0, time.monotonic() - self.source.arrived) if self.source.arrived else 0.0
         moment = self.encoder.moment
         try:
             memory = self.encoder.memory()
@@ -186,8 +200,10 @@ class Follow:
             moment=moment,
             snapshot_s=round(snapshot_s, 4),
             ttft_s=round(snapshot_s + answer.ttft_s, 4),  # the question waited for both
-            behind_s=round(max(0.0, self.source.newest - moment), 3),
+            behind_s=round(behind, 3),
         )
+        if note:
+            record["note"] = note
         self._reply(question, record)
 
     def _reply(self, question: LiveQuestion, record: dict) -> None:

@@ -165,10 +165,10 @@ def test_live_on_a_pipe_answers_at_moments_and_writes_the_final_pack(
     tmp_path, backbones, stream_bytes
 ):
     questions = tmp_path / "q.jsonl"
-    questions.write_text(
-        '{"question": "what color is the circle ?", "at": 3.0, "id": 1}\n'
+    questions.write_text(  # as synth writes them: answers and types are left out, told once
+        '{"question": "what color is the circle ?", "at": 3.0, "id": 1, "answer": "red"}\n'
         '{"question": 5}\n'  # a bad line: one line on stderr, the stream goes on
-        '{"question": "which shape appeared last ?", "id": 2, "at": 99}\n'
+        '{"question": "which shape appeared last ?", "id": 2, "at": 99, "answer": "x"}\n'
     )
     out = tmp_path / "live.kvpack"
     done = subprocess.run(
@@ -183,7 +183,9 @@ def test_live_on_a_pipe_answers_at_moments_and_writes_the_final_pack(
     records = [json.loads(line) for line in done.stdout.decode().splitlines()]
     assert [(r["id"], r["moment"]) for r in records] == [(1, 3.0), (2, 7.5)]
     assert all(r["ttft_s"] > 0 and r["behind_s"] >= 0 for r in records)
+    assert "note" not in records[0] and "ended at 7.50 s" in records[1]["note"]
     assert "'question' must be non-empty text" in done.stderr.decode()
+    assert done.stderr.decode().count("ignored the key(s) answer") == 1
     info = api.inspect(out)
     assert info["method"] == "recency" and info["media"]["frames"] == 16
     assert max(layer["tokens_kept"] for layer in info["layers"]) <= 16

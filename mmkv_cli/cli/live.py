@@ -47,7 +47,8 @@ def live(
     questions: str | None = typer.Option(
         None,
         "--questions",
-        help="JSONL of {question, id?, at?} ('-': stdin); default: typed at a prompt.",
+        help="JSONL of {question, id?, at?} (synth's and eval's files too; '-': stdin; "
+        "/dev/tty: typed while the stream comes on stdin); default: typed at a prompt.",
     ),
     snapshot_every: float | None = typer.Option(
         None, "--snapshot-every", help="Publish the memory as a whole pack every N stream seconds."
@@ -58,6 +59,9 @@ def live(
         help="When the source outruns the encode: wait (pipes, files) or drop frames (others).",
     ),
     stall: float = typer.Option(10.0, "--stall", help="Seconds of silence that end the stream."),
+    timeout: float = typer.Option(
+        5.0, "--timeout", help="Seconds a network source has to connect, and for each read."
+    ),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Longest answer, in tokens."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output."),
     kv_bits: float | None = KvBitsOpt,
@@ -76,7 +80,10 @@ def live(
         from mmkv_cli.media.live import LiveOptions
 
         if source == "-" and questions in (None, "-"):
-            raise UsageError("the stream comes on stdin: give the questions as --questions FILE")
+            raise UsageError(
+                "the stream comes on stdin: give the questions as --questions FILE, "
+                "or --questions /dev/tty to type them"
+            )
         if max_new_tokens < 1:
             raise UsageError("--max-new-tokens must be at least 1")
         options = EncodeOptions(
@@ -99,11 +106,17 @@ def live(
             source,
             output,
             options,
-            LiveOptions(fps=fps, behind=behind, stall_s=stall),
+            LiveOptions(fps=fps, behind=behind, stall_s=stall, timeout_s=timeout),
             load=load,
             snapshot_every=snapshot_every,
             generation=GenerationOptions(max_new_tokens),
             on_answer=lambda record: _show(record, as_json, out_console),
+            on_ready=lambda event: err_console.print(
+                f"ready: {source} gave its first frame {event['after_s']:.1f} s after the start; "
+                "questions are answered from here",
+                highlight=False,
+                soft_wrap=True,
+            ),
         )
         feeder = threading.Thread(
             target=_feed, args=(following, questions), name="mmkv-live-questions", daemon=True
@@ -147,11 +160,19 @@ def _feed(following, questions: str | None) -> None:
         except OSError as err:
             err_console.print(f"error: {questions}: {err.strerror}", highlight=False)
             return
+    ignored: set[str] = set()  # keys of other tools' files (answers, types), told once each
     for number, line in enumerate(lines, 1):
         line = line.removeprefix(BOM) if number == 1 else line  # a BOM on a pipe
         try:
-            for q in parse_lines([line], f"{where}:{number}"):
+            known = set(ignored)
+            for q in parse_lines([line], f"{where}:{number}", ignored):
                 following.ask(LiveQuestion(q.text, q.id, q.at))
+            if ignored - known:
+                err_console.print(
+                    f"warning: {where}: ignored the key(s) {', '.join(sorted(ignored - known))} "
+                    "(live reads question, id and at)",
+                    highlight=False,
+                )
         except UsageError as err:
             err_console.print(f"error: {err}", highlight=False)
 
@@ -165,13 +186,21 @@ def _typed():
 
 
 def _show(record: dict, as_json: bool, console) -> None:
+    """One answer a line: which question (its id, else its words), the moment it saw, the answer."""
     if as_json:
         emit_json(record)
-    elif "error" in record:
-        console.print(f"[{record['id'] or '-'}] error: {record['error']}", highlight=False)
-    else:
+        return
+    asked = record["id"] if record.get("id") is not None else record["question"]
+    if "error" in record:
         console.print(
-            f"[{record['moment']:.2f} s] {record['answer']}  "
-            f"(ttft {record['ttft_s']:.2f} s, {record['behind_s']:.1f} s behind)",
-            highlight=False,
+            f"[{asked}] error: {record['error']}", highlight=False, markup=False, soft_wrap=True
         )
+        return
+    note = f"; {record['note']}" if record.get("note") else ""
+    console.print(
+        f"[{asked} @ {record['moment']:.2f} s] {record['answer']}  "
+        f"(ttft {record['ttft_s']:.2f} s, {record['behind_s']:.1f} s behind{note})",
+        highlight=False,
+        markup=False,  # "[q1 @ 2.00 s]" is not a style
+        soft_wrap=True,
+    )

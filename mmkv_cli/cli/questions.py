@@ -32,15 +32,19 @@ class Question:
 BOM = "\ufeff"
 
 
-def parse_lines(lines: Iterable[str], where: str) -> list[Question]:
-    """Questions from text lines; `where` names the source in errors (a file name, "stdin")."""
+def parse_lines(
+    lines: Iterable[str], where: str, ignored: set[str] | None = None
+) -> list[Question]:
+    """Questions from text lines; `where` names the source in errors (a file name, "stdin").
+    ignored: where a caller that reads other tools' files (synth's and eval's, with their answers
+    and types) collects the keys it leaves out; None: an unknown key is refused."""
     out = []
     for number, line in enumerate(lines, 1):
         text = line.strip()
         if not text:
             continue
         out.append(
-            _parse_json(text, f"{where}:{number}")
+            _parse_json(text, f"{where}:{number}", ignored)
             if text.startswith("{")
             else _plain(text, f"{where}:{number}")
         )
@@ -55,7 +59,7 @@ def _plain(text: str, where: str) -> Question:
     return Question(text)
 
 
-def _parse_json(text: str, where: str) -> Question:
+def _parse_json(text: str, where: str, ignored: set[str] | None) -> Question:
     try:
         row = json.loads(text)
     except json.JSONDecodeError as err:
@@ -65,7 +69,9 @@ def _parse_json(text: str, where: str) -> Question:
     if not isinstance(row, dict):
         raise UsageError(f"{where}: a JSON line must be an object with a 'question'")
     unknown = sorted(set(row) - FIELDS)
-    if unknown:
+    if unknown and ignored is not None:
+        ignored.update(unknown)
+    elif unknown:
         raise UsageError(f"{where}: unknown key '{unknown[0]}' (question, at, id, pack)")
     question = row.get("question")
     if not isinstance(question, str) or not question.strip():

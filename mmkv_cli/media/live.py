@@ -29,6 +29,9 @@ from mmkv_cli.errors import MediaError
 
 NETWORK = ("rtsp://", "rtsps://", "rtmp://", "rtmps://", "udp://", "tcp://", "http://", "https://")
 _END = object()  # the reader's last word: the source ended
+# FFmpeg probes 5 MB or 5 s of stream before its first frame by default: on a low-bitrate pipe that
+# is many seconds of waiting. A few KB find an MPEG-TS's or a Matroska's video stream and codec.
+LOW_LATENCY = {"probesize": "4096", "analyzeduration": "0"}
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class LiveOptions:
     buffer: int = 32  # taken frames that may wait for the encode
     behind: str | None = None  # wait | drop (None: wait for pipes and files, drop otherwise)
     stall_s: float = 10.0  # a source silent this long has ended (a file: stopped growing)
+    timeout_s: float = 5.0  # a network source's wait to connect, and for each read
 
 
 def source_kind(spec: str) -> str:
@@ -52,22 +56,26 @@ def source_kind(spec: str) -> str:
 
 class GrowingFile(io.RawIOBase):
     """A file read as it is written: at its end, wait for more until it has been still for
-    `stall_s` seconds (then it has ended)."""
+    `stall_s` seconds since it last grew (then it has ended, for every later read too: FFmpeg reads
+    its end several times, and each must not wait the whole stall again)."""
 
     def __init__(self, path: str, stall_s: float, stop: threading.Event):
         self._fh = open(path, "rb")  # noqa: SIM115 (closed with this reader)
         self.stall_s, self.stop = stall_s, stop
+        self._grew = time.monotonic()
+        self._ended = False
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
-        still = time.monotonic()
-        while not self.stop.is_set():
+        while not self.stop.is_set() and not self._ended:
             n = self._fh.readinto(buffer)
             if n:
+                self._grew = time.monotonic()
                 return n
-            if time.monotonic() - still > self.stall_s:
+            if time.monotonic() - self._grew > self.stall_s:
+                self._ended = True
                 return 0
             time.sleep(0.05)
         return 0
@@ -120,10 +128,16 @@ class LiveSource:
     """Sampled frames of one live source, in order, as (seconds from its first frame, RGB)."""
 
     def __init__(self, spec: str, options: LiveOptions | None = None):
+        """Checks the source at once (a model takes seconds to load; a typo should not): a file
+        or device that is not there, a network source that does not answer within the timeout."""
         self.spec, self.options = spec, options or LiveOptions()
         self.kind = source_kind(spec)
         if self.kind == "file" and not Path(spec).is_file():
             raise MediaError(f"no such file: {spec}")
+        if self.kind == "device" and not Path(spec).exists():
+            raise MediaError(f"no such device: {spec}")
+        if not self.options.timeout_s > 0:
+            raise MediaError(f"the timeout must be positive, got {self.options.timeout_s}")
         if self.options.fps is None or self.options.fps <= 0:
             raise MediaError(f"fps must be positive, got {self.options.fps}")
         self.behind = self.options.behind or ("wait" if self.kind in ("pipe", "file") else "drop")
@@ -132,10 +146,30 @@ class LiveSource:
         self.dropped = 0  # frames let go because the encode fell behind
         self.ended_by: str | None = None  # how a network source closed, when it did not end cleanly
         self.newest = 0.0  # the newest frame's time the reader has taken (stream seconds)
+        self.arrived: float | None = None  # when the last frame handed out came (monotonic)
         self._digest = hashlib.sha256()
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, self.options.buffer))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        if self.kind == "network":
+            self._probe()
+
+    def _probe(self) -> None:
+        """Open a network source and let go of it: a refused, unreachable or silent address is
+        one line now. The stream itself is opened again when the frames are wanted."""
+        try:
+            self._open().close()
+        except MediaError:
+            raise
+        except Exception as err:
+            raise MediaError(f"cannot open {self.spec}: {ffmpeg_line(err)}") from None
+
+    def start(self) -> None:
+        """Begin reading now (a pipe or a file, whose bytes wait for the reader: their probe and
+        first frames come in while the model loads). `frames` starts it otherwise."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._read, name="mmkv-live-source", daemon=True)
+            self._thread.start()
 
     @property
     def digest(self) -> str:
@@ -143,18 +177,20 @@ class LiveSource:
         return self._digest.hexdigest()
 
     def frames(self) -> Iterator[tuple[float, np.ndarray]]:
-        """The sampled frames until the source ends, breaks, stalls, or `close` is called."""
-        self._thread = threading.Thread(target=self._read, name="mmkv-live-source", daemon=True)
-        self._thread.start()
+        """The sampled frames until the source ends, breaks, stalls, or `close` is called. A file
+        ends when it stops growing (its reader says so); any other source silent for `stall_s`
+        + 5 s has stalled, whatever its reader is waiting on."""
+        self.start()
         silent_since = time.monotonic()
         while not self._stop.is_set():
             try:
                 item = self._queue.get(timeout=0.2)
             except queue.Empty:
-                if time.monotonic() - silent_since > self.options.stall_s + 5:
+                waited = time.monotonic() - silent_since
+                if self.kind != "file" and waited > self.options.stall_s + 5:
                     raise MediaError(
                         f"{self.spec} sent nothing for {self.options.stall_s + 5:g} s: the stream "
-                        "is taken as stalled (the memory so far is kept)"
+                        "is taken as stalled"
                     ) from None
                 continue
             silent_since = time.monotonic()
@@ -162,7 +198,7 @@ class LiveSource:
                 return
             if isinstance(item, MediaError):
                 raise item
-            at, frame = item
+            at, frame, self.arrived = item
             self._digest.update(frame.tobytes())
             yield at, frame
 
@@ -174,16 +210,18 @@ class LiveSource:
     def _open(self):
         import av
 
-        timeout = str(int(self.options.stall_s * 1e6))
+        timeout = str(int(self.options.timeout_s * 1e6))
         if self.kind == "pipe":
             if sys.stdin is None or sys.stdin.closed:
                 raise MediaError("stdin is closed: '-' has nothing to read (pipe a stream into it)")
             # its own unbuffered descriptor: a reader still waiting on the pipe when the process
             # ends holds no lock of sys.stdin's buffer, which the interpreter's shutdown takes
             # (held, it aborted with "could not acquire lock for <stdin>", exit 134)
-            return av.open(os.fdopen(os.dup(sys.stdin.fileno()), "rb", buffering=0), mode="r")
+            piped = os.fdopen(os.dup(sys.stdin.fileno()), "rb", buffering=0)
+            return av.open(piped, mode="r", options=LOW_LATENCY)
         if self.kind == "file":
-            return av.open(GrowingFile(self.spec, self.options.stall_s, self._stop), mode="r")
+            growing = GrowingFile(self.spec, self.options.stall_s, self._stop)
+            return av.open(growing, mode="r", options=LOW_LATENCY)
         if self.kind == "device":
             return av.open(self.spec, format="v4l2")
         return av.open(self.spec, options={"rw_timeout": timeout, "timeout": timeout})
@@ -202,8 +240,9 @@ class LiveSource:
         except MediaError as err:
             self._queue.put(err)
         except Exception as err:  # PyAV's errors, as one line
-            first = str(err).splitlines()[0] if str(err) else type(err).__name__
-            self._queue.put(MediaError(f"cannot read the live source {self.spec}: {first}"))
+            self._queue.put(
+                MediaError(f"cannot read the live source {self.spec}: {ffmpeg_line(err)}")
+            )
 
     def _decode(self, container, stream, ticks: Ticks) -> None:
         origin = None
@@ -225,7 +264,7 @@ class LiveSource:
     def _put(self, tick: float, frame) -> None:
         rgb = frame.to_ndarray(format="rgb24")
         self.newest = tick
-        item = (tick, rgb)
+        item = (tick, rgb, time.monotonic())
         if self.behind == "wait":
             while not self._stop.is_set():
                 try:
@@ -244,3 +283,11 @@ class LiveSource:
                     self.dropped += 1
                 except queue.Empty:
                     pass
+
+
+def ffmpeg_line(err: Exception) -> str:
+    """An FFmpeg (PyAV) error as the words FFmpeg has for it, without its error number or the
+    URL it repeats ("[Errno 1094995529] Invalid data found when processing input: 'rtsp://...'")."""
+    if isinstance(err, OSError) and isinstance(err.strerror, str) and err.strerror:
+        return err.strerror[0].lower() + err.strerror[1:]  # PyAV's errors are OSErrors
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
