@@ -35,6 +35,7 @@ from mmkv_cli.spec import as_plain, override
 if TYPE_CHECKING:
     from mmkv_cli.ask.answer import Answer
     from mmkv_cli.backbones.base import Backbone
+    from mmkv_cli.pack.memory import MemoryPack
     from mmkv_cli.pack.quant import QuantSpec
 
 __all__ = [
@@ -273,7 +274,7 @@ class PackSession:
 
     def __init__(
         self,
-        pack: str | Path | PackReader,
+        pack: str | Path | PackReader | MemoryPack,
         *,
         backbone: Backbone | None = None,
         load: LoadOptions | None = None,
@@ -281,7 +282,7 @@ class PackSession:
         from mmkv_cli.backbones.loading import load_backbone
         from mmkv_cli.pack.integrity import check_askable
 
-        self.reader = pack if isinstance(pack, PackReader) else PackReader(pack)
+        self.reader = PackReader(pack) if isinstance(pack, str | Path) else pack
         check_askable(self.reader.header, str(self.reader.path))
         self.policy = context_policy(self.reader)
         if backbone is None:
@@ -318,7 +319,7 @@ class PackSession:
             self.backbone, self.reader, self.policy, question, options, pruner, on_token
         )
         answer.bytes_read = self.reader.bytes_read - before  # this question's reads only
-        fetched = self.reader.source.fetched or 0
+        fetched = self.reader.fetched or 0
         answer.bytes_fetched, self._fetched = fetched - self._fetched, fetched
         return answer
 

@@ -23,6 +23,7 @@ from mmkv_cli.errors import MediaError, MmkvError, UsageError
 from mmkv_cli.media.live import LiveOptions, LiveSource
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
 from mmkv_cli.pack import check_writable
+from mmkv_cli.pack.memory import MemoryPack
 from mmkv_cli.pack.storage import local_path
 
 
@@ -179,15 +180,20 @@ class Follow:
         started = time.perf_counter()
         behind = max(0.0, time.monotonic() - self.source.arrived) if self.source.arrived else 0.0
         moment = self.encoder.moment
+        generation = question.generation or self.generation
         try:
             memory = self.encoder.memory()
-            with tempfile.TemporaryDirectory(prefix="mmkv-live-") as folder:
-                pack = Path(folder) / "now.kvpack"
-                self._write(memory, pack)
+            if not self.quant.quantized:  # asked in place: what the written pack would give
+                session = PackSession(self._in_memory(memory), backbone=self.backbone)
                 snapshot_s = time.perf_counter() - started
-                session = PackSession(pack, backbone=self.backbone)
-                generation = question.generation or self.generation
                 answer = session.ask(question.question, AskOptions(generation=generation))
+            else:  # its values are what decoding the written pack makes
+                with tempfile.TemporaryDirectory(prefix="mmkv-live-") as folder:
+                    pack = Path(folder) / "now.kvpack"
+                    self._write(memory, pack)
+                    snapshot_s = time.perf_counter() - started
+                    session = PackSession(pack, backbone=self.backbone)
+                    answer = session.ask(question.question, AskOptions(generation=generation))
         except MmkvError as err:
             if self.on_answer:
                 self.on_answer(
@@ -223,9 +229,29 @@ class Follow:
     def _write(self, encoded, path: Path) -> int:
         """The memory as a pack at `path`, written atomically (a reader never sees part of it)."""
         from mmkv_cli.encode.record import write_encoded
+
+        return write_encoded(
+            path,
+            self.backbone,
+            self.choice,
+            self.context,
+            self._media(),
+            encoded,
+            self.quant,
+            force=True,
+        )
+
+    def _in_memory(self, encoded) -> MemoryPack:
+        """The memory as `ask` would read it from its pack, nothing written."""
+        from mmkv_cli.encode.record import pack_header
+
+        header, _ = pack_header(self.backbone, self.choice, self.context, self._media(), encoded)
+        prefix, blocks, suffix = encoded.prefix, encoded.blocks, encoded.suffix
+        label = f"the memory of {self.source.spec} at {self.encoder.moment:.2f} s"
+        return MemoryPack(header, prefix, blocks, suffix, encoded.representatives, label)
+
+    def _media(self):
         from mmkv_cli.media.base import Media
 
-        media = Media("video", self.source.spec, self.source.digest, list(self.encoder.times), None)
-        return write_encoded(
-            path, self.backbone, self.choice, self.context, media, encoded, self.quant, force=True
-        )
+        times = list(self.encoder.times)
+        return Media("video", self.source.spec, self.source.digest, times, None)

@@ -352,6 +352,11 @@ class PackReader:
         return self._store
 
     @property
+    def fetched(self) -> int | None:
+        """Bytes fetched from object storage so far (None: a local pack)."""
+        return self.source.fetched
+
+    @property
     def bytes_read(self) -> int:
         """Bytes copied out of the file so far (block rows included)."""
         return self._tensors.bytes_read + (self._store.bytes_read if self._store else 0)

@@ -80,7 +80,7 @@ def _dtype_code(t: torch.Tensor) -> str:
     return SAFETENSORS_DTYPES[str(t.dtype).replace("torch.", "")]
 
 
-def _shapes(blocks: Sequence[Span]):
+def checked_shapes(blocks: Sequence[Span]):
     """Each block's table entry read off its tensors, checking it is named by its row."""
     for index, block in enumerate(blocks):
         if block.name != block_name(index):  # readers name blocks by their row in the table
@@ -90,7 +90,7 @@ def _shapes(blocks: Sequence[Span]):
         yield block_shape(block)
 
 
-def _layout(shapes, quant: QuantSpec):
+def table_layout(shapes, quant: QuantSpec):
     """(granularity names, table rows, times, rows of blocks.k, .pos, .kq, representatives) for
     the blocks of `shapes`, in one pass. Key groups span the blocks (v9): the table's key-group
     column is 0, and each layer's run over every block has ceil(tokens / group) of them."""
@@ -250,7 +250,7 @@ def write_pack(
     small.update(series_tensors(series or {}))
     # All blocks share a few tensors (a handful of safetensors entries, whatever the video
     # length); each block is a contiguous row range of each of them.
-    layout = _layout(_shapes(blocks) if shapes is None else shapes, quant)
+    layout = table_layout(checked_shapes(blocks) if shapes is None else shapes, quant)
     kinds, table, times, rows, reps, totals = layout
     streamed: dict[str, tuple[str, list[int]]] = {}
     keys = None
