@@ -109,9 +109,9 @@ def ask_pack(pack, question, *, backbone=None, max_new_tokens=32, keep_logits=Fa
 
 
 @contextmanager
-def serving(packs: str):
-    """`mmkv serve --packs PACKS` in its own process on a free loopback port, without an API key;
-    yields its base URL once /health answers, and stops it afterwards."""
+def serving(packs: str, *extra: str):
+    """`mmkv serve --packs PACKS [EXTRA...]` in its own process on a free loopback port, without
+    an API key; yields its base URL once /health answers, and stops it afterwards."""
     import httpx
     import pytest
 
@@ -123,7 +123,7 @@ def serving(packs: str):
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (an access line a request: never a full pipe)
     process = subprocess.Popen(
         [sys.executable, "-m", "mmkv_cli", "serve", "--packs", packs, "--port", str(port)]
-        + ["--device", "cpu"],
+        + ["--device", "cpu", *extra],
         cwd=ROOT,
         env={**os.environ, "MMKV_API_KEY": ""},
         stdout=subprocess.DEVNULL,

@@ -52,9 +52,16 @@ def test_a_stream_is_started_asked_shown_and_stopped_into_a_pack(tmp_path):
         streamed = client.chat.completions.create(
             model="cam", messages=[{"role": "user", "content": "which shape ?"}], stream=True
         )
-        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        chunks = [c for c in streamed if c.choices]
+        assert chunks[0].choices[0].delta.role == "assistant"  # OpenAI's first chunk: the role
+        assert "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
         state = http.get("/v1/streams/cam").json()
         assert state["state"] == "running" and state["method"] == "hermes"
+        assert state["pack"] == "cam.kvpack" and str(folder) not in str(state)  # no server path
+        listed = {m.id: m for m in client.models.list()}  # a running stream is a model to pick
+        assert listed["cam"].model_extra["mmkv"]["stream"]["state"] == "running"
+        assert list(listed).count("cam") == 1
         stopped = http.delete("/v1/streams/cam").json()
         finished.set()
         assert stopped["state"] == "stopped" and stopped["frames"] >= 4
@@ -65,3 +72,11 @@ def test_a_stream_is_started_asked_shown_and_stopped_into_a_pack(tmp_path):
         )
         assert again.choices[0].message.content
         assert "cam" in {m.id for m in client.models.list()}
+
+
+def test_preload_loads_the_model_before_health_answers(tmp_path):
+    folder = tmp_path / "packs"
+    folder.mkdir()
+    with serving(str(folder), "--model", "demo", "--preload") as base:
+        health = httpx.get(f"{base}/health", timeout=30).json()
+    assert health["status"] == "ok" and health["models_loaded"] == ["demo"]

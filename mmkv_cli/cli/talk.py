@@ -188,6 +188,9 @@ def serve(
         "--cors",
         help="Let web pages from this origin call the API (repeatable; '*' for any).",
     ),
+    preload: bool = typer.Option(
+        False, "--preload", help="Load the model before answering anything, /health included."
+    ),
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
 ) -> None:
@@ -212,6 +215,7 @@ def serve(
             models=models,
             queue=queue,
             cors=cors,
+            preload=preload,
         )
         _log_access()
         count = len(app.state.packs.names())

@@ -107,6 +107,17 @@ class Packs:
             self.sessions = {n: s for n, s in self.sessions.items() if s[1].backbone is not gone}
         return backbone
 
+    def preload(self) -> None:
+        """Load the server's model (--model, else the default) before any request (model thread),
+        held under the key a pack's load gives it: its depth named."""
+        from mmkv_cli.backbones.spec import default_model
+
+        load = replace(self.load, model=self.load.model or default_model())
+        backbone = self.backbone(load)
+        if load.layers is None:
+            self.backbones.pop(load)
+            self.backbones[replace(load, layers=backbone.kv_shape()["layers"])] = backbone
+
 
 def _busy():
     """503 with Retry-After: the line of waiting requests is full."""
@@ -123,9 +134,11 @@ def create_app(
     models: int = 2,
     queue: int = 16,
     cors: list[str] | None = None,
+    preload: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible app over the packs in `folder`: guards, error bodies, routes, and
-    for browsers the origins in `cors` (`*`: any)."""
+    for browsers the origins in `cors` (`*`: any). preload: load the model (`load`'s, else the
+    default) before the server answers anything, `/health` included."""
     packs = Packs(shelf(folder), load or LoadOptions(), models, queue)
     metrics = Metrics(lambda: packs.pending, lambda: len(packs.backbones))
     local = packs.shelf.folder if isinstance(packs.shelf, FolderShelf) else None
@@ -133,6 +146,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        if preload:  # the server takes no request, /health included, until the model is in
+            await asyncio.get_running_loop().run_in_executor(packs.worker, packs.preload)
         yield
         await asyncio.get_running_loop().run_in_executor(None, streams.stop_all)  # packs kept
 
@@ -146,7 +161,7 @@ def create_app(
             CORSMiddleware, allow_origins=cors, allow_methods=["*"], allow_headers=["*"]
         )
     _error_bodies(app)
-    pack_routes(app, packs, metrics)
+    pack_routes(app, packs, streams, metrics)
     stream_routes(app, streams)
     _chat_route(app, packs, streams, metrics)
     return app

@@ -16,8 +16,8 @@ from mmkv_cli.serve.responses import error as _error
 SUMMARY = ("model", "method", "budget", "visual_tokens_total", "visual_kv_share", "blocks", "bytes")
 
 
-def pack_routes(app: FastAPI, packs, metrics) -> None:
-    """packs: the app's Packs; metrics: its Metrics."""
+def pack_routes(app: FastAPI, packs, streams, metrics) -> None:
+    """packs: the app's Packs; streams: its Streams; metrics: its Metrics."""
 
     @app.get("/health")
     async def health():
@@ -29,8 +29,12 @@ def pack_routes(app: FastAPI, packs, metrics) -> None:
 
     @app.get("/v1/models")
     async def list_models():
-        data, unreadable = [], []
+        """The running streams (a chat asks them by name, as a pack), then the packs."""
+        running = {hosted.request.name: hosted for hosted in streams.running()}
+        data, unreadable = [_stream_model(hosted) for hosted in running.values()], []
         for name in packs.names():
+            if name in running:  # its snapshot: the stream answers by that name while it runs
+                continue
             found = _model(packs, name)
             if "error" in found:
                 unreadable.append({"id": name, "error": found["error"]})
@@ -87,6 +91,17 @@ def _model(packs, name: str) -> dict:
         "owned_by": "mmkv",
         "created": _epoch(info.get("created")),
         "mmkv": {**summary, "media": _media(info["media"])},
+    }
+
+
+def _stream_model(hosted) -> dict:
+    """A running stream as an OpenAI model object, its state under `mmkv.stream`."""
+    return {
+        "id": hosted.request.name,
+        "object": "model",
+        "owned_by": "mmkv",
+        "created": hosted.created,
+        "mmkv": {"stream": hosted.state()},
     }
 
 

@@ -71,8 +71,13 @@ async def stream_answer(streams: Streams, body: ChatRequest):
     if body.stream:  # the whole answer as one chunk: the memory is cut before decoding starts
 
         async def events():
-            for delta, done in ((message, None), ({}, finish)):
-                yield chunk_event(ident, created, body.model, delta, done, extra)
+            role, content = {"role": "assistant", "content": ""}, {"content": record["answer"]}
+            for delta, done, more in (
+                (role, None, None),
+                (content, None, None),
+                ({}, finish, extra),
+            ):
+                yield chunk_event(ident, created, body.model, delta, done, more)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

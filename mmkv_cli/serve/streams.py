@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -60,8 +61,11 @@ class Hosted:
     thread: threading.Thread | None = None  # the follow, running
     done: dict | None = None  # the follow's summary once it has ended
     error: str | None = None  # what ended it, when not the source
+    created: int = field(default_factory=lambda: int(time.time()))  # started, epoch seconds
 
     def state(self) -> dict:
+        """running; then ended, stopped, interrupted or broken as the follow ended, or failed
+        when it could not go on (its pack could not be written)."""
         encoder, source = self.follow.encoder, self.follow.source
         running = self.thread is not None and self.thread.is_alive()
         return {
@@ -73,9 +77,15 @@ class Hosted:
             "frames": len(encoder.times),
             "dropped": source.dropped,
             "snapshots": self.follow.snapshots,
-            "pack": str(self.follow.output),
-            "error": self.error or (self.done or {}).get("error"),
+            "pack": self.follow.output.name,  # on the shelf by that name; no server folder shown
+            "error": self.hide(self.error or (self.done or {}).get("error")),
         }
+
+    def hide(self, message: str | None) -> str | None:
+        """`message` without the server's packs folder (a pack write's error names its path)."""
+        if message is None:
+            return None
+        return message.replace(str(self.follow.output.parent) + "/", "")
 
 
 class Streams:
@@ -135,6 +145,9 @@ class Streams:
         if hosted is None:
             raise LookupError(f"no stream named '{name}'")
         return hosted
+
+    def running(self) -> list[Hosted]:
+        return [hosted for name, hosted in list(self.hosted.items()) if self.live(name)]
 
     def live(self, name: str) -> Hosted | None:
         """The running stream `name`, or None (then a pack of that name may answer)."""
