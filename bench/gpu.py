@@ -7,7 +7,9 @@
 2. syncs: one streaming encode per method at 7B width and full depth with
    `torch.cuda.set_sync_debug_mode("warn")`: the host syncs the device reports, per chunk.
 3. floor: a bare chunked prefill of the language model over the same tokens (no mmkv around it).
-4. scale, reduce and live: bench/scale.py, bench/reduce.py and bench/live.py at 7B full depth.
+4. read: a 7B-width pack (28 layers, 196 tokens a frame, fp16) read whole from the page cache by a
+   fresh `gather` and by `verify` (goal: 5 GB/s), on this machine's cores.
+5. scale, reduce and live: bench/scale.py, bench/reduce.py and bench/live.py at 7B full depth.
 
 Writes bench/results/gpu-<part>.json. `--quick` runs every part small, on any device (the CPU
 here): what CI-less sessions use to check that the script itself runs.
@@ -142,6 +144,46 @@ def make_video(folder: Path, frames: int) -> Path:
     return path
 
 
+def read(work: Path, blocks: int) -> dict:
+    """GB/s of a fresh open and `gather` of every block (checksums and NaN/Inf checks included),
+    and of `verify`, best of 3, from the page cache."""
+    import torch
+
+    from mmkv_cli.pack import PackReader, Span, write_pack
+    from mmkv_cli.pack.report import verify
+    from tests.helpers import pack_header
+
+    layers, heads, dim, tokens = 28, 4, 128, 196
+    g = torch.Generator().manual_seed(0)
+
+    def span(name: str, n: int, kind: str | None = None) -> Span:
+        kv = [torch.randn(heads, n, dim, generator=g).half() for _ in range(2 * layers)]
+        steps = (0, 1) if kind else None
+        positions = [torch.arange(n)[None]] * layers
+        return Span(name, kv[:layers], kv[layers:], positions, granularity=kind, steps=steps)
+
+    path = work / "read.kvpack"
+    body = [span(f"b{i}", tokens, "frame") for i in range(blocks)]
+    header = pack_header(layers, "float16", heads=heads, dim=dim)
+    write_pack(path, header, span("prefix", 4), body, span("suffix", 2))
+    names, size = [b.name for b in body], path.stat().st_size
+
+    def best(work) -> float:
+        times = []
+        for _ in range(3):
+            began = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - began)
+        return round(size / min(times) / 1e9, 2)
+
+    return {
+        "pack_bytes": size,
+        "cpus": os.cpu_count(),
+        "fresh_gather_gb_s": best(lambda: PackReader(path).gather(names)),
+        "verify_gb_s": best(lambda: verify(path)),
+    }
+
+
 def bench(script: str, *args: str) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], env=ENV)
     if done.returncode != 0:
@@ -169,13 +211,17 @@ def main() -> None:
         save("parity", parity(args.device, Path(tmp)))
     save("syncs", syncs(args.device, model, layers, min(frames, 128), streaming))
     save("floor", floor(args.device, model, layers, frames))
+    with tempfile.TemporaryDirectory() as tmp:
+        save("read", read(Path(tmp), 8 if args.quick else 100))
     common = ["--model", model, "--layers", str(layers), "--device", args.device]
     methods = "full,hermes,rekv,streamingtom"
     scale = ["--frames", str(frames), "--methods", methods, "--out", str(out), "--name"]
     bench("scale.py", *common, *scale, "gpu-scale.json")
     bench("reduce.py", *common, "--frames", str(min(frames, 128)))
     if not args.quick:
-        bench("live.py", "--model", model, "--minutes", "1", "--methods", "hermes,infinipot")
+        live = ["--minutes", "1", "--methods", "hermes,infinipot", "--tokens", "4096"]
+        live += ["--device", args.device]
+        bench("live.py", "--model", model, *live)
 
 
 if __name__ == "__main__":

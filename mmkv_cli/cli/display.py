@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 from rich import box
@@ -74,9 +75,32 @@ def show_workers(result: dict) -> None:
 
 
 def show_eval(runs: list[dict], figure: str) -> None:
-    """Accuracy per run, then per question type in a table of its own (two narrow tables fit 80
-    columns where one wide one cut its cells); the last row is chance level. `kept`: the share of
-    visual KV the packs held, measured."""
+    """Accuracy per run with its standard error, then per question type in a table of its own (two
+    narrow tables fit 80 columns where one wide one cut its cells); the last row is chance level.
+    `kept`: the share of visual KV the packs held, measured. Runs streamed and runs replayed answer
+    from different memories: each protocol gets tables of its own, and a line says which ran how."""
+    protocols = list(dict.fromkeys(r.get("protocol", "replay") for r in runs))
+    if len(protocols) > 1:
+        chosen = "; ".join(
+            f"{p}: {', '.join(r['method'] for r in runs if r.get('protocol', 'replay') == p)}"
+            for p in protocols
+        )
+        out_console.print(
+            f"protocols ({chosen}): a streamed and a replayed accuracy are not comparable",
+            highlight=False,
+        )
+    for protocol in protocols:
+        chosen = [r for r in runs if r.get("protocol", "replay") == protocol]
+        _eval_tables(chosen, f" ({protocol})" if len(protocols) > 1 else "")
+    out_console.print(f"plot: {figure}", highlight=False)
+
+
+def standard_error(accuracy: float, n: int) -> float:
+    """The binomial standard error of an accuracy over n questions."""
+    return math.sqrt(max(accuracy * (1 - accuracy), 0.0) / n) if n else 0.0
+
+
+def _eval_tables(runs: list[dict], which: str) -> None:
     types = list(dict.fromkeys(t for r in runs for t in r["by_type"]))
     first = runs[0]["by_type"] if runs else {}
     chances = [first.get(t, {}).get("chance") for t in types]
@@ -85,24 +109,27 @@ def show_eval(runs: list[dict], figure: str) -> None:
         if runs and all(c is not None for c in chances)
         else None
     )
-    summary = _eval_table("eval: accuracy", ("method", "budget", "protocol", "kept", "n", "all"))
-    by_type = _eval_table("accuracy by question type", ("method", "budget", *types))
+    columns = ("method", "budget", "protocol", "kept", "n", "all", "se")
+    summary = _eval_table(f"eval: accuracy{which}", columns)
+    by_type = _eval_table(f"accuracy by question type{which}", ("method", "budget", *types))
     for r in runs:
         kept = f"{r['kept']:.2f}" if r.get("kept") is not None else "-"
         budget = f"{r['budget_tokens']}t" if r.get("budget_tokens") else f"{r['budget']:g}"
         protocol = r.get("protocol", "replay")
-        summary.add_row(r["method"], budget, protocol, kept, str(r["n"]), f"{r['accuracy']:.2f}")
+        se = f"{standard_error(r['accuracy'], r['n']):.2f}"
+        summary.add_row(
+            r["method"], budget, protocol, kept, str(r["n"]), f"{r['accuracy']:.2f}", se
+        )
         by_type.add_row(
             r["method"],
             budget if protocol == "replay" else f"{budget} {protocol}",
             *(f"{r['by_type'][t]['accuracy']:.2f}" if t in r["by_type"] else "-" for t in types),
         )
     dim = [f"[dim]{c:.2f}[/dim]" if c is not None else "-" for c in (overall, *chances)]
-    summary.add_row("[dim]chance[/dim]", "", "", "", "", dim[0])
+    summary.add_row("[dim]chance[/dim]", "", "", "", "", dim[0], "")
     by_type.add_row("[dim]chance[/dim]", "", *dim[1:])
     out_console.print(summary)
     out_console.print(by_type)
-    out_console.print(f"plot: {figure}", highlight=False)
 
 
 def _eval_table(title: str, columns: tuple) -> Table:
@@ -175,7 +202,17 @@ def encoded_line(info: dict) -> str:
     return (
         f"wrote {info['path']}: {info['method']} ({budget_label(info)}), {kept_label(info)}, "
         f"{info['blocks']} blocks, {human_bytes(info['bytes'])}, {info['encode_s']:.2f}s"
+        f"{budget_note(info)}"
     )
+
+
+def budget_note(info: dict) -> str:
+    """Said when a memory of a fixed size holds the whole stream: nothing was chosen, and a
+    comparison at this budget compares nothing."""
+    total, tokens = info["visual_tokens_total"], info.get("budget_tokens")
+    if not tokens or total is None or info["visual_tokens_kept"] < total:
+        return ""
+    return f"; its budget of {tokens:,} tokens a layer keeps all {total:,} of this media"
 
 
 def show_inspect(info: dict) -> None:

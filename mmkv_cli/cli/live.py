@@ -122,6 +122,14 @@ def live(
             target=_feed, args=(following, questions), name="mmkv-live-questions", daemon=True
         )
         started.append(following)
+        chosen = following.choice.budget
+        if budget_tokens is None and chosen is not None and chosen.tokens is not None:
+            err_console.print(
+                f"{method} keeps {chosen.tokens:,} visual tokens a layer (its default; "
+                "--budget-tokens N for another memory)",
+                highlight=False,
+                soft_wrap=True,
+            )
         if stopping.is_set():
             raise MediaError(f"stopped before {source} gave a frame: no pack written")
         feeder.start()

@@ -32,6 +32,7 @@ _END = object()  # the reader's last word: the source ended
 # FFmpeg probes 5 MB or 5 s of stream before its first frame by default: on a low-bitrate pipe that
 # is many seconds of waiting. A few KB find an MPEG-TS's or a Matroska's video stream and codec.
 LOW_LATENCY = {"probesize": "4096", "analyzeduration": "0"}
+STDIN_CLOSED = "stdin is closed: '-' has nothing to read (pipe a stream into it)"
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,8 @@ class LiveSource:
             raise MediaError(f"no such file: {spec}")
         if self.kind == "device" and not Path(spec).exists():
             raise MediaError(f"no such device: {spec}")
+        if self.kind == "pipe" and (sys.stdin is None or sys.stdin.closed):
+            raise MediaError(STDIN_CLOSED)
         if not self.options.timeout_s > 0:
             raise MediaError(f"the timeout must be positive, got {self.options.timeout_s}")
         if self.options.fps is None or self.options.fps <= 0:
@@ -213,7 +216,7 @@ class LiveSource:
         timeout = str(int(self.options.timeout_s * 1e6))
         if self.kind == "pipe":
             if sys.stdin is None or sys.stdin.closed:
-                raise MediaError("stdin is closed: '-' has nothing to read (pipe a stream into it)")
+                raise MediaError(STDIN_CLOSED)
             # its own unbuffered descriptor: a reader still waiting on the pipe when the process
             # ends holds no lock of sys.stdin's buffer, which the interpreter's shutdown takes
             # (held, it aborted with "could not acquire lock for <stdin>", exit 134)
