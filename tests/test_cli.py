@@ -241,6 +241,7 @@ def test_usage_errors_are_one_line_in_a_real_process(qwen_pack):
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert mmkv("--version").stdout.strip().startswith("mmkv ")
+    assert mmkv("-V").stdout == mmkv("--version").stdout
 
 
 @pytest.mark.parametrize(

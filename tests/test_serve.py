@@ -132,8 +132,11 @@ def test_the_other_endpoints_and_extra_fields(server, packs):
 def test_bad_requests_get_their_status_and_the_server_stays_up(server, request_args, status):
     reply = httpx.post(f"{server}/v1/chat/completions", timeout=30, **request_args)
     assert reply.status_code == status, reply.text
-    message = reply.json()["error"]["message"]
+    body = reply.json()["error"]
+    message = body["message"]
     assert message and "\n" not in message and "Traceback" not in message
+    assert set(body) == {"message", "type", "param", "code"}  # OpenAI's shape
+    assert body["code"] is None or isinstance(body["code"], str)
     assert httpx.get(f"{server}/health").status_code == 200
     for name in ("..", "..%2Fsecret", "escape"):
         assert httpx.get(f"{server}/v1/packs/{name}").status_code == 404
@@ -154,7 +157,11 @@ def test_a_key_is_required_when_set(packs):
         _, client = _in_process(packs, api_key="sesame")
         async with client:
             assert (await client.get("/health")).status_code == 200  # open, for probes
-            assert (await client.get("/v1/models")).status_code == 401
+            version = await client.get("/version")
+            assert version.status_code == 200 and version.json()["format_version"] == 10
+            refused = await client.get("/v1/models")
+            assert refused.status_code == 401
+            assert refused.json()["error"]["code"] == "invalid_api_key"
             wrong = {"Authorization": "Bearer nope"}
             assert (await client.get("/v1/models", headers=wrong)).status_code == 401
             right = {"Authorization": "Bearer sesame"}
@@ -282,3 +289,17 @@ def test_serve_refuses_an_unknown_host_and_a_taken_port_in_one_line():
         busy = runner.invoke(app, ["serve", "--packs", ".", "--port", port])
     assert busy.exit_code == 8 and f"127.0.0.1:{port} is taken" in busy.stderr, busy.stderr
     assert len(busy.stderr.strip().splitlines()) == 1
+
+
+def test_an_unknown_model_and_a_bad_field_are_named_as_openai_names_them(packs):
+    async def go():
+        _, client = _in_process(packs)
+        async with client:
+            asked = {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}
+            missing = (await client.post("/v1/chat/completions", json=asked)).json()["error"]
+            assert (missing["param"], missing["code"]) == ("model", "model_not_found")
+            bad = {**asked, "model": 5}
+            wrong = (await client.post("/v1/chat/completions", json=bad)).json()["error"]
+            assert wrong["param"] == "model" and wrong["code"] is None
+
+    asyncio.run(go())

@@ -62,7 +62,12 @@ def _version(value: bool) -> None:
 @app.callback()
 def main_options(
     version: bool = typer.Option(
-        False, "--version", help="Print the version and exit.", callback=_version, is_eager=True
+        False,
+        "--version",
+        "-V",
+        help="Print the version and exit.",
+        callback=_version,
+        is_eager=True,
     ),
     presets: str | None = typer.Option(
         None,

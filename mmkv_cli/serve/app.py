@@ -40,6 +40,8 @@ from mmkv_cli.serve.stream_routes import stream_answer, stream_routes
 from mmkv_cli.serve.streams import Streams
 
 MAX_BODY_BYTES = 1 << 20  # a chat request is text: 1 MiB is generous
+# what a probe or a scraper reads without the API key: nothing about any pack
+OPEN_ROUTES = ("/health", "/metrics", "/version")
 ACCESS = logging.getLogger("mmkv.access")  # one line a request; `mmkv serve` prints it to stderr
 
 
@@ -195,13 +197,14 @@ def _guard(app: FastAPI, api_key: str | None, metrics: Metrics) -> None:
             return _error(411, "a request body needs a Content-Length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
             return _error(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-        if api_key and request.url.path != "/health":
+        if api_key and request.url.path not in OPEN_ROUTES:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return _error(
                     401,
                     "missing or wrong API key (Authorization: Bearer KEY)",
                     "authentication_error",
+                    code="invalid_api_key",
                 )
         return await call_next(request)
 
@@ -216,7 +219,7 @@ def _error_bodies(app: FastAPI) -> None:
             return _error(400, "the request body is not valid JSON")
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
-        return _error(400, message if not where else f"{where}: {message}")
+        return _error(400, message if not where else f"{where}: {message}", param=where or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):
@@ -250,7 +253,7 @@ def _chat_route(app: FastAPI, packs: Packs, streams: Streams, metrics: Metrics) 
             packs.path(body.model)
             question, turns = body.conversation()
         except LookupError as err:
-            return _error(404, str(err), "not_found_error")
+            return _error(404, str(err), "not_found_error", param="model", code="model_not_found")
         except UsageError as err:
             return _error(400, str(err))
         options = replace(body.options(), history=turns)

@@ -27,6 +27,18 @@ def pack_routes(app: FastAPI, packs, streams, metrics) -> None:
             "models_loaded": [load.model for load in packs.backbones],
         }
 
+    @app.get("/version")
+    async def version():
+        """What answers here: mmkv's version and the pack format it writes and reads."""
+        from mmkv_cli import __version__
+        from mmkv_cli.pack.format import FORMAT_VERSION, READABLE_VERSIONS
+
+        return {
+            "mmkv": __version__,
+            "format_version": FORMAT_VERSION,
+            "reads_format_versions": list(READABLE_VERSIONS),
+        }
+
     @app.get("/v1/models")
     async def list_models():
         """The running streams (a chat asks them by name, as a pack), then the packs."""

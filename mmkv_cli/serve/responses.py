@@ -11,8 +11,18 @@ from mmkv_cli.errors import ModelError, PackError, UsageError
 STATUS = {UsageError: 400, PackError: 422, ModelError: 503}
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", headers=None):
-    body = {"error": {"message": message, "type": kind, "code": status}}
+def error(
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    headers=None,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+):
+    """OpenAI's error body: message, type, the request field at fault (`param`) and a short code
+    where one says more than the status (`invalid_api_key`, `model_not_found`), else null."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
