@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 from mmkv_cli.api import PackSession, answer_record
 from mmkv_cli.errors import MediaError, MmkvError, UsageError
@@ -39,6 +40,12 @@ class LiveQuestion:
 
 Answered = Callable[[dict], None]  # one answer record (as `ask --json` prints it, and more)
 Ready = Callable[[dict], None]  # {"moment", "after_s"}: the first frame is in
+T = TypeVar("T")
+
+
+def here(job: Callable[[], T]) -> T:
+    """Model work run on the calling thread (a follow that has its backbone to itself)."""
+    return job()
 
 
 class Follow:
@@ -57,7 +64,11 @@ class Follow:
         generation: GenerationOptions | None = None,
         on_answer: Answered | None = None,
         on_ready: Ready | None = None,
+        on_model: Callable[[Callable[[], T]], T] = here,
     ):
+        """on_model(job): runs `job` (every forward: a frame, a memory cut, an answer) where the
+        backbone's work is done; a server passes its model thread, so streams and chats on one
+        backbone take turns in one queue instead of running beside each other."""
         from mmkv_cli.backbones.loading import load_backbone
         from mmkv_cli.backbones.spec import model_spec
         from mmkv_cli.encode.live import LiveEncoder, check_live
@@ -92,7 +103,7 @@ class Follow:
         self.encoder = LiveEncoder(self.backbone, self.choice, self.context)
         self.snapshot_every = snapshot_every
         self.generation = generation or GenerationOptions()
-        self.on_answer, self.on_ready = on_answer, on_ready
+        self.on_answer, self.on_ready, self.on_model = on_answer, on_ready, on_model
         self.questions: queue.Queue[LiveQuestion | None] = queue.Queue()
         self.waiting: list[LiveQuestion] = []  # questions with a moment still to come
         self.snapshots = 0
@@ -115,13 +126,7 @@ class Follow:
         error, stopped = None, "ended"
         try:
             for at, frame in self.source.frames():
-                self._take_questions()
-                self._answer_due(before=at)
-                self.encoder.push(frame, at)
-                if self.on_ready and len(self.encoder.times) == 1:
-                    self.on_ready({"moment": at, "after_s": time.monotonic() - self._began})
-                self._answer_now()
-                self._snapshot_due()
+                self.on_model(lambda at=at, frame=frame: self._step(at, frame))
         except KeyboardInterrupt:
             stopped = "interrupted"
         except MediaError as err:
@@ -132,12 +137,7 @@ class Follow:
             stopped = "stopped"
         if self.encoder.moment is None:
             raise MediaError(error or f"{self.source.spec} gave no frame")
-        self._take_questions()
-        for question in self.waiting:  # moments past the end: from the final memory
-            ended = f"the stream ended at {self.encoder.moment:.2f} s, before its moment"
-            self._answer(question, note=ended if question.at is not None else None)
-        self.waiting = []
-        size = self._write(self.encoder.close(), self.output)
+        size = self.on_model(self._finish)
         return {
             "path": str(self.output),
             "bytes": size,
@@ -151,6 +151,25 @@ class Follow:
         }
 
     # --- inside ---
+
+    def _step(self, at: float, frame) -> None:
+        """One frame: the questions due before it, the frame, the questions it makes due."""
+        self._take_questions()
+        self._answer_due(before=at)
+        self.encoder.push(frame, at)
+        if self.on_ready and len(self.encoder.times) == 1:
+            self.on_ready({"moment": at, "after_s": time.monotonic() - self._began})
+        self._answer_now()
+        self._snapshot_due()
+
+    def _finish(self) -> int:
+        """The questions still waiting, from the final memory; the final pack written."""
+        self._take_questions()
+        for question in self.waiting:  # moments past the end: from the final memory
+            ended = f"the stream ended at {self.encoder.moment:.2f} s, before its moment"
+            self._answer(question, note=ended if question.at is not None else None)
+        self.waiting = []
+        return self._write(self.encoder.close(), self.output)
 
     def _take_questions(self) -> None:
         while True:

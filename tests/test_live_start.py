@@ -139,3 +139,44 @@ def test_a_slow_pipe_gives_its_first_frame_once_its_bytes_are_in(monkeypatch, st
     source.close()
     assert at == 0.0
     assert at_first <= 14 * 1024, at_first  # the default probe: about 32 KB
+
+
+def test_every_forward_of_a_follow_runs_where_on_model_puts_it(tmp_path, backbones, stream_bytes):
+    """A server's streams and chats share one backbone through one model thread: every forward
+    of a follow (frames, memory cuts, answers, the final pack) runs there, none beside it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mmkv_cli.live import LiveQuestion
+    from mmkv_cli.options import GenerationOptions
+
+    recording = tmp_path / "done.ts"
+    recording.write_bytes(stream_bytes)
+    backbone = backbones["tiny-llava-ov"]
+    threads = []
+    model_thread = ThreadPoolExecutor(1, thread_name_prefix="model")
+    real = backbone.forward
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    answers = []
+    follow = Follow(
+        str(recording),
+        tmp_path / "live.kvpack",
+        EncodeOptions("hermes", budget_tokens=24),
+        LiveOptions(fps=FPS, stall_s=0.5),
+        backbone=backbone,
+        generation=GenerationOptions(2),
+        on_answer=answers.append,
+        on_model=lambda job: model_thread.submit(job).result(),
+    )
+    follow.ask(LiveQuestion("what color is the circle ?", "q", 2.0))
+    backbone.forward = spy
+    try:
+        done = follow.run()
+    finally:
+        del backbone.forward
+        model_thread.shutdown()
+    assert done["frames"] == 16 and [a["id"] for a in answers] == ["q"]
+    assert threads and {name.split("_")[0] for name in threads} == {"model"}, set(threads)

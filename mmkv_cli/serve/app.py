@@ -82,6 +82,11 @@ class Packs:
             with self.lock:
                 self.pending -= 1
 
+    def on_model_thread(self, job):
+        """`job` run on the model thread, waited for (a stream's frames and answers take turns
+        there with the chats; the waiting line's limit is for requests, not streams)."""
+        return self.worker.submit(job).result()
+
     def session(self, name: str):
         """The open session of pack `name` (model thread only): reopened when the file changed."""
         from mmkv_cli.api import PackSession
@@ -144,7 +149,7 @@ def create_app(
     packs = Packs(shelf(folder), load or LoadOptions(), models, queue)
     metrics = Metrics(lambda: packs.pending, lambda: len(packs.backbones))
     local = packs.shelf.folder if isinstance(packs.shelf, FolderShelf) else None
-    streams = Streams(local, packs.load, packs.backbone)
+    streams = Streams(local, packs.load, packs.backbone, packs.on_model_thread)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -91,10 +91,11 @@ class Hosted:
 class Streams:
     """The streams a server hosts, by name; their packs go to the packs folder."""
 
-    def __init__(self, folder: Path | None, load: LoadOptions, backbone_for):
+    def __init__(self, folder: Path | None, load: LoadOptions, backbone_for, on_model):
         self.folder = folder  # None: the packs are on object storage, where no stream can write
         self.load = load
         self.backbone_for = backbone_for  # LoadOptions -> a loaded backbone (the server's LRU)
+        self.on_model = on_model  # job -> its result, run on the server's one model thread
         self.hosted: dict[str, Hosted] = {}
         self.lock = threading.Lock()
 
@@ -123,8 +124,9 @@ class Streams:
                 output,
                 options,
                 live,
-                backbone=self.backbone_for(load),
+                backbone=self.on_model(lambda: self.backbone_for(load)),
                 snapshot_every=request.snapshot_every,
+                on_model=self.on_model,
             )
             hosted = Hosted(request, follow)
             hosted.thread = threading.Thread(
