@@ -27,7 +27,7 @@ from mmkv_cli.options import (
     check_ask,
 )
 from mmkv_cli.pack import PackReader, check_writable
-from mmkv_cli.pack.report import inspect, verify  # the verbs that read a pack alone
+from mmkv_cli.pack.report import inspect, listing, verify  # the verbs that read packs alone
 from mmkv_cli.pack.storage import is_url, local_path
 from mmkv_cli.reduce.choice import check_reducer
 from mmkv_cli.spec import as_plain, override
@@ -47,6 +47,7 @@ __all__ = [
     "convert",
     "encode",
     "inspect",
+    "listing",
     "load_for",
     "pack_model",
     "refuse_input_as_output",

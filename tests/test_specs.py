@@ -173,6 +173,8 @@ def test_help_methods_inspect_and_verify_never_import_torch(tmp_path, backbones)
         ["models"],
         ["inspect", str(pack), "--json"],
         ["verify", str(pack)],  # stored as computed: numpy checks every byte and value
+        ["ls", str(tmp_path), "--verify"],
+        ["inspect", str(tmp_path)],
     ):
         done = subprocess.run(
             [sys.executable, "-c", probe, *args],

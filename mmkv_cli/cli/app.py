@@ -173,13 +173,22 @@ app.command(cls=Command)(cli_asking.ask)
 
 
 @app.command(cls=Command)
-def inspect(pack: str = typer.Argument(..., help="A .kvpack."), as_json: bool = JsonOpt) -> None:
+def inspect(
+    pack: str = typer.Argument(..., help="A .kvpack (a folder: its packs, as ls lists them)."),
+    as_json: bool = JsonOpt,
+) -> None:
     """Show what a pack holds: model, method, blocks, tokens and bytes per layer."""
 
     def body() -> None:
-        from mmkv_cli import api
-        from mmkv_cli.cli.display import show_inspect
+        from pathlib import Path
 
+        from mmkv_cli import api
+        from mmkv_cli.cli.display import show_inspect, show_listing_of_packs
+
+        if Path(pack).is_dir():  # a folder of packs: one line each
+            rows = api.listing(pack)
+            emit_json(rows) if as_json else show_listing_of_packs(pack, rows)
+            return
         info = api.inspect(pack)
         emit_json(info) if as_json else show_inspect(info)
 
@@ -282,6 +291,7 @@ app.command(cls=Command)(cli_talk.chat)
 app.command(cls=Command)(cli_talk.serve)
 app.command(cls=Command)(cli_pack.convert)
 app.command(cls=Command)(cli_pack.verify)
+app.command(cls=Command)(cli_pack.ls)
 app.command(cls=Command)(cli_batch.batch)
 
 

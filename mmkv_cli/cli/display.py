@@ -16,6 +16,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 err_console = Console(stderr=True)
 out_console = Console()
@@ -332,6 +333,25 @@ def show_listing(title: str, rows: list[dict], columns: list[str]) -> None:
             table.add_column(col, overflow="fold" if col == "source" else "ellipsis")
     for row in rows:
         table.add_row(*(str(row.get(c, "")) for c in columns))
+    out_console.print(table)
+
+
+def show_listing_of_packs(folder: str, rows: list[dict]) -> None:
+    """One line a pack: the name one types, what it holds, its size and state."""
+    if not rows:
+        out_console.print(f"no packs (*.kvpack) in {folder}", highlight=False)
+        return
+    table = Table(title=f"packs in {folder}", title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("pack", "model", "method", "media", "size", "state"):
+        table.add_column(column, no_wrap=column == "pack", overflow="fold")
+    for row in rows:
+        method = f"{row['method']} ({budget_label(row)})" if "method" in row else "-"
+        media = f"{row['media']} ({row['frames']})" if row.get("media") else "-"
+        state = row["state"]
+        whole = state == "opens" or state.startswith("verified")
+        shown = Text(state, style="" if whole else "red")  # a fault's words are not markup
+        size = human_bytes(row["bytes"])
+        table.add_row(Text(row["name"]), row.get("model") or "-", method, media, size, shown)
     out_console.print(table)
 
 

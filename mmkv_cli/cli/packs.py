@@ -1,4 +1,4 @@
-"""Typer commands that work on packs alone, without a model: convert, verify."""
+"""Typer commands that work on packs alone, without a model: convert, verify, ls."""
 
 from __future__ import annotations
 
@@ -87,5 +87,25 @@ def verify(pack: str = typer.Argument(..., help="A .kvpack."), as_json: bool = J
         if not report["ok"]:
             count = len(report["faults"])
             raise PackError(f"{report['path']}: {count} fault{'' if count == 1 else 's'}")
+
+    run(body)
+
+
+def ls(
+    folder: str = typer.Argument(".", help="A folder of packs."),
+    check: bool = typer.Option(
+        False, "--verify", help="Read and check every byte of each (as verify does)."
+    ),
+    as_json: bool = JsonOpt,
+) -> None:
+    """List the packs of a folder: model, method, media, size, and whether each opens (or, with
+    --verify, is whole)."""
+
+    def body() -> None:
+        from mmkv_cli.api import listing
+        from mmkv_cli.cli.display import show_listing_of_packs
+
+        rows = listing(folder, check)
+        emit_json(rows) if as_json else show_listing_of_packs(folder, rows)
 
     run(body)

@@ -123,3 +123,44 @@ def _granularities(reader: PackReader, counts, per_token: float, total: int | No
             "bytes": round(int(mine.sum()) * per_token),
         }
     return out
+
+
+def listing(folder: str | Path, check: bool = False) -> list[dict]:
+    """Every *.kvpack in `folder` (not below it), by name: its model, method, media, size and
+    state. "opens": its header, directory and block table passed every check made on open;
+    "verified" (check: every byte read and checked, as `verify`); else the fault, in one line.
+    No model, no torch (a quantized pack's `check` decodes its values, as `verify` does)."""
+    where = Path(folder)
+    if not where.is_dir():
+        raise PackError(f"{folder} is not a folder")
+    rows = []
+    for path in sorted(where.glob("*.kvpack")):
+        row: dict = {"name": path.name, "bytes": path.stat().st_size}
+        try:
+            info = inspect(path)
+            report = verify(path) if check else None
+        except PackError as err:
+            rows.append({**row, "state": str(err).replace(str(path), path.name)})
+            continue
+        row.update(
+            model=info["model"],
+            method=info["method"],
+            budget=info["budget"],
+            budget_tokens=info["budget_tokens"],
+            media=Path(str(info["media"]["source"])).name if info["media"]["source"] else None,
+            frames=info["media"]["frames"],
+            format_version=info["format_version"],
+        )
+        if report is None:
+            row["state"] = "opens"
+        else:
+            faults = len(report["faults"])
+            row["state"] = (
+                f"{faults} fault{'s' * (faults != 1)}"
+                if not report["ok"]
+                else f"verified as far as v{report['format_version']} can tell"
+                if report["unverifiable"]
+                else "verified"
+            )
+        rows.append(row)
+    return rows

@@ -1,0 +1,59 @@
+"""`mmkv ls DIR` (and `inspect DIR`): one line a pack, what it holds and whether it is whole; a
+damaged pack is named with its fault, never a traceback, and the listing goes on."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mmkv_cli import api
+from mmkv_cli.cli.app import app
+from mmkv_cli.errors import PackError
+from tests.mutants import Parts
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture
+def shelf(tmp_path):
+    shutil.copy(DATA / "golden" / "full-llava.kvpack", tmp_path / "clip.kvpack")
+    shutil.copy(DATA / "v6.kvpack", tmp_path / "old.kvpack")
+    raw = (DATA / "golden" / "hermes-qwen25.kvpack").read_bytes()
+    (tmp_path / "cut.kvpack").write_bytes(raw[: len(raw) // 2])  # truncated: refused on open
+    parts = Parts.of(raw)
+    start, _ = parts.directory["blocks.k"]["data_offsets"]
+    parts.data[start + 3] ^= 0x20  # opens; verify names the block
+    (tmp_path / "flipped.kvpack").write_bytes(parts.bytes())
+    (tmp_path / "notes.txt").write_text("not a pack")
+    return tmp_path
+
+
+def test_a_listing_names_every_pack_and_its_state(shelf):
+    rows = {row["name"]: row for row in api.listing(shelf)}
+    assert sorted(rows) == ["clip.kvpack", "cut.kvpack", "flipped.kvpack", "old.kvpack"]
+    assert rows["clip.kvpack"]["state"] == "opens" and rows["clip.kvpack"]["method"] == "full"
+    assert rows["clip.kvpack"]["media"] == "clip.mp4" and rows["clip.kvpack"]["frames"] == 6
+    assert rows["flipped.kvpack"]["state"] == "opens"
+    cut = rows["cut.kvpack"]["state"]
+    assert cut.startswith("cut.kvpack is corrupted") and str(shelf) not in cut
+    checked = {row["name"]: row["state"] for row in api.listing(shelf, check=True)}
+    assert checked["clip.kvpack"] == "verified" and checked["flipped.kvpack"] == "1 fault"
+    assert checked["old.kvpack"] == "verified as far as v6 can tell"
+
+
+def test_ls_and_inspect_of_a_folder_print_one_line_a_pack(shelf):
+    shown = CliRunner().invoke(app, ["ls", str(shelf), "--verify"], env={"COLUMNS": "120"})
+    assert shown.exit_code == 0, shown.output
+    lines = [line for line in shown.output.splitlines() if ".kvpack" in line]
+    assert len(lines) == 4 and "1 fault" in shown.output and "Traceback" not in shown.output
+    listed = CliRunner().invoke(app, ["inspect", str(shelf), "--json"])
+    assert [row["name"] for row in json.loads(listed.output)][0] == "clip.kvpack"
+    empty = shelf / "empty"
+    empty.mkdir()
+    assert "no packs" in CliRunner().invoke(app, ["ls", str(empty)]).output
+    with pytest.raises(PackError, match="not a folder"):
+        api.listing(shelf / "clip.kvpack")
