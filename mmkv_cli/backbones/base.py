@@ -99,6 +99,9 @@ class Backbone:
 
     # --- geometry, filled in by the family ---
     frames_per_step: int = 1  # frames fused into one temporal step (Qwen: temporal_patch_size)
+    # each step's positions follow from where the one before ended (backbones/layouts.py): a live
+    # stream's layout grows by its new steps alone
+    positions_scan: bool = False
 
     def tokens_per_step(self, frame_hw: tuple[int, int]) -> int:
         raise NotImplementedError

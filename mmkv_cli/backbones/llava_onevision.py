@@ -20,6 +20,7 @@ PROMPT = PromptPieces(
 
 class LlavaOnevisionBackbone(Backbone):
     family = "llava_onevision"
+    positions_scan = True  # 1-D RoPE
     position_dims = 1
     frames_per_step = 1
 

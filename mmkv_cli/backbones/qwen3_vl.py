@@ -24,6 +24,7 @@ PROMPT = PromptPieces(
 
 class Qwen3VLBackbone(QwenVLBackbone):
     family = "qwen3_vl"
+    positions_scan = True  # each frame behind its own timestamp, laid out in turn
 
     def _token(self, name: str) -> int:
         return int(getattr(self.model.config, name))

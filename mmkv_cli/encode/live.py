@@ -24,6 +24,7 @@ import torch
 
 from mmkv_cli.backbones import tower_families
 from mmkv_cli.backbones.base import Backbone, StreamLayout
+from mmkv_cli.backbones.layouts import extend_layout
 from mmkv_cli.encode.blockwise import chunk_plans, order_blocks, prefill_blocks
 from mmkv_cli.encode.encoder import (
     Encoded,
@@ -86,6 +87,8 @@ class LiveEncoder:
         frames = choice.params.chunk_frames
         self.chunk_size = max(unit, frames - frames % unit)  # whole steps (segments), as a file's
         self.times: list[float] = []  # every frame's time so far
+        self.steps: list[tuple[float, float]] = []  # each whole step's first and last frame time
+        self.placed: StreamLayout | None = None  # the layout of the whole steps, grown per chunk
         self.pending: list[np.ndarray] = []  # frames after the last whole chunk
         self.frame_hw: tuple[int, int] | None = None
         self.started = time.perf_counter()
@@ -111,6 +114,8 @@ class LiveEncoder:
         if self.times and at <= self.times[-1]:
             raise MediaError(f"a frame at {at:.3f} s came after one at {self.times[-1]:.3f} s")
         self.times.append(float(at))
+        if len(self.times) % self.per_step == 0:  # a step is whole: its times never change
+            self.steps.append((self.times[-self.per_step], self.times[-1]))
         self.pending.append(frame)
         if len(self.pending) == 1:
             self.runner.next_step()
@@ -142,13 +147,19 @@ class LiveEncoder:
     def step_times(self, frames: int) -> list[tuple[float, float]]:
         """Each temporal step's (first, last) frame time over the first `frames` frames (a step
         not yet whole is as the last step of a cut stream is: its last frame repeated)."""
-        times, per = self.times[:frames], self.per_step
-        steps = -(-frames // per)
-        return [(times[s * per], times[min((s + 1) * per, frames) - 1]) for s in range(steps)]
+        whole, per = frames // self.per_step, self.per_step
+        if whole * per == frames:
+            return self.steps[:whole]
+        return [*self.steps[:whole], (self.times[whole * per], self.times[frames - 1])]
 
     def layout(self, frames: int) -> StreamLayout:
-        """The layout of the first `frames` frames (what is placed never moves as more come)."""
-        return self.backbone.stream_layout(self.frame_hw, self.step_times(frames), self.clip_frames)
+        """The layout of the first `frames` frames (what is placed never moves as more come):
+        grown from the whole steps' layout by the new steps alone where the family allows it."""
+        steps = self.step_times(frames)
+        layout = extend_layout(self.backbone, self.placed, self.frame_hw, steps, self.clip_frames)
+        if frames % self.per_step == 0 and frames == len(self.times):
+            self.placed = layout
+        return layout
 
     def prefix(self, cache, layers: int) -> Span:
         return _span("prefix", cache, [0] * layers, self.prompt_len, self.prefix_positions)
@@ -234,21 +245,30 @@ class StreamRunner:
 
     def _place(self, state: StreamState, frames: int) -> StreamLayout:
         """The layout of the first `frames` frames, set on `state`: where its tokens go, and the
-        position that follows them. What is already placed must not move."""
+        position that follows them. What is already placed must not move; what follows it is
+        laid out anew (a step not yet whole may still change), so the work is the new tokens'."""
         layout = self.owner.layout(frames)
-        lengths = torch.tensor(layout.step_lengths)
         after = (
             layout.suffix[:, :1]
             if layout.suffix.shape[1]
             else torch.full_like(layout.visual[:, :1], layout.next_position)
         )
-        positions = torch.cat([layout.visual, after], dim=1).cpu()
         seen = state.seen
-        if seen and not torch.equal(positions[:, :seen], state.layout_positions[:, :seen]):
+        placed = layout.visual[:, :seen].cpu()
+        if seen and not (  # its ends: a family laid out whole would move them all, if any
+            torch.equal(placed[:, [0, -1]], state.layout_positions[:, [0, seen - 1]])
+        ):
             raise MediaError("internal: a live stream's layout moved tokens already placed")
-        state.layout_positions = positions
-        state.token_step = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-        state.total = int(lengths.sum())
+        ends = np.cumsum(layout.step_lengths)
+        first = int(np.searchsorted(ends, seen, side="right"))  # the step token `seen` is in
+        begun = int(ends[first - 1]) if first else 0
+        counts = torch.tensor(layout.step_lengths[first:], dtype=torch.long)
+        tail = torch.repeat_interleave(torch.arange(first, len(ends)), counts)[seen - begun :]
+        state.layout_positions = torch.cat(
+            [state.layout_positions[:, :seen], layout.visual[:, seen:].cpu(), after.cpu()], dim=1
+        )
+        state.token_step = torch.cat([state.token_step[:seen], tail])
+        state.total = int(ends[-1]) if len(ends) else 0
         return layout
 
 
