@@ -161,28 +161,12 @@ def read_rates(tmp: Path) -> dict:
     tokens) read block by block: the rows copied out of a memory map (the reader before issue 40)
     and through pread (now, with every check), best of 5."""
     import numpy as np
+    from rates import best_rate, seven_b_pack
 
-    from mmkv_cli.pack import PackReader, Span, write_pack
-    from tests.helpers import pack_header
-
-    layers, heads, dim, tokens, blocks = 28, 4, 128, 196, 40
-    g = torch.Generator().manual_seed(0)
-
-    def span(name, n, granularity=None):
-        return Span(
-            name=name,
-            keys=[torch.randn(heads, n, dim, generator=g).half() for _ in range(layers)],
-            values=[torch.randn(heads, n, dim, generator=g).half() for _ in range(layers)],
-            positions=[torch.arange(n)[None] for _ in range(layers)],
-            granularity=granularity,
-            steps=(0, 1) if granularity else None,
-        )
+    from mmkv_cli.pack import PackReader
 
     path = tmp / "rate.kvpack"
-    body = [span(f"b{i}", tokens, "frame") for i in range(blocks)]
-    header = pack_header(layers, "float16", heads=heads, dim=dim)
-    write_pack(path, header, span("prefix", 4), body, span("suffix", 2))
-    names = [f"b{i}" for i in range(blocks)]
+    names = seven_b_pack(path, 40)
     size = path.stat().st_size
     reader = PackReader(path)
     reader.gather(names)
@@ -197,19 +181,13 @@ def read_rates(tmp: Path) -> dict:
             view = np.asarray(mapped[a:b]).reshape(count, -1)
             np.take(view, np.arange(count), axis=0)
 
-    def best(work) -> float:
-        times = []
-        for _ in range(5):
-            began = time.perf_counter()
-            work()
-            times.append(time.perf_counter() - began)
-        return round(size / min(times) / 1e9, 2)
-
     return {
         "pack_bytes": size,
-        "memory_map_copy_gb_s": best(by_map),
-        "pread_checked_blocks_gb_s": best(lambda: reader.gather(names)),
-        "pread_fresh_open_with_checksums_gb_s": best(lambda: PackReader(path).gather(names)),
+        "memory_map_copy_gb_s": best_rate(size, by_map, 5),
+        "pread_checked_blocks_gb_s": best_rate(size, lambda: reader.gather(names), 5),
+        "pread_fresh_open_with_checksums_gb_s": best_rate(
+            size, lambda: PackReader(path).gather(names), 5
+        ),
     }
 
 

@@ -147,40 +147,19 @@ def make_video(folder: Path, frames: int) -> Path:
 def read(work: Path, blocks: int) -> dict:
     """GB/s of a fresh open and `gather` of every block (checksums and NaN/Inf checks included),
     and of `verify`, best of 3, from the page cache."""
-    import torch
+    from rates import best_rate, seven_b_pack
 
-    from mmkv_cli.pack import PackReader, Span, write_pack
+    from mmkv_cli.pack import PackReader
     from mmkv_cli.pack.report import verify
-    from tests.helpers import pack_header
-
-    layers, heads, dim, tokens = 28, 4, 128, 196
-    g = torch.Generator().manual_seed(0)
-
-    def span(name: str, n: int, kind: str | None = None) -> Span:
-        kv = [torch.randn(heads, n, dim, generator=g).half() for _ in range(2 * layers)]
-        steps = (0, 1) if kind else None
-        positions = [torch.arange(n)[None]] * layers
-        return Span(name, kv[:layers], kv[layers:], positions, granularity=kind, steps=steps)
 
     path = work / "read.kvpack"
-    body = [span(f"b{i}", tokens, "frame") for i in range(blocks)]
-    header = pack_header(layers, "float16", heads=heads, dim=dim)
-    write_pack(path, header, span("prefix", 4), body, span("suffix", 2))
-    names, size = [b.name for b in body], path.stat().st_size
-
-    def best(work) -> float:
-        times = []
-        for _ in range(3):
-            began = time.perf_counter()
-            work()
-            times.append(time.perf_counter() - began)
-        return round(size / min(times) / 1e9, 2)
-
+    names = seven_b_pack(path, blocks)
+    size = path.stat().st_size
     return {
         "pack_bytes": size,
         "cpus": os.cpu_count(),
-        "fresh_gather_gb_s": best(lambda: PackReader(path).gather(names)),
-        "verify_gb_s": best(lambda: verify(path)),
+        "fresh_gather_gb_s": best_rate(size, lambda: PackReader(path).gather(names), 3),
+        "verify_gb_s": best_rate(size, lambda: verify(path), 3),
     }
 
 

@@ -1,0 +1,40 @@
+"""Read rates of a pack at LLaVA-OV-7B width, shared by bench/fuzz.py and bench/gpu.py."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+LAYERS, HEADS, DIM, TOKENS = 28, 4, 128, 196  # Qwen2-7B's KV, 196 visual tokens a frame
+
+
+def seven_b_pack(path: Path, blocks: int) -> list[str]:
+    """A pack of `blocks` frames at 7B width (float16, random K/V) at `path`; its block names."""
+    import torch
+
+    from mmkv_cli.pack import Span, write_pack
+    from tests.helpers import pack_header
+
+    g = torch.Generator().manual_seed(0)
+
+    def span(name: str, n: int, kind: str | None = None) -> Span:
+        kv = [torch.randn(HEADS, n, DIM, generator=g).half() for _ in range(2 * LAYERS)]
+        steps = (0, 1) if kind else None
+        positions = [torch.arange(n)[None]] * LAYERS
+        return Span(name, kv[:LAYERS], kv[LAYERS:], positions, granularity=kind, steps=steps)
+
+    body = [span(f"b{i}", TOKENS, "frame") for i in range(blocks)]
+    header = pack_header(LAYERS, "float16", heads=HEADS, dim=DIM)
+    write_pack(path, header, span("prefix", 4), body, span("suffix", 2))
+    return [b.name for b in body]
+
+
+def best_rate(size: int, work: Callable[[], object], tries: int) -> float:
+    """GB/s of `size` bytes over the fastest of `tries` runs of `work`."""
+    times = []
+    for _ in range(tries):
+        began = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - began)
+    return round(size / min(times) / 1e9, 2)
