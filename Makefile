@@ -103,6 +103,7 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/hermes_memory.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/decode_cost.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/serve.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/serve_streams.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/quant.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/fuzz.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/batch.py

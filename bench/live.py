@@ -153,11 +153,12 @@ def main() -> None:
                 f"/ second {minutes_ratio(got, 1):.2f}",
                 flush=True,
             )
-        short, long = (r for r in rows[-2:])
-        print(
-            f"{method}: peak RSS {long['minutes']:g} / {short['minutes']:g} min = "
-            f"{long['peak_rss'] / short['peak_rss']:.3f}"
-        )
+        if len(minutes) > 1:
+            short, long = rows[-len(minutes)], rows[-1]
+            print(
+                f"{method}: peak RSS {long['minutes']:g} / {short['minutes']:g} min = "
+                f"{long['peak_rss'] / short['peak_rss']:.3f}"
+            )
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"live-{args.model}{f'-{args.layers}l' if args.layers else ''}.json"
     out.write_text(json.dumps({"args": vars(args), "runs": rows}, indent=1) + "\n")
