@@ -91,6 +91,16 @@ def check_available(name: str | None) -> None:
         )
 
 
+def where_weights(source: str) -> str:
+    """Where a preset's weights are: "built in" (made here), "here" (a local folder, or the hub
+    cache holds its config), or "hub" (to be downloaded). No network, no torch."""
+    if source in BUILT_IN:
+        return "built in"
+    if os.path.isdir(source) or (HUB_ID.fullmatch(source) and in_hub_cache(source)):
+        return "here"
+    return "hub"
+
+
 def in_hub_cache(repo: str) -> bool:
     from huggingface_hub import try_to_load_from_cache
 

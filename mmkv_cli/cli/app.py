@@ -259,8 +259,13 @@ def models(as_json: bool = JsonOpt) -> None:
     """List the model presets (any HF id or local path of a supported family works too)."""
 
     def body() -> None:
-        from mmkv_cli.backbones.spec import default_model, load_model_spec, model_names
-        from mmkv_cli.cli.display import show_listing
+        from mmkv_cli.backbones.spec import (
+            default_model,
+            load_model_spec,
+            model_names,
+            where_weights,
+        )
+        from mmkv_cli.cli.display import show_models
 
         rows = []
         for name in model_names():
@@ -270,6 +275,7 @@ def models(as_json: bool = JsonOpt) -> None:
                     "name": name,
                     "family": spec.family,
                     "source": spec.source,
+                    "weights": where_weights(spec.source),
                     "description": spec.description,
                     "default": name == default_model(),
                 }
@@ -277,8 +283,7 @@ def models(as_json: bool = JsonOpt) -> None:
         if as_json:
             emit_json({"models": rows, "default": default_model()})
         else:
-            title = f"models (default: {default_model()})"
-            show_listing(title, rows, ["name", "family", "source", "description"])
+            show_models(rows, default_model())
 
     run(body)
 

@@ -336,6 +336,23 @@ def show_listing(title: str, rows: list[dict], columns: list[str]) -> None:
     out_console.print(table)
 
 
+def show_models(rows: list[dict], default: str) -> None:
+    """The presets by family, one line a model: its name, where it comes from and whether its
+    weights are here; the description beside it where the terminal has room (wide ones)."""
+    wide = out_console.width >= 120
+    out_console.print(f"models (default: {default})", highlight=False)
+    out_console.print("weights: built in, here, or hub (fetched on first use)", style="dim")
+    for family in dict.fromkeys(row["family"] for row in rows):
+        table = Table(title=family, title_justify="left", box=None, padding=(0, 1), pad_edge=False)
+        for column in ("name", "source", "weights", *(("description",) if wide else ())):
+            whole = column in ("name", "weights")  # a long local path folds, whole, over lines
+            table.add_column(column, no_wrap=whole, overflow="fold", header_style="dim")
+        for row in (r for r in rows if r["family"] == family):
+            cells = [Text(row["name"]), Text(row["source"]), row["weights"]]
+            table.add_row(*cells, *((row["description"],) if wide else ()))
+        out_console.print(table)
+
+
 def show_listing_of_packs(folder: str, rows: list[dict]) -> None:
     """One line a pack: the name one types, what it holds, its size and state."""
     if not rows:
