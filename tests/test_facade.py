@@ -23,3 +23,7 @@ def test_encode_ask_open_and_stream_answer_as_the_api_does(tmp_path, clip):
     with pytest.raises(mmkv.UsageError, match="temperature"):
         mmkv.ask(out, question, temperature=float("nan"))
     assert mmkv.verify(out)["ok"]
+    with pytest.raises(mmkv.OutputExistsError, match=r"pass force=True") as kept:
+        mmkv.encode(clip, out, model="demo", method="recency", budget=0.5, max_frames=8)
+    assert "--force" not in str(kept.value)  # Python's words, not the CLI's
+    assert mmkv.encode(clip, out, model="demo", method="full", max_frames=8, force=True)
