@@ -98,8 +98,9 @@ def ls(
     ),
     as_json: bool = JsonOpt,
 ) -> None:
-    """List the packs of a folder: model, method, media, size, and whether each opens (or, with
-    --verify, is whole)."""
+    """List the packs of a folder: model, method, media, size and state.
+
+    The state says whether each opens; with --verify, whether every byte of it is whole."""
 
     def body() -> None:
         from mmkv_cli.api import listing
