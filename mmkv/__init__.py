@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mmkv_cli import __version__
 from mmkv_cli import api as _api
-from mmkv_cli.errors import MmkvError, OutputExistsError, PackError, UsageError
+from mmkv_cli.errors import REPLACE_WITH, MmkvError, OutputExistsError, PackError, UsageError
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
 
 __all__ = [
@@ -80,15 +80,11 @@ def encode(
         reduce=reduce,
     )
     load = LoadOptions(model=model, device=device, dtype=dtype)
+    replacing = REPLACE_WITH.set("force=True")  # Python's words, not the CLI's --force
     try:
         return _api.encode(str(media), out, options, load=load, progress=progress)
-    except OutputExistsError as err:  # the CLI's words name its flag; Python's, the argument
-        words = (
-            str(err)
-            .replace("pass --force", "pass force=True")
-            .replace("use --force", "use force=True")
-        )
-        raise OutputExistsError(words) from None
+    finally:
+        REPLACE_WITH.reset(replacing)
 
 
 def _ask_options(at, max_new_tokens, temperature, top_p, seed, stop, prune, prune_budget):

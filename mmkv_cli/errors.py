@@ -1,6 +1,8 @@
 """One exception family for every user-facing failure; the CLI turns each into one line + exit
 code."""
 
+import contextvars
+
 
 class MmkvError(Exception):
     """Base class: `str(err)` is the one line the user sees."""
@@ -36,6 +38,18 @@ class OutputExistsError(MmkvError):
     """Refusing to overwrite an existing file without --force."""
 
     exit_code = 6
+
+
+# how the caller at hand replaces an existing output: the CLI's flag, or the Python facade's
+# argument (`mmkv.encode` sets it for its call)
+REPLACE_WITH: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "replace_with", default="--force"
+)
+
+
+def output_exists(what: object) -> OutputExistsError:
+    """`what` is there already, and how this caller replaces it."""
+    return OutputExistsError(f"{what} already exists; pass {REPLACE_WITH.get()} to replace it")
 
 
 class StorageError(MmkvError):

@@ -254,9 +254,9 @@ class StreamRunner:
             else torch.full_like(layout.visual[:, :1], layout.next_position)
         )
         seen = state.seen
-        placed = layout.visual[:, :seen].cpu()
-        if seen and not (  # its ends: a family laid out whole would move them all, if any
-            torch.equal(placed[:, [0, -1]], state.layout_positions[:, [0, seen - 1]])
+        ends_placed = [0, seen - 1]  # a family laid out whole would move them all, if any
+        if seen and not torch.equal(
+            layout.visual[:, ends_placed].cpu(), state.layout_positions[:, ends_placed]
         ):
             raise MediaError("internal: a live stream's layout moved tokens already placed")
         ends = np.cumsum(layout.step_lengths)

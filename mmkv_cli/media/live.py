@@ -32,7 +32,6 @@ _END = object()  # the reader's last word: the source ended
 # FFmpeg probes 5 MB or 5 s of stream before its first frame by default: on a low-bitrate pipe that
 # is many seconds of waiting. A few KB find an MPEG-TS's or a Matroska's video stream and codec.
 LOW_LATENCY = {"probesize": "4096", "analyzeduration": "0"}
-STDIN_CLOSED = "stdin is closed: '-' has nothing to read (pipe a stream into it)"
 
 
 @dataclass(frozen=True)
@@ -138,7 +137,7 @@ class LiveSource:
         if self.kind == "device" and not Path(spec).exists():
             raise MediaError(f"no such device: {spec}")
         if self.kind == "pipe" and (sys.stdin is None or sys.stdin.closed):
-            raise MediaError(STDIN_CLOSED)
+            raise MediaError("stdin is closed: '-' has nothing to read (pipe a stream into it)")
         if not self.options.timeout_s > 0:
             raise MediaError(f"the timeout must be positive, got {self.options.timeout_s}")
         if self.options.fps is None or self.options.fps <= 0:
@@ -148,7 +147,6 @@ class LiveSource:
             raise MediaError(f"unknown rule '{self.behind}' for a source ahead (wait, drop)")
         self.dropped = 0  # frames let go because the encode fell behind
         self.ended_by: str | None = None  # how a network source closed, when it did not end cleanly
-        self.newest = 0.0  # the newest frame's time the reader has taken (stream seconds)
         self.arrived: float | None = None  # when the last frame handed out came (monotonic)
         self._digest = hashlib.sha256()
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, self.options.buffer))
@@ -162,9 +160,7 @@ class LiveSource:
         one line now. The stream itself is opened again when the frames are wanted."""
         try:
             self._open().close()
-        except MediaError:
-            raise
-        except Exception as err:
+        except Exception as err:  # PyAV's errors, in FFmpeg's words
             raise MediaError(f"cannot open {self.spec}: {ffmpeg_line(err)}") from None
 
     def start(self) -> None:
@@ -214,9 +210,7 @@ class LiveSource:
         import av
 
         timeout = str(int(self.options.timeout_s * 1e6))
-        if self.kind == "pipe":
-            if sys.stdin is None or sys.stdin.closed:
-                raise MediaError(STDIN_CLOSED)
+        if self.kind == "pipe":  # stdin was found open when this source was made
             # its own unbuffered descriptor: a reader still waiting on the pipe when the process
             # ends holds no lock of sys.stdin's buffer, which the interpreter's shutdown takes
             # (held, it aborted with "could not acquire lock for <stdin>", exit 134)
@@ -266,7 +260,6 @@ class LiveSource:
 
     def _put(self, tick: float, frame) -> None:
         rgb = frame.to_ndarray(format="rgb24")
-        self.newest = tick
         item = (tick, rgb, time.monotonic())
         if self.behind == "wait":
             while not self._stop.is_set():

@@ -7,14 +7,14 @@ import os
 from glob import escape as glob_escape
 from pathlib import Path
 
-from mmkv_cli.errors import OutputExistsError, UsageError
+from mmkv_cli.errors import OutputExistsError, UsageError, output_exists
 
 
 def check_writable(path: Path, force: bool) -> None:
     """Fail before any work is done when the target exists (and --force is off) or cannot be
     written."""
     if path.exists() and not force:
-        raise OutputExistsError(f"{path} already exists; pass --force to replace it")
+        raise output_exists(path)
     if path.exists() and path.is_dir():
         raise OutputExistsError(f"{path} is a folder, not a pack file")
     parent = path.parent if str(path.parent) else Path(".")

@@ -16,8 +16,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack.format import FORMAT_VERSION, Span, block_name
+from mmkv_cli.pack.format import FORMAT_VERSION, Span
 from mmkv_cli.pack.header import PackHeader, read_header
 from mmkv_cli.pack.quant import QuantSpec
 from mmkv_cli.pack.table import BlockTable
@@ -68,9 +69,7 @@ class MemoryPack:
         """A span as the reader loads it: a block's granularity, steps and time from the table."""
         if name in self._spans:
             return self._spans[name]
-        index = self.blocks.index_of(name)
-        if index is None:
-            raise KeyError(name)
+        index = self._index(name)
         row = self.blocks[index]
         steps, time = row["steps"], row["time"]
         return replace(
@@ -106,8 +105,8 @@ class MemoryPack:
 
     def _index(self, name: str) -> int:
         index = self.blocks.index_of(name)
-        if index is None or block_name(index) != name:
-            raise KeyError(name)
+        if index is None:  # as the reader says it
+            raise PackError(f"{self.path} has no block {name}")
         return index
 
 

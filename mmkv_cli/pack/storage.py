@@ -14,7 +14,7 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
-from mmkv_cli.errors import OutputExistsError, PackError, StorageError
+from mmkv_cli.errors import OutputExistsError, PackError, StorageError, output_exists
 
 URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 # Stores where an upload becomes visible only once it is complete (a PUT, a completed multipart or
@@ -70,7 +70,7 @@ def check_writable_url(url: str, force: bool) -> None:
     fs, key = filesystem(url)
     try:
         if fs.exists(key) and not force:
-            raise OutputExistsError(f"{url} exists (use --force to replace it)")
+            raise output_exists(url)
         bucket = key.split("/", 1)[0]
         buckets = set(_protocols(fs)) & (WHOLE_ON_UPLOAD - {"memory"})  # memory:// has none
         if buckets and not fs.exists(bucket):

@@ -10,7 +10,7 @@ import struct
 from collections.abc import Sequence
 from pathlib import Path
 
-from mmkv_cli.errors import OutputExistsError, PackError
+from mmkv_cli.errors import PackError, output_exists
 from mmkv_cli.lazy import torch
 from mmkv_cli.pack import vidkv
 from mmkv_cli.pack.atomic import TEMP_SUFFIX, check_writable, sweep_stale
@@ -378,7 +378,7 @@ def _write_file(path, head, small, blocks, keys, entries, streamed, force) -> in
             fh.flush()
             os.fsync(fh.fileno())
         if path.exists() and not force:  # appeared while we were encoding
-            raise OutputExistsError(f"{path} already exists; pass --force to replace it")
+            raise output_exists(path)
         os.replace(tmp, path)
     except OSError as err:
         raise PackError(f"cannot write {path}: {err.strerror or err}") from err
