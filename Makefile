@@ -79,6 +79,7 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(OUT)/site
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest tests
 	VENV=$(VENV) .ci/wheel_check

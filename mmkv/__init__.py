@@ -1,54 +1,124 @@
-"""mmkv from Python: encode media into a pack, ask it, or open it once for many questions.
+"""mmkv from Python: encode media into a compressed pack, ask it, follow a live source.
 
     import mmkv
+    from mmkv import methods
 
-    mmkv.encode("clip.mp4", "clip.kvpack", model="demo", method="mukv", budget=0.5)
+    mmkv.encode("clip.mp4", "clip.kvpack", model="demo", method=methods.MuKV(budget=0.5))
     print(mmkv.ask("clip.kvpack", "which shape appeared first ?").answer)
     with mmkv.open("clip.kvpack") as pack:
         for piece in pack.stream("what color is the circle ?"):
             print(piece, end="", flush=True)
 
-Keyword arguments mirror the CLI's options; every failure is an `mmkv.MmkvError` whose text is the
-CLI's one line. The options records underneath are in `mmkv_cli.options`, the verbs in
-`mmkv_cli.api`.
+Every name in `__all__` is the public API: the verbs take keyword arguments named as the CLI's
+options and return typed records (`EncodeResult`, `Answer`, `PackInfo`, ...); `mmkv.methods` holds
+a class per compression method. Every failure is an `MmkvError` whose text is the CLI's one line in
+Python's words (`force=True`, not `--force`); its `exit_code` is the CLI's. The options records
+underneath are in `mmkv_cli.options`, the verbs in `mmkv_cli.api`.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
+from mmkv import methods
+from mmkv._live import Live
+from mmkv._pack import Pack
+from mmkv._results import (
+    EncodeResult,
+    EvalResult,
+    LiveAnswer,
+    LiveResult,
+    MethodInfo,
+    ModelInfo,
+    PackInfo,
+    ParamInfo,
+    VerifyReport,
+)
+from mmkv.methods import MethodConfig
 from mmkv_cli import __version__
 from mmkv_cli import api as _api
-from mmkv_cli.errors import REPLACE_WITH, MmkvError, OutputExistsError, PackError, UsageError
-from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
+from mmkv_cli.ask.result import Answer
+from mmkv_cli.errors import (
+    AddressError,
+    MediaError,
+    MmkvError,
+    ModelError,
+    OutputExistsError,
+    PackError,
+    SetupError,
+    StorageError,
+    UsageError,
+    called_from_python,
+)
+from mmkv_cli.options import EncodeOptions, LoadOptions, kv_bits_value
 
 __all__ = [
+    "AddressError",
+    "Answer",
+    "EncodeResult",
+    "EvalResult",
+    "Live",
+    "LiveAnswer",
+    "LiveResult",
+    "MediaError",
+    "MethodConfig",
+    "MethodInfo",
     "MmkvError",
+    "ModelError",
+    "ModelInfo",
     "OutputExistsError",
     "Pack",
     "PackError",
+    "PackInfo",
+    "ParamInfo",
+    "SetupError",
+    "StorageError",
     "UsageError",
+    "VerifyReport",
     "__version__",
     "ask",
+    "convert",
     "encode",
+    "eval",
     "inspect",
+    "list_methods",
+    "list_models",
+    "live",
+    "methods",
     "open",
     "verify",
 ]
 
-inspect = _api.inspect  # what a pack holds (no model, no torch)
-verify = _api.verify  # every byte of a pack checked
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
 
 
+def _method_options(
+    method: str | MethodConfig, budget: float | None, budget_tokens: int | None, reduce: str | None
+) -> dict[str, Any]:
+    """An encode's method, budget and reducer from a name or a method object (whose own budget
+    and reducer stand unless given here too: then the call is refused)."""
+    if isinstance(method, str):
+        return dict(method=method, budget=budget, budget_tokens=budget_tokens, reduce=reduce)
+    own = {"budget": method.budget, "budget_tokens": method.budget_tokens, "reduce": method.reduce}
+    given = {"budget": budget, "budget_tokens": budget_tokens, "reduce": reduce}
+    for key, value in given.items():
+        if value is not None and own[key] is not None:
+            raise UsageError(f"{key} is set on the method object and given here: give it once")
+        own[key] = own[key] if value is None else value
+    return dict(method=method.spec(), **own)
+
+
+@called_from_python()
 def encode(
     media: str | Path,
     out: str | Path,
     *,
     model: str | None = None,
-    method: str = "full",
+    method: str | MethodConfig = "full",
     budget: float | None = None,
     budget_tokens: int | None = None,
     fps: float | None = None,
@@ -57,138 +127,278 @@ def encode(
     kv_group: int = EncodeOptions.kv_group,
     guidance_prompt: str | None = None,
     reduce: str | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
     force: bool = False,
     device: str = "auto",
     dtype: str = "auto",
     progress: Callable[[int, int], None] | None = None,
-) -> dict:
-    """Encode `media` (a video, an image, a folder or glob of images, a PDF) into the pack `out`
-    with `method` at `budget` (a share of visual tokens) or `budget_tokens` (a count per layer).
-    kv_bits None: the method's own; reduce: a token reducer before the prefill (dtd, ctr,
-    visionzip; None: the method's own, 'none': none). Returns what `mmkv encode --json` prints.
-    progress(frames done, visual tokens done)."""
+) -> EncodeResult:
+    """Encode media into a compressed pack.
+
+    Args:
+        media: a video, an image, a folder or glob of images, or a PDF (a path or a URL).
+        out: the .kvpack to write (a path or a URL).
+        model: the backbone: a preset (`mmkv.list_models()`), an HF id or a local folder (None:
+            the default).
+        method: a method or preset by name, or a method object (`mmkv.methods.HERMES(...)`).
+        budget: the share of visual tokens kept, in (0, 1] (None: the method's default).
+        budget_tokens: visual tokens kept per layer, instead of a share.
+        fps: frames taken per second of video (None: the model's).
+        max_frames: at most this many frames (None: the model's).
+        kv_bits: bits per stored visual K/V value: 16, 8, 4, 2 or 1.5 (None: the method's own).
+        kv_group: the quantization group (tokens per key group, channels per value group).
+        guidance_prompt: the prompt that scores tokens, for methods that score by one.
+        reduce: a token reducer before the prefill: dtd, ctr, visionzip or 'none' (None: the
+            method's own).
+        checkpoint_every: save the streaming state every N chunks beside the output (0: never).
+        resume: continue from the checkpoint an interrupted encode left.
+        force: replace an existing output.
+        device: auto, cpu, cuda or cuda:N.
+        dtype: auto, float32, bfloat16 or float16.
+        progress: called with (frames done, visual tokens done) as the encode goes.
+    """
     options = EncodeOptions(
-        method=method,
-        budget=budget,
-        budget_tokens=budget_tokens,
+        **_method_options(method, budget, budget_tokens, reduce),
         fps=fps,
         max_frames=max_frames,
         guidance_prompt=guidance_prompt,
         force=force,
         kv_bits=kv_bits,
         kv_group=kv_group,
-        reduce=reduce,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
     )
     load = LoadOptions(model=model, device=device, dtype=dtype)
-    replacing = REPLACE_WITH.set("force=True")  # Python's words, not the CLI's --force
-    try:
-        return _api.encode(str(media), out, options, load=load, progress=progress)
-    finally:
-        REPLACE_WITH.reset(replacing)
+    return EncodeResult.from_record(
+        _api.encode(str(media), out, options, load=load, progress=progress)
+    )
 
 
-def _ask_options(at, max_new_tokens, temperature, top_p, seed, stop, prune, prune_budget):
-    generation = GenerationOptions(max_new_tokens, temperature, top_p, seed, tuple(stop))
-    return AskOptions(at=at, prune=prune, prune_budget=prune_budget, generation=generation)
-
-
-class Pack:
-    """A pack opened with its backbone loaded once: ask it as often as you like. Use as a context
-    manager (or call close) to let go of the file."""
-
-    def __init__(self, path: str | Path, *, model=None, device="auto", dtype="auto"):
-        load = LoadOptions(model=model, device=device, dtype=dtype)
-        self.session = _api.PackSession(path, load=load)
-        self.path = str(path)
-
-    def ask(
-        self,
-        question: str,
-        *,
-        at: float | None = None,
-        max_new_tokens: int = 32,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: tuple[str, ...] | list[str] = (),
-        prune: str | None = None,
-        prune_budget: float | None = None,
-        on_text: Callable[[str], None] | None = None,
-    ):
-        """The answer (`.answer`, timings, retrieved blocks) to `question`, asked at moment `at`
-        (seconds; None: the end). on_text(piece) sees the answer as it is decoded."""
-        options = _ask_options(
-            at, max_new_tokens, temperature, top_p, seed, stop, prune, prune_budget
-        )
-        return self.session.ask(question, options, on_token=on_text)
-
-    def stream(self, question: str, **settings) -> Iterator[str]:
-        """The answer to `question` piece by piece, as it is decoded (the settings of `ask`).
-        Stopping the iteration early stops the decoding."""
-        pieces: queue.Queue = queue.Queue()
-        stopped = threading.Event()
-        done = object()
-        failure: list[BaseException] = []
-
-        def on_text(piece: str) -> None:
-            if stopped.is_set():
-                raise _Stopped
-            pieces.put(piece)
-
-        def run() -> None:
-            try:
-                self.ask(question, on_text=on_text, **settings)
-            except _Stopped:
-                pass
-            except BaseException as err:  # noqa: BLE001 (raised again on the caller's thread)
-                failure.append(err)
-            finally:
-                pieces.put(done)
-
-        worker = threading.Thread(target=run, name="mmkv-stream", daemon=True)
-        worker.start()
-        try:
-            while (piece := pieces.get()) is not done:
-                yield piece
-        finally:
-            stopped.set()
-            worker.join()
-        if failure:
-            raise failure[0]
-
-    def info(self) -> dict:
-        """What the pack holds (as `mmkv inspect --json`)."""
-        return _api.inspect(self.path)
-
-    def close(self) -> None:
-        self.session.reader.source.close()
-
-    def __enter__(self) -> Pack:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class _Stopped(Exception):
-    """The consumer of a stream stopped reading it."""
-
-
-def open(pack: str | Path, *, model: str | None = None, device="auto", dtype="auto") -> Pack:  # noqa: A001
-    """The pack `pack` opened for many questions, its model (the pack's own unless `model`) loaded
-    once."""
+@called_from_python()
+def open(  # noqa: A001 (mmkv.open, as io.open and tarfile.open)
+    pack: str | Path, *, model: str | None = None, device: str = "auto", dtype: str = "auto"
+) -> Pack:
+    """The pack opened for many questions, its model (the pack's own unless `model`) loaded once.
+    Use it as a context manager."""
     return Pack(pack, model=model, device=device, dtype=dtype)
 
 
+@called_from_python()
 def ask(
     pack: str | Path,
     question: str,
     *,
     model: str | None = None,
-    device="auto",
-    dtype="auto",
-    **settings,
-):
-    """One question to a pack (the settings of `Pack.ask`)."""
+    device: str = "auto",
+    dtype: str = "auto",
+    at: float | None = None,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    prune: str | None = None,
+    prune_budget: float | None = None,
+) -> Answer:
+    """One question to a pack: `open` it and `Pack.ask` once (the arguments of both)."""
     with open(pack, model=model, device=device, dtype=dtype) as opened:
-        return opened.ask(question, **settings)
+        return opened.ask(
+            question,
+            at=at,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            prune=prune,
+            prune_budget=prune_budget,
+        )
+
+
+@called_from_python()
+def inspect(pack: str | Path) -> PackInfo:
+    """What a pack holds, read from its header and table alone (no model, no torch)."""
+    return PackInfo.from_record(_api.inspect(pack))
+
+
+@called_from_python()
+def verify(pack: str | Path) -> VerifyReport:
+    """Every byte of a pack read and checked against its checksums (no model, no torch)."""
+    return VerifyReport.from_record(_api.verify(pack))
+
+
+@called_from_python()
+def convert(
+    pack: str | Path,
+    out: str | Path,
+    *,
+    kv_bits: float | None = None,
+    kv_group: int | None = None,
+    start: float | None = None,
+    stop: float | None = None,
+    force: bool = False,
+) -> PackInfo:
+    """A pack re-stored without the model: its visual KV at `kv_bits` (None: as stored), only
+    the blocks in [start, stop] seconds; written whole to `out`."""
+    from mmkv_cli.pack.quant import QuantSpec
+
+    quant = None
+    if kv_bits is not None:
+        bits = kv_bits_value(kv_bits)
+        quant = QuantSpec(bits) if kv_group is None else QuantSpec(bits, kv_group)
+    elif kv_group is not None:
+        raise UsageError("kv_group sets how kv_bits quantizes: pass kv_bits too")
+    _api.convert(pack, out, quant, start, stop, force)
+    return inspect(out)
+
+
+@called_from_python()
+def live(
+    source: str,
+    out: str | Path,
+    *,
+    model: str | None = None,
+    method: str | MethodConfig = "hermes",
+    budget_tokens: int | None = None,
+    fps: float | None = None,
+    kv_bits: float | None = None,
+    reduce: str | None = None,
+    questions: Iterable[str | tuple[str, float]] = (),
+    max_new_tokens: int = 32,
+    snapshot_every: float | None = None,
+    behind: str | None = None,
+    stall: float = 10.0,
+    timeout: float = 5.0,
+    force: bool = False,
+    device: str = "auto",
+    dtype: str = "auto",
+) -> Live:
+    """Follow a source still arriving into the pack `out`, on a thread of its own.
+
+    Args:
+        source: a growing or finished file, '-' for stdin, an http/rtsp/... URL or a device.
+        out: the pack the memory is published to (as it goes and at the end).
+        model, method, budget_tokens, fps, kv_bits, reduce, force, device, dtype: as `encode`.
+        questions: asked as the stream goes: a question (answered when it is reached) or a
+            (question, moment in seconds) pair; iterate the `Live` for their answers.
+        max_new_tokens: the longest answer, in tokens.
+        snapshot_every: publish the memory every this many seconds of stream (None: at the end).
+        behind: wait or drop frames when the encode falls behind (None: by the source's kind).
+        stall: seconds of silence after which the source has ended.
+        timeout: seconds to wait for a network source to connect, and for each read.
+    """
+    from mmkv_cli.live import Follow, LiveQuestion
+    from mmkv_cli.media.live import LiveOptions
+    from mmkv_cli.options import GenerationOptions
+
+    options = EncodeOptions(
+        **_method_options(method, None, budget_tokens, reduce), kv_bits=kv_bits, force=force
+    )
+    asked = [
+        LiveQuestion(q, id=i) if isinstance(q, str) else LiveQuestion(q[0], id=i, at=q[1])
+        for i, q in enumerate(questions)
+    ]
+    follow = Follow(
+        source,
+        out,
+        options,
+        LiveOptions(fps=fps, behind=behind, stall_s=stall, timeout_s=timeout),
+        load=LoadOptions(model=model, device=device, dtype=dtype),
+        snapshot_every=snapshot_every,
+        generation=GenerationOptions(max_new_tokens),
+    )
+    for question in asked:
+        follow.ask(question)
+    return Live(follow)
+
+
+@called_from_python()
+def eval(  # noqa: A001 (mmkv.eval, as `mmkv eval`)
+    questions: str | Path,
+    out: str | Path,
+    *,
+    methods: Sequence[str] = ("full", "recency"),
+    budgets: Sequence[float] | None = None,
+    budget_tokens: Sequence[int] = (),
+    model: str | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    task: str | None = None,
+    media: str | Path | None = None,
+    protocol: str = "auto",
+    max_new_tokens: int = 8,
+    kv_bits: float | None = None,
+    fps: float | None = None,
+    max_frames: int | None = None,
+    limit: int | None = None,
+    fresh: bool = False,
+) -> EvalResult:
+    """Accuracy against budget: every method at every budget over a question set, each clip
+    encoded once per run; results and a plot go to the folder `out` (as `mmkv eval`).
+
+    Args:
+        questions: the question set (mmkv JSONL, MLVU, Video-MME, EgoSchema, OVO-Bench or
+            MMLongBench-Doc; `task` names the format when the file does not).
+        methods: methods or presets by name.
+        budgets: shares of visual tokens kept (None: 0.5 and 0.1 unless budget_tokens).
+        budget_tokens: fixed memories, in visual tokens per layer.
+        media: the folder holding the videos or PDFs (None: the file's folder).
+        protocol: replay, stream or auto (stream where questions carry moments).
+        limit: only the first N questions; fresh: drop the answers earlier runs left in `out`.
+        The rest: as `encode` and `ask`.
+    """
+    from mmkv_cli.study.eval_run import EvalSettings
+    from mmkv_cli.study.evaluate import evaluate
+
+    settings = EvalSettings(
+        fps=fps,
+        max_frames=max_frames,
+        max_new_tokens=max_new_tokens,
+        kv_bits=kv_bits_value(kv_bits) if kv_bits is not None else None,
+        protocol=protocol,
+        budget_tokens=tuple(budget_tokens),
+    )
+    load = LoadOptions(model=model, device=device, dtype=dtype)
+    result = evaluate(
+        str(questions),
+        list(methods),
+        list(budgets if budgets is not None else () if budget_tokens else (0.5, 0.1)),
+        out,
+        settings,
+        load,
+        limit,
+        fresh,
+        task,
+        None if media is None else str(media),
+    )
+    return EvalResult(runs=result["runs"], plot=result["plot"])
+
+
+def list_methods() -> list[MethodInfo]:
+    """Every compression method and preset with its paper, default budget and parameters (as
+    `mmkv methods`); `mmkv.methods.<label>` is a method's class."""
+    from mmkv_cli.methods.choice import method_listing
+
+    return [
+        MethodInfo(
+            name=row["name"],
+            implements=row["implements"],
+            label=row["label"],
+            description=row["description"],
+            paper=row["paper"]["title"],
+            year=row["paper"]["year"],
+            budget_share=row["budget_share"],
+            budget_tokens=row["budget_tokens"],
+            params=[ParamInfo(p["name"], p["type"], p["value"], p["doc"]) for p in row["params"]],
+        )
+        for row in method_listing()
+    ]
+
+
+def list_models() -> list[ModelInfo]:
+    """Every model preset, with where its weights are (as `mmkv models`); any HF id or local
+    folder of a supported family works too."""
+    from mmkv_cli.backbones.spec import model_listing
+
+    return [ModelInfo(**row) for row in model_listing()]

@@ -33,7 +33,7 @@ from mmkv_cli.reduce.choice import check_reducer
 from mmkv_cli.spec import as_plain, override
 
 if TYPE_CHECKING:
-    from mmkv_cli.ask.answer import Answer
+    from mmkv_cli.ask.result import Answer
     from mmkv_cli.backbones.base import Backbone
     from mmkv_cli.pack.memory import MemoryPack
     from mmkv_cli.pack.quant import QuantSpec
@@ -290,6 +290,11 @@ class PackSession:
             backbone = load_backbone(load_for(self.reader, load or LoadOptions()))
         self.backbone = backbone
         self._fetched = 0  # the remote pack's bytes already charged to a question (none yet)
+
+    def close(self) -> None:
+        """Let go of the pack's file (a memory pack holds none)."""
+        if isinstance(self.reader, PackReader):
+            self.reader.source.close()
 
     def ask(
         self,

@@ -1,7 +1,9 @@
 """One exception family for every user-facing failure; the CLI turns each into one line + exit
 code."""
 
+import contextlib
 import contextvars
+from collections.abc import Iterator
 
 
 class MmkvError(Exception):
@@ -40,16 +42,32 @@ class OutputExistsError(MmkvError):
     exit_code = 6
 
 
-# how the caller at hand replaces an existing output: the CLI's flag, or the Python facade's
-# argument (`mmkv.encode` sets it for its call)
-REPLACE_WITH: contextvars.ContextVar[str] = contextvars.ContextVar(
-    "replace_with", default="--force"
-)
+# who is calling: the CLI (options are --flags) or Python (keywords); `mmkv`'s functions set
+# "python" for their call, so an error names what that caller types
+CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("caller", default="cli")
+
+
+def flag(option: str, value: str | None = None) -> str:
+    """How the caller at hand spells an option: `--budget-tokens` on the command line,
+    `budget_tokens` in Python (`value`: the keyword's value, force=True)."""
+    if CALLER.get() == "python":
+        return option if value is None else f"{option}={value}"
+    return "--" + option.replace("_", "-")
+
+
+@contextlib.contextmanager
+def called_from_python() -> Iterator[None]:
+    """Errors raised inside name options as Python keywords (a decorator too)."""
+    token = CALLER.set("python")
+    try:
+        yield
+    finally:
+        CALLER.reset(token)
 
 
 def output_exists(what: object) -> OutputExistsError:
     """`what` is there already, and how this caller replaces it."""
-    return OutputExistsError(f"{what} already exists; pass {REPLACE_WITH.get()} to replace it")
+    return OutputExistsError(f"{what} already exists; pass {flag('force', 'True')} to replace it")
 
 
 class StorageError(MmkvError):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from mmkv_cli.errors import UsageError
 
@@ -34,10 +36,20 @@ class LoadOptions:
 
 
 @dataclass(frozen=True)
+class MethodSpec:
+    """A method or preset by name with parameters set over its own: what a typed method object
+    (`mmkv.methods.HERMES(...)`) and a server request's method object become. The parameters are
+    checked against the method's class when the encode resolves it (methods/choice.py)."""
+
+    name: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class EncodeOptions:
     """What an encode stores, and how. kv_bits is normalised as kv_bits_value does."""
 
-    method: str = "full"  # a method or a method preset
+    method: str | MethodSpec = "full"  # a method or a method preset, by name or with parameters
     budget: float | None = None  # share of visual tokens kept (None: the method's default)
     budget_tokens: int | None = None  # visual tokens kept per layer, instead of a share
     fps: float | None = None  # None: the model's

@@ -83,6 +83,8 @@ def _coerce(tp: Any, value: Any, current: Any, where: str) -> Any:
             )
         return value
     if is_dataclass(inner):
+        if isinstance(value, inner):  # an instance built in Python: its fields checked as a mapping
+            value = as_plain(value)
         if not isinstance(value, dict):
             raise UsageError(f"{where}: expected a mapping {type_name(inner)}")
         base = current if isinstance(current, inner) else inner()

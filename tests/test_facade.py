@@ -10,7 +10,7 @@ from mmkv_cli.options import AskOptions, LoadOptions
 def test_encode_ask_open_and_stream_answer_as_the_api_does(tmp_path, clip):
     out = tmp_path / "c.kvpack"
     summary = mmkv.encode(clip, out, model="demo", method="recency", budget=0.5, max_frames=8)
-    assert summary["method"] == "recency" and mmkv.inspect(out)["budget"] == 0.5
+    assert summary.method == "recency" and mmkv.inspect(out).budget == 0.5
     question = "which shape appeared first ?"
     expected = api.ask(out, question, AskOptions(), load=LoadOptions("demo")).answer
     assert mmkv.ask(out, question).answer == expected
@@ -22,7 +22,7 @@ def test_encode_ask_open_and_stream_answer_as_the_api_does(tmp_path, clip):
         assert pack.ask(question, at=1.0).answer
     with pytest.raises(mmkv.UsageError, match="temperature"):
         mmkv.ask(out, question, temperature=float("nan"))
-    assert mmkv.verify(out)["ok"]
+    assert mmkv.verify(out).ok
     with pytest.raises(mmkv.OutputExistsError, match=r"pass force=True") as kept:
         mmkv.encode(clip, out, model="demo", method="recency", budget=0.5, max_frames=8)
     assert "--force" not in str(kept.value)  # Python's words, not the CLI's

@@ -8,6 +8,9 @@ import time
 import httpx
 import openai
 
+from mmkv import methods
+from mmkv_cli.api import stored_method
+from mmkv_cli.pack import PackReader
 from tests.conftest import SAMPLES
 from tests.helpers import mpegts_bytes, serving
 
@@ -36,7 +39,15 @@ def test_a_stream_is_started_asked_shown_and_stopped_into_a_pack(tmp_path):
         assert (
             refused.status_code == 400 and "--budget-tokens" in refused.json()["error"]["message"]
         )
-        started = http.post("/v1/streams", json={**request, "budget_tokens": 24, "stall_s": 30})
+        wrong = {"name": "hermes", "params": {"deep_share": 3}}
+        refused = http.post("/v1/streams", json={**request, "method": wrong, "budget_tokens": 24})
+        assert refused.status_code == 400
+        assert "deep_share: 3.0 is above the maximum 1" in refused.json()["error"]["message"]
+        hermes = methods.HERMES(deep_share=0.5, summary=False).spec()  # as Python sends one
+        typed = {"name": hermes.name, "params": dict(hermes.params)}
+        started = http.post(
+            "/v1/streams", json={**request, "method": typed, "budget_tokens": 24, "stall_s": 30}
+        )
         assert started.status_code == 201, started.text
         writer.start()
         assert http.post("/v1/streams", json={**request, "budget_tokens": 24}).status_code == 400
@@ -72,6 +83,8 @@ def test_a_stream_is_started_asked_shown_and_stopped_into_a_pack(tmp_path):
         )
         assert again.choices[0].message.content
         assert "cam" in {m.id for m in client.models.list()}
+    _, params = stored_method(PackReader(folder / "cam.kvpack"))  # the object's values
+    assert params.deep_share == 0.5 and params.summary is False
 
 
 def test_preload_loads_the_model_before_health_answers(tmp_path):

@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from mmkv_cli.ask.generate import generate
 from mmkv_cli.ask.prune import AskPrune, prune_context
+from mmkv_cli.ask.result import Answer
 from mmkv_cli.backbones.base import Backbone
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.kernels.attention import Recorder, recording
@@ -19,25 +19,6 @@ from mmkv_cli.kernels.rope import compact_positions, rotate_keys, unrotate
 from mmkv_cli.methods.base import ContextPolicy
 from mmkv_cli.options import AskOptions
 from mmkv_cli.pack import PackReader
-
-
-@dataclass
-class Answer:
-    answer: str
-    token_ids: list[int]
-    context_tokens: int
-    ttft_s: float
-    total_s: float
-    decode_s_per_token: float | None  # None: the answer took no decode step
-    blocks_used: list[str]
-    retrieved: list[dict] = field(default_factory=list)
-    bytes_read: int = 0
-    bytes_fetched: int = 0  # brought over the network from a remote pack (its open counts too)
-    kv_tokens: list[int] | None = None  # per layer, after pruning at ask (None: not pruned)
-    # where the time to the first token went: select (question vector, retrieval), read (the
-    # chosen KV read, verified and on the device), prefill (the question's forward), first_token
-    phases_s: dict[str, float] = field(default_factory=dict)
-    first_logits: torch.Tensor | None = field(default=None, repr=False)
 
 
 class PhaseClock:

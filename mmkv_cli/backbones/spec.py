@@ -134,6 +134,25 @@ def _hub_reachable() -> bool:
     return bool(reached)
 
 
+def model_listing() -> list[dict]:
+    """Every model preset with its family, source, description and where its weights are, as
+    `mmkv models --json` lists them."""
+    rows = []
+    for name in model_names():
+        spec = load_model_spec(name) or ModelSpec()
+        rows.append(
+            {
+                "name": name,
+                "family": spec.family,
+                "source": spec.source,
+                "weights": where_weights(spec.source),
+                "description": spec.description,
+                "default": name == default_model(),
+            }
+        )
+    return rows
+
+
 def model_spec(name: str | None) -> ModelSpec:
     """The settings a model runs with: its preset's, or the defaults for an HF id or a folder."""
     return load_model_spec(name or default_model()) or ModelSpec()

@@ -201,37 +201,11 @@ def methods(as_json: bool = JsonOpt) -> None:
 
     def body() -> None:
         from mmkv_cli.cli.display import show_listing
-        from mmkv_cli.methods.choice import method_names, resolve_method
+        from mmkv_cli.methods.choice import method_listing
         from mmkv_cli.reduce import REDUCERS
-        from mmkv_cli.spec import as_plain, describe
+        from mmkv_cli.spec import describe
 
-        rows = []
-        for name in method_names():
-            choice = resolve_method(name)
-            method = choice.method
-            budget = choice.budget
-            defaults = as_plain(choice.params)
-            rows.append(
-                {
-                    "name": name,
-                    "implements": method.name,
-                    "description": choice.description,
-                    "paper": {
-                        "title": method.paper.title,
-                        "year": method.paper.year,
-                        "url": method.paper.url,
-                    },
-                    "budget": budget.label() if budget else "keeps all",
-                    "budget_share": budget.share if budget else None,
-                    "budget_tokens": budget.tokens if budget else None,
-                    "abilities": method.abilities(),
-                    "params": [
-                        {**p, "value": defaults[p["name"]]} for p in describe(method.params)
-                    ],
-                    "reduce": choice.reduce.record() if choice.reduce else None,
-                    "kv_bits": method.kv_bits,
-                }
-            )
+        rows = method_listing()
         reducers = [
             {
                 "name": name,
@@ -259,27 +233,10 @@ def models(as_json: bool = JsonOpt) -> None:
     """List the model presets (any HF id or local path of a supported family works too)."""
 
     def body() -> None:
-        from mmkv_cli.backbones.spec import (
-            default_model,
-            load_model_spec,
-            model_names,
-            where_weights,
-        )
+        from mmkv_cli.backbones.spec import default_model, model_listing
         from mmkv_cli.cli.display import show_models
 
-        rows = []
-        for name in model_names():
-            spec = load_model_spec(name)
-            rows.append(
-                {
-                    "name": name,
-                    "family": spec.family,
-                    "source": spec.source,
-                    "weights": where_weights(spec.source),
-                    "description": spec.description,
-                    "default": name == default_model(),
-                }
-            )
+        rows = model_listing()
         if as_json:
             emit_json({"models": rows, "default": default_model()})
         else:

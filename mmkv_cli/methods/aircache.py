@@ -133,6 +133,7 @@ class AirCacheMemory(KeepAll):
 
 METHOD = Method(
     name="aircache",
+    label="AirCache",
     description="visual KV pruned by an elite window of the instruction; per-layer budgets",
     paper=Paper(
         "AirCache: Activating Inter-modal Relevancy KV Cache Compression for Efficient Large "

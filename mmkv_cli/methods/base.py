@@ -215,6 +215,7 @@ class Method:
     """A compression method as the registry knows it."""
 
     name: str
+    label: str  # its name as the papers write it, and its class in Python (mmkv.methods.HERMES)
     description: str
     paper: Paper
     params: type  # the typed parameter class (defaults in code, presets override)

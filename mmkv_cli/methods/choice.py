@@ -7,13 +7,13 @@ import difflib
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mmkv_cli.errors import UsageError
+from mmkv_cli.errors import UsageError, flag
 from mmkv_cli.methods import METHODS, Budget, Method
 from mmkv_cli.methods.base import GuidedParams
-from mmkv_cli.options import EncodeOptions
+from mmkv_cli.options import EncodeOptions, MethodSpec
 from mmkv_cli.presets import find_preset, preset_names, read_preset
 from mmkv_cli.reduce.choice import ReducerChoice, resolve_reducer
-from mmkv_cli.spec import override
+from mmkv_cli.spec import as_plain, describe, override
 
 METHOD_KEYS = (
     "extends",
@@ -41,13 +41,15 @@ class MethodChoice:
         """The command line's budget: a share (--budget) or a token count (--budget-tokens)."""
         if share is None and tokens is None:
             return self
-        flag = "--budget" if share is not None else "--budget-tokens"
+        given = flag("budget" if share is not None else "budget_tokens")
         if self.method.keeps_all:
-            raise UsageError(f"method '{self.name}' keeps every token: {flag} does not apply")
+            raise UsageError(f"method '{self.name}' keeps every token: {given} does not apply")
         if share is not None and tokens is not None:
-            raise UsageError("give --budget (a share) or --budget-tokens, not both")
+            raise UsageError(
+                f"give {flag('budget')} (a share) or {flag('budget_tokens')}, not both"
+            )
         if tokens is not None and tokens < 1:
-            raise UsageError(f"--budget-tokens must be at least 1, got {tokens}")
+            raise UsageError(f"{flag('budget_tokens')} must be at least 1, got {tokens}")
         budget = Budget(tokens=tokens) if tokens is not None else Budget(share=check_budget(share))
         return replace(self, budget=budget)
 
@@ -71,8 +73,48 @@ class MethodChoice:
 def choice_for(options: EncodeOptions) -> MethodChoice:
     """The method an encode's options name, with their budget, guidance prompt and reducer, each
     checked before any work."""
-    choice = resolve_method(options.method).with_budget(options.budget, options.budget_tokens)
+    choice = resolve_spec(options.method).with_budget(options.budget, options.budget_tokens)
     return choice.with_guidance(options.guidance_prompt).with_reduce(options.reduce)
+
+
+def method_listing() -> list[dict]:
+    """Every method and preset with its paper, budget and parameters at its values, as `mmkv
+    methods --json` lists them."""
+    rows = []
+    for name in method_names():
+        choice = resolve_method(name)
+        method, budget = choice.method, choice.budget
+        values = as_plain(choice.params)
+        rows.append(
+            {
+                "name": name,
+                "implements": method.name,
+                "label": method.label,
+                "description": choice.description,
+                "paper": {
+                    "title": method.paper.title,
+                    "year": method.paper.year,
+                    "url": method.paper.url,
+                },
+                "budget": budget.label() if budget else "keeps all",
+                "budget_share": budget.share if budget else None,
+                "budget_tokens": budget.tokens if budget else None,
+                "abilities": method.abilities(),
+                "params": [{**p, "value": values[p["name"]]} for p in describe(method.params)],
+                "reduce": choice.reduce.record() if choice.reduce else None,
+                "kv_bits": method.kv_bits,
+            }
+        )
+    return rows
+
+
+def resolve_spec(method: str | MethodSpec) -> MethodChoice:
+    """A method by name, or by name with parameters set over its own (each checked)."""
+    if isinstance(method, str):
+        return resolve_method(method)
+    choice = resolve_method(method.name)
+    params = override(choice.params, dict(method.params), f"method {method.name}")
+    return replace(choice, params=params)
 
 
 def check_budget(budget: float) -> float:
@@ -116,7 +158,7 @@ def resolve_method(name: str, _seen: tuple[str, ...] = ()) -> MethodChoice:
         named = data.get("reduce", base.reduce.name if base.reduce else None)
         reduce = resolve_reducer(named, data.get("reduce_params"), f"{path}: reduce", base.reduce)
     choice = MethodChoice(name, base.method, params, base.budget, description, reduce)
-    for key, flag in (("budget", "share"), ("budget_tokens", "tokens")):
+    for key, keyword in (("budget", "share"), ("budget_tokens", "tokens")):
         if key in data:
             value = data[key]
             wanted = float if key == "budget" else int
@@ -125,7 +167,7 @@ def resolve_method(name: str, _seen: tuple[str, ...] = ()) -> MethodChoice:
             if wanted is int and not isinstance(value, int):
                 raise UsageError(f"{path}: {key}: expected a whole number, got {value!r}")
             try:
-                choice = choice.with_budget(**{flag: wanted(value)})
+                choice = choice.with_budget(**{keyword: wanted(value)})
             except UsageError as err:
                 raise UsageError(f"{path}: {key}: {err}") from None
     return choice

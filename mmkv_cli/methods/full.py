@@ -15,6 +15,7 @@ class FullParams(StreamParams):
 
 METHOD = Method(
     name="full",
+    label="Full",
     description="keep the whole KV cache (reference)",
     paper=Paper("the uncompressed baseline of all four papers", 2025),
     params=FullParams,

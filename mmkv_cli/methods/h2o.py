@@ -56,6 +56,7 @@ class H2OMemory(TopKAtEnd):
 
 METHOD = Method(
     name="h2o",
+    label="H2O",
     description="top visual tokens per layer by the attention all prefill queries paid them",
     paper=Paper(
         "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models",

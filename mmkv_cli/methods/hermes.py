@@ -343,6 +343,7 @@ def _evicted(state: StreamState, layer: int, kept_local: torch.Tensor) -> tuple:
 
 METHOD = Method(
     name="hermes",
+    label="HERMES",
     description="streaming layered memory, fixed 4K-token budget, summary token, no retrieval",
     paper=Paper(
         "HERMES: KV Cache as Hierarchical Memory for Efficient Streaming Video Understanding",

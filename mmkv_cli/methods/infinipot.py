@@ -239,6 +239,7 @@ class InfiniPotMemory(KeepAll):
 
 METHOD = Method(
     name="infinipot",
+    label="InfiniPotV",
     description="streaming under a memory cap: temporal redundancy and value norms, no question",
     paper=Paper(
         "InfiniPot-V: Memory-Constrained KV Cache Compression for Streaming Video Understanding",

@@ -244,6 +244,7 @@ class MedaMemory(KeepAll):
 
 METHOD = Method(
     name="meda",
+    label="MEDA",
     description="per-layer budgets from cross-modal attention entropy, evicted KV merged into kept",
     paper=Paper(
         "MEDA: Dynamic KV Cache Allocation for Efficient Multimodal Long-Context Inference",

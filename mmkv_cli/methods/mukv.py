@@ -283,6 +283,7 @@ def context(params: MuKVParams) -> RetrievalContext:
 
 METHOD = Method(
     name="mukv",
+    label="MuKV",
     description="multi-grained blocks, dual-signal compression, hierarchical retrieval",
     paper=Paper(
         "MuKV: Multi-Grained KV Cache Compression for Long Streaming Video Question-Answering",

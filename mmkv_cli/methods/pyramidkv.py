@@ -88,6 +88,7 @@ class PyramidKVMemory(TopKAtEnd):
 
 METHOD = Method(
     name="pyramidkv",
+    label="PyramidKV",
     description="SnapKV scores, budgets falling from shallow to deep layers",
     paper=Paper(
         "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling",

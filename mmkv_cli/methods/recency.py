@@ -35,6 +35,7 @@ class RecencyMemory(KeepAll):
 
 METHOD = Method(
     name="recency",
+    label="Recency",
     description="keep the prompt (attention sinks) and the newest visual tokens",
     paper=Paper(
         "Efficient Streaming Language Models with Attention Sinks (StreamingLLM)",

@@ -71,6 +71,7 @@ def context(params: ReKVParams) -> RetrievalContext:
 
 METHOD = Method(
     name="rekv",
+    label="ReKV",
     description="whole stream, one block per frame, top-k retrieval by the question",
     paper=Paper(
         "Streaming Video Question-Answering with In-context Video KV-Cache Retrieval (ReKV)",

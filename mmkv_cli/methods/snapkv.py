@@ -31,6 +31,7 @@ class SnapKVMemory(TopKAtEnd):
 
 METHOD = Method(
     name="snapkv",
+    label="SnapKV",
     description="top visual tokens per layer by a guidance prompt's attention (pooled)",
     paper=Paper(
         "SnapKV: LLM Knows What You are Looking for Before Generation",

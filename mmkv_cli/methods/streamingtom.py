@@ -68,6 +68,7 @@ def context(params: StreamingTOMParams) -> RetrievalContext:
 
 METHOD = Method(
     name="streamingtom",
+    label="StreamingTOM",
     description="a fixed count of tokens a frame before the LM, a 4-bit memory, frames retrieved",
     paper=Paper(
         "StreamingTOM: Streaming Token Compression for Efficient Video Understanding",

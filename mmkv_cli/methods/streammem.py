@@ -103,6 +103,7 @@ class StreamMemMemory(KeepAll):
 
 METHOD = Method(
     name="streammem",
+    label="StreamMem",
     description="a fixed memory scored by the chat template's attention, one prototype a frame",
     paper=Paper(
         "StreamMem: Query-Agnostic KV Cache Memory for Streaming Video Understanding",

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -22,10 +22,21 @@ from mmkv_cli.errors import MmkvError, UsageError
 from mmkv_cli.live import Follow, LiveQuestion
 from mmkv_cli.media.live import LiveOptions
 from mmkv_cli.names import inside, name_problem
-from mmkv_cli.options import KV_BITS, EncodeOptions, GenerationOptions, LoadOptions
+from mmkv_cli.options import KV_BITS, EncodeOptions, GenerationOptions, LoadOptions, MethodSpec
 
 MAX_STREAMS = 8  # each holds a memory and a decoding thread
 ANSWER_WAIT_S = 600.0  # a question waits for the stream's next frame, then for its answer
+
+
+class MethodRequest(BaseModel):
+    """A method with parameters set over its own, as a typed method object sends it
+    (`mmkv.methods.HERMES(...).spec()`): checked against the method's class when the stream
+    starts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(max_length=128)
+    params: dict[str, Any] = Field(default_factory=dict, max_length=64)
 
 
 class StreamRequest(BaseModel):
@@ -35,7 +46,7 @@ class StreamRequest(BaseModel):
 
     name: str = Field(max_length=128)  # becomes NAME.kvpack in the packs folder: checked below
     source: str = Field(max_length=2048)
-    method: str = Field("hermes", max_length=128)
+    method: Annotated[str, Field(max_length=128)] | MethodRequest = "hermes"
     budget_tokens: int | None = Field(None, ge=1, le=1 << 24)
     fps: float | None = Field(None, gt=0, le=60)
     model: str | None = Field(None, max_length=200)
@@ -44,6 +55,10 @@ class StreamRequest(BaseModel):
     snapshot_every: float | None = Field(None, gt=0)
     behind: Literal["wait", "drop"] | None = None
     stall_s: float = Field(10.0, gt=0, le=3600)
+
+    @property
+    def method_name(self) -> str:
+        return self.method if isinstance(self.method, str) else self.method.name
 
     @field_validator("name")
     @classmethod
@@ -71,7 +86,7 @@ class Hosted:
         return {
             "name": self.request.name,
             "source": self.request.source,
-            "method": self.request.method,
+            "method": self.request.method_name,
             "state": "running" if running else (self.done or {}).get("stopped", "failed"),
             "moment": encoder.moment,
             "frames": len(encoder.times),
@@ -112,8 +127,9 @@ class Streams:
             if output.exists():
                 raise UsageError(f"a pack named '{request.name}' exists: pick another name")
             load = LoadOptions(request.model or self.load.model, self.load.device, self.load.dtype)
+            method = request.method
             options = EncodeOptions(
-                request.method,
+                method if isinstance(method, str) else MethodSpec(method.name, method.params),
                 budget_tokens=request.budget_tokens,
                 kv_bits=request.kv_bits,
                 reduce=request.reduce,
