@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mmkv_cli import logs
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.methods import METHODS
 from mmkv_cli.methods.base import ContextPolicy
@@ -55,6 +56,7 @@ __all__ = [
     "verify",
 ]
 EncodeProgress = Callable[[int, int], None]  # (frames done, visual tokens done)
+LOG = logs.get(__name__)
 
 
 def encode(
@@ -103,6 +105,11 @@ def encode(
     if on_start:
         on_start(source.num_frames)
     context = EncodeContext(source.kind, options.guidance_prompt)
+    budget = choice.budget.label() if choice.budget else "every token"
+    LOG.info(
+        "encoding %s (%s, %d frames) with %s at %s", media, source.kind, source.num_frames,
+        choice.name, budget,
+    )  # fmt: skip
     identity = encode_identity(backbone, choice, source, options.guidance_prompt, fps, max_frames)
     checkpoint = Checkpointing.open(output, options.checkpoint_every, options.resume, identity)
     encoded = encode_media(backbone, source, choice, context, progress, checkpoint)
@@ -325,6 +332,11 @@ class PackSession:
             self.backbone, self.reader, self.policy, question, options, pruner, on_token
         )
         answer.bytes_read = self.reader.bytes_read - before  # this question's reads only
+        LOG.debug(
+            "answered from %d blocks, %d context tokens: ttft %.3f s (%s), %d bytes read",
+            len(answer.blocks_used), answer.context_tokens, answer.ttft_s,
+            ", ".join(f"{k} {v:.3f}" for k, v in answer.phases_s.items()), answer.bytes_read,
+        )  # fmt: skip
         fetched = self.reader.fetched or 0
         answer.bytes_fetched, self._fetched = fetched - self._fetched, fetched
         return answer

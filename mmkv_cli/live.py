@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
+from mmkv_cli import logs
 from mmkv_cli.api import PackSession, answer_record
 from mmkv_cli.errors import MediaError, MmkvError, UsageError
 from mmkv_cli.media.live import LiveOptions, LiveSource
@@ -38,6 +39,7 @@ class LiveQuestion:
     generation: GenerationOptions | None = None  # None: the follow's
 
 
+LOG = logs.get(__name__)
 Answered = Callable[[dict], None]  # one answer record (as `ask --json` prints it, and more)
 Ready = Callable[[dict], None]  # {"moment", "after_s"}: the first frame is in
 T = TypeVar("T")
@@ -135,6 +137,8 @@ class Follow:
             self.source.close()
         if self.stopping:
             stopped = "stopped"
+        LOG.info("%s %s after %d frames (%s)", self.source.spec, stopped, len(self.encoder.times),
+                 error or self.source.ended_by)  # fmt: skip
         if self.encoder.moment is None:
             raise MediaError(error or f"{self.source.spec} gave no frame")
         size = self.on_model(self._finish)
@@ -244,6 +248,7 @@ class Follow:
         self._write(self.encoder.memory(), self.output)
         self._snapshot_at = moment
         self.snapshots += 1
+        LOG.info("snapshot %d of %s at %.2f s", self.snapshots, self.output, moment)
 
     def _write(self, encoded, path: Path) -> int:
         """The memory as a pack at `path`, written atomically (a reader never sees part of it)."""

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 from dataclasses import replace
 
 import torch
 
+from mmkv_cli import logs
 from mmkv_cli.backbones import FAMILIES, tiny
 from mmkv_cli.backbones.base import Backbone, PromptPieces, text_kv
 from mmkv_cli.backbones.demo import build_demo
@@ -22,6 +24,8 @@ from mmkv_cli.backbones.spec import (
 from mmkv_cli.errors import ModelError, UsageError
 from mmkv_cli.options import LoadOptions
 from mmkv_cli.runtime import require_supported
+
+LOG = logs.get(__name__)
 
 __all__ = ["load_backbone", "planned_kv", "resolve_device", "resolve_dtype"]
 DTYPES = {
@@ -67,8 +71,22 @@ def resolve_dtype(dtype: str, device: torch.device, tiny: bool) -> torch.dtype:
 def load_backbone(options: LoadOptions | None = None) -> Backbone:
     """The backbone `options.model` names (a preset, an HF id or a folder), its preset resolved once
     and carried on it as `backbone.spec`."""
+    started = time.perf_counter()
+    backbone = _build(options or LoadOptions())
+    parameter = next(backbone.model.parameters())
+    LOG.info(
+        "loaded model %s (%s) on %s in %s in %.2f s",
+        backbone.name,
+        backbone.family,
+        parameter.device,
+        str(parameter.dtype).removeprefix("torch."),
+        time.perf_counter() - started,
+    )
+    return backbone
+
+
+def _build(options: LoadOptions) -> Backbone:
     require_supported()  # an old torch or transformers named in one line, not deep in a model class
-    options = options or LoadOptions()
     name = options.model or default_model()
     check_available(name)  # no network wait for a checkpoint that cannot come
     spec = load_model_spec(name)

@@ -74,11 +74,38 @@ def main_options(
         "--presets",
         help="A folder of user presets (methods/, models/) over the built-in ones.",
     ),
+    verbose: int = typer.Option(
+        0, "--verbose", "-v", count=True, help="Log what happens: -v steps, -vv details."
+    ),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="Only answers, results and errors: no notes or progress."
+    ),
+    log_level: str | None = typer.Option(
+        None,
+        "--log-level",
+        help="Log records from this level: debug, info, warning, error (default: $MMKV_LOG, "
+        "else warning).",
+    ),
 ) -> None:
     """Encode video, image sets and documents into compressed KV caches; answer from them later."""
+    import logging
+    import os
+
+    from mmkv_cli.cli.display import show_logs
+    from mmkv_cli.logs import level_named
     from mmkv_cli.presets import use_presets
 
-    run(lambda: use_presets(presets))  # None: the built-in and $MMKV_PRESETS ones only
+    def body() -> None:
+        if log_level is not None:
+            level = level_named(log_level, "--log-level")
+        elif os.environ.get("MMKV_LOG"):
+            level = level_named(os.environ["MMKV_LOG"], "MMKV_LOG")
+        else:
+            level = logging.ERROR if quiet else logging.WARNING - 10 * min(verbose, 2)
+        show_logs(level, quiet)
+        use_presets(presets)  # None: the built-in and $MMKV_PRESETS ones only
+
+    run(body)
 
 
 @app.command(cls=Command)

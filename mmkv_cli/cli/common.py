@@ -114,7 +114,7 @@ def quiet() -> None:
 
 def run(body: Callable[[], None]) -> None:
     """Every failure becomes one line on stderr and a non-zero exit; MMKV_DEBUG=1 re-raises."""
-    from mmkv_cli.cli.display import err_console
+    from mmkv_cli.cli.display import error_console as err_console
 
     try:
         quiet()

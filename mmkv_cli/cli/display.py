@@ -18,8 +18,30 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-err_console = Console(stderr=True)
+err_console = Console(stderr=True)  # notes and progress: `-q` silences them
 out_console = Console()
+error_console = Console(stderr=True)  # the one line of a failure: never silenced
+
+
+def show_logs(level: int, quiet: bool) -> None:
+    """mmkv's log records at `level` and above on stderr through rich's handler; quiet: the notes
+    and progress bars go too, leaving answers and errors."""
+    import logging
+
+    from rich.logging import RichHandler
+
+    err_console.quiet = quiet
+    handler = RichHandler(
+        console=error_console,
+        show_time=level <= logging.DEBUG,
+        show_path=False,
+        markup=False,
+        rich_tracebacks=False,
+    )
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s", datefmt="%H:%M:%S"))
+    root = logging.getLogger("mmkv")
+    root.handlers = [h for h in root.handlers if not isinstance(h, RichHandler)] + [handler]
+    root.setLevel(level)
 
 
 def human_bytes(n: float) -> str:

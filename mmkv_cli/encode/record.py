@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import TYPE_CHECKING
 
-from mmkv_cli import __version__
+from mmkv_cli import __version__, logs
 from mmkv_cli.pack.header import (
     Fingerprint,
     KVShape,
@@ -19,6 +19,8 @@ from mmkv_cli.pack.header import (
 from mmkv_cli.pack.quant import QuantSpec
 from mmkv_cli.pack.writer import write_pack
 from mmkv_cli.spec import as_plain
+
+LOG = logs.get(__name__)
 
 if TYPE_CHECKING:
     from mmkv_cli.backbones.base import Backbone
@@ -87,7 +89,7 @@ def write_encoded(
     atomically; returns its size in bytes."""
     header, series = pack_header(backbone, choice, context, media, encoded)
     prefix, blocks, suffix = encoded.prefix, encoded.blocks, encoded.suffix
-    return write_pack(
+    size = write_pack(
         path,
         header,
         prefix,
@@ -98,6 +100,8 @@ def write_encoded(
         encoded.representatives,
         series=series,
     )
+    LOG.info("wrote %s: %d blocks, %d bytes", path, len(blocks), size)
+    return size
 
 
 def encode_identity(

@@ -14,7 +14,10 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
+from mmkv_cli import logs
 from mmkv_cli.errors import OutputExistsError, PackError, StorageError, output_exists
+
+LOG = logs.get(__name__)
 
 URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 # Stores where an upload becomes visible only once it is complete (a PUT, a completed multipart or
@@ -278,6 +281,7 @@ def staged_upload(url: str, force: bool):
     with tempfile.TemporaryDirectory(prefix="mmkv-upload-") as folder:
         local = Path(folder) / (url.rstrip("/").rsplit("/", 1)[-1] or "pack.kvpack")
         yield local
+        LOG.info("publishing %s (%d bytes)", url, local.stat().st_size)
         publish(local, url)
 
 
@@ -289,5 +293,6 @@ def local_copy(url: str):
 
     with tempfile.TemporaryDirectory(prefix="mmkv-media-") as folder:
         local = Path(folder) / (url.rstrip("/").rsplit("/", 1)[-1] or "media")
+        LOG.info("downloading %s", url)
         download(url, local)
         yield local

@@ -25,10 +25,12 @@ from typing import Any
 
 import yaml
 
+from mmkv_cli import logs
 from mmkv_cli.errors import UsageError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
+LOG = logs.get(__name__)
 _user_folder: Path | None = None  # set by `--presets DIR`
 
 
@@ -38,6 +40,8 @@ def use_presets(folder: str | Path | None) -> None:
     if folder is not None and not Path(folder).is_dir():
         raise UsageError(f"--presets: no such folder {folder}")
     _user_folder = Path(folder) if folder is not None else None
+    if folder is not None:
+        LOG.info("presets from %s first", folder)
 
 
 def _folders() -> list:
