@@ -89,6 +89,11 @@ def _coerce(tp: Any, value: Any, current: Any, where: str) -> Any:
             raise UsageError(f"{where}: expected a mapping {type_name(inner)}")
         base = current if isinstance(current, inner) else inner()
         return override(base, value, where)
+    if origin is tuple and get_args(inner)[-1:] == (Ellipsis,):  # any length, one type
+        if not isinstance(value, (list, tuple)):
+            raise UsageError(f"{where}: expected a list ({type_name(inner)})")
+        kind = get_args(inner)[0]
+        return tuple(_coerce(kind, v, None, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is tuple:
         items = get_args(inner)
         if not isinstance(value, (list, tuple)) or len(value) != len(items):

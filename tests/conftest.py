@@ -1,10 +1,14 @@
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may touch the network
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# no config file of the machine's (~/.config/mmkv/config.toml) changes what a test sees
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="mmkv-test-config-")
+os.environ.pop("MMKV_CONFIG", None)
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "samples"

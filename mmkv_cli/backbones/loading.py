@@ -21,6 +21,7 @@ from mmkv_cli.backbones.spec import (
     load_model_spec,
     model_names,
 )
+from mmkv_cli.config import config
 from mmkv_cli.errors import ModelError, UsageError
 from mmkv_cli.options import LoadOptions
 from mmkv_cli.runtime import require_supported
@@ -87,6 +88,11 @@ def load_backbone(options: LoadOptions | None = None) -> Backbone:
 
 def _build(options: LoadOptions) -> Backbone:
     require_supported()  # an old torch or transformers named in one line, not deep in a model class
+    chosen = config()  # the file's device and dtype where the caller left them to "auto"
+    if options.device == "auto" and chosen.device:
+        options = replace(options, device=chosen.device)
+    if options.dtype == "auto" and chosen.dtype:
+        options = replace(options, dtype=chosen.dtype)
     name = options.model or default_model()
     check_available(name)  # no network wait for a checkpoint that cannot come
     spec = load_model_spec(name)

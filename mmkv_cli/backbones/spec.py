@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mmkv_cli.backbones import FamilyName
+from mmkv_cli.config import config
 from mmkv_cli.errors import ModelError, UsageError
 from mmkv_cli.presets import NAME, find_preset, preset_names, read_preset
 from mmkv_cli.spec import knob, override
@@ -36,7 +37,8 @@ class ModelSpec:
 
 
 def default_model() -> str:
-    return os.environ.get("MMKV_MODEL") or "llava-ov-0.5b"
+    """$MMKV_MODEL, else the config file's model, else the papers' backbone."""
+    return os.environ.get("MMKV_MODEL") or config().model or "llava-ov-0.5b"
 
 
 def model_names() -> list[str]:

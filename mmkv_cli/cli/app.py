@@ -16,6 +16,7 @@ from mmkv_cli.cli import asking as cli_asking
 from mmkv_cli.cli import batch as cli_batch
 from mmkv_cli.cli import live as cli_live
 from mmkv_cli.cli import packs as cli_pack
+from mmkv_cli.cli import settings as cli_settings
 from mmkv_cli.cli import study as cli_study
 from mmkv_cli.cli import talk as cli_talk
 from mmkv_cli.cli.common import (
@@ -36,7 +37,7 @@ from mmkv_cli.cli.common import (
     method_names,
     run,
 )
-from mmkv_cli.errors import SetupError
+from mmkv_cli.errors import MmkvError, SetupError
 from mmkv_cli.options import (
     Dtype,
     EncodeOptions,
@@ -92,18 +93,22 @@ def main_options(
     import os
 
     from mmkv_cli.cli.display import show_logs
+    from mmkv_cli.config import config
     from mmkv_cli.logs import level_named
     from mmkv_cli.presets import use_presets
 
     def body() -> None:
+        chosen = config()
         if log_level is not None:
             level = level_named(log_level, "--log-level")
         elif os.environ.get("MMKV_LOG"):
             level = level_named(os.environ["MMKV_LOG"], "MMKV_LOG")
-        else:
+        elif verbose or quiet or not chosen.log_level:
             level = logging.ERROR if quiet else logging.WARNING - 10 * min(verbose, 2)
+        else:
+            level = level_named(chosen.log_level, "log_level")
         show_logs(level, quiet)
-        use_presets(presets)  # None: the built-in and $MMKV_PRESETS ones only
+        use_presets(presets or chosen.presets)  # and $MMKV_PRESETS, then the built-in ones
 
     run(body)
 
@@ -282,6 +287,7 @@ app.command(cls=Command)(cli_pack.convert)
 app.command(cls=Command)(cli_pack.verify)
 app.command(cls=Command)(cli_pack.ls)
 app.command(cls=Command)(cli_batch.batch)
+app.command("config", cls=Command)(cli_settings.config_command)
 
 
 def main() -> None:
@@ -295,7 +301,12 @@ def main() -> None:
         sys.argv.append("--help")
     command = typer.main.get_command(app)
     try:
-        code = command.main(prog_name="mmkv", standalone_mode=False)
+        defaults = cli_settings.command_defaults()  # the config file's, under the command line's
+    except MmkvError as err:
+        sys.stderr.write(f"error: {err}\n")
+        sys.exit(err.exit_code)
+    try:
+        code = command.main(prog_name="mmkv", standalone_mode=False, default_map=defaults)
     except typer.Exit as done:
         sys.exit(done.exit_code)
     except typer.Abort:

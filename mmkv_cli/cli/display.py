@@ -435,3 +435,21 @@ def questions_progress(total: int):
     task = bar.add_task("questions", total=total)
     with bar:
         yield lambda done: bar.update(task, completed=done)
+
+
+def show_config(path, rows: list[dict]) -> None:
+    """The config file's path, then one line a setting: key, value, where it came from; its
+    meaning beside them where the terminal has room."""
+    there = "" if path.is_file() else " (not there: `mmkv config --init` writes one)"
+    out_console.print(f"config file: {path}{there}", highlight=False, soft_wrap=True)
+    wide = out_console.width >= 120
+    table = Table(box=None, padding=(0, 1), pad_edge=False)
+    for column in ("key", "value", "from", *(("meaning",) if wide else ())):
+        table.add_column(column, no_wrap=column != "value", overflow="fold", header_style="dim")
+    for row in rows:
+        value = row["value"]
+        value = (
+            "-" if value is None else ", ".join(value) if isinstance(value, list) else str(value)
+        )
+        table.add_row(row["key"], Text(value), row["from"], *((row["doc"],) if wide else ()))
+    out_console.print(table)

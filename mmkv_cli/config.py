@@ -1,0 +1,99 @@
+"""The optional config file: defaults for the model, device, dtype, packs folder, presets, log level
+and the server, in TOML at $MMKV_CONFIG, else $XDG_CONFIG_HOME/mmkv/config.toml (~/.config/...).
+
+A value given on the command line (or to a Python call) wins, then an environment variable that
+names the same thing (MMKV_MODEL, MMKV_LOG, MMKV_PRESETS), then the file, then the default. The file
+is checked as a preset is: an unknown key, a wrong type or a value out of range is one line naming
+the file and the key. `mmkv config` shows every value and where it came from.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tomllib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from mmkv_cli.errors import UsageError
+from mmkv_cli.spec import knob, override
+
+Level = Literal["debug", "info", "warning", "error", "critical"]
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`mmkv serve`'s options, by their names (None: the option's own default)."""
+
+    host: str | None = knob(None, "address to bind (loopback unless you open it)")
+    port: int | None = knob(None, "TCP port", low=0, high=65535)
+    queue: int | None = knob(None, "requests that may wait; more get 503", low=1)
+    models: int | None = knob(None, "backbones kept loaded (LRU)", low=1)
+    cors: tuple[str, ...] | None = knob(None, "origins whose web pages may call the API ('*': any)")
+    preload: bool | None = knob(None, "load the model before answering anything, /health included")
+
+
+@dataclass(frozen=True)
+class Config:
+    """What the file may set; None: not set (the built-in default stands)."""
+
+    model: str | None = knob(None, "the model encode, live, eval and batch load unless told")
+    device: str | None = knob(None, "where models run unless told: auto, cpu, cuda or cuda:N")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = knob(
+        None, "the weights' dtype unless told"
+    )
+    packs: str | None = knob(None, "the folder `serve` serves and `ls` lists when none is given")
+    presets: str | None = knob(None, "a folder of your presets (methods/, models/), as --presets")
+    log_level: Level | None = knob(None, "log records from this level (as --log-level)")
+    serve: ServeConfig = knob(ServeConfig(), "`mmkv serve`'s settings")
+
+
+def config_path() -> Path:
+    """Where the config file is read from (it need not exist)."""
+    if os.environ.get("MMKV_CONFIG"):
+        return Path(os.environ["MMKV_CONFIG"]).expanduser()
+    home = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
+    return Path(home) / "mmkv" / "config.toml"
+
+
+@functools.cache
+def config() -> Config:
+    """The config file's values over the defaults, read and checked once a process. A file named by
+    $MMKV_CONFIG must exist; the default one may not."""
+    path = config_path()
+    if not path.is_file():
+        if os.environ.get("MMKV_CONFIG"):
+            raise UsageError(f"MMKV_CONFIG names {path}, which is not a file")
+        return Config()
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"{path}: cannot be read ({err})") from None
+    except tomllib.TOMLDecodeError as err:
+        raise UsageError(f"{path}: not TOML: {err}") from None
+    if isinstance(data.get("serve"), dict) and isinstance(data["serve"].get("cors"), str):
+        data["serve"]["cors"] = [data["serve"]["cors"]]  # one origin as a string
+    try:
+        chosen = override(Config(), data, "config")
+    except UsageError as err:
+        said = str(err).removeprefix("config.").removeprefix("config: ")
+        raise UsageError(f"{path}: {said}") from None
+    for key in ("packs", "presets"):  # folders: ~ is the user's home, as in a shell
+        folder = getattr(chosen, key)
+        if folder is not None and "://" not in folder:
+            chosen = replace(chosen, **{key: os.path.expanduser(folder)})
+    if chosen.presets is not None and not Path(chosen.presets).is_dir():
+        raise UsageError(f"{path}: presets: no such folder {chosen.presets}")
+    return chosen
+
+
+def file_values() -> dict[str, Any]:
+    """The keys the file sets (dotted for the server's), as written there."""
+    path = config_path()
+    if not path.is_file():
+        return {}
+    data = tomllib.loads(path.read_text(encoding="utf-8"))
+    flat = {key: value for key, value in data.items() if key != "serve"}
+    flat.update({f"serve.{key}": value for key, value in (data.get("serve") or {}).items()})
+    return flat
