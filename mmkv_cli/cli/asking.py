@@ -62,7 +62,11 @@ def ask(
         None, "--positions", help="Keep the stored positions or compact them (default: method's)."
     ),
     prune: PruneMethod | None = typer.Option(
-        None, "--prune", help="Prune the context's visual KV by the question before decoding."
+        None,
+        "--prune",
+        metavar="METHOD",
+        help="Prune the context's visual KV by the question before decoding: "
+        f"{', '.join(pruning_methods())}.",
     ),
     budget: float | None = typer.Option(
         None, "--budget", help="With --prune: share of the visual KV kept."

@@ -40,7 +40,8 @@ ModelOpt = typer.Option(
     None,
     "--model",
     "-m",
-    help="Preset name, HF id or local path (default: $MMKV_MODEL or llava-ov-0.5b).",
+    help="Preset name, HF id or local path (default: $MMKV_MODEL, the config file's model, or "
+    "llava-ov-0.5b).",
     autocompletion=model_names,
 )
 PackModelOpt = typer.Option(
@@ -53,7 +54,12 @@ PackModelOpt = typer.Option(
 DeviceOpt = typer.Option(
     "auto", "--device", help="auto, cpu, cuda or cuda:N.", autocompletion=devices
 )
-DtypeOpt = typer.Option(Dtype.auto, "--dtype", help="Weights' dtype (auto: bf16 on CUDA).")
+DtypeOpt = typer.Option(
+    Dtype.auto,
+    "--dtype",
+    metavar="DTYPE",
+    help="Weights' dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16.",
+)
 # the media and the budget, the same for every command that encodes (encode, batch, profile, eval)
 FpsOpt = typer.Option(None, "--fps", help="Frames sampled per second (default: model preset).")
 MaxFramesOpt = typer.Option(None, "--max-frames", help="At most this many frames (thinned evenly).")
@@ -176,12 +182,51 @@ class Command(TyperCommand):
     def get_params(self, ctx) -> list:
         return _untyped_flags(super().get_params(ctx))
 
+    def format_help(self, ctx, formatter) -> None:
+        """Rich's panels where the terminal is wide; below 100 columns they leave the help a third
+        of the line, so click's plain layout gives each option's help the width left of it."""
+        if _terminal_width(ctx) >= WIDE_HELP:
+            return super().format_help(ctx, formatter)
+        _whole_words(formatter)
+        return TyperCommand.__mro__[1].format_help(self, ctx, formatter)
+
+    def get_short_help_str(self, limit: int = 45) -> str:
+        """The summary whole (the listing wraps it), never cut at `limit` into '...'."""
+        return " ".join((self.short_help or (self.help or "").split("\n\n")[0]).split())
+
+
+WIDE_HELP = 100  # columns from which help is drawn in rich's panels
+
+
+def _terminal_width(ctx) -> int:
+    import shutil
+
+    return ctx.terminal_width or shutil.get_terminal_size((80, 24)).columns
+
+
+def _whole_words(formatter) -> None:
+    """Click wraps help at hyphens (`llava-` / `ov-0.5b`, `mmlongbench-` / `doc`): have its wrapper
+    split lines at spaces only, so a name one types is never broken across lines."""
+    import importlib
+    import textwrap
+
+    package = type(formatter).__module__.rsplit(".", 1)[0]  # click, or Typer's copy of it
+    wrapper = importlib.import_module(f"{package}._textwrap").TextWrapper
+    wrapper.wordsep_re = textwrap.TextWrapper.wordsep_simple_re
+
 
 class Group(TyperGroup):
     """The app itself: its flags (--version, --help) without a type column, as its commands'."""
 
     def get_params(self, ctx) -> list:
         return _untyped_flags(super().get_params(ctx))
+
+    def format_help(self, ctx, formatter) -> None:
+        """As a command's: rich's panels only where the terminal is wide."""
+        if _terminal_width(ctx) >= WIDE_HELP:
+            return super().format_help(ctx, formatter)
+        _whole_words(formatter)
+        return TyperGroup.__mro__[1].format_help(self, ctx, formatter)
 
 
 def _untyped_flags(params: list) -> list:

@@ -222,9 +222,10 @@ def converted_line(info: dict) -> str:
 
 
 def encoded_line(info: dict) -> str:
+    """Two lines that fit 80 columns: the file written, then what it keeps."""
     return (
-        f"wrote {info['path']}: {info['method']} ({budget_label(info)}), {kept_label(info)}, "
-        f"{info['blocks']} blocks, {human_bytes(info['bytes'])}, {info['encode_s']:.2f}s"
+        f"wrote {info['path']} ({human_bytes(info['bytes'])}, {info['blocks']} blocks) in "
+        f"{info['encode_s']:.2f} s\n{info['method']} ({budget_label(info)}): {kept_label(info)}"
         f"{budget_note(info)}"
     )
 
@@ -294,35 +295,39 @@ def show_profile(result: dict) -> None:
         ("TTFT", "ttft_s", lambda v: f"{1000 * v:.1f}ms"),
         ("decode/tok", "decode_s_per_token", lambda v: f"{1000 * v:.1f}ms"),
     ]
-    compared = columns
-    runs = result["methods"][0].get("repeat", 1) if result["methods"] else 1
-    each = f", medians of {runs} runs" if runs > 1 else ", one run each (--repeat N for medians)"
-    measured = Table(
-        title=f"profile: {result['model']} on {result['device']}{each}", title_justify="left"
-    )
-    ratios = Table(title=f"ratio to {result['reference']}", title_justify="left")
-    for table, shown in ((measured, columns), (ratios, compared)):
-        table.add_column("method", no_wrap=True)
-        for title, _, _ in shown:
-            table.add_column(title, justify="right", overflow="fold")
     from mmkv_cli.study.profile import label as run_label
 
-    for r in result["methods"]:
-        label = run_label(r)
-        measured.add_row(
-            label, *("-" if r[key] is None else fmt(r[key]) for _, key, fmt in columns)
-        )
-        ratios.add_row(
-            label,
-            *(
-                "-" if r["ratio"][key] is None else f"{r['ratio'][key]:.2f}"
-                for _, key, _ in compared
-            ),
-        )
-    out_console.print(measured)
-    out_console.print(ratios)
-    if any(r.get("kv_bits", 16) != 16 for r in result["methods"]):
+    runs = result["methods"]
+    repeat = runs[0].get("repeat", 1) if runs else 1
+    each = (
+        f", medians of {repeat} runs" if repeat > 1 else ", one run each (--repeat N for medians)"
+    )
+    labels = [run_label(r) for r in runs]
+    measured = [[_cell(r[key], fmt) for r in runs] for _, key, fmt in columns]
+    ratios = [[_cell(r["ratio"][key], "{:.2f}".format) for r in runs] for _, key, _ in columns]
+    titles = (
+        f"profile: {result['model']} on {result['device']}{each}",
+        f"ratio to {result['reference']}",
+    )
+    for title, cells in zip(titles, (measured, ratios)):
+        # a rule under the header, one space between columns: eight columns fit 80 columns; a
+        # figure is never split (its column is as wide as its widest), a heading may wrap
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        table.collapse_padding = True
+        headings = ["method", *(heading for heading, _, _ in columns)]
+        for heading, column in zip(headings, [labels, *cells]):
+            justify = "left" if heading == "method" else "right"
+            width = max(map(len, column), default=1)
+            table.add_column(heading, justify=justify, min_width=width, overflow="fold")
+        for row in zip(labels, *cells):
+            table.add_row(*row)
+        out_console.print(table)
+    if any(r.get("kv_bits", 16) != 16 for r in runs):
         show_quantization(result)
+
+
+def _cell(value, fmt) -> str:
+    return "-" if value is None else fmt(value)
 
 
 def show_quantization(result: dict) -> None:
