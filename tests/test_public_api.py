@@ -5,6 +5,8 @@ import dataclasses
 import inspect
 import json
 import shutil
+import subprocess
+import sys
 import typing
 
 import pytest
@@ -202,3 +204,17 @@ def test_annotations_resolve_at_runtime():
     for name in ("encode", "ask", "live", "convert", "eval"):
         typing.get_type_hints(getattr(mmkv, name))
     typing.get_type_hints(mmkv.Pack.ask)
+
+
+def test_reading_packs_and_listing_from_python_never_imports_torch(tmp_path, clip):
+    pack = tmp_path / "p.kvpack"
+    mmkv.encode(clip, pack, model="demo", max_frames=4)
+    script = (
+        "import sys, mmkv\n"
+        f"assert mmkv.verify({str(pack)!r}).ok and mmkv.inspect({str(pack)!r}).blocks\n"
+        "assert mmkv.list_methods() and mmkv.list_models()\n"
+        "mmkv.methods.HERMES(budget_tokens=64, deep_share=0.4)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stderr
