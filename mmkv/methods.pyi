@@ -126,6 +126,10 @@ class HERMES(MethodConfig):
     recency_k: tuple[float, float]
     middle_a: tuple[float, float]
     smoothing: Smoothing | Mapping[str, Any]
+    prompts: Literal['roles', 'one']
+    local_question: str
+    global_question: str
+    previous_turn: bool
     summary: bool
     summary_at: Literal['after_kept', 'after_prompt']
     reindex: Literal['eager', 'lazy']
@@ -143,6 +147,10 @@ class HERMES(MethodConfig):
         recency_k: tuple[float, float] = ...,
         middle_a: tuple[float, float] = ...,
         smoothing: Smoothing | Mapping[str, Any] = ...,
+        prompts: Literal['roles', 'one'] = ...,
+        local_question: str = ...,
+        global_question: str = ...,
+        previous_turn: bool = ...,
         summary: bool = ...,
         summary_at: Literal['after_kept', 'after_prompt'] = ...,
         reindex: Literal['eager', 'lazy'] = ...,

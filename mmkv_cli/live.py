@@ -223,6 +223,7 @@ class Follow:
                     {"id": question.id, "question": question.question, "error": str(err)}
                 )
             return
+        self.context.turns.append((question.question, answer.answer))  # for a turn-aware memory
         record = answer_record(answer, question.question, question.at, question.id)
         record.update(
             completion_tokens=len(answer.token_ids),

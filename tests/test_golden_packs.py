@@ -4,7 +4,9 @@ pack is written again only where a method's output changed on purpose, said in i
 budget bound (issue 39, mukv-qwen3), MEDA's pivot merge and per-head entropy (issue 38,
 meda-llava-images), MuKV's code defaults (issue 38, mukv-qwen3), and all four for format v9 (issue
 38: key groups spanning blocks; only mukv-qwen3, the quantized one, changed bytes), and all four for
-format v10 (issue 48: BLAKE3 checksums; every tensor but the digests byte for byte as before)."""
+format v10 (issue 48: BLAKE3 checksums; every tensor but the digests byte for byte as before), and
+hermes-qwen25 for HERMES' layer-role pseudo-questions (issue 51: middle and deep layers keep other
+tokens)."""
 
 import json
 from pathlib import Path

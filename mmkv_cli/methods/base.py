@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from mmkv_cli.spec import Paper, knob
@@ -67,6 +67,9 @@ class EncodeContext:
 
     media_kind: str = "video"
     guidance_prompt: str | None = None  # `encode --guidance-prompt`: replaces any preset's
+    # a live stream's (question, answer) turns so far, oldest first: the follow adds each one it
+    # answers, for a method whose memory is steered by the last (HERMES' previous_turn)
+    turns: list[tuple[str, str]] = field(default_factory=list, compare=False)
 
     def guidance(self, preset: str | None = None) -> str:
         """The prompt to score with: the command line's, else the preset's, else the media

@@ -1,10 +1,11 @@
 """HERMES (seed 002): the KV cache as layered memory under a fixed token budget, streamed in chunks.
 
 Whenever the visual part of the running cache exceeds the budget, every layer is cut back to it.
-Shallow layers keep the newest tokens (a forgetting curve), deep layers the tokens a generic
-guidance prompt attends to, middle layers a depth-interpolated mix; scores are smoothed deep ->
-shallow and each layer keeps its own top-k. What deep layers evict is folded into one summary token
-that stays in the running cache; by default its position follows the layer's last kept token, as in
+Shallow layers keep the newest tokens (a forgetting curve), deep layers the tokens a global
+pseudo-question attends to, middle layers a depth-interpolated mix scored by the local and global
+pseudo-questions joined, as the authors' code asks them; scores are smoothed deep -> shallow and
+each layer keeps its own top-k. What deep layers evict is folded into one summary token that stays
+in the running cache; by default its position follows the layer's last kept token, as in
 the authors' code. Positions stay (`lazy`, compacted only near the model's position limit) or are
 compacted at every compression (`eager`), keys re-rotated by the change. Everything kept goes into
 the pack; ask uses all of it (no retrieval).
@@ -39,6 +40,19 @@ class Smoothing:
         return {"shallow": self.shallow, "middle": self.middle, "deep": self.deep}[role]
 
 
+# The pseudo-questions each layer role is scored by (the authors' code asks one of each kind; these
+# are mmkv's words for them): the local one about what is in view now, the global one about the
+# whole stream so far; middle layers ask both, joined.
+LOCAL_QUESTION = (
+    "Describe what is in view right now: each object, the small movements, and where things are "
+    "relative to one another."
+)
+GLOBAL_QUESTION = (
+    "Tell the story of the whole video so far: who appears, the main events in order, what "
+    "changed over time, and what it is about."
+)
+
+
 @dataclass(frozen=True)
 class HermesParams(GuidedParams):
     shallow_share: float = knob(
@@ -55,6 +69,18 @@ class HermesParams(GuidedParams):
         high=1,
     )
     smoothing: Smoothing = knob(Smoothing(), "cross-layer smoothing g per role, deep -> shallow")
+    prompts: Literal["roles", "one"] = knob(
+        "roles",
+        "roles: middle layers score by the local and global pseudo-questions joined, deep ones by "
+        "the global one (the authors' code); one: every layer by the guidance prompt (the paper)",
+    )
+    local_question: str = knob(LOCAL_QUESTION, "roles: the pseudo-question about what is in view")
+    global_question: str = knob(GLOBAL_QUESTION, "roles: the pseudo-question about the story")
+    previous_turn: bool = knob(
+        False,
+        "roles: put a live stream's last question and answer before both, as the authors' code "
+        "does (off: a live answer equals the answer from a pack of the stream cut there)",
+    )
     summary: bool = knob(True, "deep layers fold what they evict into one summary token")
     summary_at: Literal["after_kept", "after_prompt"] = knob(
         "after_kept",
@@ -115,6 +141,17 @@ def recency_curve(count: int, k: float) -> torch.Tensor:
     the oldest."""
     age = (count - 1 - torch.arange(count, dtype=torch.float32)) / max(1, count - 1)
     return torch.exp(-k * age)
+
+
+def role_questions(local: str, global_: str, turn: tuple[str, str] | None = None) -> dict[str, str]:
+    """The pseudo-question each layer role is scored by: shallow the local one (its weight is 0:
+    shallow layers keep by recency alone), middle both joined by '; ', deep the global one; each
+    after the last question and its answer when `turn` is given."""
+    if turn is not None:
+        said = f"Question: {turn[0]} Answer: {turn[1]}"
+        local = f"Find what is in view about: {said}. {local}"
+        global_ = f"Given what was asked: {said}. {global_}"
+    return {"shallow": local, "middle": f"{local}; {global_}", "deep": global_}
 
 
 def layer_score(attention: torch.Tensor, a: float, k: float) -> torch.Tensor:
@@ -211,9 +248,23 @@ class HermesMemory(KeepAll):
     def _roles(self, state: StreamState) -> list[tuple[str, float]]:
         return layer_roles(state.layers, self.params.shallow_share, self.params.deep_share)
 
+    def _attention(self, state: StreamState, roles: list[tuple[str, float]]) -> list[torch.Tensor]:
+        """Per layer, the attention its role's pseudo-question pays each visual token. A guidance
+        prompt given (encode --guidance-prompt, or the parameter) scores every layer, as `one`."""
+        chosen = self.context.guidance_prompt or self.params.guidance_prompt
+        if self.params.prompts == "one" or chosen:
+            return state.attend(self.context.guidance(self.params.guidance_prompt))
+        turn = self.context.turns[-1] if self.params.previous_turn and self.context.turns else None
+        asked = role_questions(self.params.local_question, self.params.global_question, turn)
+        needed = {role for role, _ in roles if role != "shallow"}  # shallow weighs attention 0
+        attended = {role: state.attend(asked[role]) for role in sorted(needed)}
+        device = next(iter(attended.values()))[0].device if attended else None
+        flat = [torch.ones(state.cache.count(n), device=device) for n in range(state.layers)]
+        return [attended.get(role, flat)[layer] for layer, (role, _) in enumerate(roles)]
+
     def _compress(self, state: StreamState, cap: int) -> None:
         roles = self._roles(state)
-        attention = state.attend(self.context.guidance(self.params.guidance_prompt))
+        attention = self._attention(state, roles)
         scores = [
             layer_score(attention[layer], *mix_for(role, p, self.params))
             for layer, (role, p) in enumerate(roles)
