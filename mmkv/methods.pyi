@@ -92,6 +92,9 @@ class MuKV(MethodConfig):
     positions: Literal['keep', 'reindex']
     similarity: Literal['cosine', 'dot']
     layers: Literal['last', 'each']
+    dedup: bool
+    dedup_similarity: float
+    dedup_candidates: float
     def __init__(
         self,
         *,
@@ -114,6 +117,9 @@ class MuKV(MethodConfig):
         positions: Literal['keep', 'reindex'] = ...,
         similarity: Literal['cosine', 'dot'] = ...,
         layers: Literal['last', 'each'] = ...,
+        dedup: bool = ...,
+        dedup_similarity: float = ...,
+        dedup_candidates: float = ...,
     ) -> None: ...
 
 

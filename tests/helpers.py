@@ -178,3 +178,15 @@ def mpegts_bytes(video) -> bytes:
             packet.stream = copied
             out.mux(packet)
     return out_buffer.getvalue()
+
+
+def run_mmkv(*args: str, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """`mmkv ARGS` in a fresh process (at 200 columns unless `env` says), its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "mmkv_cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
+        cwd=cwd,
+        timeout=300,
+    )

@@ -12,19 +12,9 @@ import tomllib
 import httpx
 
 from tests.conftest import SAMPLES
+from tests.helpers import run_mmkv as mmkv_cli
 
 CLIP = str(SAMPLES / "clip.mp4")
-
-
-def mmkv_cli(*args, env=None, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "mmkv_cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "COLUMNS": "200", **(env or {})},
-        cwd=cwd,
-        timeout=300,
-    )
 
 
 def settings(done) -> dict:

@@ -2,25 +2,14 @@
 CLI's -v, -vv, --log-level or MMKV_LOG on stderr (rich's handler); -q leaves answers and errors."""
 
 import logging
-import os
 import subprocess
 import sys
 
 import mmkv
 from tests.conftest import SAMPLES
+from tests.helpers import run_mmkv as mmkv_cli
 
 CLIP = str(SAMPLES / "clip.mp4")
-
-
-def mmkv_cli(*args, env=None, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "mmkv_cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "COLUMNS": "200", **(env or {})},
-        cwd=cwd,
-        timeout=300,
-    )
 
 
 def test_verbose_shows_the_steps_and_json_stays_clean(tmp_path):

@@ -103,6 +103,15 @@ class MuKVParams:
         "last: the last layer's vectors choose the blocks of every layer (the paper); each: every "
         "layer picks its own, as ReKV's code does (stores a key per layer)",
     )
+    dedup: bool = knob(
+        False,
+        "drop a candidate whose last-layer key is too like a better one's (the code's "
+        "_select_tokens_with_dedup; off in the authors' run scripts)",
+    )
+    dedup_similarity: float = knob(
+        0.9, "dedup: cosine above which a candidate is a duplicate", low=-1, high=1
+    )
+    dedup_candidates: float = knob(1.2, "dedup: candidates, as a multiple of a block's keep", low=1)
 
 
 # --- scoring: pure functions over tensors ---
@@ -131,6 +140,31 @@ def frequency_signal(keys: torch.Tensor, mode: str = "fft") -> torch.Tensor:
 
 def fused_score(attention: torch.Tensor, frequency: torch.Tensor, alpha: float) -> torch.Tensor:
     return alpha * minmax(attention) + (1 - alpha) * minmax(frequency)
+
+
+def dedup_top(
+    score: torch.Tensor, keys: torch.Tensor, keep: int, similarity: float, widen: float
+) -> torch.Tensor:
+    """The `keep` best of score [N] with near-duplicates dropped, in temporal order. keys [N, D].
+
+    The int(widen * keep) best are candidates; best first, each one still standing drops every
+    later candidate whose key's cosine with its own is above `similarity` (greedy, as the authors'
+    code). The best `keep` left stand; when fewer than `keep` are left, the best dropped ones fill
+    the block (the code keeps fewer), so its size stays as planned and the device never has to tell
+    the host how many survived.
+    """
+    wide = min(int(keep * widen), score.numel())
+    if wide <= keep:
+        return top_in_order(score, keep)
+    order = score.topk(wide).indices  # best first
+    unit = torch.nn.functional.normalize(keys[order].float(), dim=-1)
+    later = torch.ones(wide, wide, dtype=torch.bool, device=score.device).triu(1)
+    alike = (unit @ unit.T > similarity) & later
+    standing = torch.ones(wide, dtype=torch.bool, device=score.device)
+    for i in range(wide):  # tensor ops only: no host sync in the block loop
+        standing = standing & ~(alike[i] & standing[i])
+    rank = (~standing).float() * wide + torch.arange(wide, device=score.device)
+    return order[rank.topk(keep, largest=False).indices].sort().values
 
 
 def keep_count(block_tokens: int, rho: float) -> int:
@@ -264,7 +298,12 @@ class MuKVMemory:
             return torch.arange(n, device=attention.device)
         frequency = frequency_signal(last_keys.float().mean(dim=0), self.params.frequency)
         alpha = self.params.alpha.as_dict()[plan.granularity]
-        return top_in_order(fused_score(attention, frequency, alpha), plan.keep)
+        score = fused_score(attention, frequency, alpha)
+        if self.params.dedup:
+            p = self.params
+            keys = last_keys.float().mean(dim=0)
+            return dedup_top(score, keys, plan.keep, p.dedup_similarity, p.dedup_candidates)
+        return top_in_order(score, plan.keep)
 
 
 def context(params: MuKVParams) -> RetrievalContext:
