@@ -6,7 +6,8 @@ meda-llava-images), MuKV's code defaults (issue 38, mukv-qwen3), and all four fo
 38: key groups spanning blocks; only mukv-qwen3, the quantized one, changed bytes), and all four for
 format v10 (issue 48: BLAKE3 checksums; every tensor but the digests byte for byte as before), and
 hermes-qwen25 for HERMES' layer-role pseudo-questions (issue 51: middle and deep layers keep other
-tokens)."""
+tokens), and mukv-qwen3 for MuKV's dedup parameters (issue 51: three more fields in the header's
+params, every tensor byte for byte as before)."""
 
 import json
 from pathlib import Path

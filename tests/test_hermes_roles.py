@@ -19,6 +19,9 @@ class Asked:
         self.cache = type("Cache", (), {"count": lambda _, layer: tokens})()
 
     def attend(self, prompt):
+        if isinstance(prompt, list):  # several questions: asked in one call, one wait
+            self.calls = getattr(self, "calls", 0) + 1
+            return [self.attend(p) for p in prompt]
         self.prompts.append(prompt)
         seed = len(self.prompts)
         return [torch.full((self.tokens,), float(seed * 100 + n)) for n in range(self.layers)]
@@ -39,6 +42,7 @@ def test_each_layer_is_scored_by_its_roles_question_and_shallow_ones_ask_none():
     attention = HermesMemory(params, Budget(tokens=4), EncodeContext())._attention(state, roles)
     questions = role_questions(params.local_question, params.global_question)
     assert state.prompts == [questions["deep"], questions["middle"]]  # two forwards, not three
+    assert state.calls == 1  # in one call: their scores reach the host in one copy
     for layer, (role, _) in enumerate(roles):
         want = {"shallow": 1.0, "deep": 100.0 + layer, "middle": 200.0 + layer}[role]
         assert attention[layer].tolist() == [want] * 5, (layer, role)

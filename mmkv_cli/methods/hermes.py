@@ -256,8 +256,8 @@ class HermesMemory(KeepAll):
             return state.attend(self.context.guidance(self.params.guidance_prompt))
         turn = self.context.turns[-1] if self.params.previous_turn and self.context.turns else None
         asked = role_questions(self.params.local_question, self.params.global_question, turn)
-        needed = {role for role, _ in roles if role != "shallow"}  # shallow weighs attention 0
-        attended = {role: state.attend(asked[role]) for role in sorted(needed)}
+        needed = sorted({role for role, _ in roles if role != "shallow"})  # shallow weighs it 0
+        attended = dict(zip(needed, state.attend([asked[role] for role in needed])))
         device = next(iter(attended.values()))[0].device if attended else None
         flat = [torch.ones(state.cache.count(n), device=device) for n in range(state.layers)]
         return [attended.get(role, flat)[layer] for layer, (role, _) in enumerate(roles)]
