@@ -64,3 +64,32 @@ def test_encode_and_profile_print_whole_lines_at_80_columns(tmp_path, monkeypatc
     rows = [line.split() for line in lines if line.lstrip().startswith(("full", "pyramidkv"))]
     assert [len(row) for row in rows] == [8, 9, 8, 9]  # every figure whole, one a cell
     assert all(re.fullmatch(r"[\d.]+(B|KiB|MiB|GiB)", row[-6]) for row in rows[:2])
+
+
+def test_profile_tables_fit_80_columns_with_the_widest_figures(capsys):
+    from mmkv_cli.cli import display
+
+    keys = ("encode_s", "bytes", "visual_tokens_kept", "peak_mem_bytes", "peak_kv_bytes")
+    keys += ("ttft_s", "decode_s_per_token")
+
+    def run(label: str, values: tuple) -> dict:
+        budget = None if label == "full" else 0.25
+        record = {"method": label, "budget": budget, "budget_tokens": None, "repeat": 1}
+        return {**record, **dict(zip(keys, values)), "ratio": dict.fromkeys(keys, 12.34)}
+
+    wide = (1234.56, 1023.9 * 2**20, 15.75, 1023.9 * 2**20, 1023.9 * 2**30, 12.3456, 1.2345)
+    result = {"model": "rehearsal-llava-ov-7b", "device": "cuda:0", "reference": "full"}
+    result["methods"] = [run("full", wide), run("pyramidkv", wide), run("streamingtom", wide)]
+    width = display.out_console.width
+    display.out_console.width = 80
+    try:
+        display.show_profile(result)
+    finally:
+        display.out_console.width = width
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 80 and not any("…" in line for line in lines)
+    rows = [line.split() for line in lines if line.startswith(("full", "pyramidkv"))]
+    assert [len(row) for row in rows] == [8, 9, 8, 9], lines  # every figure whole, one a cell
+    assert rows[0][1:] == ["1234.56s", "1023.9MiB", "15.75", "1023.9MiB", "1023.9GiB", "12.35s"] + [
+        "1.23s"
+    ]

@@ -292,8 +292,8 @@ def show_profile(result: dict) -> None:
         ("kept", "visual_tokens_kept", str),
         ("peak mem", "peak_mem_bytes", human_bytes),
         ("peak KV", "peak_kv_bytes", human_bytes),
-        ("TTFT", "ttft_s", lambda v: f"{1000 * v:.1f}ms"),
-        ("decode/tok", "decode_s_per_token", lambda v: f"{1000 * v:.1f}ms"),
+        ("TTFT", "ttft_s", duration),
+        ("per tok", "decode_s_per_token", duration),  # decode time per token after the first
     ]
     from mmkv_cli.study.profile import label as run_label
 
@@ -310,20 +310,27 @@ def show_profile(result: dict) -> None:
         f"ratio to {result['reference']}",
     )
     for title, cells in zip(titles, (measured, ratios)):
-        # a rule under the header, one space between columns: eight columns fit 80 columns; a
-        # figure is never split (its column is as wide as its widest), a heading may wrap
-        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-        table.collapse_padding = True
+        # a rule under the header, one space between columns, headings no wider than their
+        # figures: eight columns fit 80, and a figure is never split
+        out_console.print(title, highlight=False)  # apart: a long title would widen the table
+        table = Table(box=box.SIMPLE_HEAD, padding=0, show_edge=False)
         headings = ["method", *(heading for heading, _, _ in columns)]
         for heading, column in zip(headings, [labels, *cells]):
             justify = "left" if heading == "method" else "right"
             width = max(map(len, column), default=1)
-            table.add_column(heading, justify=justify, min_width=width, overflow="fold")
+            table.add_column(heading, justify=justify, min_width=width, no_wrap=True)
         for row in zip(labels, *cells):
             table.add_row(*row)
         out_console.print(table)
+        out_console.print()
     if any(r.get("kv_bits", 16) != 16 for r in runs):
         show_quantization(result)
+
+
+def duration(seconds: float) -> str:
+    """Milliseconds under a second (12.3ms), seconds from there (12.35s): seven characters at most
+    below 1,000 s, so a profile's eight columns fit 80."""
+    return f"{1000 * seconds:.1f}ms" if seconds < 1 else f"{seconds:.2f}s"
 
 
 def _cell(value, fmt) -> str:
