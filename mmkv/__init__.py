@@ -241,15 +241,7 @@ def convert(
 ) -> PackInfo:
     """A pack re-stored without the model: its visual KV at `kv_bits` (None: as stored), only
     the blocks in [start, stop] seconds; written whole to `out`."""
-    from mmkv_cli.pack.quant import QuantSpec
-
-    quant = None
-    if kv_bits is not None:
-        bits = kv_bits_value(kv_bits)
-        quant = QuantSpec(bits) if kv_group is None else QuantSpec(bits, kv_group)
-    elif kv_group is not None:
-        raise UsageError("kv_group sets how kv_bits quantizes: pass kv_bits too")
-    _api.convert(pack, out, quant, start, stop, force)
+    _api.convert(pack, out, _api.convert_quant(kv_bits, kv_group), start, stop, force)
     return inspect(out)
 
 

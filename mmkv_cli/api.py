@@ -7,6 +7,7 @@ ask import the model side when they run.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmkv_cli import logs
-from mmkv_cli.errors import PackError, UsageError
+from mmkv_cli.errors import PackError, UsageError, flag
 from mmkv_cli.methods import METHODS
 from mmkv_cli.methods.base import ContextPolicy
 from mmkv_cli.methods.choice import choice_for
@@ -46,6 +47,7 @@ __all__ = [
     "ask",
     "context_policy",
     "convert",
+    "convert_quant",
     "encode",
     "inspect",
     "listing",
@@ -183,6 +185,21 @@ def refuse_input_as_output(media: str, output: Path) -> None:
             continue
         if same:
             raise UsageError(f"{output} is the media being encoded ({source}): pick another output")
+
+
+def convert_quant(kv_bits: float | None, kv_group: int | None) -> QuantSpec | None:
+    """How a convert re-stores the KV: None keeps it as stored; a group needs bits too (the
+    caller's words for both: --kv-bits on the command line, kv_bits in Python)."""
+    from mmkv_cli.options import kv_bits_value
+    from mmkv_cli.pack.quant import QuantSpec
+
+    if kv_bits is None:
+        if kv_group is not None:
+            bits = flag("kv_bits")
+            raise UsageError(f"{flag('kv_group')} sets how {bits} quantizes: pass {bits} too")
+        return None
+    bits = kv_bits_value(kv_bits)
+    return QuantSpec(bits) if kv_group is None else QuantSpec(bits, kv_group)
 
 
 def convert(
@@ -332,11 +349,12 @@ class PackSession:
             self.backbone, self.reader, self.policy, question, options, pruner, on_token
         )
         answer.bytes_read = self.reader.bytes_read - before  # this question's reads only
-        LOG.debug(
-            "answered from %d blocks, %d context tokens: ttft %.3f s (%s), %d bytes read",
-            len(answer.blocks_used), answer.context_tokens, answer.ttft_s,
-            ", ".join(f"{k} {v:.3f}" for k, v in answer.phases_s.items()), answer.bytes_read,
-        )  # fmt: skip
+        if LOG.isEnabledFor(logging.DEBUG):  # the phases are joined only when shown
+            LOG.debug(
+                "answered from %d blocks, %d context tokens: ttft %.3f s (%s), %d bytes read",
+                len(answer.blocks_used), answer.context_tokens, answer.ttft_s,
+                ", ".join(f"{k} {v:.3f}" for k, v in answer.phases_s.items()), answer.bytes_read,
+            )  # fmt: skip
         fetched = self.reader.fetched or 0
         answer.bytes_fetched, self._fetched = fetched - self._fetched, fetched
         return answer

@@ -61,19 +61,11 @@ def config_path() -> Path:
 def config() -> Config:
     """The config file's values over the defaults, read and checked once a process. A file named by
     $MMKV_CONFIG must exist; the default one may not."""
-    path = config_path()
-    if not path.is_file():
-        if os.environ.get("MMKV_CONFIG"):
-            raise UsageError(f"MMKV_CONFIG names {path}, which is not a file")
+    path, data = config_path(), _written()
+    if data is None:
         return Config()
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as err:
-        raise UsageError(f"{path}: cannot be read ({err})") from None
-    except tomllib.TOMLDecodeError as err:
-        raise UsageError(f"{path}: not TOML: {err}") from None
     if isinstance(data.get("serve"), dict) and isinstance(data["serve"].get("cors"), str):
-        data["serve"]["cors"] = [data["serve"]["cors"]]  # one origin as a string
+        data = {**data, "serve": {**data["serve"], "cors": [data["serve"]["cors"]]}}  # one origin
     try:
         chosen = override(Config(), data, "config")
     except UsageError as err:
@@ -88,12 +80,25 @@ def config() -> Config:
     return chosen
 
 
-def file_values() -> dict[str, Any]:
-    """The keys the file sets (dotted for the server's), as written there."""
+@functools.cache
+def _written() -> dict[str, Any] | None:
+    """The file as TOML, read once a process (None: there is none)."""
     path = config_path()
     if not path.is_file():
-        return {}
-    data = tomllib.loads(path.read_text(encoding="utf-8"))
+        if os.environ.get("MMKV_CONFIG"):
+            raise UsageError(f"MMKV_CONFIG names {path}, which is not a file")
+        return None
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"{path}: cannot be read ({err})") from None
+    except tomllib.TOMLDecodeError as err:
+        raise UsageError(f"{path}: not TOML: {err}") from None
+
+
+def file_values() -> dict[str, Any]:
+    """The keys the file sets (dotted for the server's), as written there."""
+    data = _written() or {}
     flat = {key: value for key, value in data.items() if key != "serve"}
     flat.update({f"serve.{key}": value for key, value in (data.get("serve") or {}).items()})
     return flat

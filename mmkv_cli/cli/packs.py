@@ -5,7 +5,6 @@ from __future__ import annotations
 import typer
 
 from mmkv_cli.cli.common import JsonOpt, emit_json, run
-from mmkv_cli.options import kv_bits_value
 
 
 def convert(
@@ -40,16 +39,8 @@ def convert(
     def body() -> None:
         from mmkv_cli import api
         from mmkv_cli.cli.display import converted_line, out_console
-        from mmkv_cli.errors import UsageError
-        from mmkv_cli.pack.quant import QuantSpec
 
-        quant = None  # stored as the source is
-        if kv_bits is not None:
-            bits = kv_bits_value(kv_bits)
-            quant = QuantSpec(bits) if kv_group is None else QuantSpec(bits, kv_group)
-        elif kv_group is not None:
-            raise UsageError("--kv-group sets how --kv-bits quantizes: pass --kv-bits too")
-        info = api.convert(source, output, quant, start, stop, force)
+        info = api.convert(source, output, api.convert_quant(kv_bits, kv_group), start, stop, force)
         emit_json(info) if as_json else out_console.print(converted_line(info), highlight=False)
 
     run(body)

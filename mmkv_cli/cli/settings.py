@@ -13,10 +13,16 @@ import typer
 from mmkv_cli.cli.common import JsonOpt, emit_json, run
 from mmkv_cli.cli.talk import serve
 from mmkv_cli.config import Config, ServeConfig, config, config_path, file_values
+from mmkv_cli.options import LoadOptions
 from mmkv_cli.spec import as_plain, describe
 
 # what each top-level key stands for when the file leaves it unset, and the variable that names it
-BUILT_IN = {"device": "auto", "dtype": "auto", "packs": ".", "log_level": "warning"}
+BUILT_IN = {
+    "device": LoadOptions.device,
+    "dtype": LoadOptions.dtype,
+    "packs": ".",
+    "log_level": "warning",
+}
 ENVIRONMENT = {"model": "MMKV_MODEL", "presets": "MMKV_PRESETS", "log_level": "MMKV_LOG"}
 
 
