@@ -58,6 +58,7 @@ class ReKV(MethodConfig):
     positions: Literal['keep', 'reindex']
     similarity: Literal['dot', 'cosine']
     layers: Literal['each', 'last']
+    retrieve: Literal['in_forward', 'two_pass']
     def __init__(
         self,
         *,
@@ -71,6 +72,7 @@ class ReKV(MethodConfig):
         positions: Literal['keep', 'reindex'] = ...,
         similarity: Literal['dot', 'cosine'] = ...,
         layers: Literal['each', 'last'] = ...,
+        retrieve: Literal['in_forward', 'two_pass'] = ...,
     ) -> None: ...
 
 

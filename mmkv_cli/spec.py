@@ -147,7 +147,10 @@ def override(base: Any, values: typing.Mapping[str, Any], where: str) -> Any:
         f, tp = declared[key]
         changes[key] = _coerce(tp, value, getattr(base, key), f"{where}.{key}")
         _check_range(f.metadata, changes[key], f"{where}.{key}")
-    return replace(base, **changes)
+    try:  # a class may refuse a combination of values (its __post_init__)
+        return replace(base, **changes)
+    except UsageError as error:
+        raise UsageError(f"{where}: {error}") from None
 
 
 def describe(cls: type) -> list[dict]:

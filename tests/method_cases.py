@@ -4,8 +4,6 @@ keep about that many; one that keeps everything needs no budget."""
 
 from dataclasses import dataclass, field
 
-from mmkv_cli.methods import METHODS
-
 
 @dataclass(frozen=True)
 class Case:
@@ -26,6 +24,9 @@ CASES = {
 
 
 def case_for(method: str) -> Case:
-    if METHODS[method].keeps_all:
+    """A method's case, or a preset's: its method's."""
+    from mmkv_cli.methods.choice import resolve_method
+
+    if resolve_method(method).method.keeps_all:
         return Case({})
     return CASES.get(method, Case())

@@ -120,7 +120,7 @@ def test_rerank_lifts_the_candidate_that_agrees_with_top_segments():
 
 def test_retrieval_picks_the_block_holding_a_planted_needle(tmp_path, backbones, clip):
     """Plant a needle: overwrite one block's representative with the question's own vector."""
-    from mmkv_cli.ask.answer import question_vector
+    from mmkv_cli.ask.layerwise import question_vector
     from mmkv_cli.methods.rekv import ReKVParams, context
     from mmkv_cli.pack import write_pack
 
@@ -137,7 +137,7 @@ def test_retrieval_picks_the_block_holding_a_planted_needle(tmp_path, backbones,
     segments[5].representative = needle
     planted = tmp_path / "planted.kvpack"
     write_pack(planted, reader.header, reader.span("prefix"), segments, reader.span("suffix"))
-    policy = context(ReKVParams(k=1, layers="last", similarity="cosine"))
+    policy = context(ReKVParams(k=1, layers="last", similarity="cosine", retrieve="two_pass"))
     again = PackReader(planted)
     chosen = policy.select(
         again.blocks,
@@ -199,7 +199,8 @@ def test_retrieval_methods_answer_in_a_new_process(tmp_path, backbones, clip, me
             "--max-new-tokens",
             "2",
             "--positions",
-            "reindex",
+            # ReKV retrieves inside the answering forward: the question's position comes first
+            "keep" if method == "rekv" else "reindex",
         ],
         capture_output=True,
         text=True,
@@ -363,7 +364,7 @@ def test_mukv_compares_keys_after_rope_as_its_authors_code_does(tmp_path, backbo
     """question_answering: the question prefilled after the init prompt, its last token's
     last-layer key as it is (after RoPE) against each block's mean kept key as the block was
     prefilled; mukv-paper keeps both position-free."""
-    from mmkv_cli.ask.answer import question_vector
+    from mmkv_cli.ask.layerwise import question_vector
 
     backbone = backbones[name]
     encode_pack(clip, tmp_path / "code.kvpack", method="mukv", backbone=backbone, max_frames=8)

@@ -100,7 +100,7 @@ def test_a_block_moved_in_the_stream_keeps_its_key_and_is_retrieved_the_same(
         assert any(torch.allclose(reps_a[row], reps_b[t], atol=1e-4) for t in twins)
 
     # the question scores every block by its content alone, so retrieval picks the same content
-    from mmkv_cli.ask.answer import question_vector
+    from mmkv_cli.ask.layerwise import question_vector
 
     question = "what color is the circle ?"
     scores, picked = {}, {}
@@ -141,7 +141,8 @@ def test_mukv_keys_are_stored_at_their_stream_positions(tmp_path, backbones, cli
 
 
 def test_rekv_can_retrieve_layer_by_layer(tmp_path, backbones, clip):
-    from mmkv_cli.ask.answer import build_cache, question_vector
+    from mmkv_cli.ask.answer import build_cache
+    from mmkv_cli.ask.layerwise import question_vector
 
     backbone = backbones["tiny-llava-ov"]
     pack = tmp_path / "r.kvpack"
@@ -152,7 +153,7 @@ def test_rekv_can_retrieve_layer_by_layer(tmp_path, backbones, clip):
 
     media = load_media(clip, max_frames=8)
     each = encode_media(backbone, media, choose("rekv"))  # the authors' code: a key per layer
-    last = encode_media(backbone, media, choose("rekv", layers="last"))
+    last = encode_media(backbone, media, choose("rekv", layers="last", retrieve="two_pass"))
     dim = reader.representatives().shape[2]
     for a, b in zip(each.blocks, last.blocks):
         assert a.representative.shape == (4, dim) and b.representative.shape == (1, dim)

@@ -10,12 +10,13 @@ import numpy as np
 import torch
 
 from mmkv_cli.ask.generate import generate
+from mmkv_cli.ask.layerwise import in_forward_splice, question_vector
 from mmkv_cli.ask.prune import AskPrune, prune_context
 from mmkv_cli.ask.result import Answer
 from mmkv_cli.backbones.base import Backbone
 from mmkv_cli.errors import PackError, UsageError
-from mmkv_cli.kernels.attention import Recorder, recording
-from mmkv_cli.kernels.rope import compact_positions, rotate_keys, unrotate
+from mmkv_cli.kernels.attention import Recorder, recording, splicing
+from mmkv_cli.kernels.rope import compact_positions, rotate_keys
 from mmkv_cli.methods.base import ContextPolicy
 from mmkv_cli.options import AskOptions
 from mmkv_cli.pack import PackReader
@@ -133,42 +134,6 @@ def build_cache(
     )
 
 
-def question_vector(
-    backbone: Backbone, reader: PackReader, ids: list[int], mode: str
-) -> torch.Tensor:
-    """The question as one retrieval vector per layer [layers, H_kv * D], from a forward over
-    [init prompt + question] (no video).
-
-    query_mean: each layer's queries averaged over the question's tokens and over the query heads
-    sharing a KV head (so it lives where block representatives do); last_key: each layer's key of
-    the question's last token. Both are rotated back to before RoPE, as the representatives of a v6
-    pack are (older packs averaged keys after RoPE: their question vectors stay rotated too).
-    """
-    prefix = reader.span("prefix")
-    cache = backbone.cache_from_layers(prefix.keys, prefix.values)
-    layers = len(prefix.keys)
-    if mode not in ("query_mean", "last_key"):
-        raise UsageError(f"unknown query mode '{mode}' (query_mean, last_key)")
-    recorder = Recorder(layers=set(range(layers)), queries=mode == "query_mean")
-    positions = backbone.text_positions(prefix.layer_counts[0], len(ids))
-    with recording(recorder):
-        backbone.forward(backbone.embed_ids(ids), positions, cache)
-    inv_freq, axes = backbone.rope_tables()
-    rotated = reader.rotated_representatives
-    out = []
-    for layer in range(layers):
-        if mode == "last_key":
-            vector, at = cache.layers[layer].keys[0, :, -1:].float(), positions[:, -1:]
-        else:
-            vector, at = recorder.query[layer][0].float(), positions  # [H, q, D]
-        if not rotated:
-            vector = unrotate(vector, at, inv_freq, axes)
-        vector = vector.mean(dim=1)  # [H, D]
-        kv_heads = prefix.keys[layer].shape[0]
-        out.append(vector.reshape(kv_heads, -1, vector.shape[-1]).mean(dim=1).reshape(-1))
-    return torch.stack(out).cpu()  # one wait for every layer's query
-
-
 def _representatives(reader: PackReader) -> torch.Tensor:
     reps = reader.representatives()
     if reps is None:
@@ -201,11 +166,17 @@ def answer_from_pack(
         lambda mode: question_vector(backbone, reader, asked, mode),
         options.at,
     )
-    names = selection.names
     clock.lap("select")
     positions_mode = options.positions.value if options.positions else policy.position_mode
+    layerwise = selection.in_forward
+    if layerwise is not None and positions_mode != "keep":
+        raise UsageError(
+            "retrieval inside the answering forward keeps the stored positions (the question's "
+            "comes before any layer has chosen): ask with --positions keep, or use retrieve: "
+            "two_pass"
+        )
     cache, context, position, lead = build_cache(
-        backbone, reader, names, positions_mode, selection.ends_at, selection.per_layer
+        backbone, reader, selection.names, positions_mode, selection.ends_at, selection.per_layer
     )
     clock.lap("read")
     embeds, positions = backbone.embed_ids(ids), backbone.text_positions(position, len(ids))
@@ -213,8 +184,18 @@ def answer_from_pack(
         embeds = torch.cat([lead[0], embeds], dim=1)
         positions = torch.cat([lead[1], positions], dim=1)
     recorder = Recorder(layers=set(range(len(cache.layers))), rows=True) if prune else None
-    with recording(recorder) if recorder else nullcontext():
+    splice = None
+    if layerwise is not None:  # each layer's blocks read in as the forward reaches it
+        splice = in_forward_splice(backbone, reader, layerwise, cache, positions, len(asked))
+    with (
+        recording(recorder) if recorder else nullcontext(),
+        splicing(splice) if splice else nullcontext(),
+    ):
         hidden = backbone.forward(embeds, positions, cache)
+    if layerwise is not None:
+        selection = layerwise.selection()
+        context = max(int(entry.keys.shape[2]) for entry in cache.layers) - embeds.shape[1]
+    names = selection.names
     position += len(ids)
     kv_tokens = None
     if prune:

@@ -15,13 +15,22 @@ hold them to each other (fused_attention.py).
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 from contextlib import contextmanager
 
 from mmkv_cli.kernels import fused_attention as fused
 from mmkv_cli.kernels.recorder import Recorder, reducer_columns
 from mmkv_cli.lazy import torch
 
-__all__ = ["Recorder", "causal_column_sums", "causal_rows", "install", "recording"]
+__all__ = [
+    "Recorder",
+    "Splice",
+    "causal_column_sums",
+    "causal_rows",
+    "install",
+    "recording",
+    "splicing",
+]
 
 NAME = "mmkv"
 QUERY_ROWS_PER_STEP = 256  # rows of QK^T computed at once when scoring: bounds peak memory
@@ -31,6 +40,10 @@ _sdpa = None  # transformers' SDPA attention, bound by install() (importing it c
 _active: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar(
     "mmkv_recorder", default=None
 )
+# (layer, queries [B, H, q, D] after RoPE, keys, values) -> the keys and values the layer attends:
+# context that only the layer's own queries can choose, put in before its attention runs
+Splice = Callable[[int, "torch.Tensor", "torch.Tensor", "torch.Tensor"], tuple]
+_splice: contextvars.ContextVar[Splice | None] = contextvars.ContextVar("mmkv_splice", default=None)
 
 
 def _row_blocks(query: torch.Tensor, key: torch.Tensor, scaling: float):
@@ -113,6 +126,9 @@ def _blockwise_recorded(recorder: Recorder, layer: int, query, key, value, scali
 def _attention(module, query, key, value, attention_mask, **kwargs):
     recorder = _active.get()
     layer = module.layer_idx
+    splice = _splice.get()
+    if splice is not None:
+        key, value = splice(layer, query, key, value)
     if recorder is not None and layer in recorder.layers:
         if recorder.queries:
             recorder.query[layer] = query.detach()
@@ -154,6 +170,16 @@ def install(model) -> None:
     AttentionInterface.register(NAME, _attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     model.config.get_text_config()._attn_implementation = NAME
+
+
+@contextmanager
+def splicing(splice: Splice):
+    """Let `splice` change each layer's keys and values before its attention, for one forward."""
+    token = _splice.set(splice)
+    try:
+        yield splice
+    finally:
+        _splice.reset(token)
 
 
 @contextmanager

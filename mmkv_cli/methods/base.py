@@ -186,6 +186,25 @@ class Selection:
     ends_at: str | None = None  # with a question asked `at` a moment: the last block shown by then
     # per-layer retrieval: for every layer the blocks it takes (a subset of names, in that order)
     per_layer: list[list[str]] | None = None
+    # retrieval left to the answering forward, layer by layer (names empty until it has run)
+    in_forward: LayerRetrieval | None = None
+
+
+class LayerRetrieval(Protocol):
+    """Blocks chosen inside the answering forward: each layer asks with the question's own vector
+    there, so what layers below retrieved shapes it (ReKV's code)."""
+
+    query: str  # the question vector: query_mean | last_key
+
+    def check_layers(self, layers: int) -> None:
+        """Refuse, in one line, a pack that cannot be retrieved from at each of `layers`."""
+
+    def pick(self, layer: int, vector: torch.Tensor) -> list[str]:
+        """The blocks `layer` attends, in context order, for its question vector [dim] (before
+        RoPE)."""
+
+    def selection(self) -> Selection:
+        """Every layer's picks as one Selection, once the forward has run."""
 
 
 # query mode -> [layers, dim]: the question's retrieval vector at every layer, before RoPE

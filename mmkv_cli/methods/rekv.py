@@ -1,14 +1,17 @@
 """ReKV (the retrieval baseline of MuKV): the whole stream kept, one block per frame (temporal step)
 with its mean key before RoPE as representative; at ask the top-k blocks by the question's mean
 query before RoPE, in time order. As the authors' code does, each layer picks its own blocks from
-its own keys and queries by a raw dot product; the paper's reading (preset rekv-paper) lets the
-last layer's vectors choose for every layer, by cosine."""
+its own keys and queries by a raw dot product, inside the answering forward: layer l's query has
+seen what the layers below it retrieved. The paper's reading (preset rekv-paper) takes the
+question's vectors from a forward of their own first and lets the last layer's choose for every
+layer, by cosine."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
+from mmkv_cli.errors import UsageError
 from mmkv_cli.methods.base import Method, Paper, StreamParams
 from mmkv_cli.methods.keep_all import KeepAll, slide_window
 from mmkv_cli.methods.retrieval import RetrievalContext, RetrievalOptions
@@ -42,6 +45,19 @@ class ReKVParams(StreamParams):
         "each: every layer picks its own k blocks with its own vectors (the authors' code; stores "
         "a key per layer); last: the last layer's vectors choose the blocks of every layer",
     )
+    retrieve: Literal["in_forward", "two_pass"] = knob(
+        "in_forward",
+        "in_forward: each layer retrieves inside the answering forward, by the question's query "
+        "there (the authors' code; needs layers: each and positions: keep); two_pass: a forward "
+        "of the question alone gives every layer's vector first",
+    )
+
+    def __post_init__(self) -> None:
+        if self.retrieve == "in_forward" and (self.layers, self.positions) != ("each", "keep"):
+            raise UsageError(
+                "retrieve: in_forward needs layers: each and positions: keep (set retrieve: "
+                "two_pass for the others)"
+            )
 
 
 class ReKVMemory(KeepAll):
@@ -65,6 +81,7 @@ def context(params: ReKVParams) -> RetrievalContext:
             positions=params.positions,
             similarity=params.similarity,
             layers=params.layers,
+            when="in_forward" if params.retrieve == "in_forward" else "before",
         )
     )
 

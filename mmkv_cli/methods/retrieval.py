@@ -33,6 +33,10 @@ class RetrievalOptions:
     positions: str = "keep"  # keep | reindex
     similarity: str = "cosine"  # cosine | dot
     layers: str = "last"  # last: one choice from the last layer's vectors; each: one per layer
+    # before: the question's vectors from a forward of its own, then one choice for every layer;
+    # in_forward (layers "each"): each layer chooses inside the answering forward, from the
+    # question's query there (the layers below have attended their blocks by then)
+    when: str = "before"
 
 
 @dataclass
@@ -113,6 +117,10 @@ class RetrievalContext:
         stored = reps()  # [eligible, stored layers, dim]: every block, unless some start later
         if not np.array_equal(eligible, np.arange(len(stored))):
             stored = stored[torch.as_tensor(eligible)]
+        if o.when == "in_forward":
+            ends_at = last_shown(blocks, eligible, at)
+            layerwise = LayerByLayer(self, blocks, eligible, stored, ends_at)
+            return Selection([], [], ends_at, in_forward=layerwise)
         query = question_vector(o.query)  # [layers, dim]
         if o.layers == "each" and stored.shape[1] != query.shape[0]:
             raise PackError(
@@ -122,14 +130,17 @@ class RetrievalContext:
         codes = torch.as_tensor(blocks.codes()[eligible])
         chosen = [-1] if o.layers == "last" else range(query.shape[0])
         per_layer = [self._pick(blocks, eligible, codes, stored[:, i], query[i]) for i in chosen]
+        return self.selection(blocks, per_layer, last_shown(blocks, eligible, at))
+
+    def selection(self, blocks: BlockTable, per_layer: list[dict], ends_at: str | None):
+        """The Selection of what each layer picked (one entry: every layer took the same)."""
+        o = self.options
         best: dict[int, tuple[Retrieved, int]] = {}  # row -> its best pick and how many layers
         for picks in per_layer:
             for row, pick in picks.items():
                 held, count = best.get(row, (pick, 0))
                 best[row] = (pick if pick.score > held.score else held, count + 1)
-        rank = {g: r for r, g in enumerate(("segment", "frame", "patch"))}
-        starts = blocks.start_steps()  # one column for the whole table, not one per compared row
-        rows = sorted(best, key=lambda r: (int(starts[r]), rank.get(best[r][0].granularity, 3), r))
+        rows = context_order(blocks, {row: pick for row, (pick, _) in best.items()})
         times = blocks.times()
         explain = []
         for row in rows:
@@ -153,7 +164,7 @@ class RetrievalContext:
                 [blocks.name(r) for r in sorted(picks, key=order.__getitem__)]
                 for picks in per_layer
             ]
-        return Selection(names, explain, last_shown(blocks, eligible, at), layered)
+        return Selection(names, explain, ends_at, layered)
 
     def _pick(self, blocks, eligible, codes, reps: torch.Tensor, query: torch.Tensor) -> dict:
         """Table row -> Retrieved for the blocks one set of vectors picks."""
@@ -161,3 +172,45 @@ class RetrievalContext:
         scores = SIMILARITY[o.similarity](query, reps)
         picks = retrieve(scores, reps, (codes, blocks.kinds), o.k, o.rerank, o.top_segments)
         return {int(eligible[p.index]): p for p in picks}
+
+
+class LayerByLayer:
+    """Retrieval inside the answering forward (ReKV's code): layer l picks its blocks with the
+    question's query at layer l, which already saw what layers below l retrieved."""
+
+    def __init__(self, context: RetrievalContext, blocks, eligible, stored, ends_at: str | None):
+        self.context, self.blocks, self.eligible, self.stored = context, blocks, eligible, stored
+        self.query = context.options.query  # query_mean | last_key
+        self.codes = torch.as_tensor(blocks.codes()[eligible])
+        self.ends_at = ends_at
+        self.picked: dict[int, dict] = {}  # layer -> table row -> Retrieved
+
+    def check_layers(self, layers: int) -> None:
+        """Refuse a pack without a retrieval key for each of the model's `layers`."""
+        if self.stored.shape[1] != layers:
+            raise PackError(
+                f"this pack stores a retrieval key for {self.stored.shape[1]} of {layers} "
+                "layers: per-layer retrieval needs a pack encoded with layers: each"
+            )
+
+    def pick(self, layer: int, vector: torch.Tensor) -> list[str]:
+        """Layer `layer`'s blocks, in context order, for its question vector [dim] (before
+        RoPE)."""
+        picks = self.context._pick(
+            self.blocks, self.eligible, self.codes, self.stored[:, layer], vector
+        )
+        self.picked[layer] = picks
+        return [self.blocks.name(r) for r in context_order(self.blocks, picks)]
+
+    def selection(self) -> Selection:
+        """What every layer picked, once the forward has run."""
+        per_layer = [self.picked.get(layer, {}) for layer in range(self.stored.shape[1])]
+        return self.context.selection(self.blocks, per_layer, self.ends_at)
+
+
+def context_order(blocks: BlockTable, picks: dict[int, Retrieved]) -> list[int]:
+    """Table rows of `picks` in the order they enter the context: time, then segment before frame
+    before patch (a coarser block first)."""
+    rank = {g: r for r, g in enumerate(("segment", "frame", "patch"))}
+    starts = blocks.start_steps()  # one column for the whole table, not one per compared row
+    return sorted(picks, key=lambda r: (int(starts[r]), rank.get(picks[r].granularity, 3), r))
