@@ -173,6 +173,7 @@ class InfiniPotV(MethodConfig):
     recent_share: float
     reference: Literal['recent', 'previous']
     reference_count: Literal['held_tokens', 'held_steps']
+    pooling: Literal['none', 'layer_adaptive']
     pairing: Literal['cache_slot', 'spatial']
     def __init__(
         self,
@@ -185,6 +186,7 @@ class InfiniPotV(MethodConfig):
         recent_share: float = ...,
         reference: Literal['recent', 'previous'] = ...,
         reference_count: Literal['held_tokens', 'held_steps'] = ...,
+        pooling: Literal['none', 'layer_adaptive'] = ...,
         pairing: Literal['cache_slot', 'spatial'] = ...,
     ) -> None: ...
 

@@ -6,7 +6,9 @@ import torch
 
 from mmkv_cli.methods.infinipot import (
     choose,
+    layer_pooling,
     pairs_by_cache_slot,
+    pooled_norms,
     recent_entries,
     recent_mask,
     spatial_slots,
@@ -78,6 +80,70 @@ def test_value_norms_average_the_heads():
     values = torch.zeros(2, 3, 4)
     values[0, 1, 0], values[1, 1, 0] = 3.0, 1.0
     assert value_norms(values).tolist() == [0.0, 2.0, 0.0]
+
+
+def test_adaptive_pooling_goes_by_depth_quarter_as_the_code_counts():
+    # the code: idx = layer // (layers // 4) into [2, 2, 1, -1] dimensions, [7, 5, 3, 3] kernels
+    assert [layer_pooling(i, 28) for i in (0, 6, 7, 13, 14, 20, 21, 27)] == [
+        (2, 7), (2, 7), (2, 5), (2, 5), (1, 3), (1, 3), (0, 0), (0, 0)
+    ]  # fmt: skip
+    # 26 layers: the code's index would reach 4 at layer 24; here those layers are the last quarter
+    assert [layer_pooling(i, 26)[0] for i in (23, 24, 25)] == [0, 0, 0]
+    assert [layer_pooling(i, 2) for i in (0, 1)] == [(2, 7), (2, 5)]  # shallower than 4 layers
+
+
+def _reference_pooled(values: torch.Tensor, dims: int, kernel: int, rows: int) -> torch.Tensor:
+    """The code's pooling: per head, the held entries' value norms [H, n] (n whole frames)
+    reshaped [H, frames, rows, -1] and AvgPool2d'ed, or AvgPool1d'ed as [H, n]; then, as mmkv
+    keeps one set per layer, averaged over heads."""
+    score = values.norm(dim=-1)  # [H, n]
+    if dims == 2:
+        pool = torch.nn.AvgPool2d((kernel, kernel), stride=(1, 1), padding=(kernel // 2,) * 2)
+        heads, n = score.shape
+        score = pool(score.reshape(heads, n // (rows * rows), rows, -1)).reshape(heads, -1)
+    else:
+        score = torch.nn.AvgPool1d(kernel, stride=1, padding=kernel // 2)(score)
+    return score.mean(dim=0)
+
+
+@pytest.mark.parametrize(("dims", "kernel"), [(2, 7), (2, 5), (1, 3)])
+def test_pooled_value_norms_are_the_codes(dims, kernel):
+    torch.manual_seed(0)
+    values = torch.randn(2, 3 * 64, 8)  # 2 heads, 3 frames of an 8 x 8 grid
+    got = pooled_norms(value_norms(values), dims, kernel, per_frame=64, grid=(8, 8))
+    torch.testing.assert_close(got, _reference_pooled(values, dims, kernel, 8))
+    # a partial oldest frame (an eviction left 40 of its 64): padded in front, the rest unchanged
+    tail = pooled_norms(value_norms(values[:, 24:]), dims, kernel, per_frame=64, grid=(8, 8))
+    if dims == 2:
+        torch.testing.assert_close(tail[40:], got[64:])
+    assert tail.shape == (168,)
+    assert torch.equal(pooled_norms(value_norms(values), 0, 0, 64, (8, 8)), value_norms(values))
+    # stamped steps (not one whole grid) pool along the cache
+    torch.testing.assert_close(
+        pooled_norms(value_norms(values), 2, 3, per_frame=66, grid=(8, 8)),
+        _reference_pooled(values, 1, 3, 8),
+    )
+
+
+def test_adaptive_pooling_changes_what_value_norm_keeps(tmp_path, backbones):
+    from mmkv_cli.encode.encoder import encode_media
+    from mmkv_cli.media import load_media
+    from mmkv_cli.study.synth import write_dataset
+
+    write_dataset(tmp_path / "set", clips=1, frames=24, seed=3, kind="normal")
+    media = load_media(str(tmp_path / "set" / "clips" / "clip_0000.mp4"), max_frames=24)
+    kept = {}
+    for pooling in ("none", "layer_adaptive"):
+        choice = choose_method("infinipot", budget_tokens=96, chunk_frames=2, pooling=pooling)
+        out = encode_media(backbones["tiny-llava-ov"], media, choice)
+        kept[pooling] = [
+            sorted((b.steps[0], p) for b in out.blocks for p in b.positions[layer][-1].tolist())
+            for layer in range(4)
+        ]
+        assert [sum(b.layer_counts[i] for b in out.blocks) for i in range(4)] == [96] * 4
+    # the first layer's value norms are averaged over its 4 x 4 grids (7 x 7 windows): what it
+    # keeps moves (the layers above see other context from then on, so theirs move too)
+    assert kept["none"][0] != kept["layer_adaptive"][0]
 
 
 def test_the_split_keeps_the_reference_then_tar_then_value_norm():

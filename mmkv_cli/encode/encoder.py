@@ -307,6 +307,7 @@ def stream_chunk(
     caller's: `policy.after_chunk` (a live stream runs it once the next step is known). A token the
     reducer drops is never prefilled: to the policy it is a token evicted as it arrived."""
     first_step = int(state.token_step[state.seen])
+    state.grid = layout.grid
     embeds, extra, keep = visual_tokens(backbone, frames, steps, layout, first_step, reducer)
     n = embeds.shape[1]
     index = torch.arange(state.seen, state.seen + n)

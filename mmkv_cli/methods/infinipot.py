@@ -9,8 +9,9 @@ key differs from the keys at the same spatial place in those frames - and the re
 As the authors' `process_kv_cache` does, the reference is the newest int(0.25 x held tokens /
 tokens a frame) frames' worth of entries, and a token is paired with the reference entry whose
 cache index is equal to its own mod the tokens of a frame. Departures: the pack keeps one token set
-per layer, so TaR and VaN are averaged over KV heads instead of selecting per head; the optional
-value-norm pooling is not offered. `reference: previous` scores against the previous frame;
+per layer, so TaR and VaN are averaged over KV heads instead of selecting per head. The code's
+optional layer-adaptive pooling of the value norms (off in its scripts) is `pooling:
+layer_adaptive`. `reference: previous` scores against the previous frame;
 `reference_count: held_steps` and `pairing: spatial` are the paper's reading of "recent frames" and
 "the same spatial place".
 """
@@ -53,6 +54,11 @@ class InfiniPotParams(StreamParams):
         "the reference: the newest int(recent_share x held tokens / tokens a frame) frames' "
         "worth of entries (the authors' process_kv_cache), or ceil(recent_share x held steps) "
         "whole steps",
+    )
+    pooling: Literal["none", "layer_adaptive"] = knob(
+        "none",
+        "value norms as they are, or smoothed by depth quarter before VaN picks (the code's "
+        "adaptive_pooling): 7x7 and 5x5 over each frame's grid, 3 along the cache, none",
     )
     pairing: Literal["cache_slot", "spatial"] = knob(
         "cache_slot",
@@ -157,6 +163,43 @@ def value_norms(values: torch.Tensor) -> torch.Tensor:
     return values.float().norm(dim=-1).mean(dim=0)
 
 
+# (pooling dimensions, kernel) by quarter of the model's depth, shallow first: the code's lists
+ADAPTIVE_POOLING = ((2, 7), (2, 5), (1, 3), (0, 0))
+
+
+def layer_pooling(layer: int, layers: int) -> tuple[int, int]:
+    """(dimensions, kernel) of the value-norm pooling at `layer`: its quarter of the depth, as the
+    code counts it (layer // (layers // 4)), the last quarter taking any layers left over."""
+    quarter = min(len(ADAPTIVE_POOLING) - 1, layer // max(1, layers // len(ADAPTIVE_POOLING)))
+    return ADAPTIVE_POOLING[quarter]
+
+
+def pooled_norms(
+    norms: torch.Tensor, dims: int, kernel: int, per_frame: int, grid: tuple[int, int] | None
+) -> torch.Tensor:
+    """Value norms [n] of the held entries, averaged over a kernel x kernel window of each frame's
+    grid (dims 2) or a kernel-long window of the cache (dims 1), stride 1, zero-padded to the same
+    size (padding counted in the average, as torch's pooling does). A frame is a run of per_frame
+    entries counted back from the newest (the code's frames); the oldest, partial one is padded
+    with zeros in front. Steps that are not one whole grid (stamped frames) pool along the
+    cache."""
+    n = norms.numel()
+    if dims == 0 or n == 0:
+        return norms
+    rows = grid[0] if grid else 0
+    if dims == 2 and rows and per_frame == grid[0] * grid[1]:
+        frames = -(-n // per_frame)
+        padded = torch.nn.functional.pad(norms.float(), (frames * per_frame - n, 0))
+        pooled = torch.nn.functional.avg_pool2d(
+            padded.view(frames, 1, rows, -1), kernel, stride=1, padding=kernel // 2
+        )
+        return pooled.reshape(-1)[frames * per_frame - n :]
+    pooled = torch.nn.functional.avg_pool1d(
+        norms.float().view(1, 1, n), kernel, stride=1, padding=kernel // 2
+    )
+    return pooled.reshape(-1)
+
+
 def choose(
     tar: torch.Tensor, van: torch.Tensor, reference: torch.Tensor, count: int, tar_share: float
 ) -> torch.Tensor:
@@ -229,7 +272,10 @@ class InfiniPotMemory(KeepAll):
                 frames, slots = steps, places[state.cache.index[layer]]
             compared = reference if p.reference == "recent" else "previous"
             scored.append((layer, reference, tar_scores(keys, frames, slots, compared)))
-            norms.append(value_norms(values))
+            pooling = (0, 0)  # dimensions, kernel
+            if p.pooling == "layer_adaptive":
+                pooling = layer_pooling(layer, state.layers)
+            norms.append(pooled_norms(value_norms(values), *pooling, per_frame, state.grid))
         # every layer's scores over in one copy (one wait); the choice is host bookkeeping
         read = host_all([tar for *_, tar in scored] + norms)
         for i, (layer, reference, _) in enumerate(scored):

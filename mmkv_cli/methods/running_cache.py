@@ -206,6 +206,7 @@ class StreamState:
     shift: int = 0  # subtracted from layout positions of tokens still to come (set by compaction)
     position_limit: int = 1 << 30  # the model's max_position_embeddings
     rope: tuple | None = None  # (inv_freq, axes) for delta-rotating cached keys
+    grid: tuple[int, int] | None = None  # a temporal step's visual tokens as (rows, cols)
     attend: Attend | None = field(default=None, repr=False)
 
     @property
