@@ -139,6 +139,7 @@ class HERMES(MethodConfig):
     global_question: str
     previous_turn: bool
     summary: bool
+    summary_as: Literal['token', 'running_mean']
     summary_at: Literal['after_kept', 'after_prompt']
     reindex: Literal['eager', 'lazy']
     reindex_at: int | None
@@ -160,6 +161,7 @@ class HERMES(MethodConfig):
         global_question: str = ...,
         previous_turn: bool = ...,
         summary: bool = ...,
+        summary_as: Literal['token', 'running_mean'] = ...,
         summary_at: Literal['after_kept', 'after_prompt'] = ...,
         reindex: Literal['eager', 'lazy'] = ...,
         reindex_at: int | None = ...,

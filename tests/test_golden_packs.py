@@ -7,7 +7,9 @@ meda-llava-images), MuKV's code defaults (issue 38, mukv-qwen3), and all four fo
 format v10 (issue 48: BLAKE3 checksums; every tensor but the digests byte for byte as before), and
 hermes-qwen25 for HERMES' layer-role pseudo-questions (issue 51: middle and deep layers keep other
 tokens), and mukv-qwen3 for MuKV's dedup parameters (issue 51: three more fields in the header's
-params, every tensor byte for byte as before)."""
+params, every tensor byte for byte as before), and hermes-qwen25 for HERMES' summary as an
+ordinary cached token (issue 51: summaries held among the frames' tokens, so every block has a
+retrieval key and the pack stores them)."""
 
 import json
 from pathlib import Path

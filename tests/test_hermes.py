@@ -13,13 +13,11 @@ from mmkv_cli.encode.encoder import encode_media
 from mmkv_cli.kernels.rope import rotate_keys
 from mmkv_cli.media import load_media
 from mmkv_cli.methods import Budget, EncodeContext
-from mmkv_cli.methods.hermes import (
-    HermesMemory,
-    HermesParams,
+from mmkv_cli.methods.hermes import HermesMemory, HermesParams, mix_for
+from mmkv_cli.methods.hermes_scoring import (
     fold_into_summary,
     layer_roles,
     layer_score,
-    mix_for,
     recency_curve,
     smooth_deep_to_shallow,
 )
@@ -170,10 +168,12 @@ def test_eager_reindex_compacts_positions_and_rerotates_keys_lazy_keeps_them(bac
 
 
 @pytest.mark.parametrize("model", ["tiny-llava-ov", "tiny-qwen2-vl"])
-def test_deep_layers_stream_on_with_their_summary_token_in_the_running_cache(backbones, model):
+def test_a_running_mean_summary_streams_on_in_front_of_the_deep_layers(backbones, model):
+    """summary_as: running_mean (mmkv's reading before issue 51): one summary a deep layer, in
+    front of the stream, the count-weighted mean of everything folded, never scored."""
     backbone = backbones[model]
     media = load_media("samples/clip.mp4", fps=8, max_frames=32)
-    choice = choose("hermes", budget_tokens=40, chunk_frames=4)
+    choice = choose("hermes", budget_tokens=40, chunk_frames=4, summary_as="running_mean")
     policy = HermesMemory(choice.params, Budget(tokens=40), EncodeContext("video"))
     layers = backbone.text_config.num_hidden_layers
     roles = [role for role, _ in layer_roles(layers, PARAMS.shallow_share, PARAMS.deep_share)]
@@ -223,7 +223,10 @@ def test_deep_layers_stream_on_with_their_summary_token_in_the_running_cache(bac
 def test_the_summary_can_sit_right_after_the_prompt_instead(backbones):
     backbone = backbones["tiny-llava-ov"]
     media = load_media("samples/clip.mp4", fps=8, max_frames=32)
-    choice = choose("hermes", budget_tokens=40, chunk_frames=4, summary_at="after_prompt")
+    choice = choose(
+        "hermes", budget_tokens=40, chunk_frames=4, summary_at="after_prompt",
+        summary_as="running_mean",
+    )  # fmt: skip
     out = encode_media(backbone, media, choice)
     summary = out.blocks[0]
     prefix = out.prefix.layer_counts[0]
@@ -249,7 +252,7 @@ def test_pack_never_exceeds_the_budget_over_a_long_stream_and_ask_runs_in_a_new_
     assert (
         info["layers"][-1]["tokens_kept"] == budget
     )  # deep: budget - 1 tokens + the summary token
-    assert info["granularities"]["summary"]["blocks"] == 1
+    assert "summary" not in info["granularities"]  # ordinary tokens, in their steps' blocks
     kv = PackReader(pack).header.kv
     per_token = 2 * kv.kv_heads * kv.head_dim * 4 * kv.layers
     chunk_tokens = 16 * 16
@@ -301,3 +304,93 @@ def test_a_token_budget_above_the_stream_evicts_nothing(tmp_path, backbones):
     )
     assert info["budget_tokens"] == 6144 and "summary" not in info["granularities"]
     assert all(layer["tokens_kept"] == info["visual_tokens_total"] for layer in info["layers"])
+
+
+def _one_deep_layer(keys: torch.Tensor, positions: list[int], inv_freq, axes):
+    """A running cache of one layer (deep, as HERMES splits 1 layer): a 2-token prompt, then
+    visual keys [1, n, D] at `positions`, stream indices 0..n-1; values are the keys times 2."""
+    from transformers import DynamicCache
+
+    from mmkv_cli.methods.running_cache import RunningCache, StreamState
+
+    cache = DynamicCache()
+    prompt = torch.zeros(1, 1, 2, keys.shape[-1])
+    cache.update(prompt, prompt.clone(), 0)
+    running = RunningCache(cache, prompt_len=2, position_dims=1)
+    state = StreamState(
+        cache=running,
+        token_step=torch.arange(16),
+        layout_positions=torch.arange(2, 19).view(1, -1),
+        total=16,
+        rope=(inv_freq, axes),
+    )
+    _append(state, keys, positions)
+    return state
+
+
+def _append(state, keys: torch.Tensor, positions: list[int]) -> None:
+    start = state.seen
+    state.cache.cache.update(keys[None], 2 * keys[None], 0)
+    index = torch.arange(start, start + keys.shape[1])
+    state.cache.appended(index, torch.tensor([positions]))
+    state.seen += keys.shape[1]
+
+
+def test_a_summary_token_is_scored_evicted_and_folded_again_with_weight_one():
+    """summary_as: token (the authors' code): each compression appends the mean of what a deep
+    layer evicts, rotated to the slot after its last kept token, as an ordinary cached token; a
+    later compression that evicts it folds it in as one token among the others."""
+    torch.manual_seed(1)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 4) / 4))
+    axes = torch.zeros(4, dtype=torch.long)
+    raw = torch.randn(1, 8, 8)  # keys before RoPE, one KV head
+    stored = rotate_keys(raw, torch.arange(2, 10).view(1, -1), inv_freq, axes)
+    state = _one_deep_layer(stored[:, :6], list(range(2, 8)), inv_freq, axes)
+    attention = [torch.tensor([0.9, 0.1, 0.8, 0.2, 0.7, 0.6])]
+    state.attend = lambda texts, **how: [attention for _ in texts]
+    params = HermesParams(reindex="lazy")
+    policy = HermesMemory(params, Budget(tokens=4), EncodeContext("video"))
+
+    def rotated_to(target: int, keys: torch.Tensor, at: list[int]) -> torch.Tensor:
+        return rotate_keys(keys, torch.tensor([[target - p for p in at]]), inv_freq, axes)
+
+    policy.after_chunk(state)  # 6 > 4: keep the best 3 (tokens 0, 2, 4), fold 1, 3, 5
+    keys, values = state.cache.visual(0)
+    assert state.cache.index[0].tolist() == [0, 2, 4, 5]  # the summary goes by index 5
+    assert state.cache.positions[0].tolist() == [[2, 4, 6, 7]]  # after the last kept token
+    first = rotated_to(7, stored[:, [1, 3, 5]], [3, 5, 7]).mean(dim=1)
+    torch.testing.assert_close(keys[:, 3], first)
+    torch.testing.assert_close(values[:, 3], (2 * stored[:, [1, 3, 5]]).mean(dim=1))
+
+    _append(state, stored[:, 6:8], [8, 9])
+    # now it is scored like the others: low, so it goes, with token 2 and token 7
+    attention[0] = torch.tensor([0.9, 0.05, 0.8, 0.1, 0.7, 0.6])
+    policy.after_chunk(state)
+    keys, values = state.cache.visual(0)
+    assert state.cache.index[0].tolist() == [0, 4, 6, 7]
+    assert state.cache.positions[0].tolist() == [[2, 6, 8, 9]]
+    gone = torch.cat([stored[:, [2]], first[:, None], stored[:, [7]]], dim=1)
+    again = rotated_to(9, gone, [4, 7, 9]).mean(dim=1)  # weight 1 each, not 3 for the summary
+    torch.testing.assert_close(keys[:, 3], again, atol=1e-5, rtol=1e-5)
+    old_values = (2 * stored[:, [1, 3, 5]]).mean(dim=1, keepdim=True)
+    folded = torch.cat([2 * stored[:, [2]], old_values, 2 * stored[:, [7]]], dim=1).mean(dim=1)
+    torch.testing.assert_close(values[:, 3], folded)
+    assert policy.summary_ids[0].tolist() == [7]
+
+
+def test_summary_tokens_go_into_the_pack_in_the_step_of_the_newest_token_they_fold(backbones):
+    backbone = backbones["tiny-llava-ov"]
+    media = load_media("samples/clip.mp4", fps=8, max_frames=32)
+    choice = choose("hermes", budget_tokens=40, chunk_frames=4)
+    policy = HermesMemory(choice.params, Budget(tokens=40), EncodeContext("video"))
+    out = encode_media(backbone, media, with_policy(choice, policy))
+    roles = [r for r, _ in layer_roles(4, PARAMS.shallow_share, PARAMS.deep_share)]
+    deep = [layer for layer, role in enumerate(roles) if role == "deep"]
+    assert deep and set(policy.summary_ids) == set(deep) and not policy.summary
+    assert all(b.granularity == "frame" for b in out.blocks)
+    for layer in range(4):  # every layer at the budget: deep ones hold their summary in it
+        assert sum(b.layer_counts[layer] for b in out.blocks) == 40
+    steps = {b.steps[0]: b for b in out.blocks}
+    for layer in deep:
+        for index in policy.summary_ids[layer].tolist():  # those held at the end, in the pack
+            assert steps[index // 16].layer_counts[layer] >= 1  # 16 tokens a frame

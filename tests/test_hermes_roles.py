@@ -7,7 +7,8 @@ from dataclasses import replace
 import torch
 
 from mmkv_cli.methods import Budget, EncodeContext
-from mmkv_cli.methods.hermes import HermesMemory, HermesParams, layer_roles, role_questions
+from mmkv_cli.methods.hermes import HermesMemory, HermesParams
+from mmkv_cli.methods.hermes_scoring import layer_roles, role_questions
 
 
 class Asked:

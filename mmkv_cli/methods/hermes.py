@@ -4,11 +4,12 @@ Whenever the visual part of the running cache exceeds the budget, every layer is
 Shallow layers keep the newest tokens (a forgetting curve), deep layers the tokens a global
 pseudo-question attends to, middle layers a depth-interpolated mix scored by the local and global
 pseudo-questions joined, as the authors' code asks them; scores are smoothed deep -> shallow and
-each layer keeps its own top-k. What deep layers evict is folded into one summary token that stays
-in the running cache; by default its position follows the layer's last kept token, as in
-the authors' code. Positions stay (`lazy`, compacted only near the model's position limit) or are
-compacted at every compression (`eager`), keys re-rotated by the change. Everything kept goes into
-the pack; ask uses all of it (no retrieval).
+each layer keeps its own top-k. What deep layers evict is folded into a summary token, appended to
+the running cache as an ordinary token that later compressions score, may evict and fold again
+(the authors' code; `summary_as: running_mean` keeps one apart instead); its position follows the
+layer's last kept token, as in the authors' code. Positions stay (`lazy`, compacted only near the
+model's position limit) or are compacted at every compression (`eager`), keys re-rotated by the
+change. Everything kept goes into the pack; ask uses all of it (no retrieval).
 
 Smoothing pairs a layer's score with the deeper layer's score of the same stream token, as the paper
 means; the authors' code pairs cache slots, which hold different tokens once layers diverge.
@@ -16,16 +17,22 @@ means; the authors' code pairs cache slots, which hold different tokens once lay
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
 from mmkv_cli.kernels.rope import compact_positions, rotate_keys
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper
+from mmkv_cli.methods.hermes_scoring import (
+    fold_into_summary,
+    layer_roles,
+    layer_score,
+    role_questions,
+    smooth_deep_to_shallow,
+)
 from mmkv_cli.methods.keep_all import KeepAll
 from mmkv_cli.methods.running_cache import StreamState
-from mmkv_cli.methods.scoring import minmax, top_in_order
+from mmkv_cli.methods.scoring import top_in_order
 from mmkv_cli.pack.format import Span, block_name
 from mmkv_cli.spec import knob
 
@@ -82,6 +89,12 @@ class HermesParams(GuidedParams):
         "does (off: a live answer equals the answer from a pack of the stream cut there)",
     )
     summary: bool = knob(True, "deep layers fold what they evict into one summary token")
+    summary_as: Literal["token", "running_mean"] = knob(
+        "token",
+        "token: each compression's summary is an ordinary cached token that later ones score, may "
+        "evict and fold again with weight 1 (the authors' code); running_mean: one token a layer, "
+        "kept apart and never scored, the count-weighted mean of all ever folded",
+    )
     summary_at: Literal["after_kept", "after_prompt"] = knob(
         "after_kept",
         "where the summary token sits: after the layer's last kept token (the authors' code) or "
@@ -99,32 +112,6 @@ class HermesParams(GuidedParams):
     )
 
 
-# --- scoring: pure functions over tensors ---
-
-
-def layer_roles(layers: int, shallow: float, deep: float) -> list[tuple[str, float]]:
-    """(role, depth fraction p within the middle layers) per layer, split as the authors' code does:
-    the first int(shallow L) layers are shallow, deep ones start at int((1 - deep) L), and middle
-    layer i (from 0) of n sits at p = i / n."""
-    n_shallow = _floor(shallow * layers)
-    deep_start = max(n_shallow, _floor((1 - deep) * layers))
-    n_middle = deep_start - n_shallow
-    roles = []
-    for layer in range(layers):
-        if layer < n_shallow:
-            roles.append(("shallow", 0.0))
-        elif layer >= deep_start:
-            roles.append(("deep", 1.0))
-        else:
-            roles.append(("middle", (layer - n_shallow) / n_middle))
-    return roles
-
-
-def _floor(x: float) -> int:
-    """int() of a share times a layer count, immune to 0.7 * 10 = 6.9999999."""
-    return int(math.floor(x + 1e-9))
-
-
 def mix_for(role: str, p: float, params: HermesParams) -> tuple[float, float]:
     """(a, k): the recency weight and the forgetting-curve steepness of a layer."""
     k0, k1 = params.recency_k
@@ -136,70 +123,6 @@ def mix_for(role: str, p: float, params: HermesParams) -> tuple[float, float]:
     return a0 + (a1 - a0) * p, k0 + (k1 - k0) * p
 
 
-def recency_curve(count: int, k: float) -> torch.Tensor:
-    """exp(-k d) over `count` tokens in cache order, d = age / (count - 1): 0 for the newest, 1 for
-    the oldest."""
-    age = (count - 1 - torch.arange(count, dtype=torch.float32)) / max(1, count - 1)
-    return torch.exp(-k * age)
-
-
-def role_questions(local: str, global_: str, turn: tuple[str, str] | None = None) -> dict[str, str]:
-    """The pseudo-question each layer role is scored by: shallow the local one (its weight is 0:
-    shallow layers keep by recency alone), middle both joined by '; ', deep the global one; each
-    after the last question and its answer when `turn` is given."""
-    if turn is not None:
-        said = f"Question: {turn[0]} Answer: {turn[1]}"
-        local = f"Find what is in view about: {said}. {local}"
-        global_ = f"Given what was asked: {said}. {global_}"
-    return {"shallow": local, "middle": f"{local}; {global_}", "deep": global_}
-
-
-def layer_score(attention: torch.Tensor, a: float, k: float) -> torch.Tensor:
-    """S = (1 - a) minmax(attention) + a minmax(recency)."""
-    return (1 - a) * minmax(attention) + a * minmax(recency_curve(attention.numel(), k))
-
-
-def smooth_deep_to_shallow(
-    scores: list[torch.Tensor], kept: list[torch.Tensor], gammas: list[float], total: int
-) -> list[torch.Tensor]:
-    """S_l <- (1 - g_l) S_l + g_l S_{l+1}, from the deepest layer up, matching tokens by stream
-    index.
-
-    Layers may hold different tokens: a token the deeper layer no longer holds keeps its own score.
-    """
-    out = [s.clone() for s in scores]
-    for layer in range(len(scores) - 2, -1, -1):
-        deeper = torch.full((total,), float("nan"))
-        deeper[kept[layer + 1]] = out[layer + 1]
-        pulled = deeper[kept[layer]]
-        have = ~pulled.isnan()
-        g = gammas[layer]
-        out[layer][have] = (1 - g) * out[layer][have] + g * pulled[have]
-    return out
-
-
-def fold_into_summary(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    positions: torch.Tensor,
-    target: torch.Tensor,
-    inv_freq: torch.Tensor,
-    axes: torch.Tensor,
-    previous: tuple | None = None,
-) -> tuple:
-    """Evicted keys [H, n, D] rotated to `target` [P] and averaged, values averaged; merged with a
-    previous (key [H, 1, D], value [H, 1, D], count) as a running mean. Returns (key, value, count).
-    """
-    n = keys.shape[1]
-    delta = target.view(-1, 1).to(positions) - positions
-    moved = rotate_keys(keys.float(), delta, inv_freq, axes)
-    k_sum, v_sum = moved.sum(dim=1, keepdim=True), values.float().sum(dim=1, keepdim=True)
-    if previous is not None:
-        pk, pv, count = previous
-        k_sum, v_sum, n = k_sum + pk.float() * count, v_sum + pv.float() * count, n + count
-    return k_sum / n, v_sum / n, n
-
-
 # --- the memory policy ---
 
 
@@ -208,9 +131,11 @@ class HermesMemory(KeepAll):
         super().__init__(params, budget, context)
         self.summary: dict[int, tuple] = {}  # deep layer -> (key, value, count)
         self.summary_position: dict[int, torch.Tensor] = {}  # deep layer -> [P] its summary's slot
+        # summary_as token: deep layer -> the stream indices its held summary tokens go by
+        self.summary_ids: dict[int, torch.Tensor] = {}
 
     def saved(self) -> dict[str, torch.Tensor]:
-        out = {}
+        out = {f"summary_ids.{layer}": ids for layer, ids in self.summary_ids.items()}
         for layer, position in self.summary_position.items():
             out[f"position.{layer}"] = position
             if self.summary.get(layer) is not None:  # a slot with nothing folded in yet
@@ -220,6 +145,11 @@ class HermesMemory(KeepAll):
         return out
 
     def restore(self, saved: dict[str, torch.Tensor]) -> None:
+        self.summary_ids = {
+            int(name.split(".")[1]): ids
+            for name, ids in saved.items()
+            if name.startswith("summary_ids.")
+        }
         layers = [int(name.split(".")[1]) for name in saved if name.startswith("position.")]
         self.summary_position = {n: saved[f"position.{n}"] for n in layers}
         self.summary = {
@@ -270,7 +200,8 @@ class HermesMemory(KeepAll):
             for layer, (role, p) in enumerate(roles)
         ]
         gammas = [self.params.smoothing.of(role) for role, _ in roles]
-        scores = smooth_deep_to_shallow(scores, state.cache.index, gammas, state.total)
+        ids, total = self._smoothing_ids(state)
+        scores = smooth_deep_to_shallow(scores, ids, gammas, total)
         evicted = {}  # deep layer -> what it lets go, folded once positions settle
         for layer, (role, _) in enumerate(roles):
             folds = self.params.summary and role == "deep"
@@ -283,8 +214,12 @@ class HermesMemory(KeepAll):
             state.cache.retain(layer, local)
         if self._should_reindex(state):
             self._reindex(state)
+        if self.params.summary_as == "token":
+            for layer, gone in evicted.items():
+                self._add_summary(state, layer, gone)
+            return
         for layer in sorted(set(self.summary) | set(evicted)):
-            self._fold(state, layer, evicted.get(layer))
+            self._fold(state, layer, evicted.get(layer)[:3] if layer in evicted else None)
 
     def _summary_slot(self, state: StreamState, layer: int) -> torch.Tensor:
         """[P] where a deep layer's summary sits: one past the layer's furthest kept position on
@@ -294,6 +229,37 @@ class HermesMemory(KeepAll):
         if self.params.summary_at == "after_prompt" or not kept.numel():
             return first.clone()
         return torch.full_like(first, int(kept.max()) + 1)
+
+    def _smoothing_ids(self, state: StreamState) -> tuple[list[torch.Tensor], int]:
+        """(per layer the ids smoothing pairs entries by, how many ids there are): stream indices,
+        but a summary token pairs with nothing (an id of its own past the stream's)."""
+        ids, extra = [], state.total
+        for layer in range(state.layers):
+            index, mine = state.cache.index[layer], self.summary_ids.get(layer)
+            if mine is None or not mine.numel():
+                ids.append(index)
+                continue
+            is_summary = torch.isin(index, mine)
+            own = index.clone()
+            count = int(is_summary.sum())  # host bookkeeping: no wait
+            own[is_summary] = extra + torch.arange(count)
+            ids.append(own)
+            extra += count
+        return ids, extra
+
+    def _add_summary(self, state: StreamState, layer: int, gone: tuple) -> None:
+        """Fold what the layer just evicted (old summary tokens among it, each with weight 1) into
+        one new summary token at its slot, held under the newest stream index it folds, so a
+        question at an earlier moment never sees it."""
+        keys, values, positions, index = gone
+        inv_freq, axes = state.rope
+        target = self._summary_slot(state, layer)
+        key, value, _ = fold_into_summary(keys, values, positions, target, inv_freq, axes)
+        held = state.cache.index[layer]
+        mine = self.summary_ids.get(layer, torch.empty(0, dtype=torch.long))
+        newest = int(index.max())
+        self.summary_ids[layer] = torch.cat([mine[torch.isin(mine, held)], torch.tensor([newest])])
+        state.cache.add(layer, key, value, newest, target)
 
     def _fold(self, state: StreamState, layer: int, gone: tuple | None) -> None:
         """Move the layer's summary to its slot and fold what it just evicted into it."""
@@ -382,14 +348,15 @@ class HermesMemory(KeepAll):
 
 
 def _evicted(state: StreamState, layer: int, kept_local: torch.Tensor) -> tuple:
-    """The visual K, V (where the cache is: folded there) and positions a layer is about to let
-    go."""
+    """The visual K, V (where the cache is: folded there), positions and stream indices a layer is
+    about to let go."""
     keys, values = state.cache.visual(layer)
     gone = torch.ones(keys.shape[1], dtype=torch.bool)
     gone[kept_local] = False
     gone = gone.nonzero().squeeze(1)
     at = gone.to(keys.device, non_blocking=True)
-    return keys[:, at], values[:, at], state.cache.positions[layer][:, gone]
+    index = state.cache.index[layer][gone]
+    return keys[:, at], values[:, at], state.cache.positions[layer][:, gone], index
 
 
 METHOD = Method(

@@ -155,6 +155,20 @@ class RunningCache:
             for layer in layers
         ]
 
+    def add(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor, index: int, position: torch.Tensor
+    ) -> None:
+        """Append one visual entry ([H_kv, 1, D], position [P]) made by the policy, not the forward,
+        under stream index `index` (one this layer no longer holds): it is held, scored and
+        evicted as any other entry, and goes into that index's step in the pack."""
+        end = self.visual_start(layer) + self.count(layer)
+        self._splice(layer, end, 0, key, value)
+        self.index[layer] = torch.cat([self.index[layer], torch.tensor([index])])
+        self.positions[layer] = torch.cat(
+            [self.positions[layer], position.view(-1, 1).to(self.positions[layer])], dim=1
+        )
+        self.pristine[layer] = torch.cat([self.pristine[layer], torch.zeros(1, dtype=torch.bool)])
+
     def insert_front(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Put one token ([H_kv, 1, D]) right after the prompt of this layer, replacing the one
         there."""
