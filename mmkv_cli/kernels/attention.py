@@ -173,19 +173,20 @@ def install(model) -> None:
 
 
 @contextmanager
+def _set(var: contextvars.ContextVar, value):
+    """`var` holds `value` inside the block (this thread or task only), as it was after."""
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
+
+
 def splicing(splice: Splice):
     """Let `splice` change each layer's keys and values before its attention, for one forward."""
-    token = _splice.set(splice)
-    try:
-        yield splice
-    finally:
-        _splice.reset(token)
+    return _set(_splice, splice)
 
 
-@contextmanager
 def recording(recorder: Recorder):
-    token = _active.set(recorder)
-    try:
-        yield recorder
-    finally:
-        _active.reset(token)
+    """Record what `recorder` asks for in the forwards inside the block."""
+    return _set(_active, recorder)
