@@ -3,6 +3,7 @@
 
     python bench/scale.py [--model rehearsal-llava-ov-0.5b] [--layers 1] [--frames 64,256,1024,1800]
         [--methods full,recency,hermes,mukv,rekv,snapkv] [--quadratic-tokens 60000] [--device auto]
+        [--ask-as retrieve=two_pass]
 
 Every (method, frames) runs in its own process: peak RSS (and peak GPU memory) is per process. On a
 CPU the real width runs at reduced depth (--layers); methods that attend over the whole stream at
@@ -12,6 +13,8 @@ tokens ("where it fits"). Figures, each a ratio within one run:
   P2  ask TTFT at the longest stream / at 256 frames
   P3  encode time / plain full prefill of the same stream
   pack bytes / physical bytes (tokens held x layers x 2 x KV heads x head dim x bytes per value)
+--ask-as also times the same pack's questions under another reading of its method's parameters
+(ReKV's two-pass retrieval against its in-forward one, say), in each row's `ask_as`.
 Writes bench/results/scale.json and scale.png.
 """
 
@@ -37,7 +40,7 @@ from mmkv_cli import api
 from mmkv_cli.backbones.loading import load_backbone
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
 from mmkv_cli.pack import PackReader
-video, pack, model, layers, device, method, frames, question = sys.argv[1:9]
+video, pack, model, layers, device, method, frames, question, ask_as = sys.argv[1:10]
 backbone = load_backbone(LoadOptions(model, device, layers=int(layers) or None))
 cuda = backbone.device.type == "cuda"
 if cuda:
@@ -52,6 +55,25 @@ asked = [api.ask(pack, question, one, backbone=backbone) for _ in range(7)]
 ttft = statistics.median(a.ttft_s for a in asked)
 # where the TTFT went, each phase's median: what grows with the stream shows here (P2)
 phases = {k: statistics.median(a.phases_s[k] for a in asked) for k in asked[0].phases_s}
+
+def timed(ask):
+    ask()  # warm: page cache, first-call allocations
+    asked = [ask() for _ in range(7)]
+    phases = {k: statistics.median(a.phases_s[k] for a in asked) for k in asked[0].phases_s}
+    return {"ttft_s": statistics.median(a.ttft_s for a in asked), "ttft_phases_s": phases}
+
+readings = {}
+if ask_as:  # the pack's parameters with some changed: the same blocks, another context policy
+    import dataclasses
+    from mmkv_cli.api import stored_method
+    from mmkv_cli.ask.answer import answer_from_pack
+    from mmkv_cli.spec import override
+    change = dict(pair.split("=", 1) for pair in ask_as.split(","))
+    held = PackReader(pack)
+    chosen, params = stored_method(held)
+    if chosen.context is not None and set(change) <= {f.name for f in dataclasses.fields(params)}:
+        policy = chosen.context(override(params, change, "--ask-as"))
+        readings[ask_as] = timed(lambda: answer_from_pack(backbone, held, policy, question, one))
 reader = PackReader(pack)  # every block read and checksummed: the reader's rate from the page cache
 names = [reader.blocks.name(i) for i in range(len(reader.blocks))]
 started = time.perf_counter()
@@ -65,7 +87,7 @@ held = sum(l["tokens_kept"] for l in info["layers"]) + info["prompt_tokens"] * l
 print(json.dumps({
     "method": method, "frames": int(frames), "tokens": info["visual_tokens_total"],
     "encode_s": info["encode_s"], "tokens_per_s": info["visual_tokens_total"] / info["encode_s"],
-    "ttft_s": ttft, "ttft_phases_s": phases,
+    "ttft_s": ttft, "ttft_phases_s": phases, "ask_as": readings,
     "bytes": info["bytes"], "physical_bytes": held * per_token,
     "kept": info["visual_kv_share"],
     "peak_rss": encode_peak_rss,
@@ -90,6 +112,7 @@ def run_one(video: Path, work: Path, args, method: str, frames: int) -> dict | N
         method,
         str(frames),
         QUESTION,
+        args.ask_as,
     ]
     done = subprocess.run(
         cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -153,6 +176,11 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--name", default="scale.json", help="results file name inside --out")
+    ap.add_argument(
+        "--ask-as",
+        default="",
+        help="KEY=VALUE[,...]: also time the questions with the pack's parameters changed so",
+    )
     args = ap.parse_args()
     frames = [int(f) for f in args.frames.split(",")]
     methods = args.methods.split(",")
