@@ -199,8 +199,7 @@ def test_retrieval_methods_answer_in_a_new_process(tmp_path, backbones, clip, me
             "--max-new-tokens",
             "2",
             "--positions",
-            # ReKV retrieves inside the answering forward: the question's position comes first
-            "keep" if method == "rekv" else "reindex",
+            "reindex",
         ],
         capture_output=True,
         text=True,

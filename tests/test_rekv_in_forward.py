@@ -18,9 +18,10 @@ from tests.helpers import ask_pack, choose, encode_pack
 QUESTION = "what color is the circle ?"
 
 
-def reference_choice(backbone, reader, ids, k):
+def reference_choice(backbone, reader, ids, k, mode="keep"):
     """Every layer's blocks (table rows, time order) as ReKV's code picks them, and the first
-    token's logits over them."""
+    token's logits over them. positions reindex: every layer's context compacted, the question
+    right after (one place for all layers: here every block is a frame of the same size)."""
     reps = reader.representatives().float()  # [blocks, layers, H_kv * D]
     layers = reps.shape[1]
     inv_freq, axes = backbone.rope_tables()
@@ -28,11 +29,11 @@ def reference_choice(backbone, reader, ids, k):
 
     def forward(record: Recorder | None):
         union = sorted({n for names in chosen for n in names}, key=reader.blocks.index_of)
-        cache, _, start, _ = build_cache(backbone, reader, union, per_layer=chosen)
-        positions = backbone.text_positions(start, len(ids))
+        cache, _, start, _ = build_cache(backbone, reader, union, mode, per_layer=chosen)
+        at = backbone.text_positions(start, len(ids))
         with recording(record or Recorder(layers=set())):
-            hidden = backbone.forward(backbone.embed_ids(ids), positions, cache)
-        return positions, backbone.logits(hidden[:, -1])[0]
+            hidden = backbone.forward(backbone.embed_ids(ids), at, cache)
+        return at, backbone.logits(hidden[:, -1])[0]
 
     for layer in range(layers):
         record = Recorder(layers={layer}, queries=True)
@@ -47,16 +48,21 @@ def reference_choice(backbone, reader, ids, k):
     return chosen, forward(None)[1]
 
 
-def test_each_layer_retrieves_with_its_own_query_inside_the_forward(tmp_path, backbones, clip):
+@pytest.mark.parametrize("positions", ["keep", "reindex"])
+def test_each_layer_retrieves_with_its_own_query_inside_the_forward(
+    tmp_path, backbones, clip, positions
+):
     backbone = backbones["tiny-llava-ov"]
     pack = tmp_path / "r.kvpack"
     encode_pack(clip, pack, method=MethodSpec("rekv", {"k": 3}), backbone=backbone,
                 max_frames=8)  # fmt: skip
     reader = PackReader(pack)
     ids = backbone.question_ids(QUESTION, reader.header.prompt.question)
-    wanted, logits = reference_choice(backbone, reader, ids, 3)
+    wanted, logits = reference_choice(backbone, reader, ids, 3, positions)
 
-    answer = ask_pack(pack, QUESTION, backbone=backbone, max_new_tokens=1, keep_logits=True)
+    answer = ask_pack(
+        pack, QUESTION, backbone=backbone, max_new_tokens=1, keep_logits=True, positions=positions
+    )
     assert all(entry["layers"] >= 1 for entry in answer.retrieved)
     union = {n for names in wanted for n in names}
     assert set(answer.blocks_used) == union
@@ -122,12 +128,16 @@ def test_in_forward_retrieval_refuses_what_it_cannot_do(tmp_path, backbones, cli
     with pytest.raises(UsageError, match="retrieve: in_forward needs layers: each"):
         choose("rekv", layers="last")
     choose("rekv", layers="last", retrieve="two_pass")  # the paper's reading, as rekv-paper sets
+    from mmkv_cli.errors import PackError
+    from mmkv_cli.methods.rekv import ReKVParams, context
+
     backbone = backbones["tiny-llava-ov"]
-    pack = tmp_path / "r.kvpack"
-    encode_pack(clip, pack, method=MethodSpec("rekv", {"k": 1}), backbone=backbone,
-                max_frames=4)  # fmt: skip
-    with pytest.raises(UsageError, match="--positions keep"):
-        ask_pack(pack, QUESTION, backbone=backbone, max_new_tokens=1, positions="reindex")
+    pack = tmp_path / "r.kvpack"  # one retrieval key a block: cannot retrieve layer by layer
+    encode_pack(clip, pack, method="rekv-paper", backbone=backbone, max_frames=4)
+    reader = PackReader(pack)
+    selection = context(ReKVParams(k=1)).select(reader.blocks, reader.representatives, None)
+    with pytest.raises(PackError, match="layers: each"):
+        _run_in_forward(backbone, reader, selection, [1, 2, 3])
 
 
 def test_a_live_moment_retrieves_in_the_forward_from_what_was_shown(tmp_path, backbones, clip):

@@ -76,7 +76,8 @@ def build_cache(
     layer's context compacted to consecutive slots, keys re-rotated by the change, the question
     right after. ends_at: the last block shown by the question's moment. The stream ends there for
     this question, so the stored suffix (which attended to the whole stream) is left out and re-run,
-    with the question, just after the context: `lead` holds its embeddings and positions. per_layer:
+    with the question, just after the context: `lead` holds its embeddings, positions and first
+    position (on the host). per_layer:
     the blocks of each layer, when retrieval chose them layer by layer. Returns
     (cache, context tokens, the question's first position, lead or None).
     """
@@ -124,7 +125,8 @@ def build_cache(
         stored = reader.span("suffix").positions[0]
         start = int(stored.min()) if stored.numel() else stored_next
         # the stored suffix re-run right after what was shown, on the backbone's device
-        lead = (backbone.suffix_embeds(), (stored - start + end).to(backbone.device))
+        first = int(stored[0, 0]) - start + end if stored.numel() else next_position
+        lead = (backbone.suffix_embeds(), (stored - start + end).to(backbone.device), first)
         next_position = stored_next - start + end
     return (
         backbone.cache_from_layers(keys, values, adopt=True),
@@ -169,14 +171,9 @@ def answer_from_pack(
     clock.lap("select")
     positions_mode = options.positions.value if options.positions else policy.position_mode
     layerwise = selection.in_forward
-    if layerwise is not None and positions_mode != "keep":
-        raise UsageError(
-            "retrieval inside the answering forward keeps the stored positions (the question's "
-            "comes before any layer has chosen): ask with --positions keep, or use retrieve: "
-            "two_pass"
-        )
+    built_as = "keep" if layerwise is not None else positions_mode  # reindexed layer by layer
     cache, context, position, lead = build_cache(
-        backbone, reader, selection.names, positions_mode, selection.ends_at, selection.per_layer
+        backbone, reader, selection.names, built_as, selection.ends_at, selection.per_layer
     )
     clock.lap("read")
     embeds, positions = backbone.embed_ids(ids), backbone.text_positions(position, len(ids))
@@ -186,7 +183,11 @@ def answer_from_pack(
     recorder = Recorder(layers=set(range(len(cache.layers))), rows=True) if prune else None
     splice = None
     if layerwise is not None:  # each layer's blocks read in as the forward reaches it
-        splice = in_forward_splice(backbone, reader, layerwise, cache, positions, len(asked))
+        first = position if lead is None else lead[2]
+        reindex_to = first if positions_mode == "reindex" else None
+        splice = in_forward_splice(
+            backbone, reader, layerwise, cache, positions, len(asked), lead is None, reindex_to
+        )
     with (
         recording(recorder) if recorder else nullcontext(),
         splicing(splice) if splice else nullcontext(),

@@ -9,7 +9,7 @@ import torch
 from mmkv_cli.backbones.base import Backbone
 from mmkv_cli.errors import UsageError
 from mmkv_cli.kernels.attention import Recorder, Splice, recording
-from mmkv_cli.kernels.rope import unrotate
+from mmkv_cli.kernels.rope import compact_positions, rotate_keys, unrotate
 from mmkv_cli.methods.base import LayerRetrieval
 from mmkv_cli.pack import PackReader
 
@@ -74,33 +74,55 @@ def in_forward_splice(
     cache,
     positions: torch.Tensor,
     asked: int,
+    with_suffix: bool = True,
+    reindex_to: int | None = None,
 ) -> Splice:
-    """A splice for the answering forward over `cache` (the prefix, then what follows the blocks):
-    at each layer the question's vector is taken from its own rows there (the last `asked` of the
-    forward's tokens, at `positions` [P, n]), that layer's blocks are chosen and read, and put in
-    after the prefix, in the cache too, so decoding attends them. One wait a layer: its choice
-    names blocks of the file."""
+    """A splice for the answering forward over `cache` (the prefix, then the stored suffix unless
+    `with_suffix` is off): at each layer the question's vector is taken from its own rows there
+    (the last `asked` of the forward's tokens, at `positions` [P, n]), that layer's blocks are
+    chosen and read, and put in after the prefix, in the cache too, so decoding attends them. One
+    wait a layer: its choice names blocks of the file.
+
+    reindex_to: the forward's first position; each layer's context is then compacted to
+    consecutive slots ending right before it, keys re-rotated (positions reindex). Attention sees
+    only distances, so this is the question right after the compacted context, in every layer,
+    though the question's position was set before any layer chose."""
     check_query_mode(retrieval.query)
-    prefix = reader.span("prefix").layer_counts
-    retrieval.check_layers(len(prefix))
+    prefix = reader.span("prefix")
+    counts = prefix.layer_counts
+    retrieval.check_layers(len(counts))
+    tails = reader.span("suffix").positions if with_suffix else None
     rope, rotated = backbone.rope_tables(), reader.rotated_representatives
     at = positions[:, -1:] if retrieval.query == "last_key" else positions[:, -asked:]
+    fresh = positions.shape[1]
 
     def splice(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-        if retrieval.query == "last_key":
-            rows = key[0, :, -1:]
-        else:
-            rows = query[0, :, -asked:]
+        rows = key[0, :, -1:] if retrieval.query == "last_key" else query[0, :, -asked:]
         vector = layer_vector(rows, at, key.shape[1], rotated, rope).cpu()
         names = retrieval.pick(layer, vector)
-        if not names:
+        if not names and reindex_to is None:
             return key, value
-        only = [names if i == layer else [] for i in range(len(prefix))]
-        keys, values, _ = reader.gather(names, only, backbone.device)
-        entry, cut = cache.layers[layer], prefix[layer]
+        cut, held = counts[layer], key.shape[2] - fresh
+        read = ([], [], [])
+        if names:
+            only = [names if i == layer else [] for i in range(len(counts))]
+            read = tuple(
+                part[layer : layer + 1] for part in reader.gather(names, only, backbone.device)
+            )
+        joined = [
+            torch.cat([t[0, :, :cut], *(_onto(r, t) for r in got), t[0, :, cut:held]], dim=1)
+            for t, got in ((key, read[0]), (value, read[1]))
+        ]
+        if reindex_to is not None:
+            tail = tails[layer] if tails is not None else prefix.positions[layer][:, :0]
+            old = torch.cat([prefix.positions[layer], *read[2], tail], dim=1)
+            new = compact_positions(old, 0)
+            new += reindex_to - (int(new.max()) + 1)  # host positions: no wait
+            joined[0] = rotate_keys(joined[0], new - old, *rope)
+        entry = cache.layers[layer]
         entry.keys, entry.values = (
-            torch.cat([t[:, :, :cut], _onto(b[layer], t)[None], t[:, :, cut:]], dim=2)
-            for t, b in ((key, keys), (value, values))
+            torch.cat([j[None].to(t.dtype), t[:, :, held:]], dim=2)
+            for j, t in zip(joined, (key, value))
         )
         return entry.keys, entry.values
 

@@ -48,15 +48,15 @@ class ReKVParams(StreamParams):
     retrieve: Literal["in_forward", "two_pass"] = knob(
         "in_forward",
         "in_forward: each layer retrieves inside the answering forward, by the question's query "
-        "there (the authors' code; needs layers: each and positions: keep); two_pass: a forward "
-        "of the question alone gives every layer's vector first",
+        "there (the authors' code; needs layers: each); two_pass: a forward of the question "
+        "alone gives every layer's vector first",
     )
 
     def __post_init__(self) -> None:
-        if self.retrieve == "in_forward" and (self.layers, self.positions) != ("each", "keep"):
+        if self.retrieve == "in_forward" and self.layers != "each":
             raise UsageError(
-                "retrieve: in_forward needs layers: each and positions: keep (set retrieve: "
-                "two_pass for the others)"
+                "retrieve: in_forward needs layers: each (the last layer's vector is known only "
+                "after the forward; set retrieve: two_pass)"
             )
 
 
