@@ -21,6 +21,7 @@ from mmkv_cli.methods.hermes_scoring import (
     recency_curve,
     smooth_deep_to_shallow,
 )
+from mmkv_cli.methods.running_cache import RunningCache
 from mmkv_cli.methods.scoring import top_in_order
 from mmkv_cli.pack import PackReader
 from tests.helpers import choose, encode_pack, with_policy
@@ -356,41 +357,64 @@ def test_a_summary_token_is_scored_evicted_and_folded_again_with_weight_one():
 
     policy.after_chunk(state)  # 6 > 4: keep the best 3 (tokens 0, 2, 4), fold 1, 3, 5
     keys, values = state.cache.visual(0)
-    assert state.cache.index[0].tolist() == [0, 2, 4, 5]  # the summary goes by index 5
+    # the summary goes by the newest streamed token's index (5): into the step it was made at
+    assert state.cache.index[0].tolist() == [0, 2, 4, 5]
     assert state.cache.positions[0].tolist() == [[2, 4, 6, 7]]  # after the last kept token
+    assert policy.summary_mask[0].tolist() == [False, False, False, True]
     first = rotated_to(7, stored[:, [1, 3, 5]], [3, 5, 7]).mean(dim=1)
     torch.testing.assert_close(keys[:, 3], first)
     torch.testing.assert_close(values[:, 3], (2 * stored[:, [1, 3, 5]]).mean(dim=1))
 
     _append(state, stored[:, 6:8], [8, 9])
-    # now it is scored like the others: low, so it goes, with token 2 and token 7
-    attention[0] = torch.tensor([0.9, 0.05, 0.8, 0.1, 0.7, 0.6])
+    # now it is scored like the others: low, so it goes, with tokens 2 and 6; token 7 stays
+    attention[0] = torch.tensor([0.9, 0.05, 0.8, 0.1, 0.6, 0.7])
     policy.after_chunk(state)
     keys, values = state.cache.visual(0)
-    assert state.cache.index[0].tolist() == [0, 4, 6, 7]
-    assert state.cache.positions[0].tolist() == [[2, 6, 8, 9]]
-    gone = torch.cat([stored[:, [2]], first[:, None], stored[:, [7]]], dim=1)
-    again = rotated_to(9, gone, [4, 7, 9]).mean(dim=1)  # weight 1 each, not 3 for the summary
+    assert state.cache.index[0].tolist() == [0, 4, 7, 7]  # token 7, and the summary made at 7
+    assert state.cache.positions[0].tolist() == [[2, 6, 9, 10]]
+    assert policy.summary_mask[0].tolist() == [False, False, False, True]
+    gone = torch.cat([stored[:, [2]], first[:, None], stored[:, [6]]], dim=1)
+    again = rotated_to(10, gone, [4, 7, 8]).mean(dim=1)  # weight 1 each, not 3 for the summary
     torch.testing.assert_close(keys[:, 3], again, atol=1e-5, rtol=1e-5)
     old_values = (2 * stored[:, [1, 3, 5]]).mean(dim=1, keepdim=True)
-    folded = torch.cat([2 * stored[:, [2]], old_values, 2 * stored[:, [7]]], dim=1).mean(dim=1)
+    folded = torch.cat([2 * stored[:, [2]], old_values, 2 * stored[:, [6]]], dim=1).mean(dim=1)
     torch.testing.assert_close(values[:, 3], folded)
-    assert policy.summary_ids[0].tolist() == [7]
+    # a summary pairs with no token when scores are smoothed across layers
+    ids, total = policy._smoothing_ids(state)
+    assert ids[0].tolist() == [0, 4, 7, 16] and total == 17
 
 
-def test_summary_tokens_go_into_the_pack_in_the_step_of_the_newest_token_they_fold(backbones):
+def test_summary_tokens_go_into_the_pack_in_the_step_they_were_made_at(backbones):
     backbone = backbones["tiny-llava-ov"]
     media = load_media("samples/clip.mp4", fps=8, max_frames=32)
     choice = choose("hermes", budget_tokens=40, chunk_frames=4)
     policy = HermesMemory(choice.params, Budget(tokens=40), EncodeContext("video"))
-    out = encode_media(backbone, media, with_policy(choice, policy))
+    made = []
+    add = RunningCache.add
+
+    def spy(self, layer, key, value, index, position):
+        made.append((layer, index, policy_state["seen"]))
+        add(self, layer, key, value, index, position)
+
+    policy_state = {}
+    compress = policy._compress
+
+    def watched(state, cap):
+        policy_state["seen"] = state.seen
+        compress(state, cap)
+
+    policy._compress = watched
+    RunningCache.add = spy
+    try:
+        out = encode_media(backbone, media, with_policy(choice, policy))
+    finally:
+        RunningCache.add = add
     roles = [r for r, _ in layer_roles(4, PARAMS.shallow_share, PARAMS.deep_share)]
     deep = [layer for layer, role in enumerate(roles) if role == "deep"]
-    assert deep and set(policy.summary_ids) == set(deep) and not policy.summary
+    assert made and {layer for layer, *_ in made} == set(deep) and not policy.summary
+    assert all(index == seen - 1 for _, index, seen in made)  # the newest streamed token's
     assert all(b.granularity == "frame" for b in out.blocks)
-    for layer in range(4):  # every layer at the budget: deep ones hold their summary in it
+    for layer in range(4):  # every layer at the budget: deep ones hold their summaries in it
         assert sum(b.layer_counts[layer] for b in out.blocks) == 40
-    steps = {b.steps[0]: b for b in out.blocks}
     for layer in deep:
-        for index in policy.summary_ids[layer].tolist():  # those held at the end, in the pack
-            assert steps[index // 16].layer_counts[layer] >= 1  # 16 tokens a frame
+        assert int(policy.summary_mask[layer].sum()) >= 1

@@ -131,11 +131,12 @@ class HermesMemory(KeepAll):
         super().__init__(params, budget, context)
         self.summary: dict[int, tuple] = {}  # deep layer -> (key, value, count)
         self.summary_position: dict[int, torch.Tensor] = {}  # deep layer -> [P] its summary's slot
-        # summary_as token: deep layer -> the stream indices its held summary tokens go by
-        self.summary_ids: dict[int, torch.Tensor] = {}
+        # summary_as token: deep layer -> which of its visual entries are summaries (entries the
+        # forward appended since the last compression are not)
+        self.summary_mask: dict[int, torch.Tensor] = {}
 
     def saved(self) -> dict[str, torch.Tensor]:
-        out = {f"summary_ids.{layer}": ids for layer, ids in self.summary_ids.items()}
+        out = {f"summary_mask.{layer}": mask for layer, mask in self.summary_mask.items()}
         for layer, position in self.summary_position.items():
             out[f"position.{layer}"] = position
             if self.summary.get(layer) is not None:  # a slot with nothing folded in yet
@@ -145,10 +146,10 @@ class HermesMemory(KeepAll):
         return out
 
     def restore(self, saved: dict[str, torch.Tensor]) -> None:
-        self.summary_ids = {
-            int(name.split(".")[1]): ids
-            for name, ids in saved.items()
-            if name.startswith("summary_ids.")
+        self.summary_mask = {
+            int(name.split(".")[1]): mask.to(torch.bool)
+            for name, mask in saved.items()
+            if name.startswith("summary_mask.")
         }
         layers = [int(name.split(".")[1]) for name in saved if name.startswith("position.")]
         self.summary_position = {n: saved[f"position.{n}"] for n in layers}
@@ -211,6 +212,7 @@ class HermesMemory(KeepAll):
             local = top_in_order(scores[layer], keep)
             if folds:
                 evicted[layer] = _evicted(state, layer, local)
+                self.summary_mask[layer] = self._summaries(state, layer)[local]
             state.cache.retain(layer, local)
         if self._should_reindex(state):
             self._reindex(state)
@@ -219,7 +221,7 @@ class HermesMemory(KeepAll):
                 self._add_summary(state, layer, gone)
             return
         for layer in sorted(set(self.summary) | set(evicted)):
-            self._fold(state, layer, evicted.get(layer)[:3] if layer in evicted else None)
+            self._fold(state, layer, evicted.get(layer))
 
     def _summary_slot(self, state: StreamState, layer: int) -> torch.Tensor:
         """[P] where a deep layer's summary sits: one past the layer's furthest kept position on
@@ -230,36 +232,37 @@ class HermesMemory(KeepAll):
             return first.clone()
         return torch.full_like(first, int(kept.max()) + 1)
 
+    def _summaries(self, state: StreamState, layer: int) -> torch.Tensor:
+        """[n] which of the layer's visual entries are summary tokens."""
+        mask = self.summary_mask.get(layer, torch.zeros(0, dtype=torch.bool))
+        appended = state.cache.count(layer) - len(mask)  # streamed in since: not summaries
+        return torch.cat([mask, torch.zeros(appended, dtype=torch.bool)])
+
     def _smoothing_ids(self, state: StreamState) -> tuple[list[torch.Tensor], int]:
         """(per layer the ids smoothing pairs entries by, how many ids there are): stream indices,
         but a summary token pairs with nothing (an id of its own past the stream's)."""
         ids, extra = [], state.total
         for layer in range(state.layers):
-            index, mine = state.cache.index[layer], self.summary_ids.get(layer)
-            if mine is None or not mine.numel():
-                ids.append(index)
-                continue
-            is_summary = torch.isin(index, mine)
+            index, summaries = state.cache.index[layer], self._summaries(state, layer)
             own = index.clone()
-            count = int(is_summary.sum())  # host bookkeeping: no wait
-            own[is_summary] = extra + torch.arange(count)
+            count = int(summaries.sum())  # host bookkeeping: no wait
+            own[summaries] = extra + torch.arange(count)
             ids.append(own)
             extra += count
         return ids, extra
 
     def _add_summary(self, state: StreamState, layer: int, gone: tuple) -> None:
         """Fold what the layer just evicted (old summary tokens among it, each with weight 1) into
-        one new summary token at its slot, held under the newest stream index it folds, so a
-        question at an earlier moment never sees it."""
-        keys, values, positions, index = gone
+        one new summary token at its slot. It goes by the newest streamed token's index, so it
+        enters the pack in the step it was made at: a question at an earlier moment never sees it,
+        one at a later moment does, as the memory then held it."""
         inv_freq, axes = state.rope
         target = self._summary_slot(state, layer)
-        key, value, _ = fold_into_summary(keys, values, positions, target, inv_freq, axes)
-        held = state.cache.index[layer]
-        mine = self.summary_ids.get(layer, torch.empty(0, dtype=torch.long))
-        newest = int(index.max())
-        self.summary_ids[layer] = torch.cat([mine[torch.isin(mine, held)], torch.tensor([newest])])
-        state.cache.add(layer, key, value, newest, target)
+        key, value, _ = fold_into_summary(*gone, target, inv_freq, axes)
+        state.cache.add(layer, key, value, state.seen - 1, target)
+        self.summary_mask[layer] = torch.cat(
+            [self._summaries(state, layer)[:-1], torch.ones(1, dtype=torch.bool)]
+        )
 
     def _fold(self, state: StreamState, layer: int, gone: tuple | None) -> None:
         """Move the layer's summary to its slot and fold what it just evicted into it."""
@@ -348,15 +351,14 @@ class HermesMemory(KeepAll):
 
 
 def _evicted(state: StreamState, layer: int, kept_local: torch.Tensor) -> tuple:
-    """The visual K, V (where the cache is: folded there), positions and stream indices a layer is
-    about to let go."""
+    """The visual K, V (where the cache is: folded there) and positions a layer is about to let
+    go."""
     keys, values = state.cache.visual(layer)
     gone = torch.ones(keys.shape[1], dtype=torch.bool)
     gone[kept_local] = False
     gone = gone.nonzero().squeeze(1)
     at = gone.to(keys.device, non_blocking=True)
-    index = state.cache.index[layer][gone]
-    return keys[:, at], values[:, at], state.cache.positions[layer][:, gone], index
+    return keys[:, at], values[:, at], state.cache.positions[layer][:, gone]
 
 
 METHOD = Method(
