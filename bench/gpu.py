@@ -194,7 +194,8 @@ def main() -> None:
         save("read", read(Path(tmp), 8 if args.quick else 100))
     common = ["--model", model, "--layers", str(layers), "--device", args.device]
     methods = "full,hermes,rekv,streamingtom"
-    scale = ["--frames", str(frames), "--methods", methods, "--out", str(out), "--name"]
+    scale = ["--frames", str(frames), "--methods", methods, "--out", str(out)]
+    scale += ["--ask-as", "retrieve=two_pass", "--name"]  # ReKV's both readings, one pack
     bench("scale.py", *common, *scale, "gpu-scale.json")
     bench("reduce.py", *common, "--frames", str(min(frames, 128)))
     if not args.quick:
