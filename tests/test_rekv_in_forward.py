@@ -64,6 +64,10 @@ def test_each_layer_retrieves_with_its_own_query_inside_the_forward(
         pack, QUESTION, backbone=backbone, max_new_tokens=1, keep_logits=True, positions=positions
     )
     assert all(entry["layers"] >= 1 for entry in answer.retrieved)
+    # the layers' choosing and reading are their own phases, taken out of the prefill's
+    phases = answer.phases_s
+    assert phases["read"] > 0 and phases["select"] > 0 and phases["prefill"] > 0
+    assert sum(phases.values()) == pytest.approx(answer.ttft_s, rel=1e-6)
     union = {n for names in wanted for n in names}
     assert set(answer.blocks_used) == union
     assert [e["block"] for e in answer.retrieved] == sorted(union, key=reader.blocks.index_of)

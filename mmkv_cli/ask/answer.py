@@ -181,13 +181,14 @@ def answer_from_pack(
         embeds = torch.cat([lead[0], embeds], dim=1)
         positions = torch.cat([lead[1], positions], dim=1)
     recorder = Recorder(layers=set(range(len(cache.layers))), rows=True) if prune else None
-    splice = None
+    splice, spent = None, {}  # spent: what the layers took choosing and reading, in the forward
     if layerwise is not None:  # each layer's blocks read in as the forward reaches it
         first = position if lead is None else lead[2]
         reindex_to = first if positions_mode == "reindex" else None
         splice = in_forward_splice(
-            backbone, reader, layerwise, cache, positions, len(asked), lead is None, reindex_to
-        )
+            backbone, reader, layerwise, cache, positions, len(asked), lead is None, reindex_to,
+            spent,
+        )  # fmt: skip
     with (
         recording(recorder) if recorder else nullcontext(),
         splicing(splice) if splice else nullcontext(),
@@ -208,6 +209,9 @@ def answer_from_pack(
     logits = backbone.logits(hidden[:, -1])[0]
     first_logits = logits.cpu().clone() if options.keep_logits else None
     clock.lap("prefill")
+    for phase, seconds in spent.items():  # the forward's own share stays prefill; the sum holds
+        clock.phases[phase] += seconds
+        clock.phases["prefill"] -= seconds
     generation_start = clock.last
     made, decode_s = _decode(backbone, cache, logits, position, options, on_token)
     total = time.perf_counter() - start

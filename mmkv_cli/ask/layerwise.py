@@ -4,6 +4,8 @@ just before its attention runs (`in_forward_splice`, ReKV's code)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from mmkv_cli.backbones.base import Backbone
@@ -76,6 +78,7 @@ def in_forward_splice(
     asked: int,
     with_suffix: bool = True,
     reindex_to: int | None = None,
+    spent: dict[str, float] | None = None,
 ) -> Splice:
     """A splice for the answering forward over `cache` (the prefix, then the stored suffix unless
     `with_suffix` is off): at each layer the question's vector is taken from its own rows there
@@ -86,7 +89,11 @@ def in_forward_splice(
     reindex_to: the forward's first position; each layer's context is then compacted to
     consecutive slots ending right before it, keys re-rotated (positions reindex). Attention sees
     only distances, so this is the question right after the compacted context, in every layer,
-    though the question's position was set before any layer chose."""
+    though the question's position was set before any layer chose.
+
+    spent: seconds the layers spent choosing ("select") and reading ("read") are added there, from
+    the moment each layer's question vector reached the host, so the forward's own work is not
+    counted (on a GPU the copies to the device run on after)."""
     check_query_mode(retrieval.query)
     prefix = reader.span("prefix")
     counts = prefix.layer_counts
@@ -99,7 +106,11 @@ def in_forward_splice(
     def splice(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         rows = key[0, :, -1:] if retrieval.query == "last_key" else query[0, :, -asked:]
         vector = layer_vector(rows, at, key.shape[1], rotated, rope).cpu()
+        began = time.perf_counter()
         names = retrieval.pick(layer, vector)
+        chosen = time.perf_counter()
+        if spent is not None:
+            spent["select"] = spent.get("select", 0.0) + chosen - began
         if not names and reindex_to is None:
             return key, value
         cut, held = counts[layer], key.shape[2] - fresh
@@ -109,6 +120,8 @@ def in_forward_splice(
             read = tuple(
                 part[layer : layer + 1] for part in reader.gather(names, only, backbone.device)
             )
+            if spent is not None:
+                spent["read"] = spent.get("read", 0.0) + time.perf_counter() - chosen
         joined = [
             torch.cat([t[0, :, :cut], *(_onto(r, t) for r in got), t[0, :, cut:held]], dim=1)
             for t, got in ((key, read[0]), (value, read[1]))
