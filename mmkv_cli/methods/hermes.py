@@ -212,7 +212,8 @@ class HermesMemory(KeepAll):
             local = top_in_order(scores[layer], keep)
             if folds:
                 evicted[layer] = _evicted(state, layer, local)
-                self.summary_mask[layer] = self._summaries(state, layer)[local]
+                if self.params.summary_as == "token":
+                    self.summary_mask[layer] = self._summaries(state, layer)[local]
             state.cache.retain(layer, local)
         if self._should_reindex(state):
             self._reindex(state)

@@ -122,11 +122,8 @@ class RetrievalContext:
             layerwise = LayerByLayer(self, blocks, eligible, stored, ends_at)
             return Selection([], [], ends_at, in_forward=layerwise)
         query = question_vector(o.query)  # [layers, dim]
-        if o.layers == "each" and stored.shape[1] != query.shape[0]:
-            raise PackError(
-                f"this pack stores a retrieval key for {stored.shape[1]} of {query.shape[0]} "
-                "layers: per-layer retrieval needs a pack encoded with layers: each"
-            )
+        if o.layers == "each":
+            check_stored_layers(stored, query.shape[0])
         codes = torch.as_tensor(blocks.codes()[eligible])
         chosen = [-1] if o.layers == "last" else range(query.shape[0])
         per_layer = [self._pick(blocks, eligible, codes, stored[:, i], query[i]) for i in chosen]
@@ -187,11 +184,7 @@ class LayerByLayer:
 
     def check_layers(self, layers: int) -> None:
         """Refuse a pack without a retrieval key for each of the model's `layers`."""
-        if self.stored.shape[1] != layers:
-            raise PackError(
-                f"this pack stores a retrieval key for {self.stored.shape[1]} of {layers} "
-                "layers: per-layer retrieval needs a pack encoded with layers: each"
-            )
+        check_stored_layers(self.stored, layers)
 
     def pick(self, layer: int, vector: torch.Tensor) -> list[str]:
         """Layer `layer`'s blocks, in context order, for its question vector [dim] (before
@@ -206,6 +199,15 @@ class LayerByLayer:
         """What every layer picked, once the forward has run."""
         per_layer = [self.picked.get(layer, {}) for layer in range(self.stored.shape[1])]
         return self.context.selection(self.blocks, per_layer, self.ends_at)
+
+
+def check_stored_layers(stored: torch.Tensor, layers: int) -> None:
+    """Refuse representatives [blocks, stored layers, dim] without a key for each of `layers`."""
+    if stored.shape[1] != layers:
+        raise PackError(
+            f"this pack stores a retrieval key for {stored.shape[1]} of {layers} layers: "
+            "per-layer retrieval needs a pack encoded with layers: each"
+        )
 
 
 def context_order(blocks: BlockTable, picks: dict[int, Retrieved]) -> list[int]:
