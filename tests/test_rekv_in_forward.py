@@ -160,12 +160,14 @@ def test_a_live_moment_retrieves_in_the_forward_from_what_was_shown(tmp_path, ba
 
 
 def test_a_preset_asking_in_forward_retrieval_of_the_last_layer_is_refused_in_one_line(tmp_path):
+    from tests.conftest import SAMPLES
     from tests.helpers import run_mmkv
 
     (tmp_path / "methods").mkdir()
     (tmp_path / "methods" / "rekv-last.yaml").write_text("extends: rekv\nparams:\n  layers: last\n")
-    done = run_mmkv("--presets", str(tmp_path), "encode", "samples/clip.mp4", "--model", "demo",
-                    "--method", "rekv-last", "-o", str(tmp_path / "p.kvpack"))  # fmt: skip
+    clip, out = str(SAMPLES / "clip.mp4"), str(tmp_path / "p.kvpack")
+    done = run_mmkv("--presets", str(tmp_path), "encode", clip, "--model", "demo",
+                    "--method", "rekv-last", "-o", out)  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert "retrieve: in_forward needs layers: each" in done.stderr
