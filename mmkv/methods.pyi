@@ -211,9 +211,12 @@ class SnapKV(MethodConfig):
 
 
 class H2O(MethodConfig):
-    """H2O: top visual tokens per layer by the attention all prefill queries paid them."""
+    """H2O: top visual tokens per KV head by the attention all prefill queries paid them."""
     chunk_frames: int
     score_every: int
+    selection: Literal['per_head', 'per_layer']
+    head_budgets: Literal['equal', 'adaptive']
+    head_floor: float
     def __init__(
         self,
         *,
@@ -222,6 +225,9 @@ class H2O(MethodConfig):
         reduce: str | None = ...,
         chunk_frames: int = ...,
         score_every: int = ...,
+        selection: Literal['per_head', 'per_layer'] = ...,
+        head_budgets: Literal['equal', 'adaptive'] = ...,
+        head_floor: float = ...,
     ) -> None: ...
 
 
@@ -266,7 +272,7 @@ class AirCache(MethodConfig):
 
 
 class MEDA(MethodConfig):
-    """MEDA: per-layer budgets from cross-modal attention entropy, evicted KV merged into kept."""
+    """MEDA: per-layer budgets from cross-modal attention entropy, kept per KV head, evicted KV merged into kept."""
     chunk_frames: int
     guidance_prompt: str | None
     min_layer_ratio: float
@@ -276,6 +282,7 @@ class MEDA(MethodConfig):
     merge_form: Literal['pivot', 'mean']
     entropy_heads: Literal['per_head', 'head_mean']
     score_every: int
+    selection: Literal['per_head', 'per_layer']
     def __init__(
         self,
         *,
@@ -291,6 +298,7 @@ class MEDA(MethodConfig):
         merge_form: Literal['pivot', 'mean'] = ...,
         entropy_heads: Literal['per_head', 'head_mean'] = ...,
         score_every: int = ...,
+        selection: Literal['per_head', 'per_layer'] = ...,
     ) -> None: ...
 
 

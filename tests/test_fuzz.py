@@ -18,16 +18,16 @@ QUESTION = "which shape appeared first ?"
 
 @pytest.fixture(scope="module")
 def subjects(clip, tmp_path_factory):
-    """The demo backbone and three packs of the sample clip: full as computed, mukv at 4 bits (its
+    """The demo backbone and four packs of the sample clip: full as computed, mukv at 4 bits (its
     representatives, key and value scales and per-block tables), full at 1.5 bits (VidKV's codes
-    and key-group planes)."""
+    and key-group planes), h2o at 4 bits (held per head: a layer of one head a KV head)."""
     from mmkv_cli.backbones.loading import load_backbone
     from mmkv_cli.options import LoadOptions
 
     backbone = load_backbone(LoadOptions("demo", "cpu"))
     tmp = tmp_path_factory.mktemp("fuzz")
     made = []
-    for method, bits in (("full", 16), ("mukv", 4), ("full", 1.5)):
+    for method, bits in (("full", 16), ("mukv", 4), ("full", 1.5), ("h2o", 4)):
         path = tmp / f"{method}-{bits}.kvpack"
         options = EncodeOptions(method, max_frames=8, kv_bits=bits, kv_group=8)
         api.encode(clip, path, options, backbone=backbone)

@@ -9,7 +9,10 @@ hermes-qwen25 for HERMES' layer-role pseudo-questions (issue 51: middle and deep
 tokens), and mukv-qwen3 for MuKV's dedup parameters (issue 51: three more fields in the header's
 params, every tensor byte for byte as before), and hermes-qwen25 for HERMES' summary as an
 ordinary cached token (issue 51: summaries held among the frames' tokens, so every block has a
-retrieval key and the pack stores them)."""
+retrieval key and the pack stores them), and all four for format v11 (issue 51: the version
+number; every tensor byte for byte as before, meda-llava-images too, whose tiny model's heads all
+keep the same tokens, so its pack stays per layer), with h2o-demo added: a pack held per head (the
+trained demo's heads keep different tokens)."""
 
 import json
 from pathlib import Path
@@ -30,6 +33,7 @@ CASES = {
     "mukv-qwen3": dict(
         model="tiny-qwen3-vl", method="mukv", budget=0.5, media="samples/clip.mp4", kv_bits=4
     ),
+    "h2o-demo": dict(model="demo", method="h2o", budget=0.25, media="samples/clip.mp4"),
     "meda-llava-images": dict(
         model="tiny-llava-ov", method="meda", budget=0.5, media="samples/images"
     ),

@@ -29,7 +29,7 @@ def reference_choice(backbone, reader, ids, k, mode="keep"):
 
     def forward(record: Recorder | None):
         union = sorted({n for names in chosen for n in names}, key=reader.blocks.index_of)
-        cache, _, start, _ = build_cache(backbone, reader, union, mode, per_layer=chosen)
+        cache, _, start, *_ = build_cache(backbone, reader, union, mode, per_layer=chosen)
         at = backbone.text_positions(start, len(ids))
         with recording(record or Recorder(layers=set())):
             hidden = backbone.forward(backbone.embed_ids(ids), at, cache)
@@ -85,7 +85,7 @@ def _run_in_forward(backbone, reader, selection, ids):
     from mmkv_cli.ask.layerwise import in_forward_splice
     from mmkv_cli.kernels.attention import splicing
 
-    cache, _, start, _ = build_cache(backbone, reader, [])
+    cache, _, start, *_ = build_cache(backbone, reader, [])
     positions = backbone.text_positions(start, len(ids))
     splice = in_forward_splice(backbone, reader, selection.in_forward, cache, positions, len(ids))
     with splicing(splice):

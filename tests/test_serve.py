@@ -158,7 +158,7 @@ def test_a_key_is_required_when_set(packs):
         async with client:
             assert (await client.get("/health")).status_code == 200  # open, for probes
             version = await client.get("/version")
-            assert version.status_code == 200 and version.json()["format_version"] == 10
+            assert version.status_code == 200 and version.json()["format_version"] == 11
             refused = await client.get("/v1/models")
             assert refused.status_code == 401
             assert refused.json()["error"]["code"] == "invalid_api_key"

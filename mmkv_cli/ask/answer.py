@@ -10,12 +10,13 @@ import numpy as np
 import torch
 
 from mmkv_cli.ask.generate import generate
+from mmkv_cli.ask.heads import join_heads
 from mmkv_cli.ask.layerwise import in_forward_splice, question_vector
 from mmkv_cli.ask.prune import AskPrune, prune_context
 from mmkv_cli.ask.result import Answer
 from mmkv_cli.backbones.base import Backbone
 from mmkv_cli.errors import PackError, UsageError
-from mmkv_cli.kernels.attention import Recorder, recording, splicing
+from mmkv_cli.kernels.attention import Recorder, masking, recording, splicing
 from mmkv_cli.kernels.rope import compact_positions, rotate_keys
 from mmkv_cli.methods.base import ContextPolicy
 from mmkv_cli.options import AskOptions
@@ -78,11 +79,15 @@ def build_cache(
     this question, so the stored suffix (which attended to the whole stream) is left out and re-run,
     with the question, just after the context: `lead` holds its embeddings, positions and first
     position (on the host). per_layer:
-    the blocks of each layer, when retrieval chose them layer by layer. Returns
-    (cache, context tokens, the question's first position, lead or None).
+    the blocks of each layer, when retrieval chose them layer by layer. A pack held per head is
+    built head by head, then joined per layer (ask/heads.py). Returns (cache, context tokens, the
+    question's first position, lead or None, per layer whose heads hold different entries which
+    each holds).
     """
     prefix = reader.span("prefix")
-    layers = len(prefix.keys)
+    layers = len(prefix.keys)  # held per head: (layer, KV head) pairs
+    if per_layer is not None and reader.header.kv.per_head:
+        per_layer = [taken for taken in per_layer for _ in range(reader.header.kv.kv_heads)]
     parts = [(prefix.keys, prefix.values, prefix.positions)]
     gathered = None
     if names:
@@ -128,11 +133,17 @@ def build_cache(
         first = int(stored[0, 0]) - start + end if stored.numel() else next_position
         lead = (backbone.suffix_embeds(), (stored - start + end).to(backbone.device), first)
         next_position = stored_next - start + end
+    masks: dict = {}
+    if reader.header.kv.per_head:
+        keys, values, masks = join_heads(keys, values, reader.header.kv.kv_heads)
+        # on the device once: every forward over the cache (each decoded token) reads them
+        masks = {layer: m.to(backbone.device, non_blocking=True) for layer, m in masks.items()}
     return (
         backbone.cache_from_layers(keys, values, adopt=True),
         max(int(k.shape[1]) for k in keys),
         next_position,
         lead,
+        masks,
     )
 
 
@@ -172,7 +183,10 @@ def answer_from_pack(
     positions_mode = options.positions.value if options.positions else policy.position_mode
     layerwise = selection.in_forward
     built_as = "keep" if layerwise is not None else positions_mode  # reindexed layer by layer
-    cache, context, position, lead = build_cache(
+    if reader.header.kv.per_head and (prune or layerwise is not None):
+        what = "--prune" if prune else "retrieval inside the forward"
+        raise UsageError(f"{reader.path} is held per head: {what} is for packs held per layer")
+    cache, context, position, lead, heads = build_cache(
         backbone, reader, selection.names, built_as, selection.ends_at, selection.per_layer
     )
     clock.lap("read")
@@ -192,6 +206,7 @@ def answer_from_pack(
     with (
         recording(recorder) if recorder else nullcontext(),
         splicing(splice) if splice else nullcontext(),
+        masking(heads),  # a head held per head sees only its own entries, here and decoding
     ):
         hidden = backbone.forward(embeds, positions, cache)
     if layerwise is not None:
@@ -213,7 +228,8 @@ def answer_from_pack(
         clock.phases[phase] += seconds
         clock.phases["prefill"] -= seconds
     generation_start = clock.last
-    made, decode_s = _decode(backbone, cache, logits, position, options, on_token)
+    with masking(heads):
+        made, decode_s = _decode(backbone, cache, logits, position, options, on_token)
     total = time.perf_counter() - start
     return Answer(
         answer=made.text.strip(),

@@ -279,8 +279,11 @@ def show_inspect(info: dict) -> None:
     layers = Table(title="tokens kept per layer", title_justify="left")
     layers.add_column("layer", justify="right")
     layers.add_column("visual tokens kept", justify="right")
+    if info["per_head"]:  # each KV head keeps its own: the layer's figure is their mean
+        layers.add_column("per KV head", justify="right")
     for layer in info["layers"]:
-        layers.add_row(str(layer["index"]), str(layer["tokens_kept"]))
+        heads = [" ".join(map(str, layer["heads"]))] if info["per_head"] else []
+        layers.add_row(str(layer["index"]), str(layer["tokens_kept"]), *heads)
     out_console.print(layers)
 
 

@@ -25,7 +25,7 @@ from mmkv_cli.encode.saved_state import (
 )
 from mmkv_cli.encode.text_attention import text_attention
 from mmkv_cli.errors import MediaError
-from mmkv_cli.kernels.attention import recording
+from mmkv_cli.kernels.attention import masking, recording
 from mmkv_cli.kernels.host import HostCopies
 from mmkv_cli.media import Media
 from mmkv_cli.methods import Budget, EncodeContext
@@ -47,6 +47,7 @@ class Encoded:
     visual_tokens_total: int
     stats: dict = field(default_factory=dict)
     representatives: str = "pre_rope"  # what block representatives are means of (pack/format.py)
+    per_head: bool = False  # every span stored per (layer, KV head): the KV heads keep their own
 
 
 @dataclass
@@ -61,6 +62,8 @@ class Streamed:
     shift: int = 0  # how far a policy that compacted positions moved the rest of the stream up
     representatives: str = "pre_rope"  # pre_rope, or post_rope: keys as a block was prefilled
     prefilled: int | None = None  # visual tokens prefilled (None: every one the stream gave)
+    # per layer whose KV heads hold different tokens: which entries each sees (RunningCache)
+    head_masks: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -169,9 +172,13 @@ def finished(
     """What a runner left, as the pack's spans: the suffix prefilled after it."""
     suffix_positions = layout.suffix - done.shift  # a policy that compacted moved the rest up
     suffix_embeds = backbone.suffix_embeds()
-    if suffix_embeds.shape[1]:
-        backbone.forward(suffix_embeds, suffix_positions, done.cache)
+    if suffix_embeds.shape[1]:  # each head attends to what it holds
+        with masking(done.head_masks):
+            backbone.forward(suffix_embeds, suffix_positions, done.cache)
     suffix = _span("suffix", done.cache, done.visual_end, None, suffix_positions)
+    per_head = bool(done.head_masks)
+    if per_head:  # the blocks are stored per (layer, KV head): so are the prefix and suffix
+        prefix, suffix = prefix.by_head(), suffix.by_head()
     per_step = backbone.frames_per_step
     total = sum(layout.step_lengths)
     return Encoded(
@@ -180,6 +187,7 @@ def finished(
         suffix=suffix,
         visual_tokens_total=total,
         representatives=done.representatives,
+        per_head=per_head,
         layout={
             "position_dims": backbone.position_dims,
             "next_position": layout.next_position - done.shift,
@@ -258,7 +266,15 @@ def encode_streaming(
         running.visual_start(layer) + running.count(layer) for layer in range(state.layers)
     ]
     peak = max(peak_kv, running.kv_bytes())
-    return Streamed(blocks, cache, visual_end, peak, state.shift, prefilled=state.prefilled)
+    return Streamed(
+        blocks,
+        cache,
+        visual_end,
+        peak,
+        state.shift,
+        prefilled=state.prefilled,
+        head_masks=running.head_masks(),
+    )
 
 
 def reducer_saved(stream: Stream) -> dict:

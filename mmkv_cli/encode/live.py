@@ -235,7 +235,13 @@ class StreamRunner:
         visual_end = [running.visual_start(i) + running.count(i) for i in range(state.layers)]
         prefix = self.owner.prefix(running.cache, state.layers)  # MEDA may merge into it
         done = Streamed(
-            blocks, running.cache, visual_end, peak, state.shift, prefilled=state.prefilled
+            blocks,
+            running.cache,
+            visual_end,
+            peak,
+            state.shift,
+            prefilled=state.prefilled,
+            head_masks=running.head_masks(),
         )
         return prefix, done
 

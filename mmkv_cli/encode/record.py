@@ -60,7 +60,7 @@ def pack_header(
     }
     stats = {k: round(v, 4) if isinstance(v, float) else v for k, v in encoded.stats.items()}
     header = PackHeader(
-        kv=KVShape(**backbone.kv_shape()),
+        kv=KVShape(**backbone.kv_shape(), per_head=encoded.per_head),
         fingerprint=Fingerprint.stored(backbone.fingerprint()),
         method=method_record(choice, context.guidance_prompt),
         media=MediaRecord.stored(described),

@@ -25,6 +25,7 @@ from mmkv_cli.lazy import torch
 __all__ = [
     "Recorder",
     "Splice",
+    "masking",
     "causal_column_sums",
     "causal_rows",
     "install",
@@ -44,6 +45,12 @@ _active: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar(
 # context that only the layer's own queries can choose, put in before its attention runs
 Splice = Callable[[int, "torch.Tensor", "torch.Tensor", "torch.Tensor"], tuple]
 _splice: contextvars.ContextVar[Splice | None] = contextvars.ContextVar("mmkv_splice", default=None)
+# per layer, which of its first cached entries each KV head holds ([H_kv, n] bool): a cache whose
+# heads keep different tokens stores them padded to the longest head, the padding masked out
+HeadMasks = dict[int, "torch.Tensor"]
+_heads: contextvars.ContextVar[HeadMasks | None] = contextvars.ContextVar(
+    "mmkv_heads", default=None
+)
 
 
 def _row_blocks(query: torch.Tensor, key: torch.Tensor, scaling: float):
@@ -109,7 +116,8 @@ def _blockwise_recorded(recorder: Recorder, layer: int, query, key, value, scali
         mean = probs.mean(dim=1)  # [B, rows, k]
         if recorder.column_sums:
             stride = recorder.row_stride
-            sampled = mean[:, (-start) % stride :: stride].sum(dim=1) * stride
+            scored = grouped.mean(dim=2) if recorder.per_head else mean  # [B, (H_kv,) rows, k]
+            sampled = scored[..., (-start) % stride :: stride, :].sum(dim=-2) * stride
             sums = sampled if sums is None else sums + sampled
         if recorder.rows:
             rows.append(mean)
@@ -129,6 +137,13 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
     splice = _splice.get()
     if splice is not None:
         key, value = splice(layer, query, key, value)
+    masks = _heads.get()
+    held = masks.get(layer) if masks is not None else None
+    if held is not None:
+        if recorder is not None and layer in recorder.layers:
+            raise RuntimeError("internal: attention is not recorded over a cache held per head")
+        mask = with_heads(query, key, own_length_mask(query, key, attention_mask), held)
+        return _sdpa(module, query, key, value, mask, **kwargs)
     if recorder is not None and layer in recorder.layers:
         if recorder.queries:
             recorder.query[layer] = query.detach()
@@ -158,6 +173,24 @@ def own_length_mask(
     return (torch.arange(k_len, device=query.device)[None, :] <= rows)[None, None]
 
 
+def with_heads(
+    query: torch.Tensor, key: torch.Tensor, causal: torch.Tensor | None, held: torch.Tensor
+) -> torch.Tensor:
+    """The causal mask ([1, 1, q, k] bool, or None: all visible) narrowed per query head to the
+    cached entries its KV head holds (`held` [H_kv, n], n <= k; the entries after n are the
+    forward's own and every head's) -> [1, H, q, k] bool."""
+    q_len, k_len = query.shape[2], key.shape[2]
+    group = query.shape[1] // held.shape[0]
+    held = held.to(key.device, non_blocking=True)  # host to device: no wait
+    rest = torch.ones(held.shape[0], k_len - held.shape[1], dtype=torch.bool, device=key.device)
+    heads = torch.cat([held, rest], dim=1).repeat_interleave(group, dim=0)[None, :, None, :]
+    if causal is None:
+        return heads.expand(1, -1, q_len, -1)
+    if causal.dtype != torch.bool:  # an additive mask: 0 where seen
+        causal = causal == 0
+    return causal & heads
+
+
 def install(model) -> None:
     """Route the language model's attention (not the vision tower's) through the recording
     function."""
@@ -185,6 +218,12 @@ def _set(var: contextvars.ContextVar, value):
 def splicing(splice: Splice):
     """Let `splice` change each layer's keys and values before its attention, for one forward."""
     return _set(_splice, splice)
+
+
+def masking(masks: HeadMasks):
+    """Let each layer's KV heads see only the cached entries `masks` says they hold, for the
+    forwards inside the block (an ask's prefill and decode over a cache held per head)."""
+    return _set(_heads, masks)
 
 
 def recording(recorder: Recorder):

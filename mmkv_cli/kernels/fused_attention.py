@@ -78,13 +78,15 @@ def probability_blocks(query, key, lse, scaling: float, columns: slice, stride: 
         yield start, probs.masked_fill_(keys_at[None, :] > row_at[:, None], 0.0)
 
 
-def column_sums(query, key, lse, scaling: float, stride: int = 1):
-    """Sum over the query rows of the head-mean attention each key receives -> [B, k]. stride N:
-    over every Nth row only, times N (an estimate, for a cheaper second pass)."""
+def column_sums(query, key, lse, scaling: float, stride: int = 1, per_head: bool = False):
+    """Sum over the query rows of the head-mean attention each key receives -> [B, k]; per_head:
+    of each KV head's query-head mean -> [B, H_kv, k]. stride N: over every Nth row only, times N
+    (an estimate, for a cheaper second pass)."""
     batch, heads, n, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
-    past = k_len - n
-    sums = torch.zeros(batch, k_len, device=query.device)  # on the device: read by the policy
+    group, past = heads // kv_heads, k_len - n
+    # on the device: read by the policy
+    sums = torch.zeros(batch, kv_heads, k_len, device=query.device)
     if past:
         rows, row_lse = query[:, :, ::stride], lse[:, :, ::stride]
         stacked = rows.float().reshape(batch, kv_heads, -1, dim)
@@ -92,18 +94,23 @@ def column_sums(query, key, lse, scaling: float, stride: int = 1):
         cached = key[:, :, :past].float().contiguous()
         # the swapped pass's output is not wanted; the stacked rows serve as its values
         _, swapped = _flash(cached, stacked, stacked, attn_mask=bias, scale=scaling)
-        sums[:, :past] = swapped.exp().sum(dim=1) / heads
+        sums[:, :, :past] = swapped.exp()  # a KV head's query heads' rows summed
     own = slice(past, k_len)
     for _, probs in probability_blocks(query, key, lse, scaling, own, stride):
-        sums[:, past:] += probs.sum(dim=(1, 2)) / heads
-    return sums * stride
+        grouped = probs.reshape(batch, kv_heads, group, *probs.shape[2:])
+        sums[:, :, past:] += grouped.sum(dim=(2, 3))
+    if per_head:
+        return sums * (stride / group)
+    return sums.sum(dim=1) * (stride / heads)
 
 
 def recorded(recorder: Recorder, layer: int, query, key, value, scaling: float):
     """The layer's output [B, q, H, D], recording column sums and reducers as asked."""
     out, lse = lse_attention(query, key, value, scaling)
     if recorder.column_sums:
-        recorder.column_sum[layer] = column_sums(query, key, lse, scaling, recorder.row_stride)
+        recorder.column_sum[layer] = column_sums(
+            query, key, lse, scaling, recorder.row_stride, recorder.per_head
+        )
     if recorder.reducers:
         totals = recorder.reduced.setdefault(layer, {})
         for name, (columns, fn) in recorder.reducers.items():

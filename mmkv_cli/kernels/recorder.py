@@ -24,8 +24,11 @@ class Recorder:
     # column sums from every Nth query row only, times N: an estimate that spares most of the second
     # pass over QK^T on the fused path (1: every row, exact)
     row_stride: int = 1
-    # what was recorded, per layer: column sums [B, kv_len] and rows [B, q_len, kv_len] (float32),
-    # reducer totals by name, queries [B, H, q_len, D]
+    # column sums per KV head ([B, H_kv, kv_len], each the mean over its query heads) instead of
+    # over all heads: what a method that keeps tokens per head scores by
+    per_head: bool = False
+    # what was recorded, per layer: column sums [B, kv_len] (per_head: [B, H_kv, kv_len]) and
+    # rows [B, q_len, kv_len] (float32), reducer totals by name, queries [B, H, q_len, D]
     column_sum: dict[int, torch.Tensor] = field(default_factory=dict)
     reduced: dict[int, dict] = field(default_factory=dict)
     row: dict[int, torch.Tensor] = field(default_factory=dict)

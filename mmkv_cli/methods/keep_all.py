@@ -62,6 +62,8 @@ class KeepAll:
         """Group what each layer kept by temporal step: one block per step still held by some
         layer."""
         steps = len(step_times)
+        # held per head, the blocks' layers are (layer, KV head) pairs; retrieval keys are per layer
+        whole_layers = not state.cache.per_head
         per_layer = []
         for keys, values, positions, index in state.cache.take_all_held():
             step = state.token_step[index]
@@ -92,7 +94,9 @@ class KeepAll:
                     granularity=self.granularity,
                     steps=(step, step + 1),
                     time=time,
-                    representative=self.representative(keys, positions, state.rope),
+                    representative=(
+                        self.representative(keys, positions, state.rope) if whole_layers else None
+                    ),
                 )
             )
         return blocks

@@ -5,8 +5,10 @@ E_l = E_TV + E_VT: the entropy of text rows over visual keys (the guidance promp
 plus that of visual rows over text keys (recorded chunk by chunk while streaming), each head's
 own entropy averaged over heads (the authors' compute_crossmodal_entropy).
 ratio_l = softmax_l(E) * L * rho, clamped to [min_layer_ratio, 1]: layers whose attention is spread
-keep more. In a layer, a recent window and the top tokens by cumulative attention (3:1) are kept;
-every evicted token is merged into its most cosine-similar kept key of the same head, text (the
+keep more. In a layer, each KV head keeps the recent window and its own top tokens by its own
+cumulative attention (3:1), as the authors' code does (`selection: per_layer`: one set a layer, by
+the heads' mean); every evicted token is merged into its most cosine-similar kept key of the same
+head, text (the
 prompt before the video, never evicted) or visual, as paper Eq. 11 and the authors' code allow; kept
 K and V absorb what merged in by the authors' pivot form (merge_evicted).
 """
@@ -52,6 +54,12 @@ class MedaParams(GuidedParams):
         "compute_crossmodal_entropy); head_mean: the entropy of the head-averaged rows",
     )
     score_every: int = score_every_knob()
+    selection: Literal["per_head", "per_layer"] = knob(
+        "per_head",
+        "per_head: each KV head keeps its recent window and its own heavy tokens by its own "
+        "attention, and merges into its own (the authors' code); per_layer: one set a layer, by "
+        "the heads' mean attention",
+    )
 
 
 # --- scoring: pure functions over tensors ---
@@ -112,43 +120,48 @@ def merge_evicted(
     block_rows: int | None = None,
     form: str = "pivot",
 ):
-    """keys, values [H, n, D]; kept: local indices. Each evicted token joins the kept token whose
-    key is most cosine-similar in the same head. A kept K, V with n joiners i becomes, by `form`:
-    pivot (MEDA's class), each joiner first averaged with the pivot, (x_j + sum (x_i + x_j) / 2) /
-    (n + 1); mean, (x_j + sum x_i) / (n + 1). block_rows: evicted tokens compared at a time (None:
-    SIMILARITY_BLOCK_BYTES' worth).
+    """keys, values [H, n, D]; kept: local indices, [k] for every head or [H, k] each head its own
+    (ascending). Each evicted token joins the kept token whose key is most cosine-similar in the
+    same head. A kept K, V with n joiners i becomes, by `form`: pivot (MEDA's class), each joiner
+    first averaged with the pivot, (x_j + sum (x_i + x_j) / 2) / (n + 1); mean, (x_j + sum x_i) /
+    (n + 1). block_rows: evicted tokens compared at a time (None: SIMILARITY_BLOCK_BYTES' worth).
 
     Returns (keys [H, k, D], values [H, k, D], target [H, n_evicted]: the kept slot each evicted
     token joined), in float32 on the keys' device.
     """
-    heads, n, _ = keys.shape
+    heads, n, dim = keys.shape
     kept = kept.to(keys.device)
-    evicted = torch.ones(n, dtype=torch.bool, device=keys.device)
-    evicted[kept] = False
-    gone = evicted.nonzero().squeeze(1)
-    k_keep, v_keep = keys[:, kept].float(), values[:, kept].float()
-    if gone.numel() == 0:
+    kept = kept.expand(heads, -1) if kept.dim() == 1 else kept
+    evicted = torch.ones(heads, n, dtype=torch.bool, device=keys.device)
+    evicted.scatter_(1, kept, False)
+    gone = evicted.nonzero()[:, 1].reshape(heads, -1)  # every head evicts as many
+
+    def rows(t: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        return t.gather(1, at.unsqueeze(-1).expand(-1, -1, dim)).float()
+
+    k_keep, v_keep = rows(keys, kept), rows(values, kept)
+    if gone.shape[1] == 0:
         return k_keep, v_keep, torch.empty(heads, 0, dtype=torch.long, device=keys.device)
-    k_gone, v_gone = keys[:, gone].float(), values[:, gone].float()
+    k_gone, v_gone = rows(keys, gone), rows(values, gone)
     unit = torch.nn.functional.normalize
     towards = unit(k_keep, dim=-1).transpose(1, 2)  # [H, D, kept]
-    rows = block_rows or max(1, SIMILARITY_BLOCK_BYTES // (4 * heads * max(1, kept.numel())))
+    step = block_rows or max(1, SIMILARITY_BLOCK_BYTES // (4 * heads * max(1, kept.shape[1])))
     target = torch.cat(
         [
-            (unit(k_gone[:, start : start + rows], dim=-1) @ towards).argmax(dim=-1)
-            for start in range(0, gone.numel(), rows)
+            (unit(k_gone[:, start : start + step], dim=-1) @ towards).argmax(dim=-1)
+            for start in range(0, gone.shape[1], step)
         ],
         dim=1,
     )  # [H, evicted]
-    joiners = torch.zeros(heads, kept.numel(), device=keys.device)
+    joiners = torch.zeros(heads, kept.shape[1], device=keys.device)
     joiners.scatter_add_(1, target, torch.ones_like(target, dtype=torch.float32))
-    n = joiners.unsqueeze(-1)
-    index = target.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
+    count = joiners.unsqueeze(-1)
+    index = target.unsqueeze(-1).expand(-1, -1, dim)
     k_in = torch.zeros_like(k_keep).scatter_add_(1, index, k_gone)  # sum of each entry's joiners
     v_in = torch.zeros_like(v_keep).scatter_add_(1, index, v_gone)
     if form == "pivot":
-        k_in, v_in = (k_in + n * k_keep) / 2, (v_in + n * v_keep) / 2
-    return (k_keep + k_in) / (n + 1), (v_keep + v_in) / (n + 1), target
+        k_in, v_in = (k_in + count * k_keep) / 2, (v_in + count * v_keep) / 2
+    return (k_keep + k_in) / (count + 1), (v_keep + v_in) / (count + 1), target
 
 
 # --- the memory policy ---
@@ -169,6 +182,7 @@ class MedaMemory(KeepAll):
             column_sums=True,
             row_stride=self.params.score_every,
             reducers={"vt_entropy": (text, self._entropy)},
+            per_head=self.params.selection == "per_head",
         )
 
     def _entropy(self, block: torch.Tensor) -> torch.Tensor:
@@ -176,13 +190,14 @@ class MedaMemory(KeepAll):
 
     def observe(self, state: StreamState, recorder: Recorder) -> None:
         if not self.cumulative:
-            self.cumulative = [torch.zeros(state.total) for _ in range(state.layers)]
+            heads = (state.cache.visual(0)[0].shape[0],) if recorder.per_head else ()
+            self.cumulative = [torch.zeros(*heads, state.total) for _ in range(state.layers)]
             self.vt_entropy = [0.0] * state.layers
         layers = range(state.layers)
         starts = [state.cache.visual_start(layer) for layer in layers]
         read = host_all(  # every layer's sums and entropy in one copy: one wait a chunk
             [
-                recorder.column_sum[i][0, s : s + state.cache.count(i)]
+                recorder.column_sum[i][0, ..., s : s + state.cache.count(i)]
                 for i, s in zip(layers, starts)
             ]
             + [recorder.reduced[layer]["vt_entropy"][0] for layer in layers]
@@ -219,25 +234,37 @@ class MedaMemory(KeepAll):
             keep = max(1, math.floor(ratio * count))
             if keep >= count:
                 continue
-            scores = self.cumulative[layer][state.cache.index[layer]]
-            local = recent_and_heavy(scores, keep, self.params.recent_share)
+            scores = self.cumulative[layer][..., state.cache.index[layer]]
+            share = self.params.recent_share
+            if scores.dim() == 2:  # each KV head its own (the code): [H_kv, keep]
+                local = torch.stack([recent_and_heavy(row, keep, share) for row in scores])
+            else:
+                local = recent_and_heavy(scores, keep, share)
             if self.params.merge:
                 self._merge(state, layer, local)
+            elif local.dim() == 2:
+                state.cache.retain_heads(layer, list(local))
             else:
                 state.cache.retain(layer, local)
 
     def _merge(self, state: StreamState, layer: int, local: torch.Tensor) -> None:
-        """Evict all but `local` and merge what goes into the kept text or visual tokens."""
+        """Evict all but `local` ([k], or [H_kv, k] each head its own) and merge what goes into the
+        kept text or visual tokens (of the same head)."""
         keys, values = state.cache.visual(layer)
         text = state.cache.prompt_len if self.params.merge_into == "text_and_visual" else 0
         if text:  # the prompt's entries are candidates too (the text is always kept)
             prompt_k, prompt_v = state.cache.prompt(layer)
             keys = torch.cat([prompt_k, keys], dim=1)
             values = torch.cat([prompt_v, values], dim=1)
-        kept = torch.cat([torch.arange(text), local + text])
+        prompt = torch.arange(text).expand(*local.shape[:-1], -1)
+        kept = torch.cat([prompt, local + text], dim=-1)
         merged_k, merged_v, _ = merge_evicted(keys, values, kept, form=self.params.merge_form)
-        state.cache.retain(layer, local)
-        state.cache.replace(layer, merged_k[:, text:], merged_v[:, text:])
+        if local.dim() == 2:
+            state.cache.retain_heads(layer, list(local))
+            state.cache.replace_held(layer, merged_k[:, text:], merged_v[:, text:])
+        else:
+            state.cache.retain(layer, local)
+            state.cache.replace(layer, merged_k[:, text:], merged_v[:, text:])
         if text:
             state.cache.replace_prompt(layer, merged_k[:, :text], merged_v[:, :text])
 
@@ -245,7 +272,8 @@ class MedaMemory(KeepAll):
 METHOD = Method(
     name="meda",
     label="MEDA",
-    description="per-layer budgets from cross-modal attention entropy, evicted KV merged into kept",
+    description="per-layer budgets from cross-modal attention entropy, kept per KV head, evicted "
+    "KV merged into kept",
     paper=Paper(
         "MEDA: Dynamic KV Cache Allocation for Efficient Multimodal Long-Context Inference",
         2025,

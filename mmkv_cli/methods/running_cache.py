@@ -38,6 +38,10 @@ class RunningCache:
         # stream index. Such an entry's bytes never change while it is held, whatever is evicted
         # around it, so a checkpoint writes them once (an hour of `full` or a 25% window: GBs)
         self.pristine = [torch.empty(0, dtype=torch.bool) for _ in range(layers)]
+        # per layer, once a policy kept tokens per KV head: which visual entries each head holds
+        # ([H_kv, n] bool; None: every head holds every entry). An entry stays while any head holds
+        # it; attention is masked so a head sees only its own (kernels.attention.masking)
+        self.heads: list[torch.Tensor | None] = [None] * layers
         self.streamed = 0  # the stream has come this far: indices [0, streamed) appended or dropped
 
     @property
@@ -54,6 +58,7 @@ class RunningCache:
         fork.cache.layers = [copy.copy(layer) for layer in self.cache.layers]
         fork.front, fork.index = list(self.front), list(self.index)
         fork.positions, fork.pristine = list(self.positions), list(self.pristine)
+        fork.heads = list(self.heads)
         fork.archive = [archive.fork() for archive in self.archive]
         return fork
 
@@ -75,6 +80,8 @@ class RunningCache:
         """A forward added these visual tokens (stream indices, positions [P, n]) to every layer's
         end."""
         fresh = torch.ones(len(index), dtype=torch.bool)
+        if any(held is not None for held in self.heads):
+            raise RuntimeError("internal: no forward adds visual tokens to a cache held per head")
         for layer in range(self.layers):
             self.index[layer] = torch.cat([self.index[layer], index])
             self.positions[layer] = torch.cat([self.positions[layer], positions], dim=1)
@@ -95,6 +102,49 @@ class RunningCache:
         self.index[layer] = self.index[layer][local.cpu()]
         self.positions[layer] = self.positions[layer][:, local.cpu()]
         self.pristine[layer] = self.pristine[layer][local.cpu()]
+        held = self.heads[layer]
+        if held is not None:
+            self.heads[layer] = held[:, local.to(held.device)]
+
+    def retain_heads(self, layer: int, local: list[torch.Tensor]) -> None:
+        """Keep, for each KV head h, only the visual entries at `local[h]` (indices into this
+        layer's visual part, ascending; heads may keep different numbers). The entries no head
+        keeps go; the rest stay once, marked with the heads that hold them. Heads that all keep the
+        same entries are a plain `retain`: the pack stays per layer."""
+        count = self.count(layer)
+        held = torch.zeros(len(local), count, dtype=torch.bool)
+        for head, at in enumerate(local):
+            held[head, at.cpu()] = True
+        if self.heads[layer] is not None:
+            held &= self.heads[layer].cpu()
+        kept = held.any(dim=0)
+        agree = self.heads[layer] is None and bool((held == held[:1]).all())
+        self.retain(layer, kept.nonzero().squeeze(1))
+        self.heads[layer] = None if agree else held[:, kept]
+
+    def replace_held(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Overwrite what each KV head holds of this layer's visual part with its own rows of
+        `keys`, `values` ([H_kv, k, D], each head's k in its entries' order; every head as many)."""
+        held = self.heads[layer]
+        if held is None:
+            self.replace(layer, keys, values)
+            return
+        at = held.to(keys.device, non_blocking=True)
+        old_k, old_v = self.visual(layer)
+        new_k, new_v = old_k.clone(), old_v.clone()
+        new_k[at] = keys.reshape(-1, keys.shape[-1]).to(new_k)  # row-major: head by head
+        new_v[at] = values.reshape(-1, values.shape[-1]).to(new_v)
+        self.replace(layer, new_k, new_v)
+
+    def head_masks(self) -> dict[int, torch.Tensor]:
+        """For a forward over this cache: per layer held per head, which of its entries up to the
+        visual part's end each KV head sees ([H_kv, n] bool; the prompt and front: every head)."""
+        masks = {}
+        for layer, held in enumerate(self.heads):
+            if held is not None:
+                before = torch.ones(held.shape[0], self.visual_start(layer), dtype=torch.bool)
+                masks[layer] = torch.cat([before, held.cpu()], dim=1)
+        return masks
 
     def replace(
         self,
@@ -126,6 +176,8 @@ class RunningCache:
     def offload(self, layer: int, count: int) -> None:
         """Move this layer's `count` oldest visual entries out of the attention window to host
         memory; they still go into the pack (a sliding window at encode, as ReKV streams)."""
+        if self.heads[layer] is not None:
+            raise RuntimeError("internal: a cache held per head is not offloaded")
         keys, values = self.visual(layer)
         # copied into the archive's slabs: never views, which would keep the whole cache tensor
         # they were cut from alive (on the CPU, .cpu() returns the view itself)
@@ -137,9 +189,16 @@ class RunningCache:
         )
         self.retain(layer, torch.arange(count, self.count(layer)))
 
+    @property
+    def per_head(self) -> bool:
+        """Some layer's heads hold different entries: the pack stores each (layer, KV head) as a
+        layer of its own (docs/kvpack.md)."""
+        return any(held is not None for held in self.heads)
+
     def take_all_held(self) -> list[tuple]:
         """Per layer, everything it keeps for the pack: K, V [H_kv, n, D] on the host (offloaded
-        entries first), positions [P, n], stream indices [n]. Every layer's K/V is sent to pinned
+        entries first), positions [P, n], stream indices [n]; held per head (`per_head`), per
+        (layer, KV head) in that order, [1, n_h, D] each. Every layer's K/V is sent to pinned
         host memory first and waited for once, not once a layer. The offloaded entries are handed
         over (the archives empty): at an hour of video they are GBs, and a second host copy of
         every layer would double the encode's memory while the pack is made."""
@@ -148,11 +207,18 @@ class RunningCache:
         sent = [tuple(copies.host(t) for t in self.visual(layer)) for layer in layers]
         if copies:
             copies.settle()
-        return [
+        held = [
             self.archive[layer].take_joined(
                 (*sent[layer], self.positions[layer], self.index[layer])
             )
             for layer in layers
+        ]
+        if not self.per_head:
+            return held
+        return [
+            part
+            for (keys, values, positions, index), heads in zip(held, self.heads)
+            for part in by_head(keys, values, positions, index, heads)
         ]
 
     def add(
@@ -168,6 +234,9 @@ class RunningCache:
             [self.positions[layer], position.view(-1, 1).to(self.positions[layer])], dim=1
         )
         self.pristine[layer] = torch.cat([self.pristine[layer], torch.zeros(1, dtype=torch.bool)])
+        held = self.heads[layer]
+        if held is not None:  # every head holds what a policy made
+            self.heads[layer] = torch.cat([held, held.new_ones(held.shape[0], 1)], dim=1)
 
     def insert_front(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Put one token ([H_kv, 1, D]) right after the prompt of this layer, replacing the one
@@ -200,6 +269,17 @@ class RunningCache:
             for e in self.cache.layers
             if e.keys is not None
         )
+
+
+def by_head(keys, values, positions, index, heads: torch.Tensor | None) -> list[tuple]:
+    """One layer's held entries (K, V [H_kv, n, D], positions [P, n], index [n]) split into what
+    each KV head holds (`heads` [H_kv, n]; None: all): [(K, V [1, n_h, D], positions, index)]."""
+    out = []
+    for head in range(keys.shape[0]):
+        at = slice(None) if heads is None else heads[head].nonzero().squeeze(1)
+        one = slice(head, head + 1)
+        out.append((keys[one, at], values[one, at], positions[:, at], index[at]))
+    return out
 
 
 # text -> per layer the attention its rows pay the cached visual tokens (or, rows=True, the raw

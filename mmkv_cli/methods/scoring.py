@@ -20,13 +20,37 @@ def top_in_order(score: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def accumulate(total: torch.Tensor, sums: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Add a chunk's column sums over a layer's cached visual tokens (cache order) to their stream
-    slots; returns `total`, grown first where the stream has outgrown it (a live stream's length
-    is not known ahead)."""
+    """Add a chunk's column sums over a layer's cached visual tokens (cache order; [n], or per
+    head [H, n]) to their stream slots ([total] or [H, total]); returns `total`, grown first where
+    the stream has outgrown it (a live stream's length is not known ahead)."""
     needed = int(index.max()) + 1 if index.numel() else 0
-    if needed > total.numel():
-        total = torch.cat([total, torch.zeros(needed - total.numel(), dtype=total.dtype)])
-    return total.index_add_(0, index, sums.float())
+    if needed > total.shape[-1]:
+        more = total.new_zeros(*total.shape[:-1], needed - total.shape[-1])
+        total = torch.cat([total, more], dim=-1)
+    return total.index_add_(total.dim() - 1, index, sums.float())
+
+
+def top_per_head(scores: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """scores [H, n] -> for each head the indices of its `count` best, in temporal order (every
+    head keeps as many: H2O's and MEDA's code)."""
+    return list(scores.topk(min(count, scores.shape[1]), dim=1).indices.sort(dim=1).values)
+
+
+def adaptive_per_head(scores: torch.Tensor, count: int, floor: float) -> list[torch.Tensor]:
+    """AdaKV's head budgets: H x `count` entries in all, each head first its own best
+    floor(floor x count), the rest the best of what is left over all heads at once (so a head
+    whose attention is concentrated gives its share to one whose attention is spread). scores
+    [H, n], comparable across heads (each head's rows sum to one) -> per head, indices in
+    temporal order."""
+    heads, n = scores.shape
+    count = min(count, n)
+    own = min(count, math.floor(floor * count))
+    chosen = torch.zeros(heads, n, dtype=torch.bool)
+    if own:
+        chosen.scatter_(1, scores.topk(own, dim=1).indices.cpu(), True)
+    rest = scores.float().cpu().masked_fill(chosen, float("-inf")).reshape(-1)
+    chosen.view(-1)[rest.topk(heads * (count - own)).indices] = True
+    return [row.nonzero().squeeze(1) for row in chosen]
 
 
 def pooled(scores: torch.Tensor, kernel: int) -> torch.Tensor:

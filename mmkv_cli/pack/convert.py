@@ -157,12 +157,15 @@ def _converted_header(reader: PackReader, params, prefix: Span, kept: int, cut: 
     method = header.method
     if params is not None:
         method = replace(method, params=params(reader), params_exact=True)
+    dtype = str(prefix.keys[0].dtype).replace("torch.", "")
     kv = KVShape(
         layers=len(prefix.keys),
         kv_heads=int(prefix.keys[0].shape[0]),
         head_dim=int(prefix.keys[0].shape[2]),
-        dtype=str(prefix.keys[0].dtype).replace("torch.", ""),
+        dtype=dtype,
     )
+    if header.kv.per_head:  # (v11) the header says: the spans hold a layer of one head a head
+        kv = replace(header.kv, dtype=dtype)
     converted = {
         "at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "source": str(reader.path),

@@ -1,4 +1,4 @@
-"""The .kvpack format (v9): one safetensors file, a JSON header in its metadata, tensors by span.
+"""The .kvpack format (v11): one safetensors file, a JSON header in its metadata, tensors by span.
 
 A span is the per-layer KV of one stretch of the stream: the prefix (init prompt), one visual block,
 or the suffix. Each span holds its per-layer K, V and original positions concatenated along the
@@ -17,18 +17,20 @@ the tokens per step are int32 where every value fits (int64 otherwise), and the 
 have a digest per 4 MiB, hashed on every core. From v9 a quantized pack's key groups run across the
 blocks of each layer, their scales ("blocks.kq") one small tensor with a digest per 4 MiB that no
 block's checksum covers. From v10 every checksum is BLAKE3 (sha256 before; the header's own stays
-sha256), named so: "blocks.blake3", and "blake3" where the header held "sha256". See docs/kvpack.md.
+sha256), named so: "blocks.blake3", and "blake3" where the header held "sha256". From v11 a pack
+may be held per head: its spans store each (layer, KV head) as a layer of one head. See
+docs/kvpack.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mmkv_cli.lazy import torch
 from mmkv_cli.pack.hashing import digest_of
 
 FORMAT_NAME = "mmkv.kvpack"
-FORMAT_VERSION = 10
+FORMAT_VERSION = 11
 # v2 kept the block table as JSON in the header; v2 and v3 stored K/V head-major ([H_kv, tokens, D])
 # and positions as [P, tokens], with timestamps and step lengths in the header; v2-v4 named the
 # prefix and suffix "segments" in the header (v5: "spans") and kept a fixed token budget among the
@@ -40,7 +42,9 @@ FORMAT_VERSION = 10
 # their own, the scales among the blocks' rows (a block's checksum covered them); v9 lets them run
 # across blocks ("key_groups": "span" in the quant header; the table's key-group column is 0).
 # v2-v9 made every checksum sha256; v10 makes them BLAKE3 (the header's own checksum stays sha256).
-READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10)
+# v11 may hold KV per head ("per_head" in the header's "kv"): every span then stores each (layer,
+# KV head) as a layer of one head, layer-major, so each head keeps tokens of its own.
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
 BLOCKS = "blocks"  # tensors "blocks.k/.v/.pos": every block's tokens, one range each
 # Header lists that grow with the video, stored as tensors of these names (and dtypes) from v4 on;
 # from v8 an int64 one is stored int32 where every value fits.
@@ -86,6 +90,17 @@ class Span:
             return torch.cat(self.positions, dim=1).to(torch.int64).T.contiguous()
         layers = self.keys if index == 0 else self.values
         return torch.cat(layers, dim=1).transpose(0, 1).contiguous()
+
+    def by_head(self) -> Span:
+        """This span as a pack held per head stores it: each (layer, KV head) a layer of its own
+        ([1, n_l, D]), layer-major, positions repeated for each head."""
+        heads = self.keys[0].shape[0] if self.keys else 0
+
+        def split(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [t[h : h + 1] for t in parts for h in range(heads)]
+
+        positions = [p for p in self.positions for _ in range(heads)]
+        return replace(self, keys=split(self.keys), values=split(self.values), positions=positions)
 
     def packed(self) -> dict[str, torch.Tensor]:
         """The stored tensors by name: "<name>.k", "<name>.v", "<name>.pos"."""

@@ -132,9 +132,30 @@ class KVShape:
     kv_heads: int
     head_dim: int
     dtype: str  # float32 | float16 | bfloat16
+    # the KV heads keep tokens of their own (v11): every span stores each (layer, KV head) as a
+    # layer of one head, layer-major (`stored`)
+    per_head: bool = False
 
     def as_stored(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if not self.per_head:  # as before v11
+            del out["per_head"]
+        return out
+
+    @property
+    def stored(self) -> KVShape:
+        """The shape the spans are stored in: per head, layers x heads layers of one head."""
+        if not self.per_head:
+            return self
+        return KVShape(self.layers * self.kv_heads, 1, self.head_dim, self.dtype)
+
+
+def stored_kv(kv: dict | None) -> dict | None:
+    """A header's (checked) "kv" section as the spans are stored: held per head, layers x heads
+    layers of one head."""
+    if not kv or not kv.get("per_head"):
+        return kv
+    return {**kv, "layers": kv["layers"] * kv["kv_heads"], "kv_heads": 1}
 
 
 @dataclass(frozen=True)

@@ -185,6 +185,10 @@ def check_header(header: dict, version: int, where: str) -> None:
         _need(_is_int(kv.get("head_dim"), 2, MAX_HEAD_DIM), where, "kv.head_dim")
         dtype = kv.get("dtype")
         _need(isinstance(dtype, str) and dtype in KV_DTYPES, where, f"kv.dtype {str(dtype)[:20]!r}")
+        per_head = kv.get("per_head", False)  # v11: the KV heads keep tokens of their own
+        _need(per_head is False or (per_head is True and version >= 11), where, "kv.per_head")
+        if per_head:
+            _need(kv["layers"] * kv["kv_heads"] <= MAX_LAYERS, where, "kv.layers x kv.kv_heads")
     prompt = _section(header, "prompt", where)
     if prompt.get("question") is not None:  # null: absent, as a header built in code may say
         question = prompt["question"]

@@ -22,7 +22,7 @@ from mmkv_cli.pack.format import (
     split_layers,
 )
 from mmkv_cli.pack.hashing import chunk_digests, digest_of, hashed_beside
-from mmkv_cli.pack.header import KVShape, read_header
+from mmkv_cli.pack.header import KVShape, read_header, stored_kv
 from mmkv_cli.pack.integrity import (
     check_header,
     check_spans,
@@ -80,7 +80,8 @@ class PackReader:
         self._token_major = version >= 4  # v2/v3 stored K/V head-major, positions [P, tokens]
         self._columns = TABLE_COLUMNS if version >= 7 else OLD_TABLE_COLUMNS
         stored = self._stored
-        self.quant = QuantSpec.from_header(stored.get("quant"), stored.get("kv"), self._where)
+        kv = stored_kv(stored.get("kv"))  # what the spans hold: per head, a layer a head
+        self.quant = QuantSpec.from_header(stored.get("quant"), kv, self._where)
         # v2-v4 called the prefix and suffix "segments"
         self.spans_meta = stored.get("spans" if version >= 5 else "segments") or {}
         if not isinstance(self.spans_meta, dict) or not {"prefix", "suffix"} <= set(
@@ -91,7 +92,7 @@ class PackReader:
             prefix = self.spans_meta["prefix"]
             counts = prefix.get("layer_counts") if isinstance(prefix, dict) else None
             layers = len(counts) if isinstance(counts, list) else 0
-            layers = stored["kv"]["layers"] if version >= 7 else layers
+            layers = kv["layers"] if version >= 7 else layers
             check_spans(self.spans_meta, layers, version, self._where)
         if version >= 7:
             self._check_index()
@@ -115,7 +116,7 @@ class PackReader:
                 self.spans_meta,
                 blocks,
                 self.quant,
-                self._kv,
+                self._kv.stored,
                 self.format_version,
                 self._where,
             )

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from mmkv_cli.errors import PackError
 from mmkv_cli.pack.reader import PackReader
 
@@ -55,12 +57,17 @@ def inspect(pack: str | Path) -> dict:
     reader = PackReader(pack)
     h = reader.header
     kv = h.kv
-    counts = reader.blocks.layer_totals()  # [blocks, layers]
+    counts = reader.blocks.layer_totals()  # [blocks, layers] (held per head: layers x heads)
+    heads = None  # held per head: [layers, heads] tokens each KV head keeps
+    if kv.per_head:  # a layer's tokens: its heads' entries over its heads (one token: all heads)
+        by_head = counts.reshape(len(counts), kv.layers, kv.kv_heads)
+        heads = by_head.sum(axis=0) if len(counts) else np.zeros((kv.layers, kv.kv_heads), int)
+        counts = by_head.sum(axis=2) / kv.kv_heads
     per_layer = counts.sum(axis=0).tolist() if len(counts) else [0] * kv.layers
     # K + V (+ their quantization scales) per token per layer, as stored
     stored = reader.stored_bytes(["blocks.k", "blocks.v", "blocks.kq", "blocks.vq"])
     as_computed = 2 * kv.kv_heads * kv.head_dim * BYTES_PER_VALUE.get(kv.dtype, 2)
-    per_token = stored / max(1, int(counts.sum())) if len(counts) else as_computed
+    per_token = stored / max(1e-9, float(counts.sum())) if len(counts) else as_computed
     total = h.visual_tokens_total
     kept = sum(per_layer) / max(1, len(per_layer))
     spans = reader.spans_meta
@@ -91,13 +98,19 @@ def inspect(pack: str | Path) -> dict:
         "overlapping_views": views if len(views) > 1 else [],
         "prompt_tokens": spans["prefix"]["layer_counts"][0] + spans["suffix"]["layer_counts"][0],
         "bytes": reader.size,
-        "kv_bytes": round(int(sum(per_layer)) * per_token),
+        "kv_bytes": round(float(sum(per_layer)) * per_token),
         "kv_bits": reader.quant.bits if reader.quant else 16,
         "kv_group": reader.quant.group if reader.quant else None,
         "kv_dtype": kv.dtype,
         "kv_bytes_per_token": round(per_token, 2),  # per layer, K + V and their scales
         "kv_bytes_per_token_as_computed": as_computed,
-        "layers": [{"index": i, "tokens_kept": int(n)} for i, n in enumerate(per_layer)],
+        # held per head, a layer's tokens are its heads' mean, and each head's count is given
+        "per_head": kv.per_head,
+        "layers": [
+            {"index": i, "tokens_kept": _count(n)}
+            | ({"heads": [int(c) for c in heads[i]]} if heads is not None else {})
+            for i, n in enumerate(per_layer)
+        ],
         "granularities": granularities,
         "positions": {
             "dims": h.layout.position_dims,
@@ -106,6 +119,10 @@ def inspect(pack: str | Path) -> dict:
         },
         "created": h.created,
     }
+
+
+def _count(n: float) -> int | float:
+    return int(n) if float(n).is_integer() else round(float(n), 2)
 
 
 def _granularities(reader: PackReader, counts, per_token: float, total: int | None) -> dict:

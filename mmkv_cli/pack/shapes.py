@@ -208,6 +208,7 @@ def kv_shape_of(stored: dict, entries: dict, layers: int, token_major: bool, whe
         kv_heads=kv.get("kv_heads", shape[1] if token_major else shape[0]),
         head_dim=kv.get("head_dim", shape[2]),
         dtype=kv.get("dtype", STORED_KV_DTYPES[entry["dtype"]]),
+        per_head=kv.get("per_head", False),
     )
     check_kv_shape(found, where)
     return found
