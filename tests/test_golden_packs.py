@@ -11,8 +11,8 @@ params, every tensor byte for byte as before), and hermes-qwen25 for HERMES' sum
 ordinary cached token (issue 51: summaries held among the frames' tokens, so every block has a
 retrieval key and the pack stores them), and all four for format v11 (issue 51: the version
 number; every tensor byte for byte as before, meda-llava-images too, whose tiny model's heads all
-keep the same tokens, so its pack stays per layer), with h2o-demo added: a pack held per head (the
-trained demo's heads keep different tokens)."""
+keep the same tokens, so its pack stays per layer), with h2o-demo and meda-demo added: packs held
+per head (the trained demo's heads keep different tokens)."""
 
 import json
 from pathlib import Path
@@ -34,6 +34,7 @@ CASES = {
         model="tiny-qwen3-vl", method="mukv", budget=0.5, media="samples/clip.mp4", kv_bits=4
     ),
     "h2o-demo": dict(model="demo", method="h2o", budget=0.25, media="samples/clip.mp4"),
+    "meda-demo": dict(model="demo", method="meda", budget=0.25, media="samples/clip.mp4"),
     "meda-llava-images": dict(
         model="tiny-llava-ov", method="meda", budget=0.5, media="samples/images"
     ),

@@ -36,29 +36,60 @@ def names(reader) -> list[str]:
     return [reader.blocks.name(i) for i in range(len(reader.blocks))]
 
 
-def test_a_head_attends_only_to_its_own_entries():
-    torch.manual_seed(0)
-    dim, q_len, group = 8, 3, 2
-    own = [torch.randn(1, n, dim) for n in (5, 2)]  # two KV heads holding 5 and 2 entries
-    own_v = [torch.randn(1, n, dim) for n in (5, 2)]
-    new_k, new_v = torch.randn(2, q_len, dim), torch.randn(2, q_len, dim)  # the forward's own
-    query = torch.randn(1, 2 * group, q_len, dim)
-    keys, values, masks = join_heads(own, own_v, 2)
-    key = torch.cat([keys[0], new_k], dim=1)[None]
-    value = torch.cat([values[0], new_v], dim=1)[None]
-    causal = torch.ones(q_len, key.shape[2], dtype=torch.bool).tril(key.shape[2] - q_len)
-    mask = with_heads(query, key, causal[None, None], masks[0])
-    got = torch.nn.functional.scaled_dot_product_attention(
-        query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1), mask
-    )
-    for head in range(2 * group):
+def each_head_alone(query, own, own_v, new_k, new_v, group):
+    """Every query head's causal attention over its KV head's own entries and the forward's."""
+    dim, q_len = query.shape[-1], query.shape[2]
+    out = []
+    for head in range(query.shape[1]):
         kv = head // group
         k = torch.cat([own[kv][0], new_k[kv]])
         v = torch.cat([own_v[kv][0], new_v[kv]])
         scores = query[0, head] @ k.T / dim**0.5
         seen = torch.ones(q_len, k.shape[0], dtype=torch.bool).tril(k.shape[0] - q_len)
-        want = scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v
-        torch.testing.assert_close(got[0, head], want, atol=1e-5, rtol=1e-5)
+        out.append(scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("q_len", [3, 1])  # a question's rows; a decoded token
+def test_a_head_attends_only_to_its_own_entries(monkeypatch, q_len):
+    """Both ways a cache held per head is attended: a mask over any layout (the encode's running
+    cache, entries interleaved), and each head's own slice of a row padded before it (ask)."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from mmkv_cli.kernels import attention
+
+    torch.manual_seed(0)
+    dim, group = 8, 2
+    lengths = (5, 2, 2)  # three KV heads: the last two start together
+    own = [torch.randn(1, n, dim) for n in lengths]
+    own_v = [torch.randn(1, n, dim) for n in lengths]
+    new_k, new_v = torch.randn(3, q_len, dim), torch.randn(3, q_len, dim)  # the forward's own
+    query = torch.randn(1, 3 * group, q_len, dim)
+    want = each_head_alone(query, own, own_v, new_k, new_v, group)
+    module = SimpleNamespace(num_key_value_groups=group, is_causal=True)
+    monkeypatch.setattr(attention, "_sdpa", sdpa_attention_forward)
+
+    # padded before each head's own: its slice of the row
+    keys, values, starts = join_heads(own, own_v, 3)
+    assert starts == {0: (0, 3, 3)}
+    key = torch.cat([keys[0], new_k], dim=1)[None]
+    value = torch.cat([values[0], new_v], dim=1)[None]
+    got, _ = attention.head_slices(module, query, key, value, starts[0])
+    torch.testing.assert_close(got[0].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
+
+    # interleaved, as the running cache holds a layer: the union, each head masked to its own
+    held = torch.tensor([[1, 1, 1, 1, 1, 0], [0, 1, 0, 0, 0, 1], [1, 0, 0, 0, 0, 1]], dtype=bool)
+    union_k, union_v = torch.zeros(3, 6, dim), torch.zeros(3, 6, dim)
+    for head in range(3):
+        union_k[head, held[head]] = own[head][0]
+        union_v[head, held[head]] = own_v[head][0]
+    key = torch.cat([union_k, new_k], dim=1)[None]
+    value = torch.cat([union_v, new_v], dim=1)[None]
+    mask = with_heads(query, key, attention.own_length_mask(query, key, None), held)
+    got, _ = sdpa_attention_forward(module, query, key, value, mask)
+    torch.testing.assert_close(got[0].transpose(0, 1), want, atol=1e-5, rtol=1e-5)
 
 
 def reference_head_sums(query, key, scaling):
@@ -118,7 +149,8 @@ def union_reference(backbone, reader, ids):
     """The first token's logits from a per-head pack, built otherwise than ask builds it: per layer
     the union of its heads' tokens in position order (1-D positions name a token), each head's own
     K/V where it holds the token, masked where it does not; the question at the stored next
-    position. A token is named by its positions (every axis)."""
+    position, and three greedy tokens decoded after it. A token is named by its positions (every
+    axis)."""
     heads = reader.header.kv.kv_heads
     spans = [reader.span("prefix"), *(reader.span(n) for n in names(reader)),
              reader.span("suffix")]  # fmt: skip
@@ -140,10 +172,20 @@ def union_reference(backbone, reader, ids):
             out.append(torch.stack([torch.stack(row) for row in rows]))
         masks[layer] = torch.tensor([[p in h for p in union] for h in held])
     cache = backbone.cache_from_layers(keys, values)
-    at = backbone.text_positions(int(reader.header.layout.next_position), len(ids))
-    with masking(masks):
+    position = int(reader.header.layout.next_position)
+    at = backbone.text_positions(position, len(ids))
+    tokens = []
+    with masking(masks):  # the question, then three greedy tokens (entries appended: every head's)
         hidden = backbone.forward(backbone.embed_ids(ids), at, cache)
-    return backbone.logits(hidden[:, -1])[0], masks
+        first = logits = backbone.logits(hidden[:, -1])[0]
+        position += len(ids)
+        for _ in range(3):
+            tokens.append(int(logits.argmax()))
+            hidden = backbone.forward(
+                backbone.embed_ids(tokens[-1:]), backbone.text_positions(position, 1), cache
+            )
+            logits, position = backbone.logits(hidden[:, -1])[0], position + 1
+    return first, masks, tokens
 
 
 @pytest.mark.parametrize("method", ["h2o", "h2o-adaptive", "meda"])
@@ -155,11 +197,12 @@ def test_a_per_head_pack_answers_as_each_head_over_its_own_tokens(tmp_path, demo
     reader = PackReader(pack)
     assert reader.header.kv.per_head and reader.format_version == 11
     ids = backbone.question_ids(QUESTION, reader.header.prompt.question)
-    want, masks = union_reference(backbone, reader, ids)
+    want, masks, tokens = union_reference(backbone, reader, ids)
     differ = [bool((m != m[:1]).any()) for m in masks.values()]
     assert any(differ)  # the heads keep different tokens
-    got = ask_pack(pack, QUESTION, backbone=backbone, keep_logits=True, max_new_tokens=1)
+    got = ask_pack(pack, QUESTION, backbone=backbone, keep_logits=True, max_new_tokens=3)
     torch.testing.assert_close(got.first_logits, want.float(), atol=1e-4, rtol=1e-4)
+    assert got.token_ids == tokens[: len(got.token_ids)] and got.token_ids  # decoding too
     info = inspect(pack)
     for layer in info["layers"]:
         heads = layer["heads"]

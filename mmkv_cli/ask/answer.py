@@ -81,8 +81,8 @@ def build_cache(
     position (on the host). per_layer:
     the blocks of each layer, when retrieval chose them layer by layer. A pack held per head is
     built head by head, then joined per layer (ask/heads.py). Returns (cache, context tokens, the
-    question's first position, lead or None, per layer whose heads hold different entries which
-    each holds).
+    question's first position, lead or None, per layer whose heads hold different numbers of
+    entries where each head's start in the cache).
     """
     prefix = reader.span("prefix")
     layers = len(prefix.keys)  # held per head: (layer, KV head) pairs
@@ -136,8 +136,6 @@ def build_cache(
     masks: dict = {}
     if reader.header.kv.per_head:
         keys, values, masks = join_heads(keys, values, reader.header.kv.kv_heads)
-        # on the device once: every forward over the cache (each decoded token) reads them
-        masks = {layer: m.to(backbone.device, non_blocking=True) for layer, m in masks.items()}
     return (
         backbone.cache_from_layers(keys, values, adopt=True),
         max(int(k.shape[1]) for k in keys),

@@ -45,9 +45,11 @@ _active: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar(
 # context that only the layer's own queries can choose, put in before its attention runs
 Splice = Callable[[int, "torch.Tensor", "torch.Tensor", "torch.Tensor"], tuple]
 _splice: contextvars.ContextVar[Splice | None] = contextvars.ContextVar("mmkv_splice", default=None)
-# per layer, which of its first cached entries each KV head holds ([H_kv, n] bool): a cache whose
-# heads keep different tokens stores them padded to the longest head, the padding masked out
-HeadMasks = dict[int, "torch.Tensor"]
+# per layer, which of its first cached entries each KV head holds: a cache whose heads keep
+# different tokens holds them padded to the longest head. Either a mask [H_kv, n] bool (any layout:
+# the encode's running cache) or, padded before each head's own (an ask's context), where each
+# KV head's entries start: then each head attends to its own slice, no padding computed
+HeadMasks = dict[int, "torch.Tensor | tuple[int, ...]"]
 _heads: contextvars.ContextVar[HeadMasks | None] = contextvars.ContextVar(
     "mmkv_heads", default=None
 )
@@ -142,6 +144,8 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
     if held is not None:
         if recorder is not None and layer in recorder.layers:
             raise RuntimeError("internal: attention is not recorded over a cache held per head")
+        if isinstance(held, tuple):
+            return head_slices(module, query, key, value, held, **kwargs)
         mask = with_heads(query, key, own_length_mask(query, key, attention_mask), held)
         return _sdpa(module, query, key, value, mask, **kwargs)
     if recorder is not None and layer in recorder.layers:
@@ -189,6 +193,23 @@ def with_heads(
     if causal.dtype != torch.bool:  # an additive mask: 0 where seen
         causal = causal == 0
     return causal & heads
+
+
+def head_slices(module, query, key, value, starts: tuple[int, ...], **kwargs):
+    """Attention when KV head h's cached entries are its row from starts[h] on (the padding
+    before them never read): heads with one start attend together, each run over its own keys
+    (views, no copy) with a causal mask for its own length -> ([B, q, H, D], None)."""
+    group = query.shape[1] // key.shape[1]
+    out, first = [], 0
+    for head in range(1, len(starts) + 1):
+        if head < len(starts) and starts[head] == starts[first]:
+            continue
+        at = starts[first]
+        k, v = key[:, first:head, at:], value[:, first:head, at:]
+        q = query[:, first * group : head * group]
+        out.append(_sdpa(module, q, k, v, own_length_mask(q, k, None), **kwargs)[0])
+        first = head
+    return torch.cat(out, dim=2), None
 
 
 def install(model) -> None:

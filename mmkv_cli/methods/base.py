@@ -103,6 +103,15 @@ def score_every_knob() -> int:
     )
 
 
+def selection_knob() -> str:
+    """The field of the methods whose code keeps tokens per KV head (H2O, MEDA)."""
+    return knob(
+        "per_head",
+        "per_head: each KV head keeps its own tokens by its own attention (the authors' code); "
+        "per_layer: one set a layer, by the heads' mean attention",
+    )
+
+
 # --- memory policies ---
 
 

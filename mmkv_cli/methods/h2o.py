@@ -11,7 +11,14 @@ from typing import Literal
 from mmkv_cli.kernels.host import host_all
 from mmkv_cli.kernels.recorder import Recorder
 from mmkv_cli.lazy import torch
-from mmkv_cli.methods.base import Budget, Method, Paper, StreamParams, score_every_knob
+from mmkv_cli.methods.base import (
+    Budget,
+    Method,
+    Paper,
+    StreamParams,
+    score_every_knob,
+    selection_knob,
+)
 from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import accumulate, adaptive_per_head, top_per_head
 from mmkv_cli.methods.topk import TopKAtEnd
@@ -21,11 +28,7 @@ from mmkv_cli.spec import knob
 @dataclass(frozen=True)
 class H2OParams(StreamParams):
     score_every: int = score_every_knob()
-    selection: Literal["per_head", "per_layer"] = knob(
-        "per_head",
-        "per_head: each KV head keeps its own heavy hitters (the authors' code); per_layer: one "
-        "set a layer, by the heads' mean attention",
-    )
+    selection: Literal["per_head", "per_layer"] = selection_knob()
     head_budgets: Literal["equal", "adaptive"] = knob(
         "equal",
         "per head: equal, every head the layer's budget (the code); adaptive, AdaKV's: a floor "

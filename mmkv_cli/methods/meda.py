@@ -22,7 +22,14 @@ from typing import Literal
 from mmkv_cli.kernels.host import host_all
 from mmkv_cli.kernels.recorder import Recorder
 from mmkv_cli.lazy import torch
-from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper, score_every_knob
+from mmkv_cli.methods.base import (
+    Budget,
+    GuidedParams,
+    Method,
+    Paper,
+    score_every_knob,
+    selection_knob,
+)
 from mmkv_cli.methods.keep_all import KeepAll
 from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import accumulate
@@ -54,12 +61,7 @@ class MedaParams(GuidedParams):
         "compute_crossmodal_entropy); head_mean: the entropy of the head-averaged rows",
     )
     score_every: int = score_every_knob()
-    selection: Literal["per_head", "per_layer"] = knob(
-        "per_head",
-        "per_head: each KV head keeps its recent window and its own heavy tokens by its own "
-        "attention, and merges into its own (the authors' code); per_layer: one set a layer, by "
-        "the heads' mean attention",
-    )
+    selection: Literal["per_head", "per_layer"] = selection_knob()
 
 
 # --- scoring: pure functions over tensors ---
