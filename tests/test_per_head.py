@@ -72,7 +72,7 @@ def test_a_head_attends_only_to_its_own_entries(monkeypatch, q_len):
     monkeypatch.setattr(attention, "_sdpa", sdpa_attention_forward)
 
     # padded before each head's own: its slice of the row
-    keys, values, starts = join_heads(own, own_v, 3)
+    keys, values, starts = join_heads([[k] for k in own], [[v] for v in own_v], 3)
     assert starts == {0: (0, 3, 3)}
     key = torch.cat([keys[0], new_k], dim=1)[None]
     value = torch.cat([values[0], new_v], dim=1)[None]

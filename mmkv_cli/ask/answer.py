@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from mmkv_cli.ask.generate import generate
-from mmkv_cli.ask.heads import join_heads
+from mmkv_cli.ask.heads import join_heads, rotate_pieces
 from mmkv_cli.ask.layerwise import in_forward_splice, question_vector
 from mmkv_cli.ask.prune import AskPrune, prune_context
 from mmkv_cli.ask.result import Answer
@@ -97,6 +97,7 @@ def build_cache(
     if ends_at is None:
         suffix = reader.span("suffix")
         parts.append((suffix.keys, suffix.values, suffix.positions))
+    split = reader.header.kv.per_head  # K/V kept in pieces, joined once into the padded cache
     keys, values, kept_positions = [], [], []
     for layer in range(layers):
         for i, (joined, where) in enumerate(
@@ -104,7 +105,8 @@ def build_cache(
         ):
             # to the device without a wait (host to device); positions stay on the host
             ahead = where != "cpu"
-            joined.append(torch.cat([p[i][layer].to(where, non_blocking=ahead) for p in parts], 1))
+            pieces = [p[i][layer].to(where, non_blocking=ahead) for p in parts]
+            joined.append(pieces if split and i < 2 else torch.cat(pieces, 1))
             if gathered:  # let go of the layer as it is joined: the context is held once
                 gathered[i][layer] = None
     # stored: never derived from the cache length
@@ -117,7 +119,10 @@ def build_cache(
         for layer in range(layers):
             old = kept_positions[layer]
             new = compact_positions(old, 0)
-            keys[layer] = rotate_keys(keys[layer], new - old, inv_freq, axes)
+            if split:
+                keys[layer] = rotate_pieces(keys[layer], new - old, inv_freq, axes)
+            else:
+                keys[layer] = rotate_keys(keys[layer], new - old, inv_freq, axes)
             end = max(end, int(new.max()) + 1 if new.numel() else 0)
         next_position = end
     elif positions != "keep":
