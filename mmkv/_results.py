@@ -26,6 +26,8 @@ class PackInfo:
         visual_kv_share: the share of the visual KV kept.
         bytes: the pack's size on disk.
         kv_bits: bits each stored visual K/V value takes.
+        per_head: each KV head keeps tokens of its own (format v11; each layer's `heads` counts
+            are in details["layers"]).
         details: everything `inspect --json` prints.
     """
 
@@ -43,6 +45,7 @@ class PackInfo:
     visual_kv_share: float
     bytes: int
     kv_bits: float
+    per_head: bool
     details: dict[str, Any] = field(repr=False, compare=False)
 
     @classmethod
@@ -92,6 +95,7 @@ def _pack_fields(record: dict[str, Any]) -> dict[str, Any]:
         "visual_kv_share": record.get("visual_kv_share", 1.0),
         "bytes": record["bytes"],
         "kv_bits": record.get("kv_bits", 16),
+        "per_head": bool(record.get("per_head", False)),
     }
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import mmkv
 from mmkv_cli.ask.heads import join_heads
 from mmkv_cli.kernels import fused_attention as fused
 from mmkv_cli.kernels.attention import Recorder, _blockwise_recorded, masking, with_heads
@@ -204,6 +205,7 @@ def test_a_per_head_pack_answers_as_each_head_over_its_own_tokens(tmp_path, demo
     torch.testing.assert_close(got.first_logits, want.float(), atol=1e-4, rtol=1e-4)
     assert got.token_ids == tokens[: len(got.token_ids)] and got.token_ids  # decoding too
     info = inspect(pack)
+    assert mmkv.inspect(pack).per_head and info["per_head"]  # the Python face says so too
     for layer in info["layers"]:
         heads = layer["heads"]
         assert layer["tokens_kept"] == pytest.approx(sum(heads) / len(heads), abs=0.01)
