@@ -86,7 +86,8 @@ def build_cache(
     """
     prefix = reader.span("prefix")
     layers = len(prefix.keys)  # held per head: (layer, KV head) pairs
-    if per_layer is not None and reader.header.kv.per_head:
+    split = reader.header.kv.per_head  # K/V kept in pieces, joined once into the padded cache
+    if per_layer is not None and split:
         per_layer = [taken for taken in per_layer for _ in range(reader.header.kv.kv_heads)]
     parts = [(prefix.keys, prefix.values, prefix.positions)]
     gathered = None
@@ -97,7 +98,6 @@ def build_cache(
     if ends_at is None:
         suffix = reader.span("suffix")
         parts.append((suffix.keys, suffix.values, suffix.positions))
-    split = reader.header.kv.per_head  # K/V kept in pieces, joined once into the padded cache
     keys, values, kept_positions = [], [], []
     for layer in range(layers):
         for i, (joined, where) in enumerate(
@@ -138,15 +138,15 @@ def build_cache(
         first = int(stored[0, 0]) - start + end if stored.numel() else next_position
         lead = (backbone.suffix_embeds(), (stored - start + end).to(backbone.device), first)
         next_position = stored_next - start + end
-    masks: dict = {}
-    if reader.header.kv.per_head:
-        keys, values, masks = join_heads(keys, values, reader.header.kv.kv_heads)
+    starts: dict = {}
+    if split:
+        keys, values, starts = join_heads(keys, values, reader.header.kv.kv_heads)
     return (
         backbone.cache_from_layers(keys, values, adopt=True),
         max(int(k.shape[1]) for k in keys),
         next_position,
         lead,
-        masks,
+        starts,
     )
 
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack import KVShape, PackHeader, PackReader, Span, check_writable
+from mmkv_cli.pack import PackHeader, PackReader, Span, check_writable
 from mmkv_cli.pack.format import OLD_TABLE_COLUMNS, SERIES, BlockShape, block_name
 from mmkv_cli.pack.quant import QuantSpec
 from mmkv_cli.pack.storage import is_url, local_path, staged_upload
@@ -151,21 +151,14 @@ def convert(
 
 
 def _converted_header(reader: PackReader, params, prefix: Span, kept: int, cut: list) -> PackHeader:
-    """The source's header, its KV shape read off the stored tensors, its method's parameters as
-    `params` gives them, and a record of the conversion."""
+    """The source's header, its KV shape as the reader checked it against the stored tensors (the
+    dtype the prefix decodes to), its method's parameters as `params` gives them, and a record of
+    the conversion."""
     header = reader.header
     method = header.method
     if params is not None:
         method = replace(method, params=params(reader), params_exact=True)
-    dtype = str(prefix.keys[0].dtype).replace("torch.", "")
-    kv = KVShape(
-        layers=len(prefix.keys),
-        kv_heads=int(prefix.keys[0].shape[0]),
-        head_dim=int(prefix.keys[0].shape[2]),
-        dtype=dtype,
-    )
-    if header.kv.per_head:  # (v11) the header says: the spans hold a layer of one head a head
-        kv = replace(header.kv, dtype=dtype)
+    kv = replace(header.kv, dtype=str(prefix.keys[0].dtype).replace("torch.", ""))
     converted = {
         "at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "source": str(reader.path),

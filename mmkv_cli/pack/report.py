@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from mmkv_cli.errors import PackError
 from mmkv_cli.pack.reader import PackReader
 
@@ -61,7 +59,7 @@ def inspect(pack: str | Path) -> dict:
     heads = None  # held per head: [layers, heads] tokens each KV head keeps
     if kv.per_head:  # a layer's tokens: its heads' entries over its heads (one token: all heads)
         by_head = counts.reshape(len(counts), kv.layers, kv.kv_heads)
-        heads = by_head.sum(axis=0) if len(counts) else np.zeros((kv.layers, kv.kv_heads), int)
+        heads = by_head.sum(axis=0)  # zeros for a pack of no blocks
         counts = by_head.sum(axis=2) / kv.kv_heads
     per_layer = counts.sum(axis=0).tolist() if len(counts) else [0] * kv.layers
     # K + V (+ their quantization scales) per token per layer, as stored
