@@ -334,3 +334,13 @@ def test_a_live_memory_held_per_head_is_the_cut_medias_and_answers_in_place(tmp_
     assert held == [False, True, True]  # 6 frames fit the budget; then each head keeps its own
     test_a_question_of_the_memory_in_place_is_the_written_packs(tmp_path, {"demo": demo}, "demo",
                                                                 method)  # fmt: skip
+
+
+def test_pruning_a_pack_held_per_head_is_refused_in_one_line():
+    from tests.helpers import run_mmkv
+
+    golden = Path(__file__).parent / "data" / "golden" / "h2o-demo.kvpack"
+    done = run_mmkv("ask", str(golden), QUESTION, "--prune", "snapkv", "--max-new-tokens", "1")
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is held per head: --prune is for packs held per layer" in lines[0]
