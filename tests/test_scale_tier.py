@@ -144,6 +144,41 @@ def test_a_context_past_the_overlap_threshold_reads_back_exactly(reps_pack, tmp_
         PackReader(bad).gather([s.name for s in spans])
 
 
+def test_a_context_read_in_several_staging_groups_reads_back_exactly(reps_pack, monkeypatch):
+    """Rows bound for the model's device are read and sent a group of layers at a time (64 MiB at
+    real size; pack/staging.py). Lowered to 1 MiB, this context of 7B width is read in more than
+    two groups, each layer with blocks of its own, and every layer reads back exact."""
+    from mmkv_cli.pack import staging
+
+    monkeypatch.setattr(staging, "STAGE_BYTES", 1 << 20)
+    sent: list[int] = []
+    send = staging.Staging.send
+    monkeypatch.setattr(
+        staging.Staging, "send", lambda self, t: sent.append(t.nbytes) or send(self, t)
+    )
+    path, spans = reps_pack
+    names = [s.name for s in spans]
+    per_layer = [names[layer % 3 :: 1 + layer % 4] for layer in range(LAYERS)]
+    keys, values, positions = PackReader(path).gather(names, per_layer, "cpu")
+    groups = [k + v for k, v in zip(sent[::2], sent[1::2])]
+    assert len(sent) == 2 * len(groups) and len(groups) > 3
+    assert max(groups) <= 1 << 20 and sum(groups) > 3 << 20
+    by_name = {s.name: s for s in spans}
+    for layer, chosen in enumerate(per_layer):
+        for got, part in ((keys, "keys"), (values, "values"), (positions, "positions")):
+            want = torch.cat([getattr(by_name[n], part)[layer] for n in chosen], dim=1)
+            assert torch.equal(got[layer], want), (layer, part)
+
+
+def test_staging_groups_are_consecutive_layers_of_about_the_stage_size():
+    from mmkv_cli.pack.staging import Staging
+
+    groups = Staging("cpu", stage_bytes=10).groups([4, 4, 4, 12, 1, 9, 0, 3])
+    assert [list(g) for g in groups] == [[0, 1], [2], [3], [4, 5, 6], [7]]
+    assert Staging("cpu", stage_bytes=10).groups([]) == []
+    assert Staging("cuda").pinned and not Staging("cpu").pinned and not Staging().pinned
+
+
 @pytest.mark.parametrize(
     ("low", "high", "dtype"),
     [

@@ -4,12 +4,15 @@ on each block's own stored bytes."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from mmkv_cli.lazy import torch
 from mmkv_cli.pack import vidkv
 from mmkv_cli.pack.hashing import BlockHashes, mismatched, stored_bytes
 from mmkv_cli.pack.quant import QuantSpec, dequantize
+from mmkv_cli.pack.staging import Staging
 from mmkv_cli.pack.table import BlockRows
 
 
@@ -51,9 +54,8 @@ class BlockStore:
 
     def kv_bytes(self, where: BlockRows, pending: list[int]) -> int:
         """Stored K and V bytes of the blocks at `pending` (positions in `where`)."""
-        keys = self.views["k"][0]
-        row = keys.itemsize * int(np.prod(keys.shape[1:]))
-        return 2 * row * int(where.counts[pending].sum())
+        row = self._row_bytes("k") + self._row_bytes("v")
+        return row * int(where.counts[pending].sum())
 
     def mismatched(self, where: BlockRows, pending: list[int]) -> list[int]:
         """The blocks at `pending` whose checksum differs from the table's."""
@@ -84,39 +86,34 @@ class BlockStore:
         dtype: torch.dtype | None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Layer l's rows of the blocks at taken[l] (positions in `where`), layer after layer:
-        (keys, values, positions), K/V dequantized where stored quantized."""
+        (keys, values, positions), K/V on `device` (default: the host), dequantized there where
+        stored quantized; positions on the host."""
+        staging = Staging(device)
         rows = where.token_rows(taken)
         totals = [int(where.counts[t, layer].sum()) for layer, t in enumerate(taken)]
-        positions = self._pick("pos", where.position_rows(taken)).to(torch.int64)
+        positions = self._pick("pos", where.position_rows(taken), Staging()).to(torch.int64)
         positions = [p.T for p in torch.split(positions, totals)]
-        # K/V in a buffer per layer: a caller joining layer by layer lets go of each in turn
-        ends = np.cumsum(totals)
+        ends = np.cumsum(totals, dtype=np.int64)
+        firsts = ends - np.asarray(totals, dtype=np.int64)
         if self.quant is None:
-            keys, values = (
-                [self._pick(part, r).transpose(0, 1) for r in np.split(rows, ends[:-1])]
-                for part in ("k", "v")
-            )
+            keys, values = self._staged_rows(rows, totals, firsts, ends, staging)
             return keys, values, positions
         groups, expand = where.key_group_rows(taken)
         # rows, scales and indices are read on the host: sent to the device without a wait
-        k, v = (self._pick(p, rows).to(device, non_blocking=True) for p in ("k", "v"))
-        vq = (
-            self._pick("vq", rows).to(device, non_blocking=True).float()
-            if "vq" in self.views
-            else None
-        )
+        k, v = (staging.send(self._pick(p, rows, staging)) for p in ("k", "v"))
+        vq = staging.send(self._pick("vq", rows, staging)).float() if "vq" in self.views else None
         # float32 before they are spread over the tokens: one conversion per group, not per token
         if self.key_scales is not None:
             key_scales = self.key_scales().index_select(0, torch.from_numpy(groups))
         else:
-            key_scales = self._pick("kq", groups)
-        key_scales = key_scales.to(device, non_blocking=True).float()
+            key_scales = self._pick("kq", groups, Staging())
+        key_scales = key_scales.to(staging.device, non_blocking=True).float()
         # 1.5 bits: every group's channel order and scales made once for all the layers read
         prepared = vidkv.prepare(key_scales) if self.quant.mixed else None
-        expand = torch.from_numpy(expand).to(device, non_blocking=True)
+        expand = torch.from_numpy(expand).to(staging.device, non_blocking=True)
         dtype = dtype or getattr(torch, self.kv_dtype)
         keys, values = [], []
-        for first, stop in zip((0, *ends[:-1].tolist()), ends.tolist()):
+        for first, stop in zip(firsts.tolist(), ends.tolist()):
             at = slice(first, stop)
             layer = dequantize(
                 k[at],
@@ -132,11 +129,36 @@ class BlockStore:
             values.append(layer[1].transpose(0, 1))
         return keys, values, positions
 
-    def _pick(self, part: str, rows: np.ndarray) -> torch.Tensor:
-        """Rows `rows` of a block tensor, read out of the file."""
+    def _staged_rows(self, rows, totals, firsts, ends, staging: Staging) -> tuple[list, list]:
+        """Stored K/V rows (layer after layer in `rows`) on the staging's device, a group of
+        layers at a time: each group's K is sent while its V is read, and both while the next
+        group is read. Each layer is a view of its group's buffer."""
+        row = self._row_bytes("k") + self._row_bytes("v")
+        sizes = [row * n for n in totals]
+        keys: list = []
+        values: list = []
+        for group in staging.groups(sizes):
+            base = int(firsts[group.start])
+            cut = rows[base : int(ends[group.stop - 1])]
+            for part, out in (("k", keys), ("v", values)):
+                sent = staging.send(self._pick(part, cut, staging))
+                out += [
+                    sent[int(firsts[i]) - base : int(ends[i]) - base].transpose(0, 1) for i in group
+                ]
+        return keys, values
+
+    def _row_bytes(self, part: str) -> int:
+        """Bytes of one token's row of a block tensor (its heads' channels)."""
+        array = self.views[part][0]
+        rows_axis = 0 if self.token_major else 1
+        return array.itemsize * math.prod(n for i, n in enumerate(array.shape) if i != rows_axis)
+
+    def _pick(self, part: str, rows: np.ndarray, staging: Staging) -> torch.Tensor:
+        """Rows `rows` of a block tensor, read out of the file into a buffer of `staging`'s."""
         array, dtype = self.views[part]
         if not self.token_major:
             array = np.swapaxes(array, 0, 1)
-        picked = array.take(rows, axis=0)
-        self.bytes_read += picked.nbytes
-        return torch.from_numpy(picked).view(getattr(torch, dtype))
+        out, picked = staging.buffer(len(rows), array.shape[1:], array.dtype, dtype)
+        array.take(rows, 0, out)
+        self.bytes_read += out.nbytes
+        return picked

@@ -253,12 +253,14 @@ class PackReader:
         """Blocks `names` joined per layer, in that order: (keys, values, positions), each a list
         over layers of [H_kv, n, D] and [P, n] int64. per_layer: for every layer the names it takes
         instead (each a subset of `names`, in context order), for retrieval that picks blocks layer
-        by layer. A quantized pack's K/V are dequantized on `device` (default: the CPU), only the
-        rows read; an unquantized pack's are CPU views (strided; concatenating makes them
-        contiguous), each layer's its own buffer.
+        by layer. K/V are on `device` (default: the CPU), a quantized pack's dequantized there, only
+        the rows read; each layer's is a strided view of its group's buffer (concatenating makes
+        it contiguous).
 
-        A context of many blocks is read with one row gather per tensor, a pread per run of
-        consecutive rows; every block's checksum is still verified, on its own bytes.
+        A context of many blocks is read a group of layers at a time (pack/staging.py), with a
+        pread per run of consecutive rows, into pinned memory sent to a GPU while the next group
+        is read; every block's checksum is still verified, on its own bytes, before anything read
+        is handed out.
         """
         if not names:
             return [], [], []

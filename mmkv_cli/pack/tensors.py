@@ -56,14 +56,19 @@ class FileArray:
         out = np.empty((max(0, stop - first), *self.shape[1:]), self.dtype)
         return self._into(out, [(first, stop)])
 
-    def take(self, rows: np.ndarray, axis: int = 0) -> np.ndarray:
+    def take(self, rows: np.ndarray, axis: int = 0, out: np.ndarray | None = None) -> np.ndarray:
         """Rows `rows` (int array): runs of consecutive rows that lie next to each other in the
         file are read by one scattering preadv, whatever their order in `rows` (a context's
-        layer-major order visits each block once per layer)."""
+        layer-major order visits each block once per layer). out: the array to read them into
+        (C-contiguous, of their shape and dtype; pinned memory bound for a GPU, say)."""
         if axis != 0:
             raise IndexError("a stored tensor is read by rows")
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        out = np.empty((rows.size, *self.shape[1:]), self.dtype)
+        shape = (rows.size, *self.shape[1:])
+        if out is None:
+            out = np.empty(shape, self.dtype)
+        elif out.shape != shape or out.dtype != self.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"internal: {shape} rows of {self.dtype} read into {out.shape}")
         if not rows.size:
             return out
         if rows.min() < 0 or rows.max() >= len(self):
