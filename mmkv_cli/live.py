@@ -15,6 +15,7 @@ import queue
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
@@ -110,6 +111,9 @@ class Follow:
         self.waiting: list[LiveQuestion] = []  # questions with a moment still to come
         self.snapshots = 0
         self._snapshot_at = 0.0
+        # a snapshot is written on a thread of its own while the frames after it go in
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="mmkv-snapshot")
+        self._writing: Future | None = None
         self.stopping = False
 
     def ask(self, question: LiveQuestion) -> None:
@@ -167,13 +171,17 @@ class Follow:
         self._snapshot_due()
 
     def _finish(self) -> int:
-        """The questions still waiting, from the final memory; the final pack written."""
+        """The questions still waiting, from the final memory; the final pack written (after the
+        snapshot still being written: an older memory never replaces it)."""
         self._take_questions()
         for question in self.waiting:  # moments past the end: from the final memory
             ended = f"the stream ended at {self.encoder.moment:.2f} s, before its moment"
             self._answer(question, note=ended if question.at is not None else None)
         self.waiting = []
-        return self._write(self.encoder.close(), self.output)
+        final = self.encoder.close()
+        self._snapshot_done(wait=True)
+        self._writer.shutdown()
+        return self._write(final, self.output, self._media())
 
     def _take_questions(self) -> None:
         while True:
@@ -213,7 +221,7 @@ class Follow:
             else:  # its values are what decoding the written pack makes
                 with tempfile.TemporaryDirectory(prefix="mmkv-live-") as folder:
                     pack = Path(folder) / "now.kvpack"
-                    self._write(memory, pack)
+                    self._write(memory, pack, self._media())
                     snapshot_s = time.perf_counter() - started
                     session = PackSession(pack, backbone=self.backbone)
                     answer = session.ask(question.question, AskOptions(generation=generation))
@@ -243,27 +251,43 @@ class Follow:
             self.on_answer(record)
 
     def _snapshot_due(self) -> None:
+        """The memory now, written as a snapshot on the writer's thread while the next frames go
+        in. One is written at a time: while the last is still being written, the next waits for
+        a frame that finds it done (a memory is never queued behind it)."""
         moment = self.encoder.moment
         if self.snapshot_every is None or moment - self._snapshot_at < self.snapshot_every:
             return
-        self._write(self.encoder.memory(), self.output)
+        if not self._snapshot_done(wait=False):
+            return
+        # cut here, on the model's thread: what the writer reads never changes after
+        memory, media = self.encoder.memory(), self._media()
+        self._writing = self._writer.submit(self._write, memory, self.output, media)
         self._snapshot_at = moment
-        self.snapshots += 1
-        LOG.info("snapshot %d of %s at %.2f s", self.snapshots, self.output, moment)
 
-    def _write(self, encoded, path: Path) -> int:
-        """The memory as a pack at `path`, written atomically (a reader never sees part of it)."""
+    def _snapshot_done(self, wait: bool) -> bool:
+        """Whether no snapshot is being written (wait: until none is). A snapshot that could not
+        be written is a warning: the follow goes on, and the final pack is still written."""
+        if self._writing is None:
+            return True
+        if not wait and not self._writing.done():
+            return False
+        writing, self._writing = self._writing, None
+        try:
+            writing.result()
+        except MmkvError as err:
+            LOG.warning("a snapshot of %s was not written: %s", self.output, err)
+            return True
+        self.snapshots += 1
+        LOG.info("snapshot %d of %s written", self.snapshots, self.output)
+        return True
+
+    def _write(self, encoded, path: Path, media) -> int:
+        """The memory as a pack at `path`, written atomically (a reader never sees part of it).
+        media: the stream as that memory holds it (its frames' times)."""
         from mmkv_cli.encode.record import write_encoded
 
         return write_encoded(
-            path,
-            self.backbone,
-            self.choice,
-            self.context,
-            self._media(),
-            encoded,
-            self.quant,
-            force=True,
+            path, self.backbone, self.choice, self.context, media, encoded, self.quant, force=True
         )
 
     def _in_memory(self, encoded) -> MemoryPack:
