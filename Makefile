@@ -110,6 +110,7 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/batch.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/live.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/per_head.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/early_write.py
 	$(BIN)/python bench/media_read.py
 
 # Real scale (issue 16): rehearsal models at real width over 64-1800 frames. About 45 minutes on 2 CPU

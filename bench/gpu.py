@@ -8,8 +8,11 @@
    `torch.cuda.set_sync_debug_mode("warn")`: the host syncs the device reports, per chunk.
 3. floor: a bare chunked prefill of the language model over the same tokens (no mmkv around it).
 4. read: a 7B-width pack (28 layers, 196 tokens a frame, fp16) read whole from the page cache by a
-   fresh `gather` and by `verify` (goal: 5 GB/s), on this machine's cores.
-5. scale, reduce and live: bench/scale.py, bench/reduce.py and bench/live.py at 7B full depth.
+   fresh `gather` to the host and to the device, and by `verify` (goal: 5 GB/s), on this
+   machine's cores.
+5. scale, reduce, early_write and live: bench/scale.py, bench/reduce.py, bench/early_write.py
+   (the pack written while full and rekv encode, against at the end) and bench/live.py at 7B full
+   depth.
 
 Writes bench/results/gpu-<part>.json. `--quick` runs every part small, on any device (the CPU
 here): what CI-less sessions use to check that the script itself runs.
@@ -144,9 +147,10 @@ def make_video(folder: Path, frames: int) -> Path:
     return path
 
 
-def read(work: Path, blocks: int) -> dict:
-    """GB/s of a fresh open and `gather` of every block (checksums and NaN/Inf checks included),
-    and of `verify`, best of 3, from the page cache."""
+def read(work: Path, blocks: int, device: str) -> dict:
+    """GB/s of a fresh open and `gather` of every block (checksums and NaN/Inf checks included)
+    onto the host and onto `device` (pinned groups of layers sent while the next is read), and of
+    `verify`, best of 3, from the page cache."""
     from rates import best_rate, seven_b_pack
 
     from mmkv_cli.pack import PackReader
@@ -159,8 +163,19 @@ def read(work: Path, blocks: int) -> dict:
         "pack_bytes": size,
         "cpus": os.cpu_count(),
         "fresh_gather_gb_s": best_rate(size, lambda: PackReader(path).gather(names), 3),
+        "fresh_gather_to_device_gb_s": best_rate(size, lambda: on_device(path, names, device), 3),
         "verify_gb_s": best_rate(size, lambda: verify(path), 3),
     }
+
+
+def on_device(path: Path, names: list[str], device: str) -> None:
+    import torch
+
+    from mmkv_cli.pack import PackReader
+
+    PackReader(path).gather(names, None, device)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def bench(script: str, *args: str) -> None:
@@ -191,13 +206,16 @@ def main() -> None:
     save("syncs", syncs(args.device, model, layers, min(frames, 128), streaming))
     save("floor", floor(args.device, model, layers, frames))
     with tempfile.TemporaryDirectory() as tmp:
-        save("read", read(Path(tmp), 8 if args.quick else 100))
+        save("read", read(Path(tmp), 8 if args.quick else 100, args.device))
     common = ["--model", model, "--layers", str(layers), "--device", args.device]
     methods = "full,hermes,rekv,streamingtom"
     scale = ["--frames", str(frames), "--methods", methods, "--out", str(out)]
     scale += ["--ask-as", "retrieve=two_pass", "--name"]  # ReKV's both readings, one pack
     bench("scale.py", *common, *scale, "gpu-scale.json")
     bench("reduce.py", *common, "--frames", str(min(frames, 128)))
+    early = ["--frames", str(min(frames, 256)), "--repeats", "1", "--device", args.device]
+    early += ["--out", str(out / "gpu-early_write.json")]
+    bench("early_write.py", "--model", model, "--layers", str(layers), *early)
     if not args.quick:
         live = ["--minutes", "1", "--methods", "hermes,infinipot", "--tokens", "4096"]
         live += ["--device", args.device]

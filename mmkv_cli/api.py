@@ -93,7 +93,7 @@ def encode(
     from mmkv_cli.backbones.loading import load_backbone
     from mmkv_cli.encode.checkpoint import Checkpointing
     from mmkv_cli.encode.encoder import encode_media
-    from mmkv_cli.encode.record import encode_identity, write_encoded
+    from mmkv_cli.encode.record import EarlyWrite, encode_identity, write_encoded
     from mmkv_cli.media import load_media
     from mmkv_cli.methods import EncodeContext
 
@@ -114,7 +114,9 @@ def encode(
     )  # fmt: skip
     identity = encode_identity(backbone, choice, source, options.guidance_prompt, fps, max_frames)
     checkpoint = Checkpointing.open(output, options.checkpoint_every, options.resume, identity)
-    encoded = encode_media(backbone, source, choice, context, progress, checkpoint)
+    # where the method keeps every token as prefilled, the pack is written while encoding
+    early = EarlyWrite(output, backbone, choice, context, source, quant, options.force)
+    encoded = encode_media(backbone, source, choice, context, progress, checkpoint, early=early)
     write_encoded(output, backbone, choice, context, source, encoded, quant, options.force)
     checkpoint.remove()  # the pack is whole: the state it was saved for is done
     return {**inspect(output), **encoded.stats}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -16,6 +16,7 @@ from mmkv_cli.backbones.base import Backbone, StreamLayout
 from mmkv_cli.encode.blockwise import chunk_plans, order_blocks, prefill_blocks
 from mmkv_cli.encode.checkpoint import Checkpointing
 from mmkv_cli.encode.reducing import ChunkReducer
+from mmkv_cli.encode.results import Encoded, Streamed, layout_record
 from mmkv_cli.encode.saved_state import (
     block_rows,
     blocks_from,
@@ -23,6 +24,7 @@ from mmkv_cli.encode.saved_state import (
     restore_running_cache,
     running_cache_tensors,
 )
+from mmkv_cli.encode.sealing import EarlyTarget, Sealing, open_sealing
 from mmkv_cli.encode.text_attention import text_attention
 from mmkv_cli.errors import MediaError
 from mmkv_cli.kernels.attention import masking, recording
@@ -36,34 +38,6 @@ from mmkv_cli.pack import Span
 from mmkv_cli.reduce.choice import check_reducer
 
 Progress = Callable[[int, int], None]  # (frames done, visual tokens done)
-
-
-@dataclass
-class Encoded:
-    prefix: Span
-    blocks: list[Span]
-    suffix: Span
-    layout: dict
-    visual_tokens_total: int
-    stats: dict = field(default_factory=dict)
-    representatives: str = "pre_rope"  # what block representatives are means of (pack/format.py)
-    per_head: bool = False  # every span stored per (layer, KV head): the KV heads keep their own
-
-
-@dataclass
-class Streamed:
-    """What a runner leaves: the blocks, the cache the suffix follows, and where each layer's visual
-    part ends in it."""
-
-    blocks: list[Span]
-    cache: object  # the model cache the suffix is prefilled after
-    visual_end: list[int]  # per layer
-    peak_kv_bytes: int
-    shift: int = 0  # how far a policy that compacted positions moved the rest of the stream up
-    representatives: str = "pre_rope"  # pre_rope, or post_rope: keys as a block was prefilled
-    prefilled: int | None = None  # visual tokens prefilled (None: every one the stream gave)
-    # per layer whose KV heads hold different tokens: which entries each sees (RunningCache)
-    head_masks: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -125,10 +99,13 @@ def encode_media(
     progress: Progress | None = None,
     checkpoint: Checkpointing | None = None,
     clip_frames: int | None = None,
+    early: EarlyTarget | None = None,
 ) -> Encoded:
     """clip_frames: the clip length frames are sized for (Backbone.stream_layout; None: the
     media's own): a live stream's memory at T is this encode of the media cut at T, at the size the
-    stream pins."""
+    stream pins. early: where the pack goes, to write it while encoding where the method keeps
+    every token as prefilled (without a reducer or checkpoints); the result's `early` then holds
+    it, for record.write_encoded to finish."""
     if media.num_frames == 0:
         raise MediaError(f"no frames in {media.source}")
     check_reducer(choice.reduce, media.kind, backbone.family, tower_families())
@@ -153,11 +130,24 @@ def encode_media(
         done = encode_blockwise(stream, memory, prefix, cache, checkpoint)
     else:
         policy = method.streaming(choice.params, budget, context or EncodeContext(media.kind))
-        done = encode_streaming(stream, policy, cache, prefix.layer_counts[0], checkpoint)
-        # read back: a policy may have merged evicted tokens into the prompt's KV (MEDA)
-        prefix = _span(
-            "prefix", done.cache, [0] * len(cache.layers), len(prefix_ids), layout.prefix
-        )
+        saving = checkpoint is not None and (checkpoint.every or checkpoint.restored)
+        sealing = None
+        if early is not None and policy.seals_as_prefilled and reducer is None and not saving:
+            sealing = open_sealing(early, backbone, layout, step_times, policy, prefix, frame_hw)
+        try:
+            done = encode_streaming(
+                stream, policy, cache, prefix.layer_counts[0], checkpoint, sealing
+            )
+            # read back: a policy may have merged evicted tokens into the prompt's KV (MEDA)
+            prefix = _span(
+                "prefix", done.cache, [0] * len(cache.layers), len(prefix_ids), layout.prefix
+            )
+            encoded = finished(backbone, layout, prefix, done, frame_hw, started)
+        except BaseException:
+            if sealing is not None:
+                sealing.pack.abandon()
+            raise
+        return replace(encoded, early=sealing.pack if sealing else None)
     return finished(backbone, layout, prefix, done, frame_hw, started)
 
 
@@ -179,7 +169,6 @@ def finished(
     per_head = bool(done.head_masks)
     if per_head:  # the blocks are stored per (layer, KV head): so are the prefix and suffix
         prefix, suffix = prefix.by_head(), suffix.by_head()
-    per_step = backbone.frames_per_step
     total = sum(layout.step_lengths)
     return Encoded(
         prefix=prefix,
@@ -188,18 +177,7 @@ def finished(
         visual_tokens_total=total,
         representatives=done.representatives,
         per_head=per_head,
-        layout={
-            "position_dims": backbone.position_dims,
-            "next_position": layout.next_position - done.shift,
-            "rope_deltas": layout.rope_delta - done.shift,
-            "position_shift": done.shift,
-            "frames_per_step": per_step,
-            "steps": len(layout.step_lengths),
-            "tokens_per_step": layout.grid[0] * layout.grid[1],
-            "step_lengths": layout.step_lengths,
-            "grid": list(layout.grid),
-            "frame_size": list(frame_hw),
-        },
+        layout=layout_record(backbone, layout, done.shift, frame_hw),
         stats={
             "encode_s": time.perf_counter() - started,
             "peak_kv_bytes": done.peak_kv_bytes,
@@ -214,9 +192,12 @@ def encode_streaming(
     cache,
     prompt_len: int,
     checkpoint: Checkpointing | None = None,
+    sealing: Sealing | None = None,
 ) -> Streamed:
     """One running cache over the whole stream; the policy may evict after every chunk. With
-    `checkpoint`, the state is saved every N chunks, and a resume starts where it was saved."""
+    `checkpoint`, the state is saved every N chunks, and a resume starts where it was saved. With
+    `sealing`, each chunk's blocks go to the pack's writer as the chunk goes in, and none are made
+    at the end."""
     backbone, layout = stream.backbone, stream.layout
     lengths = torch.tensor(layout.step_lengths)
     total = int(lengths.sum())
@@ -226,6 +207,7 @@ def encode_streaming(
         else torch.full_like(layout.visual[:, :1], layout.next_position)
     )
     running = RunningCache(cache, prompt_len, backbone.position_dims)
+    running.archive_offloaded = sealing is None  # sealed: what leaves attention is in the pack
     state = StreamState(
         cache=running,
         token_step=torch.repeat_interleave(torch.arange(len(stream.step_times)), lengths),
@@ -249,6 +231,8 @@ def encode_streaming(
         steps = stream.step_times[first_step : first_step + len(frames) // backbone.frames_per_step]
         stream_chunk(backbone, state, policy, frames, steps, layout, stream.reducer)
         peak_kv = max(peak_kv, running.kv_bytes())
+        if sealing is not None:  # before after_chunk moves anything out of attention
+            sealing.chunk(state, len(steps))
         policy.after_chunk(state)
         stream.report(done, state.seen)
         if checkpoint and checkpoint.due(number) and state.seen < total:
@@ -260,7 +244,7 @@ def encode_streaming(
             checkpoint.save({**progress, "peak_kv": peak_kv}, live | saved, sealed)
     _check_count(stream.media, state.seen, total)
     policy.finish(state)
-    blocks = policy.make_blocks(state, stream.step_times)
+    blocks = [] if sealing is not None else policy.make_blocks(state, stream.step_times)
     state.attend = None  # it closes over the state: without this the cache waits for the cycle GC
     visual_end = [
         running.visual_start(layer) + running.count(layer) for layer in range(state.layers)

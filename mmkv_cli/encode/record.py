@@ -4,9 +4,13 @@ writes, and the identity a checkpoint is bound to."""
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmkv_cli import __version__, logs
+from mmkv_cli.pack.early import EarlyPack
+from mmkv_cli.pack.format import BlockShape, Span
 from mmkv_cli.pack.header import (
     Fingerprint,
     KVShape,
@@ -24,7 +28,7 @@ LOG = logs.get(__name__)
 
 if TYPE_CHECKING:
     from mmkv_cli.backbones.base import Backbone
-    from mmkv_cli.encode.encoder import Encoded
+    from mmkv_cli.encode.results import Encoded
     from mmkv_cli.media.base import Media
     from mmkv_cli.methods import EncodeContext
     from mmkv_cli.methods.choice import MethodChoice
@@ -87,21 +91,47 @@ def write_encoded(
 ) -> int:
     """An encode's result (a file's, or a live stream's memory) as a pack at `path`, written
     atomically; returns its size in bytes."""
-    header, series = pack_header(backbone, choice, context, media, encoded)
-    prefix, blocks, suffix = encoded.prefix, encoded.blocks, encoded.suffix
-    size = write_pack(
-        path,
-        header,
-        prefix,
-        blocks,
-        suffix,
-        force,
-        quant,
-        encoded.representatives,
-        series=series,
-    )
-    LOG.info("wrote %s: %d blocks, %d bytes", path, len(blocks), size)
+    try:
+        header, series = pack_header(backbone, choice, context, media, encoded)
+    except BaseException:
+        if encoded.early is not None:  # its writer stopped, its partial file removed
+            encoded.early.abandon()
+        raise
+    prefix, suffix, space = encoded.prefix, encoded.suffix, encoded.representatives
+    if encoded.early is not None:  # its blocks written while encoding: the rest now
+        size = encoded.early.finish(header, prefix, suffix, space, series)
+        blocks = len(encoded.early.blocks)
+    else:
+        size = write_pack(
+            path, header, prefix, encoded.blocks, suffix, force, quant, space, series=series
+        )
+        blocks = len(encoded.blocks)
+    LOG.info("wrote %s: %d blocks, %d bytes", path, blocks, size)
     return size
+
+
+@dataclass(frozen=True)
+class EarlyWrite:
+    """An encode's pack, to be written while the encode runs where its method allows
+    (encoder.EarlyTarget): what its header needs besides the encode's result."""
+
+    path: Path
+    backbone: Backbone
+    choice: MethodChoice
+    context: EncodeContext
+    media: Media
+    quant: QuantSpec | None = None
+    force: bool = False
+
+    def open(self, provisional: Encoded, shapes: list[BlockShape], first: Span) -> EarlyPack:
+        header, series = pack_header(
+            self.backbone, self.choice, self.context, self.media, provisional
+        )
+        return EarlyPack(
+            self.path, header, provisional.prefix, shapes, first, provisional.suffix,
+            force=self.force, quant=self.quant, reps_space=provisional.representatives,
+            series=series,
+        )  # fmt: skip
 
 
 def encode_identity(

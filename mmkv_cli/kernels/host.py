@@ -38,8 +38,12 @@ class HostCopies:
         self._stream = torch.cuda.Stream(device) if self._cuda else None
         self._pending = False
 
-    def host(self, tensor):
+    def host(self, tensor, own: bool = False):
+        """`tensor` on the host; own: in memory of its own on the CPU too (a view would keep the
+        whole tensor it was cut from alive)."""
         if not self._cuda or tensor.device.type != "cuda":  # the CPU: the tensor itself
+            if own:
+                return tensor.clone(memory_format=torch.contiguous_format)
             return tensor.to("cpu", non_blocking=tensor.device.type == "cpu")
         out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         self._stream.wait_stream(torch.cuda.current_stream(tensor.device))  # after it is made
@@ -48,6 +52,15 @@ class HostCopies:
         tensor.record_stream(self._stream)  # its memory is not reused before the copy is done
         self._pending = True
         return out
+
+    def mark(self):
+        """What to wait on (another thread may) for the copies sent so far: a CUDA event, or None
+        where there is nothing to wait for."""
+        if not self._pending:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
 
     def settle(self) -> None:
         """Wait for every copy sent: the host may read them after this."""

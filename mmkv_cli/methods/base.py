@@ -134,6 +134,14 @@ class StreamingMemory(Protocol):
     def make_blocks(self, state: StreamState, step_times: list[tuple[float, float]]) -> list[Span]:
         """What the cache holds at the end, as the pack's blocks in time order."""
 
+    # every token it holds stays as prefilled, one block per temporal step (made by step_block):
+    # its blocks can be made, and written, as each chunk goes in
+    seals_as_prefilled: bool
+
+    def step_block(self, number, step, time, keys, values, positions, rope) -> Span:
+        """Temporal step `step`'s block, the pack's `number`th, from each layer's K, V [H_kv, n, D]
+        and positions [P, n] of it; its retrieval key made with `rope` (None: none)."""
+
     def saved(self) -> dict[str, torch.Tensor]:
         """The policy's own state between chunks as named tensors, for a resumable encode's
         checkpoint (the running cache is saved apart)."""

@@ -13,6 +13,12 @@ class FullParams(StreamParams):
     pass
 
 
+class FullMemory(KeepAll):
+    """Every token as prefilled: each step's block is whole as soon as its chunk is in."""
+
+    seals_as_prefilled = True
+
+
 METHOD = Method(
     name="full",
     label="Full",
@@ -20,5 +26,5 @@ METHOD = Method(
     paper=Paper("the uncompressed baseline of all four papers", 2025),
     params=FullParams,
     budget=None,
-    streaming=KeepAll,
+    streaming=FullMemory,
 )

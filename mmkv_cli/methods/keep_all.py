@@ -27,6 +27,9 @@ class KeepAll:
     subclass it and override the hooks they need."""
 
     granularity = "frame"
+    # every token it holds stays as prefilled, one block per temporal step: its blocks can be made,
+    # and written, as each chunk goes in (a policy that evicts or rewrites entries: False)
+    seals_as_prefilled = False
 
     def __init__(self, params, budget: Budget, context: EncodeContext):
         self.params = params
@@ -83,20 +86,22 @@ class KeepAll:
         for step, time in enumerate(step_times):
             if not any(counts[step] for *_, counts in per_layer):
                 continue  # evicted from every layer
-            keys = [k[step] for k, *_ in per_layer]
-            positions = [p[step] for _, _, p, _ in per_layer]
-            blocks.append(
-                Span(
-                    name=block_name(len(blocks)),
-                    keys=keys,
-                    values=[v[step] for _, v, *_ in per_layer],
-                    positions=positions,
-                    granularity=self.granularity,
-                    steps=(step, step + 1),
-                    time=time,
-                    representative=(
-                        self.representative(keys, positions, state.rope) if whole_layers else None
-                    ),
-                )
-            )
+            parts = ([part[step] for part in layer[:3]] for layer in per_layer)
+            keys, values, positions = (list(each) for each in zip(*parts))
+            rope = state.rope if whole_layers else None
+            blocks.append(self.step_block(len(blocks), step, time, keys, values, positions, rope))
         return blocks
+
+    def step_block(self, number, step, time, keys, values, positions, rope) -> Span:
+        """Temporal step `step`'s block, the pack's `number`th, from what each layer holds of it;
+        its retrieval key made with `rope` (None: none, as for a pack held per head)."""
+        return Span(
+            name=block_name(number),
+            keys=keys,
+            values=values,
+            positions=positions,
+            granularity=self.granularity,
+            steps=(step, step + 1),
+            time=time,
+            representative=None if rope is None else self.representative(keys, positions, rope),
+        )

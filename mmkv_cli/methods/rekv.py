@@ -64,6 +64,8 @@ class ReKVMemory(KeepAll):
     """Every token goes into the pack, but encoding attends over a sliding window: older entries are
     moved out of the running cache, so encode cost grows linearly with the video."""
 
+    seals_as_prefilled = True  # moved out of attention, never changed
+
     def after_chunk(self, state: StreamState) -> None:
         slide_window(state, self.params.window_tokens)
 

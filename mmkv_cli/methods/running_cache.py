@@ -34,6 +34,9 @@ class RunningCache:
         self.positions = [torch.empty(position_dims, 0, dtype=torch.long) for _ in range(layers)]
         # per layer, entries moved out of attention but kept for the pack, on the host
         self.archive = [Archive() for _ in range(layers)]
+        # False while the pack's blocks are made as each chunk goes in (encode/sealing.py): what
+        # leaves attention is in the pack already, and a second host copy would double its memory
+        self.archive_offloaded = True
         # per layer, per visual entry: K, V and position are still what the forward made for its
         # stream index. Such an entry's bytes never change while it is held, whatever is evicted
         # around it, so a checkpoint writes them once (an hour of `full` or a 25% window: GBs)
@@ -181,12 +184,13 @@ class RunningCache:
         keys, values = self.visual(layer)
         # copied into the archive's slabs: never views, which would keep the whole cache tensor
         # they were cut from alive (on the CPU, .cpu() returns the view itself)
-        self.archive[layer].add(
-            keys[:, :count],
-            values[:, :count],
-            self.positions[layer][:, :count],
-            self.index[layer][:count],
-        )
+        if self.archive_offloaded:
+            self.archive[layer].add(
+                keys[:, :count],
+                values[:, :count],
+                self.positions[layer][:, :count],
+                self.index[layer][:count],
+            )
         self.retain(layer, torch.arange(count, self.count(layer)))
 
     @property

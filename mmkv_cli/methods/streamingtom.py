@@ -47,6 +47,8 @@ class StreamingTOMMemory(KeepAll):
     """Every prefilled token goes into the pack (the reducer already chose them); encode attends
     over a sliding window; a frame's retrieval key is kept per layer."""
 
+    seals_as_prefilled = True  # moved out of attention, never changed
+
     def after_chunk(self, state: StreamState) -> None:
         slide_window(state, self.params.window_tokens)
 

@@ -8,12 +8,13 @@ import math
 import os
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from mmkv_cli.errors import PackError, output_exists
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack import vidkv
 from mmkv_cli.pack.atomic import TEMP_SUFFIX, check_writable, sweep_stale
+from mmkv_cli.pack.block_writing import KeyScales, write_blocks
 from mmkv_cli.pack.format import (
     BLOCKS,
     FORMAT_NAME,
@@ -28,17 +29,13 @@ from mmkv_cli.pack.format import (
     raw_bytes,
     tensors_digest,
 )
-from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_count, chunk_digests, new_digest
+from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_count, chunk_digests
 from mmkv_cli.pack.header import PackHeader
 from mmkv_cli.pack.integrity import index_digest
 from mmkv_cli.pack.quant import (
     QuantSpec,
-    SpanningKeyRanges,
-    quantize_keys_with,
-    quantize_values,
-    spanning_groups,
 )
-from mmkv_cli.pack.stored import block_shape, store, stored_positions
+from mmkv_cli.pack.stored import block_shape, store
 
 DIGEST = digest_name(FORMAT_VERSION)  # the hash of every checksum written, and their fields' name
 
@@ -115,93 +112,8 @@ def table_layout(shapes, quant: QuantSpec):
     return kinds, table, times, [offset, positions, groups], reps, totals
 
 
-class _KeyScales:
-    """Spanning key groups in one pass over the blocks: a block's key codes are made as soon as
-    every group its tokens fall in is closed (a small block waits for the next few, never more
-    than a group's tokens of them), and the scales are complete after the last block."""
-
-    def __init__(self, quant: QuantSpec, totals: list[int], heads: int, dim: int):
-        self.quant = quant
-        self.ranges = SpanningKeyRanges(totals, quant.group, quant.bits, heads, dim)
-        self.before = [0] * len(totals)
-        self.waiting: list[tuple[Span, list[int]]] = []
-
-    def feed(self, block: Span) -> list[tuple[Span, list]]:
-        """Take in the next block; the blocks (in order) whose codes can now be made."""
-        values = block.part(1) if self.quant.mixed else None
-        self.ranges.add(block.part(0), block.layer_counts, values)
-        self.waiting.append((block, self.before))
-        self.before = [a + b for a, b in zip(self.before, block.layer_counts)]
-        ready = 0
-        while ready < len(self.waiting) and self._closed(*self.waiting[ready]):
-            ready += 1
-        return self._codes(ready)
-
-    def finish(self) -> list[tuple[Span, list]]:
-        self.ranges.finish()
-        return self._codes(len(self.waiting))
-
-    def _closed(self, block: Span, before: list[int]) -> bool:
-        group, closed = self.quant.group, self.ranges.closed
-        return all(
-            n == 0 or (start + n - 1) // group < done
-            for start, n, done in zip(before, block.layer_counts, closed)
-        )
-
-    def _codes(self, ready: int) -> list[tuple[Span, list]]:
-        """(block, its stored parts) for the first `ready` waiting blocks."""
-        out, quant = [], self.quant
-        for block, before in self.waiting[:ready]:
-            rows = spanning_groups(before, block.layer_counts, quant.group, self.ranges.firsts)
-            keys = quantize_keys_with(block.part(0), self.ranges.scales, rows, quant.bits)
-            positions = stored_positions(block)[0]
-            if quant.mixed:  # values per channel, against the same groups' fourth plane
-                planes = self.ranges.scales.index_select(0, rows)
-                out.append((block, [keys, vidkv.encode_values(block.part(1), planes), positions]))
-                continue
-            heads, dim = block.keys[0].shape[0], block.keys[0].shape[2]
-            group = quant.value_group(heads, dim)
-            values, value_scales = quantize_values(block.part(1), quant.bits, group)
-            out.append((block, [keys, values, positions, value_scales]))
-        del self.waiting[:ready]
-        return out
-
-
-def _write_blocks(fh, blocks: Sequence[Span], starts: list[int], keys: _KeyScales | None):
-    """Write every block's stored tensors where they go (starts: where each streamed part's
-    tensor begins in the file), each block made (and quantized) once, then (quantized) the keys'
-    scales. Returns where each part's writes ended and the blocks' digests.
-    The file keeps all blocks' K, then all V, ...: each part is a run of writes in block order."""
-    at, digests = list(starts), []
-
-    def write(block: Span, stored: list | None) -> None:
-        digest = new_digest(DIGEST)
-        if stored is None:  # as computed
-            stored = [block.part(0), block.part(1), stored_positions(block)[0]]
-        for part, data in enumerate(stored):
-            raw = raw_bytes(data)
-            digest.update(raw)
-            fh.seek(at[part])
-            fh.write(raw)
-            at[part] += raw.nbytes
-        digests.append(digest.digest())
-
-    for block in blocks:
-        for made in keys.feed(block) if keys else [(block, None)]:
-            write(*made)
-    if keys:
-        for made in keys.finish():
-            write(*made)
-        raw = raw_bytes(keys.ranges.scales)
-        fh.seek(at[-1])
-        fh.write(raw)
-        at[-1] += raw.nbytes
-    return at, digests
-
-
-def _block_tensors(blocks: list[Span], quant: QuantSpec, rows: list[int]) -> dict:
+def _block_tensors(first: Span, quant: QuantSpec, rows: list[int]) -> dict:
     """name -> (safetensors dtype, shape) of the shared block tensors, from the first block."""
-    first = blocks[0]
     heads, dim = first.keys[0].shape[0], first.keys[0].shape[2]
     kv_code = "U8" if quant.quantized else _dtype_code(first.keys[0])
     key_width = quant.key_width(dim) if quant.quantized else dim
@@ -217,6 +129,79 @@ def _block_tensors(blocks: list[Span], quant: QuantSpec, rows: list[int]) -> dic
     if quant.quantized:  # the keys' scales last: they are complete once the last block is made
         out[f"{BLOCKS}.kq"] = ("F16", [rows[2], quant.key_planes, heads, dim])
     return out
+
+
+@dataclass
+class PackPlan:
+    """Everything about a pack but its blocks' bytes: the small tensors (written whole), the shared
+    block tensors' dtypes and shapes, the directory, and the header as stored. Its `head` is the
+    file's first bytes, made again once the quantized keys' scales exist."""
+
+    small: dict[str, torch.Tensor]
+    streamed: dict[str, tuple[str, list[int]]]
+    entries: dict
+    stored: dict
+    totals: list[int]
+    quant: QuantSpec
+
+    def key_scales(self) -> KeyScales | None:
+        """The spanning key groups to fill while the blocks are written (a quantized pack)."""
+        if not self.quant.quantized or not self.streamed:
+            return None
+        heads, dim = self.streamed[f"{BLOCKS}.kq"][1][2:]
+        return KeyScales(self.quant, self.totals, heads, dim)
+
+    def head(self, scales: torch.Tensor | None, room: int = 0) -> bytes:
+        """The file's first bytes, padded with spaces (JSON whitespace) to `room` bytes of
+        directory where it is shorter."""
+        if scales is not None:
+            digests = chunk_digests(raw_bytes(scales), REPS_CHUNK, DIGEST)
+            self.stored["integrity"]["key_scales"][DIGEST] = digests
+        return _safetensors_head(self.stored, self.entries, room)
+
+
+def plan_pack(
+    header: PackHeader,
+    prefix: Span,
+    shapes: Sequence[BlockShape],
+    first: Span | None,
+    suffix: Span,
+    quant: QuantSpec | None = None,
+    reps_space: str = "pre_rope",
+    series: dict[str, list] | None = None,
+) -> PackPlan:
+    """The plan of the pack write_pack writes; first: the first block (its dtype and widths are
+    every block's)."""
+    quant = quant or QuantSpec()
+    small, spans_meta = _span_tensors(prefix, suffix)
+    small.update(series_tensors(series or {}))
+    # All blocks share a few tensors (a handful of safetensors entries, whatever the video
+    # length); each block is a contiguous row range of each of them.
+    kinds, table, times, rows, reps, totals = table_layout(shapes, quant)
+    streamed: dict[str, tuple[str, list[int]]] = {}
+    if first is not None:
+        streamed = _block_tensors(first, quant, rows)
+        small[f"{BLOCKS}.table"] = narrowed(torch.tensor(table, dtype=torch.int64))
+        small[f"{BLOCKS}.time"] = torch.tensor(times, dtype=torch.float64)
+    if reps and all(r is not None for r in reps):
+        # in the KV's own dtype: retrieval keys need no more precision than the keys they average
+        dtype = prefix.keys[0].dtype if prefix.keys else torch.float32
+        small["reps"] = torch.stack([r.reshape(-1, r.shape[-1]) for r in reps]).to(dtype)
+    entries = _directory(small, streamed, len(table))
+    stored = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        **header.sections(),
+        "spans": spans_meta,
+        "blocks": {"count": len(table), "granularities": kinds},
+        "quant": quant.as_header(),
+        "representatives": _representatives(small.get("reps"), reps_space),
+        "integrity": _integrity(entries, small),
+    }
+    if quant.quantized and streamed:  # their digests once they are made: the same length
+        chunks = chunk_count(math.prod(streamed[f"{BLOCKS}.kq"][1]) * 2, REPS_CHUNK)
+        stored["integrity"]["key_scales"] = {"chunk": REPS_CHUNK, DIGEST: ["0" * 64] * chunks}
+    return PackPlan(small, streamed, entries, stored, totals, quant)
 
 
 def write_pack(
@@ -245,48 +230,62 @@ def write_pack(
     once to be written, and once more for the table unless `shapes` are given.
     """
     check_writable(path, force)
-    quant = quant or QuantSpec()
-    small, spans_meta = _span_tensors(prefix, suffix)
-    small.update(series_tensors(series or {}))
-    # All blocks share a few tensors (a handful of safetensors entries, whatever the video
-    # length); each block is a contiguous row range of each of them.
-    layout = table_layout(checked_shapes(blocks) if shapes is None else shapes, quant)
-    kinds, table, times, rows, reps, totals = layout
-    streamed: dict[str, tuple[str, list[int]]] = {}
-    keys = None
-    if blocks:
-        streamed = _block_tensors(blocks, quant, rows)
-        if quant.quantized:
-            heads, dim = streamed[f"{BLOCKS}.kq"][1][2:]
-            keys = _KeyScales(quant, totals, heads, dim)
-        small[f"{BLOCKS}.table"] = narrowed(torch.tensor(table, dtype=torch.int64))
-        small[f"{BLOCKS}.time"] = torch.tensor(times, dtype=torch.float64)
-    if reps and all(r is not None for r in reps):
-        # in the KV's own dtype: retrieval keys need no more precision than the keys they average
-        dtype = prefix.keys[0].dtype if prefix.keys else torch.float32
-        small["reps"] = torch.stack([r.reshape(-1, r.shape[-1]) for r in reps]).to(dtype)
-    entries = _directory(small, streamed, len(blocks))
-    stored = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        **header.sections(),
-        "spans": spans_meta,
-        "blocks": {"count": len(blocks), "granularities": kinds},
-        "quant": quant.as_header(),
-        "representatives": _representatives(small.get("reps"), reps_space),
-        "integrity": _integrity(entries, small),
-    }
-    if keys:  # their digests once they are made: the same length, so the head's stays
-        chunks = chunk_count(math.prod(streamed[f"{BLOCKS}.kq"][1]) * 2, REPS_CHUNK)
-        stored["integrity"]["key_scales"] = {"chunk": REPS_CHUNK, DIGEST: ["0" * 64] * chunks}
+    first = blocks[0] if blocks else None
+    shapes = checked_shapes(blocks) if shapes is None else shapes
+    plan = plan_pack(header, prefix, shapes, first, suffix, quant, reps_space, series)
+    sweep_stale(path)
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as fh:  # mode: 0666 less the umask, as any new file
+            data_start = len(plan.head(None))
+            keys = plan.key_scales()
+            ends, digests = write_blocks(fh, blocks, block_starts(plan, data_start), keys, DIGEST)
+            finish_file(fh, path, plan, data_start, 0, ends, digests, keys)
+        publish(tmp, path, force)
+    except OSError as err:
+        raise PackError(f"cannot write {path}: {err.strerror or err}") from err
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.stat().st_size
 
-    def head(scales: torch.Tensor | None) -> bytes:
-        if scales is not None:
-            digests = chunk_digests(raw_bytes(scales), REPS_CHUNK, DIGEST)
-            stored["integrity"]["key_scales"][DIGEST] = digests
-        return _safetensors_head(stored, entries)
 
-    return _write_file(path, head, small, blocks, keys, entries, streamed, force)
+def temp_path(path: Path) -> Path:
+    """The temporary file beside `path` a pack is written to before it is renamed into place."""
+    return path.parent / f".{path.name}.{os.getpid()}{TEMP_SUFFIX}"
+
+
+def block_starts(plan: PackPlan, data_start: int) -> list[int]:
+    """Where each shared block tensor begins in the file, in file order (the keys' scales last)."""
+    return [data_start + plan.entries[name]["data_offsets"][0] for name in plan.streamed]
+
+
+def finish_file(fh, path, plan: PackPlan, data_start: int, room: int, ends, digests, keys) -> None:
+    """What follows the blocks' bytes: the small tensors, the blocks' digests, the head (with the
+    keys' scales' digests, padded to `room`), then fsync. ends: where each block tensor's writes
+    ended; digests: each block's, in table order."""
+    want = [data_start + plan.entries[name]["data_offsets"][1] for name in plan.streamed]
+    if ends != want:
+        raise PackError(f"internal: the blocks of {path} did not fill their tensors")
+    fh.seek(data_start)
+    for tensor in plan.small.values():
+        fh.write(raw_bytes(tensor))
+    if plan.streamed:
+        fh.seek(data_start + plan.entries[f"{BLOCKS}.{DIGEST}"]["data_offsets"][0])
+        fh.write(b"".join(digests))
+    head = plan.head(keys.ranges.scales if keys else None, room)
+    if len(head) != data_start:
+        raise PackError(f"internal: the head of {path} changed length")
+    fh.seek(0)
+    fh.write(head)
+    fh.flush()
+    os.fsync(fh.fileno())
+
+
+def publish(tmp: Path, path: Path, force: bool) -> None:
+    """The written temporary file renamed into place, unless a pack appeared there meanwhile."""
+    if path.exists() and not force:  # appeared while we were encoding
+        raise output_exists(path)
+    os.replace(tmp, path)
 
 
 def _span_tensors(prefix: Span, suffix: Span) -> tuple[dict[str, torch.Tensor], dict]:
@@ -339,50 +338,11 @@ def _integrity(entries: dict, small: dict) -> dict:
     return integrity
 
 
-def _safetensors_head(stored: dict, entries: dict) -> bytes:
+def _safetensors_head(stored: dict, entries: dict, room: int = 0) -> bytes:
     """The file's first bytes: the directory's length, then the directory with the header (and
-    its checksum) as metadata, padded to 8 bytes as safetensors does."""
+    its checksum) as metadata, padded to 8 bytes as safetensors does (or to `room`)."""
     text = json.dumps(stored, sort_keys=True)
     metadata = {META_HEADER: text, META_HEADER_SHA: hashlib.sha256(text.encode()).hexdigest()}
     head = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
+    head += b" " * max(room - len(head), -len(head) % 8)
     return struct.pack("<Q", len(head)) + head
-
-
-def _write_file(path, head, small, blocks, keys, entries, streamed, force) -> int:
-    """Every byte to a temporary file beside `path`, fsync'd, then renamed into place. head(key
-    scales): the file's first bytes, made again with the key scales' digests once they exist."""
-    sweep_stale(path)
-    tmp = path.parent / f".{path.name}.{os.getpid()}{TEMP_SUFFIX}"
-    try:
-        with open(tmp, "wb") as fh:  # mode: 0666 less the umask, as any new file
-            first = head(None)
-            fh.write(first)
-            for tensor in small.values():
-                fh.write(raw_bytes(tensor))
-            data_start = len(first)
-            parts = list(streamed)  # the blocks' parts in file order, the keys' scales last
-            starts = [data_start + entries[name]["data_offsets"][0] for name in parts]
-            ends, digests = _write_blocks(fh, blocks, starts, keys)
-            if ends != [data_start + entries[name]["data_offsets"][1] for name in parts]:
-                raise PackError(f"internal: the blocks of {path} did not fill their tensors")
-            if blocks:
-                fh.seek(data_start + entries[f"{BLOCKS}.{DIGEST}"]["data_offsets"][0])
-                fh.write(b"".join(digests))
-            if keys:
-                final = head(keys.ranges.scales)
-                if len(final) != len(first):
-                    raise PackError(f"internal: the head of {path} changed length")
-                fh.seek(0)
-                fh.write(final)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if path.exists() and not force:  # appeared while we were encoding
-            raise output_exists(path)
-        os.replace(tmp, path)
-    except OSError as err:
-        raise PackError(f"cannot write {path}: {err.strerror or err}") from err
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path.stat().st_size

@@ -1,0 +1,135 @@
+"""The blocks of a memory that keeps every token as prefilled (`full`, `rekv`), made as each chunk
+goes in and handed to the pack's writer, which writes them while the next chunks run
+(pack/early.py).
+
+Without a reducer, every block's size is known before the first frame: one block per temporal
+step, of that step's tokens in every layer. So the pack's layout is planned up front. After each
+chunk its tokens, the newest of every layer, are sent to pinned host memory on a side stream; the
+writer's thread waits for them there (the encode never does), makes the blocks as `make_blocks`
+would at the end, and writes them. What leaves attention (ReKV's window) is then in the pack
+already and is not archived a second time.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from mmkv_cli.backbones.base import Backbone, StreamLayout
+from mmkv_cli.encode.results import Encoded, layout_record
+from mmkv_cli.kernels.host import HostCopies
+from mmkv_cli.lazy import torch
+from mmkv_cli.methods.base import StreamingMemory
+from mmkv_cli.methods.running_cache import StreamState
+from mmkv_cli.pack.early import EarlyPack, worth_writing_early
+from mmkv_cli.pack.format import BlockShape, Span
+
+
+class EarlyTarget(Protocol):
+    """Where an encode's pack goes, when it may be written while the encode runs (record.py)."""
+
+    def open(self, provisional: Encoded, shapes: list[BlockShape], first: Span) -> EarlyPack:
+        """The pack opened, planned from a provisional encode: its sizes are the final ones."""
+
+
+def open_sealing(early: EarlyTarget, backbone: Backbone, layout: StreamLayout, step_times,
+                 policy: StreamingMemory, prefix: Span, frame_hw) -> Sealing | None:  # fmt: skip
+    """The pack opened for writing as the encode runs, planned from the layout (every token kept,
+    a block per step), and what hands it each chunk's blocks; None where the pack is too small
+    for that to pay."""
+    lengths = list(layout.step_lengths)
+    shapes, first = planned_blocks(policy, prefix, lengths, step_times, backbone.rope_tables())
+    if not worth_writing_early(shapes, first):
+        return None
+    layers = len(prefix.keys)
+    heads, _, dim = prefix.keys[0].shape
+    zeros = [torch.zeros(heads, layout.suffix.shape[1], dim, dtype=prefix.keys[0].dtype)] * layers
+    suffix = Span("suffix", zeros, zeros, [layout.suffix.cpu()] * layers)
+    total = sum(lengths)
+    provisional = Encoded(
+        prefix, [], suffix, layout_record(backbone, layout, 0, frame_hw), total,
+        stats={"encode_s": 0.0, "peak_kv_bytes": 0, "visual_tokens_prefilled": total},
+    )  # fmt: skip
+    pack = early.open(provisional, shapes, first)
+    return Sealing(pack, policy, lengths, step_times, backbone.device)
+
+
+def planned_blocks(
+    policy: StreamingMemory,
+    prefix: Span,
+    lengths: list[int],
+    step_times: list[tuple[float, float]],
+    rope: tuple,
+) -> tuple[list[BlockShape], Span]:
+    """Every block's shape, and a first block of their dtype and widths (zeros; its retrieval key
+    made as the real ones are, for its size)."""
+    layers = len(prefix.keys)
+    heads, _, dim = prefix.keys[0].shape
+    dims = prefix.positions[0].shape[0]
+    zeros = [torch.zeros(heads, lengths[0], dim, dtype=prefix.keys[0].dtype)] * layers
+    at = [torch.zeros(dims, lengths[0], dtype=torch.long)] * layers
+    first = policy.step_block(0, 0, step_times[0], zeros, zeros, at, rope)
+    shapes = [
+        BlockShape(
+            first.granularity, (step, step + 1), time, [n] * layers, True, first.representative
+        )
+        for step, (n, time) in enumerate(zip(lengths, step_times))
+    ]
+    return shapes, first
+
+
+class Sealing:
+    """Hands each chunk's blocks to `pack` as the chunk goes in (`chunk`, before the policy's
+    after_chunk moves anything out of attention)."""
+
+    def __init__(
+        self,
+        pack: EarlyPack,
+        policy: StreamingMemory,
+        lengths: list[int],
+        step_times: list[tuple[float, float]],
+        device,
+    ) -> None:
+        self.pack, self.policy = pack, policy
+        self.lengths, self.step_times = lengths, step_times
+        self.copies = HostCopies(device)
+        self.steps = 0  # temporal steps sealed so far
+
+    def chunk(self, state: StreamState, steps: int) -> None:
+        """The chunk just prefilled, `steps` whole temporal steps: the newest entries of every
+        layer, sent to the host without a wait."""
+        first = self.steps
+        counts = self.lengths[first : first + steps]
+        n = sum(counts)
+        running = state.cache
+        sent = []
+        for layer in range(state.layers):
+            if running.count(layer) < n:
+                raise RuntimeError("internal: a chunk's tokens left attention before their blocks")
+            keys, values = running.visual(layer)
+            sent.append(
+                (
+                    self.copies.host(keys[:, -n:], own=True),
+                    self.copies.host(values[:, -n:], own=True),
+                    running.positions[layer][:, -n:].clone(),
+                )
+            )
+        ready = self.copies.mark()
+        self.steps += steps
+        policy, times, rope = self.policy, self.step_times, state.rope
+
+        def make() -> list[Span]:  # on the writer's thread
+            if ready is not None:
+                ready.synchronize()
+            split = [[torch.split(part, counts, dim=1) for part in layer] for layer in sent]
+            return [
+                policy.step_block(
+                    step,
+                    step,
+                    times[step],
+                    *([layer[i][j] for layer in split] for i in range(3)),
+                    rope,
+                )
+                for j, step in enumerate(range(first, first + steps))
+            ]
+
+        self.pack.add(make)
