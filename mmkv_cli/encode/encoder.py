@@ -132,8 +132,10 @@ def encode_media(
         policy = method.streaming(choice.params, budget, context or EncodeContext(media.kind))
         saving = checkpoint is not None and (checkpoint.every or checkpoint.restored)
         sealing = None
-        if early is not None and policy.seals_as_prefilled and reducer is None and not saving:
-            sealing = open_sealing(early, backbone, layout, step_times, policy, prefix, frame_hw)
+        if early is not None and policy.seals_as_prefilled and not saving:
+            sealing = open_sealing(
+                early, backbone, layout, step_times, policy, prefix, frame_hw, reducer
+            )
         try:
             done = encode_streaming(
                 stream, policy, cache, prefix.layer_counts[0], checkpoint, sealing

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from mmkv_cli.backbones.base import Backbone, StreamLayout
+from mmkv_cli.encode.reducing import ChunkReducer
 from mmkv_cli.encode.results import Encoded, layout_record
 from mmkv_cli.kernels.host import HostCopies
 from mmkv_cli.lazy import torch
@@ -32,11 +33,19 @@ class EarlyTarget(Protocol):
 
 
 def open_sealing(early: EarlyTarget, backbone: Backbone, layout: StreamLayout, step_times,
-                 policy: StreamingMemory, prefix: Span, frame_hw) -> Sealing | None:  # fmt: skip
+                 policy: StreamingMemory, prefix: Span, frame_hw,
+                 reducer: ChunkReducer | None) -> Sealing | None:  # fmt: skip
     """The pack opened for writing as the encode runs, planned from the layout (every token kept,
-    a block per step), and what hands it each chunk's blocks; None where the pack is too small
-    for that to pay."""
+    a block per step, of the tokens a reducer lets through where it keeps a fixed count), and what
+    hands it each chunk's blocks; None where the pack is too small for that to pay, or its blocks'
+    sizes are known only as the stream is reduced."""
     lengths = list(layout.step_lengths)
+    if reducer is not None:
+        kept = reducer.choice.reducer.kept
+        if kept is None:
+            return None
+        grid = layout.grid[0] * layout.grid[1]  # a step's grid tokens; its markers always go on
+        lengths = [n - grid + kept(reducer.choice.params, grid) for n in lengths]
     shapes, first = planned_blocks(policy, prefix, lengths, step_times, backbone.rope_tables())
     if not worth_writing_early(shapes, first):
         return None
@@ -44,13 +53,13 @@ def open_sealing(early: EarlyTarget, backbone: Backbone, layout: StreamLayout, s
     heads, _, dim = prefix.keys[0].shape
     zeros = [torch.zeros(heads, layout.suffix.shape[1], dim, dtype=prefix.keys[0].dtype)] * layers
     suffix = Span("suffix", zeros, zeros, [layout.suffix.cpu()] * layers)
-    total = sum(lengths)
+    total = sum(layout.step_lengths)
     provisional = Encoded(
         prefix, [], suffix, layout_record(backbone, layout, 0, frame_hw), total,
-        stats={"encode_s": 0.0, "peak_kv_bytes": 0, "visual_tokens_prefilled": total},
+        stats={"encode_s": 0.0, "peak_kv_bytes": 0, "visual_tokens_prefilled": sum(lengths)},
     )  # fmt: skip
     pack = early.open(provisional, shapes, first)
-    return Sealing(pack, policy, lengths, step_times, backbone.device)
+    return Sealing(pack, policy, step_times, backbone.device)
 
 
 def planned_blocks(
@@ -85,36 +94,41 @@ class Sealing:
         self,
         pack: EarlyPack,
         policy: StreamingMemory,
-        lengths: list[int],
         step_times: list[tuple[float, float]],
         device,
     ) -> None:
-        self.pack, self.policy = pack, policy
-        self.lengths, self.step_times = lengths, step_times
+        self.pack, self.policy, self.step_times = pack, policy, step_times
         self.copies = HostCopies(device)
         self.steps = 0  # temporal steps sealed so far
+        self.blocks = 0  # blocks made of them (a step of no token has none)
+        self.prefilled = 0  # tokens sealed so far
 
     def chunk(self, state: StreamState, steps: int) -> None:
         """The chunk just prefilled, `steps` whole temporal steps: the newest entries of every
         layer, sent to the host without a wait."""
-        first = self.steps
-        counts = self.lengths[first : first + steps]
-        n = sum(counts)
-        running = state.cache
+        first, running = self.steps, state.cache
+        n, self.prefilled = state.prefilled - self.prefilled, state.prefilled
+        # each step's tokens, as prefilled: a plan that said otherwise is caught by the writer
+        held = state.token_step[running.index[0][running.count(0) - n :]] - first
+        counts = torch.bincount(held, minlength=steps).tolist()
         sent = []
         for layer in range(state.layers):
             if running.count(layer) < n:
                 raise RuntimeError("internal: a chunk's tokens left attention before their blocks")
             keys, values = running.visual(layer)
+            start = running.count(layer) - n  # the newest n: the chunk's
             sent.append(
                 (
-                    self.copies.host(keys[:, -n:], own=True),
-                    self.copies.host(values[:, -n:], own=True),
-                    running.positions[layer][:, -n:].clone(),
+                    self.copies.host(keys[:, start:], own=True),
+                    self.copies.host(values[:, start:], own=True),
+                    running.positions[layer][:, start:].clone(),
                 )
             )
         ready = self.copies.mark()
         self.steps += steps
+        made = [step for step, count in enumerate(counts) if count]  # as make_blocks skips
+        numbers = range(self.blocks, self.blocks + len(made))
+        self.blocks += len(made)
         policy, times, rope = self.policy, self.step_times, state.rope
 
         def make() -> list[Span]:  # on the writer's thread
@@ -123,13 +137,13 @@ class Sealing:
             split = [[torch.split(part, counts, dim=1) for part in layer] for layer in sent]
             return [
                 policy.step_block(
-                    step,
-                    step,
-                    times[step],
+                    number,
+                    first + j,
+                    times[first + j],
                     *([layer[i][j] for layer in split] for i in range(3)),
                     rope,
                 )
-                for j, step in enumerate(range(first, first + steps))
+                for number, j in zip(numbers, made)
             ]
 
         self.pack.add(make)

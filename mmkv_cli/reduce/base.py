@@ -48,6 +48,9 @@ class Reducer:
     reduce: Callable[[Any, StepTokens], Reduced]  # (params, tokens) -> what goes on
     temporal: bool  # compares a step with the one before: video only
     tower_attention: bool  # reads the vision tower's attention: only families that expose it
+    # (params, T) -> the grid tokens every step of T keeps, where that is fixed (None: it depends
+    # on the tokens): a pack's layout is then known before the encode (encode/sealing.py)
+    kept: Callable[[Any, int], int] | None = None
 
 
 def similarity_to_previous(grid: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:

@@ -149,6 +149,7 @@ REDUCER = Reducer(
     ),
     params=CTRParams,
     reduce=reduce,
+    kept=retained,
     temporal=True,
     tower_attention=True,
 )
