@@ -1,13 +1,14 @@
-"""The blocks of a memory that keeps every token as prefilled (`full`, `rekv`), made as each chunk
-goes in and handed to the pack's writer, which writes them while the next chunks run
-(pack/early.py).
+"""The blocks of a memory that keeps every token as prefilled (`full`, `rekv`, `streamingtom`),
+made as each chunk goes in and handed to the pack's writer, which writes them while the next chunks
+run (pack/early.py).
 
-Without a reducer, every block's size is known before the first frame: one block per temporal
-step, of that step's tokens in every layer. So the pack's layout is planned up front. After each
-chunk its tokens, the newest of every layer, are sent to pinned host memory on a side stream; the
-writer's thread waits for them there (the encode never does), makes the blocks as `make_blocks`
-would at the end, and writes them. What leaves attention (ReKV's window) is then in the pack
-already and is not archived a second time.
+Every block's size is then known before the first frame: one block per temporal step, of that
+step's tokens in every layer (of those a reducer lets through, where it keeps a fixed count a step,
+as StreamingTOM's CTR does). So the pack's layout is planned up front. After each chunk its tokens,
+the newest of every layer, are sent to pinned host memory on a side stream; the writer's thread
+waits for them there (the encode never does), makes the blocks as `make_blocks` would at the end,
+and writes them. What leaves attention (ReKV's window) is then in the pack already and is not
+archived a second time.
 """
 
 from __future__ import annotations

@@ -84,10 +84,12 @@ class BlockStore:
         taken: list[np.ndarray],
         device: torch.device | str | None,
         dtype: torch.dtype | None,
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], bool | None]:
         """Layer l's rows of the blocks at taken[l] (positions in `where`), layer after layer:
-        (keys, values, positions), K/V on `device` (default: the host), dequantized there where
-        stored quantized; positions on the host."""
+        (keys, values, positions, finite), K/V on `device` (default: the host), dequantized there
+        where stored quantized; positions on the host. finite: whether the K/V as stored hold no
+        NaN or Inf, checked on the host before they were sent (None: not checked, a quantized
+        pack's, whose decoded values are what to check)."""
         staging = Staging(device)
         rows = where.token_rows(taken)
         totals = [int(where.counts[t, layer].sum()) for layer, t in enumerate(taken)]
@@ -96,8 +98,8 @@ class BlockStore:
         ends = np.cumsum(totals, dtype=np.int64)
         firsts = ends - np.asarray(totals, dtype=np.int64)
         if self.quant is None:
-            keys, values = self._staged_rows(rows, totals, firsts, ends, staging)
-            return keys, values, positions
+            keys, values, finite = self._staged_rows(rows, totals, firsts, ends, staging)
+            return keys, values, positions, finite
         groups, expand = where.key_group_rows(taken)
         # rows, scales and indices are read on the host: sent to the device without a wait
         k, v = (staging.send(self._pick(p, rows, staging)) for p in ("k", "v"))
@@ -127,25 +129,29 @@ class BlockStore:
             )
             keys.append(layer[0].transpose(0, 1))
             values.append(layer[1].transpose(0, 1))
-        return keys, values, positions
+        return keys, values, positions, None
 
-    def _staged_rows(self, rows, totals, firsts, ends, staging: Staging) -> tuple[list, list]:
+    def _staged_rows(self, rows, totals, firsts, ends, staging: Staging) -> tuple[list, list, bool]:
         """Stored K/V rows (layer after layer in `rows`) on the staging's device, a group of
         layers at a time: each group's K is sent while its V is read, and both while the next
-        group is read. Each layer is a view of its group's buffer."""
+        group is read. Each layer is a view of its group's buffer. Also whether every value is
+        finite, checked on the host (on the device the verdict would be one more wait)."""
         row = self._row_bytes("k") + self._row_bytes("v")
         sizes = [row * n for n in totals]
         keys: list = []
         values: list = []
+        finite = True
         for group in staging.groups(sizes):
             base = int(firsts[group.start])
             cut = rows[base : int(ends[group.stop - 1])]
             for part, out in (("k", keys), ("v", values)):
-                sent = staging.send(self._pick(part, cut, staging))
+                read = self._pick(part, cut, staging)
+                finite = finite and all_finite([read])
+                sent = staging.send(read)
                 out += [
                     sent[int(firsts[i]) - base : int(ends[i]) - base].transpose(0, 1) for i in group
                 ]
-        return keys, values
+        return keys, values, finite
 
     def _row_bytes(self, part: str) -> int:
         """Bytes of one token's row of a block tensor (its heads' channels)."""

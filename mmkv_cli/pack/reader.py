@@ -288,7 +288,7 @@ class PackReader:
         hashes = store.hashes(where, pending)
         read = hashed_beside(hashes, lambda: store.read_rows(where, taken, device, dtype))
         self._refuse(where, hashes.mismatched())  # before anything read is handed out
-        self._finite(read, names)
+        read = self._finite(read, names)
         self._tensors.still_whole()
         self._verified.update(names)
         return read
@@ -296,11 +296,15 @@ class PackReader:
     def _finite(self, read: tuple, names: list[str]) -> tuple:
         """`read` (keys, values, positions) unless its K/V hold NaN or Inf: a checksum says the
         bytes are the writer's, not that the writer was honest (a re-sealed forgery) or sane. On a
-        quantized pack this checks the decoded values, so the scales too."""
-        if not all_finite([*read[0], *read[1]]):  # one verdict for K and V: one wait
+        quantized pack this checks the decoded values, so the scales too; as stored, the verdict
+        read_rows gave."""
+        *read, finite = read
+        if finite is None:
+            finite = all_finite([*read[0], *read[1]])  # one verdict for K and V: one wait
+        if not finite:
             shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
             raise PackError(f"{self.path} is corrupted (NaN or Inf in the K/V of {shown})")
-        return read
+        return tuple(read)
 
     def _rows(self, indices: list[int]) -> BlockRows:
         """Where the blocks at `indices` (table rows) sit in the block tensors."""
@@ -407,7 +411,7 @@ class PackReader:
                     for view, dtype in [store.views[part]]
                     for start, stop in where.block_ranges(part)
                 )
-            keys, values, _ = store.read_rows(
+            keys, values, *_ = store.read_rows(
                 where, [np.arange(len(chosen))] * where.layers, None, None
             )
             return all_finite([*keys, *values])

@@ -23,7 +23,8 @@ class Staging:
     """Host buffers for rows bound for `device` (pinned when it is a GPU), and their sending."""
 
     def __init__(self, device=None, stage_bytes: int | None = None) -> None:
-        self.device = torch.device("cpu" if device is None else device)
+        # the caller's own object where it is one (tests follow the model's device by it)
+        self.device = device if isinstance(device, torch.device) else torch.device(device or "cpu")
         self.pinned = self.device.type == "cuda"
         self.stage_bytes = max(1, STAGE_BYTES if stage_bytes is None else stage_bytes)
 
