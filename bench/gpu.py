@@ -39,7 +39,9 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 def parity(device: str, work: Path) -> dict:
     """Every method (and reducer on full) on the demo: the device's answers and kept tokens
-    against the CPU's."""
+    against the CPU's. The device's packs of full, rekv and streamingtom are written while they
+    are encoded, however small; the CPU's at the end."""
+    import mmkv_cli.pack.early as early
     from mmkv_cli import api
     from mmkv_cli.backbones.loading import load_backbone
     from mmkv_cli.methods import METHODS
@@ -47,6 +49,7 @@ def parity(device: str, work: Path) -> dict:
     from mmkv_cli.reduce import REDUCERS
     from tests.method_cases import case_for
 
+    early.EARLY_BYTES = 0
     models = {d: load_backbone(LoadOptions("demo", d)) for d in ("cpu", device)}
     asking = AskOptions(generation=GenerationOptions(max_new_tokens=8))
     rows = [(m, None) for m in METHODS] + [("full", r) for r in REDUCERS]

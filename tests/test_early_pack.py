@@ -1,9 +1,10 @@
 """A pack written while it is encoded (issue 48, item 3; pack/early.py, encode/sealing.py).
 
-A method that keeps every token as prefilled (full, ReKV) has its blocks' sizes known before the
-first frame: each chunk's blocks are written by a thread of their own while the next chunks go in.
-The pack is the one written at the end, tensor for tensor; only its head's padding differs. Below
-64 MiB of K/V a pack is written at the end (the tests lower that to 0)."""
+A method that keeps every token as prefilled (full, ReKV, StreamingTOM) has its blocks' sizes
+known before the first frame: each chunk's blocks are written by a thread of their own while the
+next chunks go in. The pack is the one written at the end, tensor for tensor; only its head's
+padding differs. Below 64 MiB of K/V, and on the CPU, a pack is written at the end (the tests lower
+that to 0 and let the CPU write early)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ def demo():
 
 @pytest.fixture
 def always(monkeypatch):
-    """Every pack of a keep-everything method written early, however small."""
+    """Every pack of a keep-everything method written early, however small, on the CPU too."""
     monkeypatch.setattr(early, "EARLY_BYTES", 0)
+    monkeypatch.setattr(sealing, "ON_CPU", True)
     finished: list[bool] = []  # per early pack: written as planned (True), or the ordinary way
     real, ordinary = early.EarlyPack.finish, early.write_pack
     fell_back: list[int] = []
@@ -185,6 +187,14 @@ def test_methods_that_evict_reducers_and_checkpoints_write_at_the_end(demo, tmp_
     assert always == []
 
 
+def test_on_the_cpu_a_pack_is_written_at_the_end(demo, tmp_path, monkeypatch):
+    monkeypatch.setattr(early, "EARLY_BYTES", 0)
+    opened = []
+    monkeypatch.setattr(early.EarlyPack, "__init__", lambda *a, **k: opened.append(1))
+    api.encode(str(CLIP), tmp_path / "p.kvpack", options("full"), backbone=demo)
+    assert opened == [] and verify(tmp_path / "p.kvpack")["ok"]
+
+
 def span(name: str, tokens: int, seed: int, layers: int = 3) -> Span:
     g = torch.Generator().manual_seed(seed)
     return Span(
@@ -248,6 +258,7 @@ def test_writing_while_encoding_adds_no_wait_a_chunk(demo, tmp_path, monkeypatch
     """The blocks leave the device on a side stream; the writer's thread waits for them, the
     encode never does (counted on this thread, as test_host_syncs counts every encode)."""
     monkeypatch.setattr(early, "EARLY_BYTES", 0)
+    monkeypatch.setattr(sealing, "ON_CPU", True)
     window = {"window_tokens": 20} if method in WINDOWED else {}
     choice = choose(method, chunk_frames=4, **window)
     counts = []

@@ -25,6 +25,11 @@ from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.pack.early import EarlyPack, worth_writing_early
 from mmkv_cli.pack.format import BlockShape, Span
 
+# Written early on a GPU only. On a CPU the encode keeps every core busy, so a write beside it has
+# none to use (bench/results/early_write-cpu.json), and `full`'s blocks would be held twice: in the
+# cache and as the writer's copies, where at the end they are views of the cache.
+ON_CPU = False
+
 
 class EarlyTarget(Protocol):
     """Where an encode's pack goes, when it may be written while the encode runs (record.py)."""
@@ -38,8 +43,10 @@ def open_sealing(early: EarlyTarget, backbone: Backbone, layout: StreamLayout, s
                  reducer: ChunkReducer | None) -> Sealing | None:  # fmt: skip
     """The pack opened for writing as the encode runs, planned from the layout (every token kept,
     a block per step, of the tokens a reducer lets through where it keeps a fixed count), and what
-    hands it each chunk's blocks; None where the pack is too small for that to pay, or its blocks'
-    sizes are known only as the stream is reduced."""
+    hands it each chunk's blocks; None where that would not pay (a small pack, the CPU), or its
+    blocks' sizes are known only as the stream is reduced."""
+    if backbone.device.type == "cpu" and not ON_CPU:
+        return None
     lengths = list(layout.step_lengths)
     if reducer is not None:
         kept = reducer.choice.reducer.kept

@@ -1,13 +1,13 @@
 """A pack written while its blocks are still being made.
 
 When every block's shape is known before the encode starts (a memory that keeps every token, one
-block per step: `full`, `rekv`, `streamingtom`), the file's layout is too: every tensor's place in it. Each block is
-then written to its place (quantized and hashed) on a thread of its own as soon as the encode has
-made it, so the encode's GPU work and the write of GBs of KV run side by side, and what is left at
-the end is the small tensors and the head. The head's final length is known only then (its stats):
-it is given room, padded with spaces. A block that comes otherwise than planned, or a head that
-outgrows its room, makes the pack be written the ordinary way from the blocks kept; the result is
-the same pack but for the head's padding.
+block per step: `full`, `rekv`, `streamingtom`), the file's layout is too: every tensor's place in
+it. Each block is then written to its place (quantized and hashed) on a thread of its own as soon
+as the encode has made it, so the encode's GPU work and the write of GBs of KV run side by side,
+and what is left at the end is the small tensors and the head. The head's final length is known
+only then (its stats): it is given room, padded with spaces. A block that comes otherwise than
+planned, or a head that outgrows its room, makes the pack be written the ordinary way from the
+blocks kept; the result is the same pack but for the head's padding.
 """
 
 from __future__ import annotations
