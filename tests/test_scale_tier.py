@@ -170,29 +170,6 @@ def test_a_context_read_in_several_staging_groups_reads_back_exactly(reps_pack, 
             assert torch.equal(got[layer], want), (layer, part)
 
 
-@pytest.mark.parametrize("bits", [4, 1.5])
-def test_a_quantized_context_read_in_staging_groups_decodes_as_one_read(tmp_path, bits):
-    """A quantized pack's codes are read, sent and decoded a group of layers at a time too: with
-    the group lowered to 16 KiB, more than three groups decode to what one group does."""
-    from mmkv_cli.pack import staging
-
-    path = tmp_path / "q.kvpack"
-    spans = write_7b(path, 12, tokens=6, quant=QuantSpec(bits, 16))
-    names = [s.name for s in spans]
-    per_layer = [names[layer % 2 :: 1 + layer % 3] for layer in range(LAYERS)]
-    whole = PackReader(path).gather(names, per_layer, "cpu")
-    sent: list[int] = []
-    send = staging.Staging.send
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(staging, "STAGE_BYTES", 16 << 10)
-        patch.setattr(staging.Staging, "send", lambda self, t: sent.append(1) or send(self, t))
-        grouped = PackReader(path).gather(names, per_layer, "cpu")
-    parts = 2 if bits == 1.5 else 3  # codes of K and V, and (KIVI) the values' scales
-    assert len(sent) % parts == 0 and len(sent) // parts > 3
-    for mine, theirs in zip(grouped, whole):
-        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
-
-
 def test_staging_groups_are_consecutive_layers_of_about_the_stage_size():
     from mmkv_cli.pack.staging import Staging
 

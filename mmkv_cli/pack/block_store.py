@@ -101,7 +101,9 @@ class BlockStore:
             keys, values, finite = self._staged_rows(rows, totals, firsts, ends, staging)
             return keys, values, positions, finite
         groups, expand = where.key_group_rows(taken)
-        # scales and indices are read on the host: sent to the device without a wait
+        # rows, scales and indices are read on the host: sent to the device without a wait
+        k, v = (staging.send(self._pick(p, rows, staging)) for p in ("k", "v"))
+        vq = staging.send(self._pick("vq", rows, staging)).float() if "vq" in self.views else None
         # float32 before they are spread over the tokens: one conversion per group, not per token
         if self.key_scales is not None:
             key_scales = self.key_scales().index_select(0, torch.from_numpy(groups))
@@ -112,29 +114,21 @@ class BlockStore:
         prepared = vidkv.prepare(key_scales) if self.quant.mixed else None
         expand = torch.from_numpy(expand).to(staging.device, non_blocking=True)
         dtype = dtype or getattr(torch, self.kv_dtype)
-        parts = [p for p in ("k", "v", "vq") if p in self.views]
-        row = sum(self._row_bytes(p) for p in parts)
         keys, values = [], []
-        # a group of layers' codes read and sent while the group before is decoded on the device
-        for group in staging.groups([row * n for n in totals]):
-            base = int(firsts[group.start])
-            cut = rows[base : int(ends[group.stop - 1])]
-            sent = {p: staging.send(self._pick(p, cut, staging)) for p in parts}
-            for layer in group:
-                at = slice(int(firsts[layer]) - base, int(ends[layer]) - base)
-                vq = sent["vq"][at].float() if "vq" in sent else None
-                decoded = dequantize(
-                    sent["k"][at],
-                    sent["v"][at],
-                    key_scales,
-                    expand[int(firsts[layer]) : int(ends[layer])],
-                    vq,
-                    self.quant.bits,
-                    dtype,
-                    prepared,
-                )
-                keys.append(decoded[0].transpose(0, 1))
-                values.append(decoded[1].transpose(0, 1))
+        for first, stop in zip(firsts.tolist(), ends.tolist()):
+            at = slice(first, stop)
+            layer = dequantize(
+                k[at],
+                v[at],
+                key_scales,
+                expand[at],
+                None if vq is None else vq[at],
+                self.quant.bits,
+                dtype,
+                prepared,
+            )
+            keys.append(layer[0].transpose(0, 1))
+            values.append(layer[1].transpose(0, 1))
         return keys, values, positions, None
 
     def _staged_rows(self, rows, totals, firsts, ends, staging: Staging) -> tuple[list, list, bool]:
