@@ -145,24 +145,25 @@ def test_a_context_past_the_overlap_threshold_reads_back_exactly(reps_pack, tmp_
 
 
 def test_a_context_read_in_several_staging_groups_reads_back_exactly(reps_pack, monkeypatch):
-    """Rows bound for the model's device are read and sent a group of layers at a time (64 MiB at
-    real size; pack/staging.py). Lowered to 1 MiB, this context of 7B width is read in more than
-    two groups, each layer with blocks of its own, and every layer reads back exact."""
+    """A large read bound for a GPU goes in groups of whole blocks cut in file order (64 MiB at
+    real size; pack/staging.py), each copied into its places in every layer. Lowered to 1 MiB (and
+    let on the CPU), this 7B-width context, each layer with blocks of its own, is read in more
+    than three groups, and every layer reads back exact."""
     from mmkv_cli.pack import staging
 
-    monkeypatch.setattr(staging, "STAGE_BYTES", 1 << 20)
-    sent: list[int] = []
-    send = staging.Staging.send
+    monkeypatch.setattr(staging, "HOST_STAGE_BYTES", 1 << 20)
+    made: list[int] = []
+    groups = staging.Staging.groups
     monkeypatch.setattr(
-        staging.Staging, "send", lambda self, t: sent.append(t.nbytes) or send(self, t)
+        staging.Staging,
+        "groups",
+        lambda self, *a: (lambda g: made.append(len(g or [])) or g)(groups(self, *a)),
     )
     path, spans = reps_pack
     names = [s.name for s in spans]
     per_layer = [names[layer % 3 :: 1 + layer % 4] for layer in range(LAYERS)]
     keys, values, positions = PackReader(path).gather(names, per_layer, "cpu")
-    groups = [k + v for k, v in zip(sent[::2], sent[1::2])]
-    assert len(sent) == 2 * len(groups) and len(groups) > 3
-    assert max(groups) <= 1 << 20 and sum(groups) > 3 << 20
+    assert len(made) == 1 and made[0] > 3
     by_name = {s.name: s for s in spans}
     for layer, chosen in enumerate(per_layer):
         for got, part in ((keys, "keys"), (values, "values"), (positions, "positions")):
@@ -170,13 +171,27 @@ def test_a_context_read_in_several_staging_groups_reads_back_exactly(reps_pack, 
             assert torch.equal(got[layer], want), (layer, part)
 
 
-def test_staging_groups_are_consecutive_layers_of_about_the_stage_size():
-    from mmkv_cli.pack.staging import Staging
+def test_staging_groups_cut_the_read_in_file_order():
+    """Two layers of blocks of two tokens: block b's rows are 4b..4b+3, layer 0's first."""
+    import numpy as np
 
-    groups = Staging("cpu", stage_bytes=10).groups([4, 4, 4, 12, 1, 9, 0, 3])
-    assert [list(g) for g in groups] == [[0, 1], [2], [3], [4, 5, 6], [7]]
-    assert Staging("cpu", stage_bytes=10).groups([]) == []
-    assert Staging("cuda").pinned and not Staging("cpu").pinned and not Staging().pinned
+    from mmkv_cli.pack import staging
+
+    rows = np.array([0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11])
+    firsts, ends = np.array([0, 6]), np.array([6, 12])
+    cpu, gpu = staging.Staging("cpu"), staging.Staging("cuda")
+    assert not cpu.pinned and cpu.groups(rows, firsts, ends, 1 << 30) is None  # the CPU: one read
+    assert gpu.pinned and gpu.stage_bytes == staging.STAGE_BYTES
+    gpu.stage_bytes = 4
+    assert gpu.groups(rows, firsts, ends, 1) == [
+        [(0, 2), (0, 2)],
+        [(2, 4), (2, 4)],
+        [(4, 6), (4, 6)],
+    ]
+    assert gpu.groups(rows, firsts, ends, 1)[1] == [(2, 4), (2, 4)]
+    assert gpu.groups(rows[::-1].copy(), firsts, ends, 1) is None  # out of file order: one read
+    gpu.stage_bytes = 12
+    assert gpu.groups(rows, firsts, ends, 1) is None  # small: one read
 
 
 @pytest.mark.parametrize(

@@ -132,26 +132,39 @@ class BlockStore:
         return keys, values, positions, None
 
     def _staged_rows(self, rows, totals, firsts, ends, staging: Staging) -> tuple[list, list, bool]:
-        """Stored K/V rows (layer after layer in `rows`) on the staging's device, a group of
-        layers at a time: each group's K is sent while its V is read, and both while the next
-        group is read. Each layer is a view of its group's buffer. Also whether every value is
-        finite, checked on the host (on the device the verdict would be one more wait)."""
-        row = self._row_bytes("k") + self._row_bytes("v")
-        sizes = [row * n for n in totals]
-        keys: list = []
-        values: list = []
+        """Stored K/V rows (layer after layer in `rows`) on the staging's device, each layer a
+        [H_kv, n, D] view; and whether every value is finite, checked on the host before it is
+        sent (on the device the verdict would be one more wait). In one read, or (a large read
+        bound for a GPU) a group of whole blocks at a time, each copied into its places while the
+        next is read."""
+        parts = ("k", "v")
+        groups = staging.groups(rows, firsts, ends, sum(self._row_bytes(p) for p in parts))
         finite = True
-        for group in staging.groups(sizes):
-            base = int(firsts[group.start])
-            cut = rows[base : int(ends[group.stop - 1])]
-            for part, out in (("k", keys), ("v", values)):
+        out: dict[str, list] = {}
+        if groups is None:  # a buffer per layer: a caller joining layer by layer lets go of each
+            bounds = list(zip(firsts.tolist(), ends.tolist()))
+            read = {p: [self._pick(p, rows[a:b], staging) for a, b in bounds] for p in parts}
+            finite = all_finite([*read["k"], *read["v"]])  # the reads first: their preads run on
+            return *([staging.send(t).transpose(0, 1) for t in read[p]] for p in parts), finite
+        for part in parts:  # every layer's tensor on the device, filled group by group
+            array, dtype = self.views[part]
+            shape = array.shape[1:] if self.token_major else (array.shape[0], *array.shape[2:])
+            out[part] = [
+                torch.empty((n, *shape), dtype=getattr(torch, dtype), device=staging.device)
+                for n in totals
+            ]
+        for slices in groups:
+            cut = np.concatenate(
+                [rows[f + a : f + b] for f, (a, b) in zip(firsts.tolist(), slices)]
+            )
+            for part in parts:
                 read = self._pick(part, cut, staging)
                 finite = finite and all_finite([read])
-                sent = staging.send(read)
-                out += [
-                    sent[int(firsts[i]) - base : int(ends[i]) - base].transpose(0, 1) for i in group
-                ]
-        return keys, values, finite
+                at = 0
+                for layer, (a, b) in enumerate(slices):
+                    out[part][layer][a:b].copy_(read[at : at + b - a], non_blocking=True)
+                    at += b - a
+        return *([t.transpose(0, 1) for t in out[p]] for p in parts), finite
 
     def _row_bytes(self, part: str) -> int:
         """Bytes of one token's row of a block tensor (its heads' channels)."""

@@ -257,10 +257,10 @@ class PackReader:
         the rows read; each layer's is a strided view of its group's buffer (concatenating makes
         it contiguous).
 
-        A context of many blocks is read a group of layers at a time (pack/staging.py), with a
-        pread per run of consecutive rows, into pinned memory sent to a GPU while the next group
-        is read; every block's checksum is still verified, on its own bytes, before anything read
-        is handed out.
+        A context of many blocks is read with a pread per run of consecutive rows; bound for a GPU,
+        into pinned memory, a large one in groups of whole blocks each sent while the next is read
+        (pack/staging.py). Every block's checksum is still verified, on its own bytes, before
+        anything read is handed out.
         """
         if not names:
             return [], [], []

@@ -1,11 +1,12 @@
 """Where a question's block rows land on their way from the file to the model's device.
 
 From pageable memory a copy to a GPU is synchronous: the driver stages it through a pinned buffer
-of its own while the host waits, so a read of a 7B pack alternated between the disk and the bus.
-Rows read into page-locked (pinned) buffers are sent with one asynchronous copy each: the host
-reads the next group of layers while the last group crosses. A group is about `stage_bytes`, so
-the first copy starts early and the pinned memory in flight stays bounded by the pack, not the
-video. On the CPU the buffers are ordinary memory and sending them is the identity.
+of its own while the host waits. Rows read into page-locked (pinned) buffers are sent with
+asynchronous copies instead. A large read bound for a GPU goes in groups of about `STAGE_BYTES`
+cut in file order (whole blocks, every layer of them: the file keeps a block's layers together,
+so each group is read by preads that run through the file, not strided across it); each group's
+rows are copied into their places in every layer's tensor on the device while the next group is
+read. On the CPU there is nothing to overlap: one read, each layer a view of its buffer.
 """
 
 from __future__ import annotations
@@ -14,26 +15,31 @@ import numpy as np
 
 from mmkv_cli.lazy import torch
 
-# K/V bytes read per group of layers before it is sent to the device (at 7B in bf16 about a layer
-# of 512 frames): large enough that a group's preads coalesce, small enough that copying overlaps
+# K/V bytes read per group before it is sent to a GPU: large enough that a group's preads run long,
+# small enough that the copies overlap the reading (at 7B, about six frames of K/V)
 STAGE_BYTES = 64 << 20
+# the same on the CPU, where a group would only add a copy into place (None: one read)
+HOST_STAGE_BYTES: int | None = None
 
 
 class Staging:
     """Host buffers for rows bound for `device` (pinned when it is a GPU), and their sending."""
 
-    def __init__(self, device=None, stage_bytes: int | None = None) -> None:
+    def __init__(self, device=None) -> None:
         # the caller's own object where it is one (tests follow the model's device by it)
         self.device = device if isinstance(device, torch.device) else torch.device(device or "cpu")
         self.pinned = self.device.type == "cuda"
-        self.stage_bytes = max(1, STAGE_BYTES if stage_bytes is None else stage_bytes)
+        self.stage_bytes = STAGE_BYTES if self.pinned else HOST_STAGE_BYTES
 
     def buffer(self, rows: int, row_shape: tuple, np_dtype, torch_dtype: str):
         """An empty [rows, *row_shape] buffer: the numpy array a pread fills, and the same bytes
         as a torch tensor of `torch_dtype` (bfloat16 is read as uint16: numpy has none)."""
         shape = (rows, *row_shape)
+        if not self.pinned:  # numpy's: it asks for huge pages, and a pread into it runs ~3x faster
+            array = np.empty(shape, np_dtype)
+            return array, torch.from_numpy(array).view(getattr(torch, torch_dtype))
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(np_dtype).itemsize
-        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         array = raw.numpy().view(np_dtype).reshape(shape)
         return array, raw.view(getattr(torch, torch_dtype)).view(shape)
 
@@ -42,14 +48,25 @@ class Staging:
         caching host allocator keeps the buffer until the copy is done)."""
         return tensor.to(self.device, non_blocking=True)
 
-    def groups(self, layer_bytes: list[int]) -> list[range]:
-        """Consecutive layers in groups of about `stage_bytes` (a layer larger is a group alone)."""
-        out, first, held = [], 0, 0
-        for layer, size in enumerate(layer_bytes):
-            if layer > first and held + size > self.stage_bytes:
-                out.append(range(first, layer))
-                first, held = layer, 0
-            held += size
-        if layer_bytes:
-            out.append(range(first, len(layer_bytes)))
+    def groups(self, rows: np.ndarray, firsts, ends, row_bytes: int) -> list[list[tuple]] | None:
+        """The read cut in file order into groups of about `stage_bytes`: for each group, each
+        layer's (start, stop) in its own rows (rows[firsts[l]:ends[l]], ascending in the file).
+        None: one read (small, on the CPU, or a layer's rows out of file order)."""
+        if self.stage_bytes is None or len(rows) * row_bytes <= self.stage_bytes:
+            return None
+        layers = [rows[a:b] for a, b in zip(firsts, ends)]
+        if any(np.any(np.diff(layer) <= 0) for layer in layers):
+            return None
+        ordered = np.sort(rows)
+        step = max(1, self.stage_bytes // max(1, row_bytes))
+        cuts = [*ordered[step::step].tolist(), int(ordered[-1]) + 1]  # each group's first row after
+        out, low = [], int(ordered[0])
+        for high in cuts:
+            out.append(
+                [
+                    (int(np.searchsorted(layer, low)), int(np.searchsorted(layer, high)))
+                    for layer in layers
+                ]
+            )
+            low = high
         return out
