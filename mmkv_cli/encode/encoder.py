@@ -104,8 +104,8 @@ def encode_media(
     """clip_frames: the clip length frames are sized for (Backbone.stream_layout; None: the
     media's own): a live stream's memory at T is this encode of the media cut at T, at the size the
     stream pins. early: where the pack goes, to write it while encoding where the method keeps
-    every token as prefilled (without a reducer or checkpoints); the result's `early` then holds
-    it, for record.write_encoded to finish."""
+    every token as prefilled (encode/sealing.py says when); the result's `early` then holds it,
+    for record.write_encoded to finish."""
     if media.num_frames == 0:
         raise MediaError(f"no frames in {media.source}")
     check_reducer(choice.reduce, media.kind, backbone.family, tower_families())

@@ -139,13 +139,13 @@ class BlockStore:
         next is read."""
         parts = ("k", "v")
         groups = staging.groups(rows, firsts, ends, sum(self._row_bytes(p) for p in parts))
-        finite = True
-        out: dict[str, list] = {}
         if groups is None:  # a buffer per layer: a caller joining layer by layer lets go of each
             bounds = list(zip(firsts.tolist(), ends.tolist()))
             read = {p: [self._pick(p, rows[a:b], staging) for a, b in bounds] for p in parts}
             finite = all_finite([*read["k"], *read["v"]])  # the reads first: their preads run on
             return *([staging.send(t).transpose(0, 1) for t in read[p]] for p in parts), finite
+        finite = True
+        out: dict[str, list] = {}
         for part in parts:  # every layer's tensor on the device, filled group by group
             array, dtype = self.views[part]
             shape = array.shape[1:] if self.token_major else (array.shape[0], *array.shape[2:])

@@ -17,7 +17,6 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from mmkv_cli.errors import PackError
 from mmkv_cli.pack.atomic import check_writable, sweep_stale
 from mmkv_cli.pack.block_writing import write_blocks
 from mmkv_cli.pack.format import BlockShape, Span
@@ -31,6 +30,7 @@ from mmkv_cli.pack.writer import (
     plan_pack,
     publish,
     temp_path,
+    write_failed,
     write_pack,
 )
 
@@ -102,7 +102,7 @@ class EarlyPack:
         try:
             self._file = open(self._tmp, "wb")  # noqa: SIM115 (closed by finish or abandon)
         except OSError as err:
-            raise PackError(f"cannot write {path}: {err.strerror or err}") from err
+            raise write_failed(path, err) from err
         self._thread = threading.Thread(target=self._run, name="mmkv-pack-writer", daemon=True)
         self._thread.start()
 
@@ -124,21 +124,21 @@ class EarlyPack:
         try:
             failed = self._failed
             if isinstance(failed, OSError):
-                raise PackError(f"cannot write {self.path}: {failed.strerror or failed}")
-            if self._failed is not None and not isinstance(self._failed, Unplanned):
-                raise self._failed
+                raise write_failed(self.path, failed)
+            if failed is not None and not isinstance(failed, Unplanned):
+                raise failed
             shapes = [block_shape(block) for block in self.blocks]
             plan = plan_pack(header, prefix, shapes, self.blocks[0] if self.blocks else None,
                              suffix, self.quant, reps_space, series)  # fmt: skip
             fits = len(plan.head(None, self.room)) == self.data_start
-            if self._failed is None and fits and plan.entries == self.plan.entries:
+            if failed is None and fits and plan.entries == self.plan.entries:
                 try:
                     finish_file(self._file, self.path, plan, self.data_start, self.room,
                                 self._ends, self._digests, self._keys)  # fmt: skip
                     self._file.close()
                     publish(self._tmp, self.path, self.force)
                 except OSError as err:
-                    raise PackError(f"cannot write {self.path}: {err.strerror or err}") from err
+                    raise write_failed(self.path, err) from err
                 return self.path.stat().st_size
         finally:
             self._discard()

@@ -243,7 +243,7 @@ def write_pack(
             finish_file(fh, path, plan, data_start, 0, ends, digests, keys)
         publish(tmp, path, force)
     except OSError as err:
-        raise PackError(f"cannot write {path}: {err.strerror or err}") from err
+        raise write_failed(path, err) from err
     finally:
         tmp.unlink(missing_ok=True)
     return path.stat().st_size
@@ -279,6 +279,11 @@ def finish_file(fh, path, plan: PackPlan, data_start: int, room: int, ends, dige
     fh.write(head)
     fh.flush()
     os.fsync(fh.fileno())
+
+
+def write_failed(path: Path, err: OSError) -> PackError:
+    """The one line a pack that could not be written is refused with (a full disk, say)."""
+    return PackError(f"cannot write {path}: {err.strerror or err}")
 
 
 def publish(tmp: Path, path: Path, force: bool) -> None:
