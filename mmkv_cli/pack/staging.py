@@ -35,7 +35,7 @@ class Staging:
         """An empty [rows, *row_shape] buffer: the numpy array a pread fills, and the same bytes
         as a torch tensor of `torch_dtype` (bfloat16 is read as uint16: numpy has none)."""
         shape = (rows, *row_shape)
-        if not self.pinned:  # numpy's: it asks for huge pages, and a pread into it runs ~3x faster
+        if not self.pinned:  # numpy's: it asks for huge pages, so a pread fills it faster
             array = np.empty(shape, np_dtype)
             return array, torch.from_numpy(array).view(getattr(torch, torch_dtype))
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(np_dtype).itemsize
