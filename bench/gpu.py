@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
+PARTS = ("parity", "syncs", "floor", "read", "scale", "reduce", "early_write", "live")
 QUESTIONS = ["what color is the circle ?", "which shape appeared first ?"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
@@ -193,7 +194,11 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=512)
     ap.add_argument("--quick", action="store_true", help="every part small: checks the script")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--parts", default=",".join(PARTS), help="which parts, in this order")
     args = ap.parse_args()
+    unknown = set(args.parts.split(",")) - set(PARTS)
+    if unknown:
+        ap.error(f"unknown parts {sorted(unknown)} (known: {', '.join(PARTS)})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, layers, frames = "rehearsal-llava-ov-7b", 0, args.frames
@@ -204,25 +209,35 @@ def main() -> None:
     def save(part: str, result: dict) -> None:
         (out / f"gpu-{part}.json").write_text(json.dumps(result, indent=1) + "\n")
 
-    with tempfile.TemporaryDirectory() as tmp:
-        save("parity", parity(args.device, Path(tmp)))
-    save("syncs", syncs(args.device, model, layers, min(frames, 128), streaming))
-    save("floor", floor(args.device, model, layers, frames))
-    with tempfile.TemporaryDirectory() as tmp:
-        save("read", read(Path(tmp), 8 if args.quick else 100, args.device))
     common = ["--model", model, "--layers", str(layers), "--device", args.device]
-    methods = "full,hermes,rekv,streamingtom"
-    scale = ["--frames", str(frames), "--methods", methods, "--out", str(out)]
-    scale += ["--ask-as", "retrieve=two_pass", "--name"]  # ReKV's both readings, one pack
-    bench("scale.py", *common, *scale, "gpu-scale.json")
-    bench("reduce.py", *common, "--frames", str(min(frames, 128)))
-    early = ["--frames", str(min(frames, 256)), "--repeats", "1", "--device", args.device]
+    scale = ["--frames", str(frames), "--methods", "full,hermes,rekv,streamingtom"]
+    scale += ["--out", str(out), "--ask-as", "retrieve=two_pass", "--name", "gpu-scale.json"]
+    early = ["--frames", str(min(frames, 256)), "--repeats", "1"]
     early += ["--out", str(out / "gpu-early_write.json")]
-    bench("early_write.py", "--model", model, "--layers", str(layers), *early)
-    if not args.quick:
-        live = ["--minutes", "1", "--methods", "hermes,infinipot", "--tokens", "4096"]
-        live += ["--device", args.device]
-        bench("live.py", "--model", model, *live)
+    live = ["--model", model, "--minutes", "1", "--methods", "hermes,infinipot"]
+    live += ["--tokens", "4096", "--device", args.device]
+    quick = 8 if args.quick else 100
+    runs = {
+        "parity": lambda: save("parity", in_temp(lambda tmp: parity(args.device, tmp))),
+        "syncs": lambda: save(
+            "syncs", syncs(args.device, model, layers, min(frames, 128), streaming)
+        ),
+        "floor": lambda: save("floor", floor(args.device, model, layers, frames)),
+        "read": lambda: save("read", in_temp(lambda tmp: read(tmp, quick, args.device))),
+        "scale": lambda: bench("scale.py", *common, *scale),  # ReKV's both readings, one pack
+        "reduce": lambda: bench("reduce.py", *common, "--frames", str(min(frames, 128))),
+        "early_write": lambda: bench("early_write.py", *common, *early),
+        "live": lambda: None if args.quick else bench("live.py", *live),
+    }
+    for part in args.parts.split(","):
+        started = time.perf_counter()
+        runs[part]()
+        print(f"part {part}: {time.perf_counter() - started:.1f} s", flush=True)
+
+
+def in_temp(work):
+    with tempfile.TemporaryDirectory() as tmp:
+        return work(Path(tmp))
 
 
 if __name__ == "__main__":
