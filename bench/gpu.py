@@ -21,12 +21,15 @@ here): what CI-less sessions use to check that the script itself runs.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -74,12 +77,11 @@ def parity(device: str, work: Path) -> dict:
 
 
 def syncs(device: str, model: str, layers: int, frames: int, methods: list[str]) -> dict:
-    """Host syncs the CUDA runtime reports during an encode, per chunk (CPU: not measurable)."""
-    import torch
-
+    """Host syncs the CUDA runtime reports during an encode, per chunk, and during a question
+    that stops at its first token, each with where they were made (CPU: not measurable)."""
     from mmkv_cli import api
     from mmkv_cli.backbones.loading import load_backbone
-    from mmkv_cli.options import EncodeOptions, LoadOptions
+    from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
     from tests.method_cases import case_for
 
     if not device.startswith("cuda"):
@@ -91,20 +93,60 @@ def syncs(device: str, model: str, layers: int, frames: int, methods: list[str])
         for method in methods:
             options = EncodeOptions(method, fps=2.0, max_frames=frames, force=True,
                                     **case_for(method).budget)  # fmt: skip
-            torch.cuda.set_sync_debug_mode("warn")
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                info = api.encode(str(video), Path(tmp) / "p.kvpack", options, backbone=backbone)
-            torch.cuda.set_sync_debug_mode(0)
+            pack = Path(tmp) / "p.kvpack"
+            with SyncLog() as log:
+                info = api.encode(str(video), pack, options, backbone=backbone)
+            first_token = AskOptions(generation=GenerationOptions(max_new_tokens=1))
+            with SyncLog() as asked:
+                api.ask(pack, QUESTIONS[0], first_token, backbone=backbone)
             chunks = max(1, frames // 16)
-            count = sum("synchroniz" in str(w.message) for w in caught)
+            count = len(log.seen)
             out[method] = {
                 "syncs": count,
                 "per_chunk": count / chunks,
                 "encode_s": info["encode_s"],
+                "where": log.places(),
+                "ask": len(asked.seen),
+                "ask_where": asked.places(),
             }
-            print(f"syncs {method}: {count} ({count / chunks:.1f} a chunk)", flush=True)
+            print(f"syncs {method}: {count} ({count / chunks:.1f} a chunk), ask {len(asked.seen)}")
     return {"device": device, "model": model, "frames": frames, "methods": out}
+
+
+class SyncLog:
+    """The host syncs CUDA reports (`set_sync_debug_mode("warn")`) while open, each with its
+    thread and the innermost frames of mmkv and of any library, so a count comes with places."""
+
+    def __enter__(self) -> SyncLog:
+        import torch
+
+        self.seen: list[tuple[str, str, str]] = []
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = self._note
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        torch.cuda.set_sync_debug_mode(0)
+        self._warnings.__exit__(*exc)
+
+    def _note(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" not in str(message):
+            return
+        stack = [f for f in traceback.extract_stack() if not f.filename.endswith("warnings.py")]
+        ours = [f for f in stack if "/mmkv_cli/" in f.filename]
+        mmkv = f"{ours[-1].filename.split('/mmkv_cli/')[-1]}:{ours[-1].lineno}" if ours else "-"
+        where = stack[-2] if len(stack) > 1 else None  # [-1] is this method
+        inner = f"{'/'.join(Path(where.filename).parts[-2:])}:{where.lineno}" if where else "-"
+        self.seen.append((threading.current_thread().name, mmkv, inner))
+
+    def places(self) -> list[dict]:
+        counted = collections.Counter(self.seen).most_common(12)
+        return [{"thread": t, "mmkv": m, "inner": i, "count": n} for (t, m, i), n in counted]
 
 
 def floor(device: str, model: str, layers: int, frames: int) -> dict:
@@ -212,6 +254,7 @@ def main() -> None:
     common = ["--model", model, "--layers", str(layers), "--device", args.device]
     scale = ["--frames", str(frames), "--methods", "full,hermes,rekv,streamingtom"]
     scale += ["--out", str(out), "--ask-as", "retrieve=two_pass", "--name", "gpu-scale.json"]
+    scale += ["--quadratic-tokens", str(frames * 196)]  # full too: its encode is the goal
     early = ["--frames", str(min(frames, 256)), "--repeats", "1"]
     early += ["--out", str(out / "gpu-early_write.json")]
     live = ["--model", model, "--minutes", "1", "--methods", "hermes,infinipot"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -107,11 +108,16 @@ def run(
         + [str(layers), device],
         capture_output=True,
         text=True,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": python_path()},
     )
     if done.returncode:
         raise SystemExit(f"{method} {minutes} min failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def python_path() -> str:
+    """The repository, then what the caller's PYTHONPATH named (packages carried to a machine)."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
 def minutes_ratio(got: dict, minute: int) -> float:
