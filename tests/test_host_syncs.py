@@ -7,6 +7,8 @@ encode does once (the prompt, the pack's KV leaving at the end) is not counted a
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from mmkv_cli.media import load_media
 from mmkv_cli.methods import METHODS
 from mmkv_cli.pack import PackReader
 from mmkv_cli.reduce import REDUCERS
+from mmkv_cli.reduce.choice import resolve_reducer
 from tests.conftest import SAMPLES
 from tests.helpers import ask_pack, choose, encode_pack
 from tests.method_cases import case_for
@@ -29,6 +32,8 @@ ENCODE_DEBT = {"streamingtom": 2, "ctr": 2}  # CTR reads its static counts, then
 # rekv-two-pass (the earlier reading) keeps the goal of 2.
 ASK_DEBT = {"streamingtom": 3, "rekv": 4 + 1}
 CHUNK_FRAMES = 4
+# VisionZip's merge at the demo's few tokens a step: its default share rounds to no token
+REDUCE_PARAMS = {"visionzip": {"contextual": 0.25}}
 
 
 def test_the_counter_sees_what_would_wait_for_a_device():
@@ -62,6 +67,29 @@ def test_the_counter_sees_what_would_wait_for_a_device():
         "to": 2,
         "tensor": 1,
     }
+
+
+def test_an_index_tensor_across_or_a_number_put_through_one_waits():
+    """What CUDA's sync debug mode reported on an H100 and the counter first missed: a host
+    index into a device tensor (copied over, waited for), and `t[index] = True` on the device
+    (the number sent as a one-value tensor, waited for)."""
+    model = torch.nn.Linear(4, 4)
+    counter = SyncCounter()
+    with counter.counting(model):
+        out = model(torch.arange(4.0))
+        on_device = torch.zeros(4, dtype=torch.long).to(model.weight.device, non_blocking=True)
+        host_index = torch.tensor([0, 2])
+        sent = host_index.to(model.weight.device, non_blocking=True)
+        out[sent], out[0], out[1:3]  # an index already there, an int, a slice: free
+        out[sent] = out[sent] * 2
+        out.index_fill_(0, sent, 1.0)
+        host_index[torch.tensor([0])]  # host into host: bookkeeping
+        assert counter.total == 0
+        out[host_index]
+        out[:, None][host_index] = 0.0
+        torch.arange(4)[on_device]  # a device index into a host tensor: copied back
+        out[sent] = 1.0
+    assert dict(counter.calls) == {"__getitem__": 2, "__setitem__": 2}
 
 
 def test_a_tensor_brought_to_the_host_is_host_bookkeeping():
@@ -99,7 +127,7 @@ def test_an_encode_waits_at_most_once_a_chunk(demo, method, reducer):
     backbone = demo
     choice = choose(method, **case_for(method).budget, chunk_frames=CHUNK_FRAMES)
     if reducer:
-        choice = choice.with_reduce(reducer)
+        choice = replace(choice, reduce=resolve_reducer(reducer, REDUCE_PARAMS.get(reducer)))
     two, four = (encode_syncs(backbone, choice, chunks * CHUNK_FRAMES) for chunks in (2, 4))
     per_chunk = (four - two) / 2
     assert per_chunk <= ENCODE_DEBT.get(reducer or method, 1), (method, reducer, per_chunk)

@@ -28,7 +28,7 @@ from mmkv_cli.encode.sealing import EarlyTarget, Sealing, open_sealing
 from mmkv_cli.encode.text_attention import text_attention
 from mmkv_cli.errors import MediaError
 from mmkv_cli.kernels.attention import masking, recording
-from mmkv_cli.kernels.host import HostCopies
+from mmkv_cli.kernels.host import HostCopies, host_all
 from mmkv_cli.media import Media
 from mmkv_cli.methods import Budget, EncodeContext
 from mmkv_cli.methods.base import BlockwiseMemory, StreamingMemory
@@ -71,9 +71,11 @@ class Stream:
 def _span(name: str, cache, starts: list[int], stop: int | None, positions: torch.Tensor) -> Span:
     """Cache entries [starts[layer], stop) of every layer (layers may hold different counts
     before)."""
-    keys = [e.keys[0, :, start:stop].cpu() for e, start in zip(cache.layers, starts)]
-    values = [e.values[0, :, start:stop].cpu() for e, start in zip(cache.layers, starts)]
-    return Span(name=name, keys=keys, values=values, positions=[positions.cpu()] * len(keys))
+    keys = [e.keys[0, :, start:stop] for e, start in zip(cache.layers, starts)]
+    values = [e.values[0, :, start:stop] for e, start in zip(cache.layers, starts)]
+    held = host_all(keys + values)  # one wait for every layer's, not one each
+    layers = len(keys)
+    return Span(name, held[:layers], held[layers:], [positions.cpu()] * layers)
 
 
 def _step_times(media: Media, steps: int, per_step: int) -> list[tuple[float, float]]:

@@ -95,11 +95,7 @@ class SyncCounter:
         if name in SYNCING:
             hit = self._marked(first)
         elif name in ("__getitem__", "__setitem__") and len(args) > 1:
-            index = args[1] if isinstance(args[1], tuple) else (args[1],)
-            masks = [i for i in index if isinstance(i, torch.Tensor) and i.dtype == torch.bool]
-            hit = bool(masks) and any(self._marked(t) for t in (first, *masks))
-            if name == "__setitem__" and isinstance(args[-1], torch.Tensor):  # a copy across
-                hit = hit or (waits and self._marked(args[-1]) != self._marked(first))
+            hit = self._indexing_waits(name, args, waits)
         elif name == "where":  # the one-argument form is nonzero
             hit = len(args) + len(kwargs) == 1 and self._marked(first)
         elif name == "to" and moves_to is not None:  # a copy across, waited for
@@ -113,6 +109,25 @@ class SyncCounter:
             hit = False
         if hit:
             self.calls[name] += 1
+
+    def _indexing_waits(self, name: str, args: tuple, waits: bool) -> bool:
+        """`t[index]` / `t[index] = value`: a boolean mask's size only the device knows; an index
+        tensor on the other side of `t` is copied across first, and waited for; so is a plain
+        number put through an index tensor into `t` on the device (as a one-value tensor)."""
+        first, index = args[0], args[1] if isinstance(args[1], tuple) else (args[1],)
+        tensors = [i for i in index if isinstance(i, torch.Tensor)]
+        masks = [i for i in tensors if i.dtype == torch.bool]
+        if masks and any(self._marked(t) for t in (first, *masks)):
+            return True
+        gathers = [i for i in tensors if i.dtype != torch.bool and i.dim() > 0]
+        if any(self._marked(i) != self._marked(first) for i in gathers):
+            return True
+        if name != "__setitem__":
+            return False
+        value = args[-1]
+        if isinstance(value, torch.Tensor):  # a copy across
+            return waits and self._marked(value) != self._marked(first)
+        return bool(gathers) and self._marked(first) and isinstance(value, bool | int | float)
 
     @contextmanager
     def counting(self, model=None):

@@ -90,9 +90,10 @@ class StreamMemMemory(KeepAll):
         keys, values = keys.clone(), values.clone()
         steps = state.token_step[index]
         slots = []
-        for step in torch.unique(steps[fresh]).tolist():
+        for step in torch.unique(steps[fresh]).tolist():  # host bookkeeping, as are the scores
             members = (fresh & (steps == step)).nonzero()[:, 0]
-            key, value = prototype(keys[:, members], values[:, members], scores[members])
+            at = members.to(keys.device, non_blocking=True)  # indexing would send it and wait
+            key, value = prototype(keys[:, at], values[:, at], scores[members])
             slot = int(members[torch.argmin(scores[members])])
             keys[:, slot], values[:, slot] = key, value
             slots.append(slot)

@@ -79,3 +79,9 @@ def top_in_order(scores: torch.Tensor, count: int) -> torch.Tensor:
     count = max(0, min(count, scores.numel()))
     order = torch.sort(-scores.float(), stable=True).indices[:count]
     return torch.sort(order).values
+
+
+def first_where(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices (ascending) of the `count` True entries of `mask`, `count` known to the caller:
+    no wait for the device to say how many there are, as `nonzero` makes."""
+    return torch.sort((~mask).to(torch.uint8), stable=True).indices[:count]

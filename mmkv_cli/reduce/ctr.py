@@ -15,6 +15,7 @@ from mmkv_cli.reduce.base import (
     Reduced,
     Reducer,
     StepTokens,
+    first_where,
     similarity_to_previous,
     step_by_step,
     top_in_order,
@@ -71,12 +72,6 @@ def density_peaks(tokens: torch.Tensor, count: int, k: int) -> torch.Tensor:
     return top_in_order(density * to_denser, count)
 
 
-def first_where(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """The indices (ascending) of the `count` True entries of `mask`, `count` known to the caller:
-    no wait for the device to say how many there are, as `nonzero` makes."""
-    return torch.sort((~mask).to(torch.uint8), stable=True).indices[:count]
-
-
 def merge_into_centres(tokens: torch.Tensor, centres: torch.Tensor, beta: float) -> torch.Tensor:
     """[len(centres), H]: each centre as beta x itself + (1 - beta) x the mean of the other tokens
     nearest it (a centre nothing joined stays as it is)."""
@@ -84,7 +79,7 @@ def merge_into_centres(tokens: torch.Tensor, centres: torch.Tensor, beta: float)
     if len(centres) == len(tokens):
         return merged.to(tokens.dtype)
     others = torch.ones(len(tokens), dtype=torch.bool, device=tokens.device)
-    others[centres] = False
+    others.index_fill_(0, centres, False)  # `others[centres] = False` would send the False over
     rest = tokens[first_where(others, len(tokens) - len(centres))].float()
     nearest = torch.cdist(rest, tokens[centres].float()).argmin(dim=-1)
     sums = torch.zeros_like(merged).index_add_(0, nearest, rest)
@@ -123,10 +118,10 @@ def reduce_step(
         where = first_where(static, static_count)
         centres = density_peaks(grid[where], keep_static, params.k)
         out[where[centres]] = merge_into_centres(grid[where], centres, params.beta)
-        keep[where[centres]] = True
+        keep.index_fill_(0, where[centres], True)
     if keep_dynamic > 0:  # the static ones last: the moving ones' order is as among themselves
         moving = importance.float().masked_fill(static, float("-inf"))
-        keep[top_in_order(moving, keep_dynamic)] = True
+        keep.index_fill_(0, top_in_order(moving, keep_dynamic), True)
     return keep, out
 
 

@@ -11,7 +11,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mmkv_cli.lazy import torch
-from mmkv_cli.reduce.base import Reduced, Reducer, StepTokens, step_by_step, top_in_order
+from mmkv_cli.reduce.base import (
+    Reduced,
+    Reducer,
+    StepTokens,
+    first_where,
+    step_by_step,
+    top_in_order,
+)
 from mmkv_cli.spec import Paper, knob
 
 
@@ -42,13 +49,16 @@ def contextual_tokens(
     """(target indices into rest [N, H], their merged embeddings [count, H])."""
     stride = max(1, len(rest) // count)
     targets = torch.arange(0, len(rest), stride, device=rest.device)[:count]
-    joins = torch.ones(len(rest), dtype=torch.bool, device=rest.device)
-    joins[targets] = False
+    joining = torch.ones(len(rest), dtype=torch.bool, device=rest.device)
+    joining.index_fill_(0, targets, False)
+    joins = first_where(joining, len(rest) - len(targets))  # sizes the host knows: no wait
     unit = torch.nn.functional.normalize(rest.float(), dim=-1)
     nearest = (unit[joins] @ unit[targets].T).argmax(dim=-1)
-    sums = torch.zeros(len(targets), rest.shape[1], device=rest.device)
+    sums = torch.zeros(len(targets), rest.shape[-1], device=rest.device)
     sums = sums.index_add_(0, nearest, rest[joins].float())
-    joined = torch.bincount(nearest, minlength=len(targets))
+    joined = torch.zeros(len(targets), device=rest.device).index_add_(
+        0, nearest, torch.ones(len(nearest), device=rest.device)
+    )  # not bincount, which reads the largest index back first
     if merge == "sum":
         merged = rest[targets].float() + sums / joined.clamp_min(1)[:, None]
     else:
@@ -61,13 +71,13 @@ def reduce_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dominant, contextual = counts(params, len(grid))
     keep = torch.zeros(len(grid), dtype=torch.bool, device=grid.device)
-    keep[top_in_order(importance, dominant)] = True
+    keep.index_fill_(0, top_in_order(importance, dominant), True)
     out = grid.clone()
     if contextual > 0:
-        rest = (~keep).nonzero()[:, 0]
+        rest = first_where(~keep, len(grid) - dominant)
         targets, merged = contextual_tokens(grid[rest], contextual, params.merge)
         out[rest[targets]] = merged
-        keep[rest[targets]] = True
+        keep.index_fill_(0, rest[targets], True)
     return keep, out
 
 
