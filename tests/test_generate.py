@@ -84,3 +84,31 @@ def test_no_token_is_picked_from_non_finite_logits():
         for temperature in (0.0, 1.0):
             with pytest.raises(ModelError, match="not finite"):
                 pick(logits, GenerationOptions(temperature=temperature), None)
+
+
+def test_a_context_verdict_left_unread_is_read_with_the_first_token():
+    """A quantized context decoded on the device leaves its NaN/Inf verdict for the first token:
+    a bad one refuses the pack before any text is shown, whatever the temperature; a good one costs
+    the answer nothing, and is read once."""
+    import pytest
+
+    from mmkv_cli.errors import PackError
+    from mmkv_cli.pack.verdicts import LaterVerdicts, finite_flag
+
+    logits = torch.zeros(10)
+    logits[4] = 1.0
+    shown = []
+    for temperature in (0.0, 1.0):
+        later = LaterVerdicts("p.kvpack")
+        later.add(finite_flag([torch.ones(3), torch.tensor([0.0, float("inf")])]), ["b0", "b1"])
+        later.add(finite_flag([torch.arange(3)]), ["b2"])  # integers: nothing to check
+        with pytest.raises(PackError, match=r"p.kvpack is corrupted \(NaN or Inf in the K/V of b0"):
+            generate(logits, lambda t: logits, str, set(), GenerationOptions(4, temperature),
+                     shown.append, later=later)  # fmt: skip
+        assert shown == []
+    later = LaterVerdicts("p.kvpack")
+    later.add(finite_flag([torch.ones(3)]), ["b0"])
+    steps = []
+    made = generate(logits, lambda t: steps.append(t) or logits, str, set(),
+                    GenerationOptions(3), later=later)  # fmt: skip
+    assert made.token_ids == [4, 4, 4] and later.pending() is None

@@ -26,11 +26,10 @@ from tests.method_cases import case_for
 # Waits a chunk still costs at the demo's 4 layers, where a method has not yet been brought to the
 # goal of at most one (docs/benchmarks.md#host-syncs). A count here may only go down.
 ENCODE_DEBT = {"streamingtom": 2, "ctr": 2}  # CTR reads its static counts, then its keep
-# StreamingTOM's 4-bit context is decoded on the device and checked finite there before the prefill.
 # ReKV retrieves inside the answering forward, as its code does: each layer's query names the blocks
 # read from the file before that layer attends, a wait a layer (the demo's 4), then the first token.
 # rekv-two-pass (the earlier reading) keeps the goal of 2.
-ASK_DEBT = {"streamingtom": 3, "rekv": 4 + 1}
+ASK_DEBT = {"rekv": 4 + 1}
 CHUNK_FRAMES = 4
 # VisionZip's merge at the demo's few tokens a step: its default share rounds to no token
 REDUCE_PARAMS = {"visionzip": {"contextual": 0.25}}

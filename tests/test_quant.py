@@ -324,3 +324,40 @@ def test_a_forged_key_group_layout_is_refused_on_open(tmp_path):
         for look in (api.inspect, api.verify):
             with pytest.raises(PackError, match="corrupted"):
                 look(path)
+
+
+def test_a_context_decoding_past_its_dtype_is_refused_now_or_with_the_first_token(tmp_path):
+    """Key scales finite as stored can still decode past float16's range (a forger's, re-sealed):
+    a gather checks the decoded values; one for a question leaves that verdict unread, for the
+    first token to read with itself (pack/verdicts.py), instead of a wait of its own."""
+    import numpy as np
+
+    from mmkv_cli.pack.format import digest_name
+    from mmkv_cli.pack.hashing import chunk_digests
+    from mmkv_cli.pack.verdicts import LaterVerdicts
+    from tests import mutants
+
+    write(tmp_path / "q.kvpack", QuantSpec(4, 8))
+    parts = mutants.Parts.of((tmp_path / "q.kvpack").read_bytes())
+    start, stop = parts.directory["blocks.kq"]["data_offsets"]
+    np.frombuffer(parts.data, np.float16, (stop - start) // 2, start)[:] = 30_000  # x 15: inf
+    header = parts.header()
+    algorithm, scales = digest_name(header["format_version"]), header["integrity"]["key_scales"]
+    scales[algorithm] = chunk_digests(bytes(parts.data[start:stop]), scales["chunk"], algorithm)
+    parts.set_header(header)
+    parts.reseal()
+    (tmp_path / "forged.kvpack").write_bytes(parts.bytes())
+    reader = PackReader(tmp_path / "forged.kvpack")
+    assert torch.isfinite(reader.gather(["b0"])[0][0]).all()  # float32 holds it
+    with pytest.raises(PackError, match=r"corrupted \(NaN or Inf in the K/V of b0\)"):
+        reader.gather(["b0"], dtype=torch.float16)
+    later = LaterVerdicts(str(reader.path))
+    keys = reader.gather(["b0"], dtype=torch.float16, later=later)[0]
+    assert not torch.isfinite(keys[0]).all() and not bool(later.pending())
+    fine = LaterVerdicts(str(reader.path))
+    reader.gather(["b0"], later=fine)
+    assert bool(fine.pending())
+    write(tmp_path / "plain.kvpack")  # stored as computed: checked on the host, nothing left
+    plain = LaterVerdicts("plain")
+    PackReader(tmp_path / "plain.kvpack").gather(["b0", "b1"], later=plain)
+    assert plain.pending() is None

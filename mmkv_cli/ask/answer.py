@@ -21,6 +21,7 @@ from mmkv_cli.kernels.rope import compact_positions, rotate_keys
 from mmkv_cli.methods.base import ContextPolicy
 from mmkv_cli.options import AskOptions
 from mmkv_cli.pack import PackReader
+from mmkv_cli.pack.verdicts import LaterVerdicts
 
 
 class PhaseClock:
@@ -70,6 +71,7 @@ def build_cache(
     positions: str = "keep",
     ends_at: str | None = None,
     per_layer: list[list[str]] | None = None,
+    later: LaterVerdicts | None = None,
 ):
     """Concatenate prefix + chosen blocks + suffix per layer into a fresh cache.
 
@@ -82,7 +84,8 @@ def build_cache(
     the blocks of each layer, when retrieval chose them layer by layer. A pack held per head is
     built head by head, then joined per layer (ask/heads.py). Returns (cache, context tokens, the
     question's first position, lead or None, per layer whose heads hold different numbers of
-    entries where each head's start in the cache).
+    entries where each head's start in the cache). later: where a context decoded on the device
+    leaves its NaN/Inf verdict, for the first token to read.
     """
     prefix = reader.span("prefix")
     layers = len(prefix.keys)  # held per head: (layer, KV head) pairs
@@ -93,7 +96,7 @@ def build_cache(
     gathered = None
     if names:
         # joined per layer in context order; a quantized pack's blocks decode on the model's device
-        gathered = reader.gather(names, per_layer, backbone.device)
+        gathered = reader.gather(names, per_layer, backbone.device, later=later)
         parts.append(gathered)
     if ends_at is None:
         suffix = reader.span("suffix")
@@ -189,8 +192,9 @@ def answer_from_pack(
     if reader.header.kv.per_head and (prune or layerwise is not None):
         what = "--prune" if prune else "retrieval inside the forward"
         raise UsageError(f"{reader.path} is held per head: {what} is for packs held per layer")
+    later = LaterVerdicts(str(reader.path))  # read with the first token: no wait of its own
     cache, context, position, lead, heads = build_cache(
-        backbone, reader, selection.names, built_as, selection.ends_at, selection.per_layer
+        backbone, reader, selection.names, built_as, selection.ends_at, selection.per_layer, later
     )
     clock.lap("read")
     embeds, positions = backbone.embed_ids(ids), backbone.text_positions(position, len(ids))
@@ -204,7 +208,7 @@ def answer_from_pack(
         reindex_to = first if positions_mode == "reindex" else None
         splice = in_forward_splice(
             backbone, reader, layerwise, cache, positions, len(asked), lead is None, reindex_to,
-            spent,
+            spent, later,
         )  # fmt: skip
     with (
         recording(recorder) if recorder else nullcontext(),
@@ -232,7 +236,7 @@ def answer_from_pack(
         clock.phases["prefill"] -= seconds
     generation_start = clock.last
     with masking(heads):
-        made, decode_s = _decode(backbone, cache, logits, position, options, on_token)
+        made, decode_s = _decode(backbone, cache, logits, position, options, on_token, later)
     total = time.perf_counter() - start
     return Answer(
         answer=made.text.strip(),
@@ -250,7 +254,7 @@ def answer_from_pack(
     )
 
 
-def _decode(backbone: Backbone, cache, logits, position: int, options: AskOptions, on_token):
+def _decode(backbone: Backbone, cache, logits, position: int, options: AskOptions, on_token, later):
     """Generate from the prefill's last logits, a token a forward: (what was made, seconds per
     decode step after the first token)."""
     decode_start = 0.0  # when the first decode step began
@@ -265,8 +269,9 @@ def _decode(backbone: Backbone, cache, logits, position: int, options: AskOption
         return backbone.logits(out[:, -1])[0]
 
     made = generate(
-        logits, step, backbone.decode, backbone.stop_ids(), options.generation, on_token
-    )
+        logits, step, backbone.decode, backbone.stop_ids(), options.generation, on_token,
+        later=later,
+    )  # fmt: skip
     steps = len(made.token_ids) - 1
     # None for a one-token answer: no decode step ran, so there is no rate to report
     decode_s = (time.perf_counter() - decode_start) / steps if steps > 0 and decode_start else None

@@ -10,19 +10,33 @@ import torch
 
 from mmkv_cli.errors import ModelError
 from mmkv_cli.options import GenerationOptions
+from mmkv_cli.pack.verdicts import LaterVerdicts
 
 REPLACEMENT = "\ufffd"  # what a byte-level tokenizer decodes an incomplete UTF-8 sequence to
 
 
-def pick(logits: torch.Tensor, options: GenerationOptions, rng: torch.Generator | None) -> int:
+def pick(
+    logits: torch.Tensor,
+    options: GenerationOptions,
+    rng: torch.Generator | None,
+    later: LaterVerdicts | None = None,
+) -> int:
     """The next token from logits [vocab]: the argmax at temperature 0, else a sample from the
     temperature-scaled distribution cut to its top-p mass. Never from NaN or Inf: an argmax of them
-    is an arbitrary token, an answer that only looks like one."""
-    if options.temperature <= 0:  # the token and the check in one transfer: one wait a token
-        token, finite = torch.stack([logits.argmax(dim=-1), torch.isfinite(logits).all()]).tolist()
+    is an arbitrary token, an answer that only looks like one. later: the context's verdicts not
+    yet read, read in the same transfer (a pack they refuse is named before the logits are)."""
+    pending = later.pending() if later is not None else None
+    verdicts = [] if pending is None else [pending]
+    if options.temperature <= 0:  # the token and the checks in one transfer: one wait a token
+        token, finite, *context = torch.stack(
+            [logits.argmax(dim=-1), torch.isfinite(logits).all(), *verdicts]
+        ).tolist()
+        _settle(later, context)
         _refuse_non_finite(finite)
         return token
-    _refuse_non_finite(bool(torch.isfinite(logits).all()))
+    finite, *context = torch.stack([torch.isfinite(logits).all(), *verdicts]).tolist()
+    _settle(later, context)
+    _refuse_non_finite(finite)
     probs = torch.softmax(logits.float() / options.temperature, dim=-1)
     if options.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
@@ -31,6 +45,11 @@ def pick(logits: torch.Tensor, options: GenerationOptions, rng: torch.Generator 
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=rng))
+
+
+def _settle(later: LaterVerdicts | None, read: list) -> None:
+    if later is not None and read:
+        later.settle(bool(read[0]))
 
 
 def _refuse_non_finite(finite) -> None:
@@ -106,9 +125,11 @@ def generate(
     options: GenerationOptions,
     on_text: Callable[[str], None] | None = None,
     clock: Callable[[], float] | None = None,
+    later: LaterVerdicts | None = None,
 ) -> Generated:
     """Decode from the logits of the question's last token. step(token) runs one token and returns
-    the next logits. Ends at an end-of-turn token, a stop string or max_new_tokens."""
+    the next logits. Ends at an end-of-turn token, a stop string or max_new_tokens. later: the
+    context's NaN/Inf verdicts, read with the first token."""
     import time
 
     clock = clock or time.perf_counter
@@ -119,7 +140,7 @@ def generate(
     stream = TextStream(decode, tuple(options.stop))
     logits, first = first_logits, None
     for n in range(options.max_new_tokens):
-        token = pick(logits, options, rng)
+        token = pick(logits, options, rng, later if first is None else None)
         first = clock() - start if first is None else first
         if token in stop_ids:
             break
@@ -129,6 +150,9 @@ def generate(
         if stream.stopped or n + 1 == options.max_new_tokens:
             break
         logits = step(token)
+    unread = later.pending() if later is not None else None
+    if unread is not None:  # no token was picked
+        later.settle(bool(unread))
     rest = stream.finish()
     if rest and on_text:
         on_text(rest)

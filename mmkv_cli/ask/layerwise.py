@@ -14,6 +14,7 @@ from mmkv_cli.kernels.attention import Recorder, Splice, recording
 from mmkv_cli.kernels.rope import compact_positions, rotate_keys, unrotate
 from mmkv_cli.methods.base import LayerRetrieval
 from mmkv_cli.pack import PackReader
+from mmkv_cli.pack.verdicts import LaterVerdicts
 
 
 def layer_vector(
@@ -79,6 +80,7 @@ def in_forward_splice(
     with_suffix: bool = True,
     reindex_to: int | None = None,
     spent: dict[str, float] | None = None,
+    later: LaterVerdicts | None = None,
 ) -> Splice:
     """A splice for the answering forward over `cache` (the prefix, then the stored suffix unless
     `with_suffix` is off): at each layer the question's vector is taken from its own rows there
@@ -93,7 +95,8 @@ def in_forward_splice(
 
     spent: seconds the layers spent choosing ("select") and reading ("read") are added there, from
     the moment each layer's question vector reached the host, so the forward's own work is not
-    counted (on a GPU the copies to the device run on after)."""
+    counted (on a GPU the copies to the device run on after). later: where a quantized layer's
+    NaN/Inf verdict goes, for the first token to read (not a second wait a layer)."""
     check_query_mode(retrieval.query)
     prefix = reader.span("prefix")
     counts = prefix.layer_counts
@@ -118,7 +121,8 @@ def in_forward_splice(
         if names:
             only = [names if i == layer else [] for i in range(len(counts))]
             read = tuple(
-                part[layer : layer + 1] for part in reader.gather(names, only, backbone.device)
+                part[layer : layer + 1]
+                for part in reader.gather(names, only, backbone.device, later=later)
             )
             if spent is not None:
                 spent["read"] = spent.get("read", 0.0) + time.perf_counter() - chosen

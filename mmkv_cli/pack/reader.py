@@ -35,6 +35,7 @@ from mmkv_cli.pack.shapes import check_tensors, kv_shape_of
 from mmkv_cli.pack.source import block_byte_ranges, open_pack_file
 from mmkv_cli.pack.table import BlockRows, BlockTable
 from mmkv_cli.pack.tensors import StoredTensors
+from mmkv_cli.pack.verdicts import LaterVerdicts, finite_flag
 from mmkv_cli.pack.vidkv import two_bit_flags_sound
 
 # Reads of at least this many K/V bytes are checksummed on a thread beside the copy; below it the
@@ -249,6 +250,7 @@ class PackReader:
         per_layer: list[list[str]] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        later: LaterVerdicts | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Blocks `names` joined per layer, in that order: (keys, values, positions), each a list
         over layers of [H_kv, n, D] and [P, n] int64. per_layer: for every layer the names it takes
@@ -260,7 +262,8 @@ class PackReader:
         A context of many blocks is read with a pread per run of consecutive rows; bound for a GPU,
         into pinned memory, a large one in groups of whole blocks each sent while the next is read
         (pack/staging.py). Every block's checksum is still verified, on its own bytes, before
-        anything read is handed out.
+        anything read is handed out. later: where the NaN/Inf verdict of K/V decoded on the device
+        goes unread, for the caller to read with something it reads anyway (None: read now).
         """
         if not names:
             return [], [], []
@@ -279,7 +282,7 @@ class PackReader:
             taken = [np.asarray([at[n] for n in chosen], dtype=np.int64) for chosen in per_layer]
         if store.kv_bytes(where, pending) < OVERLAP_BYTES:
             self._verify(where, pending)  # small: a thread costs more than it saves
-            read = self._finite(store.read_rows(where, taken, device, dtype), names)
+            read = self._finite(store.read_rows(where, taken, device, dtype), names, later)
             self._tensors.still_whole()  # blocks checked before need not be hashed again
             self._verified.update(names)
             return read
@@ -288,17 +291,20 @@ class PackReader:
         hashes = store.hashes(where, pending)
         read = hashed_beside(hashes, lambda: store.read_rows(where, taken, device, dtype))
         self._refuse(where, hashes.mismatched())  # before anything read is handed out
-        read = self._finite(read, names)
+        read = self._finite(read, names, later)
         self._tensors.still_whole()
         self._verified.update(names)
         return read
 
-    def _finite(self, read: tuple, names: list[str]) -> tuple:
+    def _finite(self, read: tuple, names: list[str], later: LaterVerdicts | None) -> tuple:
         """`read` (keys, values, positions) unless its K/V hold NaN or Inf: a checksum says the
         bytes are the writer's, not that the writer was honest (a re-sealed forgery) or sane. On a
         quantized pack this checks the decoded values, so the scales too; as stored, the verdict
         read_rows gave."""
         *read, finite = read
+        if finite is None and later is not None:
+            later.add(finite_flag([*read[0], *read[1]]), names)
+            return tuple(read)
         if finite is None:
             finite = all_finite([*read[0], *read[1]])  # one verdict for K and V: one wait
         if not finite:

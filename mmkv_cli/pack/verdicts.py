@@ -1,0 +1,46 @@
+"""NaN/Inf verdicts on K/V decoded on the device, read later. A quantized context is decoded where
+it is used; reading its verdict as soon as it is made would stop the host once more before the
+first token. A question reads the verdicts with its first token instead (one transfer for both),
+and refuses the pack then, before any token is shown."""
+
+from __future__ import annotations
+
+from mmkv_cli.errors import PackError
+from mmkv_cli.lazy import torch
+
+
+def finite_flag(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One bool tensor, on the tensors' device, saying no NaN or Inf is in any of them (None: no
+    float values to check). One min/max pass each (NaN carries through both), many times faster
+    than isfinite over every element (docs/measurements.md)."""
+    found = [
+        torch.isfinite(torch.stack(torch.aminmax(t)))
+        for t in tensors
+        if t.numel() and t.is_floating_point()
+    ]
+    return torch.cat(found).all() if found else None
+
+
+class LaterVerdicts:
+    """The verdicts of the reads made while a question is built, for its first token to read."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._flags: list[torch.Tensor] = []
+        self._names: list[str] = []
+
+    def add(self, flag: torch.Tensor | None, names: list[str]) -> None:
+        if flag is not None:
+            self._flags.append(flag)
+            self._names += [n for n in names if n not in self._names]
+
+    def pending(self) -> torch.Tensor | None:
+        """Every verdict in one bool tensor, not read (None: none to read)."""
+        return torch.stack(self._flags).all() if self._flags else None
+
+    def settle(self, finite: bool) -> None:
+        """Refuse the pack unless `finite`, the pending verdict as read."""
+        self._flags = []
+        if not finite:
+            shown = ", ".join(self._names[:3]) + (", ..." if len(self._names) > 3 else "")
+            raise PackError(f"{self.path} is corrupted (NaN or Inf in the K/V of {shown})")
