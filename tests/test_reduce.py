@@ -48,10 +48,12 @@ def test_dtd_threshold_one_keeps_every_token():
 
 
 def test_ctr_splits_its_budget_as_the_authors_round_it():
-    assert ctr.split_budget(50, 98, 196) == (25, 25)
-    assert ctr.split_budget(50, 10, 196) == (2, 48)
-    assert ctr.split_budget(50, 190, 196) == (48, 2)  # the static part rounded down
-    assert ctr.split_budget(50, 0, 196) == (0, 50)
+    static = torch.tensor([98, 10, 190, 0, 196])
+    keep_static, keep_dynamic = ctr.split_budget(50, static, 196)  # every step's at once
+    assert keep_static.tolist() == [25, 2, 48, 0, 50]  # the static part rounded down
+    assert keep_dynamic.tolist() == [25, 48, 2, 50, 0]
+    assert ctr.split_budget(4, torch.tensor([1]), 5) == (torch.tensor([0]), torch.tensor([4]))
+    assert ctr.split_budget(4, torch.tensor([4]), 5) == (torch.tensor([3]), torch.tensor([1]))
     assert ctr.retained(ctr.CTRParams(), 196) == 50 and ctr.retained(ctr.CTRParams(), 16) == 4
 
 
@@ -59,15 +61,40 @@ def test_density_peaks_find_one_centre_in_each_cluster():
     torch.manual_seed(0)
     left = torch.randn(6, 4) * 0.01
     right = torch.randn(5, 4) * 0.01 + 5
-    centres = ctr.density_peaks(torch.cat([left, right]), 2, k=3)
-    assert (centres < 6).sum() == 1 and (centres >= 6).sum() == 1
+    points = torch.cat([left, right])[None]
+    static = torch.ones(1, 11, dtype=torch.bool)
+    centres = ctr.density_peaks(ctr.distances(points), static, torch.tensor([2]), k=3)[0]
+    assert centres[:6].sum() == 1 and centres[6:].sum() == 1
+
+
+def test_density_peaks_choose_among_the_static_tokens_only():
+    """A moving token between two static clusters is never a centre, nor anyone's neighbour; a
+    step with no more static tokens than its count keeps them all, one with none keeps none."""
+    torch.manual_seed(0)
+    points = torch.cat([torch.randn(4, 4) * 0.01, torch.full((1, 4), 2.5),
+                        torch.randn(4, 4) * 0.01 + 5])  # fmt: skip
+    static = torch.ones(3, 9, dtype=torch.bool)
+    static[0, 4] = False
+    static[1, :7] = False
+    static[2] = False
+    grid = points.expand(3, -1, -1)
+    others = grid[:1, [0, 1, 2, 3, 5, 6, 7, 8]]  # the step without its moving token
+    every = torch.ones(1, 8, dtype=torch.bool)
+    alone = ctr.density_peaks(ctr.distances(others), every, torch.tensor([2]), k=3)
+    centres = ctr.density_peaks(ctr.distances(grid), static, torch.tensor([2, 2, 0]), k=3)
+    assert centres[0].tolist() == [*alone[0, :4].tolist(), False, *alone[0, 4:].tolist()]
+    assert centres[1].tolist() == [False] * 7 + [True, True] and not centres[2].any()
 
 
 def test_a_static_centre_becomes_beta_itself_plus_the_rest_its_members_mean():
-    points = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [10.0, 10.0], [11.0, 10.0]])
-    merged = ctr.merge_into_centres(points, torch.tensor([0, 3]), beta=0.6)
-    assert torch.allclose(merged[0], 0.6 * points[0] + 0.4 * points[1:3].mean(0))
-    assert torch.allclose(merged[1], 0.6 * points[3] + 0.4 * points[4])
+    points = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [10.0, 10.0], [11.0, 10.0],
+                           [5.0, 5.0]])[None]  # fmt: skip
+    static = torch.tensor([[True, True, True, True, True, False]])  # the last one moves
+    centres = torch.tensor([[True, False, False, True, False, False]])
+    merged = ctr.merge_into_centres(points, ctr.distances(points), static, centres, beta=0.6)[0]
+    assert torch.allclose(merged[0], 0.6 * points[0, 0] + 0.4 * points[0, 1:3].mean(0))
+    assert torch.allclose(merged[3], 0.6 * points[0, 3] + 0.4 * points[0, 4])
+    assert torch.equal(merged[[1, 2, 4, 5]], points[0, [1, 2, 4, 5]])
 
 
 def test_ctr_keeps_its_count_moving_tokens_by_attention_still_ones_merged():

@@ -11,15 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmkv_cli.lazy import torch
-from mmkv_cli.reduce.base import (
-    Reduced,
-    Reducer,
-    StepTokens,
-    first_where,
-    similarity_to_previous,
-    step_by_step,
-    top_in_order,
-)
+from mmkv_cli.reduce.base import Reduced, Reducer, StepTokens, similarity_to_previous
 from mmkv_cli.spec import Paper, knob
 
 
@@ -40,56 +32,80 @@ class CTRParams:
     )
 
 
-def split_budget(retain: int, static: int, total: int) -> tuple[int, int]:
-    """(static, dynamic) tokens a step keeps: in proportion to its static share, neither more than
-    there are (the authors' rounding: the static part rounded down)."""
+def split_budget(
+    retain: int, static: torch.Tensor, total: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(static, dynamic) tokens each step keeps (static [S]: its static count): in proportion to
+    its static share, neither more than there are (the authors' rounding: the static part rounded
+    down). Counts stay where they are: no step's count is read by the host."""
     dynamic_count = total - static
-    keep_static = int(retain * static / total)
-    keep_dynamic = retain - keep_static
-    if keep_static > static:
-        keep_static, keep_dynamic = static, retain - static
-    if keep_dynamic > dynamic_count:
-        keep_dynamic, keep_static = dynamic_count, retain - dynamic_count
-    return keep_static, keep_dynamic
+    keep_static = retain * static // total
+    over = retain - keep_static > dynamic_count
+    keep_static = torch.where(over, retain - dynamic_count, keep_static)
+    return keep_static, retain - keep_static
 
 
-def density_peaks(tokens: torch.Tensor, count: int, k: int) -> torch.Tensor:
-    """Indices (ascending) of `count` cluster centres of tokens [N, H] by DPC-kNN: density from the
-    k nearest neighbours, times the distance to the nearest denser token. Ties of density go to the
-    earlier token (the authors break them with noise)."""
-    n, width = tokens.shape
-    if n <= 1 or count >= n:
-        return torch.arange(n, device=tokens.device)
-    dist = torch.cdist(tokens.float(), tokens.float()) / width**0.5
-    # the k smallest distances, the token's own 0 among them (as the authors count them)
-    near = torch.topk(dist, min(k, n - 1), dim=-1, largest=False).values
-    density = torch.exp(-(near**2).mean(dim=-1))
-    index = torch.arange(n, device=tokens.device)
-    denser = (density[None, :] > density[:, None]) | (
-        (density[None, :] == density[:, None]) & (index[None, :] < index[:, None])
+def distances(tokens: torch.Tensor) -> torch.Tensor:
+    """[S, T, T]: each step's tokens' Euclidean distances over sqrt(width), each pair computed on
+    its own (not through a matrix product), so a pair's distance is the same in any company."""
+    x = tokens.float()
+    return torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist") / x.shape[-1] ** 0.5
+
+
+def top_mask(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """[S, T] bool: each step's `counts[s]` highest scores (ties to the earlier token)."""
+    order = torch.sort(-scores, dim=-1, stable=True).indices
+    ranks = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
     )
-    to_denser = torch.where(denser, dist, dist.max()).min(dim=-1).values
-    return top_in_order(density * to_denser, count)
+    return ranks < counts[:, None]
 
 
-def merge_into_centres(tokens: torch.Tensor, centres: torch.Tensor, beta: float) -> torch.Tensor:
-    """[len(centres), H]: each centre as beta x itself + (1 - beta) x the mean of the other tokens
-    nearest it (a centre nothing joined stays as it is)."""
-    merged = tokens[centres].float().clone()
-    if len(centres) == len(tokens):
-        return merged.to(tokens.dtype)
-    others = torch.ones(len(tokens), dtype=torch.bool, device=tokens.device)
-    others.index_fill_(0, centres, False)  # `others[centres] = False` would send the False over
-    rest = tokens[first_where(others, len(tokens) - len(centres))].float()
-    nearest = torch.cdist(rest, tokens[centres].float()).argmin(dim=-1)
-    sums = torch.zeros_like(merged).index_add_(0, nearest, rest)
-    counts = torch.zeros(len(centres), device=tokens.device).index_add_(
-        0, nearest, torch.ones(len(nearest), device=tokens.device)
+def density_peaks(
+    dist: torch.Tensor, static: torch.Tensor, counts: torch.Tensor, k: int
+) -> torch.Tensor:
+    """[S, T] bool: `counts[s]` cluster centres among each step's static tokens by DPC-kNN:
+    density from the k nearest static neighbours (the token's own 0 among them, as the authors
+    count them), times the distance to the nearest denser static token (the farthest pair's for
+    the densest). Ties of density go to the earlier token (the authors break them with noise).
+    A step with no more static tokens than its count keeps all of them."""
+    steps, total = static.shape
+    within = static[:, :, None] & static[:, None, :]
+    how_many = static.sum(dim=-1)
+    every = static & (counts >= how_many)[:, None]
+    near_count = min(k, total - 1)
+    if near_count < 1:  # one token a step
+        return every
+    near = torch.topk(dist.masked_fill(~static[:, None, :], float("inf")), near_count, dim=-1,
+                      largest=False).values  # fmt: skip
+    over = (how_many - 1).clamp(1, k)  # min(k, n - 1) neighbours, at least one
+    counted = torch.arange(near_count, device=dist.device) < over[:, None, None]
+    density = torch.exp(-torch.where(counted, near.square(), 0.0).sum(dim=-1) / over[:, None])
+    index = torch.arange(total, device=dist.device)
+    denser = (density[:, None, :] > density[:, :, None]) | (
+        (density[:, None, :] == density[:, :, None]) & (index[None, :] < index[:, None])
     )
-    joined = (counts > 0)[:, None]
-    means = sums / counts.clamp_min(1)[:, None]
-    merged = torch.where(joined, beta * merged + (1 - beta) * means, merged)
-    return merged.to(tokens.dtype)
+    farthest = dist.masked_fill(~within, float("-inf")).amax(dim=(-2, -1))
+    to_denser = torch.where(denser & static[:, None, :], dist, farthest[:, None, None])
+    score = (density * to_denser.amin(dim=-1)).masked_fill(~static, float("-inf"))
+    return torch.where((counts >= how_many)[:, None], every, top_mask(score, counts) & static)
+
+
+def merge_into_centres(
+    tokens: torch.Tensor, dist: torch.Tensor, static: torch.Tensor, centres: torch.Tensor, beta
+) -> torch.Tensor:
+    """[S, T, H]: each centre as beta x itself + (1 - beta) x the mean of the other static tokens
+    nearest it (a centre nothing joined, and every other token, stay as they are)."""
+    x = tokens.float()
+    joining = static & ~centres
+    nearest = dist.masked_fill(~centres[:, None, :], float("inf")).argmin(dim=-1)
+    sums = torch.zeros_like(x).scatter_add_(
+        1, nearest[..., None].expand_as(x), x * joining[..., None]
+    )
+    counts = torch.zeros_like(joining, dtype=x.dtype).scatter_add_(1, nearest, joining.to(x.dtype))
+    means = sums / counts.clamp_min(1)[..., None]
+    merged = torch.where((counts > 0)[..., None], beta * x + (1 - beta) * means, x)
+    return torch.where(centres[..., None], merged.to(tokens.dtype), tokens)
 
 
 def retained(params: CTRParams, total: int) -> int:
@@ -97,41 +113,23 @@ def retained(params: CTRParams, total: int) -> int:
     return max(1, min(total, round(params.retain * total)))
 
 
-def reduce_step(
-    grid: torch.Tensor,
-    static: torch.Tensor,
-    importance: torch.Tensor,
-    params: CTRParams,
-    static_count: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step: (keep [T] bool, embeddings [T, H] with the static centres merged). static [T]:
-    the tokens like their place in the step before; static_count: how many (read for every step
-    of the chunk at once)."""
-    total = len(grid)
-    keep = torch.zeros(total, dtype=torch.bool, device=grid.device)
+def reduce(params: CTRParams, tokens: StepTokens) -> Reduced:
+    """Every step of the chunk at once, on its device, with no count read by the host: the static
+    tokens' centres, merged, and the moving ones the tower attended most (the static ones last,
+    so the moving ones' order is as among themselves)."""
+    grid = tokens.grid
+    total = grid.shape[1]
     retain = retained(params, total)
     if retain >= total:
-        return keep | True, grid
-    keep_static, keep_dynamic = split_budget(retain, static_count, total)
-    out = grid.clone()
-    if keep_static > 0:
-        where = first_where(static, static_count)
-        centres = density_peaks(grid[where], keep_static, params.k)
-        out[where[centres]] = merge_into_centres(grid[where], centres, params.beta)
-        keep.index_fill_(0, where[centres], True)
-    if keep_dynamic > 0:  # the static ones last: the moving ones' order is as among themselves
-        moving = importance.float().masked_fill(static, float("-inf"))
-        keep.index_fill_(0, top_in_order(moving, keep_dynamic), True)
-    return keep, out
-
-
-def reduce(params: CTRParams, tokens: StepTokens) -> Reduced:
-    static = similarity_to_previous(tokens.grid, tokens.previous) > params.similarity_threshold
-    counts = static.sum(dim=-1).tolist()  # every step's in one read: the chunk's one wait
-    return step_by_step(
-        tokens,
-        lambda s: reduce_step(tokens.grid[s], static[s], tokens.importance[s], params, counts[s]),
-    )
+        return Reduced(keep=torch.ones(grid.shape[:2], dtype=torch.bool, device=grid.device),
+                       grid=grid)  # fmt: skip
+    static = similarity_to_previous(grid, tokens.previous) > params.similarity_threshold
+    keep_static, keep_dynamic = split_budget(retain, static.sum(dim=-1), total)
+    dist = distances(grid)
+    centres = density_peaks(dist, static, keep_static, params.k)
+    moving = tokens.importance.float().masked_fill(static, float("-inf"))
+    keep = centres | top_mask(moving, keep_dynamic)
+    return Reduced(keep=keep, grid=merge_into_centres(grid, dist, static, centres, params.beta))
 
 
 REDUCER = Reducer(
