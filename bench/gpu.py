@@ -9,7 +9,7 @@
 3. floor: a bare chunked prefill of the language model over the same tokens (no mmkv around it).
 4. read: a 7B-width pack (28 layers, 196 tokens a frame, fp16) read whole from the page cache by a
    fresh `gather` to the host and to the device, and by `verify` (goal: 5 GB/s), on this
-   machine's cores.
+   machine's cores; pinning a buffer and copying it to the device, pinned and pageable.
 5. scale, reduce, early_write and live: bench/scale.py, bench/reduce.py, bench/early_write.py
    (the pack written while full and rekv encode, against at the end) and bench/live.py at 7B full
    depth.
@@ -211,7 +211,34 @@ def read(work: Path, blocks: int, device: str) -> dict:
         "fresh_gather_gb_s": best_rate(size, lambda: PackReader(path).gather(names), 3),
         "fresh_gather_to_device_gb_s": best_rate(size, lambda: on_device(path, names, device), 3),
         "verify_gb_s": best_rate(size, lambda: verify(path), 3),
+        **transfers(device),
     }
+
+
+def transfers(device: str) -> dict:
+    """What a read bound for the GPU pays besides the file: pinning 256 MiB (a fresh buffer, then
+    one the caching host allocator hands back) and copying it to the device, pinned and pageable."""
+    import torch
+    from rates import best_rate
+
+    if torch.device(device).type != "cuda":
+        return {}
+    size, out = 256 << 20, {}
+    for name in ("pin_first_s", "pin_again_s"):
+        began = time.perf_counter()
+        buffer = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        out[name] = round(time.perf_counter() - began, 4)
+        del buffer
+    target = torch.empty(size, dtype=torch.uint8, device=device)
+    for name, pinned in (("h2d_pinned_gb_s", True), ("h2d_pageable_gb_s", False)):
+        source = torch.ones(size, dtype=torch.uint8, pin_memory=pinned)
+
+        def copy(source=source):
+            target.copy_(source, non_blocking=True)
+            torch.cuda.synchronize()
+
+        out[name] = best_rate(size, copy, 5)
+    return out
 
 
 def on_device(path: Path, names: list[str], device: str) -> None:
@@ -254,7 +281,7 @@ def main() -> None:
     common = ["--model", model, "--layers", str(layers), "--device", args.device]
     scale = ["--frames", str(frames), "--methods", "full,hermes,rekv,streamingtom"]
     scale += ["--out", str(out), "--ask-as", "retrieve=two_pass", "--name", "gpu-scale.json"]
-    scale += ["--quadratic-tokens", str(frames * 196)]  # full too: its encode is the goal
+    scale += ["--quadratic-tokens", str(frames * 196), "--profile"]  # full: its encode is a goal
     early = ["--frames", str(min(frames, 256)), "--repeats", "1"]
     early += ["--out", str(out / "gpu-early_write.json")]
     live = ["--model", model, "--minutes", "1", "--methods", "hermes,infinipot"]

@@ -3,7 +3,7 @@
 
     python bench/scale.py [--model rehearsal-llava-ov-0.5b] [--layers 1] [--frames 64,256,1024,1800]
         [--methods full,recency,hermes,mukv,rekv,snapkv] [--quadratic-tokens 60000] [--device auto]
-        [--ask-as retrieve=two_pass]
+        [--ask-as retrieve=two_pass] [--profile]
 
 Every (method, frames) runs in its own process: peak RSS (and peak GPU memory) is per process. On a
 CPU the real width runs at reduced depth (--layers); methods that attend over the whole stream at
@@ -14,7 +14,8 @@ tokens ("where it fits"). Figures, each a ratio within one run:
   P3  encode time / plain full prefill of the same stream
   pack bytes / physical bytes (tokens held x layers x 2 x KV heads x head dim x bytes per value)
 --ask-as also times the same pack's questions under another reading of its method's parameters
-(ReKV's two-pass retrieval against its in-forward one, say), in each row's `ask_as`.
+(ReKV's two-pass retrieval against its in-forward one, say), in each row's `ask_as`. --profile
+adds one more question under cProfile and torch's profiler: each row's `profile`.
 Writes bench/results/scale.json and scale.png.
 """
 
@@ -40,7 +41,7 @@ from mmkv_cli import api
 from mmkv_cli.backbones.loading import load_backbone
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
 from mmkv_cli.pack import PackReader
-video, pack, model, layers, device, method, frames, question, ask_as = sys.argv[1:10]
+video, pack, model, layers, device, method, frames, question, ask_as, profiled = sys.argv[1:11]
 backbone = load_backbone(LoadOptions(model, device, layers=int(layers) or None))
 cuda = backbone.device.type == "cuda"
 if cuda:
@@ -74,6 +75,22 @@ if ask_as:  # the pack's parameters with some changed: the same blocks, another 
     if chosen.context is not None and set(change) <= {f.name for f in dataclasses.fields(params)}:
         policy = chosen.context(override(params, change, "--ask-as"))
         readings[ask_as] = timed(lambda: answer_from_pack(backbone, held, policy, question, one))
+profile = {}
+if profiled == "1":  # one more question, under cProfile (host) and torch's profiler (kernels)
+    import cProfile, pstats
+    from pathlib import Path
+    from torch.profiler import ProfilerActivity, profile as kernels
+    host = cProfile.Profile()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with kernels(activities=activities) as traced:
+        host.runcall(api.ask, pack, question, one, backbone=backbone)
+    stats = pstats.Stats(host).stats
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:15]
+    profile["host_tottime_ms"] = [
+        [f"{Path(f).name}:{line}({name})", round(1e3 * row[2], 2)] for (f, line, name), row in top
+    ]
+    events = sorted(traced.key_averages(), key=lambda e: -e.self_device_time_total)[:10]
+    profile["device_self_ms"] = [[e.key, round(e.self_device_time_total / 1e3, 2)] for e in events]
 reader = PackReader(pack)  # every block read and checksummed: the reader's rate from the page cache
 names = [reader.blocks.name(i) for i in range(len(reader.blocks))]
 started = time.perf_counter()
@@ -94,6 +111,7 @@ print(json.dumps({
     "peak_gpu": torch.cuda.max_memory_allocated() if cuda else None,
     "read_gbps": read_gbps,
     "device": str(backbone.device), "dtype": layers_kv["dtype"], "layers": layers_kv["layers"],
+    "profile": profile,
 }))
 """
 
@@ -113,6 +131,7 @@ def run_one(video: Path, work: Path, args, method: str, frames: int) -> dict | N
         str(frames),
         QUESTION,
         args.ask_as,
+        "1" if args.profile else "0",
     ]
     done = subprocess.run(
         cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -181,6 +200,7 @@ def main() -> None:
         default="",
         help="KEY=VALUE[,...]: also time the questions with the pack's parameters changed so",
     )
+    ap.add_argument("--profile", action="store_true", help="profile one more question a row")
     args = ap.parse_args()
     frames = [int(f) for f in args.frames.split(",")]
     methods = args.methods.split(",")

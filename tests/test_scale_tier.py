@@ -337,3 +337,44 @@ def test_reads_longer_than_one_preadv_returns_are_finished_by_the_loop(reps_pack
     for mine, theirs in zip(got, want):
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
     assert verify(path)["ok"]
+
+
+def test_a_context_of_few_tokens_a_layer_reads_every_layer_in_one_pass(tmp_path, monkeypatch):
+    """A per-layer eviction's pack (HERMES, SnapKV...) holds a few tokens of each layer a block:
+    read a layer at a time, each (block, layer) run was a preadv of its own, 28 x 2 x blocks of
+    them at 7B. Every layer's runs now go in file order, those next to each other in one preadv
+    of up to IOV_MAX buffers (lowered to 64 here, so a pass crosses it several times)."""
+    import os
+
+    g = torch.Generator().manual_seed(3)
+
+    def span(name: str, counts: list[int], kind: str | None = "frame") -> Span:
+        kv = [torch.randn(HEADS, n, DIM, generator=g).half() for n in counts * 2]
+        positions = [torch.arange(n)[None] for n in counts]
+        steps = (0, 1) if kind else None
+        return Span(name, kv[: len(counts)], kv[len(counts) :], positions, granularity=kind,
+                    steps=steps)  # fmt: skip
+
+    body = [span(f"b{i}", torch.randint(0, 5, (LAYERS,), generator=g).tolist()) for i in range(60)]
+    path = tmp_path / "few.kvpack"
+    header = pack_header(LAYERS, "float16", heads=HEADS, dim=DIM)
+    write_pack(path, header, span("prefix", [2] * LAYERS, None), body,
+               span("suffix", [1] * LAYERS, None))  # fmt: skip
+    monkeypatch.setattr("mmkv_cli.pack.tensors.IOV_MAX", 64)
+    real, calls = os.preadv, []
+
+    def counted(fd, buffers, offset):
+        calls.append(len(buffers))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr("mmkv_cli.pack.tensors.os.preadv", counted)
+    chosen = [s.name for s in body[::2]] + [s.name for s in body[1::2]]  # out of file order too
+    keys, values, positions = PackReader(path).gather(chosen)
+    by_name = {s.name: s for s in body}
+    for layer in range(LAYERS):
+        for got, part in ((keys, "keys"), (values, "values"), (positions, "positions")):
+            want = torch.cat([getattr(by_name[n], part)[layer] for n in chosen], dim=1)
+            assert torch.equal(got[layer], want)
+    runs = sum(1 for s in body for n in s.layer_counts if n)
+    assert max(calls) == 64 and sum(calls) >= 2 * runs  # every run read, K and V
+    assert len(calls) < runs / 4  # not a preadv a run (the file's other reads counted too)

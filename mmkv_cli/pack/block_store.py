@@ -14,6 +14,7 @@ from mmkv_cli.pack.hashing import BlockHashes, mismatched, stored_bytes
 from mmkv_cli.pack.quant import QuantSpec, dequantize
 from mmkv_cli.pack.staging import Staging
 from mmkv_cli.pack.table import BlockRows
+from mmkv_cli.pack.tensors import FileArray
 from mmkv_cli.pack.verdicts import finite_flag
 
 
@@ -61,11 +62,20 @@ class BlockStore:
         """The blocks at `pending` whose checksum differs from the table's."""
         return mismatched(self.hashes(where, pending))
 
-    def hashes(self, where: BlockRows, pending: list[int]) -> BlockHashes:
-        """The checksums of the blocks at `pending`, to compute on threads beside a read."""
+    def hashes(self, where: BlockRows, pending: list[int], finite: bool = False) -> BlockHashes:
+        """The checksums of the blocks at `pending`, to compute on threads beside a read (finite:
+        their values as stored checked for NaN/Inf on the same bytes)."""
         return BlockHashes(
-            self.views, where, pending, self.block_bytes, self.token_major, self.algorithm
+            self.views, where, pending, self.block_bytes, self.token_major, self.algorithm, finite
         )
+
+    def checked(self, where: BlockRows, pending: list[int]) -> tuple[list[int], list[int] | None]:
+        """(the blocks at `pending` whose checksum differs, those holding NaN or Inf as stored) in
+        one read on every hashing thread; None for the second on a quantized pack, whose decoded
+        values are what to check."""
+        hashes = self.hashes(where, pending, finite=self.quant is None)
+        bad = mismatched(hashes)
+        return bad, hashes.nonfinite() if self.quant is None else None
 
     def stored_bytes(self, where: BlockRows) -> int:
         """Bytes every block tensor holds for the blocks of `where` (what checking them reads)."""
@@ -140,8 +150,8 @@ class BlockStore:
         parts = ("k", "v")
         groups = staging.groups(rows, firsts, ends, sum(self._row_bytes(p) for p in parts))
         if groups is None:  # a buffer per layer: a caller joining layer by layer lets go of each
-            bounds = list(zip(firsts.tolist(), ends.tolist()))
-            read = {p: [self._pick(p, rows[a:b], staging) for a, b in bounds] for p in parts}
+            layers = [rows[a:b] for a, b in zip(firsts.tolist(), ends.tolist())]
+            read = {p: self._pick_each(p, layers, staging) for p in parts}
             finite = all_finite([*read["k"], *read["v"]])  # the reads first: their preads run on
             return *([staging.send(t).transpose(0, 1) for t in read[p]] for p in parts), finite
         finite = True
@@ -174,10 +184,20 @@ class BlockStore:
 
     def _pick(self, part: str, rows: np.ndarray, staging: Staging) -> torch.Tensor:
         """Rows `rows` of a block tensor, read out of the file into a buffer of `staging`'s."""
+        return self._pick_each(part, [rows], staging)[0]
+
+    def _pick_each(self, part: str, rows: list[np.ndarray], staging: Staging) -> list:
+        """Rows rows[i] of a block tensor into a buffer of `staging`'s each, in one pass through
+        the file (a stored tensor; one read after another for one held in memory)."""
         array, dtype = self.views[part]
         if not self.token_major:
             array = np.swapaxes(array, 0, 1)
-        out, picked = staging.buffer(len(rows), array.shape[1:], array.dtype, dtype)
-        array.take(rows, 0, out)
-        self.bytes_read += out.nbytes
-        return picked
+        made = [staging.buffer(len(r), array.shape[1:], array.dtype, dtype) for r in rows]
+        outs = [out for out, _ in made]
+        if isinstance(array, FileArray):
+            array.take_each(rows, outs)
+        else:
+            for wanted, out in zip(rows, outs):
+                array.take(wanted, 0, out)
+        self.bytes_read += sum(out.nbytes for out in outs)
+        return [picked for _, picked in made]

@@ -11,6 +11,8 @@ from typing import TypeVar
 
 import blake3
 
+from mmkv_cli.pack.finite import finite_stored
+
 # Blocks of at least this many bytes on average are checksummed on up to HASH_THREADS threads:
 # from here up, threads fed runs of blocks beat one (docs/measurements.md); a real backbone's blocks
 # are MBs.
@@ -43,11 +45,25 @@ class BlockHashes:
     stop): a block's stored bytes of a tensor, in checksum order."""
 
     def __init__(
-        self, views: dict, where, pending: list[int], block_bytes, token_major: bool, algorithm: str
+        self,
+        views: dict,
+        where,
+        pending: list[int],
+        block_bytes,
+        token_major: bool,
+        algorithm: str,
+        finite: bool = False,
     ):
         self._new = DIGESTS[algorithm]
         spans = {part: where.block_ranges(part) for part in views}
-        self._ranges = {i: [(views[p][0], *spans[p][i]) for p in views] for i in pending}
+        # each block's stretch of every tensor: (view, start, stop, the dtype its bytes mean)
+        self._ranges = {
+            i: [(views[p][0], *spans[p][i], views[p][1]) for p in views] for i in pending
+        }
+        # finite: each block's values as stored are checked for NaN/Inf on the bytes hashed too
+        # (verify: one read, on every thread, not a second pass after)
+        self._finite = finite
+        self._nonfinite: list[int] = []
         self._where, self._block_bytes = where, block_bytes
         size = stored_bytes(views, where, pending, token_major)
         self._average = size // len(pending) if pending else 0
@@ -66,11 +82,15 @@ class BlockHashes:
             if run is None:
                 return
             for i in run:
-                digest = self._new()
-                for view, start, stop in self._ranges[i]:
-                    digest.update(raw_view(self._block_bytes(view, start, stop)))
+                digest, finite = self._new(), True
+                for view, start, stop, dtype in self._ranges[i]:
+                    stored = self._block_bytes(view, start, stop)
+                    digest.update(raw_view(stored))
+                    finite = finite and (not self._finite or finite_stored(stored, dtype))
                 if digest.digest() != self._where.digests[i].tobytes():
                     self._bad.append(i)
+                if not finite:
+                    self._nonfinite.append(i)
 
     def stop(self) -> None:
         """Hash no more runs: what they were for failed."""
@@ -85,6 +105,10 @@ class BlockHashes:
     def mismatched(self) -> list[int]:
         """The blocks whose checksum differs (positions in `where`), once every run is hashed."""
         return sorted(self._bad)
+
+    def nonfinite(self) -> list[int]:
+        """With `finite`: the blocks holding NaN or Inf as stored, once every run is hashed."""
+        return sorted(self._nonfinite)
 
 
 def stored_bytes(views: dict, where, chosen, token_major: bool) -> int:

@@ -22,6 +22,7 @@ from mmkv_cli.pack.format import FORMAT_VERSION, Span
 from mmkv_cli.pack.header import PackHeader, read_header
 from mmkv_cli.pack.quant import QuantSpec
 from mmkv_cli.pack.table import BlockTable
+from mmkv_cli.pack.verdicts import LaterVerdicts
 from mmkv_cli.pack.writer import checked_shapes, table_layout
 
 
@@ -85,9 +86,11 @@ class MemoryPack:
         per_layer: list[list[str]] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        later: LaterVerdicts | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Blocks `names` joined per layer in that order, as PackReader.gather gives them (for a
-        pack stored as computed: the KV on the host, device and dtype unused)."""
+        pack stored as computed: the KV on the host, device and dtype unused; later unused too:
+        the encoder's own KV, nothing decoded, leaves no verdict)."""
         if not names:
             return [], [], []
         spans = {name: self._blocks[self._index(name)] for name in names}

@@ -397,26 +397,24 @@ class PackReader:
             where = self._rows(indices)
             self._tensors.still_whole()
             self._fetch(where)
-            for i in store.mismatched(where, list(range(len(indices)))):
+            bad, nonfinite = store.checked(where, list(range(len(indices))))
+            for i in bad:
                 faults.append(f"block {self._blocks.name(indices[i])}: checksum mismatch")
             self._tensors.bytes_read += store.stored_bytes(where)
-            faults += self._nonfinite_blocks(indices)
+            if nonfinite is None:  # quantized: decoded, then checked
+                faults += self._nonfinite_blocks(indices)
+            faults += [f"block {self._blocks.name(indices[i])}: NaN or Inf in its K/V"
+                       for i in nonfinite or []]  # fmt: skip
         return faults
 
     def _nonfinite_blocks(self, indices: list[int]) -> list[str]:
-        """Faults for the blocks at `indices` whose K/V (decoded, for a quantized pack) hold NaN or
-        Inf: a chunk at once, block by block only where it fails."""
+        """Faults for the quantized blocks at `indices` whose decoded K/V hold NaN or Inf: a chunk
+        at once, block by block only where it fails (blocks stored as computed are checked on the
+        bytes their checksums read)."""
         store = self._block_store()
 
         def finite(chosen: list[int]) -> bool:
             where = self._rows(chosen)
-            if self.quant is None:  # as stored: numpy reads them (no torch for verify)
-                return all(
-                    finite_stored(store.block_bytes(view, start, stop), dtype)
-                    for part in ("k", "v")
-                    for view, dtype in [store.views[part]]
-                    for start, stop in where.block_ranges(part)
-                )
             keys, values, *_ = store.read_rows(
                 where, [np.arange(len(chosen))] * where.layers, None, None
             )

@@ -64,32 +64,44 @@ class FileArray:
         if axis != 0:
             raise IndexError("a stored tensor is read by rows")
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        shape = (rows.size, *self.shape[1:])
         if out is None:
-            out = np.empty(shape, self.dtype)
-        elif out.shape != shape or out.dtype != self.dtype or not out.flags.c_contiguous:
-            raise ValueError(f"internal: {shape} rows of {self.dtype} read into {out.shape}")
-        if not rows.size:
-            return out
-        if rows.min() < 0 or rows.max() >= len(self):
-            raise IndexError("row out of range")
-        starts = np.flatnonzero(np.diff(rows, prepend=rows[0] - 2) != 1)  # each run's first row
-        lengths = np.diff(np.append(starts, rows.size))
-        firsts = rows[starts]
-        order = np.argsort(firsts, kind="stable")
-        flat = memoryview(out.reshape(-1).view(np.uint8))
-        row = self.row_bytes
-        pieces: list[memoryview] = []
-        at = stop = -1  # the file rows [at, stop) the pieces gathered so far cover
-        for i in order.tolist():
-            first, length, put = int(firsts[i]), int(lengths[i]), int(starts[i]) * row
-            if first != stop or len(pieces) == IOV_MAX:
-                self._scatter(pieces, at)
-                pieces, at = [], first
-            pieces.append(flat[put : put + length * row])
-            stop = first + length
-        self._scatter(pieces, at)
+            out = np.empty((rows.size, *self.shape[1:]), self.dtype)
+        self.take_each([rows], [out])
         return out
+
+    def take_each(self, rows: list[np.ndarray], outs: list[np.ndarray]) -> None:
+        """Rows rows[i] into outs[i], for every i in one pass through the file: the runs of all of
+        them in file order, those next to each other read by one scattering preadv into whichever
+        buffers they go to. Each layer of a context into a buffer of its own costs no more reads
+        than one buffer: a block's layers lie together in the file, a layer's runs apart."""
+        runs = []  # per buffer: (its runs' first rows, lengths, where each goes in the buffer)
+        for wanted, out in zip(rows, outs):
+            wanted = np.asarray(wanted, dtype=np.int64).reshape(-1)
+            shape = (wanted.size, *self.shape[1:])
+            if out.shape != shape or out.dtype != self.dtype or not out.flags.c_contiguous:
+                raise ValueError(f"internal: {shape} rows of {self.dtype} read into {out.shape}")
+            if wanted.size and (wanted.min() < 0 or wanted.max() >= len(self)):
+                raise IndexError("row out of range")
+            starts = np.flatnonzero(np.diff(wanted, prepend=-2) != 1)  # each run's first row
+            runs.append((wanted[starts], np.diff(np.append(starts, wanted.size)), starts))
+        if not any(len(firsts) for firsts, _, _ in runs):
+            return
+        firsts = np.concatenate([r[0] for r in runs])
+        lengths = np.concatenate([r[1] for r in runs])
+        puts = np.concatenate([r[2] for r in runs]) * self.row_bytes
+        owner = np.repeat(np.arange(len(runs)), [len(r[0]) for r in runs])
+        order = np.argsort(firsts, kind="stable")
+        firsts, lengths, puts, owner = firsts[order], lengths[order], puts[order], owner[order]
+        # a new read where a run does not go on from the one before in the file
+        bounds = [*np.flatnonzero(np.append(True, np.diff(firsts) != lengths[:-1])).tolist()]
+        bounds.append(len(firsts))
+        flats = [memoryview(out.reshape(-1).view(np.uint8)) for out in outs]
+        for a, b in zip(bounds, bounds[1:]):  # each a stretch of the file, read in one go
+            sizes = (lengths[a:b] * self.row_bytes).tolist()
+            places = list(zip(owner[a:b].tolist(), puts[a:b].tolist(), sizes))
+            for cut in range(0, b - a, IOV_MAX):
+                pieces = [flats[o][p : p + n] for o, p, n in places[cut : cut + IOV_MAX]]
+                self._scatter(pieces, int(firsts[a + cut]))
 
     def _scatter(self, pieces: list[memoryview], first_row: int) -> None:
         if pieces:
