@@ -264,6 +264,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="every part small: checks the script")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--parts", default=",".join(PARTS), help="which parts, in this order")
+    ap.add_argument("--scale-methods", default="full,hermes,rekv,streamingtom")
     args = ap.parse_args()
     unknown = set(args.parts.split(",")) - set(PARTS)
     if unknown:
@@ -279,7 +280,7 @@ def main() -> None:
         (out / f"gpu-{part}.json").write_text(json.dumps(result, indent=1) + "\n")
 
     common = ["--model", model, "--layers", str(layers), "--device", args.device]
-    scale = ["--frames", str(frames), "--methods", "full,hermes,rekv,streamingtom"]
+    scale = ["--frames", str(frames), "--methods", args.scale_methods]
     scale += ["--out", str(out), "--ask-as", "retrieve=two_pass", "--name", "gpu-scale.json"]
     scale += ["--quadratic-tokens", str(frames * 196), "--profile"]  # full: its encode is a goal
     early = ["--frames", str(min(frames, 256)), "--repeats", "1"]
