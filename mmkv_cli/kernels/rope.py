@@ -64,12 +64,15 @@ def compact_positions(positions: torch.Tensor, start: int) -> torch.Tensor:
     reach = np.maximum.reduceat(pos.max(axis=0), first) - t[first]
     odd = np.logical_or.reduceat((pos != t[None]).any(axis=0), first)
     grid = (size > 1) | odd
-    # Slots are chosen group after group (plain ints: an hour of 1-D tokens is 350K groups).
-    base = np.empty(len(first), dtype=np.int64)
-    top, last_t, last_grid = start - 1, None, False
-    for g, (is_grid, extent) in enumerate(zip(grid.tolist(), reach.tolist())):
-        slot = last_t + 1 if is_grid and last_grid else top + 1
-        base[g] = slot
-        top, last_t, last_grid = max(top, slot + extent), slot, is_grid
+    # A run of grids (frames one after another) takes consecutive slots from the first free one;
+    # anything else is a run of its own. Each run ends at its first slot plus the furthest its
+    # groups reach, so every run's first slot is a running sum (an hour of 1-D tokens is 350K
+    # groups: no loop over them).
+    runs = np.flatnonzero(np.concatenate([[True], ~(grid[1:] & grid[:-1])]))
+    run_of = np.repeat(np.arange(len(runs)), np.diff(np.append(runs, len(first))))
+    within = np.arange(len(first)) - runs[run_of]
+    furthest = np.maximum.reduceat(within + reach, runs)
+    firsts = start + np.concatenate([[0], np.cumsum(1 + furthest)[:-1]])
+    base = firsts[run_of] + within
     shift = np.repeat(base - t[first], size)
     return positions + torch.from_numpy(shift).to(positions)
