@@ -378,3 +378,32 @@ def test_a_context_of_few_tokens_a_layer_reads_every_layer_in_one_pass(tmp_path,
     runs = sum(1 for s in body for n in s.layer_counts if n)
     assert max(calls) == 64 and sum(calls) >= 2 * runs  # every run read, K and V
     assert len(calls) < runs / 4  # not a preadv a run (the file's other reads counted too)
+
+
+def test_a_large_read_on_several_threads_reads_back_exactly(reps_pack, monkeypatch):
+    """Past PARALLEL_READ_BYTES a read is cut into preads of READ_BYTES (an odd size here, so cuts
+    fall inside a row and inside a block's run) on READ_THREADS threads: 4 on a 16-core machine,
+    1 on this one, so the test asks for 3."""
+    import os
+    import threading
+
+    import mmkv_cli.pack.tensors as tensors
+
+    path, spans = reps_pack
+    names = [s.name for s in spans]
+    want = PackReader(path).gather(names)
+    monkeypatch.setattr(tensors, "READ_THREADS", 3)
+    monkeypatch.setattr(tensors, "_pool", None)
+    monkeypatch.setattr(tensors, "READ_BYTES", (1 << 20) + 17)
+    monkeypatch.setattr(tensors, "PARALLEL_READ_BYTES", 4 << 20)
+    real, threads = os.preadv, set()
+
+    def seen(fd, buffers, offset):
+        threads.add(threading.current_thread().name)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr("mmkv_cli.pack.tensors.os.preadv", seen)
+    got = PackReader(path).gather(names)
+    for mine, theirs in zip(got, want):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+    assert len({t for t in threads if t.startswith("mmkv-read")}) > 1

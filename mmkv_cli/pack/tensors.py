@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -18,6 +20,24 @@ from mmkv_cli.pack.source import PackFile
 
 # buffers one preadv fills at most (Linux's IOV_MAX)
 IOV_MAX = 1024
+# A read of at least PARALLEL_READ_BYTES is cut into preads of at most READ_BYTES, run on
+# READ_THREADS threads: a quarter of the cores, at most 4 (the blocks' hashes run on threads of
+# their own beside it), so one on a 2-core machine
+READ_BYTES = 8 << 20
+PARALLEL_READ_BYTES = 32 << 20
+READ_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
+_pool: ThreadPoolExecutor | None = None
+_pool_made = threading.Lock()
+
+
+def _reading_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_made:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mmkv-read")
+        return _pool
+
+
 # safetensors dtype -> the numpy dtype its bytes are read as, and the torch dtype they are viewed as
 # after
 _DTYPES = {
@@ -96,16 +116,22 @@ class FileArray:
         bounds = [*np.flatnonzero(np.append(True, np.diff(firsts) != lengths[:-1])).tolist()]
         bounds.append(len(firsts))
         flats = [memoryview(out.reshape(-1).view(np.uint8)) for out in outs]
-        for a, b in zip(bounds, bounds[1:]):  # each a stretch of the file, read in one go
-            sizes = (lengths[a:b] * self.row_bytes).tolist()
-            places = list(zip(owner[a:b].tolist(), puts[a:b].tolist(), sizes))
-            for cut in range(0, b - a, IOV_MAX):
-                pieces = [flats[o][p : p + n] for o, p, n in places[cut : cut + IOV_MAX]]
-                self._scatter(pieces, int(firsts[a + cut]))
-
-    def _scatter(self, pieces: list[memoryview], first_row: int) -> None:
-        if pieces:
-            self._stored.read_into(pieces, self._start + first_row * self.row_bytes)
+        sizes = (lengths * self.row_bytes).tolist()
+        reads: list[tuple[int, list[memoryview]]] = []  # (file offset, the buffers it fills)
+        for a, b in zip(bounds, bounds[1:]):  # each a stretch of the file
+            offset, pieces, held = self._start + int(firsts[a]) * self.row_bytes, [], 0
+            for o, p, n in zip(owner[a:b].tolist(), puts[a:b].tolist(), sizes[a:b]):
+                view = flats[o][p : p + n]
+                while view:  # a read ends at READ_BYTES or IOV_MAX buffers, within a run too
+                    cut = view[: READ_BYTES - held]
+                    pieces.append(cut)
+                    held, view = held + len(cut), view[len(cut) :]
+                    if held == READ_BYTES or len(pieces) == IOV_MAX:
+                        reads.append((offset, pieces))
+                        offset, pieces, held = offset + held, [], 0
+            if pieces:
+                reads.append((offset, pieces))
+        self._stored.read_many(reads)
 
     def _into(self, out: np.ndarray, runs: list[tuple[int, int]]) -> np.ndarray:
         """Row ranges `runs` read one after another into `out`."""
@@ -151,6 +177,17 @@ class StoredTensors:
         and mtime) is one clear error, before and after each read, never bytes of two files."""
         if not self.source.unchanged():
             raise PackError(f"{self.path} changed while it was being read")
+
+    def read_many(self, reads: list[tuple[int, list[memoryview]]]) -> None:
+        """Each (offset, buffers) read; on READ_THREADS threads when they are many and large (a
+        pread lets go of the GIL, and one thread copies from the page cache at a fraction of what
+        the memory does)."""
+        total = sum(len(piece) for _, pieces in reads for piece in pieces)
+        if READ_THREADS > 1 and len(reads) > 1 and total >= PARALLEL_READ_BYTES:
+            list(_reading_pool().map(lambda read: self.read_into(read[1], read[0]), reads))
+            return
+        for offset, pieces in reads:
+            self.read_into(pieces, offset)
 
     def read_into(self, into: list[memoryview], offset: int) -> None:
         """The file's bytes from `offset` on, into the buffers `into` one after another: a short
