@@ -194,12 +194,15 @@ class StoredTensors:
         read means the file was cut under the reader."""
         fd = self._file.fileno()
         into = [piece for piece in into if len(piece)]
+        left = sum(map(len, into))
         first = 0  # the first buffer not yet filled
         while first < len(into):
             got = os.preadv(fd, into[first:], offset)
             if got <= 0:
                 raise PackError(f"{self.path} changed while it was being read")
-            offset += got
+            offset, left = offset + got, left - got
+            if not left:  # the usual case: every buffer filled (no walk over a thousand of them)
+                return
             while first < len(into) and got >= len(into[first]):  # whole buffers filled
                 got -= len(into[first])
                 first += 1
