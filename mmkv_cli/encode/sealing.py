@@ -13,6 +13,7 @@ archived a second time.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Protocol
 
 from mmkv_cli.backbones.base import Backbone, StreamLayout
@@ -119,12 +120,13 @@ class Sealing:
         # each step's tokens, as prefilled: a plan that said otherwise is caught by the writer
         held = state.token_step[running.index[0][running.count(0) - n :]] - first
         counts = torch.bincount(held, minlength=steps).tolist()
-        sent = []
+        sent, chunk_keys = [], []
         for layer in range(state.layers):
             if running.count(layer) < n:
                 raise RuntimeError("internal: a chunk's tokens left attention before their blocks")
             keys, values = running.visual(layer)
             start = running.count(layer) - n  # the newest n: the chunk's
+            chunk_keys.append(keys[:, start:])
             sent.append(
                 (
                     self.copies.host(keys[:, start:], own=True),
@@ -132,26 +134,42 @@ class Sealing:
                     running.positions[layer][:, start:].clone(),
                 )
             )
+        made = [step for step, count in enumerate(counts) if count]  # as make_blocks skips
+        keyed = self._retrieval_keys(chunk_keys, [p for *_, p in sent], counts, made, state.rope)
         ready = self.copies.mark()
         self.steps += steps
-        made = [step for step, count in enumerate(counts) if count]  # as make_blocks skips
         numbers = range(self.blocks, self.blocks + len(made))
         self.blocks += len(made)
-        policy, times, rope = self.policy, self.step_times, state.rope
+        policy, times = self.policy, self.step_times
 
         def make() -> list[Span]:  # on the writer's thread
             if ready is not None:
                 ready.synchronize()
             split = [[torch.split(part, counts, dim=1) for part in layer] for layer in sent]
-            return [
+            blocks = [
                 policy.step_block(
                     number,
                     first + j,
                     times[first + j],
                     *([layer[i][j] for layer in split] for i in range(3)),
-                    rope,
+                    None,  # its retrieval key is made already
                 )
                 for number, j in zip(numbers, made)
             ]
+            return [replace(b, representative=key) for b, key in zip(blocks, keyed)]
 
         self.pack.add(make)
+
+    def _retrieval_keys(self, keys, positions, counts, made, rope) -> list:
+        """Each made step's retrieval key (None without `rope`), made where the keys are and sent
+        to the host with them: on the writer's thread, rotating every layer's keys back on the
+        host, it fell behind the encode on an H100 (docs/benchmarks.md)."""
+        if rope is None:
+            return [None] * len(made)
+        split = [torch.split(k, counts, dim=1) for k in keys]
+        at = [torch.split(p, counts, dim=1) for p in positions]
+        out = []
+        for j in made:
+            key = self.policy.representative([k[j] for k in split], [p[j] for p in at], rope)
+            out.append(None if key is None else self.copies.host(key, own=True))
+        return out

@@ -142,6 +142,10 @@ class StreamingMemory(Protocol):
         """Temporal step `step`'s block, the pack's `number`th, from each layer's K, V [H_kv, n, D]
         and positions [P, n] of it; its retrieval key made with `rope` (None: none)."""
 
+    def representative(self, keys, positions, rope) -> torch.Tensor | None:
+        """A block's retrieval key from each layer's K [H_kv, n, D] and positions [P, n] of it, on
+        the keys' device (a caller may make it before the block, where the keys are)."""
+
     def saved(self) -> dict[str, torch.Tensor]:
         """The policy's own state between chunks as named tensors, for a resumable encode's
         checkpoint (the running cache is saved apart)."""
