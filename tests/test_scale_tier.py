@@ -381,9 +381,9 @@ def test_a_context_of_few_tokens_a_layer_reads_every_layer_in_one_pass(tmp_path,
 
 
 def test_a_large_read_on_several_threads_reads_back_exactly(reps_pack, monkeypatch):
-    """Past PARALLEL_READ_BYTES a read is cut into preads of READ_BYTES (an odd size here, so cuts
-    fall inside a row and inside a block's run) on READ_THREADS threads: 4 on a 16-core machine,
-    1 on this one, so the test asks for 3."""
+    """Past PARALLEL_READ_BYTES a read is cut, between runs, into preads of about READ_BYTES (an
+    odd size here, so no window ends on a run's edge) on READ_THREADS threads: 4 on a 16-core
+    machine, 1 on this one, so the test asks for 3."""
     import os
     import threading
 
@@ -407,3 +407,24 @@ def test_a_large_read_on_several_threads_reads_back_exactly(reps_pack, monkeypat
     for mine, theirs in zip(got, want):
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
     assert len({t for t in threads if t.startswith("mmkv-read")}) > 1
+
+
+def test_a_forked_child_reads_on_a_pool_of_its_own(monkeypatch):
+    """A child forked after a parallel read has none of the pool's threads: its reads would wait
+    forever on the parent's pool, so it makes its own."""
+    import os
+
+    import mmkv_cli.pack.tensors as tensors
+
+    monkeypatch.setattr(tensors, "READ_THREADS", 2)
+    monkeypatch.setattr(tensors, "_pool", None)
+    parents = tensors._reading_pool()
+    assert list(parents.map(abs, [-1, -2])) == [1, 2]
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child's own exit code says how it went)
+        ok = tensors._reading_pool() is not parents and list(
+            tensors._reading_pool().map(abs, [-3])
+        ) == [3]
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -20,7 +20,7 @@ from mmkv_cli.pack.source import PackFile
 
 # buffers one preadv fills at most (Linux's IOV_MAX)
 IOV_MAX = 1024
-# A read of at least PARALLEL_READ_BYTES is cut into preads of at most READ_BYTES, run on
+# A read of at least PARALLEL_READ_BYTES is cut into preads of about READ_BYTES, run on
 # READ_THREADS threads: a quarter of the cores, at most 4 (the blocks' hashes run on threads of
 # their own beside it), so one on a 2-core machine
 READ_BYTES = 8 << 20
@@ -36,6 +36,15 @@ def _reading_pool() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mmkv-read")
         return _pool
+
+
+def _forget_pool() -> None:
+    """A forked child has none of the pool's threads: it makes a pool of its own."""
+    global _pool, _pool_made
+    _pool, _pool_made = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 # safetensors dtype -> the numpy dtype its bytes are read as, and the torch dtype they are viewed as
@@ -116,21 +125,20 @@ class FileArray:
         bounds = [*np.flatnonzero(np.append(True, np.diff(firsts) != lengths[:-1])).tolist()]
         bounds.append(len(firsts))
         flats = [memoryview(out.reshape(-1).view(np.uint8)) for out in outs]
-        sizes = (lengths * self.row_bytes).tolist()
+        sizes = lengths * self.row_bytes
+        pieces = [
+            flats[o][p : p + n] for o, p, n in zip(owner.tolist(), puts.tolist(), sizes.tolist())
+        ]
         reads: list[tuple[int, list[memoryview]]] = []  # (file offset, the buffers it fills)
-        for a, b in zip(bounds, bounds[1:]):  # each a stretch of the file
-            offset, pieces, held = self._start + int(firsts[a]) * self.row_bytes, [], 0
-            for o, p, n in zip(owner[a:b].tolist(), puts[a:b].tolist(), sizes[a:b]):
-                view = flats[o][p : p + n]
-                while view:  # a read ends at READ_BYTES or IOV_MAX buffers, within a run too
-                    cut = view[: READ_BYTES - held]
-                    pieces.append(cut)
-                    held, view = held + len(cut), view[len(cut) :]
-                    if held == READ_BYTES or len(pieces) == IOV_MAX:
-                        reads.append((offset, pieces))
-                        offset, pieces, held = offset + held, [], 0
-            if pieces:
-                reads.append((offset, pieces))
+        for a, b in zip(bounds, bounds[1:]):  # each a stretch of the file, cut into reads
+            before = np.cumsum(sizes[a:b]) - sizes[a:b]  # bytes of the stretch before each run
+            window = before // READ_BYTES  # a read starts where a run starts a new window,
+            new = np.flatnonzero(np.append(True, np.diff(window) != 0))
+            opened = np.repeat(new, np.diff(np.append(new, b - a)))  # where each one's read began
+            cuts = np.flatnonzero((np.arange(b - a) - opened) % IOV_MAX == 0)  # or fills a preadv
+            offset = self._start + int(firsts[a]) * self.row_bytes
+            for c, d in zip(cuts.tolist(), [*cuts[1:].tolist(), b - a]):
+                reads.append((offset + int(before[c]), pieces[a + c : a + d]))
         self._stored.read_many(reads)
 
     def _into(self, out: np.ndarray, runs: list[tuple[int, int]]) -> np.ndarray:
