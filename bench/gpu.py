@@ -296,7 +296,14 @@ def main() -> None:
         "floor": lambda: save("floor", floor(args.device, model, layers, frames)),
         "read": lambda: save("read", in_temp(lambda tmp: read(tmp, quick, args.device))),
         "scale": lambda: bench("scale.py", *common, *scale),  # ReKV's both readings, one pack
-        "reduce": lambda: bench("reduce.py", *common, "--frames", str(min(frames, 128))),
+        "reduce": lambda: bench(
+            "reduce.py",
+            *common,
+            "--frames",
+            str(min(frames, 128)),
+            "--out",
+            str(out / "gpu-reduce.json"),
+        ),
         "early_write": lambda: bench("early_write.py", *common, *early),
         "live": lambda: None if args.quick else bench("live.py", *live),
     }

@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--frames", type=int, default=128)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", help="results file (default: bench/results/reduce-MODEL-Nl.json)")
     args = parser.parse_args()
 
     from mmkv_cli import api
@@ -133,7 +134,7 @@ def main() -> None:
                 row["kv_over_full_fp16"] = row["kv_bytes"] / fp16
             out["clips"][name] = rows
     RESULTS.mkdir(exist_ok=True)
-    target = RESULTS / f"reduce-{args.model}-{args.layers}l.json"
+    target = Path(args.out) if args.out else RESULTS / f"reduce-{args.model}-{args.layers}l.json"
     target.write_text(json.dumps(out, indent=1) + "\n")
     for clip, rows in out["clips"].items():
         for r in rows:
