@@ -100,9 +100,10 @@ class FileArray:
 
     def take_each(self, rows: list[np.ndarray], outs: list[np.ndarray]) -> None:
         """Rows rows[i] into outs[i], for every i in one pass through the file: the runs of all of
-        them in file order, those next to each other read by one scattering preadv into whichever
-        buffers they go to. Each layer of a context into a buffer of its own costs no more reads
-        than one buffer: a block's layers lie together in the file, a layer's runs apart."""
+        them in file order, those next to each other read by scattering preadvs of about
+        READ_BYTES into whichever buffers they go to. Each layer of a context into a buffer of its
+        own costs no more reads than one buffer: a block's layers lie together in the file, a
+        layer's runs apart."""
         runs = []  # per buffer: (its runs' first rows, lengths, where each goes in the buffer)
         for wanted, out in zip(rows, outs):
             wanted = np.asarray(wanted, dtype=np.int64).reshape(-1)
@@ -139,7 +140,7 @@ class FileArray:
             offset = self._start + int(firsts[a]) * self.row_bytes
             for c, d in zip(cuts.tolist(), [*cuts[1:].tolist(), b - a]):
                 reads.append((offset + int(before[c]), pieces[a + c : a + d]))
-        self._stored.read_many(reads)
+        self._stored.read_many(reads, int(sizes.sum()))
 
     def _into(self, out: np.ndarray, runs: list[tuple[int, int]]) -> np.ndarray:
         """Row ranges `runs` read one after another into `out`."""
@@ -186,11 +187,10 @@ class StoredTensors:
         if not self.source.unchanged():
             raise PackError(f"{self.path} changed while it was being read")
 
-    def read_many(self, reads: list[tuple[int, list[memoryview]]]) -> None:
-        """Each (offset, buffers) read; on READ_THREADS threads when they are many and large (a
-        pread lets go of the GIL, and one thread copies from the page cache at a fraction of what
-        the memory does)."""
-        total = sum(len(piece) for _, pieces in reads for piece in pieces)
+    def read_many(self, reads: list[tuple[int, list[memoryview]]], total: int) -> None:
+        """Each (offset, buffers) read, `total` bytes in all; on READ_THREADS threads when they
+        are many and large (a pread lets go of the GIL, and one thread copies from the page cache
+        at a fraction of what the memory does)."""
         if READ_THREADS > 1 and len(reads) > 1 and total >= PARALLEL_READ_BYTES:
             list(_reading_pool().map(lambda read: self.read_into(read[1], read[0]), reads))
             return

@@ -72,10 +72,10 @@ def density_peaks(
     steps, total = static.shape
     within = static[:, :, None] & static[:, None, :]
     how_many = static.sum(dim=-1)
-    every = static & (counts >= how_many)[:, None]
+    every = (counts >= how_many)[:, None]  # steps whose count covers all their static tokens
     near_count = min(k, total - 1)
     if near_count < 1:  # one token a step
-        return every
+        return static & every
     near = torch.topk(dist.masked_fill(~static[:, None, :], float("inf")), near_count, dim=-1,
                       largest=False).values  # fmt: skip
     over = (how_many - 1).clamp(1, k)  # min(k, n - 1) neighbours, at least one
@@ -88,7 +88,7 @@ def density_peaks(
     farthest = dist.masked_fill(~within, float("-inf")).amax(dim=(-2, -1))
     to_denser = torch.where(denser & static[:, None, :], dist, farthest[:, None, None])
     score = (density * to_denser.amin(dim=-1)).masked_fill(~static, float("-inf"))
-    return torch.where((counts >= how_many)[:, None], every, top_mask(score, counts) & static)
+    return static & (every | top_mask(score, counts))
 
 
 def merge_into_centres(
