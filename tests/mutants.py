@@ -234,12 +234,23 @@ def _reseal_block(parts: Parts, header: dict, name: str, row: int) -> None:
         groups = int(sum(-(-int(c) // group) for c in counts))
         spans["kq"] = (int(table[index, 6]), int(table[index, 6]) + groups)
     algorithm = digest_name(header["format_version"])
-    digest = new_digest(algorithm)
-    for part in ("k", "v", "pos", "kq", "vq"):
-        if f"blocks.{part}" in parts.directory and part in spans:
-            digest.update(_tensor_bytes(parts, f"blocks.{part}", spans[part]))
-    start = parts.directory[f"blocks.{algorithm}"]["data_offsets"][0] + 32 * index
-    parts.data[start : start + 32] = digest.digest()
+    entry = parts.directory[f"blocks.{algorithm}"]
+    units = entry["shape"][1] if len(entry["shape"]) == 3 else 1  # v12: a digest per layer run
+    runs = len(counts) // units
+    edges = np.concatenate([[0], np.cumsum(counts)])
+    digests = b""
+    for unit in range(units):  # each run's rows of every part (positions stored once: all)
+        first, stop = int(edges[unit * runs]), int(edges[(unit + 1) * runs])
+        digest = new_digest(algorithm)
+        for part in ("k", "v", "pos", "kq", "vq"):
+            if f"blocks.{part}" in parts.directory and part in spans:
+                a, b = spans[part]
+                if units > 1 and b - a == tokens:
+                    a, b = a + first, a + stop
+                digest.update(_tensor_bytes(parts, f"blocks.{part}", (a, b)))
+        digests += digest.digest()
+    start = entry["data_offsets"][0] + 32 * units * index
+    parts.data[start : start + len(digests)] = digests
 
 
 def read_everything(path) -> str:

@@ -12,7 +12,9 @@ ordinary cached token (issue 51: summaries held among the frames' tokens, so eve
 retrieval key and the pack stores them), and all four for format v11 (issue 51: the version
 number; every tensor byte for byte as before, meda-llava-images too, whose tiny model's heads all
 keep the same tokens, so its pack stays per layer), with h2o-demo and meda-demo added: packs held
-per head (the trained demo's heads keep different tokens)."""
+per head (the trained demo's heads keep different tokens), and all six for format v12 (issue 48: the
+version number and `blocks.digest_layers`; every tensor byte for byte as before but the digests,
+one a block as before, stored [blocks, 1, 32])."""
 
 import json
 from pathlib import Path

@@ -16,7 +16,7 @@ from mmkv_cli.kernels.attention import Recorder, _blockwise_recorded, masking, w
 from mmkv_cli.methods.meda import merge_evicted
 from mmkv_cli.methods.scoring import adaptive_per_head, top_per_head
 from mmkv_cli.options import MethodSpec
-from mmkv_cli.pack import PackReader
+from mmkv_cli.pack import FORMAT_VERSION, PackReader
 from mmkv_cli.pack.report import inspect
 from mmkv_cli.pack.writer import write_pack
 from tests.helpers import ask_pack, encode_pack
@@ -196,7 +196,7 @@ def test_a_per_head_pack_answers_as_each_head_over_its_own_tokens(tmp_path, demo
     pack = tmp_path / "h.kvpack"
     encode_pack(clip, pack, method=spec, budget=0.25, backbone=backbone, max_frames=8)
     reader = PackReader(pack)
-    assert reader.header.kv.per_head and reader.format_version == 11
+    assert reader.header.kv.per_head and reader.format_version == FORMAT_VERSION
     ids = backbone.question_ids(QUESTION, reader.header.prompt.question)
     want, masks, tokens = union_reference(backbone, reader, ids)
     differ = [bool((m != m[:1]).any()) for m in masks.values()]

@@ -8,6 +8,8 @@ least two steps. A failure here is the kind only a user's hour of video would ot
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -121,16 +123,26 @@ def test_spanning_key_scales_past_two_digest_chunks(tmp_path, monkeypatch):
     assert verify(tmp_path / "bad.kvpack")["faults"] == ["key scales: checksum mismatch"]
 
 
-def test_a_context_past_the_overlap_threshold_reads_back_exactly(reps_pack, tmp_path):
-    """320 blocks at 7B width are 17.5 MiB of K/V: past two steps of the 8 MiB at which a read is
-    hashed on threads beside the copy, with blocks of 56 KiB (hashed in parallel past 8 KiB)."""
+def test_a_context_past_the_overlap_threshold_reads_back_exactly(tmp_path, monkeypatch):
+    """40 blocks of 9 tokens at 7B width are 19.7 MiB of K/V: past two steps of the 8 MiB at which
+    a read is hashed on threads beside the copy, with a digest a layer a block (v12: the pack keeps
+    a retrieval key per layer) of 18 KiB, past two steps of the 8 KiB hashed in parallel."""
+    from mmkv_cli.pack import hashing
     from mmkv_cli.pack.hashing import PARALLEL_HASH_BLOCK_BYTES
     from mmkv_cli.pack.reader import OVERLAP_BYTES
 
-    path, spans = reps_pack
+    path = tmp_path / "p.kvpack"
+    spans = write_7b(path, 40, tokens=9)
     kv_bytes = sum(2 * t.numel() * t.element_size() for s in spans for t in s.keys)
-    assert kv_bytes > 2 * OVERLAP_BYTES and kv_bytes // 320 > 2 * PARALLEL_HASH_BLOCK_BYTES
+    per_digest = kv_bytes // (40 * LAYERS)
+    assert kv_bytes > 2 * OVERLAP_BYTES and per_digest > 2 * PARALLEL_HASH_BLOCK_BYTES
+    threads: list[int] = []
+    counted = hashing.BlockHashes.threads
+    monkeypatch.setattr(
+        hashing.BlockHashes, "threads", lambda self: threads.append(counted(self)) or threads[-1]
+    )
     keys, values, positions = PackReader(path).gather([s.name for s in spans])
+    assert threads and min(threads) > 1 or (os.cpu_count() or 1) < 2
     for layer in (0, LAYERS - 1):
         assert torch.equal(keys[layer], torch.cat([s.keys[layer] for s in spans], dim=1))
         assert torch.equal(values[layer], torch.cat([s.values[layer] for s in spans], dim=1))
@@ -142,6 +154,26 @@ def test_a_context_past_the_overlap_threshold_reads_back_exactly(reps_pack, tmp_
     bad.write_bytes(parts.bytes())
     with pytest.raises(PackError, match=f"checksum mismatch in {spans[-1].name}"):
         PackReader(bad).gather([s.name for s in spans])
+
+
+def test_a_layer_at_full_depth_checks_its_own_digests(reps_pack, tmp_path):
+    """28 layers at 7B width: a flip in the last layer of one block leaves every other layer's
+    retrieval of it readable, and is refused where layer 27 reads it and named by verify."""
+    path, spans = reps_pack
+    parts = Parts.of(path.read_bytes())
+    assert parts.directory["blocks.blake3"]["shape"] == [320, LAYERS, 32]
+    start, _ = parts.directory["blocks.k"]["data_offsets"]
+    row = 300 * LAYERS + LAYERS - 1  # block b300's one token at layer 27
+    parts.data[start + row * HEADS * DIM * 2 + 9] ^= 0x02
+    bad = tmp_path / "bad.kvpack"
+    bad.write_bytes(parts.bytes())
+    reader = PackReader(bad)
+    for layer in range(LAYERS - 1):
+        keys, *_ = reader.gather(["b300"], [["b300"] if i == layer else [] for i in range(LAYERS)])
+        assert torch.equal(keys[layer], spans[300].keys[layer])
+    with pytest.raises(PackError, match="checksum mismatch in b300"):
+        reader.gather(["b300"], [["b300"] if i == LAYERS - 1 else [] for i in range(LAYERS)])
+    assert verify(bad)["faults"] == ["block b300: checksum mismatch"]
 
 
 def test_a_context_read_in_several_staging_groups_reads_back_exactly(reps_pack, monkeypatch):

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from mmkv_cli import api
+from mmkv_cli.pack import FORMAT_VERSION
 from tests.conftest import SAMPLES
 from tests.helpers import encode_pack, serving
 
@@ -158,7 +159,7 @@ def test_a_key_is_required_when_set(packs):
         async with client:
             assert (await client.get("/health")).status_code == 200  # open, for probes
             version = await client.get("/version")
-            assert version.status_code == 200 and version.json()["format_version"] == 11
+            assert version.status_code == 200 and version.json()["format_version"] == FORMAT_VERSION
             refused = await client.get("/v1/models")
             assert refused.status_code == 401
             assert refused.json()["error"]["code"] == "invalid_api_key"

@@ -53,33 +53,34 @@ class BlockStore:
         self.token_major = token_major
         self.bytes_read = 0
 
-    def kv_bytes(self, where: BlockRows, pending: list[int]) -> int:
-        """Stored K and V bytes of the blocks at `pending` (positions in `where`)."""
-        row = self._row_bytes("k") + self._row_bytes("v")
-        return row * int(where.counts[pending].sum())
+    def kv_bytes(self, where: BlockRows, units: np.ndarray) -> int:
+        """Stored K and V bytes of the digest units `units` (BlockRows names them)."""
+        starts, stops = where.unit_bounds("k", units)
+        return (self._row_bytes("k") + self._row_bytes("v")) * int((stops - starts).sum())
 
-    def mismatched(self, where: BlockRows, pending: list[int]) -> list[int]:
-        """The blocks at `pending` whose checksum differs from the table's."""
-        return mismatched(self.hashes(where, pending))
+    def mismatched(self, where: BlockRows, units: np.ndarray) -> list[int]:
+        """The blocks (positions in `where`) with a digest among `units` that differs from the
+        table's."""
+        return mismatched(self.hashes(where, units))
 
-    def hashes(self, where: BlockRows, pending: list[int], finite: bool = False) -> BlockHashes:
-        """The checksums of the blocks at `pending`, to compute on threads beside a read (finite:
-        their values as stored checked for NaN/Inf on the same bytes)."""
+    def hashes(self, where: BlockRows, units: np.ndarray, finite: bool = False) -> BlockHashes:
+        """The digests of the units `units`, to compute on threads beside a read (finite: their
+        values as stored checked for NaN/Inf on the same bytes)."""
         return BlockHashes(
-            self.views, where, pending, self.block_bytes, self.token_major, self.algorithm, finite
+            self.views, where, units, self.block_bytes, self.token_major, self.algorithm, finite
         )
 
-    def checked(self, where: BlockRows, pending: list[int]) -> tuple[list[int], list[int] | None]:
-        """(the blocks at `pending` whose checksum differs, those holding NaN or Inf as stored) in
+    def checked(self, where: BlockRows) -> tuple[list[int], list[int] | None]:
+        """(the blocks of `where` whose checksum differs, those holding NaN or Inf as stored) in
         one read on every hashing thread; None for the second on a quantized pack, whose decoded
         values are what to check."""
-        hashes = self.hashes(where, pending, finite=self.quant is None)
+        hashes = self.hashes(where, where.all_units(), finite=self.quant is None)
         bad = mismatched(hashes)
         return bad, hashes.nonfinite() if self.quant is None else None
 
     def stored_bytes(self, where: BlockRows) -> int:
         """Bytes every block tensor holds for the blocks of `where` (what checking them reads)."""
-        return stored_bytes(self.views, where, slice(None), self.token_major)
+        return stored_bytes(self.views, where, where.all_units(), self.token_major)
 
     def block_bytes(self, view: np.ndarray, start: int, stop: int) -> np.ndarray:
         """The stored bytes of token range [start, stop) of a block tensor, in the order its

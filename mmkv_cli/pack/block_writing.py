@@ -71,25 +71,30 @@ class KeyScales:
 
 
 def write_blocks(
-    fh, blocks: Iterable[Span], starts: list[int], keys: KeyScales | None, digest: str
+    fh,
+    blocks: Iterable[Span],
+    starts: list[int],
+    keys: KeyScales | None,
+    digest: str,
+    digest_layers: int,
 ):
     """Write every block's stored tensors where they go (starts: where each streamed part's
     tensor begins in the file), each block made (and quantized) once, then (quantized) the keys'
-    scales. Returns where each part's writes ended and the blocks' digests.
+    scales. Returns where each part's writes ended and the blocks' checksums (each its digests of
+    `digest_layers` stored layers at a time, joined).
     The file keeps all blocks' K, then all V, ...: each part is a run of writes in block order."""
     at, digests = list(starts), []
 
     def write(block: Span, stored: list | None) -> None:
-        hashed = new_digest(digest)
         if stored is None:  # as computed
             stored = [block.part(0), block.part(1), stored_positions(block)[0]]
-        for part, data in enumerate(stored):
-            raw = raw_bytes(data)
-            hashed.update(raw)
+        raws = [raw_bytes(data) for data in stored]
+        rows = [int(data.shape[0]) for data in stored]
+        digests.append(layer_digests(raws, rows, block.layer_counts, digest_layers, digest))
+        for part, raw in enumerate(raws):
             fh.seek(at[part])
             fh.write(raw)
             at[part] += raw.nbytes
-        digests.append(hashed.digest())
 
     for block in blocks:
         for made in keys.feed(block) if keys else [(block, None)]:
@@ -102,3 +107,25 @@ def write_blocks(
         fh.write(raw)
         at[-1] += raw.nbytes
     return at, digests
+
+
+def layer_digests(
+    raws: list, rows: list[int], counts: list[int], digest_layers: int, algorithm: str
+) -> bytes:
+    """A block's checksum as stored: for each run of `digest_layers` layers, the digest of its
+    rows of every stored part in turn (raws: the parts' bytes, token-major, of rows[i] rows each;
+    positions stored once for every layer go whole into each digest). One run of all the layers:
+    the digest of the block's bytes."""
+    total = sum(counts)
+    edges = [0]
+    for n in counts:
+        edges.append(edges[-1] + n)
+    out = []
+    for first in range(0, len(counts), digest_layers):
+        a, b = edges[first], edges[min(len(counts), first + digest_layers)]
+        hashed = new_digest(algorithm)
+        for raw, stored in zip(raws, rows):
+            row = raw.nbytes // stored if stored else 0
+            hashed.update(raw[a * row : b * row] if stored == total else raw)
+        out.append(hashed.digest())
+    return b"".join(out)

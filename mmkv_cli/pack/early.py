@@ -187,7 +187,7 @@ class EarlyPack:
         try:
             starts = block_starts(self.plan, self.data_start)
             self._ends, self._digests = write_blocks(
-                self._file, self._incoming(), starts, self._keys, DIGEST
+                self._file, self._incoming(), starts, self._keys, DIGEST, self.plan.digest_layers
             )
         except BaseException as err:  # noqa: BLE001 (handed to finish, on the caller's thread)
             self._failed = err

@@ -1,4 +1,4 @@
-"""The .kvpack format (v11): one safetensors file, a JSON header in its metadata, tensors by span.
+"""The .kvpack format (v12): one safetensors file, a JSON header in its metadata, tensors by span.
 
 A span is the per-layer KV of one stretch of the stream: the prefix (init prompt), one visual block,
 or the suffix. Each span holds its per-layer K, V and original positions concatenated along the
@@ -18,7 +18,9 @@ have a digest per 4 MiB, hashed on every core. From v9 a quantized pack's key gr
 blocks of each layer, their scales ("blocks.kq") one small tensor with a digest per 4 MiB that no
 block's checksum covers. From v10 every checksum is BLAKE3 (sha256 before; the header's own stays
 sha256), named so: "blocks.blake3", and "blake3" where the header held "sha256". From v11 a pack
-may be held per head: its spans store each (layer, KV head) as a layer of one head. See
+may be held per head: its spans store each (layer, KV head) as a layer of one head. From v12 a
+block's checksum may be a digest per model layer ("digest_layers": stored layers each covers): a
+retrieval that reads one layer's rows of a block checks those, not the block's every layer. See
 docs/kvpack.md.
 """
 
@@ -30,7 +32,7 @@ from mmkv_cli.lazy import torch
 from mmkv_cli.pack.hashing import digest_of
 
 FORMAT_NAME = "mmkv.kvpack"
-FORMAT_VERSION = 11
+FORMAT_VERSION = 12
 # v2 kept the block table as JSON in the header; v2 and v3 stored K/V head-major ([H_kv, tokens, D])
 # and positions as [P, tokens], with timestamps and step lengths in the header; v2-v4 named the
 # prefix and suffix "segments" in the header (v5: "spans") and kept a fixed token budget among the
@@ -43,8 +45,10 @@ FORMAT_VERSION = 11
 # across blocks ("key_groups": "span" in the quant header; the table's key-group column is 0).
 # v2-v9 made every checksum sha256; v10 makes them BLAKE3 (the header's own checksum stays sha256).
 # v11 may hold KV per head ("per_head" in the header's "kv"): every span then stores each (layer,
-# KV head) as a layer of one head, layer-major, so each head keeps tokens of its own.
-READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
+# KV head) as a layer of one head, layer-major, so each head keeps tokens of its own. v2-v11 gave
+# each block one checksum over all its layers; v12 may cut it into a digest per `digest_layers`
+# stored layers ("blocks.blake3" [N, digests, 32]): a pack retrieved layer by layer has one a layer.
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
 BLOCKS = "blocks"  # tensors "blocks.k/.v/.pos": every block's tokens, one range each
 # Header lists that grow with the video, stored as tensors of these names (and dtypes) from v4 on;
 # from v8 an int64 one is stored int32 where every value fits.
@@ -52,7 +56,7 @@ SERIES = {"media.timestamps": "float64", "layout.step_lengths": "int64"}
 # Block table, one row per block: "blocks.table" int64 (v8: int32 where all fit) [N, 7 + layers] =
 # (granularity index, first step, stop step, offset, position offset, positions shared (0/1), first
 # key group, layer counts...), "blocks.time" float64 [N, 2] (NaN: none), "blocks.<digest>" uint8
-# [N, 32] ("blocks.sha256" before v10). v3-v6 had the first four columns only.
+# [N, 32] ("blocks.sha256" before v10; v12: [N, digests, 32]). v3-v6 had the first four columns.
 TABLE_COLUMNS = 7
 OLD_TABLE_COLUMNS = 4
 # The stored tensors of a span, in the order its checksum covers them: keys, values, positions,

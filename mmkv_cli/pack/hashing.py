@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import blake3
+import numpy as np
 
 from mmkv_cli.pack.finite import finite_stored
 
@@ -28,6 +29,27 @@ REPS_CHUNK = 4 << 20
 # The hashes a pack's checksums are made with, by name (format.digest_name says which a version
 # uses): BLAKE3 hashes at about 2.5x sha256's rate a core, which sets the pace of every fresh read
 DIGESTS = {"sha256": hashlib.sha256, "blake3": blake3.blake3}
+_pool: ThreadPoolExecutor | None = None
+_pool_made = threading.Lock()
+
+
+def _hashing_pool() -> ThreadPoolExecutor:
+    """Threads kept for hashing: a retrieval inside the forward checks a layer's blocks 28 times
+    a question, and starting threads for each cost more than hashing a layer's rows."""
+    global _pool
+    with _pool_made:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="mmkv-hash")
+        return _pool
+
+
+def _forget_pool() -> None:
+    """A forked child has none of the pool's threads: it makes a pool of its own."""
+    global _pool, _pool_made
+    _pool, _pool_made = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def new_digest(algorithm: str):
@@ -36,41 +58,48 @@ def new_digest(algorithm: str):
 
 
 class BlockHashes:
-    """The digest (`algorithm`) of some blocks' rows of every block tensor in `views`, compared
-    with the table's. Runs of blocks come from one queue, so any thread that is free can `work` on
-    them: a reader that copies rows while a thread hashes joins in once its copy is done (one hash
-    stream is slower than the copy, and would otherwise set the pace of every large read).
+    """The digests (`algorithm`) of some blocks' digest units (each a run of a block's layers, or
+    the whole block) over every block tensor in `views`, compared with the table's. Runs of units
+    come from one queue, so any thread that is free can `work` on them: a reader that copies rows
+    while a thread hashes joins in once its copy is done (one hash stream is slower than the copy,
+    and would otherwise set the pace of every large read).
 
-    where: BlockRows; pending: the blocks to check (positions in `where`); block_bytes(view, start,
-    stop): a block's stored bytes of a tensor, in checksum order."""
+    where: BlockRows; units: the units to check (BlockRows names them); block_bytes(view, start,
+    stop): a tensor's stored bytes of rows [start, stop), in checksum order."""
 
     def __init__(
         self,
         views: dict,
         where,
-        pending: list[int],
+        units: np.ndarray,
         block_bytes,
         token_major: bool,
         algorithm: str,
         finite: bool = False,
     ):
         self._new = DIGESTS[algorithm]
-        spans = {part: where.block_ranges(part) for part in views}
-        # each block's stretch of every tensor: (view, start, stop, the dtype its bytes mean)
-        self._ranges = {
-            i: [(views[p][0], *spans[p][i], views[p][1]) for p in views] for i in pending
-        }
-        # finite: each block's values as stored are checked for NaN/Inf on the bytes hashed too
+        units = np.asarray(units, dtype=np.int64)
+        self._units = units.tolist()
+        self._blocks = (units // where.units).tolist()  # the block each unit is of
+        # each unit's stretch of every tensor, as lists: a unit is hashed without numpy calls
+        self._parts = [
+            (views[p][0], views[p][1], *(b.tolist() for b in where.unit_bounds(p, units)))
+            for p in views
+        ]
+        self._expected = where.digests.reshape(-1, 32)[units]
+        # finite: each unit's values as stored are checked for NaN/Inf on the bytes hashed too
         # (verify: one read, on every thread, not a second pass after)
         self._finite = finite
         self._nonfinite: list[int] = []
-        self._where, self._block_bytes = where, block_bytes
-        size = stored_bytes(views, where, pending, token_major)
-        self._average = size // len(pending) if pending else 0
+        self._block_bytes = block_bytes
+        size = stored_bytes(views, where, units, token_major)
+        self._average = size // len(units) if len(units) else 0
         per_run = max(1, RUN_BYTES // max(1, self._average))
-        self._runs = iter([pending[i : i + per_run] for i in range(0, len(pending), per_run)])
+        per_run = -(-per_run // where.units) * where.units  # whole blocks' units where it can
+        count = len(units)
+        self._runs = iter([range(i, min(count, i + per_run)) for i in range(0, count, per_run)])
         self._taking = threading.Lock()  # each run to one thread only, with or without a GIL
-        self._run_count = -(-len(pending) // per_run)
+        self._run_count = -(-count // per_run)
         self._bad: list[int] = []
         self._stopped = False
 
@@ -81,76 +110,97 @@ class BlockHashes:
                 run = next(self._runs, None)
             if run is None:
                 return
-            for i in run:
-                digest, finite = self._new(), True
-                for view, start, stop, dtype in self._ranges[i]:
-                    stored = self._block_bytes(view, start, stop)
-                    digest.update(raw_view(stored))
-                    finite = finite and (not self._finite or finite_stored(stored, dtype))
-                if digest.digest() != self._where.digests[i].tobytes():
-                    self._bad.append(i)
-                if not finite:
-                    self._nonfinite.append(i)
+            first = run.start
+            units, blocks = self._units, self._blocks
+            while first < run.stop:  # a block's neighbouring units of the run: read in one piece
+                stop = first + 1
+                while (
+                    stop < run.stop
+                    and blocks[stop] == blocks[first]
+                    and units[stop] == units[stop - 1] + 1
+                ):
+                    stop += 1
+                self._check(first, stop)
+                first = stop
+
+    def _check(self, first: int, stop: int) -> None:
+        """Units first..stop-1, neighbours in one block (so in every part): each part's stretch
+        of them read in one piece, each unit's digest made over its slice of it."""
+        read = []
+        finite = True
+        for view, dtype, starts, stops in self._parts:
+            low, high = min(starts[first:stop]), max(stops[first:stop])
+            whole = self._block_bytes(view, low, high)
+            finite = finite and (not self._finite or finite_stored(whole, dtype))
+            read.append((whole, low, starts, stops))
+        if not finite:
+            self._nonfinite.append(self._blocks[first])
+        for j in range(first, stop):
+            digest = self._new()
+            for whole, low, starts, stops in read:
+                # one unit: the bytes as read (v2/v3 stored head-major, never cut by layer)
+                piece = whole if stop - first == 1 else whole[starts[j] - low : stops[j] - low]
+                digest.update(raw_view(piece))
+            if digest.digest() != self._expected[j].tobytes():
+                self._bad.append(self._blocks[j])
 
     def stop(self) -> None:
         """Hash no more runs: what they were for failed."""
         self._stopped = True
 
     def threads(self) -> int:
-        """How many threads to hash on: one for blocks under PARALLEL_HASH_BLOCK_BYTES."""
+        """How many threads to hash on: one for units under PARALLEL_HASH_BLOCK_BYTES."""
         if self._average < PARALLEL_HASH_BLOCK_BYTES:
             return 1
         return max(1, min(HASH_THREADS, os.cpu_count() or 1, self._run_count))
 
     def mismatched(self) -> list[int]:
-        """The blocks whose checksum differs (positions in `where`), once every run is hashed."""
-        return sorted(self._bad)
+        """The blocks with a digest that differs (positions in `where`), once every run is
+        hashed."""
+        return sorted(set(self._bad))
 
     def nonfinite(self) -> list[int]:
         """With `finite`: the blocks holding NaN or Inf as stored, once every run is hashed."""
-        return sorted(self._nonfinite)
+        return sorted(set(self._nonfinite))
 
 
-def stored_bytes(views: dict, where, chosen, token_major: bool) -> int:
-    """Bytes the blocks at `chosen` (positions in `where`) hold in every block tensor of `views`."""
+def stored_bytes(views: dict, where, units, token_major: bool) -> int:
+    """Bytes the digest units `units` of `where` hold in every block tensor of `views`."""
     total = 0
     for part, (view, _) in views.items():
         row = view.nbytes // max(1, view.shape[0 if token_major else 1])
-        starts, stops = where.block_bounds(part)
-        total += row * int((stops[chosen] - starts[chosen]).sum())
+        starts, stops = where.unit_bounds(part, units)
+        total += row * int((stops - starts).sum())
     return total
 
 
 def mismatched(hashes: BlockHashes) -> list[int]:
-    """The blocks `hashes` covers whose digest differs from the table's. A read of large blocks is
-    hashed on several threads (both hashes let go of the GIL on big buffers): on a real backbone the
-    checksums of a retrieved context (hundreds of MB) would otherwise cost more than reading it."""
-    workers = hashes.threads()
-    if workers > 1:
-        with ThreadPoolExecutor(workers) as pool:
-            for done in [pool.submit(hashes.work) for _ in range(workers)]:
-                done.result()
+    """The blocks `hashes` covers with a digest that differs from the table's. A read of large
+    blocks is hashed on several threads (both hashes let go of the GIL on big buffers): on a real
+    backbone the checksums of a retrieved context (hundreds of MB) would otherwise cost more than
+    reading it."""
+    if hashes.threads() > 1:
+        hashed_beside(hashes, lambda: None)  # this thread hashes with the pool's
     else:
         hashes.work()
     return hashes.mismatched()
 
 
 def hashed_beside(hashes: BlockHashes, read: Callable[[], T]) -> T:
-    """read() on this thread while other threads compute `hashes`; once it returns, this thread
+    """read() on this thread while pool threads compute `hashes`; once it returns, this thread
     hashes what is left with them. Every hash is done when this returns (or read's error is
-    raised, after the others stop)."""
+    raised, after the others stop). A pool thread that starts late finds no run left."""
     workers = max(1, hashes.threads() - 1)  # this thread makes one more once its read is done
-    with ThreadPoolExecutor(workers) as pool:
-        helping = [pool.submit(hashes.work) for _ in range(workers)]
-        try:
-            out = read()
-            hashes.work()
-        except BaseException:
-            hashes.stop()
-            raise
-        finally:
-            for done in helping:
-                done.result()
+    helping = [_hashing_pool().submit(hashes.work) for _ in range(workers)]
+    try:
+        out = read()
+        hashes.work()
+    except BaseException:
+        hashes.stop()
+        raise
+    finally:
+        for done in helping:
+            done.result()
     return out
 
 
@@ -185,8 +235,7 @@ def chunk_digests(data, chunk: int, algorithm: str) -> list[str]:
 
     if workers < 2:
         return [one(piece) for piece in pieces]
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(one, pieces))
+    return list(_hashing_pool().map(one, pieces))
 
 
 def digest_of(pieces, algorithm: str) -> str:

@@ -241,6 +241,10 @@ def check_header(header: dict, version: int, where: str) -> None:
             where,
             "blocks.granularities",
         )
+        # v12: stored layers each of a block's digests covers (checked against the layers with
+        # the tensors' shapes)
+        runs = blocks.get("digest_layers")
+        _need(version < 12 or _is_int(runs, 1, 1 << 20), where, "blocks.digest_layers")
     reps = header.get("representatives")
     if reps is not None:
         _need(isinstance(reps, dict) and _is_int(reps.get("dim"), 1, 1 << 20), where, "reps")

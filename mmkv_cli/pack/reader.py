@@ -54,7 +54,8 @@ class PackReader:
         self.source, self.path = open_pack_file(path)
         self._tensors = StoredTensors(self.source, self.path)
         self._entries = self._tensors.entries
-        self._verified: set[str] = set()  # blocks whose checksum gather() has checked
+        # digest units gather() has checked: table index * units a block + unit
+        self._verified: set[int] = set()
         self._store: BlockStore | None = None  # the block tensors, on the first read
         self._reps: torch.Tensor | None = None  # the representatives, once read and checked
         self._key_scales: torch.Tensor | None = None  # v9's spanning key scales, once checked
@@ -151,7 +152,7 @@ class PackReader:
                 meta["granularities"],
                 np.zeros((0, self._columns + layers), dtype=np.int64),
                 np.zeros((0, 2), dtype=np.float64),
-                np.zeros((0, 32), dtype=np.uint8),
+                np.zeros((0, 1, 32), dtype=np.uint8),
                 columns=self._columns,
             )
         return BlockTable(
@@ -274,17 +275,20 @@ class PackReader:
         store = self._block_store()
         self._tensors.still_whole()
         self._fetch(where)
-        pending = [i for i, n in enumerate(names) if n not in self._verified]
         if per_layer is None:
             taken = [np.arange(len(names))] * where.layers
         else:
             at = {name: i for i, name in enumerate(names)}
             taken = [np.asarray([at[n] for n in chosen], dtype=np.int64) for chosen in per_layer]
+        # only the digests over what is read: a layer's retrieval checks that layer's rows
+        units = where.units_taken(taken)
+        named = where.table_units(units)
+        pending = units[np.fromiter((n not in self._verified for n in named), bool, len(named))]
         if store.kv_bytes(where, pending) < OVERLAP_BYTES:
             self._verify(where, pending)  # small: a thread costs more than it saves
             read = self._finite(store.read_rows(where, taken, device, dtype), names, later)
             self._tensors.still_whole()  # blocks checked before need not be hashed again
-            self._verified.update(names)
+            self._verified.update(named)
             return read
         # checksums on threads while the rows are copied (both let go of the GIL), and on this
         # thread too once the copy is done: one after the other, a read ran slower than either
@@ -293,7 +297,7 @@ class PackReader:
         self._refuse(where, hashes.mismatched())  # before anything read is handed out
         read = self._finite(read, names, later)
         self._tensors.still_whole()
-        self._verified.update(names)
+        self._verified.update(named)
         return read
 
     def _finite(self, read: tuple, names: list[str], later: LaterVerdicts | None) -> tuple:
@@ -397,7 +401,7 @@ class PackReader:
             where = self._rows(indices)
             self._tensors.still_whole()
             self._fetch(where)
-            bad, nonfinite = store.checked(where, list(range(len(indices))))
+            bad, nonfinite = store.checked(where)
             for i in bad:
                 faults.append(f"block {self._blocks.name(indices[i])}: checksum mismatch")
             self._tensors.bytes_read += store.stored_bytes(where)
@@ -444,9 +448,8 @@ class PackReader:
             raise PackError(f"{self.path} is corrupted (positions of {name})")
         return k, v, pos
 
-    def _verify(self, where: BlockRows, pending: list[int]) -> None:
-        """Check the checksums of the blocks at `pending` (positions in `where`) against the
-        table."""
+    def _verify(self, where: BlockRows, pending: np.ndarray) -> None:
+        """Check the digests of the units `pending` of `where` against the table."""
         self._refuse(where, self._block_store().mismatched(where, pending))
 
     def _refuse(self, where: BlockRows, bad: list[int]) -> None:

@@ -111,6 +111,16 @@ def _positions(form: Layout, rows: int, dims: int | None) -> list:
     return [rows, dims] if form.token_major else [dims, rows]
 
 
+def digest_shape(header: dict, kv: KVShape, count: int, where: str) -> list[int]:
+    """The shape of the blocks' digests: one a block before v12; from it one per run of
+    `digest_layers` stored layers, which must cut the layers evenly."""
+    if header["format_version"] < 12:
+        return [count, 32]
+    runs = header["blocks"]["digest_layers"]
+    _need(kv.layers % runs == 0, where, "blocks.digest_layers")
+    return [count, kv.layers // runs, 32]
+
+
 def check_tensors(
     header: dict, entries: dict, spans: dict, table, quant, kv: KVShape, version: int, where: str
 ) -> None:
@@ -140,7 +150,8 @@ def check_tensors(
         return
     expect(entries, f"{BLOCKS}.table", form.integers, [count, form.columns + kv.layers], where)
     expect(entries, f"{BLOCKS}.time", "F64", [count, 2], where)
-    expect(entries, f"{BLOCKS}.{digest_name(version)}", "U8", [count, 32], where)
+    digests = digest_shape(header, kv, count, where)
+    expect(entries, f"{BLOCKS}.{digest_name(version)}", "U8", digests, where)
     _need((table.codes() < len(header["blocks"]["granularities"])).all(), where, "granularities")
     span = quant is not None and quant.span
     _need(span == (quant is not None and version >= 9), where, "quantization header")

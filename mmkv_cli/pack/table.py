@@ -18,7 +18,8 @@ from mmkv_cli.pack.format import OLD_TABLE_COLUMNS, TABLE_COLUMNS, block_name
 
 class BlockTable(Sequence):
     """Table arrays (v3 on): rows [N, columns + layers] int64 (columns: 7 from v7, 4 before),
-    times [N, 2] float64 (NaN: none), digests [N, 32] uint8. Numpy, so that `inspect` reads a pack
+    times [N, 2] float64 (NaN: none), digests [N, digests, 32] uint8 (a block's checksum, one
+    digest per run of its layers; [N, 32] before v12: one). Numpy, so that `inspect` reads a pack
     without importing torch."""
 
     def __init__(
@@ -33,6 +34,8 @@ class BlockTable(Sequence):
         self.kinds = list(kinds)
         self.columns = columns
         self._rows, self._times, self._digests = (np.asarray(a) for a in (rows, times, digests))
+        if self._digests.ndim == 2:  # one digest a block (v2-v11)
+            self._digests = self._digests[:, None, :]
         self._names = names  # v2 packs named blocks freely; later ones name them b<row>
         self._cache: dict[int, dict] = {}
         self._runs_of: tuple | None = None  # layer_runs(), for the group it was asked for
@@ -90,8 +93,8 @@ class BlockTable(Sequence):
         return np.maximum(self._rows[:, 1], 0)
 
     def spans(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For blocks `indices`: offsets [n], per-layer counts [n, layers] and sha256 digests [n,
-        32]."""
+        """For blocks `indices`: offsets [n], per-layer counts [n, layers] and digests [n,
+        digests, 32]."""
         rows = self._rows[indices]
         return rows[:, 3], rows[:, self.columns :], self._digests[indices]
 
@@ -163,7 +166,11 @@ class BlockRows:
     one layer after another: layer l of block i starts at offset_i + counts_i[:l] in K, V and the
     value scales, at its position offset (+ the same, unless one set of positions serves every
     layer) in positions. Its key groups run per layer from its first key group (v7, v8), or (span,
-    v9) each layer's tokens of all blocks in table order are cut into groups together."""
+    v9) each layer's tokens of all blocks in table order are cut into groups together.
+
+    A block's checksum is `units` digests (v12; one before), each over a run of `digest_layers`
+    layers: its rows of every part in turn, positions stored once for every layer whole. A unit is
+    named by block position * units + its run."""
 
     def __init__(self, table: BlockTable, indices: list[int], group: int, span: bool = False):
         self.indices = indices
@@ -177,6 +184,8 @@ class BlockRows:
             self.shared[:, None] == 1, 0, before
         )
         self.span = span
+        self.units = self.digests.shape[1]
+        self.digest_layers = max(1, self.layers // self.units)
         self.groups = -(-self.counts // group)
         self.group_starts = (
             self.first_groups[:, None] + np.cumsum(self.groups, axis=1) - self.groups
@@ -202,6 +211,43 @@ class BlockRows:
         else:
             starts, stops = self.offsets, self.offsets + totals
         return starts, stops
+
+    def all_units(self) -> np.ndarray:
+        """Every digest unit of these blocks."""
+        return np.arange(len(self.indices) * self.units, dtype=np.int64)
+
+    def units_taken(self, taken: list[np.ndarray]) -> np.ndarray:
+        """The digest units holding the rows of layer l of the blocks at taken[l], each once."""
+        runs = np.arange(self.layers) // self.digest_layers
+        named = [t.astype(np.int64) * self.units + runs[layer] for layer, t in enumerate(taken)]
+        return np.unique(np.concatenate(named)) if named else np.zeros(0, dtype=np.int64)
+
+    def table_units(self, units: np.ndarray) -> list[int]:
+        """The units `units` named in the whole table: its block's row * units + its run."""
+        rows = np.asarray(self.indices, dtype=np.int64)[units // self.units]
+        return (rows * self.units + units % self.units).tolist()
+
+    def unit_bounds(self, part: str, units: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The first row and stop row of each digest unit of `units` in the block tensor of
+        `part` (with one unit a block: the block's)."""
+        if self.units == 1:
+            starts, stops = self.block_bounds(part)
+            return starts[units], stops[units]
+        if part == "kq":  # v12 writes key scales spanning blocks, under digests of their own
+            raise ValueError("key scales as block rows have one digest a block")
+        block, run = units // self.units, units % self.units
+        edges = np.zeros((len(self.indices), self.layers + 1), dtype=np.int64)
+        np.cumsum(self.counts, axis=1, out=edges[:, 1:])
+        first = edges[block, run * self.digest_layers]
+        stop = edges[block, np.minimum(self.layers, (run + 1) * self.digest_layers)]
+        if part != "pos":
+            return self.offsets[block] + first, self.offsets[block] + stop
+        base = self.position_offsets[block]
+        shared = self.shared[block] == 1
+        return (
+            np.where(shared, base, base + first),
+            np.where(shared, base + self.counts[block, 0], base + stop),
+        )
 
     def _runs(self, starts: np.ndarray, taken: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         # layer-major: every layer's taken blocks in context order, so a tensor is read in one go

@@ -104,42 +104,49 @@ class FileArray:
         READ_BYTES into whichever buffers they go to. Each layer of a context into a buffer of its
         own costs no more reads than one buffer: a block's layers lie together in the file, a
         layer's runs apart."""
-        runs = []  # per buffer: (its runs' first rows, lengths, where each goes in the buffer)
+        sizes_each = []
         for wanted, out in zip(rows, outs):
-            wanted = np.asarray(wanted, dtype=np.int64).reshape(-1)
-            shape = (wanted.size, *self.shape[1:])
+            shape = (np.size(wanted), *self.shape[1:])
             if out.shape != shape or out.dtype != self.dtype or not out.flags.c_contiguous:
                 raise ValueError(f"internal: {shape} rows of {self.dtype} read into {out.shape}")
-            if wanted.size and (wanted.min() < 0 or wanted.max() >= len(self)):
-                raise IndexError("row out of range")
-            starts = np.flatnonzero(np.diff(wanted, prepend=-2) != 1)  # each run's first row
-            runs.append((wanted[starts], np.diff(np.append(starts, wanted.size)), starts))
-        if not any(len(firsts) for firsts, _, _ in runs):
+            sizes_each.append(shape[0])
+        wanted = np.concatenate([np.asarray(w, dtype=np.int64).reshape(-1) for w in rows])
+        if not wanted.size:
             return
-        firsts = np.concatenate([r[0] for r in runs])
-        lengths = np.concatenate([r[1] for r in runs])
-        puts = np.concatenate([r[2] for r in runs]) * self.row_bytes
-        owner = np.repeat(np.arange(len(runs)), [len(r[0]) for r in runs])
+        if wanted.min() < 0 or wanted.max() >= len(self):
+            raise IndexError("row out of range")
+        # every buffer's runs at once: a run starts where a row does not follow the one before,
+        # or a new buffer begins (a layer's context of a few blocks costs no Python loop a layer)
+        owners = np.repeat(np.arange(len(rows)), sizes_each)
+        opens = np.cumsum(sizes_each) - sizes_each  # each buffer's first row in `wanted`
+        starts = np.flatnonzero(
+            (np.diff(wanted, prepend=-2) != 1) | (np.diff(owners, prepend=-1) != 0)
+        )
+        firsts, owner = wanted[starts], owners[starts]
+        lengths = np.diff(np.append(starts, wanted.size))
+        puts = (starts - opens[owner]) * self.row_bytes
         order = np.argsort(firsts, kind="stable")
         firsts, lengths, puts, owner = firsts[order], lengths[order], puts[order], owner[order]
-        # a new read where a run does not go on from the one before in the file
-        bounds = [*np.flatnonzero(np.append(True, np.diff(firsts) != lengths[:-1])).tolist()]
-        bounds.append(len(firsts))
         flats = [memoryview(out.reshape(-1).view(np.uint8)) for out in outs]
         sizes = lengths * self.row_bytes
         pieces = [
             flats[o][p : p + n] for o, p, n in zip(owner.tolist(), puts.tolist(), sizes.tolist())
         ]
-        reads: list[tuple[int, list[memoryview]]] = []  # (file offset, the buffers it fills)
-        for a, b in zip(bounds, bounds[1:]):  # each a stretch of the file, cut into reads
-            before = np.cumsum(sizes[a:b]) - sizes[a:b]  # bytes of the stretch before each run
-            window = before // READ_BYTES  # a read starts where a run starts a new window,
-            new = np.flatnonzero(np.append(True, np.diff(window) != 0))
-            opened = np.repeat(new, np.diff(np.append(new, b - a)))  # where each one's read began
-            cuts = np.flatnonzero((np.arange(b - a) - opened) % IOV_MAX == 0)  # or fills a preadv
-            offset = self._start + int(firsts[a]) * self.row_bytes
-            for c, d in zip(cuts.tolist(), [*cuts[1:].tolist(), b - a]):
-                reads.append((offset + int(before[c]), pieces[a + c : a + d]))
+        # a stretch of the file begins where a run does not go on from the one before; within
+        # one, a read begins where a run starts a new READ_BYTES window of it, or the read holds
+        # IOV_MAX buffers (one preadv's most)
+        count = len(firsts)
+        stretch = np.append(True, np.diff(firsts) != lengths[:-1])
+        ahead = np.cumsum(sizes) - sizes  # bytes of all runs before each
+        before = ahead - ahead[stretch][np.cumsum(stretch) - 1]  # ... of its stretch only
+        window = before // READ_BYTES
+        new = stretch | np.append(True, np.diff(window) != 0)
+        at = np.arange(count)
+        opened = np.maximum.accumulate(np.where(new, at, 0))  # where each one's read began
+        cuts = np.flatnonzero((at - opened) % IOV_MAX == 0)
+        ends = [*cuts[1:].tolist(), count]
+        offsets = (self._start + firsts[cuts] * self.row_bytes).tolist()
+        reads = [(o, pieces[c:d]) for o, c, d in zip(offsets, cuts.tolist(), ends)]
         self._stored.read_many(reads, int(sizes.sum()))
 
     def _into(self, out: np.ndarray, runs: list[tuple[int, int]]) -> np.ndarray:

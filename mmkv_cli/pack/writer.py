@@ -143,6 +143,7 @@ class PackPlan:
     stored: dict
     totals: list[int]
     quant: QuantSpec
+    digest_layers: int  # stored layers each of a block's digests covers
 
     def key_scales(self) -> KeyScales | None:
         """The spanning key groups to fill while the blocks are written (a quantized pack)."""
@@ -187,13 +188,15 @@ def plan_pack(
         # in the KV's own dtype: retrieval keys need no more precision than the keys they average
         dtype = prefix.keys[0].dtype if prefix.keys else torch.float32
         small["reps"] = torch.stack([r.reshape(-1, r.shape[-1]) for r in reps]).to(dtype)
-    entries = _directory(small, streamed, len(table))
+    layers = len(first.layer_counts) if first is not None else len(prefix.layer_counts)
+    digest_layers = layers_per_digest(layers, small.get("reps"))
+    entries = _directory(small, streamed, len(table), layers // digest_layers)
     stored = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         **header.sections(),
         "spans": spans_meta,
-        "blocks": {"count": len(table), "granularities": kinds},
+        "blocks": {"count": len(table), "granularities": kinds, "digest_layers": digest_layers},
         "quant": quant.as_header(),
         "representatives": _representatives(small.get("reps"), reps_space),
         "integrity": _integrity(entries, small),
@@ -201,7 +204,17 @@ def plan_pack(
     if quant.quantized and streamed:  # their digests once they are made: the same length
         chunks = chunk_count(math.prod(streamed[f"{BLOCKS}.kq"][1]) * 2, REPS_CHUNK)
         stored["integrity"]["key_scales"] = {"chunk": REPS_CHUNK, DIGEST: ["0" * 64] * chunks}
-    return PackPlan(small, streamed, entries, stored, totals, quant)
+    return PackPlan(small, streamed, entries, stored, totals, quant, digest_layers)
+
+
+def layers_per_digest(layers: int, reps: torch.Tensor | None) -> int:
+    """How many stored layers each digest of a block covers (v12): one model layer's where the
+    pack keeps retrieval keys per layer (a retrieval reads a layer's rows of the blocks it picks,
+    and checks only those), else the whole block (a reader takes every layer: fewer, larger
+    digests hash faster)."""
+    if reps is None or reps.shape[1] < 2 or layers % reps.shape[1]:
+        return max(1, layers)
+    return layers // reps.shape[1]
 
 
 def write_pack(
@@ -239,7 +252,8 @@ def write_pack(
         with open(tmp, "wb") as fh:  # mode: 0666 less the umask, as any new file
             data_start = len(plan.head(None))
             keys = plan.key_scales()
-            ends, digests = write_blocks(fh, blocks, block_starts(plan, data_start), keys, DIGEST)
+            starts = block_starts(plan, data_start)
+            ends, digests = write_blocks(fh, blocks, starts, keys, DIGEST, plan.digest_layers)
             finish_file(fh, path, plan, data_start, 0, ends, digests, keys)
         publish(tmp, path, force)
     except OSError as err:
@@ -308,7 +322,7 @@ def _span_tensors(prefix: Span, suffix: Span) -> tuple[dict[str, torch.Tensor], 
     return small, spans_meta
 
 
-def _directory(small: dict, streamed: dict, blocks: int) -> dict:
+def _directory(small: dict, streamed: dict, blocks: int, digests: int) -> dict:
     """The safetensors directory: each tensor's dtype, shape and byte range, in writing order."""
     entries: dict = {}
     at = 0
@@ -322,8 +336,8 @@ def _directory(small: dict, streamed: dict, blocks: int) -> dict:
         place(name, _dtype_code(tensor), list(tensor.shape), tensor.numel() * tensor.element_size())
     for name, (code, shape) in streamed.items():
         place(name, code, shape, math.prod(shape) * ELEMENT_BYTES[code])
-    if blocks:
-        place(f"{BLOCKS}.{DIGEST}", "U8", [blocks, 32], 32 * blocks)
+    if blocks:  # each block's digests, one per digest_layers stored layers
+        place(f"{BLOCKS}.{DIGEST}", "U8", [blocks, digests, 32], 32 * blocks * digests)
     return entries
 
 

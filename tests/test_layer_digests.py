@@ -1,0 +1,193 @@
+"""A digest a layer (format v12): a pack retrieved layer by layer (per-layer retrieval keys) gives
+each block one digest per model layer, so a layer's retrieval checks the rows it reads, not the
+block's every layer (at 7B: 28 times the bytes, the most of ReKV's question on an H100)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from blake3 import blake3
+
+from mmkv_cli import api
+from mmkv_cli.errors import PackError
+from mmkv_cli.pack import PackReader, Span, hashing, write_pack
+from mmkv_cli.pack.writer import layers_per_digest
+from tests.helpers import pack_header
+from tests.mutants import Parts
+
+DATA = Path(__file__).parent / "data"
+LAYERS, HEADS, DIM = 4, 2, 8
+
+
+def block(name: str, counts: list[int], seed: int, reps: bool = True) -> Span:
+    """A block whose layers keep `counts` tokens (different positions each: stored per layer)."""
+    g = torch.Generator().manual_seed(seed)
+    return Span(
+        name=name,
+        keys=[torch.randn(HEADS, n, DIM, generator=g) for n in counts],
+        values=[torch.randn(HEADS, n, DIM, generator=g) for n in counts],
+        positions=[
+            torch.arange(n).expand(3, -1) + 10 * seed + layer for layer, n in enumerate(counts)
+        ],  # fmt: skip
+        granularity="frame",
+        steps=(seed, seed + 1),
+        time=(float(seed), seed + 0.5),
+        representative=torch.randn(len(counts), HEADS * DIM, generator=g) if reps else None,
+    )
+
+
+def prompt(name: str, tokens: int) -> Span:
+    return Span(
+        name=name,
+        keys=[torch.zeros(HEADS, tokens, DIM)] * LAYERS,
+        values=[torch.ones(HEADS, tokens, DIM)] * LAYERS,
+        positions=[torch.arange(tokens).expand(3, -1)] * LAYERS,
+    )
+
+
+COUNTS = [[3, 2, 0, 5], [4, 4, 4, 4], [1, 6, 2, 3]]
+
+
+def write(path: Path, reps: bool = True) -> list[Span]:
+    blocks = [block(f"b{i}", counts, i, reps) for i, counts in enumerate(COUNTS)]
+    header = pack_header(layers=LAYERS, dtype="float32", heads=HEADS, dim=DIM)
+    write_pack(path, header, prompt("prefix", 2), blocks, prompt("suffix", 1))
+    return blocks
+
+
+def stored_rows(layers: list[torch.Tensor]) -> bytes:
+    return b"".join(t.transpose(0, 1).contiguous().numpy().tobytes() for t in layers)
+
+
+def positions_rows(span: Span, layers: range) -> bytes:
+    return b"".join(span.positions[i].T.to(torch.int32).contiguous().numpy().tobytes()
+                    for i in layers)  # fmt: skip
+
+
+def test_each_layer_of_a_retrieved_pack_has_a_digest_of_its_own_rows(tmp_path):
+    blocks = write(tmp_path / "p.kvpack")
+    parts = Parts.of((tmp_path / "p.kvpack").read_bytes())
+    assert parts.header()["blocks"]["digest_layers"] == 1
+    digests = np.frombuffer(bytes(parts.data[slice(*parts.directory["blocks.blake3"]
+                                                     ["data_offsets"])]), np.uint8)  # fmt: skip
+    assert parts.directory["blocks.blake3"]["shape"] == [3, LAYERS, 32]
+    for i, span in enumerate(blocks):
+        for layer in range(LAYERS):
+            want = blake3(
+                stored_rows(span.keys[layer : layer + 1])
+                + stored_rows(span.values[layer : layer + 1])
+                + positions_rows(span, range(layer, layer + 1))
+            ).digest()
+            at = (i * LAYERS + layer) * 32
+            assert digests[at : at + 32].tobytes() == want, (i, layer)
+
+
+def test_a_pack_without_retrieval_keys_keeps_one_digest_a_block(tmp_path):
+    blocks = write(tmp_path / "p.kvpack", reps=False)
+    parts = Parts.of((tmp_path / "p.kvpack").read_bytes())
+    assert parts.header()["blocks"]["digest_layers"] == LAYERS
+    assert parts.directory["blocks.blake3"]["shape"] == [3, 1, 32]
+    start = parts.directory["blocks.blake3"]["data_offsets"][0]
+    span = blocks[2]
+    whole = stored_rows(span.keys) + stored_rows(span.values) + positions_rows(span, range(LAYERS))
+    assert bytes(parts.data[start + 64 : start + 96]) == blake3(whole).digest()
+
+
+def test_digest_runs_follow_the_retrieval_keys_layers():
+    reps = torch.zeros(3, 4, 16)
+    assert layers_per_digest(4, reps) == 1
+    assert layers_per_digest(8, reps) == 2  # held per head: a layer's two KV heads together
+    assert layers_per_digest(6, reps) == 6  # keys that do not cut the layers: one a block
+    assert layers_per_digest(4, None) == 4
+    assert layers_per_digest(4, torch.zeros(3, 1, 16)) == 4  # one key a block
+
+
+def flipped(path: Path, out: Path, block: int, layer: int) -> Path:
+    """The pack at `path` with one byte of block `block`'s keys at `layer` flipped."""
+    parts = Parts.of(path.read_bytes())
+    row = sum(map(sum, COUNTS[:block])) + sum(COUNTS[block][:layer])
+    start = parts.directory["blocks.k"]["data_offsets"][0] + row * HEADS * DIM * 4
+    parts.data[start + 5] ^= 0x20
+    out.write_bytes(parts.bytes())
+    return out
+
+
+def only(layer: int, names: list[str]) -> list[list[str]]:
+    return [names if i == layer else [] for i in range(LAYERS)]
+
+
+def test_a_layer_reads_past_a_flip_in_another_layer_and_is_refused_at_its_own(tmp_path):
+    blocks = write(tmp_path / "p.kvpack")
+    bad = flipped(tmp_path / "p.kvpack", tmp_path / "bad.kvpack", 1, 2)
+    reader = PackReader(bad)
+    keys, values, _ = reader.gather(["b1", "b2"], only(0, ["b1", "b2"]))
+    assert torch.equal(keys[0], torch.cat([blocks[1].keys[0], blocks[2].keys[0]], dim=1))
+    with pytest.raises(PackError, match="checksum mismatch in b1"):
+        reader.gather(["b1"], only(2, ["b1"]))
+    with pytest.raises(PackError, match="checksum mismatch in b1"):
+        PackReader(bad).gather(["b1"])  # every layer: the flipped one among them
+    report = api.verify(bad)
+    assert not report["ok"] and any("b1" in fault for fault in report["faults"])
+
+
+def test_a_layer_checked_once_is_not_hashed_again_but_the_next_layer_is(tmp_path, monkeypatch):
+    write(tmp_path / "p.kvpack")
+    reader = PackReader(tmp_path / "p.kvpack")
+    hashed: list[int] = []
+    real = hashing.BlockHashes.__init__
+
+    def counted(self, views, where, units, *args, **kwargs):
+        hashed.append(len(units))
+        real(self, views, where, units, *args, **kwargs)
+
+    monkeypatch.setattr(hashing.BlockHashes, "__init__", counted)
+    reader.gather(["b0", "b1"], only(1, ["b0", "b1"]))
+    reader.gather(["b0", "b1"], only(1, ["b0", "b1"]))
+    reader.gather(["b0", "b1"], only(3, ["b1"]))
+    assert hashed == [2, 0, 1]
+
+
+def test_a_v11_pack_retrieved_by_layer_still_checks_whole_blocks(tmp_path):
+    """tests/data/v11.kvpack: a ReKV pack of the tiny LLaVA-OV (4 layers) written before v12."""
+    reader = PackReader(DATA / "v11.kvpack")
+    assert reader.format_version == 11 and reader.representatives().shape[1] == 4
+    assert api.verify(DATA / "v11.kvpack")["ok"]
+    keys, *_ = reader.gather(["b0", "b3"], only(2, ["b3"]))
+    assert keys[2].shape[1] == reader.blocks[3]["layer_counts"][2] and keys[0].shape[1] == 0
+    parts = Parts.of((DATA / "v11.kvpack").read_bytes())
+    start = parts.directory["blocks.v"]["data_offsets"][0]
+    parts.data[start + 3] ^= 0x10  # block b0, layer 0
+    bad = tmp_path / "bad.kvpack"
+    bad.write_bytes(parts.bytes())
+    with pytest.raises(PackError, match="checksum mismatch in b0"):
+        PackReader(bad).gather(["b0"], only(3, ["b0"]))  # one digest a block: any layer's read
+
+
+@pytest.mark.parametrize("runs", [0, 3, "4"])
+def test_digest_runs_that_do_not_cut_the_layers_are_refused(tmp_path, runs):
+    write(tmp_path / "p.kvpack")
+    parts = Parts.of((tmp_path / "p.kvpack").read_bytes())
+    header = parts.header()
+    header["blocks"]["digest_layers"] = runs
+    parts.set_header(header)
+    forged = tmp_path / "forged.kvpack"
+    forged.write_bytes(parts.bytes())
+    with pytest.raises(PackError, match="digest_layers"):
+        PackReader(forged)
+
+
+def test_a_v12_pack_must_say_its_digest_runs(tmp_path):
+    write(tmp_path / "p.kvpack")
+    parts = Parts.of((tmp_path / "p.kvpack").read_bytes())
+    header = parts.header()
+    del header["blocks"]["digest_layers"]
+    parts.set_header(header)
+    shutil.copy(tmp_path / "p.kvpack", tmp_path / "kept.kvpack")
+    (tmp_path / "p.kvpack").write_bytes(parts.bytes())
+    with pytest.raises(PackError, match="digest_layers"):
+        PackReader(tmp_path / "p.kvpack")
+    assert PackReader(tmp_path / "kept.kvpack").blocks[0]["digest"]
