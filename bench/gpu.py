@@ -9,7 +9,8 @@
 3. floor: a bare chunked prefill of the language model over the same tokens (no mmkv around it).
 4. read: a 7B-width pack (28 layers, 196 tokens a frame, fp16) read whole from the page cache by a
    fresh `gather` to the host and to the device, and by `verify` (goal: 5 GB/s), on this
-   machine's cores; pinning a buffer and copying it to the device, pinned and pageable.
+   machine's cores; pinning a buffer and copying it to the device, pinned and pageable; ReKV's
+   reading inside the forward (each layer its own 12 blocks) with a digest a block and a layer.
 5. scale, reduce, early_write and live: bench/scale.py, bench/reduce.py, bench/early_write.py
    (the pack written while full and rekv encode, against at the end) and bench/live.py at 7B full
    depth.
@@ -197,7 +198,7 @@ def read(work: Path, blocks: int, device: str) -> dict:
     """GB/s of a fresh open and `gather` of every block (checksums and NaN/Inf checks included)
     onto the host and onto `device` (pinned groups of layers sent while the next is read), and of
     `verify`, best of 3, from the page cache."""
-    from rates import best_rate, seven_b_pack
+    from rates import best_rate, layer_reads, seven_b_pack
 
     from mmkv_cli.pack import PackReader
     from mmkv_cli.pack.report import verify
@@ -212,7 +213,22 @@ def read(work: Path, blocks: int, device: str) -> dict:
         "fresh_gather_to_device_gb_s": best_rate(size, lambda: on_device(path, names, device), 3),
         "verify_gb_s": best_rate(size, lambda: verify(path), 3),
         **transfers(device),
+        # ReKV inside the forward: 28 layers, 12 blocks each, one digest a block against one a
+        # layer (K/V of the same shape; the second pack keeps a retrieval key a layer)
+        "layer_reads_block_digests_s": layer_reads(path, names, device, min(12, blocks), 3),
+        "layer_reads_layer_digests_s": layer_reads(
+            keyed(work, blocks), names, device, min(12, blocks), 3
+        ),
     }
+
+
+def keyed(work: Path, blocks: int) -> Path:
+    """The read part's pack again, each block with a retrieval key per layer (a digest a layer)."""
+    from rates import seven_b_pack
+
+    path = work / "keyed.kvpack"
+    seven_b_pack(path, blocks, retrieval_keys=True)
+    return path
 
 
 def transfers(device: str) -> dict:

@@ -9,8 +9,9 @@ from pathlib import Path
 LAYERS, HEADS, DIM, TOKENS = 28, 4, 128, 196  # Qwen2-7B's KV, 196 visual tokens a frame
 
 
-def seven_b_pack(path: Path, blocks: int) -> list[str]:
-    """A pack of `blocks` frames at 7B width (float16, random K/V) at `path`; its block names."""
+def seven_b_pack(path: Path, blocks: int, retrieval_keys: bool = False) -> list[str]:
+    """A pack of `blocks` frames at 7B width (float16, random K/V) at `path`; its block names.
+    retrieval_keys: every block a key per layer, as ReKV's (so a digest a layer, v12)."""
     import torch
 
     from mmkv_cli.pack import Span, write_pack
@@ -22,7 +23,9 @@ def seven_b_pack(path: Path, blocks: int) -> list[str]:
         kv = [torch.randn(HEADS, n, DIM, generator=g).half() for _ in range(2 * LAYERS)]
         steps = (0, 1) if kind else None
         positions = [torch.arange(n)[None]] * LAYERS
-        return Span(name, kv[:LAYERS], kv[LAYERS:], positions, granularity=kind, steps=steps)
+        key = torch.randn(LAYERS, HEADS * DIM, generator=g).half() if retrieval_keys else None
+        return Span(name, kv[:LAYERS], kv[LAYERS:], positions, granularity=kind, steps=steps,
+                    representative=key if kind else None)  # fmt: skip
 
     body = [span(f"b{i}", TOKENS, "frame") for i in range(blocks)]
     header = pack_header(LAYERS, "float16", heads=HEADS, dim=DIM)
@@ -38,3 +41,25 @@ def best_rate(size: int, work: Callable[[], object], tries: int) -> float:
         work()
         times.append(time.perf_counter() - began)
     return round(size / min(times) / 1e9, 2)
+
+
+def layer_reads(path: Path, names: list[str], device: str, picks: int, tries: int) -> float:
+    """Seconds (best of `tries`, a fresh open each) of ReKV's reading inside the forward: each
+    layer in turn reads its own `picks` blocks (random, the same every run), its rows alone."""
+    import numpy as np
+    import torch
+
+    from mmkv_cli.pack import PackReader
+
+    rng = np.random.default_rng(0)
+    chosen = [sorted(rng.choice(len(names), picks, replace=False).tolist()) for _ in range(LAYERS)]
+    best = float("inf")
+    for _ in range(tries):
+        reader, began = PackReader(path), time.perf_counter()
+        for layer, picked in enumerate(chosen):
+            taken = [names[i] for i in picked]
+            reader.gather(taken, [taken if i == layer else [] for i in range(LAYERS)], device)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - began)
+    return round(best, 4)
