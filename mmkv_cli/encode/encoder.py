@@ -4,9 +4,8 @@ policy, prefill blocks on their own), then cut what is kept into the pack's span
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -25,6 +24,7 @@ from mmkv_cli.encode.saved_state import (
     running_cache_tensors,
 )
 from mmkv_cli.encode.sealing import EarlyTarget, Sealing, open_sealing
+from mmkv_cli.encode.stream import Progress, Stream, step_times_of
 from mmkv_cli.encode.text_attention import text_attention
 from mmkv_cli.errors import MediaError
 from mmkv_cli.kernels.attention import masking, recording
@@ -37,36 +37,6 @@ from mmkv_cli.methods.running_cache import RunningCache, StreamState
 from mmkv_cli.pack import Span
 from mmkv_cli.reduce.choice import check_reducer
 
-Progress = Callable[[int, int], None]  # (frames done, visual tokens done)
-
-
-@dataclass
-class Stream:
-    """One encode's fixed inputs, shared by both runners."""
-
-    backbone: Backbone
-    media: Media
-    layout: StreamLayout
-    step_times: list[tuple[float, float]]
-    chunk_frames: int
-    progress: Progress | None
-    reducer: ChunkReducer | None = None  # tokens dropped or merged before the prefill
-
-    def chunks(self, unit_steps: int, skip: int = 0):
-        """(first step, frames, frames done after it) of every chunk: whole multiples of
-        `unit_steps` temporal steps, the last frame repeated to fill the last step. skip: chunks
-        a resumed encode already has (their frames are not even read)."""
-        per_step = self.backbone.frames_per_step
-        unit = per_step * unit_steps
-        size = max(unit, self.chunk_frames - self.chunk_frames % unit)
-        for first in range(skip * size, self.media.num_frames, size):
-            frames = self.media.read(first, first + size)
-            yield first // per_step, _padded(frames, per_step), first + len(frames)
-
-    def report(self, frames: int, tokens: int) -> None:
-        if self.progress:
-            self.progress(frames, tokens)
-
 
 def _span(name: str, cache, starts: list[int], stop: int | None, positions: torch.Tensor) -> Span:
     """Cache entries [starts[layer], stop) of every layer (layers may hold different counts
@@ -76,21 +46,6 @@ def _span(name: str, cache, starts: list[int], stop: int | None, positions: torc
     held = host_all(keys + values)  # one wait for every layer's, not one each
     layers = len(keys)
     return Span(name, held[:layers], held[layers:], [positions.cpu()] * layers)
-
-
-def _step_times(media: Media, steps: int, per_step: int) -> list[tuple[float, float]]:
-    times = media.timestamps
-    return [
-        (times[min(s * per_step, len(times) - 1)], times[min((s + 1) * per_step, len(times)) - 1])
-        for s in range(steps)
-    ]
-
-
-def _padded(frames: np.ndarray, multiple: int) -> np.ndarray:
-    """Repeat the last frame so a chunk fills whole temporal steps (as the HF video processors
-    do)."""
-    extra = (-len(frames)) % multiple
-    return np.concatenate([frames, np.repeat(frames[-1:], extra, axis=0)]) if extra else frames
 
 
 def encode_media(
@@ -115,7 +70,7 @@ def encode_media(
     per_step = backbone.frames_per_step
     steps = -(-media.num_frames // per_step)
     frame_hw = tuple(media.read(0, 1).shape[1:3])
-    step_times = _step_times(media, steps, per_step)
+    step_times = step_times_of(media, steps, per_step)
     layout = backbone.stream_layout(frame_hw, step_times, clip_frames)
     cache = backbone.new_cache()
     prefix_ids = backbone.text_ids(backbone.prompt.prefix)

@@ -29,13 +29,13 @@ from mmkv_cli.encode.blockwise import chunk_plans, order_blocks, prefill_blocks
 from mmkv_cli.encode.encoder import (
     Encoded,
     Streamed,
-    _padded,
     _span,
     finished,
     stream_chunk,
     visual_tokens,
 )
 from mmkv_cli.encode.reducing import ChunkReducer
+from mmkv_cli.encode.stream import padded
 from mmkv_cli.encode.text_attention import text_attention
 from mmkv_cli.errors import MediaError, UsageError
 from mmkv_cli.kernels.host import HostCopies
@@ -169,7 +169,7 @@ class LiveEncoder:
             raise MediaError("the stream gave no frame yet")
         frames = len(self.times)
         layout = self.layout(frames)
-        pending = _padded(np.stack(self.pending), self.per_step) if self.pending else None
+        pending = padded(np.stack(self.pending), self.per_step) if self.pending else None
         first = (frames - len(self.pending)) // self.per_step
         prefix, done = self.runner.end(fork, layout, pending, first)
         encoded = finished(self.backbone, layout, prefix, done, self.frame_hw, self.started)
