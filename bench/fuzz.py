@@ -53,7 +53,7 @@ ASKS = [
     AskOptions(at=2.0, generation=GenerationOptions(max_new_tokens=1), keep_logits=True),
 ]
 SUBJECTS = [("full", 16), ("mukv", 4), ("hermes", 8), ("rekv", 2), ("recency", 1.5)]
-OLD = ("3", "6", "7", "8q")  # tests/data/v{name}.kvpack
+OLD = ("3", "6", "7", "8q", "11")  # tests/data/v{name}.kvpack
 
 
 class Hang(Exception):
