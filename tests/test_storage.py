@@ -173,3 +173,22 @@ def test_an_object_replaced_under_a_reader_is_one_clear_error(s3_packs):
         reader.gather(names[1:])
     fresh = PackReader(url)  # opened again: the new version, read whole from itself
     assert fresh.source.etag != reader.source.etag
+
+
+def test_a_retrieval_by_layer_fetches_that_layers_rows(s3_server, tmp_path):
+    """v12: a pack with a digest a layer fetches, for one layer's read of a block, that layer's
+    rows (each digest's run is fetched whole, to be checked), not the block's 28 layers."""
+    import s3fs
+
+    from mmkv_cli.pack import PackReader
+    from tests.test_scale_tier import LAYERS, write_7b
+
+    spans = write_7b(tmp_path / "p.kvpack", 6, tokens=48)
+    url = "s3://packs/layers/p.kvpack"
+    s3fs.S3FileSystem().put(str(tmp_path / "p.kvpack"), url)
+    reader = PackReader(url)
+    opened = reader.fetched
+    keys, values, _ = reader.gather(["b3"], [["b3"] if i == 5 else [] for i in range(LAYERS)])
+    assert torch.equal(keys[5], spans[3].keys[5]) and torch.equal(values[5], spans[3].values[5])
+    layer = 2 * spans[3].keys[5].numel() * 2  # its K and V rows, float16
+    assert layer <= reader.fetched - opened < 3 * layer  # the block's 28 layers: 28 times that

@@ -274,7 +274,6 @@ class PackReader:
         where = self._rows(indices)
         store = self._block_store()
         self._tensors.still_whole()
-        self._fetch(where)
         if per_layer is None:
             taken = [np.arange(len(names))] * where.layers
         else:
@@ -282,6 +281,7 @@ class PackReader:
             taken = [np.asarray([at[n] for n in chosen], dtype=np.int64) for chosen in per_layer]
         # only the digests over what is read: a layer's retrieval checks that layer's rows
         units = where.units_taken(taken)
+        self._fetch(where, units)
         named = where.table_units(units)
         pending = units[np.fromiter((n not in self._verified for n in named), bool, len(named))]
         if store.kv_bytes(where, pending) < OVERLAP_BYTES:
@@ -378,14 +378,14 @@ class PackReader:
         """Bytes copied out of the file so far (block rows included)."""
         return self._tensors.bytes_read + (self._store.bytes_read if self._store else 0)
 
-    def _fetch(self, where: BlockRows) -> None:
-        """Bring the blocks' rows of every block tensor within reach (remote: theirs alone)."""
+    def _fetch(self, where: BlockRows, units: np.ndarray) -> None:
+        """Bring the rows of the digest units `units` of every block tensor within reach (remote:
+        theirs alone, whole units: each is checked whole)."""
         if not self.source.local:
             names = [f"{BLOCKS}.{part}" for part in self._block_store().views]
             entries = {name: self._entries[name] for name in names}
-            self.source.ensure(
-                block_byte_ranges(entries, self._tensors.data_start, where, self._token_major)
-            )
+            start = self._tensors.data_start
+            self.source.ensure(block_byte_ranges(entries, start, where, self._token_major, units))
 
     def block_faults(self, chunk: int = 1024) -> list[str]:
         """Every block checked against its checksum (verify): the names of those that fail."""
@@ -400,7 +400,7 @@ class PackReader:
             indices = list(range(first, min(len(self._blocks), first + chunk)))
             where = self._rows(indices)
             self._tensors.still_whole()
-            self._fetch(where)
+            self._fetch(where, where.all_units())
             bad, nonfinite = store.checked(where)
             for i in bad:
                 faults.append(f"block {self._blocks.name(indices[i])}: checksum mismatch")

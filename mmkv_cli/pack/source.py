@@ -64,10 +64,11 @@ def open_pack_file(target: str | Path) -> tuple[PackFile, str | Path]:
     return LocalFile(path), path
 
 
-def block_byte_ranges(entries: dict, data_start: int, where, token_major: bool) -> list:
-    """The absolute byte ranges of blocks' rows (BlockRows `where`) in the block tensors
-    `entries` (name -> directory entry, named blocks.PART). Head-major packs (v2/v3) keep a
-    block's rows apart in every head: their tensors are taken whole."""
+def block_byte_ranges(entries: dict, data_start: int, where, token_major: bool, units) -> list:
+    """The absolute byte ranges of the digest units `units` of blocks (BlockRows `where`: a
+    block's or, v12, some of its layers' rows) in the block tensors `entries` (name -> directory
+    entry, named blocks.PART): a retrieval by layer fetches the layers it reads. Head-major packs
+    (v2/v3) keep a block's rows apart in every head: their tensors are taken whole."""
     ranges = []
     for name, entry in entries.items():
         start, stop = (data_start + o for o in entry["data_offsets"])
@@ -77,5 +78,8 @@ def block_byte_ranges(entries: dict, data_start: int, where, token_major: bool) 
             continue
         row = (stop - start) // rows
         part = name.rsplit(".", 1)[1]
-        ranges += [(start + a * row, start + b * row) for a, b in where.block_ranges(part)]
+        firsts, stops = where.unit_bounds(part, units)
+        ranges += [
+            (start + a * row, start + b * row) for a, b in zip(firsts.tolist(), stops.tolist())
+        ]
     return ranges
