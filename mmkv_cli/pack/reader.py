@@ -13,25 +13,17 @@ from mmkv_cli.pack.block_store import BlockStore, all_finite
 from mmkv_cli.pack.finite import finite_stored
 from mmkv_cli.pack.format import (
     BLOCKS,
-    OLD_TABLE_COLUMNS,
     PARTS,
     SERIES,
-    TABLE_COLUMNS,
     Span,
-    digest_name,
     split_layers,
 )
 from mmkv_cli.pack.hashing import chunk_digests, digest_of, hashed_beside
-from mmkv_cli.pack.header import KVShape, read_header, stored_kv
+from mmkv_cli.pack.header import read_header
 from mmkv_cli.pack.integrity import (
-    check_header,
-    check_spans,
-    index_digest,
-    parse_header,
     uncovered,
 )
-from mmkv_cli.pack.quant import QuantSpec
-from mmkv_cli.pack.shapes import check_tensors, kv_shape_of
+from mmkv_cli.pack.opening import open_pack
 from mmkv_cli.pack.source import block_byte_ranges, open_pack_file
 from mmkv_cli.pack.table import BlockRows, BlockTable
 from mmkv_cli.pack.tensors import StoredTensors
@@ -60,108 +52,17 @@ class PackReader:
         self._reps: torch.Tensor | None = None  # the representatives, once read and checked
         self._key_scales: torch.Tensor | None = None  # v9's spanning key scales, once checked
         self._spans: dict[str, Span] = {}
-        self._open_header()
-        self._blocks = self._open_table()
+        opened = open_pack(self._tensors, str(self.path))
+        self._stored, self.format_version = opened.stored, opened.format_version
+        self.digest = opened.digest  # the hash of its checksums, and their fields' name
+        self._token_major, self._columns = opened.token_major, opened.columns
+        self.quant, self.spans_meta, self._kv = opened.quant, opened.spans_meta, opened.kv
+        self._blocks = opened.blocks
         self.header = read_header(self._stored, self.format_version, self._kv, self._where)
 
     @property
     def _where(self) -> str:
         return str(self.path)
-
-    def _open_header(self) -> None:
-        """The directory and the stored header, checked; the prefix and suffix spans' entries."""
-        self._stored = parse_header(self._tensors.metadata, self._where)  # the JSON, as stored
-        self.format_version = version = self._stored["format_version"]
-        self.digest = digest_name(version)  # the hash of its checksums, and their fields' name
-        if version >= 4:  # remote: every small tensor in one request (not the blocks nor reps)
-            large = {f"{BLOCKS}.{part}" for part in PARTS} | {"reps"}
-            self.source.ensure(
-                [self._tensors.tensor_range(n) for n in self._entries if n not in large]
-            )
-        check_header(self._stored, version, self._where)
-        self._token_major = version >= 4  # v2/v3 stored K/V head-major, positions [P, tokens]
-        self._columns = TABLE_COLUMNS if version >= 7 else OLD_TABLE_COLUMNS
-        stored = self._stored
-        kv = stored_kv(stored.get("kv"))  # what the spans hold: per head, a layer a head
-        self.quant = QuantSpec.from_header(stored.get("quant"), kv, self._where)
-        # v2-v4 called the prefix and suffix "segments"
-        self.spans_meta = stored.get("spans" if version >= 5 else "segments") or {}
-        if not isinstance(self.spans_meta, dict) or not {"prefix", "suffix"} <= set(
-            self.spans_meta
-        ):
-            raise PackError(f"{self.path} is corrupted (no prefix or suffix)")
-        if version >= 3:  # v2's spans are checked as they are read
-            prefix = self.spans_meta["prefix"]
-            counts = prefix.get("layer_counts") if isinstance(prefix, dict) else None
-            layers = len(counts) if isinstance(counts, list) else 0
-            layers = kv["layers"] if version >= 7 else layers
-            check_spans(self.spans_meta, layers, version, self._where)
-        if version >= 7:
-            self._check_index()
-        self._kv = self._kv_shape()
-
-    def _open_table(self) -> BlockTable:
-        """The block table (v2 kept it as JSON in the header), and every tensor's dtype and shape
-        checked against it (v3 on)."""
-        try:
-            blocks = (
-                BlockTable.from_dicts(self._stored["blocks"])
-                if self.format_version == 2
-                else self._block_table()
-            )
-        except (KeyError, TypeError, ValueError, IndexError) as err:
-            raise PackError(f"{self.path} is corrupted (block table: {err})") from None
-        if self.format_version >= 3:
-            check_tensors(
-                self._stored,
-                self._entries,
-                self.spans_meta,
-                blocks,
-                self.quant,
-                self._kv.stored,
-                self.format_version,
-                self._where,
-            )
-        return blocks
-
-    def _kv_shape(self) -> KVShape:
-        prefix = self.spans_meta["prefix"]
-        counts = prefix.get("layer_counts") if isinstance(prefix, dict) else None
-        layers = len(counts) if isinstance(counts, list) else 0
-        return kv_shape_of(self._stored, self._entries, layers, self._token_major, self._where)
-
-    def _check_index(self) -> None:
-        """The header's digest of the directory and the small tensors no other checksum covers."""
-
-        def read(name: str) -> np.ndarray:
-            small = self._tensors.small
-            small[name] = self._tensors.raw(name)  # kept: the table is read from these bytes
-            return small[name]
-
-        found = index_digest(self._entries, read, self.digest)
-        if found != self._stored["integrity"]["index"]:
-            raise PackError(f"{self.path} is corrupted (index digest mismatch)")
-
-    def _block_table(self) -> BlockTable:
-        """The block table (v3 on): three small tensors, read whole (a few dozen bytes per
-        block)."""
-        meta = self._stored["blocks"]
-        layers = len(self.spans_meta["prefix"]["layer_counts"])
-        if not meta["count"]:
-            return BlockTable(
-                meta["granularities"],
-                np.zeros((0, self._columns + layers), dtype=np.int64),
-                np.zeros((0, 2), dtype=np.float64),
-                np.zeros((0, 1, 32), dtype=np.uint8),
-                columns=self._columns,
-            )
-        return BlockTable(
-            meta["granularities"],
-            self._tensors.array(f"{BLOCKS}.table").astype(np.int64),  # v8 may store it int32
-            self._tensors.array(f"{BLOCKS}.time"),
-            self._tensors.array(f"{BLOCKS}.{self.digest}"),
-            columns=self._columns,
-        )
 
     def uncovered(self) -> list[str]:
         """What this pack stores with no checksum over it, in its format (v8: nothing)."""
