@@ -382,3 +382,21 @@ def test_a_tensor_named_twice_in_the_directory_is_refused(tmp_path):
     path.write_bytes(struct.pack("<Q", len(twice)) + twice.encode() + raw[8 + length :])
     with pytest.raises(PackError, match="given twice"):
         PackReader(path)
+
+
+@pytest.mark.parametrize("space", ["\t", "\n", "\r"])
+def test_a_directory_padded_with_other_whitespace_is_refused(tmp_path, space):
+    """The padding after the directory's JSON is covered by no checksum: spaces only (a pack
+    written while it is encoded leaves up to 1 KiB of them), so a flipped padding byte is seen."""
+    path = tmp_path / "a.kvpack"
+    write(path)
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    text = raw[8 : 8 + length].rstrip(b" ") + b" " * 16  # the data 16 bytes on: still a pack
+    padded = tmp_path / "padded.kvpack"
+    padded.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length :])
+    assert PackReader(padded).gather(["b0"])[0]
+    flipped = text[:-5] + space.encode() + text[-4:]
+    padded.write_bytes(struct.pack("<Q", len(flipped)) + flipped + raw[8 + length :])
+    with pytest.raises(PackError, match="whitespace in its directory"):
+        PackReader(padded)

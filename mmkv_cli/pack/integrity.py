@@ -64,8 +64,13 @@ def read_directory(fh, path, ensure=None) -> tuple[dict, int]:
         raise PackError(f"{path} is not a kvpack (a {length:,}-byte header)")
     if ensure is not None:
         ensure([(8, 8 + length)])
+    text = os.pread(fh.fileno(), length, 8)
+    # padded with spaces only, and no other whitespace between its tokens (the writers make it
+    # compact; JSON strings hold none raw): bytes no checksum covers cannot change unseen
+    if any(byte in text.rstrip(b" ") for byte in b"\t\n\r"):
+        raise PackError(f"{path} is corrupted (whitespace in its directory)")
     try:
-        header = json.loads(os.pread(fh.fileno(), length, 8), object_pairs_hook=_unique)
+        header = json.loads(text, object_pairs_hook=_unique)
     except (ValueError, RecursionError) as err:  # bad JSON or UTF-8, or a key given twice
         raise PackError(f"{path} is corrupted (unreadable header: {str(err)[:80]})") from None
     if not isinstance(header, dict):
