@@ -191,3 +191,20 @@ def test_a_v12_pack_must_say_its_digest_runs(tmp_path):
     with pytest.raises(PackError, match="digest_layers"):
         PackReader(tmp_path / "p.kvpack")
     assert PackReader(tmp_path / "kept.kvpack").blocks[0]["digest"]
+
+
+def test_a_layers_few_blocks_are_hashed_on_several_threads(tmp_path, monkeypatch):
+    """A layer's read of a few blocks is a digest each: runs of them go to several threads, not
+    one run of a whole block's worth of digests (that is for reads of every layer of blocks)."""
+    from mmkv_cli.pack.table import BlockRows
+
+    monkeypatch.setattr(hashing, "RUN_BYTES", 1)  # a digest a run here, as 400 KB ones are at 7B
+    monkeypatch.setattr(hashing, "PARALLEL_HASH_BLOCK_BYTES", 0)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    write(tmp_path / "p.kvpack")
+    reader = PackReader(tmp_path / "p.kvpack")
+    store = reader._block_store()
+    where = BlockRows(reader.blocks, [0, 1, 2], 1)
+    one_layer = where.units_taken([np.arange(3) if i == 1 else np.arange(0) for i in range(LAYERS)])
+    assert store.hashes(where, one_layer).threads() == 3  # a run a block's digest
+    assert store.hashes(where, where.all_units()).threads() == 3  # a run a block's 4 digests

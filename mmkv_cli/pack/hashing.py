@@ -95,7 +95,8 @@ class BlockHashes:
         size = stored_bytes(views, where, units, token_major)
         self._average = size // len(units) if len(units) else 0
         per_run = max(1, RUN_BYTES // max(1, self._average))
-        per_run = -(-per_run // where.units) * where.units  # whole blocks' units where it can
+        if len(units) == len(np.unique(units // where.units)) * where.units:  # whole blocks:
+            per_run = -(-per_run // where.units) * where.units  # a run takes whole blocks
         count = len(units)
         self._runs = iter([range(i, min(count, i + per_run)) for i in range(0, count, per_run)])
         self._taking = threading.Lock()  # each run to one thread only, with or without a GIL
