@@ -209,14 +209,14 @@ def test_corrupted_tensor_fails_its_checksum(tmp_path, monkeypatch, threaded):
         monkeypatch.setattr(hashing, "PARALLEL_HASH_BLOCK_BYTES", 0)
         monkeypatch.setattr(hashing, "RUN_BYTES", 0)  # a run a block
         monkeypatch.setattr("os.cpu_count", lambda: 4)
-        pool = hashing._hashing_pool()
+        pool = hashing._hashing.get()
 
         class Counted:  # the kept pool, its tasks counted
             def submit(self, work):
                 pools.append(work)
                 return pool.submit(work)
 
-        monkeypatch.setattr(hashing, "_hashing_pool", Counted)
+        monkeypatch.setattr(hashing._hashing, "get", Counted)
     path = tmp_path / "a.kvpack"
     write(path)
     corrupt_b1(path)

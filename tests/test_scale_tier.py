@@ -420,12 +420,13 @@ def test_a_large_read_on_several_threads_reads_back_exactly(reps_pack, monkeypat
     import threading
 
     import mmkv_cli.pack.tensors as tensors
+    from mmkv_cli.pack.pools import KeptPool
 
     path, spans = reps_pack
     names = [s.name for s in spans]
     want = PackReader(path).gather(names)
     monkeypatch.setattr(tensors, "READ_THREADS", 3)
-    monkeypatch.setattr(tensors, "_pool", None)
+    monkeypatch.setattr(tensors, "_reading", KeptPool(3, "mmkv-read"))
     monkeypatch.setattr(tensors, "READ_BYTES", (1 << 20) + 17)
     monkeypatch.setattr(tensors, "PARALLEL_READ_BYTES", 4 << 20)
     real, threads = os.preadv, set()
@@ -447,15 +448,15 @@ def test_a_forked_child_reads_on_a_pool_of_its_own(monkeypatch):
     import os
 
     import mmkv_cli.pack.tensors as tensors
+    from mmkv_cli.pack.pools import KeptPool
 
-    monkeypatch.setattr(tensors, "READ_THREADS", 2)
-    monkeypatch.setattr(tensors, "_pool", None)
-    parents = tensors._reading_pool()
+    monkeypatch.setattr(tensors, "_reading", KeptPool(2, "mmkv-read"))
+    parents = tensors._reading.get()
     assert list(parents.map(abs, [-1, -2])) == [1, 2]
     child = os.fork()
     if child == 0:  # pragma: no cover (the child's own exit code says how it went)
-        ok = tensors._reading_pool() is not parents and list(
-            tensors._reading_pool().map(abs, [-3])
+        ok = tensors._reading.get() is not parents and list(
+            tensors._reading.get().map(abs, [-3])
         ) == [3]
         os._exit(0 if ok else 1)
     _, status = os.waitpid(child, 0)

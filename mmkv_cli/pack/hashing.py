@@ -6,13 +6,13 @@ import hashlib
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import blake3
 import numpy as np
 
 from mmkv_cli.pack.finite import finite_stored
+from mmkv_cli.pack.pools import KeptPool
 
 # Blocks of at least this many bytes on average are checksummed on up to HASH_THREADS threads:
 # from here up, threads fed runs of blocks beat one (docs/measurements.md); a real backbone's blocks
@@ -29,27 +29,9 @@ REPS_CHUNK = 4 << 20
 # The hashes a pack's checksums are made with, by name (format.digest_name says which a version
 # uses): BLAKE3 hashes at about 2.5x sha256's rate a core, which sets the pace of every fresh read
 DIGESTS = {"sha256": hashlib.sha256, "blake3": blake3.blake3}
-_pool: ThreadPoolExecutor | None = None
-_pool_made = threading.Lock()
-
-
-def _hashing_pool() -> ThreadPoolExecutor:
-    """Threads kept for hashing: a retrieval inside the forward checks a layer's blocks 28 times
-    a question, and starting threads for each cost more than hashing a layer's rows."""
-    global _pool
-    with _pool_made:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="mmkv-hash")
-        return _pool
-
-
-def _forget_pool() -> None:
-    """A forked child has none of the pool's threads: it makes a pool of its own."""
-    global _pool, _pool_made
-    _pool, _pool_made = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool)
+# threads kept for hashing: a retrieval inside the forward checks a layer's blocks 28 times a
+# question, and starting threads for each cost more than hashing a layer's rows
+_hashing = KeptPool(HASH_THREADS, "mmkv-hash")
 
 
 def new_digest(algorithm: str):
@@ -192,7 +174,7 @@ def hashed_beside(hashes: BlockHashes, read: Callable[[], T]) -> T:
     hashes what is left with them. Every hash is done when this returns (or read's error is
     raised, after the others stop). A pool thread that starts late finds no run left."""
     workers = max(1, hashes.threads() - 1)  # this thread makes one more once its read is done
-    helping = [_hashing_pool().submit(hashes.work) for _ in range(workers)]
+    helping = [_hashing.get().submit(hashes.work) for _ in range(workers)]
     try:
         out = read()
         hashes.work()
@@ -236,7 +218,7 @@ def chunk_digests(data, chunk: int, algorithm: str) -> list[str]:
 
     if workers < 2:
         return [one(piece) for piece in pieces]
-    return list(_hashing_pool().map(one, pieces))
+    return list(_hashing.get().map(one, pieces))
 
 
 def digest_of(pieces, algorithm: str) -> str:

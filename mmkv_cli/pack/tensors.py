@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
 from mmkv_cli.pack.integrity import read_directory
+from mmkv_cli.pack.pools import KeptPool
 from mmkv_cli.pack.source import PackFile
 
 # buffers one preadv fills at most (Linux's IOV_MAX)
@@ -26,25 +25,7 @@ IOV_MAX = 1024
 READ_BYTES = 8 << 20
 PARALLEL_READ_BYTES = 32 << 20
 READ_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
-_pool: ThreadPoolExecutor | None = None
-_pool_made = threading.Lock()
-
-
-def _reading_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_made:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mmkv-read")
-        return _pool
-
-
-def _forget_pool() -> None:
-    """A forked child has none of the pool's threads: it makes a pool of its own."""
-    global _pool, _pool_made
-    _pool, _pool_made = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool)
+_reading = KeptPool(READ_THREADS, "mmkv-read")
 
 
 # safetensors dtype -> the numpy dtype its bytes are read as, and the torch dtype they are viewed as
@@ -199,7 +180,7 @@ class StoredTensors:
         are many and large (a pread lets go of the GIL, and one thread copies from the page cache
         at a fraction of what the memory does)."""
         if READ_THREADS > 1 and len(reads) > 1 and total >= PARALLEL_READ_BYTES:
-            list(_reading_pool().map(lambda read: self.read_into(read[1], read[0]), reads))
+            list(_reading.get().map(lambda read: self.read_into(read[1], read[0]), reads))
             return
         for offset, pieces in reads:
             self.read_into(pieces, offset)
