@@ -1,6 +1,8 @@
-"""The next chunk's frames decoded on a thread while this chunk runs (encode/stream.py): on a GPU
-the host would otherwise decode while the device waits. On the CPU it is off (the encode keeps every
-core busy); these tests turn it on there and find the same encode, frame for frame."""
+"""The next chunk's frames read and prepared (by the model's processor, into pinned memory on a GPU)
+on a thread while this chunk runs (encode/stream.py): on a GPU the host would otherwise decode and
+prepare while the device waits. On the CPU it is off (the encode keeps every core busy); these
+tests turn it on there and find the same pack, tensor for tensor, for each model family, a
+blockwise method and token reducers."""
 
 from __future__ import annotations
 
@@ -8,55 +10,72 @@ import threading
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import mmkv_cli.encode.stream as stream
 from mmkv_cli.encode.encoder import encode_media
 from mmkv_cli.errors import MediaError
 from mmkv_cli.media import load_media
 from mmkv_cli.methods import EncodeContext
+from mmkv_cli.options import MethodSpec
 from tests.conftest import SAMPLES
-from tests.helpers import choose
+from tests.helpers import choose, encode_pack
 
 CLIP = SAMPLES / "clip.mp4"
+CASES = [
+    ("demo", "full", None),
+    ("demo", "hermes", None),
+    ("demo", "mukv", None),  # blockwise: its own loop over the chunks
+    ("demo", "full", "dtd"),
+    ("tiny-llava-ov", "full", "visionzip"),  # the tower's attention, from the prepared inputs
+    ("tiny-qwen2.5-vl", "rekv", None),
+    ("tiny-qwen3-vl", "full", None),  # frames resized to the clip's pixel budget first
+]
+_backbones: dict = {}
 
 
-@pytest.fixture(scope="module")
-def demo():
-    from mmkv_cli.backbones.loading import load_backbone
-    from mmkv_cli.options import LoadOptions
+def backbone(model: str):
+    if model not in _backbones:
+        from mmkv_cli.backbones.loading import load_backbone
+        from mmkv_cli.options import LoadOptions
 
-    return load_backbone(LoadOptions("demo", "cpu"))
-
-
-def encoded(demo, method: str, read_ahead: bool, monkeypatch, reads: list | None = None):
-    monkeypatch.setattr(stream, "READ_AHEAD", read_ahead)
-    media = load_media(str(CLIP), fps=4, max_frames=14)
-    if reads is not None:
-        real = media.read
-
-        def read(first, stop):
-            reads.append((first, stop, threading.current_thread().name))
-            return real(first, stop)
-
-        monkeypatch.setattr(media, "read", read)
-    return encode_media(demo, media, choose(method, chunk_frames=4), EncodeContext(media.kind))
+        _backbones[model] = load_backbone(LoadOptions(model, "cpu"))
+    return _backbones[model]
 
 
-@pytest.mark.parametrize("method", ["full", "hermes"])
-def test_frames_read_ahead_make_the_same_encode(demo, monkeypatch, method):
-    plain = encoded(demo, method, False, monkeypatch)
-    reads: list = []
-    ahead = encoded(demo, method, True, monkeypatch, reads)
-    chunks = [r for r in reads if r[2].startswith("mmkv-frames")]
-    assert [(a, b) for a, b, _ in chunks] == [(0, 4), (4, 8), (8, 12), (12, 16)]
-    for got, want in zip([ahead.prefix, *ahead.blocks], [plain.prefix, *plain.blocks]):
-        for part in ("keys", "values", "positions"):
-            for a, b in zip(getattr(got, part), getattr(want, part)):
-                assert torch.equal(a, b), (got.name, part)
-    assert len(ahead.blocks) == len(plain.blocks) > 0
+def packed(tmp_path, monkeypatch, model, method, reduce, ahead: bool, seen: list | None = None):
+    monkeypatch.setattr(stream, "READ_AHEAD", ahead)
+    model_backbone = backbone(model)
+    if seen is not None:
+        real = model_backbone.prepare
+
+        def prepare(frames, layout):
+            seen.append(threading.current_thread().name)
+            return real(frames, layout)
+
+        monkeypatch.setattr(model_backbone, "prepare", prepare)
+    out = tmp_path / f"{ahead}.kvpack"
+    spec = MethodSpec(method, {"chunk_frames": 4})
+    encode_pack(CLIP, out, method=spec, backbone=model_backbone, fps=4, max_frames=14,
+                reduce=reduce)  # fmt: skip
+    monkeypatch.undo()
+    return load_file(out)
 
 
-def test_a_read_that_fails_ahead_fails_the_encode_in_one_clear_error(demo, monkeypatch):
+@pytest.mark.parametrize(("model", "method", "reduce"), CASES)
+def test_frames_read_and_prepared_ahead_make_the_same_pack(tmp_path, monkeypatch, model, method,
+                                                           reduce):  # fmt: skip
+    plain = packed(tmp_path, monkeypatch, model, method, reduce, False)
+    seen: list[str] = []
+    ahead = packed(tmp_path, monkeypatch, model, method, reduce, True, seen)
+    # every chunk's inputs made once, ahead: none made again as the chunk is embedded
+    assert len(seen) == 4 and all(name.startswith("mmkv-frames") for name in seen)
+    assert sorted(ahead) == sorted(plain)
+    for name, tensor in plain.items():
+        assert torch.equal(ahead[name], tensor), name
+
+
+def test_a_read_that_fails_ahead_fails_the_encode_in_one_clear_error(monkeypatch):
     monkeypatch.setattr(stream, "READ_AHEAD", True)
     media = load_media(str(CLIP), fps=4, max_frames=14)
     real = media.read
@@ -68,4 +87,6 @@ def test_a_read_that_fails_ahead_fails_the_encode_in_one_clear_error(demo, monke
 
     monkeypatch.setattr(media, "read", read)
     with pytest.raises(MediaError, match="ends early"):
-        encode_media(demo, media, choose("full", chunk_frames=4), EncodeContext(media.kind))
+        encode_media(
+            backbone("demo"), media, choose("full", chunk_frames=4), EncodeContext(media.kind)
+        )

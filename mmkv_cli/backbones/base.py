@@ -106,20 +106,34 @@ class Backbone:
     def tokens_per_step(self, frame_hw: tuple[int, int]) -> int:
         raise NotImplementedError
 
-    def visual_embeds(self, frames: np.ndarray) -> torch.Tensor:
+    def prepare(self, frames: np.ndarray, layout: StreamLayout) -> dict | None:
+        """The vision tower's inputs for these frames, made by the model's processor on the host
+        (host tensors by name), on any thread: on a GPU the encode makes the next chunk's while
+        this one runs. Given back as `inputs` below; None: the family makes them as it embeds."""
+        return None
+
+    def visual_embeds(self, frames: np.ndarray, inputs: dict | None = None) -> torch.Tensor:
         """uint8 [T, H, W, 3] (T a multiple of frames_per_step) -> [1, steps * tokens_per_step,
-        hidden]."""
+        hidden]. inputs: `prepare`'s for these frames (None: made here)."""
         raise NotImplementedError
 
     def visual_chunk(
-        self, frames: np.ndarray, step_times: list[tuple[float, float]], layout: StreamLayout
+        self,
+        frames: np.ndarray,
+        step_times: list[tuple[float, float]],
+        layout: StreamLayout,
+        inputs: dict | None = None,
     ) -> tuple[torch.Tensor, dict]:
         """The stream tokens of these frames' steps, and any extra inputs the language model needs
         for them."""
-        return self.visual_embeds(frames), {}
+        return self.visual_embeds(frames, inputs), {}
 
     def visual_chunk_scored(
-        self, frames: np.ndarray, step_times: list[tuple[float, float]], layout: StreamLayout
+        self,
+        frames: np.ndarray,
+        step_times: list[tuple[float, float]],
+        layout: StreamLayout,
+        inputs: dict | None = None,
     ) -> tuple[torch.Tensor, dict, torch.Tensor]:
         """visual_chunk, and the attention each grid token got in the vision tower [steps, grid
         tokens], on the model's device (token reducers that read it). Only families whose registry

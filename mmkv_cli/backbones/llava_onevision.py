@@ -34,9 +34,12 @@ class LlavaOnevisionBackbone(Backbone):
         h, w = self.visual_grid(frame_hw)
         return h * w
 
+    def prepare(self, frames: np.ndarray, layout: StreamLayout | None) -> dict:
+        return self.video_processor(videos=[frames], return_tensors="pt")
+
     @torch.inference_mode()
-    def visual_embeds(self, frames: np.ndarray) -> torch.Tensor:
-        pixels = self.video_processor(videos=[frames], return_tensors="pt")["pixel_values_videos"]
+    def visual_embeds(self, frames: np.ndarray, inputs: dict | None = None) -> torch.Tensor:
+        pixels = (inputs or self.prepare(frames, None))["pixel_values_videos"]
         config = self.model.config
         out = self.model.model.get_video_features(
             pixels.to(self.device, self.dtype, non_blocking=True),
@@ -48,7 +51,11 @@ class LlavaOnevisionBackbone(Backbone):
 
     @torch.inference_mode()
     def visual_chunk_scored(
-        self, frames: np.ndarray, step_times: list[tuple[float, float]], layout: StreamLayout
+        self,
+        frames: np.ndarray,
+        step_times: list[tuple[float, float]],
+        layout: StreamLayout,
+        inputs: dict | None = None,
     ) -> tuple[torch.Tensor, dict, torch.Tensor]:
         """The chunk's tokens, and the attention each got in the tower's feature layer, pooled to
         the token grid as the features are (bilinear, as apply_pooling does)."""
@@ -57,7 +64,7 @@ class LlavaOnevisionBackbone(Backbone):
         at = config.vision_feature_layer
         attention = layers[at if at < 0 else at - 1].self_attn
         with layer_inputs(attention) as calls:
-            embeds = self.visual_embeds(frames)
+            embeds = self.visual_embeds(frames, inputs)
         patches = torch.cat([siglip_received(attention, *call) for call in calls])
         if config.vision_feature_select_strategy == "default":
             patches = patches[:, 1:]  # the class token is not a feature

@@ -117,11 +117,20 @@ class Qwen3VLBackbone(QwenVLBackbone):
             grid_offsets=offsets,
         )
 
+    def prepare(self, frames: np.ndarray, layout: StreamLayout | None) -> dict:
+        if layout is None:
+            raise ValueError("Qwen3-VL sizes frames by the stream's layout")
+        return self._process_at(frames, layout.resize_to)
+
     @torch.inference_mode()
     def visual_chunk(
-        self, frames: np.ndarray, step_times: list[tuple[float, float]], layout: StreamLayout
+        self,
+        frames: np.ndarray,
+        step_times: list[tuple[float, float]],
+        layout: StreamLayout,
+        inputs: dict | None = None,
     ) -> tuple[torch.Tensor, dict]:
-        inputs = self._process_at(frames, layout.resize_to)
+        inputs = inputs or self.prepare(frames, layout)
         out = self.model.model.get_video_features(
             inputs["pixel_values_videos"].to(self.device, self.dtype, non_blocking=True),
             inputs["video_grid_thw"].to(self.device, non_blocking=True),
@@ -158,5 +167,5 @@ class Qwen3VLBackbone(QwenVLBackbone):
             "deepstack_visual_embeds": [d[rows] for d in extra["deepstack_visual_embeds"]],
         }
 
-    def visual_embeds(self, frames: np.ndarray) -> torch.Tensor:
+    def visual_embeds(self, frames: np.ndarray, inputs: dict | None = None) -> torch.Tensor:
         raise NotImplementedError("Qwen3-VL interleaves markers with frames: use visual_chunk")

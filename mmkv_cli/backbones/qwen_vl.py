@@ -49,9 +49,12 @@ class QwenVLBackbone(Backbone):
         h, w = self.visual_grid(frame_hw)
         return h * w
 
+    def prepare(self, frames: np.ndarray, layout: StreamLayout | None) -> dict:
+        return self._process(frames)
+
     @torch.inference_mode()
-    def visual_embeds(self, frames: np.ndarray) -> torch.Tensor:
-        inputs = self._process(frames)
+    def visual_embeds(self, frames: np.ndarray, inputs: dict | None = None) -> torch.Tensor:
+        inputs = inputs or self.prepare(frames, None)
         out = self.model.model.get_video_features(
             inputs["pixel_values_videos"].to(self.device, self.dtype, non_blocking=True),
             inputs["video_grid_thw"].to(self.device, non_blocking=True),
@@ -61,14 +64,18 @@ class QwenVLBackbone(Backbone):
 
     @torch.inference_mode()
     def visual_chunk_scored(
-        self, frames: np.ndarray, step_times: list[tuple[float, float]], layout: StreamLayout
+        self,
+        frames: np.ndarray,
+        step_times: list[tuple[float, float]],
+        layout: StreamLayout,
+        inputs: dict | None = None,
     ) -> tuple[torch.Tensor, dict, torch.Tensor]:
         """The chunk's tokens, and the attention each got in the tower's last block (a temporal
         step's patches among themselves), averaged over the patches the merger joins into it."""
         visual = self.model.model.visual
         attention = visual.blocks[-1].attn
         with layer_inputs(visual) as tower, layer_inputs(attention) as calls:
-            embeds, extra = self.visual_chunk(frames, step_times, layout)
+            embeds, extra = self.visual_chunk(frames, step_times, layout, inputs)
         patches = torch.cat([qwen_received(attention, *call) for call in calls])
         units = patches.view(-1, visual.spatial_merge_size**2).mean(dim=1)
         grids = torch.cat([kwargs.get("grid_thw", *args[1:2]) for args, kwargs in tower])

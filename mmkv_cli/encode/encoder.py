@@ -186,9 +186,10 @@ def encode_streaming(
         state.seen, state.shift = progress["seen"], progress["shift"]
         state.prefilled = progress.get("prefilled", state.seen)
         peak_kv, skip = progress["peak_kv"], progress["chunks"]
-    for number, (first_step, frames, done) in enumerate(stream.chunks(1, skip), start=skip + 1):
+    chunks = stream.chunks(1, skip)
+    for number, (first_step, frames, done, inputs) in enumerate(chunks, start=skip + 1):
         steps = stream.step_times[first_step : first_step + len(frames) // backbone.frames_per_step]
-        stream_chunk(backbone, state, policy, frames, steps, layout, stream.reducer)
+        stream_chunk(backbone, state, policy, frames, steps, layout, stream.reducer, inputs)
         peak_kv = max(peak_kv, running.kv_bytes())
         if sealing is not None:  # before after_chunk moves anything out of attention
             sealing.chunk(state, len(steps))
@@ -245,11 +246,13 @@ def visual_tokens(
     layout: StreamLayout,
     first_step: int,
     reducer: ChunkReducer | None,
+    inputs: dict | None = None,
 ) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
-    """A chunk's stream tokens, extra LM inputs, and which of them to prefill (None: all)."""
+    """A chunk's stream tokens, extra LM inputs, and which of them to prefill (None: all).
+    inputs: the backbone's prepared for these frames (None: made now)."""
     if reducer is None:
-        return (*backbone.visual_chunk(frames, steps, layout), None)
-    return reducer.visual(backbone, frames, steps, layout, first_step)
+        return (*backbone.visual_chunk(frames, steps, layout, inputs), None)
+    return reducer.visual(backbone, frames, steps, layout, first_step, inputs)
 
 
 def stream_chunk(
@@ -260,6 +263,7 @@ def stream_chunk(
     steps: list[tuple[float, float]],
     layout: StreamLayout,
     reducer: ChunkReducer | None = None,
+    inputs: dict | None = None,
 ) -> None:
     """One chunk through the running cache, placed where the layout puts it, the policy
     recording what it scores by (H2O, MEDA: what every query row attends to). Eviction is the
@@ -267,7 +271,9 @@ def stream_chunk(
     reducer drops is never prefilled: to the policy it is a token evicted as it arrived."""
     first_step = int(state.token_step[state.seen])
     state.grid = layout.grid
-    embeds, extra, keep = visual_tokens(backbone, frames, steps, layout, first_step, reducer)
+    embeds, extra, keep = visual_tokens(
+        backbone, frames, steps, layout, first_step, reducer, inputs
+    )
     n = embeds.shape[1]
     index = torch.arange(state.seen, state.seen + n)
     placed = state.placed(state.seen, state.seen + n)
@@ -319,10 +325,11 @@ def encode_blockwise(
     sealed = blocks_tensors(blocks) if checkpoint else {}
     unit = policy.segment_steps(per_step)
     copies = HostCopies(backbone.device)  # blocks leave the device while the next chunk runs
-    for number, (first_step, frames, done) in enumerate(stream.chunks(unit, skip), start=skip + 1):
+    chunks = stream.chunks(unit, skip)
+    for number, (first_step, frames, done, inputs) in enumerate(chunks, start=skip + 1):
         times = stream.step_times[first_step : first_step + len(frames) // per_step]
         embeds, extra, keep = visual_tokens(
-            backbone, frames, times, layout, first_step, stream.reducer
+            backbone, frames, times, layout, first_step, stream.reducer, inputs
         )
         n = embeds.shape[1]
         plans = chunk_plans(policy, layout, first_step, len(times), per_step, keep)

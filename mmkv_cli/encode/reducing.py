@@ -38,14 +38,15 @@ class ChunkReducer:
         steps: list[tuple[float, float]],
         layout: StreamLayout,
         first_step: int,
+        inputs: dict | None = None,
     ) -> tuple[torch.Tensor, dict, torch.Tensor]:
         """(the chunk's embeddings [1, n, H] with merged tokens written in, the extra LM inputs,
-        keep [n] bool: the tokens to prefill)."""
+        keep [n] bool: the tokens to prefill). inputs: the backbone's prepared for the frames."""
         importance = None
         if self.choice.reducer.tower_attention:
-            embeds, extra, importance = backbone.visual_chunk_scored(frames, steps, layout)
+            embeds, extra, importance = backbone.visual_chunk_scored(frames, steps, layout, inputs)
         else:
-            embeds, extra = backbone.visual_chunk(frames, steps, layout)
+            embeds, extra = backbone.visual_chunk(frames, steps, layout, inputs)
         where = grid_index(layout, first_step, len(steps))
         flat = where.flatten().to(embeds.device, non_blocking=True)
         grid = embeds[0, flat].float().view(*where.shape, -1)

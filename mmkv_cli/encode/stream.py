@@ -1,5 +1,5 @@
 """An encode's fixed inputs and its media cut into chunks of whole temporal steps, the next chunk's
-frames read ahead on a GPU."""
+frames read and prepared ahead on a GPU."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from mmkv_cli.backbones.base import Backbone, StreamLayout
 from mmkv_cli.encode.reducing import ChunkReducer
@@ -30,32 +31,43 @@ class Stream:
     reducer: ChunkReducer | None = None  # tokens dropped or merged before the prefill
 
     def chunks(self, unit_steps: int, skip: int = 0):
-        """(first step, frames, frames done after it) of every chunk: whole multiples of
-        `unit_steps` temporal steps, the last frame repeated to fill the last step. skip: chunks
-        a resumed encode already has (their frames are not even read)."""
+        """(first step, frames, frames done after it, the backbone's inputs made of them or None)
+        of every chunk: whole multiples of `unit_steps` temporal steps, the last frame repeated to
+        fill the last step. skip: chunks a resumed encode already has (their frames are not even
+        read)."""
         per_step = self.backbone.frames_per_step
         unit = per_step * unit_steps
         size = max(unit, self.chunk_frames - self.chunk_frames % unit)
         firsts = range(skip * size, self.media.num_frames, size)
-        for first, frames in zip(firsts, self._frames(firsts, size)):
-            yield first // per_step, padded(frames, per_step), first + len(frames)
+        for first, (frames, count, inputs) in zip(firsts, self._loaded(firsts, size)):
+            yield first // per_step, frames, first + count, inputs
 
-    def _frames(self, firsts: range, size: int):
-        """Each chunk's frames in turn. On a GPU the next is read on a thread of its own while the
-        caller works on this one: the host would otherwise decode while the device waits (on a
-        CPU the encode keeps every core busy). One read at a time: the media is never read from
-        two threads at once."""
+    def _loaded(self, firsts: range, size: int):
+        """Each chunk's (frames, how many were read, inputs) in turn. On a GPU the next chunk is
+        read and prepared by the backbone's processor (into pinned memory) on a thread of its own
+        while the caller works on this one: the host would otherwise decode and prepare while the
+        device waits (on a CPU the encode keeps every core busy). One chunk at a time: the media
+        and the processor are never used from two threads at once."""
         if not (READ_AHEAD or self.backbone.device.type == "cuda"):
             for first in firsts:
-                yield self.media.read(first, first + size)
+                frames = self.media.read(first, first + size)
+                yield padded(frames, self.backbone.frames_per_step), len(frames), None
             return
         with ThreadPoolExecutor(1, thread_name_prefix="mmkv-frames") as reading:
-            ahead = [reading.submit(self.media.read, first, first + size) for first in firsts[:1]]
+            ahead = [reading.submit(self._prepared, first, size) for first in firsts[:1]]
             for i in range(1, len(firsts) + 1):
-                frames = ahead.pop().result()
+                loaded = ahead.pop().result()
                 if i < len(firsts):
-                    ahead.append(reading.submit(self.media.read, firsts[i], firsts[i] + size))
-                yield frames
+                    ahead.append(reading.submit(self._prepared, firsts[i], size))
+                yield loaded
+
+    def _prepared(self, first: int, size: int) -> tuple[np.ndarray, int, dict | None]:
+        frames = self.media.read(first, first + size)
+        count, frames = len(frames), padded(frames, self.backbone.frames_per_step)
+        inputs = self.backbone.prepare(frames, self.layout)
+        if inputs is not None and self.backbone.device.type == "cuda":  # sent without a wait
+            inputs = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in inputs.items()}
+        return frames, count, inputs
 
     def report(self, frames: int, tokens: int) -> None:
         if self.progress:
