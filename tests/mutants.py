@@ -77,6 +77,16 @@ class Parts:
             "mmkv_sha256": hashlib.sha256(text.encode()).hexdigest(),
         }
 
+    @classmethod
+    def with_header(cls, path, edit) -> bytes:
+        """The pack at `path` with its header edited by `edit(header)` and its checksum made
+        again, as a forger would."""
+        parts = cls.of(path.read_bytes())
+        header = parts.header()
+        edit(header)
+        parts.set_header(header)
+        return parts.bytes()
+
     def reseal(self) -> None:
         """Recompute the index digest and the header checksum, as a forger would."""
         entries = {k: v for k, v in self.directory.items() if k != "__metadata__"}

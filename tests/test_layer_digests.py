@@ -170,24 +170,20 @@ def test_a_v11_pack_retrieved_by_layer_still_checks_whole_blocks(tmp_path):
 @pytest.mark.parametrize("runs", [0, 3, "4"])
 def test_digest_runs_that_do_not_cut_the_layers_are_refused(tmp_path, runs):
     write(tmp_path / "p.kvpack")
-    parts = Parts.of((tmp_path / "p.kvpack").read_bytes())
-    header = parts.header()
-    header["blocks"]["digest_layers"] = runs
-    parts.set_header(header)
     forged = tmp_path / "forged.kvpack"
-    forged.write_bytes(parts.bytes())
+    forged.write_bytes(
+        Parts.with_header(tmp_path / "p.kvpack", lambda h: h["blocks"].update(digest_layers=runs))
+    )
     with pytest.raises(PackError, match="digest_layers"):
         PackReader(forged)
 
 
 def test_a_v12_pack_must_say_its_digest_runs(tmp_path):
     write(tmp_path / "p.kvpack")
-    parts = Parts.of((tmp_path / "p.kvpack").read_bytes())
-    header = parts.header()
-    del header["blocks"]["digest_layers"]
-    parts.set_header(header)
     shutil.copy(tmp_path / "p.kvpack", tmp_path / "kept.kvpack")
-    (tmp_path / "p.kvpack").write_bytes(parts.bytes())
+    (tmp_path / "p.kvpack").write_bytes(
+        Parts.with_header(tmp_path / "p.kvpack", lambda h: h["blocks"].pop("digest_layers"))
+    )
     with pytest.raises(PackError, match="digest_layers"):
         PackReader(tmp_path / "p.kvpack")
     assert PackReader(tmp_path / "kept.kvpack").blocks[0]["digest"]

@@ -254,12 +254,10 @@ def test_a_forged_prefilled_count_is_refused_on_open(tmp_path, backbones):
     pack = tmp_path / "p.kvpack"
     encode_pack(SAMPLES / "clip.mp4", pack, backbone=backbones["tiny-llava-ov"], reduce="dtd")
     for value in (10**9, -1, "many"):
-        parts = Parts.of(pack.read_bytes())
-        header = parts.header()
-        header["stats"]["visual_tokens_prefilled"] = value
-        parts.set_header(header)
         forged = tmp_path / "forged.kvpack"
-        forged.write_bytes(parts.bytes())
+        forged.write_bytes(
+            Parts.with_header(pack, lambda h, v=value: h["stats"].update(visual_tokens_prefilled=v))
+        )
         with pytest.raises(PackError, match="corrupted"):
             api.inspect(forged)
 
