@@ -50,20 +50,23 @@ class Stream:
         and the processor are never used from two threads at once."""
         if not (READ_AHEAD or self.backbone.device.type == "cuda"):
             for first in firsts:
-                frames = self.media.read(first, first + size)
-                yield padded(frames, self.backbone.frames_per_step), len(frames), None
+                yield self._load(first, size, prepare=False)
             return
         with ThreadPoolExecutor(1, thread_name_prefix="mmkv-frames") as reading:
-            ahead = [reading.submit(self._prepared, first, size) for first in firsts[:1]]
+            ahead = [reading.submit(self._load, first, size) for first in firsts[:1]]
             for i in range(1, len(firsts) + 1):
                 loaded = ahead.pop().result()
                 if i < len(firsts):
-                    ahead.append(reading.submit(self._prepared, firsts[i], size))
+                    ahead.append(reading.submit(self._load, firsts[i], size))
                 yield loaded
 
-    def _prepared(self, first: int, size: int) -> tuple[np.ndarray, int, dict | None]:
+    def _load(self, first: int, size: int, prepare: bool = True) -> tuple:
+        """(frames [first, first + size) padded to whole steps, how many were read, the
+        backbone's inputs made of them, or None unless `prepare`)."""
         frames = self.media.read(first, first + size)
         count, frames = len(frames), padded(frames, self.backbone.frames_per_step)
+        if not prepare:
+            return frames, count, None
         inputs = self.backbone.prepare(frames, self.layout)
         if inputs is not None and self.backbone.device.type == "cuda":  # sent without a wait
             inputs = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in inputs.items()}

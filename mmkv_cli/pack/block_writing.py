@@ -4,6 +4,7 @@ quantized) once, hashed, and written at its place in each shared block tensor.""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import accumulate
 
 from mmkv_cli.pack import vidkv
 from mmkv_cli.pack.format import Span, raw_bytes
@@ -117,9 +118,7 @@ def layer_digests(
     positions stored once for every layer go whole into each digest). One run of all the layers:
     the digest of the block's bytes."""
     total = sum(counts)
-    edges = [0]
-    for n in counts:
-        edges.append(edges[-1] + n)
+    edges = [0, *accumulate(counts)]  # each layer's first row
     out = []
     for first in range(0, len(counts), digest_layers):
         a, b = edges[first], edges[min(len(counts), first + digest_layers)]

@@ -235,19 +235,11 @@ class BlockRows:
             return starts[units], stops[units]
         if part == "kq":  # v12 writes key scales spanning blocks, under digests of their own
             raise ValueError("key scales as block rows have one digest a block")
-        block, run = units // self.units, units % self.units
-        edges = np.zeros((len(self.indices), self.layers + 1), dtype=np.int64)
-        np.cumsum(self.counts, axis=1, out=edges[:, 1:])
-        first = edges[block, run * self.digest_layers]
-        stop = edges[block, np.minimum(self.layers, (run + 1) * self.digest_layers)]
-        if part != "pos":
-            return self.offsets[block] + first, self.offsets[block] + stop
-        base = self.position_offsets[block]
-        shared = self.shared[block] == 1
-        return (
-            np.where(shared, base, base + first),
-            np.where(shared, base + self.counts[block, 0], base + stop),
-        )
+        # a run's layers lie together: from its first layer's start to its last layer's end
+        block, first = units // self.units, units % self.units * self.digest_layers
+        last = first + self.digest_layers - 1
+        starts = self.position_starts if part == "pos" else self.token_starts
+        return starts[block, first], starts[block, last] + self.counts[block, last]
 
     def _runs(self, starts: np.ndarray, taken: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         # layer-major: every layer's taken blocks in context order, so a tensor is read in one go

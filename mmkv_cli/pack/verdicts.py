@@ -27,12 +27,12 @@ class LaterVerdicts:
     def __init__(self, path: str) -> None:
         self.path = path
         self._flags: list[torch.Tensor] = []
-        self._names: list[str] = []
+        self._names: dict[str, None] = {}  # in the order first read, each once
 
     def add(self, flag: torch.Tensor | None, names: list[str]) -> None:
         if flag is not None:
             self._flags.append(flag)
-            self._names += [n for n in names if n not in self._names]
+            self._names.update(dict.fromkeys(names))
 
     def pending(self) -> torch.Tensor | None:
         """Every verdict in one bool tensor, not read (None: none to read)."""
@@ -42,5 +42,6 @@ class LaterVerdicts:
         """Refuse the pack unless `finite`, the pending verdict as read."""
         self._flags = []
         if not finite:
-            shown = ", ".join(self._names[:3]) + (", ..." if len(self._names) > 3 else "")
+            names = list(self._names)
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
             raise PackError(f"{self.path} is corrupted (NaN or Inf in the K/V of {shown})")
