@@ -176,6 +176,12 @@ def test_digest_runs_that_do_not_cut_the_layers_are_refused(tmp_path, runs):
     )
     with pytest.raises(PackError, match="digest_layers"):
         PackReader(forged)
+    from typer.testing import CliRunner
+
+    from mmkv_cli.cli.app import app
+
+    shown = CliRunner().invoke(app, ["verify", str(forged)])
+    assert shown.exit_code == 4 and "blocks.digest_layers" in shown.output
 
 
 def test_a_v12_pack_must_say_its_digest_runs(tmp_path):

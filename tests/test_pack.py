@@ -400,3 +400,10 @@ def test_a_directory_padded_with_other_whitespace_is_refused(tmp_path, space):
     padded.write_bytes(struct.pack("<Q", len(flipped)) + flipped + raw[8 + length :])
     with pytest.raises(PackError, match="whitespace in its directory"):
         PackReader(padded)
+    from typer.testing import CliRunner
+
+    from mmkv_cli.cli.app import app
+
+    shown = CliRunner().invoke(app, ["inspect", str(padded)])
+    assert shown.exit_code == 4 and "whitespace in its directory" in shown.output
+    assert "Traceback" not in shown.output
