@@ -32,6 +32,7 @@ class ServeConfig:
     models: int | None = knob(None, "backbones kept loaded (LRU)", low=1)
     cors: tuple[str, ...] | None = knob(None, "origins whose web pages may call the API ('*': any)")
     preload: bool | None = knob(None, "load the model before answering anything, /health included")
+    open_metrics: bool | None = knob(None, "answer /metrics without the API key (for a scraper)")
 
 
 @dataclass(frozen=True)

@@ -167,6 +167,14 @@ def test_a_key_is_required_when_set(packs):
             assert (await client.get("/v1/models", headers=wrong)).status_code == 401
             right = {"Authorization": "Bearer sesame"}
             assert (await client.get("/v1/models", headers=right)).status_code == 200
+            # request counts, latencies and load are the server's business: the key's too
+            assert (await client.get("/metrics")).status_code == 401
+            scraped = await client.get("/metrics", headers=right)
+            assert scraped.status_code == 200 and "mmkv_requests_total" in scraped.text
+        _, scraper = _in_process(packs, api_key="sesame", open_metrics=True)
+        async with scraper:  # --open-metrics: for a scraper that cannot send a key
+            assert (await scraper.get("/metrics")).status_code == 200
+            assert (await scraper.get("/v1/models")).status_code == 401
 
     asyncio.run(go())
 

@@ -191,6 +191,9 @@ def serve(
     preload: bool = typer.Option(
         False, "--preload", help="Load the model before answering anything, /health included."
     ),
+    open_metrics: bool = typer.Option(
+        False, "--open-metrics", help="Answer /metrics without the API key (for a scraper)."
+    ),
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
 ) -> None:
@@ -216,6 +219,7 @@ def serve(
             queue=queue,
             cors=cors,
             preload=preload,
+            open_metrics=open_metrics,
         )
         _log_access()
         count = len(app.state.packs.names())

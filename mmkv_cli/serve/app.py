@@ -41,7 +41,8 @@ from mmkv_cli.serve.streams import Streams
 
 MAX_BODY_BYTES = 1 << 20  # a chat request is text: 1 MiB is generous
 # what a probe or a scraper reads without the API key: nothing about any pack
-OPEN_ROUTES = ("/health", "/metrics", "/version")
+# answered without the API key: probes and what a client checks before it has one
+OPEN_ROUTES = ("/health", "/version")
 ACCESS = logging.getLogger("mmkv.access")  # one line a request; `mmkv serve` prints it to stderr
 
 
@@ -142,10 +143,13 @@ def create_app(
     queue: int = 16,
     cors: list[str] | None = None,
     preload: bool = False,
+    open_metrics: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible app over the packs in `folder`: guards, error bodies, routes, and
     for browsers the origins in `cors` (`*`: any). preload: load the model (`load`'s, else the
-    default) before the server answers anything, `/health` included."""
+    default) before the server answers anything, `/health` included. open_metrics: /metrics
+    answers without the key (it tells request counts, latencies and load, so it needs the key by
+    default)."""
     packs = Packs(shelf(folder), load or LoadOptions(), models, queue)
     metrics = Metrics(lambda: packs.pending, lambda: len(packs.backbones))
     local = packs.shelf.folder if isinstance(packs.shelf, FolderShelf) else None
@@ -160,7 +164,7 @@ def create_app(
 
     app = FastAPI(title="mmkv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.packs, app.state.streams, app.state.metrics = packs, streams, metrics
-    _guard(app, api_key, metrics)
+    _guard(app, api_key, metrics, OPEN_ROUTES + (("/metrics",) if open_metrics else ()))
     if cors:  # added last, so it runs first: a preflight carries no key
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -174,9 +178,9 @@ def create_app(
     return app
 
 
-def _guard(app: FastAPI, api_key: str | None, metrics: Metrics) -> None:
+def _guard(app: FastAPI, api_key: str | None, metrics: Metrics, open_routes: tuple) -> None:
     """Every request: counted, timed and logged (one access line), a bounded body of a declared
-    length, and the API key where one is set."""
+    length, and the API key where one is set (on every route but `open_routes`)."""
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -202,7 +206,7 @@ def _guard(app: FastAPI, api_key: str | None, metrics: Metrics) -> None:
             return _error(411, "a request body needs a Content-Length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
             return _error(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-        if api_key and request.url.path not in OPEN_ROUTES:
+        if api_key and request.url.path not in open_routes:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return _error(
