@@ -11,7 +11,7 @@ import torch
 from mmkv_cli import api
 from mmkv_cli.errors import OutputExistsError, PackError, StorageError
 from mmkv_cli.options import AskOptions, EncodeOptions, LoadOptions
-from mmkv_cli.pack.storage import Intervals, is_url, merged
+from mmkv_cli.pack.storage import Intervals, batches, is_url, merged, pieces
 from tests.conftest import ROOT, SAMPLES
 from tests.helpers import serving
 
@@ -26,6 +26,12 @@ def test_intervals_fetch_only_what_is_missing():
     assert (held.starts, held.stops) == ([10], [40])
     assert held.missing(5, 45) == [(5, 10), (40, 45)]
     assert merged([(50, 60), (0, 10), (12, 20), (5, 8)], gap=2) == [(0, 20), (50, 60)]
+    assert pieces([(0, 10), (20, 24)], 4) == [(0, 4), (4, 8), (8, 10), (20, 24)]
+    assert batches([(0, 4), (4, 8), (8, 10), (20, 30)], 8) == [
+        [(0, 4), (4, 8)],
+        [(8, 10)],
+        [(20, 30)],
+    ]
 
 
 def test_urls_and_local_paths():
@@ -192,3 +198,59 @@ def test_a_retrieval_by_layer_fetches_that_layers_rows(s3_server, tmp_path):
     assert torch.equal(keys[5], spans[3].keys[5]) and torch.equal(values[5], spans[3].values[5])
     layer = 2 * spans[3].keys[5].numel() * 2  # its K and V rows, float16
     assert layer <= reader.fetched - opened < 3 * layer  # the block's 28 layers: 28 times that
+
+
+def test_a_large_fetch_goes_in_bounded_requests_and_batches(s3_server, tmp_path, monkeypatch):
+    """A retrieved context or a `verify` of an hour's pack at 7B fetches GBs: in requests of at
+    most FETCH_BYTES, at most FETCH_BATCH_BYTES of them held at once before they are written, and
+    each written whole though one pwrite writes at most 2 GiB - 4 KiB on Linux (lowered here: the
+    mirror's pwrite writes at most 100,000 bytes a call)."""
+    import s3fs
+
+    from mmkv_cli.pack import PackReader, storage
+    from mmkv_cli.pack.report import verify
+    from tests.test_scale_tier import write_7b
+
+    spans = write_7b(tmp_path / "p.kvpack", 8, tokens=24)  # 5.6 MB of K/V
+    url = "s3://packs/large/p.kvpack"
+    s3fs.S3FileSystem().put(str(tmp_path / "p.kvpack"), url)
+    monkeypatch.setattr(storage, "FETCH_BYTES", 256 << 10)
+    monkeypatch.setattr(storage, "FETCH_BATCH_BYTES", 1 << 20)
+    asked, writes = [], []
+    fetch, pwrite = storage.RemoteFile._fetch, os.pwrite
+
+    def counted(self, wanted):
+        asked.append(wanted)
+        return fetch(self, wanted)
+
+    def short(fd, data, offset):
+        writes.append(len(data))
+        return pwrite(fd, bytes(memoryview(data)[:100_000]), offset)
+
+    monkeypatch.setattr(storage.RemoteFile, "_fetch", counted)
+    monkeypatch.setattr(storage.os, "pwrite", short)
+    reader = PackReader(url)
+    names = [s.name for s in spans]
+    keys, values, _ = reader.gather(names)
+    for layer in (0, 27):
+        assert torch.equal(keys[layer], torch.cat([s.keys[layer] for s in spans], 1))
+        assert torch.equal(values[layer], torch.cat([s.values[layer] for s in spans], 1))
+    sizes = [b - a for batch in asked for a, b in batch]
+    assert max(sizes) <= 256 << 10 and sum(b - a for a, b in asked[-1]) <= 1 << 20
+    assert max(sum(b - a for a, b in batch) for batch in asked) <= 1 << 20
+    assert len(asked) > 5 and max(writes) > 100_000  # batches, and writes that came up short
+    assert verify(url)["ok"]
+
+
+def test_a_mirror_that_cannot_be_written_is_one_line(s3_packs, monkeypatch):
+    from mmkv_cli.pack import PackReader, storage
+
+    url, _, _ = s3_packs
+
+    def full(fd, data, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(storage.os, "pwrite", full)
+    with pytest.raises(StorageError, match="No space left on device") as err:
+        PackReader(url)
+    assert "\n" not in str(err.value) and "temporary folder" in str(err.value)

@@ -25,6 +25,13 @@ URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 WHOLE_ON_UPLOAD = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"}
 # Ranges closer than this are fetched as one request: a round trip costs more than 64 KiB.
 MERGE_GAP = 64 << 10
+# A request asks for at most this many bytes: a retrieved context or a `verify` of an hour's pack
+# at 7B wants GBs, fetched as many ranged GETs at once (one connection runs far below the store's
+# rate) rather than one
+FETCH_BYTES = 16 << 20
+# Requests in flight together ask for at most this many bytes: what a fetch holds in memory
+# before it is written to the mirror
+FETCH_BATCH_BYTES = 256 << 20
 # what to install for a scheme's fsspec driver
 DRIVERS = {"s3": "'mmkv[s3]'", "s3a": "'mmkv[s3]'", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs"}
 
@@ -164,6 +171,24 @@ class Intervals:
         self.starts[lo:hi], self.stops[lo:hi] = [start], [stop]
 
 
+def pieces(ranges: list[tuple[int, int]], most: int) -> list[tuple[int, int]]:
+    """`ranges` cut into ranges of at most `most` bytes."""
+    return [(a, min(stop, a + most)) for start, stop in ranges for a in range(start, stop, most)]
+
+
+def batches(ranges: list[tuple[int, int]], most: int) -> list[list[tuple[int, int]]]:
+    """`ranges` in order, in runs of at most `most` bytes together (a range larger alone)."""
+    out: list[list[tuple[int, int]]] = []
+    held = most
+    for start, stop in ranges:
+        if held + stop - start > most:
+            out.append([])
+            held = 0
+        out[-1].append((start, stop))
+        held += stop - start
+    return out
+
+
 def merged(ranges: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
     """Sorted ranges with those less than `gap` apart joined."""
     out: list[list[int]] = []
@@ -206,24 +231,42 @@ class RemoteFile:
         self.requests = 0
 
     def ensure(self, ranges: list[tuple[int, int]]) -> None:
-        """Fetch whatever of `ranges` (absolute [start, stop) byte ranges) is not held yet."""
+        """Fetch whatever of `ranges` (absolute [start, stop) byte ranges) is not held yet: in
+        requests of at most FETCH_BYTES, FETCH_BATCH_BYTES of them at a time, each written to
+        the mirror before the next batch is asked for."""
         wanted = [m for a, b in ranges for m in self._held.missing(max(0, a), min(b, self.size))]
         wanted = merged(wanted, MERGE_GAP)
         if not wanted:
             return
-        try:
-            parts = self._fetch(wanted)
-        except Exception as err:
-            raise self._failure(err) from None
-        for (start, stop), data in zip(wanted, parts):
-            if isinstance(data, BaseException):
-                raise self._failure(data)
-            if len(data) != stop - start:
-                raise PackError(f"{self.url} changed while it was being read")
-            os.pwrite(self.file.fileno(), data, start)
-            self._held.add(start, stop)
-        self.fetched += sum(b - a for a, b in wanted)
-        self.requests += len(wanted)
+        for batch in batches(pieces(wanted, FETCH_BYTES), FETCH_BATCH_BYTES):
+            try:
+                parts = self._fetch(batch)
+            except Exception as err:
+                raise self._failure(err) from None
+            for (start, stop), data in zip(batch, parts):
+                if isinstance(data, BaseException):
+                    raise self._failure(data)
+                if len(data) != stop - start:
+                    raise PackError(f"{self.url} changed while it was being read")
+                self._write(data, start)
+                self._held.add(start, stop)
+            self.fetched += sum(b - a for a, b in batch)
+            self.requests += len(batch)
+
+    def _write(self, data: bytes, start: int) -> None:
+        """`data` into the mirror at `start`, whole: one pwrite writes at most 2 GiB - 4 KiB on
+        Linux, and a full disk is one line."""
+        view, fd = memoryview(data), self.file.fileno()
+        while len(view):
+            try:
+                written = os.pwrite(fd, view, start)
+            except OSError as err:
+                raise StorageError(
+                    f"cannot hold {self.url}'s bytes in the temporary folder: {err.strerror or err}"
+                ) from None
+            if written <= 0:
+                raise StorageError(f"cannot hold {self.url}'s bytes in the temporary folder")
+            view, start = view[written:], start + written
 
     def _fetch(self, wanted: list[tuple[int, int]]) -> list:
         """The bytes of `wanted`: on S3, each range asked of the version opened (If-Match its
