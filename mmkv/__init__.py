@@ -109,7 +109,7 @@ def _method_options(
         if value is not None and own[key] is not None:
             raise UsageError(f"{key} is set on the method object and given here: give it once")
         own[key] = own[key] if value is None else value
-    return dict(method=method.spec(), **own)
+    return dict(method=method.spec(), reduce_params=method.reduce_params, **own)
 
 
 @called_from_python()

@@ -45,6 +45,7 @@ def _class_stub(cls: type[MethodConfig], imports: set[str]) -> list[str]:
     lines.append("        budget: float | None = ...,")
     lines.append("        budget_tokens: int | None = ...,")
     lines.append("        reduce: str | None = ...,")
+    lines.append("        reduce_params: Mapping[str, Any] | None = ...,")
     for f in own:
         lines.append(f"        {f.name}: {annotation(hints[f.name], imports)} = ...,")
     lines.append("    ) -> None: ...")
@@ -74,6 +75,7 @@ def render() -> str:
         "    budget: float | None",
         "    budget_tokens: int | None",
         "    reduce: str | None",
+        "    reduce_params: Mapping[str, Any] | None",
         "    def spec(self) -> MethodSpec: ...",
         "    def encode_options(self, **options: Any) -> EncodeOptions: ...",
         "",

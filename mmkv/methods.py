@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from mmkv_cli.errors import called_from_python
@@ -38,18 +39,22 @@ class MethodConfig:
         budget: the share of visual tokens kept, in (0, 1] (None: the method's default).
         budget_tokens: visual tokens kept per layer, instead of a share.
         reduce: a token reducer before the prefill (None: the method's own; 'none': none).
+        reduce_params: the reducer's parameters over its defaults (a preset's: over the preset's).
     """
 
     method: ClassVar[str]  # the method's name in the registry
     budget: float | None = knob(None, "share of visual tokens kept, in (0, 1] (None: its default)")
     budget_tokens: int | None = knob(None, "visual tokens kept per layer, instead of a share")
     reduce: str | None = knob(None, "a token reducer before the prefill (None: its own; 'none')")
+    reduce_params: Mapping[str, Any] | None = knob(None, "the reducer's parameters over its own")
 
     def __post_init__(self) -> None:
         with called_from_python():
             choice = choice_for(self.encode_options())  # every value checked, as a preset's is
         for name, value in vars(choice.params).items():  # mappings given become typed values
             object.__setattr__(self, name, value)
+        if self.reduce_params is not None:  # a copy: the caller's dict may change after
+            object.__setattr__(self, "reduce_params", dict(self.reduce_params))
 
     def spec(self) -> MethodSpec:
         """The method by name with these parameters (what an options record carries)."""
@@ -63,6 +68,7 @@ class MethodConfig:
             budget=self.budget,
             budget_tokens=self.budget_tokens,
             reduce=self.reduce,
+            reduce_params=self.reduce_params,
             **options,
         )
 
@@ -111,4 +117,6 @@ def get(name: str, **changes: Any) -> MethodConfig:
     own = choice.method.reducer
     if (choice.reduce.name if choice.reduce else None) != own:
         values["reduce"] = choice.reduce.name if choice.reduce else "none"
+    if choice.reduce is not None and choice.reduce.params != choice.reduce.reducer.params():
+        values["reduce_params"] = as_plain(choice.reduce.params)
     return CLASSES[choice.method.name](**{**values, **changes})

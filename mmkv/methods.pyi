@@ -15,6 +15,7 @@ class MethodConfig:
     budget: float | None
     budget_tokens: int | None
     reduce: str | None
+    reduce_params: Mapping[str, Any] | None
     def spec(self) -> MethodSpec: ...
     def encode_options(self, **options: Any) -> EncodeOptions: ...
 
@@ -32,6 +33,7 @@ class Full(MethodConfig):
         budget: float | None = ...,
         budget_tokens: int | None = ...,
         reduce: str | None = ...,
+        reduce_params: Mapping[str, Any] | None = ...,
         chunk_frames: int = ...,
     ) -> None: ...
 
@@ -45,6 +47,7 @@ class Recency(MethodConfig):
         budget: float | None = ...,
         budget_tokens: int | None = ...,
         reduce: str | None = ...,
+        reduce_params: Mapping[str, Any] | None = ...,
         chunk_frames: int = ...,
     ) -> None: ...
 
@@ -65,6 +68,7 @@ class ReKV(MethodConfig):
         budget: float | None = ...,
         budget_tokens: int | None = ...,
         reduce: str | None = ...,
+        reduce_params: Mapping[str, Any] | None = ...,
         chunk_frames: int = ...,
         window_tokens: int | None = ...,
         k: int = ...,
@@ -103,6 +107,7 @@ class MuKV(MethodConfig):
         budget: float | None = ...,
         budget_tokens: int | None = ...,
         reduce: str | None = ...,
+        reduce_params: Mapping[str, Any] | None = ...,
         chunk_frames: int = ...,
         segment_frames: int = ...,
         views: Literal['stream', 'middle_frame'] = ...,
@@ -149,6 +154,7 @@ class HERMES(MethodConfig):
         budget: float | None = ...,
         budget_tokens: int | None = ...,
         reduce: str | None = ...,
+        reduce_params: Mapping[str, Any] | None = ...,
         chunk_frames: int = ...,
         guidance_prompt: str | None = ...,
         shallow_share: float = ...,
@@ -183,6 +189,7 @@ class InfiniPotV(MethodConfig):
         budget: float | None = ...,
         budget_tokens: int | None = ...,
         reduce: str | None = ...,
+        reduce_params: Mapping[str, Any] | None = ...,
         chunk_frames: int = ...,
         tar_share: float = ...,
         recent_share: float = ...,
@@ -204,6 +211,7 @@ class SnapKV(MethodConfig):
         budget: float | None = ...,
         budget_tokens: int | None = ...,
         reduce: str | None = ...,
+        reduce_params: Mapping[str, Any] | None = ...,
         chunk_frames: int = ...,
         guidance_prompt: str | None = ...,
         pool_kernel: int = ...,
@@ -223,6 +231,7 @@ class H2O(MethodConfig):
         budget: float | None = ...,
         budget_tokens: int | None = ...,
         reduce: str | None = ...,
+        reduce_params: Mapping[str, Any] | None = ...,
         chunk_frames: int = ...,
         score_every: int = ...,
         selection: Literal['per_head', 'per_layer'] = ...,
@@ -244,6 +253,7 @@ class PyramidKV(MethodConfig):
         budget: float | None = ...,
         budget_tokens: int | None = ...,
         reduce: str | None = ...,
+        reduce_params: Mapping[str, Any] | None = ...,
         chunk_frames: int = ...,
         guidance_prompt: str | None = ...,
         pool_kernel: int = ...,
@@ -264,6 +274,7 @@ class AirCache(MethodConfig):
         budget: float | None = ...,
         budget_tokens: int | None = ...,
         reduce: str | None = ...,
+        reduce_params: Mapping[str, Any] | None = ...,
         chunk_frames: int = ...,
         guidance_prompt: str | None = ...,
         tau: float = ...,
@@ -289,6 +300,7 @@ class MEDA(MethodConfig):
         budget: float | None = ...,
         budget_tokens: int | None = ...,
         reduce: str | None = ...,
+        reduce_params: Mapping[str, Any] | None = ...,
         chunk_frames: int = ...,
         guidance_prompt: str | None = ...,
         min_layer_ratio: float = ...,
@@ -314,6 +326,7 @@ class StreamingTOM(MethodConfig):
         budget: float | None = ...,
         budget_tokens: int | None = ...,
         reduce: str | None = ...,
+        reduce_params: Mapping[str, Any] | None = ...,
         chunk_frames: int = ...,
         window_tokens: int | None = ...,
         retrieve_frames: int = ...,
@@ -332,6 +345,7 @@ class StreamMem(MethodConfig):
         budget: float | None = ...,
         budget_tokens: int | None = ...,
         reduce: str | None = ...,
+        reduce_params: Mapping[str, Any] | None = ...,
         chunk_frames: int = ...,
         proxy: str = ...,
         prototypes: bool = ...,

@@ -66,6 +66,8 @@ class EncodeOptions:
     resume: bool = False  # continue from the checkpoint an interrupted encode left
 
     reduce: str | None = None  # a token reducer before the prefill (None: the method's; "none")
+    # the reducer's parameters over its defaults (or over a preset's, for the reducer it names)
+    reduce_params: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.kv_bits is not None:

@@ -118,6 +118,41 @@ def test_get_builds_a_preset_as_its_method_class_at_the_presets_values():
     assert methods.get("hermes", deep_share=0.5).deep_share == 0.5
 
 
+def test_a_presets_reducer_parameters_carry_over_to_its_method_object(tmp_path):
+    from mmkv_cli.methods.choice import choice_for
+    from mmkv_cli.presets import use_presets
+
+    (tmp_path / "methods").mkdir()
+    (tmp_path / "methods" / "tom.yaml").write_text(
+        "extends: streamingtom\nreduce_params: {retain: 0.5, beta: 0.2}\n"
+    )
+    (tmp_path / "methods" / "zip.yaml").write_text(
+        "extends: hermes\nreduce: visionzip\nreduce_params: {contextual: 0.25}\n"
+    )
+    use_presets(tmp_path)
+    try:
+        for name in ("tom", "zip"):
+            built, preset = methods.get(name), resolve_method(name).reduce
+            assert choice_for(built.encode_options()).reduce == preset  # was the defaults
+        tom = methods.get("tom")
+    finally:
+        use_presets(None)
+    assert tom.reduce is None and tom.reduce_params["retain"] == 0.5  # ctr: StreamingTOM's own
+    given = methods.StreamingTOM(reduce_params={"beta": 0.3})  # over the reducer's defaults
+    assert choice_for(given.encode_options()).reduce.params.beta == 0.3
+    with pytest.raises(mmkv.UsageError, match="reduce_params given without a reducer"):
+        methods.HERMES(reduce_params={"drop_threshold": 0.5})
+    with pytest.raises(mmkv.UsageError, match="drop"):
+        methods.HERMES(reduce="dtd", reduce_params={"drop": 0.5})
+
+
+def test_a_method_objects_reducer_parameters_reach_the_pack(tmp_path, clip):
+    dtd = methods.Full(reduce="dtd", reduce_params={"drop_threshold": 1.0})  # drops nothing
+    done = mmkv.encode(clip, tmp_path / "d.kvpack", model="demo", method=dtd)
+    assert PackReader(tmp_path / "d.kvpack").header.method.reduce["params"]["drop_threshold"] == 1.0
+    assert done.details["visual_tokens_prefilled"] == done.details["visual_tokens_total"]
+
+
 def test_a_method_object_encodes_what_its_values_say(tmp_path, clip):
     hermes = methods.HERMES(budget_tokens=24, deep_share=0.5, summary=False)
     done = mmkv.encode(clip, tmp_path / "h.kvpack", model="demo", method=hermes)

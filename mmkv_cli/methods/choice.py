@@ -4,6 +4,7 @@ with its typed parameters and budget, checked before any work."""
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -53,9 +54,14 @@ class MethodChoice:
         budget = Budget(tokens=tokens) if tokens is not None else Budget(share=check_budget(share))
         return replace(self, budget=budget)
 
-    def with_reduce(self, name: str | None) -> MethodChoice:
+    def with_reduce(self, name: str | None, params: Mapping | None = None) -> MethodChoice:
         """The command line's `--reduce NAME` (None: as the method or preset says; 'none': no
-        reducer). Naming the reducer the preset already has keeps the preset's parameters."""
+        reducer). Naming the reducer the preset already has keeps the preset's parameters.
+        params: the reducer's parameters (Python's reduce_params), over the preset's for its own
+        reducer, else over the reducer's defaults."""
+        if params is not None:
+            named = name if name is not None else (self.reduce.name if self.reduce else None)
+            return replace(self, reduce=resolve_reducer(named, params, "reduce", self.reduce))
         if name is None or (self.reduce is not None and name == self.reduce.name):
             return self
         return replace(self, reduce=resolve_reducer(name))
@@ -74,7 +80,8 @@ def choice_for(options: EncodeOptions) -> MethodChoice:
     """The method an encode's options name, with their budget, guidance prompt and reducer, each
     checked before any work."""
     choice = resolve_spec(options.method).with_budget(options.budget, options.budget_tokens)
-    return choice.with_guidance(options.guidance_prompt).with_reduce(options.reduce)
+    guided = choice.with_guidance(options.guidance_prompt)
+    return guided.with_reduce(options.reduce, options.reduce_params)
 
 
 def method_listing() -> list[dict]:
