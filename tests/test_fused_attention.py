@@ -29,6 +29,21 @@ def _reference(query, key, value):
     [(1, 4, 2, 7, 30), (2, 6, 2, 5, 5), (1, 14, 2, 40, 300), (2, 4, 4, 9, 12)],
 )
 def test_fused_recording_equals_the_written_out_attention(batch, heads, kv_heads, rows, keys):
+    _check_fused(batch, heads, kv_heads, rows, keys)
+
+
+@pytest.mark.parametrize("rows_a_block", [1, 3, 7])
+def test_fused_recording_in_score_blocks_of_a_few_rows(monkeypatch, rows_a_block):
+    """At 7B a chunk's explicit score blocks (its own keys, a reducer's columns) hold about 95 of
+    its 1,568 rows each (BLOCK_ELEMENTS over 28 heads x 1,568 keys); a test's chunk fits in one.
+    Lowered here so each pass crosses several block edges, the last one short."""
+    monkeypatch.setattr(fused_attention, "BLOCK_ELEMENTS", 2 * 14 * 40 * rows_a_block)
+    _check_fused(1, 14, 2, 40, 300)  # own keys: 40 wide, 14 heads, a batch of 1
+    monkeypatch.setattr(fused_attention, "BLOCK_ELEMENTS", 2 * 4 * 6 * rows_a_block)
+    _check_fused(2, 4, 2, 9, 30)  # the prompt's 6 columns, 4 heads, a batch of 2
+
+
+def _check_fused(batch, heads, kv_heads, rows, keys):
     torch.manual_seed(rows + keys)
     query = torch.randn(batch, heads, rows, 16) * 2  # sharp rows: small probabilities matter
     key, value = torch.randn(batch, kv_heads, keys, 16), torch.randn(batch, kv_heads, keys, 16)

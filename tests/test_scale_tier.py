@@ -176,6 +176,36 @@ def test_a_layer_at_full_depth_checks_its_own_digests(reps_pack, tmp_path):
     assert verify(bad)["faults"] == ["block b300: checksum mismatch"]
 
 
+def test_verify_past_two_chunks_of_blocks_names_each_fault_once(tmp_path):
+    """verify checks VERIFY_BLOCKS (1,024) blocks at a time; an hour at a block a frame is 3,600 or
+    more. 2,100 blocks (one token, one layer at 7B width): a flipped byte in the second chunk
+    and a forged NaN (its checksum re-sealed) in the third are each named once, by their own
+    block's name; every block reads back."""
+    from mmkv_cli.pack.reader import VERIFY_BLOCKS
+    from tests.mutants import _reseal_block
+
+    path = tmp_path / "many.kvpack"
+    spans = write_7b(path, 2100, layers=1)
+    assert len(spans) > 2 * VERIFY_BLOCKS
+    keys, values, _ = PackReader(path).gather([s.name for s in spans])
+    assert torch.equal(keys[0], torch.cat([s.keys[0] for s in spans], dim=1))
+    assert torch.equal(values[0], torch.cat([s.values[0] for s in spans], dim=1))
+    parts = Parts.of(path.read_bytes())
+    row = HEADS * DIM * 2  # a block's one row, float16
+    k_start = parts.directory["blocks.k"]["data_offsets"][0]
+    parts.data[k_start + 1030 * row + 5] ^= 0x10
+    v_start = parts.directory["blocks.v"]["data_offsets"][0]
+    parts.data[v_start + 2090 * row : v_start + 2090 * row + 2] = b"\x00\x7e"  # a NaN
+    _reseal_block(parts, parts.header(), "blocks.v", 2090)
+    parts.reseal()
+    bad = tmp_path / "bad.kvpack"
+    bad.write_bytes(parts.bytes())
+    assert verify(bad)["faults"] == [
+        "block b1030: checksum mismatch",
+        "block b2090: NaN or Inf in its K/V",
+    ]
+
+
 def test_a_context_read_in_several_staging_groups_reads_back_exactly(reps_pack, monkeypatch):
     """A large read bound for a GPU goes in groups of whole blocks cut in file order (64 MiB at
     real size; pack/staging.py), each copied into its places in every layer. Lowered to 1 MiB (and

@@ -33,6 +33,8 @@ from mmkv_cli.pack.vidkv import two_bit_flags_sound
 # Reads of at least this many K/V bytes are checksummed on a thread beside the copy; below it the
 # thread's start costs more than it saves (docs/measurements.md)
 OVERLAP_BYTES = 8 << 20
+# verify checks blocks this many at a time (an hour of video at a block a frame is 3,600 or more)
+VERIFY_BLOCKS = 1024
 
 
 class PackReader:
@@ -288,7 +290,7 @@ class PackReader:
             start = self._tensors.data_start
             self.source.ensure(block_byte_ranges(entries, start, where, self._token_major, units))
 
-    def block_faults(self, chunk: int = 1024) -> list[str]:
+    def block_faults(self, chunk: int = VERIFY_BLOCKS) -> list[str]:
         """Every block checked against its checksum (verify): the names of those that fail."""
         faults = []
         store = self._block_store()
