@@ -15,7 +15,9 @@ tokens ("where it fits"). Figures, each a ratio within one run:
   pack bytes / physical bytes (tokens held x layers x 2 x KV heads x head dim x bytes per value)
 --ask-as also times the same pack's questions under another reading of its method's parameters
 (ReKV's two-pass retrieval against its in-forward one, say), in each row's `ask_as`. --profile
-adds one more question under cProfile and torch's profiler: each row's `profile`.
+adds one more question under cProfile and torch's profiler: each row's `profile`, and one more
+timed by thread (`read_split_ms`: seconds in preads and in checksums summed over every thread, the
+asking thread's row reading, and its reading with the checksums' tail).
 Writes bench/results/scale.json and scale.png.
 """
 
@@ -91,6 +93,36 @@ if profiled == "1":  # one more question, under cProfile (host) and torch's prof
     ]
     events = sorted(traced.key_averages(), key=lambda e: -e.self_device_time_total)[:10]
     profile["device_self_ms"] = [[e.key, round(e.self_device_time_total / 1e3, 2)] for e in events]
+    # and where one question's read went on every thread (cProfile sees only this one): seconds
+    # in preads and in checksums summed over threads, and this thread's rows and checksum tail
+    import threading
+    from mmkv_cli.pack import block_store, hashing, reader as reader_module, tensors
+    spent, lock = {}, threading.Lock()
+
+    kept = []
+
+    def timing(owner, name, key):
+        original = getattr(owner, name)
+        kept.append((owner, name, original))
+        def timed_call(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                with lock:
+                    spent[key] = spent.get(key, 0.0) + time.perf_counter() - began
+        setattr(owner, name, timed_call)
+
+    timing(tensors.StoredTensors, "read_into", "preads_all_threads")
+    timing(hashing.BlockHashes, "_check", "checksums_all_threads")
+    timing(block_store.BlockStore, "read_rows", "rows_this_thread")
+    timing(reader_module, "hashed_beside", "rows_and_checksums")
+    began = time.perf_counter()
+    api.ask(pack, question, one, backbone=backbone)
+    spent["ask"] = time.perf_counter() - began
+    for owner, name, original in kept:
+        setattr(owner, name, original)
+    profile["read_split_ms"] = {k: round(1e3 * v, 2) for k, v in sorted(spent.items())}
 reader = PackReader(pack)  # every block read and checksummed: the reader's rate from the page cache
 names = [reader.blocks.name(i) for i in range(len(reader.blocks))]
 started = time.perf_counter()
