@@ -206,6 +206,46 @@ def test_verify_past_two_chunks_of_blocks_names_each_fault_once(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("rows_a_piece", [1, 3, 40])
+def test_blocks_hashed_through_a_kept_buffer_in_pieces(tmp_path, monkeypatch, rows_a_piece):
+    """A block's rows are hashed SCRATCH_BYTES (8 MiB) at a time through a buffer each thread
+    keeps: one frame's K at 7B is 5.5 MB, a block of many frames far more. Lowered to a few rows,
+    so a block's 28 per-layer digests (v12) straddle the pieces' edges: every block reads back,
+    `verify` passes, and a flip and a forged NaN in a block's last piece are each named once."""
+    from mmkv_cli.pack import hashing
+    from tests.mutants import _reseal_block
+
+    path = tmp_path / "p.kvpack"
+    spans = write_7b(path, 6, tokens=5)  # 5 x 28 = 140 rows a block
+    row = HEADS * DIM * 2
+    monkeypatch.setattr(hashing, "SCRATCH_BYTES", rows_a_piece * row)
+    reader = PackReader(path)
+    for layer in (0, 13, LAYERS - 1):  # a layer's own digests, read alone
+        keys, *_ = reader.gather(["b4"], [["b4"] if i == layer else [] for i in range(LAYERS)])
+        assert torch.equal(keys[layer], spans[4].keys[layer])
+    keys, values, _ = PackReader(path).gather([s.name for s in spans])
+    assert torch.equal(values[LAYERS - 1], torch.cat([s.values[-1] for s in spans], dim=1))
+    assert verify(path)["ok"]
+    parts = Parts.of(path.read_bytes())
+    k_start = parts.directory["blocks.k"]["data_offsets"][0]
+    parts.data[k_start + (2 * 140 + 139) * row + 3] ^= 0x08  # b2's last row: its last piece
+    v_start = parts.directory["blocks.v"]["data_offsets"][0]
+    at = v_start + (5 * 140 + 137) * row
+    parts.data[at : at + 2] = b"\x00\x7c"  # an Inf in b5's last piece, its digest re-sealed
+    _reseal_block(parts, parts.header(), "blocks.v", 5 * 140 + 137)
+    parts.reseal()
+    bad = tmp_path / "bad.kvpack"
+    bad.write_bytes(parts.bytes())
+    assert verify(bad)["faults"] == [
+        "block b2: checksum mismatch",
+        "block b5: NaN or Inf in its K/V",
+    ]
+    with pytest.raises(PackError, match="checksum mismatch in b2"):
+        PackReader(bad).gather(["b2"], [["b2"] if i == LAYERS - 1 else [] for i in range(LAYERS)])
+    keys, *_ = PackReader(bad).gather(["b2"], [["b2"] if i == 0 else [] for i in range(LAYERS)])
+    assert torch.equal(keys[0], spans[2].keys[0])  # its other layers' digests still hold
+
+
 def test_a_context_read_in_several_staging_groups_reads_back_exactly(reps_pack, monkeypatch):
     """A large read bound for a GPU goes in groups of whole blocks cut in file order (64 MiB at
     real size; pack/staging.py), each copied into its places in every layer. Lowered to 1 MiB (and

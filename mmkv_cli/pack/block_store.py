@@ -82,11 +82,14 @@ class BlockStore:
         """Bytes every block tensor holds for the blocks of `where` (what checking them reads)."""
         return stored_bytes(self.views, where, where.all_units(), self.token_major)
 
-    def block_bytes(self, view: np.ndarray, start: int, stop: int) -> np.ndarray:
+    def block_bytes(
+        self, view: np.ndarray, start: int, stop: int, into: np.ndarray | None = None
+    ) -> np.ndarray:
         """The stored bytes of token range [start, stop) of a block tensor, in the order its
-        checksum covers."""
-        if self.token_major:
-            return view[start:stop]  # contiguous: one read
+        checksum covers. into: a flat uint8 buffer to read them into, reused by the caller (a
+        token-major pack's; the rows are valid until it is reused)."""
+        if self.token_major:  # contiguous: one read
+            return view[start:stop] if into is None else view.rows_into(start, stop, into)
         return np.ascontiguousarray(view[:, start:stop])
 
     def read_rows(

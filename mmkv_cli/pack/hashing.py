@@ -29,6 +29,10 @@ REPS_CHUNK = 4 << 20
 # The hashes a pack's checksums are made with, by name (format.digest_name says which a version
 # uses): BLAKE3 hashes at about 2.5x sha256's rate a core, which sets the pace of every fresh read
 DIGESTS = {"sha256": hashlib.sha256, "blake3": blake3.blake3}
+# A block's rows are hashed this many bytes at a time, through a buffer each thread keeps (a real
+# block's K or V is a few MB at 7B; one of hundreds of frames, far more)
+SCRATCH_BYTES = 8 << 20
+_scratch = threading.local()
 # threads kept for hashing: a retrieval inside the forward checks a layer's blocks 28 times a
 # question, and starting threads for each cost more than hashing a layer's rows
 _hashing = KeptPool(HASH_THREADS, "mmkv-hash")
@@ -47,7 +51,8 @@ class BlockHashes:
     and would otherwise set the pace of every large read).
 
     where: BlockRows; units: the units to check (BlockRows names them); block_bytes(view, start,
-    stop): a tensor's stored bytes of rows [start, stop), in checksum order."""
+    stop, into=None): a tensor's stored bytes of rows [start, stop), in checksum order (into: a
+    kept buffer to read them into, token-major packs)."""
 
     def __init__(
         self,
@@ -74,6 +79,7 @@ class BlockHashes:
         self._finite = finite
         self._nonfinite: list[int] = []
         self._block_bytes = block_bytes
+        self._token_major = token_major
         size = stored_bytes(views, where, units, token_major)
         self._average = size // len(units) if len(units) else 0
         per_run = max(1, RUN_BYTES // max(1, self._average))
@@ -108,24 +114,38 @@ class BlockHashes:
 
     def _check(self, first: int, stop: int) -> None:
         """Units first..stop-1, neighbours in one block (so in every part): each part's stretch
-        of them read in one piece, each unit's digest made over its slice of it."""
-        read = []
+        of them read in pieces, each unit's digest fed its rows of every piece, part after part."""
+        digests = [self._new() for _ in range(first, stop)]
         finite = True
         for view, dtype, starts, stops in self._parts:
             low, high = min(starts[first:stop]), max(stops[first:stop])
-            whole = self._block_bytes(view, low, high)
-            finite = finite and (not self._finite or finite_stored(whole, dtype))
-            read.append((whole, low, starts, stops))
+            for at, rows in self._pieces(view, low, high):
+                finite = finite and (not self._finite or finite_stored(rows, dtype))
+                if not self._token_major:  # v2/v3: one unit, the block whole
+                    digests[0].update(raw_view(rows))
+                    continue
+                for j in range(first, stop):
+                    a, b = max(starts[j], at), min(stops[j], at + len(rows))
+                    if a < b:
+                        digests[j - first].update(raw_view(rows[a - at : b - at]))
         if not finite:
             self._nonfinite.append(self._blocks[first])
-        for j in range(first, stop):
-            digest = self._new()
-            for whole, low, starts, stops in read:
-                # one unit: the bytes as read (v2/v3 stored head-major, never cut by layer)
-                piece = whole if stop - first == 1 else whole[starts[j] - low : stops[j] - low]
-                digest.update(raw_view(piece))
+        for j, digest in zip(range(first, stop), digests):
             if digest.digest() != self._expected[j].tobytes():
                 self._bad.append(self._blocks[j])
+
+    def _pieces(self, view, low: int, high: int):
+        """(first row, the rows) of rows [low, high) of a block tensor, read SCRATCH_BYTES at a
+        time into this thread's kept buffer: a fresh buffer for every read paid its page faults,
+        about as much again as the read (a head-major pack's block whole: its rows lie apart in
+        every head)."""
+        if not self._token_major:
+            yield low, self._block_bytes(view, low, high)
+            return
+        step = max(1, SCRATCH_BYTES // max(1, view.row_bytes))
+        buffer = scratch(min(high - low, step) * view.row_bytes)
+        for at in range(low, high, step):
+            yield at, self._block_bytes(view, at, min(high, at + step), buffer)
 
     def stop(self) -> None:
         """Hash no more runs: what they were for failed."""
@@ -145,6 +165,15 @@ class BlockHashes:
     def nonfinite(self) -> list[int]:
         """With `finite`: the blocks holding NaN or Inf as stored, once every run is hashed."""
         return sorted(set(self._nonfinite))
+
+
+def scratch(nbytes: int) -> np.ndarray:
+    """This thread's kept uint8 buffer, of at least `nbytes` (grown when asked for more): its
+    bytes are the caller's until this thread asks again."""
+    held = getattr(_scratch, "buffer", None)
+    if held is None or held.size < nbytes:
+        held = _scratch.buffer = np.empty(nbytes, np.uint8)
+    return held
 
 
 def stored_bytes(views: dict, where, units, token_major: bool) -> int:

@@ -66,6 +66,13 @@ class FileArray:
         out = np.empty((max(0, stop - first), *self.shape[1:]), self.dtype)
         return self._into(out, [(first, stop)])
 
+    def rows_into(self, first: int, stop: int, into: np.ndarray) -> np.ndarray:
+        """Rows [first, stop) read into the start of `into` (a flat uint8 buffer of at least their
+        bytes, say one kept and reused): the rows, viewed in its bytes."""
+        count = max(0, stop - first)
+        out = into[: count * self.row_bytes].view(self.dtype).reshape(count, *self.shape[1:])
+        return self._into(out, [(first, stop)])
+
     def take(self, rows: np.ndarray, axis: int = 0, out: np.ndarray | None = None) -> np.ndarray:
         """Rows `rows` (int array): runs of consecutive rows that lie next to each other in the
         file are read by one scattering preadv, whatever their order in `rows` (a context's
