@@ -1,5 +1,6 @@
 """Quantized KV: the scoring-free maths on tensors, then packs written quantized and read back."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -361,3 +362,86 @@ def test_a_context_decoding_past_its_dtype_is_refused_now_or_with_the_first_toke
     plain = LaterVerdicts("plain")
     PackReader(tmp_path / "plain.kvpack").gather(["b0", "b1"], later=plain)
     assert plain.pending() is None
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_the_scales_alone_say_whether_every_code_decodes_finite(bits, dtype):
+    """verify decodes only the blocks whose scales might not decode finite: the verdict from the
+    scales must be the one decoding every code gives, through dequantize itself, at the edges
+    (float16's overflow from 65520, a tie rounding up), at NaN and Inf, and at random."""
+    import numpy as np
+
+    from mmkv_cli.pack.codes import pack_codes
+    from mmkv_cli.pack.quant import decodes_finite, dequantize_keys
+
+    top = (1 << bits) - 1
+    edges = [0.0, 1.0, -1.0, 65504.0, -65504.0, 1e-7, 30000.0, -30000.0]
+    edges += [65520.0 / top, 65504.0 / top, -65520.0 / top, 65536.0 / (top + 1)]
+    edges += [float("inf"), float("-inf"), float("nan")]
+    g = torch.Generator().manual_seed(bits)
+    values = torch.tensor(edges + (torch.randn(25, generator=g) * 9000).tolist()).half()
+    scale, zero = (t.reshape(-1) for t in torch.meshgrid(values, values, indexing="ij"))
+    pairs = scale.numel()  # 40 x 40, a multiple of 8: every code width packs it
+    codes = torch.arange(top + 1, dtype=torch.uint8)[:, None, None].expand(-1, 1, pairs)
+    scales = torch.stack([scale, zero])[None, :, None, :].expand(top + 1, -1, -1, -1)
+    decoded = dequantize_keys(pack_codes(codes.contiguous(), bits), scales.float(), bits)
+    exact = torch.isfinite(decoded.to(getattr(torch, dtype))).all(dim=0)[0]
+    said = decodes_finite(scale.numpy(), zero.numpy(), bits, dtype)
+    assert np.array_equal(said, exact.numpy())
+    assert not said.all() and said.any()
+
+
+def test_verify_decodes_only_the_blocks_whose_scales_might_overflow(tmp_path, monkeypatch):
+    """A float16 pack at 4 bits: verify of an honest one decodes no block; one with a value scale
+    forged past float16 (its block's checksum re-sealed) decodes that block alone and names it."""
+    import numpy as np
+
+    from mmkv_cli.pack import block_store
+    from mmkv_cli.pack.report import verify
+    from tests import mutants
+
+    header = pack_header(dim=16, dtype="float16")
+    blocks = [span(f"b{i}", [6, 4, 5], i + 1, "frame") for i in range(4)]
+    halved = [dataclasses.replace(b, keys=[k.half() for k in b.keys],
+                                  values=[v.half() for v in b.values]) for b in blocks]  # fmt: skip
+    prefix, suffix = span("prefix", [3] * 3, 0), span("suffix", [1] * 3, 9)
+    prefix, suffix = (
+        dataclasses.replace(s, keys=[k.half() for k in s.keys], values=[v.half() for v in s.values])
+        for s in (prefix, suffix)
+    )
+    path = tmp_path / "q.kvpack"
+    write_pack(path, header, prefix, halved, suffix, False, QuantSpec(4, 8))
+    decoded = []
+    read_rows = block_store.BlockStore.read_rows
+    monkeypatch.setattr(
+        block_store.BlockStore,
+        "read_rows",
+        lambda self, where, *a: decoded.append(list(where.indices)) or read_rows(self, where, *a),
+    )
+    assert verify(path)["ok"] and decoded == []
+    parts = mutants.Parts.of(path.read_bytes())
+    start, _ = parts.directory["blocks.vq"]["data_offsets"]
+    row = 6 + 4 + 5 + 3  # b1's fourth token
+    width = parts.directory["blocks.vq"]["shape"][1] * 2 * 2  # its groups' (scale, zero), float16
+    np.frombuffer(parts.data, np.float16, width // 2, start + row * width)[0::2] = 30_000
+    mutants._reseal_block(parts, parts.header(), "blocks.vq", row)
+    parts.reseal()
+    bad = tmp_path / "bad.kvpack"
+    bad.write_bytes(parts.bytes())
+    assert verify(bad)["faults"] == ["block b1: NaN or Inf in its K/V"]
+    assert decoded and all(blocks == [1] for blocks in decoded)  # b1 alone was decoded
+    # the spanning key scales past float16 (their own digests re-sealed): every block's keys
+    from mmkv_cli.pack.format import digest_name
+    from mmkv_cli.pack.hashing import chunk_digests
+
+    parts = mutants.Parts.of(path.read_bytes())
+    start, stop = parts.directory["blocks.kq"]["data_offsets"]
+    np.frombuffer(parts.data, np.float16, (stop - start) // 2, start)[:] = 30_000
+    header = parts.header()
+    algorithm, scales = digest_name(header["format_version"]), header["integrity"]["key_scales"]
+    scales[algorithm] = chunk_digests(bytes(parts.data[start:stop]), scales["chunk"], algorithm)
+    parts.set_header(header)
+    parts.reseal()
+    bad.write_bytes(parts.bytes())
+    assert verify(bad)["faults"] == [f"block b{i}: NaN or Inf in its K/V" for i in range(4)]

@@ -11,7 +11,7 @@ import numpy as np
 from mmkv_cli.lazy import torch
 from mmkv_cli.pack import vidkv
 from mmkv_cli.pack.hashing import BlockHashes, mismatched, stored_bytes
-from mmkv_cli.pack.quant import QuantSpec, dequantize
+from mmkv_cli.pack.quant import QuantSpec, decodes_finite, dequantize
 from mmkv_cli.pack.staging import Staging
 from mmkv_cli.pack.table import BlockRows
 from mmkv_cli.pack.tensors import FileArray
@@ -52,6 +52,7 @@ class BlockStore:
         self.kv_dtype = kv_dtype
         self.token_major = token_major
         self.bytes_read = 0
+        self._keys_fine: bool | None = None  # v9's key scales all decode finite (once known)
 
     def kv_bytes(self, where: BlockRows, units: np.ndarray) -> int:
         """Stored K and V bytes of the digest units `units` (BlockRows names them)."""
@@ -77,6 +78,45 @@ class BlockStore:
         hashes = self.hashes(where, where.all_units(), finite=self.quant is None)
         bad = mismatched(hashes)
         return bad, hashes.nonfinite() if self.quant is None else None
+
+    def decode_suspects(self, where: BlockRows) -> list[int]:
+        """The quantized blocks of `where` (positions in it) whose stored scales might decode to
+        NaN or Inf, found from the scales alone (quant.decodes_finite; about 6% of a 4-bit
+        block's bytes): every other block decodes finite, so `verify` decodes only these (from an
+        honest writer, none). At 1.5 bits every block: VidKV's planes decode otherwise."""
+        count = len(where.indices)
+        if self.quant.mixed or not count:
+            return list(range(count))
+        bits, dtype = int(self.quant.bits), self.kv_dtype
+
+        def fine(scales: np.ndarray, plane_axis: int) -> np.ndarray:
+            scale, zero = np.take(scales, 0, plane_axis), np.take(scales, 1, plane_axis)
+            return decodes_finite(scale, zero, bits, dtype)
+
+        suspect = self._failing("vq", where, lambda vq: fine(vq, -1))  # [tokens, groups, 2]
+        if self.key_scales is None:  # v7/v8: a block's key groups are rows of its own
+            suspect |= self._failing("kq", where, lambda kq: fine(kq, 1))  # [groups, 2, H, D]
+        elif not self._keys_decode_finite():
+            return list(range(count))
+        return np.flatnonzero(suspect).tolist()
+
+    def _failing(self, part: str, where: BlockRows, fine) -> np.ndarray:
+        """[blocks of where] whether any of a block's rows of `part` fails `fine` (rows -> a bool
+        per value)."""
+        starts, stops = where.block_bounds(part)
+        low = int(starts.min())
+        rows = self.views[part][0][low : int(stops.max())]
+        failed = ~fine(rows).reshape(len(rows), -1).all(axis=1)
+        before = np.concatenate([[0], np.cumsum(failed)])
+        return before[stops - low] > before[starts - low]
+
+    def _keys_decode_finite(self) -> bool:
+        """v9 on: whether every spanning key group decodes finite (checked once)."""
+        if self._keys_fine is None:
+            scales = self.key_scales().numpy()  # [groups, 2, H, D] float16
+            fine = decodes_finite(scales[:, 0], scales[:, 1], int(self.quant.bits), self.kv_dtype)
+            self._keys_fine = bool(fine.all())
+        return self._keys_fine
 
     def stored_bytes(self, where: BlockRows) -> int:
         """Bytes every block tensor holds for the blocks of `where` (what checking them reads)."""

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from mmkv_cli.errors import UsageError
 from mmkv_cli.lazy import torch
 from mmkv_cli.options import KV_BITS
@@ -30,6 +32,8 @@ from mmkv_cli.pack.codes import pack_codes, unpack_codes
 BITS = KV_BITS
 MIXED = 1.5
 FLOAT16_MAX = 65504.0
+# a float32 of at least this magnitude becomes Inf as float16 (65504 is odd: a tie rounds up)
+FLOAT16_INF_FROM = 65520.0
 MAX_GROUP = 1 << 16
 CHUNK_TOKENS = 2048  # tokens dequantized at a time on a CPU (their float32 copies fit in cache)
 
@@ -260,6 +264,20 @@ def quantize_values(
     scale, zero = (t.unsqueeze(-1) for t in stored.float().unbind(-1))
     codes = _codes(x, scale, zero, bits).reshape(n, heads, dim)
     return pack_codes(codes, bits), stored
+
+
+def decodes_finite(scale: np.ndarray, zero: np.ndarray, bits: int, dtype: str) -> np.ndarray:
+    """For float16 scales and zeros (numpy, any shape, element by element): whether every value a
+    code 0 .. 2^bits - 1 decodes to is finite in `dtype`, from the scales alone. Decoding makes
+    code * scale + zero in float32, monotone in the code, so the extremes are codes 0 and the top
+    one; float16 overflows from FLOAT16_INF_FROM, bfloat16 and float32 never at these sizes."""
+    with np.errstate(all="ignore"):
+        s, z = scale.astype(np.float32), zero.astype(np.float32)
+        top = np.float32((1 << bits) - 1) * s + z
+        fine = np.isfinite(s) & np.isfinite(z) & np.isfinite(top)
+        if dtype == "float16":
+            fine &= (np.abs(z) < FLOAT16_INF_FROM) & (np.abs(top) < FLOAT16_INF_FROM)
+    return fine
 
 
 def dequantize_keys(packed: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:

@@ -308,8 +308,9 @@ class PackReader:
             for i in bad:
                 faults.append(f"block {self._blocks.name(indices[i])}: checksum mismatch")
             self._tensors.bytes_read += store.stored_bytes(where)
-            if nonfinite is None:  # quantized: decoded, then checked
-                faults += self._nonfinite_blocks(indices)
+            if nonfinite is None:  # quantized: those whose scales might not decode finite, decoded
+                suspects = [indices[i] for i in store.decode_suspects(where)]
+                faults += self._nonfinite_blocks(suspects) if suspects else []
             faults += [f"block {self._blocks.name(indices[i])}: NaN or Inf in its K/V"
                        for i in nonfinite or []]  # fmt: skip
         return faults
