@@ -176,13 +176,29 @@ def test_a_layer_at_full_depth_checks_its_own_digests(reps_pack, tmp_path):
     assert verify(bad)["faults"] == ["block b300: checksum mismatch"]
 
 
+def flipped_and_forged(path, out, flip_row: int, forged_row: int, value: bytes):
+    """`path` with a bit of K row `flip_row` flipped, and V row `forged_row` starting with the
+    float16 `value` (NaN or Inf) under a re-sealed checksum, as a forger would: written to `out`."""
+    from tests.mutants import _reseal_block
+
+    parts = Parts.of(path.read_bytes())
+    row = HEADS * DIM * 2  # float16
+    k_start = parts.directory["blocks.k"]["data_offsets"][0]
+    parts.data[k_start + flip_row * row + 3] ^= 0x10
+    at = parts.directory["blocks.v"]["data_offsets"][0] + forged_row * row
+    parts.data[at : at + 2] = value
+    _reseal_block(parts, parts.header(), "blocks.v", forged_row)
+    parts.reseal()
+    out.write_bytes(parts.bytes())
+    return out
+
+
 def test_verify_past_two_chunks_of_blocks_names_each_fault_once(tmp_path):
     """verify checks VERIFY_BLOCKS (1,024) blocks at a time; an hour at a block a frame is 3,600 or
     more. 2,100 blocks (one token, one layer at 7B width): a flipped byte in the second chunk
     and a forged NaN (its checksum re-sealed) in the third are each named once, by their own
     block's name; every block reads back."""
     from mmkv_cli.pack.reader import VERIFY_BLOCKS
-    from tests.mutants import _reseal_block
 
     path = tmp_path / "many.kvpack"
     spans = write_7b(path, 2100, layers=1)
@@ -190,16 +206,7 @@ def test_verify_past_two_chunks_of_blocks_names_each_fault_once(tmp_path):
     keys, values, _ = PackReader(path).gather([s.name for s in spans])
     assert torch.equal(keys[0], torch.cat([s.keys[0] for s in spans], dim=1))
     assert torch.equal(values[0], torch.cat([s.values[0] for s in spans], dim=1))
-    parts = Parts.of(path.read_bytes())
-    row = HEADS * DIM * 2  # a block's one row, float16
-    k_start = parts.directory["blocks.k"]["data_offsets"][0]
-    parts.data[k_start + 1030 * row + 5] ^= 0x10
-    v_start = parts.directory["blocks.v"]["data_offsets"][0]
-    parts.data[v_start + 2090 * row : v_start + 2090 * row + 2] = b"\x00\x7e"  # a NaN
-    _reseal_block(parts, parts.header(), "blocks.v", 2090)
-    parts.reseal()
-    bad = tmp_path / "bad.kvpack"
-    bad.write_bytes(parts.bytes())
+    bad = flipped_and_forged(path, tmp_path / "bad.kvpack", 1030, 2090, b"\x00\x7e")  # a NaN
     assert verify(bad)["faults"] == [
         "block b1030: checksum mismatch",
         "block b2090: NaN or Inf in its K/V",
@@ -211,9 +218,8 @@ def test_blocks_hashed_through_a_kept_buffer_in_pieces(tmp_path, monkeypatch, ro
     """A block's rows are hashed SCRATCH_BYTES (8 MiB) at a time through a buffer each thread
     keeps: one frame's K at 7B is 5.5 MB, a block of many frames far more. Lowered to a few rows,
     so a block's 28 per-layer digests (v12) straddle the pieces' edges: every block reads back,
-    `verify` passes, and a flip and a forged NaN in a block's last piece are each named once."""
+    `verify` passes, and a flip and a forged Inf in a block's last piece are each named once."""
     from mmkv_cli.pack import hashing
-    from tests.mutants import _reseal_block
 
     path = tmp_path / "p.kvpack"
     spans = write_7b(path, 6, tokens=5)  # 5 x 28 = 140 rows a block
@@ -226,16 +232,10 @@ def test_blocks_hashed_through_a_kept_buffer_in_pieces(tmp_path, monkeypatch, ro
     keys, values, _ = PackReader(path).gather([s.name for s in spans])
     assert torch.equal(values[LAYERS - 1], torch.cat([s.values[-1] for s in spans], dim=1))
     assert verify(path)["ok"]
-    parts = Parts.of(path.read_bytes())
-    k_start = parts.directory["blocks.k"]["data_offsets"][0]
-    parts.data[k_start + (2 * 140 + 139) * row + 3] ^= 0x08  # b2's last row: its last piece
-    v_start = parts.directory["blocks.v"]["data_offsets"][0]
-    at = v_start + (5 * 140 + 137) * row
-    parts.data[at : at + 2] = b"\x00\x7c"  # an Inf in b5's last piece, its digest re-sealed
-    _reseal_block(parts, parts.header(), "blocks.v", 5 * 140 + 137)
-    parts.reseal()
-    bad = tmp_path / "bad.kvpack"
-    bad.write_bytes(parts.bytes())
+    # b2's last row and an Inf in b5's: each in its block's last piece
+    bad = flipped_and_forged(
+        path, tmp_path / "bad.kvpack", 2 * 140 + 139, 5 * 140 + 137, b"\x00\x7c"
+    )
     assert verify(bad)["faults"] == [
         "block b2: checksum mismatch",
         "block b5: NaN or Inf in its K/V",
