@@ -309,8 +309,7 @@ class PackReader:
                 faults.append(f"block {self._blocks.name(indices[i])}: checksum mismatch")
             self._tensors.bytes_read += store.stored_bytes(where)
             if nonfinite is None:  # quantized: those whose scales might not decode finite, decoded
-                suspects = [indices[i] for i in store.decode_suspects(where)]
-                faults += self._nonfinite_blocks(suspects) if suspects else []
+                faults += self._nonfinite_blocks([indices[i] for i in store.decode_suspects(where)])
             faults += [f"block {self._blocks.name(indices[i])}: NaN or Inf in its K/V"
                        for i in nonfinite or []]  # fmt: skip
         return faults
@@ -328,7 +327,7 @@ class PackReader:
             )
             return all_finite([*keys, *values])
 
-        if finite(indices):
+        if not indices or finite(indices):
             return []
         return [
             f"block {self._blocks.name(i)}: NaN or Inf in its K/V"

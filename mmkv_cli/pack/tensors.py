@@ -63,8 +63,9 @@ class FileArray:
         first, stop, step = rows.indices(len(self))
         if step != 1:
             raise IndexError("a stored tensor is read by contiguous rows")
-        out = np.empty((max(0, stop - first), *self.shape[1:]), self.dtype)
-        return self._into(out, [(first, stop)])
+        return self.rows_into(
+            first, stop, np.empty(max(0, stop - first) * self.row_bytes, np.uint8)
+        )
 
     def rows_into(self, first: int, stop: int, into: np.ndarray) -> np.ndarray:
         """Rows [first, stop) read into the start of `into` (a flat uint8 buffer of at least their
