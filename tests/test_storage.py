@@ -254,3 +254,4 @@ def test_a_mirror_that_cannot_be_written_is_one_line(s3_packs, monkeypatch):
     with pytest.raises(StorageError, match="No space left on device") as err:
         PackReader(url)
     assert "\n" not in str(err.value) and "temporary folder" in str(err.value)
+    assert err.value.exit_code == 7
