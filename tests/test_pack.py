@@ -160,7 +160,9 @@ def test_a_large_read_is_hashed_beside_its_copy_and_by_the_reader_once_copied(
     from mmkv_cli.pack.hashing import BlockHashes
 
     monkeypatch.setattr("mmkv_cli.pack.reader.OVERLAP_BYTES", 0)  # this read goes the large way
+    monkeypatch.setattr("mmkv_cli.pack.hashing.PARALLEL_HASH_BLOCK_BYTES", 0)  # on threads
     monkeypatch.setattr("mmkv_cli.pack.hashing.RUN_BYTES", 0)  # a run a block
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
     hashing_on, work = [], BlockHashes.work
 
     def watched(self):
@@ -183,7 +185,10 @@ def test_a_large_read_is_hashed_beside_its_copy_and_by_the_reader_once_copied(
 def test_a_failed_copy_is_raised_and_leaves_its_blocks_unchecked(tmp_path, monkeypatch):
     from mmkv_cli.pack.block_store import BlockStore
 
-    monkeypatch.setattr("mmkv_cli.pack.reader.OVERLAP_BYTES", 0)
+    monkeypatch.setattr("mmkv_cli.pack.reader.OVERLAP_BYTES", 0)  # hashed beside the copy
+    monkeypatch.setattr("mmkv_cli.pack.hashing.PARALLEL_HASH_BLOCK_BYTES", 0)
+    monkeypatch.setattr("mmkv_cli.pack.hashing.RUN_BYTES", 0)  # a run a block
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
     path = tmp_path / "a.kvpack"
     write(path)
     corrupt_b1(path)

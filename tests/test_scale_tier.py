@@ -123,37 +123,54 @@ def test_spanning_key_scales_past_two_digest_chunks(tmp_path, monkeypatch):
     assert verify(tmp_path / "bad.kvpack")["faults"] == ["key scales: checksum mismatch"]
 
 
-def test_a_context_past_the_overlap_threshold_reads_back_exactly(tmp_path, monkeypatch):
-    """40 blocks of 9 tokens at 7B width are 19.7 MiB of K/V: past two steps of the 8 MiB at which
-    a read is hashed on threads beside the copy, with a digest a layer a block (v12: the pack keeps
-    a retrieval key per layer) of 18 KiB, past two steps of the 8 KiB hashed in parallel."""
+@pytest.mark.parametrize("blocks, tokens", [(52, 7), (12, 36)])
+def test_a_context_past_the_overlap_threshold_reads_back_exactly(
+    tmp_path, monkeypatch, blocks, tokens
+):
+    """Both read past two steps of the 8 MiB of K/V at which a read is hashed on threads beside
+    the copy, each block with a digest a layer (v12: the pack keeps a retrieval key per layer).
+    52 blocks of 7 tokens at 7B width: digests of 14 KiB, two steps under the 32 KiB where hashing
+    on threads pays (below it a unit's Python costs as much as its hashing), so one thread hashes
+    them, then the copy runs. 12 of 36: 72 KiB, past it by two steps, hashed on threads beside the
+    copy."""
     from mmkv_cli.pack import hashing
     from mmkv_cli.pack.hashing import PARALLEL_HASH_BLOCK_BYTES
     from mmkv_cli.pack.reader import OVERLAP_BYTES
 
     path = tmp_path / "p.kvpack"
-    spans = write_7b(path, 40, tokens=9)
+    spans = write_7b(path, blocks, tokens=tokens)
     kv_bytes = sum(2 * t.numel() * t.element_size() for s in spans for t in s.keys)
-    per_digest = kv_bytes // (40 * LAYERS)
-    assert kv_bytes > 2 * OVERLAP_BYTES and per_digest > 2 * PARALLEL_HASH_BLOCK_BYTES
+    per_digest = kv_bytes // (blocks * LAYERS)
+    assert kv_bytes > 2 * OVERLAP_BYTES
+    threaded = per_digest > 2 * PARALLEL_HASH_BLOCK_BYTES
+    assert threaded or 2 * per_digest < PARALLEL_HASH_BLOCK_BYTES
     threads: list[int] = []
     counted = hashing.BlockHashes.threads
     monkeypatch.setattr(
         hashing.BlockHashes, "threads", lambda self: threads.append(counted(self)) or threads[-1]
     )
+    beside: list[bool] = []
+    monkeypatch.setattr(
+        "mmkv_cli.pack.reader.hashed_beside",
+        lambda hashes, read: beside.append(True) or hashing.hashed_beside(hashes, read),
+    )
     keys, values, positions = PackReader(path).gather([s.name for s in spans])
-    assert threads and min(threads) > 1 or (os.cpu_count() or 1) < 2
+    if threaded:
+        assert threads and min(threads) > 1 and beside or (os.cpu_count() or 1) < 2
+    else:
+        assert set(threads) == {1} and not beside
     for layer in (0, LAYERS - 1):
         assert torch.equal(keys[layer], torch.cat([s.keys[layer] for s in spans], dim=1))
         assert torch.equal(values[layer], torch.cat([s.values[layer] for s in spans], dim=1))
         assert torch.equal(positions[layer], torch.cat([s.positions[layer] for s in spans], dim=1))
-    parts = Parts.of(path.read_bytes())
-    start, stop = parts.directory["blocks.v"]["data_offsets"]
-    parts.data[stop - 7] ^= 0x04  # the last block's last value
-    bad = tmp_path / "bad.kvpack"
-    bad.write_bytes(parts.bytes())
-    with pytest.raises(PackError, match=f"checksum mismatch in {spans[-1].name}"):
+    # b1's first K row flipped; a NaN forged (re-sealed) into the last block's last V row: each
+    # refused by its name, the NaN by the checksums' threads, from the bytes they hash
+    rows = blocks * tokens * LAYERS
+    bad = flipped_and_forged(path, tmp_path / "bad.kvpack", tokens * LAYERS, rows - 1, b"\x00\x7e")
+    with pytest.raises(PackError, match="checksum mismatch in b1"):
         PackReader(bad).gather([s.name for s in spans])
+    with pytest.raises(PackError, match=f"NaN or Inf in the K/V of {spans[-1].name}"):
+        PackReader(bad).gather([s.name for s in spans if s.name != "b1"])
 
 
 def test_a_layer_at_full_depth_checks_its_own_digests(reps_pack, tmp_path):

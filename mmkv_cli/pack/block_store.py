@@ -10,7 +10,7 @@ import numpy as np
 
 from mmkv_cli.lazy import torch
 from mmkv_cli.pack import vidkv
-from mmkv_cli.pack.hashing import BlockHashes, mismatched, stored_bytes
+from mmkv_cli.pack.hashing import BlockHashes, mismatched, raw_view, stored_bytes
 from mmkv_cli.pack.quant import QuantSpec, decodes_finite, dequantize
 from mmkv_cli.pack.staging import Staging
 from mmkv_cli.pack.table import BlockRows
@@ -58,11 +58,6 @@ class BlockStore:
         """Stored K and V bytes of the digest units `units` (BlockRows names them)."""
         starts, stops = where.unit_bounds("k", units)
         return (self._row_bytes("k") + self._row_bytes("v")) * int((stops - starts).sum())
-
-    def mismatched(self, where: BlockRows, units: np.ndarray) -> list[int]:
-        """The blocks (positions in `where`) with a digest among `units` that differs from the
-        table's."""
-        return mismatched(self.hashes(where, units))
 
     def hashes(self, where: BlockRows, units: np.ndarray, finite: bool = False) -> BlockHashes:
         """The digests of the units `units`, to compute on threads beside a read (finite: their
@@ -122,15 +117,13 @@ class BlockStore:
         """Bytes every block tensor holds for the blocks of `where` (what checking them reads)."""
         return stored_bytes(self.views, where, where.all_units(), self.token_major)
 
-    def block_bytes(
-        self, view: np.ndarray, start: int, stop: int, into: np.ndarray | None = None
-    ) -> np.ndarray:
-        """The stored bytes of token range [start, stop) of a block tensor, in the order its
-        checksum covers. into: a flat uint8 buffer to read them into, reused by the caller (a
-        token-major pack's; the rows are valid until it is reused)."""
+    def block_bytes(self, view, start: int, stop: int, into: memoryview) -> memoryview:
+        """The stored bytes of token range [start, stop) of a block tensor, flat, in the order its
+        checksum covers: a token-major pack's read into `into` (a buffer the caller keeps and
+        reuses; valid until it is reused)."""
         if self.token_major:  # contiguous: one read
-            return view[start:stop] if into is None else view.rows_into(start, stop, into)
-        return np.ascontiguousarray(view[:, start:stop])
+            return view.bytes_into(start, stop, into)
+        return raw_view(np.ascontiguousarray(view[:, start:stop]))
 
     def read_rows(
         self,
@@ -138,12 +131,12 @@ class BlockStore:
         taken: list[np.ndarray],
         device: torch.device | str | None,
         dtype: torch.dtype | None,
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], bool | None]:
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Layer l's rows of the blocks at taken[l] (positions in `where`), layer after layer:
-        (keys, values, positions, finite), K/V on `device` (default: the host), dequantized there
-        where stored quantized; positions on the host. finite: whether the K/V as stored hold no
-        NaN or Inf, checked on the host before they were sent (None: not checked, a quantized
-        pack's, whose decoded values are what to check)."""
+        (keys, values, positions), K/V on `device` (default: the host), dequantized there where
+        stored quantized; positions on the host. Nothing is checked here: the checksums' threads
+        check the K/V as stored for NaN/Inf on the bytes they hash (hashes(..., finite=True)), and
+        a quantized pack's decoded values are the caller's to check."""
         staging = Staging(device)
         rows = where.token_rows(taken)
         totals = [int(where.counts[t, layer].sum()) for layer, t in enumerate(taken)]
@@ -152,8 +145,7 @@ class BlockStore:
         ends = np.cumsum(totals, dtype=np.int64)
         firsts = ends - np.asarray(totals, dtype=np.int64)
         if self.quant is None:
-            keys, values, finite = self._staged_rows(rows, totals, firsts, ends, staging)
-            return keys, values, positions, finite
+            return *self._staged_rows(rows, totals, firsts, ends, staging), positions
         groups, expand = where.key_group_rows(taken)
         # rows, scales and indices are read on the host: sent to the device without a wait
         k, v = (staging.send(self._pick(p, rows, staging)) for p in ("k", "v"))
@@ -183,22 +175,18 @@ class BlockStore:
             )
             keys.append(layer[0].transpose(0, 1))
             values.append(layer[1].transpose(0, 1))
-        return keys, values, positions, None
+        return keys, values, positions
 
-    def _staged_rows(self, rows, totals, firsts, ends, staging: Staging) -> tuple[list, list, bool]:
+    def _staged_rows(self, rows, totals, firsts, ends, staging: Staging) -> tuple[list, list]:
         """Stored K/V rows (layer after layer in `rows`) on the staging's device, each layer a
-        [H_kv, n, D] view; and whether every value is finite, checked on the host before it is
-        sent (on the device the verdict would be one more wait). In one read, or (a large read
-        bound for a GPU) a group of whole blocks at a time, each copied into its places while the
-        next is read."""
+        [H_kv, n, D] view. In one read, or (a large read bound for a GPU) a group of whole blocks
+        at a time, each copied into its places while the next is read."""
         parts = ("k", "v")
         groups = staging.groups(rows, firsts, ends, sum(self._row_bytes(p) for p in parts))
         if groups is None:  # a buffer per layer: a caller joining layer by layer lets go of each
             layers = [rows[a:b] for a, b in zip(firsts.tolist(), ends.tolist())]
             read = {p: self._pick_each(p, layers, staging) for p in parts}
-            finite = all_finite([*read["k"], *read["v"]])  # the reads first: their preads run on
-            return *([staging.send(t).transpose(0, 1) for t in read[p]] for p in parts), finite
-        finite = True
+            return tuple([staging.send(t).transpose(0, 1) for t in read[p]] for p in parts)
         out: dict[str, list] = {}
         for part in parts:  # every layer's tensor on the device, filled group by group
             array, dtype = self.views[part]
@@ -213,12 +201,11 @@ class BlockStore:
             )
             for part in parts:
                 read = self._pick(part, cut, staging)
-                finite = finite and all_finite([read])
                 at = 0
                 for layer, (a, b) in enumerate(slices):
                     out[part][layer][a:b].copy_(read[at : at + b - a], non_blocking=True)
                     at += b - a
-        return *([t.transpose(0, 1) for t in out[p]] for p in parts), finite
+        return tuple([t.transpose(0, 1) for t in out[p]] for p in parts)
 
     def _row_bytes(self, part: str) -> int:
         """Bytes of one token's row of a block tensor (its heads' channels)."""

@@ -14,10 +14,11 @@ import numpy as np
 from mmkv_cli.pack.finite import finite_stored
 from mmkv_cli.pack.pools import KeptPool
 
-# Blocks of at least this many bytes on average are checksummed on up to HASH_THREADS threads:
-# from here up, threads fed runs of blocks beat one (docs/measurements.md); a real backbone's blocks
-# are MBs.
-PARALLEL_HASH_BLOCK_BYTES = 1 << 13
+# Digest units of at least this many bytes on average are checksummed on up to HASH_THREADS threads
+# (and beside a read): below it a unit's Python costs as much as its hashing, all of it holding the
+# GIL, and threads passing it to and fro ran slower than one (docs/measurements.md). A frame of a
+# 7B pack is MBs; a layer of StreamingTOM's 4-bit 50-token frame, 27 KB.
+PARALLEL_HASH_BLOCK_BYTES = 32 << 10
 HASH_THREADS = 8
 # Blocks are handed out in runs of about this many bytes: a task per small block costs more than it
 # hashes, and a run much larger leaves one thread hashing alone at the end
@@ -51,8 +52,8 @@ class BlockHashes:
     and would otherwise set the pace of every large read).
 
     where: BlockRows; units: the units to check (BlockRows names them); block_bytes(view, start,
-    stop, into=None): a tensor's stored bytes of rows [start, stop), in checksum order (into: a
-    kept buffer to read them into, token-major packs)."""
+    stop, into): a tensor's stored bytes of rows [start, stop), flat, in checksum order (into: a
+    kept buffer to read them into, token-major packs; None for the others)."""
 
     def __init__(
         self,
@@ -68,10 +69,16 @@ class BlockHashes:
         units = np.asarray(units, dtype=np.int64)
         self._units = units.tolist()
         self._blocks = (units // where.units).tolist()  # the block each unit is of
-        # each unit's stretch of every tensor, as lists: a unit is hashed without numpy calls
+        # each unit's stretch of every tensor, as lists: a unit is hashed without numpy calls;
+        # and a row's bytes (v2/v3, read whole: one unit a block, never cut by rows)
         self._parts = [
-            (views[p][0], views[p][1], *(b.tolist() for b in where.unit_bounds(p, units)))
-            for p in views
+            (
+                view,
+                dtype,
+                *(b.tolist() for b in where.unit_bounds(p, units)),
+                view.row_bytes if token_major else 0,
+            )
+            for p, (view, dtype) in views.items()
         ]
         self._expected = where.digests.reshape(-1, 32)[units]
         # finite: each unit's values as stored are checked for NaN/Inf on the bytes hashed too
@@ -114,36 +121,45 @@ class BlockHashes:
 
     def _check(self, first: int, stop: int) -> None:
         """Units first..stop-1, neighbours in one block (so in every part): each part's stretch
-        of them read in pieces, each unit's digest fed its rows of every piece, part after part."""
+        of them read in pieces, each unit's digest fed its rows of every piece, part after part.
+        Bytes all the way, no numpy call a unit: a retrieval a layer hashes thousands of small
+        units a question, and each call's cost is paid holding the GIL."""
         digests = [self._new() for _ in range(first, stop)]
         finite = True
-        for view, dtype, starts, stops in self._parts:
-            low, high = min(starts[first:stop]), max(stops[first:stop])
-            for at, rows in self._pieces(view, low, high):
-                finite = finite and (not self._finite or finite_stored(rows, dtype))
-                if not self._token_major:  # v2/v3: one unit, the block whole
-                    digests[0].update(raw_view(rows))
+        for view, dtype, starts, stops, row in self._parts:
+            # one block's units in layer order: their rows follow one another (positions stored
+            # once a block: the same rows for each)
+            low, high = starts[first], stops[stop - 1]
+            for at, piece in self._pieces(view, low, high, row):
+                if self._finite and finite:
+                    finite = finite_stored(np.frombuffer(piece, np.uint8), dtype)
+                if stop - first == 1:  # one unit (v2/v3: the block whole): every byte is its
+                    digests[0].update(piece)
                     continue
+                end = at + len(piece) // row
                 for j in range(first, stop):
-                    a, b = max(starts[j], at), min(stops[j], at + len(rows))
+                    a, b = max(starts[j], at), min(stops[j], end)
                     if a < b:
-                        digests[j - first].update(raw_view(rows[a - at : b - at]))
+                        digests[j - first].update(piece[(a - at) * row : (b - at) * row])
         if not finite:
             self._nonfinite.append(self._blocks[first])
         for j, digest in zip(range(first, stop), digests):
             if digest.digest() != self._expected[j].tobytes():
                 self._bad.append(self._blocks[j])
 
-    def _pieces(self, view, low: int, high: int):
-        """(first row, the rows) of rows [low, high) of a block tensor, read SCRATCH_BYTES at a
+    def _pieces(self, view, low: int, high: int, row: int):
+        """(first row, their bytes) of rows [low, high) of a block tensor, read SCRATCH_BYTES at a
         time into this thread's kept buffer: a fresh buffer for every read paid its page faults,
         about as much again as the read (a head-major pack's block whole: its rows lie apart in
         every head)."""
         if not self._token_major:
-            yield low, self._block_bytes(view, low, high)
+            yield low, self._block_bytes(view, low, high, None)
             return
-        step = max(1, SCRATCH_BYTES // max(1, view.row_bytes))
-        buffer = scratch(min(high - low, step) * view.row_bytes)
+        step = max(1, SCRATCH_BYTES // max(1, row))
+        if high - low <= step:  # the usual case: one piece
+            yield low, self._block_bytes(view, low, high, scratch((high - low) * row))
+            return
+        buffer = scratch(step * row)
         for at in range(low, high, step):
             yield at, self._block_bytes(view, at, min(high, at + step), buffer)
 
@@ -167,12 +183,12 @@ class BlockHashes:
         return sorted(set(self._nonfinite))
 
 
-def scratch(nbytes: int) -> np.ndarray:
-    """This thread's kept uint8 buffer, of at least `nbytes` (grown when asked for more): its
-    bytes are the caller's until this thread asks again."""
+def scratch(nbytes: int) -> memoryview:
+    """This thread's kept buffer, of at least `nbytes` (grown when asked for more), as flat
+    bytes: they are the caller's until this thread asks again."""
     held = getattr(_scratch, "buffer", None)
-    if held is None or held.size < nbytes:
-        held = _scratch.buffer = np.empty(nbytes, np.uint8)
+    if held is None or len(held) < nbytes:
+        held = _scratch.buffer = memoryview(np.empty(nbytes, np.uint8))
     return held
 
 

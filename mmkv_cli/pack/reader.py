@@ -18,7 +18,13 @@ from mmkv_cli.pack.format import (
     Span,
     split_layers,
 )
-from mmkv_cli.pack.hashing import chunk_digests, digest_of, hashed_beside
+from mmkv_cli.pack.hashing import (
+    BlockHashes,
+    chunk_digests,
+    digest_of,
+    hashed_beside,
+    mismatched,
+)
 from mmkv_cli.pack.header import read_header
 from mmkv_cli.pack.integrity import (
     uncovered,
@@ -187,37 +193,36 @@ class PackReader:
         self._fetch(where, units)
         named = where.table_units(units)
         pending = units[np.fromiter((n not in self._verified for n in named), bool, len(named))]
-        if store.kv_bytes(where, pending) < OVERLAP_BYTES:
-            self._verify(where, pending)  # small: a thread costs more than it saves
-            read = self._finite(store.read_rows(where, taken, device, dtype), names, later)
-            self._tensors.still_whole()  # blocks checked before need not be hashed again
-            self._verified.update(named)
-            return read
-        # checksums on threads while the rows are copied (both let go of the GIL), and on this
-        # thread too once the copy is done: one after the other, a read ran slower than either
-        hashes = store.hashes(where, pending)
-        read = hashed_beside(hashes, lambda: store.read_rows(where, taken, device, dtype))
-        self._refuse(where, hashes.mismatched())  # before anything read is handed out
-        read = self._finite(read, names, later)
-        self._tensors.still_whole()
+        # K/V as stored are checked for NaN/Inf on the bytes hashed, on the hashing threads (a
+        # checksum says the bytes are the writer's, not that the writer was honest or sane)
+        hashes = store.hashes(where, pending, finite=self.quant is None)
+        if store.kv_bytes(where, pending) < OVERLAP_BYTES or hashes.threads() < 2:
+            # small, or of units too small to hash but holding the GIL: a thread costs more
+            # than it saves
+            mismatched(hashes)
+            self._refuse(where, hashes)
+            read = store.read_rows(where, taken, device, dtype)
+        else:
+            # checksums on threads while the rows are copied (both let go of the GIL), and on
+            # this thread too once the copy is done: one after the other, a read ran slower
+            read = hashed_beside(hashes, lambda: store.read_rows(where, taken, device, dtype))
+            self._refuse(where, hashes)  # before anything read is handed out
+        if self.quant is not None:
+            read = self._decoded_finite(read, names, later)
+        self._tensors.still_whole()  # blocks checked before need not be hashed again
         self._verified.update(named)
         return read
 
-    def _finite(self, read: tuple, names: list[str], later: LaterVerdicts | None) -> tuple:
-        """`read` (keys, values, positions) unless its K/V hold NaN or Inf: a checksum says the
-        bytes are the writer's, not that the writer was honest (a re-sealed forgery) or sane. On a
-        quantized pack this checks the decoded values, so the scales too; as stored, the verdict
-        read_rows gave."""
-        *read, finite = read
-        if finite is None and later is not None:
-            later.add(finite_flag([*read[0], *read[1]]), names)
-            return tuple(read)
-        if finite is None:
-            finite = all_finite([*read[0], *read[1]])  # one verdict for K and V: one wait
-        if not finite:
+    def _decoded_finite(self, read: tuple, names: list[str], later: LaterVerdicts | None):
+        """`read` (keys, values, positions) of a quantized pack unless its decoded K/V hold NaN
+        or Inf (so the scales are checked too). later: where the verdict goes unread."""
+        flag = finite_flag([*read[0], *read[1]])
+        if later is not None:
+            later.add(flag, names)
+        elif flag is not None and not bool(flag):  # one verdict for K and V: one wait
             shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
             raise PackError(f"{self.path} is corrupted (NaN or Inf in the K/V of {shown})")
-        return tuple(read)
+        return read
 
     def _rows(self, indices: list[int]) -> BlockRows:
         """Where the blocks at `indices` (table rows) sit in the block tensors."""
@@ -351,14 +356,16 @@ class PackReader:
             raise PackError(f"{self.path} is corrupted (positions of {name})")
         return k, v, pos
 
-    def _verify(self, where: BlockRows, pending: np.ndarray) -> None:
-        """Check the digests of the units `pending` of `where` against the table."""
-        self._refuse(where, self._block_store().mismatched(where, pending))
-
-    def _refuse(self, where: BlockRows, bad: list[int]) -> None:
-        if bad:
-            name = self._blocks.name(where.indices[bad[0]])
-            raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
+    def _refuse(self, where: BlockRows, hashes: BlockHashes) -> None:
+        """Refuse the read `hashes` checked (once every run is hashed) for its first block whose
+        checksum differs, or whose K/V as stored hold NaN or Inf."""
+        for bad, fault in (
+            (hashes.mismatched(), "checksum mismatch in"),
+            (hashes.nonfinite(), "NaN or Inf in the K/V of"),
+        ):
+            if bad:
+                name = self._blocks.name(where.indices[bad[0]])
+                raise PackError(f"{self.path} is corrupted ({fault} {name})")
 
     def _load_span(self, name: str, dtype: torch.dtype | None = None) -> Span:
         meta = self.spans_meta.get(name) or self._block_meta(name)

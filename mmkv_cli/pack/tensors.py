@@ -74,6 +74,13 @@ class FileArray:
         out = into[: count * self.row_bytes].view(self.dtype).reshape(count, *self.shape[1:])
         return self._into(out, [(first, stop)])
 
+    def bytes_into(self, first: int, stop: int, into: memoryview) -> memoryview:
+        """Rows [first, stop) read into the start of `into` (flat bytes, a kept buffer's): that
+        stretch of it. No numpy on the way: a hash of small blocks reads thousands of these."""
+        out = into[: (stop - first) * self.row_bytes]
+        self._stored.read_into([out], self._start + first * self.row_bytes)
+        return out
+
     def take(self, rows: np.ndarray, axis: int = 0, out: np.ndarray | None = None) -> np.ndarray:
         """Rows `rows` (int array): runs of consecutive rows that lie next to each other in the
         file are read by one scattering preadv, whatever their order in `rows` (a context's
