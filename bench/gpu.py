@@ -198,7 +198,7 @@ def read(work: Path, blocks: int, device: str) -> dict:
     """GB/s of a fresh open and `gather` of every block (checksums and NaN/Inf checks included)
     onto the host and onto `device` (pinned groups of layers sent while the next is read), and of
     `verify`, best of 3, from the page cache."""
-    from rates import best_rate, layer_reads, seven_b_pack
+    from rates import best_rate, layer_picks, layer_reads, seven_b_pack
 
     from mmkv_cli.pack import PackReader
     from mmkv_cli.pack.report import verify
@@ -219,7 +219,20 @@ def read(work: Path, blocks: int, device: str) -> dict:
         "layer_reads_layer_digests_s": layer_reads(
             keyed(work, blocks), names, device, min(12, blocks), 3
         ),
+        # StreamingTOM's question: 512 frames of 50 tokens, 4-bit, 251 frames a layer
+        "layer_picks_4bit_s": layer_picks(
+            streamingtom_shaped(work), [f"b{i}" for i in range(512)], device, 251, 3
+        ),
     }
+
+
+def streamingtom_shaped(work: Path) -> Path:
+    """A pack shaped as StreamingTOM's at 7B: 512 frames of 50 tokens, 4-bit, a key a layer."""
+    from rates import seven_b_pack
+
+    path = work / "streamingtom.kvpack"
+    seven_b_pack(path, 512, retrieval_keys=True, tokens=50, bits=4)
+    return path
 
 
 def keyed(work: Path, blocks: int) -> Path:

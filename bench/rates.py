@@ -9,12 +9,16 @@ from pathlib import Path
 LAYERS, HEADS, DIM, TOKENS = 28, 4, 128, 196  # Qwen2-7B's KV, 196 visual tokens a frame
 
 
-def seven_b_pack(path: Path, blocks: int, retrieval_keys: bool = False) -> list[str]:
-    """A pack of `blocks` frames at 7B width (float16, random K/V) at `path`; its block names.
-    retrieval_keys: every block a key per layer, as ReKV's (so a digest a layer, v12)."""
+def seven_b_pack(
+    path: Path, blocks: int, retrieval_keys: bool = False, tokens: int = TOKENS, bits: int = 16
+) -> list[str]:
+    """A pack of `blocks` frames of `tokens` at 7B width (float16, random K/V, stored at `bits`)
+    at `path`; its block names. retrieval_keys: every block a key per layer, as ReKV's and
+    StreamingTOM's (so a digest a layer, v12)."""
     import torch
 
     from mmkv_cli.pack import Span, write_pack
+    from mmkv_cli.pack.quant import QuantSpec
     from tests.helpers import pack_header
 
     g = torch.Generator().manual_seed(0)
@@ -27,9 +31,10 @@ def seven_b_pack(path: Path, blocks: int, retrieval_keys: bool = False) -> list[
         return Span(name, kv[:LAYERS], kv[LAYERS:], positions, granularity=kind, steps=steps,
                     representative=key if kind else None)  # fmt: skip
 
-    body = [span(f"b{i}", TOKENS, "frame") for i in range(blocks)]
+    body = [span(f"b{i}", tokens, "frame") for i in range(blocks)]
     header = pack_header(LAYERS, "float16", heads=HEADS, dim=DIM)
-    write_pack(path, header, span("prefix", 4), body, span("suffix", 2))
+    quant = QuantSpec(bits) if bits != 16 else None
+    write_pack(path, header, span("prefix", 4), body, span("suffix", 2), quant=quant)
     return [b.name for b in body]
 
 
@@ -59,6 +64,29 @@ def layer_reads(path: Path, names: list[str], device: str, picks: int, tries: in
         for layer, picked in enumerate(chosen):
             taken = [names[i] for i in picked]
             reader.gather(taken, [taken if i == layer else [] for i in range(LAYERS)], device)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - began)
+    return round(best, 4)
+
+
+def layer_picks(path: Path, names: list[str], device: str, picks: int, tries: int) -> float:
+    """Seconds (best of `tries`, a fresh open each) of a per-layer retrieval's one read
+    (StreamingTOM's; ReKV's two-pass): every layer its own `picks` blocks (random, the same every
+    run), each checked by its layer's digests, decoded on `device`."""
+    import numpy as np
+    import torch
+
+    from mmkv_cli.pack import PackReader
+
+    rng = np.random.default_rng(0)
+    chosen = [sorted(rng.choice(len(names), picks, replace=False).tolist()) for _ in range(LAYERS)]
+    union = [names[i] for i in sorted(set().union(*chosen))]
+    per_layer = [[names[i] for i in picked] for picked in chosen]
+    best = float("inf")
+    for _ in range(tries):
+        reader, began = PackReader(path), time.perf_counter()
+        reader.gather(union, per_layer, device)
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - began)
