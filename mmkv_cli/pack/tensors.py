@@ -143,7 +143,12 @@ class FileArray:
         ends = [*cuts[1:].tolist(), count]
         offsets = (self._start + firsts[cuts] * self.row_bytes).tolist()
         reads = [(o, pieces[c:d]) for o, c, d in zip(offsets, cuts.tolist(), ends)]
-        self._stored.read_many(reads, int(sizes.sum()))
+        # handed to the reading threads in tasks of about READ_BYTES: a task a read of a few KB
+        # (a retrieval's runs, scattered) cost the pool more than the read
+        task = ahead[cuts] // READ_BYTES
+        firsts_of = [*np.flatnonzero(np.append(True, np.diff(task) != 0)).tolist(), len(reads)]
+        tasks = [reads[a:b] for a, b in zip(firsts_of, firsts_of[1:])]
+        self._stored.read_many(tasks, int(sizes.sum()))
 
     def _into(self, out: np.ndarray, runs: list[tuple[int, int]]) -> np.ndarray:
         """Row ranges `runs` read one after another into `out`."""
@@ -190,13 +195,17 @@ class StoredTensors:
         if not self.source.unchanged():
             raise PackError(f"{self.path} changed while it was being read")
 
-    def read_many(self, reads: list[tuple[int, list[memoryview]]], total: int) -> None:
-        """Each (offset, buffers) read, `total` bytes in all; on READ_THREADS threads when they
-        are many and large (a pread lets go of the GIL, and one thread copies from the page cache
-        at a fraction of what the memory does)."""
-        if READ_THREADS > 1 and len(reads) > 1 and total >= PARALLEL_READ_BYTES:
-            list(_reading.get().map(lambda read: self.read_into(read[1], read[0]), reads))
+    def read_many(self, tasks: list[list[tuple[int, list[memoryview]]]], total: int) -> None:
+        """Each task's (offset, buffers) reads, `total` bytes in all; the tasks on READ_THREADS
+        threads when they are many and large (a pread lets go of the GIL, and one thread copies
+        from the page cache at a fraction of what the memory does)."""
+        if READ_THREADS > 1 and len(tasks) > 1 and total >= PARALLEL_READ_BYTES:
+            list(_reading.get().map(self._read_each, tasks))
             return
+        for reads in tasks:
+            self._read_each(reads)
+
+    def _read_each(self, reads: list[tuple[int, list[memoryview]]]) -> None:
         for offset, pieces in reads:
             self.read_into(pieces, offset)
 
