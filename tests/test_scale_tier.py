@@ -26,7 +26,9 @@ from tests.mutants import Parts
 LAYERS, HEADS, DIM = 28, 4, 128  # LLaVA-OV-7B's language model (Qwen2-7B): 28 x 4 KV heads x 128
 
 
-def block(name: str, tokens: int, seed: int, layers: int = LAYERS) -> Span:
+def block(name: str, tokens: int, seed: int, layers: int = LAYERS, keys: int | None = None) -> Span:
+    """A frame at 7B width with a retrieval key for each layer (or `keys` of them: one makes a
+    pack with one digest a block)."""
     g = torch.Generator().manual_seed(seed)
     kv = [torch.randn(HEADS, tokens, DIM, generator=g).half() for _ in range(2 * layers)]
     return Span(
@@ -37,7 +39,7 @@ def block(name: str, tokens: int, seed: int, layers: int = LAYERS) -> Span:
         granularity="frame",
         steps=(seed, seed + 1),
         time=(float(seed), seed + 0.5),
-        representative=torch.randn(layers, HEADS * DIM, generator=g).half(),
+        representative=torch.randn(keys or layers, HEADS * DIM, generator=g).half(),
     )
 
 
@@ -50,9 +52,9 @@ def plain(name: str, tokens: int, layers: int = LAYERS) -> Span:
     )
 
 
-def write_7b(path, blocks: int, tokens: int = 1, quant=None, layers: int = LAYERS):
+def write_7b(path, blocks: int, tokens: int = 1, quant=None, layers: int = LAYERS, keys=None):
     header = pack_header(layers=layers, dtype="float16", heads=HEADS, dim=DIM)
-    spans = [block(f"b{i}", tokens, i, layers) for i in range(blocks)]
+    spans = [block(f"b{i}", tokens, i, layers, keys) for i in range(blocks)]
     write_pack(path, header, plain("prefix", 2, layers), spans, plain("suffix", 1, layers), False,
                quant)  # fmt: skip
     return spans
@@ -123,50 +125,66 @@ def test_spanning_key_scales_past_two_digest_chunks(tmp_path, monkeypatch):
     assert verify(tmp_path / "bad.kvpack")["faults"] == ["key scales: checksum mismatch"]
 
 
-@pytest.mark.parametrize("blocks, tokens", [(52, 7), (12, 36)])
+@pytest.mark.parametrize(
+    "blocks, tokens, layers, keys, path_taken",
+    [
+        (52, 7, LAYERS, None, "as read"),  # a digest a layer of 14 KiB: one thread
+        (12, 36, LAYERS, None, "as read"),  # 72 KiB: on threads
+        (1100, 1, 8, 1, "before"),  # a digest a block of 8 layers, 16 KiB: one thread, first
+        (12, 36, LAYERS, 1, "beside"),  # 2 MiB a digest: on threads beside the copy
+    ],
+)
 def test_a_context_past_the_overlap_threshold_reads_back_exactly(
-    tmp_path, monkeypatch, blocks, tokens
+    tmp_path, monkeypatch, blocks, tokens, layers, keys, path_taken
 ):
-    """Both read past two steps of the 8 MiB of K/V at which a read is hashed on threads beside
-    the copy, each block with a digest a layer (v12: the pack keeps a retrieval key per layer).
-    52 blocks of 7 tokens at 7B width: digests of 14 KiB, two steps under the 32 KiB where hashing
-    on threads pays (below it a unit's Python costs as much as its hashing), so one thread hashes
-    them, then the copy runs. 12 of 36: 72 KiB, past it by two steps, hashed on threads beside the
-    copy."""
+    """Every read here passes two steps of the 8 MiB of K/V at which one is hashed on threads
+    beside the copy. With a digest a layer (v12: the pack keeps a retrieval key per layer) a
+    unit is one run of the read, and is hashed on the bytes read, after it: on one thread under
+    the 32 KiB where threads pay (below it a unit's Python costs as much as its hashing, all of it
+    holding the GIL), on several past it (both by two steps). With a digest a block, units of 16
+    KiB are hashed from the file on one thread before the read, units of 2 MiB on threads beside
+    it."""
     from mmkv_cli.pack import hashing
     from mmkv_cli.pack.hashing import PARALLEL_HASH_BLOCK_BYTES
     from mmkv_cli.pack.reader import OVERLAP_BYTES
 
     path = tmp_path / "p.kvpack"
-    spans = write_7b(path, blocks, tokens=tokens)
+    spans = write_7b(path, blocks, tokens=tokens, layers=layers, keys=keys)
     kv_bytes = sum(2 * t.numel() * t.element_size() for s in spans for t in s.keys)
-    per_digest = kv_bytes // (blocks * LAYERS)
+    per_digest = kv_bytes // (blocks * (layers if keys is None else 1))
     assert kv_bytes > 2 * OVERLAP_BYTES
     threaded = per_digest > 2 * PARALLEL_HASH_BLOCK_BYTES
-    assert threaded or 2 * per_digest < PARALLEL_HASH_BLOCK_BYTES
+    assert threaded or 2 * per_digest <= PARALLEL_HASH_BLOCK_BYTES
     threads: list[int] = []
     counted = hashing.BlockHashes.threads
     monkeypatch.setattr(
         hashing.BlockHashes, "threads", lambda self: threads.append(counted(self)) or threads[-1]
     )
-    beside: list[bool] = []
+    taken: list[str] = []
     monkeypatch.setattr(
         "mmkv_cli.pack.reader.hashed_beside",
-        lambda hashes, read: beside.append(True) or hashing.hashed_beside(hashes, read),
+        lambda hashes, read: taken.append("beside") or hashing.hashed_beside(hashes, read),
     )
-    keys, values, positions = PackReader(path).gather([s.name for s in spans])
+    from_read = hashing.BlockHashes.read_from
+    monkeypatch.setattr(
+        hashing.BlockHashes,
+        "read_from",
+        lambda self, *a: taken.append("as read") or from_read(self, *a),
+    )
+    keys_read, values, positions = PackReader(path).gather([s.name for s in spans])
+    assert taken == ([] if path_taken == "before" else [path_taken])
     if threaded:
-        assert threads and min(threads) > 1 and beside or (os.cpu_count() or 1) < 2
+        assert threads and min(threads) > 1 or (os.cpu_count() or 1) < 2
     else:
-        assert set(threads) == {1} and not beside
-    for layer in (0, LAYERS - 1):
-        assert torch.equal(keys[layer], torch.cat([s.keys[layer] for s in spans], dim=1))
+        assert set(threads) == {1}
+    for layer in (0, layers - 1):
+        assert torch.equal(keys_read[layer], torch.cat([s.keys[layer] for s in spans], dim=1))
         assert torch.equal(values[layer], torch.cat([s.values[layer] for s in spans], dim=1))
         assert torch.equal(positions[layer], torch.cat([s.positions[layer] for s in spans], dim=1))
     # b1's first K row flipped; a NaN forged (re-sealed) into the last block's last V row: each
     # refused by its name, the NaN by the checksums' threads, from the bytes they hash
-    rows = blocks * tokens * LAYERS
-    bad = flipped_and_forged(path, tmp_path / "bad.kvpack", tokens * LAYERS, rows - 1, b"\x00\x7e")
+    rows = blocks * tokens * layers
+    bad = flipped_and_forged(path, tmp_path / "bad.kvpack", tokens * layers, rows - 1, b"\x00\x7e")
     with pytest.raises(PackError, match="checksum mismatch in b1"):
         PackReader(bad).gather([s.name for s in spans])
     with pytest.raises(PackError, match=f"NaN or Inf in the K/V of {spans[-1].name}"):
@@ -534,7 +552,7 @@ def test_a_retrievals_scattered_runs_go_to_the_reading_threads_in_tasks_of_bytes
 ):
     """Each layer retrieving its own half of 320 blocks reads thousands of runs of a few KB,
     scattered (StreamingTOM's question: 14,000 a tensor). A task each cost the pool more than the
-    reads (0.11 -> 0.27 s on 4 threads). They go in tasks of about READ_BYTES (lowered to 256 KiB
+    reads (docs/measurements.md). They go in tasks of about READ_BYTES (lowered to 256 KiB
     past PARALLEL_READ_BYTES, lowered to 1 MiB, on 3 threads): never more tasks than
     READ_BYTES-windows, and every layer reads back exact."""
     import threading

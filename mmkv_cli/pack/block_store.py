@@ -131,25 +131,31 @@ class BlockStore:
         taken: list[np.ndarray],
         device: torch.device | str | None,
         dtype: torch.dtype | None,
+        kept: dict | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Layer l's rows of the blocks at taken[l] (positions in `where`), layer after layer:
         (keys, values, positions), K/V on `device` (default: the host), dequantized there where
         stored quantized; positions on the host. Nothing is checked here: the checksums' threads
         check the K/V as stored for NaN/Inf on the bytes they hash (hashes(..., finite=True)), and
-        a quantized pack's decoded values are the caller's to check."""
+        a quantized pack's decoded values are the caller's to check. kept: where each part's host
+        buffers (numpy, as read) are left, by part, for checksums computed on them; a part read
+        in groups (a large read bound for a GPU) leaves none."""
         staging = Staging(device)
         rows = where.token_rows(taken)
         totals = [int(where.counts[t, layer].sum()) for layer, t in enumerate(taken)]
-        positions = self._pick("pos", where.position_rows(taken), Staging()).to(torch.int64)
+        positions = self._pick("pos", where.position_rows(taken), Staging(), kept)
+        positions = positions.to(torch.int64)
         positions = [p.T for p in torch.split(positions, totals)]
         ends = np.cumsum(totals, dtype=np.int64)
         firsts = ends - np.asarray(totals, dtype=np.int64)
         if self.quant is None:
-            return *self._staged_rows(rows, totals, firsts, ends, staging), positions
+            return *self._staged_rows(rows, totals, firsts, ends, staging, kept), positions
         groups, expand = where.key_group_rows(taken)
         # rows, scales and indices are read on the host: sent to the device without a wait
-        k, v = (staging.send(self._pick(p, rows, staging)) for p in ("k", "v"))
-        vq = staging.send(self._pick("vq", rows, staging)).float() if "vq" in self.views else None
+        k, v = (staging.send(self._pick(p, rows, staging, kept)) for p in ("k", "v"))
+        vq = None
+        if "vq" in self.views:
+            vq = staging.send(self._pick("vq", rows, staging, kept)).float()
         # float32 before they are spread over the tokens: one conversion per group, not per token
         if self.key_scales is not None:
             key_scales = self.key_scales().index_select(0, torch.from_numpy(groups))
@@ -177,7 +183,9 @@ class BlockStore:
             values.append(layer[1].transpose(0, 1))
         return keys, values, positions
 
-    def _staged_rows(self, rows, totals, firsts, ends, staging: Staging) -> tuple[list, list]:
+    def _staged_rows(
+        self, rows, totals, firsts, ends, staging: Staging, kept: dict | None
+    ) -> tuple[list, list]:
         """Stored K/V rows (layer after layer in `rows`) on the staging's device, each layer a
         [H_kv, n, D] view. In one read, or (a large read bound for a GPU) a group of whole blocks
         at a time, each copied into its places while the next is read."""
@@ -185,7 +193,7 @@ class BlockStore:
         groups = staging.groups(rows, firsts, ends, sum(self._row_bytes(p) for p in parts))
         if groups is None:  # a buffer per layer: a caller joining layer by layer lets go of each
             layers = [rows[a:b] for a, b in zip(firsts.tolist(), ends.tolist())]
-            read = {p: self._pick_each(p, layers, staging) for p in parts}
+            read = {p: self._pick_each(p, layers, staging, kept) for p in parts}
             return tuple([staging.send(t).transpose(0, 1) for t in read[p]] for p in parts)
         out: dict[str, list] = {}
         for part in parts:  # every layer's tensor on the device, filled group by group
@@ -207,19 +215,30 @@ class BlockStore:
                     at += b - a
         return tuple([t.transpose(0, 1) for t in out[p]] for p in parts)
 
+    def read_in_groups(self, rows: int, device) -> bool:
+        """Whether a read of `rows` token rows onto `device` goes in groups (large, stored as
+        computed, bound for a GPU): its buffers are let go group by group, never kept."""
+        kv_row = self._row_bytes("k") + self._row_bytes("v")
+        return self.quant is None and Staging(device).in_groups(rows * kv_row)
+
     def _row_bytes(self, part: str) -> int:
         """Bytes of one token's row of a block tensor (its heads' channels)."""
         array = self.views[part][0]
         rows_axis = 0 if self.token_major else 1
         return array.itemsize * math.prod(n for i, n in enumerate(array.shape) if i != rows_axis)
 
-    def _pick(self, part: str, rows: np.ndarray, staging: Staging) -> torch.Tensor:
+    def _pick(
+        self, part: str, rows: np.ndarray, staging: Staging, kept: dict | None = None
+    ) -> torch.Tensor:
         """Rows `rows` of a block tensor, read out of the file into a buffer of `staging`'s."""
-        return self._pick_each(part, [rows], staging)[0]
+        return self._pick_each(part, [rows], staging, kept)[0]
 
-    def _pick_each(self, part: str, rows: list[np.ndarray], staging: Staging) -> list:
+    def _pick_each(
+        self, part: str, rows: list[np.ndarray], staging: Staging, kept: dict | None = None
+    ) -> list:
         """Rows rows[i] of a block tensor into a buffer of `staging`'s each, in one pass through
-        the file (a stored tensor; one read after another for one held in memory)."""
+        the file (a stored tensor; one read after another for one held in memory). kept: where
+        the buffers (numpy) are left under `part`."""
         array, dtype = self.views[part]
         if not self.token_major:
             array = np.swapaxes(array, 0, 1)
@@ -231,4 +250,6 @@ class BlockStore:
             for wanted, out in zip(rows, outs):
                 array.take(wanted, 0, out)
         self.bytes_read += sum(out.nbytes for out in outs)
+        if kept is not None:
+            kept[part] = outs
         return [picked for _, picked in made]

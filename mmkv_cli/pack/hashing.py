@@ -73,6 +73,7 @@ class BlockHashes:
         # and a row's bytes (v2/v3, read whole: one unit a block, never cut by rows)
         self._parts = [
             (
+                p,
                 view,
                 dtype,
                 *(b.tolist() for b in where.unit_bounds(p, units)),
@@ -98,6 +99,22 @@ class BlockHashes:
         self._run_count = -(-count // per_run)
         self._bad: list[int] = []
         self._stopped = False
+        self._read: list | None = None  # by part: the buffers read, each unit's and its offset
+
+    def read_from(self, kept: dict, layers: list[int], rows: list[int], firsts: list[int]) -> None:
+        """Hash the units from the buffers a read left (`kept`: part -> numpy buffers, one for
+        every layer or one a layer), not the file: each unit is one layer's run there. layers,
+        rows: each unit's layer and its run's first row in that layer's rows (BlockRows.
+        rows_in_read); firsts: each layer's first row in a buffer for every layer. A retrieval's
+        thousands of small units are then read once, not a second time to be hashed."""
+        self._read = []
+        for name, _, _, _, _, row in self._parts:
+            buffers = [memoryview(b.reshape(-1).view(np.uint8)) for b in kept[name]]
+            if len(buffers) == 1:
+                which, at = [0] * len(layers), [firsts[i] + r for i, r in zip(layers, rows)]
+            else:
+                which, at = layers, rows
+            self._read.append((buffers, which, [a * row for a in at]))
 
     def work(self) -> None:
         """Hash runs until none is left (or `stop` is called)."""
@@ -106,6 +123,10 @@ class BlockHashes:
                 run = next(self._runs, None)
             if run is None:
                 return
+            if self._read is not None:  # a unit's runs lie apart in the buffers read
+                for j in run:
+                    self._check(j, j + 1)
+                continue
             first = run.start
             units, blocks = self._units, self._blocks
             while first < run.stop:  # a block's neighbouring units of the run: read in one piece
@@ -126,7 +147,15 @@ class BlockHashes:
         units a question, and each call's cost is paid holding the GIL."""
         digests = [self._new() for _ in range(first, stop)]
         finite = True
-        for view, dtype, starts, stops, row in self._parts:
+        for part, (_, view, dtype, starts, stops, row) in enumerate(self._parts):
+            if self._read is not None:  # one unit, its bytes as read for the model
+                buffers, which, at = self._read[part]
+                end = at[first] + (stops[first] - starts[first]) * row
+                piece = buffers[which[first]][at[first] : end]
+                if self._finite and finite:
+                    finite = finite_stored(np.frombuffer(piece, np.uint8), dtype)
+                digests[0].update(piece)
+                continue
             # one block's units in layer order: their rows follow one another (positions stored
             # once a block: the same rows for each)
             low, high = starts[first], stops[stop - 1]

@@ -196,7 +196,16 @@ class PackReader:
         # K/V as stored are checked for NaN/Inf on the bytes hashed, on the hashing threads (a
         # checksum says the bytes are the writer's, not that the writer was honest or sane)
         hashes = store.hashes(where, pending, finite=self.quant is None)
-        if store.kv_bytes(where, pending) < OVERLAP_BYTES or hashes.threads() < 2:
+        if self._hashed_as_read(where, store, taken, device):
+            # a unit is one run of one layer (a digest a layer): hashed on the bytes read
+            kept: dict = {}
+            read = store.read_rows(where, taken, device, dtype, kept)
+            if set(kept) == set(store.views):
+                firsts = np.cumsum([0, *(where.counts[t, i].sum() for i, t in enumerate(taken))])
+                hashes.read_from(kept, *where.rows_in_read(taken, pending), firsts.tolist())
+            mismatched(hashes)
+            self._refuse(where, hashes)
+        elif store.kv_bytes(where, pending) < OVERLAP_BYTES or hashes.threads() < 2:
             # small, or of units too small to hash but holding the GIL: a thread costs more
             # than it saves
             mismatched(hashes)
@@ -212,6 +221,15 @@ class PackReader:
         self._tensors.still_whole()  # blocks checked before need not be hashed again
         self._verified.update(named)
         return read
+
+    def _hashed_as_read(self, where: BlockRows, store: BlockStore, taken, device) -> bool:
+        """Whether a read's units are hashed on the bytes it reads: each unit one layer's run of
+        a token-major pack (not v7/v8's key scales, read by group), and the read in one piece
+        (a large read bound for a GPU goes in groups, and is hashed beside it from the file)."""
+        if where.digest_layers != 1 or not store.token_major or "kq" in store.views:
+            return False
+        rows = sum(int(where.counts[t, i].sum()) for i, t in enumerate(taken))
+        return not store.read_in_groups(rows, device)
 
     def _decoded_finite(self, read: tuple, names: list[str], later: LaterVerdicts | None):
         """`read` (keys, values, positions) of a quantized pack unless its decoded K/V hold NaN

@@ -48,11 +48,15 @@ class Staging:
         caching host allocator keeps the buffer until the copy is done)."""
         return tensor.to(self.device, non_blocking=True)
 
+    def in_groups(self, nbytes: int) -> bool:
+        """Whether a read of `nbytes` goes in groups (bound for a GPU, and large)."""
+        return self.stage_bytes is not None and nbytes > self.stage_bytes
+
     def groups(self, rows: np.ndarray, firsts, ends, row_bytes: int) -> list[list[tuple]] | None:
         """The read cut in file order into groups of about `stage_bytes`: for each group, each
         layer's (start, stop) in its own rows (rows[firsts[l]:ends[l]], ascending in the file).
         None: one read (small, on the CPU, or a layer's rows out of file order)."""
-        if self.stage_bytes is None or len(rows) * row_bytes <= self.stage_bytes:
+        if not self.in_groups(len(rows) * row_bytes):
             return None
         layers = [rows[a:b] for a, b in zip(firsts, ends)]
         if any(np.any(np.diff(layer) <= 0) for layer in layers):

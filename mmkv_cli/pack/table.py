@@ -241,6 +241,16 @@ class BlockRows:
         starts = self.position_starts if part == "pos" else self.token_starts
         return starts[block, first], starts[block, last] + self.counts[block, last]
 
+    def rows_in_read(self, taken: list[np.ndarray], units: np.ndarray) -> tuple[list, list]:
+        """For digest units of one layer each: each unit's layer, and the row its run starts at
+        within that layer's rows of a read of `taken` (token_rows, position_rows)."""
+        within = np.zeros((len(self.indices), self.layers), dtype=np.int64)
+        for layer, t in enumerate(taken):
+            counts = self.counts[t, layer]
+            within[t, layer] = np.cumsum(counts) - counts
+        layers = units % self.units
+        return layers.tolist(), within[units // self.units, layers].tolist()
+
     def _runs(self, starts: np.ndarray, taken: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         # layer-major: every layer's taken blocks in context order, so a tensor is read in one go
         firsts = np.concatenate([starts[t, layer] for layer, t in enumerate(taken)])
