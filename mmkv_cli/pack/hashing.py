@@ -148,18 +148,10 @@ class BlockHashes:
         digests = [self._new() for _ in range(first, stop)]
         finite = True
         for part, (_, view, dtype, starts, stops, row) in enumerate(self._parts):
-            if self._read is not None:  # one unit, its bytes as read for the model
-                buffers, which, at = self._read[part]
-                end = at[first] + (stops[first] - starts[first]) * row
-                piece = buffers[which[first]][at[first] : end]
-                if self._finite and finite:
-                    finite = finite_stored(np.frombuffer(piece, np.uint8), dtype)
-                digests[0].update(piece)
-                continue
             # one block's units in layer order: their rows follow one another (positions stored
             # once a block: the same rows for each)
             low, high = starts[first], stops[stop - 1]
-            for at, piece in self._pieces(view, low, high, row):
+            for at, piece in self._pieces(part, first, view, low, high, row):
                 if self._finite and finite:
                     finite = finite_stored(np.frombuffer(piece, np.uint8), dtype)
                 if stop - first == 1:  # one unit (v2/v3: the block whole): every byte is its
@@ -176,11 +168,15 @@ class BlockHashes:
             if digest.digest() != self._expected[j].tobytes():
                 self._bad.append(self._blocks[j])
 
-    def _pieces(self, view, low: int, high: int, row: int):
-        """(first row, their bytes) of rows [low, high) of a block tensor, read SCRATCH_BYTES at a
-        time into this thread's kept buffer: a fresh buffer for every read paid its page faults,
-        about as much again as the read (a head-major pack's block whole: its rows lie apart in
-        every head)."""
+    def _pieces(self, part: int, unit: int, view, low: int, high: int, row: int):
+        """(first row, their bytes) of rows [low, high) of a block tensor: as read for the model
+        (`read_from`: the one unit `unit`'s), or read SCRATCH_BYTES at a time into this thread's
+        kept buffer: a fresh buffer for every read paid its page faults, about as much again as
+        the read (a head-major pack's block whole: its rows lie apart in every head)."""
+        if self._read is not None:
+            buffers, which, at = self._read[part]
+            yield low, buffers[which[unit]][at[unit] : at[unit] + (high - low) * row]
+            return
         if not self._token_major:
             yield low, self._block_bytes(view, low, high, None)
             return
