@@ -142,7 +142,7 @@ class BlockStore:
         in groups (a large read bound for a GPU) leaves none."""
         staging = Staging(device)
         rows = where.token_rows(taken)
-        totals = [int(where.counts[t, layer].sum()) for layer, t in enumerate(taken)]
+        totals = where.layer_totals(taken)
         positions = self._pick("pos", where.position_rows(taken), Staging(), kept)
         positions = positions.to(torch.int64)
         positions = [p.T for p in torch.split(positions, totals)]

@@ -201,8 +201,7 @@ class PackReader:
             kept: dict = {}
             read = store.read_rows(where, taken, device, dtype, kept)
             if set(kept) == set(store.views):
-                firsts = np.cumsum([0, *(where.counts[t, i].sum() for i, t in enumerate(taken))])
-                hashes.read_from(kept, *where.rows_in_read(taken, pending), firsts.tolist())
+                hashes.read_from(kept, *where.rows_in_read(taken, pending))
             mismatched(hashes)
             self._refuse(where, hashes)
         elif store.kv_bytes(where, pending) < OVERLAP_BYTES or hashes.threads() < 2:
@@ -228,8 +227,7 @@ class PackReader:
         (a large read bound for a GPU goes in groups, and is hashed beside it from the file)."""
         if where.digest_layers != 1 or not store.token_major or "kq" in store.views:
             return False
-        rows = sum(int(where.counts[t, i].sum()) for i, t in enumerate(taken))
-        return not store.read_in_groups(rows, device)
+        return not store.read_in_groups(sum(where.layer_totals(taken)), device)
 
     def _decoded_finite(self, read: tuple, names: list[str], later: LaterVerdicts | None):
         """`read` (keys, values, positions) of a quantized pack unless its decoded K/V hold NaN

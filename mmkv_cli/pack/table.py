@@ -241,15 +241,21 @@ class BlockRows:
         starts = self.position_starts if part == "pos" else self.token_starts
         return starts[block, first], starts[block, last] + self.counts[block, last]
 
-    def rows_in_read(self, taken: list[np.ndarray], units: np.ndarray) -> tuple[list, list]:
-        """For digest units of one layer each: each unit's layer, and the row its run starts at
-        within that layer's rows of a read of `taken` (token_rows, position_rows)."""
+    def layer_totals(self, taken: list[np.ndarray]) -> list[int]:
+        """Rows each layer reads taking the blocks at taken[l] (token_rows, position_rows)."""
+        return [int(self.counts[t, layer].sum()) for layer, t in enumerate(taken)]
+
+    def rows_in_read(self, taken: list[np.ndarray], units: np.ndarray) -> tuple[list, list, list]:
+        """For digest units of one layer each: each unit's layer, the row its run starts at
+        within that layer's rows of a read of `taken` (token_rows, position_rows), and each
+        layer's first row in the whole read."""
         within = np.zeros((len(self.indices), self.layers), dtype=np.int64)
         for layer, t in enumerate(taken):
             counts = self.counts[t, layer]
             within[t, layer] = np.cumsum(counts) - counts
         layers = units % self.units
-        return layers.tolist(), within[units // self.units, layers].tolist()
+        firsts = np.cumsum([0, *self.layer_totals(taken)])
+        return layers.tolist(), within[units // self.units, layers].tolist(), firsts.tolist()
 
     def _runs(self, starts: np.ndarray, taken: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         # layer-major: every layer's taken blocks in context order, so a tensor is read in one go

@@ -63,16 +63,8 @@ class FileArray:
         first, stop, step = rows.indices(len(self))
         if step != 1:
             raise IndexError("a stored tensor is read by contiguous rows")
-        return self.rows_into(
-            first, stop, np.empty(max(0, stop - first) * self.row_bytes, np.uint8)
-        )
-
-    def rows_into(self, first: int, stop: int, into: np.ndarray) -> np.ndarray:
-        """Rows [first, stop) read into the start of `into` (a flat uint8 buffer of at least their
-        bytes, say one kept and reused): the rows, viewed in its bytes."""
         count = max(0, stop - first)
-        out = into[: count * self.row_bytes].view(self.dtype).reshape(count, *self.shape[1:])
-        return self._into(out, [(first, stop)])
+        return self._into(np.empty((count, *self.shape[1:]), self.dtype), [(first, stop)])
 
     def bytes_into(self, first: int, stop: int, into: memoryview) -> memoryview:
         """Rows [first, stop) read into the start of `into` (flat bytes, a kept buffer's): that
