@@ -412,7 +412,7 @@ def constant_block(index: int, tokens: int) -> Span:
     )
 
 
-def test_a_pack_past_4_gib_reads_verifies_and_names_a_flip_past_the_boundary(tmp_path):
+def test_a_pack_past_4_gib_reads_verifies_and_names_a_flip_past_the_boundary(tmp_path, monkeypatch):
     """400 frames of 196 tokens at 7B width: blocks.k and blocks.v are 2.25 GB each (byte
     offsets inside one tensor past 2^31), the file 4.5 GB (offsets past 2^32): the last block's
     values lie wholly past 4 GiB."""
@@ -437,6 +437,7 @@ def test_a_pack_past_4_gib_reads_verifies_and_names_a_flip_past_the_boundary(tmp
         assert torch.equal(keys[layer], want) and torch.equal(values[layer], -want)
     assert positions[0][0, 0] == (count - 1) * tokens
     assert verify(path)["ok"]
+    whole_tensor_in_one_read(path, "blocks.v", count, tokens, monkeypatch)
     with open(path, "r+b") as fh:  # a flip in the last block's values, past 4 GiB
         fh.seek(last + 5)
         byte = fh.read(1)[0]
@@ -447,6 +448,35 @@ def test_a_pack_past_4_gib_reads_verifies_and_names_a_flip_past_the_boundary(tmp
     report = verify(path)
     assert not report["ok"]
     assert [f for f in report["faults"] if f"b{count - 1}" in f] == report["faults"], report
+
+
+def whole_tensor_in_one_read(path, name: str, count: int, tokens: int, monkeypatch) -> None:
+    """Tensor `name` (2.25 GB) read whole: one preadv asked for more than Linux gives in a call
+    (2 GiB - 4 KiB), the loop reads the rest, and the last block's values are whole."""
+    import os
+
+    from mmkv_cli.pack.source import open_pack_file
+    from mmkv_cli.pack.tensors import StoredTensors
+
+    real, calls = os.preadv, []
+
+    def watched(fd, buffers, offset):
+        asked = sum(len(memoryview(b)) for b in buffers)
+        got = real(fd, buffers, offset)
+        calls.append((asked, got))
+        return got
+
+    monkeypatch.setattr("mmkv_cli.pack.tensors.os.preadv", watched)
+    source, where = open_pack_file(path)
+    whole = StoredTensors(source, where).array(name)
+    monkeypatch.undo()
+    assert whole.nbytes > 1 << 31
+    assert any(asked > 1 << 31 and got < asked for asked, got in calls), calls
+    rows = whole.reshape(count, LAYERS, tokens, HEADS, DIM)  # a block's layers one after another
+    for index in (0, count - 1):
+        for layer in (0, LAYERS - 1):
+            assert (rows[index, layer] == np.float16(-(index + layer / 32))).all()
+    del whole, rows
 
 
 def test_reads_longer_than_one_preadv_returns_are_finished_by_the_loop(reps_pack, monkeypatch):
