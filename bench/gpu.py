@@ -15,8 +15,10 @@
    (the pack written while full and rekv encode, against at the end) and bench/live.py at 7B full
    depth.
 
-Writes bench/results/gpu-<part>.json. `--quick` runs every part small, on any device (the CPU
-here): what CI-less sessions use to check that the script itself runs.
+Writes bench/results/gpu-<part>.json, and gpu-goals.json: issue 48's goals against this run's
+figures, with each part's seconds (bench/gpu_goals.py; printed at the end). `--quick` runs every
+part small, on any device (the CPU here): what CI-less sessions use to check that the script
+itself runs.
 """
 
 from __future__ import annotations
@@ -79,7 +81,9 @@ def parity(device: str, work: Path) -> dict:
 
 def syncs(device: str, model: str, layers: int, frames: int, methods: list[str]) -> dict:
     """Host syncs the CUDA runtime reports during an encode, per chunk, and during a question
-    that stops at its first token, each with where they were made (CPU: not measurable)."""
+    that stops at its first token, each with where they were made (CPU: not measurable). A chunk's
+    own: the growth from an encode of half the frames (tests/test_host_syncs.py counts so), so
+    what an encode does once (the prompt, the pack) is not counted against a chunk."""
     from mmkv_cli import api
     from mmkv_cli.backbones.loading import load_backbone
     from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
@@ -92,11 +96,14 @@ def syncs(device: str, model: str, layers: int, frames: int, methods: list[str])
     with tempfile.TemporaryDirectory() as tmp:
         video = make_video(Path(tmp), frames)
         for method in methods:
-            options = EncodeOptions(method, fps=2.0, max_frames=frames, force=True,
-                                    **case_for(method).budget)  # fmt: skip
             pack = Path(tmp) / "p.kvpack"
-            with SyncLog() as log:
-                info = api.encode(str(video), pack, options, backbone=backbone)
+            counts = {}
+            for encoded in (frames // 2, frames):  # the whole clip last: its pack is asked
+                options = EncodeOptions(method, fps=2.0, max_frames=encoded, force=True,
+                                        **case_for(method).budget)  # fmt: skip
+                with SyncLog() as log:
+                    info = api.encode(str(video), pack, options, backbone=backbone)
+                counts[encoded] = len(log.seen)
             first_token = AskOptions(generation=GenerationOptions(max_new_tokens=1))
             with SyncLog() as asked:
                 api.ask(pack, QUESTIONS[0], first_token, backbone=backbone)
@@ -105,12 +112,14 @@ def syncs(device: str, model: str, layers: int, frames: int, methods: list[str])
             out[method] = {
                 "syncs": count,
                 "per_chunk": count / chunks,
+                "per_chunk_growth": (count - counts[frames // 2]) / (chunks - chunks // 2),
                 "encode_s": info["encode_s"],
                 "where": log.places(),
                 "ask": len(asked.seen),
                 "ask_where": asked.places(),
             }
-            print(f"syncs {method}: {count} ({count / chunks:.1f} a chunk), ask {len(asked.seen)}")
+            growth = out[method]["per_chunk_growth"]
+            print(f"syncs {method}: {count} ({growth:.2f} a chunk), ask {len(asked.seen)}")
     return {"device": device, "model": model, "frames": frames, "methods": out}
 
 
@@ -295,6 +304,8 @@ def main() -> None:
     ap.add_argument("--parts", default=",".join(PARTS), help="which parts, in this order")
     ap.add_argument("--scale-methods", default="full,hermes,rekv,streamingtom")
     args = ap.parse_args()
+    from gpu_goals import summarize, table
+
     unknown = set(args.parts.split(",")) - set(PARTS)
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)} (known: {', '.join(PARTS)})")
@@ -336,10 +347,14 @@ def main() -> None:
         "early_write": lambda: bench("early_write.py", *common, *early),
         "live": lambda: None if args.quick else bench("live.py", *live),
     }
+    seconds = {}
     for part in args.parts.split(","):
         started = time.perf_counter()
         runs[part]()
-        print(f"part {part}: {time.perf_counter() - started:.1f} s", flush=True)
+        seconds[part] = round(time.perf_counter() - started, 1)
+        print(f"part {part}: {seconds[part]} s", flush=True)
+    shape = {"model": model, "layers": layers or "all", "frames": frames, "device": args.device}
+    print(table(summarize(out, args.parts.split(","), seconds, shape)), flush=True)
 
 
 def in_temp(work):
