@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from mmkv_cli.cli import display
+from mmkv_cli.cli import display, study_display
 
 
 def run(method: str, protocol: str, accuracy: float, n: int = 48) -> dict:
@@ -25,19 +25,21 @@ def run(method: str, protocol: str, accuracy: float, n: int = 48) -> dict:
 def test_an_eval_of_two_protocols_prints_a_table_for_each_with_standard_errors():
     runs = [run("hermes", "stream", 0.75), run("full", "replay", 0.5), run("rekv", "stream", 1.0)]
     with display.out_console.capture() as captured:
-        display.show_eval(runs, "plot.png")
+        study_display.show_eval(runs, "plot.png")
     text = captured.get()
     assert "protocols (stream: hermes, rekv; replay: full)" in text and "not comparable" in text
     assert "eval: accuracy (stream)" in text and "eval: accuracy (replay)" in text
     stream_table = text[text.index("eval: accuracy (stream)") : text.index("(replay)")]
     assert "full" not in stream_table and "hermes" in stream_table
     assert f"{math.sqrt(0.75 * 0.25 / 48):.2f}" in stream_table  # 0.06
-    assert display.standard_error(1.0, 48) == 0.0 and display.standard_error(0.5, 0) == 0.0
+    assert (
+        study_display.standard_error(1.0, 48) == 0.0 and study_display.standard_error(0.5, 0) == 0.0
+    )
 
 
 def test_one_protocol_is_one_table_without_a_note():
     with display.out_console.capture() as captured:
-        display.show_eval([run("hermes", "replay", 0.75)], "plot.png")
+        study_display.show_eval([run("hermes", "replay", 0.75)], "plot.png")
     text = captured.get()
     assert "not comparable" not in text and "(replay)" not in text
     assert "eval: accuracy " in text and " se" in text

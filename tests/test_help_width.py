@@ -67,7 +67,7 @@ def test_encode_and_profile_print_whole_lines_at_80_columns(tmp_path, monkeypatc
 
 
 def test_profile_tables_fit_80_columns_with_the_widest_figures(capsys):
-    from mmkv_cli.cli import display
+    from mmkv_cli.cli import display, study_display
 
     keys = ("encode_s", "bytes", "visual_tokens_kept", "peak_mem_bytes", "peak_kv_bytes")
     keys += ("ttft_s", "decode_s_per_token")
@@ -83,7 +83,7 @@ def test_profile_tables_fit_80_columns_with_the_widest_figures(capsys):
     width = display.out_console.width
     display.out_console.width = 80
     try:
-        display.show_profile(result)
+        study_display.show_profile(result)
     finally:
         display.out_console.width = width
     lines = capsys.readouterr().out.splitlines()

@@ -63,7 +63,7 @@ def profile(
     """Measure encode time, pack size, memory and ask latency, method against method."""
 
     def body() -> None:
-        from mmkv_cli.cli.display import show_profile
+        from mmkv_cli.cli.study_display import show_profile
         from mmkv_cli.study import profile as prof
 
         names = [m.strip() for m in methods.split(",") if m.strip()]
@@ -153,7 +153,8 @@ def eval_(
     """Score methods and budgets on a question set: each clip encoded once per run."""
 
     def body() -> None:
-        from mmkv_cli.cli.display import eval_progress, show_eval, show_workers
+        from mmkv_cli.cli.display import eval_progress
+        from mmkv_cli.cli.study_display import show_eval, show_workers
         from mmkv_cli.study import evaluate as ev
 
         names = [m.strip() for m in methods.split(",") if m.strip()]
