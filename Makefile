@@ -15,7 +15,7 @@ OUT ?= out
 TRAIN_DEVICE ?= cpu
 TRAIN_WORKERS ?= 0
 
-.PHONY: setup demo demo-model test test-matrix docs wheel-check samples bench bench-scale bench-gpu clean
+.PHONY: setup demo demo-model test test-matrix docs wheel-check samples bench bench-scale bench-gpu gpu-wheels clean
 
 $(BIN)/mmkv: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
@@ -125,6 +125,17 @@ bench-scale: setup
 # Results in bench/results/gpu-*.json. `python bench/gpu.py --quick --device cpu` checks the script.
 bench-gpu: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/gpu.py
+
+# A GPU machine with no network whose image holds torch but not all of mmkv's needs (docs/benchmarks.md,
+# "On a lent machine"): the missing wheels, at this venv's versions, for its Python, into .whl/
+GPU_PYTHON ?= 3.12
+GPU_WHEELS ?= transformers av blake3
+gpu-wheels: setup
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl \
+		$$($(BIN)/python -c 'import importlib.metadata as m, sys; print(*(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' $(GPU_WHEELS))
+	@ls .whl
 
 samples: setup
 	$(BIN)/python samples/make_samples.py
