@@ -210,3 +210,36 @@ def test_a_layers_few_blocks_are_hashed_on_several_threads(tmp_path, monkeypatch
     one_layer = where.units_taken([np.arange(3) if i == 1 else np.arange(0) for i in range(LAYERS)])
     assert store.hashes(where, one_layer).threads() == 3  # a run a block's digest
     assert store.hashes(where, where.all_units()).threads() == 3  # a run a block's 4 digests
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_the_layers_a_read_skips_share_one_empty_buffer(tmp_path, monkeypatch, bits):
+    """ReKV's reading inside the forward reads one layer at a time: the other layers take no rows,
+    and share one empty buffer (each had a pinned buffer and a copy of its own, 27 a layer at 7B);
+    the layer read is as a read of every layer gives it."""
+    from mmkv_cli.pack.quant import QuantSpec
+    from mmkv_cli.pack.staging import Staging
+
+    blocks = [block(f"b{i}", counts, i) for i, counts in enumerate(COUNTS)]
+    header = pack_header(layers=LAYERS, dtype="float32", heads=HEADS, dim=DIM)
+    path = tmp_path / "p.kvpack"
+    quant = QuantSpec(bits, 4) if bits != 16 else None
+    write_pack(path, header, prompt("prefix", 2), blocks, prompt("suffix", 1), quant=quant)
+    whole = PackReader(path).gather(["b0", "b2"])
+    made: list[int] = []
+    real = Staging.buffer
+
+    def counted(self, rows, *args):
+        made.append(rows)
+        return real(self, rows, *args)
+
+    monkeypatch.setattr(Staging, "buffer", counted)
+    keys, values, positions = PackReader(path).gather(["b0", "b2"], only(3, ["b0", "b2"]))
+    assert made.count(0) <= (2 if bits == 16 else 0)  # one a part (K, V) at most
+    for layer in range(LAYERS):
+        if layer == 3:
+            assert torch.equal(keys[3], whole[0][3]) and torch.equal(values[3], whole[1][3])
+            assert torch.equal(positions[3], whole[2][3])
+        else:
+            assert keys[layer].shape == (HEADS, 0, DIM) and values[layer].shape == (HEADS, 0, DIM)
+            assert positions[layer].shape[1] == 0

@@ -18,6 +18,16 @@ from mmkv_cli.pack.tensors import FileArray
 from mmkv_cli.pack.verdicts import finite_flag
 
 
+def sent_once(tensors: list[torch.Tensor], staging: Staging) -> list[torch.Tensor]:
+    """Each of `tensors` on the staging's device; one held more than once (the empty layers'
+    shared buffer) is sent once."""
+    sent: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if id(t) not in sent:
+            sent[id(t)] = staging.send(t)
+    return [sent[id(t)] for t in tensors]
+
+
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """No NaN or Inf in any of `tensors`: each device's verdict read once (a read waits for it)."""
     by_device: dict = {}
@@ -167,7 +177,12 @@ class BlockStore:
         expand = torch.from_numpy(expand).to(staging.device, non_blocking=True)
         dtype = dtype or getattr(torch, self.kv_dtype)
         keys, values = [], []
+        blank = None  # the layers that take no rows share one empty result (see _pick_each)
         for first, stop in zip(firsts.tolist(), ends.tolist()):
+            if first == stop and blank is not None:
+                keys.append(blank[0])
+                values.append(blank[1])
+                continue
             at = slice(first, stop)
             layer = dequantize(
                 k[at],
@@ -181,6 +196,8 @@ class BlockStore:
             )
             keys.append(layer[0].transpose(0, 1))
             values.append(layer[1].transpose(0, 1))
+            if first == stop:
+                blank = keys[-1], values[-1]
         return keys, values, positions
 
     def _staged_rows(
@@ -194,7 +211,7 @@ class BlockStore:
         if groups is None:  # a buffer per layer: a caller joining layer by layer lets go of each
             layers = [rows[a:b] for a, b in zip(firsts.tolist(), ends.tolist())]
             read = {p: self._pick_each(p, layers, staging, kept) for p in parts}
-            return tuple([staging.send(t).transpose(0, 1) for t in read[p]] for p in parts)
+            return tuple([t.transpose(0, 1) for t in sent_once(read[p], staging)] for p in parts)
         out: dict[str, list] = {}
         for part in parts:  # every layer's tensor on the device, filled group by group
             array, dtype = self.views[part]
@@ -242,7 +259,15 @@ class BlockStore:
         array, dtype = self.views[part]
         if not self.token_major:
             array = np.swapaxes(array, 0, 1)
-        made = [staging.buffer(len(r), array.shape[1:], array.dtype, dtype) for r in rows]
+        # the layers that take no rows share one empty buffer: a retrieval inside the forward
+        # reads one layer at a time, and each of the others cost a pinned buffer and a copy
+        blank = None
+        if any(len(r) == 0 for r in rows):
+            blank = staging.buffer(0, array.shape[1:], array.dtype, dtype)
+        made = [
+            staging.buffer(len(r), array.shape[1:], array.dtype, dtype) if len(r) else blank
+            for r in rows
+        ]
         outs = [out for out, _ in made]
         if isinstance(array, FileArray):
             array.take_each(rows, outs)
