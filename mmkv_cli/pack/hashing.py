@@ -125,7 +125,7 @@ class BlockHashes:
                 return
             if self._read is not None:  # a unit's runs lie apart in the buffers read
                 for j in run:
-                    self._check(j, j + 1)
+                    self._check_read(j)
                 continue
             first = run.start
             units, blocks = self._units, self._blocks
@@ -147,11 +147,11 @@ class BlockHashes:
         units a question, and each call's cost is paid holding the GIL."""
         digests = [self._new() for _ in range(first, stop)]
         finite = True
-        for part, (_, view, dtype, starts, stops, row) in enumerate(self._parts):
+        for _, view, dtype, starts, stops, row in self._parts:
             # one block's units in layer order: their rows follow one another (positions stored
             # once a block: the same rows for each)
             low, high = starts[first], stops[stop - 1]
-            for at, piece in self._pieces(part, first, view, low, high, row):
+            for at, piece in self._pieces(view, low, high, row):
                 if self._finite and finite:
                     finite = finite_stored(np.frombuffer(piece, np.uint8), dtype)
                 if stop - first == 1:  # one unit (v2/v3: the block whole): every byte is its
@@ -168,15 +168,28 @@ class BlockHashes:
             if digest.digest() != self._expected[j].tobytes():
                 self._bad.append(self._blocks[j])
 
-    def _pieces(self, part: int, unit: int, view, low: int, high: int, row: int):
-        """(first row, their bytes) of rows [low, high) of a block tensor: as read for the model
-        (`read_from`: the one unit `unit`'s), or read SCRATCH_BYTES at a time into this thread's
-        kept buffer: a fresh buffer for every read paid its page faults, about as much again as
-        the read (a head-major pack's block whole: its rows lie apart in every head)."""
-        if self._read is not None:
-            buffers, which, at = self._read[part]
-            yield low, buffers[which[unit]][at[unit] : at[unit] + (high - low) * row]
-            return
+    def _check_read(self, j: int) -> None:
+        """Unit j from the buffers a read left (`read_from`): one stretch of each part's. A
+        retrieval's question hashes thousands of these, each paying its Python holding the GIL,
+        so nothing is done here that _check does for pieces cut by rows or by blocks."""
+        digest = self._new()
+        finite = True
+        for (buffers, which, at), (_, _, dtype, starts, stops, row) in zip(self._read, self._parts):
+            begin = at[j]
+            piece = buffers[which[j]][begin : begin + (stops[j] - starts[j]) * row]
+            if self._finite and finite:
+                finite = finite_stored(np.frombuffer(piece, np.uint8), dtype)
+            digest.update(piece)
+        if not finite:
+            self._nonfinite.append(self._blocks[j])
+        if digest.digest() != self._expected[j].tobytes():
+            self._bad.append(self._blocks[j])
+
+    def _pieces(self, view, low: int, high: int, row: int):
+        """(first row, their bytes) of rows [low, high) of a block tensor, read SCRATCH_BYTES at a
+        time into this thread's kept buffer: a fresh buffer for every read paid its page faults,
+        about as much again as the read (a head-major pack's block whole: its rows lie apart in
+        every head)."""
         if not self._token_major:
             yield low, self._block_bytes(view, low, high, None)
             return
