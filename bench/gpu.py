@@ -10,7 +10,9 @@
 4. read: a 7B-width pack (28 layers, 196 tokens a frame, fp16) read whole from the page cache by a
    fresh `gather` to the host and to the device, and by `verify` (goal: 5 GB/s), on this
    machine's cores; pinning a buffer and copying it to the device, pinned and pageable; ReKV's
-   reading inside the forward (each layer its own 12 blocks) with a digest a block and a layer.
+   reading inside the forward (each layer its own 12 blocks) with a digest a block and a layer;
+   StreamingTOM's 4-bit pack of 27 KB digest units, its question and `verify`, hashed on one
+   thread and on the hashing threads.
 5. scale, reduce, early_write and live: bench/scale.py, bench/reduce.py, bench/early_write.py
    (the pack written while full and rekv encode, against at the end) and bench/live.py at 7B full
    depth.
@@ -207,7 +209,7 @@ def read(work: Path, blocks: int, device: str) -> dict:
     """GB/s of a fresh open and `gather` of every block (checksums and NaN/Inf checks included)
     onto the host and onto `device` (pinned groups of layers sent while the next is read), and of
     `verify`, best of 3, from the page cache."""
-    from rates import best_rate, layer_picks, layer_reads, seven_b_pack
+    from rates import best_rate, layer_reads, seven_b_pack
 
     from mmkv_cli.pack import PackReader
     from mmkv_cli.pack.report import verify
@@ -228,11 +230,30 @@ def read(work: Path, blocks: int, device: str) -> dict:
         "layer_reads_layer_digests_s": layer_reads(
             keyed(work, blocks), names, device, min(12, blocks), 3
         ),
-        # StreamingTOM's question: 512 frames of 50 tokens, 4-bit, 251 frames a layer
-        "layer_picks_4bit_s": layer_picks(
-            streamingtom_shaped(work), [f"b{i}" for i in range(512)], device, 251, 3
-        ),
+        **small_units(streamingtom_shaped(work), device),
     }
+
+
+def small_units(path: Path, device: str) -> dict:
+    """StreamingTOM's pack (512 frames of 50 tokens, 4-bit, 27 KB digest units): its question
+    (251 frames a layer) and `verify`, with units that small hashed on one thread (as mmkv does)
+    and on the hashing threads (PARALLEL_HASH_BLOCK_BYTES lowered): whether one thread still wins
+    on this machine's cores."""
+    from rates import best_rate, layer_picks
+
+    from mmkv_cli.pack import hashing
+    from mmkv_cli.pack.report import verify
+
+    names, size, out = [f"b{i}" for i in range(512)], path.stat().st_size, {}
+    threshold = hashing.PARALLEL_HASH_BLOCK_BYTES
+    for label, at in (("", threshold), ("_threads", 0)):
+        hashing.PARALLEL_HASH_BLOCK_BYTES = at
+        try:
+            out[f"layer_picks_4bit{label}_s"] = layer_picks(path, names, device, 251, 3)
+            out[f"verify_4bit_small_units{label}_gb_s"] = best_rate(size, lambda: verify(path), 3)
+        finally:
+            hashing.PARALLEL_HASH_BLOCK_BYTES = threshold
+    return out
 
 
 def streamingtom_shaped(work: Path) -> Path:
