@@ -368,14 +368,14 @@ def main() -> None:
         "early_write": lambda: bench("early_write.py", *common, *early),
         "live": lambda: None if args.quick else bench("live.py", *live),
     }
-    seconds = {}
+    seconds, began = {}, time.time()
     for part in args.parts.split(","):
         started = time.perf_counter()
         runs[part]()
         seconds[part] = round(time.perf_counter() - started, 1)
         print(f"part {part}: {seconds[part]} s", flush=True)
     shape = {"model": model, "layers": layers or "all", "frames": frames, "device": args.device}
-    print(table(summarize(out, args.parts.split(","), seconds, shape)), flush=True)
+    print(table(summarize(out, args.parts.split(","), seconds, shape, began)), flush=True)
 
 
 def in_temp(work):

@@ -22,6 +22,7 @@ FULL_OVER_FLOOR = 1.5  # encode of `full` over the bare chunked prefill of the s
 STREAMING_OVER_FULL = 1.3  # every streaming method's encode over `full`'s
 DTD_OVER_PLAIN = 0.35  # `--reduce dtd` on the still clip over a plain encode
 SYNCS_A_CHUNK, SYNCS_A_QUESTION = 1.0, 2
+PARTS = ("parity", "syncs", "floor", "read", "scale", "reduce")  # the parts the goals read
 
 
 def goal(name: str, measured, target, met: bool | None, source: str, detail: str = "") -> dict:
@@ -30,9 +31,13 @@ def goal(name: str, measured, target, met: bool | None, source: str, detail: str
     return row | ({"detail": detail} if detail else {})
 
 
-def load(out: Path, part: str, ran: set[str]) -> dict | None:
+def load(out: Path, part: str, ran: set[str], since: float | None) -> dict | None:
+    """Part `part`'s results, if it ran and wrote them (since: when the run began; a file older
+    than that is an earlier run's, left where a part that failed wrote nothing)."""
     path = out / f"gpu-{part}.json"
     if part not in ran or not path.exists():
+        return None
+    if since is not None and path.stat().st_mtime < since:
         return None
     return json.loads(path.read_text())
 
@@ -139,19 +144,24 @@ def sync_goals(syncs: dict | None) -> list[dict]:
 
 
 def summarize(
-    out: Path, parts: list[str], part_seconds: dict | None = None, shape: dict | None = None
+    out: Path,
+    parts: list[str],
+    part_seconds: dict | None = None,
+    shape: dict | None = None,
+    since: float | None = None,
 ) -> dict:
     """Every goal's row from the parts run now; written to out/gpu-goals.json and returned.
     shape: what the run measured (model, depth, frames, device): the goals are at 7B full depth,
-    512 frames, on one H100, and a `--quick` run's verdicts say only that the script runs."""
-    ran = set(parts)
+    512 frames, on one H100, and a `--quick` run's verdicts say only that the script runs.
+    since: when the run began (time.time()): files written before it are not this run's."""
+    results = {part: load(out, part, set(parts), since) for part in PARTS}
     rows = [
-        *parity_goals(load(out, "parity", ran)),
-        *encode_goals(load(out, "scale", ran), load(out, "floor", ran)),
-        *ttft_goals(load(out, "scale", ran)),
-        *read_goals(load(out, "read", ran)),
-        *reduce_goals(load(out, "reduce", ran)),
-        *sync_goals(load(out, "syncs", ran)),
+        *parity_goals(results["parity"]),
+        *encode_goals(results["scale"], results["floor"]),
+        *ttft_goals(results["scale"]),
+        *read_goals(results["read"]),
+        *reduce_goals(results["reduce"]),
+        *sync_goals(results["syncs"]),
     ]
     seconds = part_seconds or {}
     result = {"shape": shape or {}, "parts": parts, "part_seconds": seconds, "goals": rows}
@@ -175,7 +185,7 @@ def table(result: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--parts", default="parity,syncs,floor,read,scale,reduce")
+    ap.add_argument("--parts", default=",".join(PARTS))
     args = ap.parse_args()
     print(table(summarize(Path(args.out), args.parts.split(","))))
 

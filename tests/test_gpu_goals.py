@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,6 +59,10 @@ def test_goals_are_judged_from_the_parts_run_now(tmp_path):
     # parity's file is there, but parity did not run now: its verdict is not taken from it
     assert seen["CUDA answers and kept tokens equal the CPU's"] is None
     assert seen["--reduce dtd on the still clip / plain encode"] is None
+    # a part that ran but wrote nothing this time: the file an earlier run left is not read
+    later = gpu_goals.summarize(tmp_path, ["read"], since=time.time() + 60)
+    assert verdicts(later)["fresh gather to the GPU (GB/s)"] is None
+    result = gpu_goals.summarize(tmp_path, ["floor", "scale", "read", "syncs"], {"read": 3.0})
     saved = json.loads((tmp_path / "gpu-goals.json").read_text())
     assert saved == result and saved["part_seconds"] == {"read": 3.0}
     assert "NOT MET TTFT rekv (s): 1.0 (goal 0.3" in gpu_goals.table(result)
