@@ -33,6 +33,10 @@ DIGESTS = {"sha256": hashlib.sha256, "blake3": blake3.blake3}
 # A block's rows are hashed this many bytes at a time, through a buffer each thread keeps (a real
 # block's K or V is a few MB at 7B; one of hundreds of frames, far more)
 SCRATCH_BYTES = 8 << 20
+# A digest unit's parts of at most this many bytes in all are joined before they are hashed: for
+# small units one BLAKE3 update costs less than one a part (StreamingTOM's 27 KB units hold
+# positions and value scales of a few hundred bytes each); a larger unit's copy costs more
+JOIN_BYTES = 64 << 10
 _scratch = threading.local()
 # threads kept for hashing: a retrieval inside the forward checks a layer's blocks 28 times a
 # question, and starting threads for each cost more than hashing a layer's rows
@@ -174,12 +178,22 @@ class BlockHashes:
         so nothing is done here that _check does for pieces cut by rows or by blocks."""
         digest = self._new()
         finite = True
+        pieces = []
         for (buffers, which, at), (_, _, dtype, starts, stops, row) in zip(self._read, self._parts):
             begin = at[j]
-            piece = buffers[which[j]][begin : begin + (stops[j] - starts[j]) * row]
+            pieces.append(buffers[which[j]][begin : begin + (stops[j] - starts[j]) * row])
             if self._finite and finite:
-                finite = finite_stored(np.frombuffer(piece, np.uint8), dtype)
-            digest.update(piece)
+                finite = finite_stored(np.frombuffer(pieces[-1], np.uint8), dtype)
+        size = sum(map(len, pieces))
+        if size > JOIN_BYTES:
+            for piece in pieces:
+                digest.update(piece)
+        else:  # joined in this thread's kept buffer, and hashed in one update
+            joined, end = scratch(size), 0
+            for piece in pieces:
+                joined[end : end + len(piece)] = piece
+                end += len(piece)
+            digest.update(joined[:size])
         if not finite:
             self._nonfinite.append(self._blocks[j])
         if digest.digest() != self._expected[j].tobytes():
