@@ -243,3 +243,20 @@ def test_the_layers_a_read_skips_share_one_empty_buffer(tmp_path, monkeypatch, b
         else:
             assert keys[layer].shape == (HEADS, 0, DIM) and values[layer].shape == (HEADS, 0, DIM)
             assert positions[layer].shape[1] == 0
+
+
+@pytest.mark.parametrize("seed", [3, 8])
+def test_verify_names_a_resealed_nan_in_one_layer_of_a_block(tmp_path, seed):
+    """verify reads each block's layers side by side and joins each layer's parts into one
+    update: a NaN a forger sealed into one layer's rows is named, once, by its block."""
+    import random
+
+    from tests import mutants
+
+    write(tmp_path / "p.kvpack")
+    forged = tmp_path / "nan.kvpack"
+    raw = (tmp_path / "p.kvpack").read_bytes()
+    forged.write_bytes(mutants.nonfinite(Parts.of(raw), random.Random(seed), "blocks.v"))
+    faults = api.verify(forged)["faults"]
+    assert len(faults) == 1 and "NaN or Inf" in faults[0], faults
+    assert api.verify(tmp_path / "p.kvpack")["ok"]

@@ -149,6 +149,8 @@ class BlockHashes:
         of them read in pieces, each unit's digest fed its rows of every piece, part after part.
         Bytes all the way, no numpy call a unit: a retrieval a layer hashes thousands of small
         units a question, and each call's cost is paid holding the GIL."""
+        if self._check_joined(first, stop):
+            return
         digests = [self._new() for _ in range(first, stop)]
         finite = True
         for _, view, dtype, starts, stops, row in self._parts:
@@ -172,11 +174,38 @@ class BlockHashes:
             if digest.digest() != self._expected[j].tobytes():
                 self._bad.append(self._blocks[j])
 
+    def _check_joined(self, first: int, stop: int) -> bool:
+        """_check where each part's stretch of the units is read in one piece and every unit is
+        small (JOIN_BYTES): the parts read side by side, each unit's joined and hashed in one
+        update (`verify` of StreamingTOM's pack: 28 units of four parts a frame). False where
+        that does not hold, and nothing is done."""
+        parts = self._parts
+        if not self._token_major or stop - first < 2:
+            return False
+        sizes = [(stops[stop - 1] - starts[first]) * row for _, _, _, starts, stops, row in parts]
+        if sum(sizes) > SCRATCH_BYTES or self._average > JOIN_BYTES:
+            return False
+        buffer, at, read, finite = scratch(sum(sizes)), 0, [], True
+        for (_, view, dtype, starts, stops, _), size in zip(parts, sizes):
+            read.append(self._block_bytes(view, starts[first], stops[stop - 1], buffer[at:]))
+            if self._finite and finite:
+                finite = finite_stored(np.frombuffer(read[-1], np.uint8), dtype)
+            at += size
+        if not finite:
+            self._nonfinite.append(self._blocks[first])
+        for j in range(first, stop):
+            pieces = [
+                region[(starts[j] - starts[first]) * row : (stops[j] - starts[first]) * row]
+                for region, (_, _, _, starts, stops, row) in zip(read, parts)
+            ]
+            if self._digest_of(pieces) != self._expected[j].tobytes():
+                self._bad.append(self._blocks[j])
+        return True
+
     def _check_read(self, j: int) -> None:
         """Unit j from the buffers a read left (`read_from`): one stretch of each part's. A
         retrieval's question hashes thousands of these, each paying its Python holding the GIL,
         so nothing is done here that _check does for pieces cut by rows or by blocks."""
-        digest = self._new()
         finite = True
         pieces = []
         for (buffers, which, at), (_, _, dtype, starts, stops, row) in zip(self._read, self._parts):
@@ -184,20 +213,25 @@ class BlockHashes:
             pieces.append(buffers[which[j]][begin : begin + (stops[j] - starts[j]) * row])
             if self._finite and finite:
                 finite = finite_stored(np.frombuffer(pieces[-1], np.uint8), dtype)
-        size = sum(map(len, pieces))
+        if not finite:
+            self._nonfinite.append(self._blocks[j])
+        if self._digest_of(pieces) != self._expected[j].tobytes():
+            self._bad.append(self._blocks[j])
+
+    def _digest_of(self, pieces: list[memoryview]) -> bytes:
+        """The digest of `pieces` one after another: joined in this thread's kept buffer and
+        hashed in one update when they are small (JOIN_BYTES), one update a piece otherwise."""
+        digest, size = self._new(), sum(map(len, pieces))
         if size > JOIN_BYTES:
             for piece in pieces:
                 digest.update(piece)
-        else:  # joined in this thread's kept buffer, and hashed in one update
-            joined, end = scratch(size), 0
-            for piece in pieces:
-                joined[end : end + len(piece)] = piece
-                end += len(piece)
-            digest.update(joined[:size])
-        if not finite:
-            self._nonfinite.append(self._blocks[j])
-        if digest.digest() != self._expected[j].tobytes():
-            self._bad.append(self._blocks[j])
+            return digest.digest()
+        joined, end = scratch(size, "join"), 0
+        for piece in pieces:
+            joined[end : end + len(piece)] = piece
+            end += len(piece)
+        digest.update(joined[:size])
+        return digest.digest()
 
     def _pieces(self, view, low: int, high: int, row: int):
         """(first row, their bytes) of rows [low, high) of a block tensor, read SCRATCH_BYTES at a
@@ -235,12 +269,13 @@ class BlockHashes:
         return sorted(set(self._nonfinite))
 
 
-def scratch(nbytes: int) -> memoryview:
-    """This thread's kept buffer, of at least `nbytes` (grown when asked for more), as flat
-    bytes: they are the caller's until this thread asks again."""
-    held = getattr(_scratch, "buffer", None)
+def scratch(nbytes: int, use: str = "read") -> memoryview:
+    """This thread's kept buffer for `use` ("read": bytes read to be hashed; "join": a unit's
+    parts joined), of at least `nbytes` (grown when asked for more), as flat bytes: they are the
+    caller's until this thread asks again for the same use."""
+    held = _scratch.__dict__.get(use)
     if held is None or len(held) < nbytes:
-        held = _scratch.buffer = memoryview(np.empty(nbytes, np.uint8))
+        held = _scratch.__dict__[use] = memoryview(np.empty(nbytes, np.uint8))
     return held
 
 
