@@ -175,15 +175,15 @@ class BlockHashes:
                 self._bad.append(self._blocks[j])
 
     def _check_joined(self, first: int, stop: int) -> bool:
-        """_check where each part's stretch of the units is read in one piece and every unit is
-        small (JOIN_BYTES): the parts read side by side, each unit's joined and hashed in one
-        update (`verify` of StreamingTOM's pack: 28 units of four parts a frame). False where
+        """_check where every part's stretch of the units fits the thread's kept buffer at once:
+        the parts read side by side, and each unit's hashed by _digest_of (joined into one update
+        when small: `verify` of StreamingTOM's pack, 28 units of four parts a frame). False where
         that does not hold, and nothing is done."""
         parts = self._parts
         if not self._token_major or stop - first < 2:
             return False
         sizes = [(stops[stop - 1] - starts[first]) * row for _, _, _, starts, stops, row in parts]
-        if sum(sizes) > SCRATCH_BYTES or self._average > JOIN_BYTES:
+        if sum(sizes) > SCRATCH_BYTES:
             return False
         buffer, at, read, finite = scratch(sum(sizes)), 0, [], True
         for (_, view, dtype, starts, stops, _), size in zip(parts, sizes):
@@ -273,9 +273,10 @@ def scratch(nbytes: int, use: str = "read") -> memoryview:
     """This thread's kept buffer for `use` ("read": bytes read to be hashed; "join": a unit's
     parts joined), of at least `nbytes` (grown when asked for more), as flat bytes: they are the
     caller's until this thread asks again for the same use."""
-    held = _scratch.__dict__.get(use)
+    held = getattr(_scratch, use, None)
     if held is None or len(held) < nbytes:
-        held = _scratch.__dict__[use] = memoryview(np.empty(nbytes, np.uint8))
+        held = memoryview(np.empty(nbytes, np.uint8))
+        setattr(_scratch, use, held)
     return held
 
 
