@@ -110,7 +110,7 @@ def syncs(device: str, model: str, layers: int, frames: int, methods: list[str])
             with SyncLog() as asked:
                 api.ask(pack, QUESTIONS[0], first_token, backbone=backbone)
             chunks = max(1, frames // 16)
-            count = len(log.seen)
+            count = counts[frames]
             out[method] = {
                 "syncs": count,
                 "per_chunk": count / chunks,
