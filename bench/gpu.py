@@ -43,7 +43,13 @@ RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 PARTS = ("parity", "syncs", "floor", "read", "scale", "reduce", "early_write", "live")
 QUESTIONS = ["what color is the circle ?", "which shape appeared first ?"]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+# the scripts import this checkout's mmkv_cli where it is not installed (a device machine), next
+# to what PYTHONPATH already names (the wheels carried there)
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+}
 
 
 def parity(device: str, work: Path) -> dict:
@@ -109,6 +115,7 @@ def syncs(device: str, model: str, layers: int, frames: int, methods: list[str])
             first_token = AskOptions(generation=GenerationOptions(max_new_tokens=1))
             with SyncLog() as asked:
                 api.ask(pack, QUESTIONS[0], first_token, backbone=backbone)
+            other = reading_as(pack, backbone, first_token) if method == "rekv" else {}
             chunks = max(1, frames // 16)
             count = counts[frames]
             out[method] = {
@@ -119,10 +126,29 @@ def syncs(device: str, model: str, layers: int, frames: int, methods: list[str])
                 "where": log.places(),
                 "ask": len(asked.seen),
                 "ask_where": asked.places(),
+                **other,
             }
             growth = out[method]["per_chunk_growth"]
-            print(f"syncs {method}: {count} ({growth:.2f} a chunk), ask {len(asked.seen)}")
+            also = f", as {other['ask_as']} {other['ask_as_syncs']}" if other else ""
+            print(f"syncs {method}: {count} ({growth:.2f} a chunk), ask {len(asked.seen)}{also}")
     return {"device": device, "model": model, "frames": frames, "methods": out}
+
+
+def reading_as(pack: Path, backbone, first_token, change: str = "retrieve=two_pass") -> dict:
+    """Host syncs of the same question read as `change` says (ReKV's two-pass retrieval: every
+    layer's blocks chosen before the context is read, where its code chooses inside the forward,
+    a wait a layer)."""
+    from mmkv_cli.api import stored_method
+    from mmkv_cli.ask.answer import answer_from_pack
+    from mmkv_cli.pack import PackReader
+    from mmkv_cli.spec import override
+
+    reader = PackReader(pack)
+    chosen, params = stored_method(reader)
+    policy = chosen.context(override(params, dict([change.split("=", 1)]), "--ask-as"))
+    with SyncLog() as asked:
+        answer_from_pack(backbone, reader, policy, QUESTIONS[0], first_token)
+    return {"ask_as": change, "ask_as_syncs": len(asked.seen), "ask_as_where": asked.places()}
 
 
 class SyncLog:

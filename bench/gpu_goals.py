@@ -140,6 +140,11 @@ def sync_goals(syncs: dict | None) -> list[dict]:
         asked = seen["ask"]
         name = f"host syncs a question to its first token, {method}"
         out.append(goal(name, asked, SYNCS_A_QUESTION, asked <= SYNCS_A_QUESTION, "gpu-syncs.json"))
+        if "ask_as_syncs" in seen:  # the same question read another way (ReKV's two-pass)
+            asked = seen["ask_as_syncs"]
+            name += f", {seen['ask_as']}"
+            met = asked <= SYNCS_A_QUESTION
+            out.append(goal(name, asked, SYNCS_A_QUESTION, met, "gpu-syncs.json"))
     return out
 
 

@@ -40,7 +40,7 @@ def test_goals_are_judged_from_the_parts_run_now(tmp_path):
                              "verify_gb_s": 14.0})  # fmt: skip
     write(tmp_path, "syncs", {"methods": {
         "hermes": {"per_chunk": 1.6, "per_chunk_growth": 1.0, "ask": 1},
-        "rekv": {"per_chunk": 0.4, "ask": 29},
+        "rekv": {"per_chunk": 0.4, "ask": 29, "ask_as": "retrieve=two_pass", "ask_as_syncs": 2},
     }})  # fmt: skip
     write(tmp_path, "parity", {"rows": [{"equal": True}, {"equal": False}]})
     result = gpu_goals.summarize(tmp_path, ["floor", "scale", "read", "syncs"], {"read": 3.0})
@@ -56,6 +56,7 @@ def test_goals_are_judged_from_the_parts_run_now(tmp_path):
     assert seen["host syncs a chunk, hermes"] is True  # the chunk's own growth
     assert seen["host syncs a chunk, rekv (set-up and pack counted)"] is True
     assert seen["host syncs a question to its first token, rekv"] is False
+    assert seen["host syncs a question to its first token, rekv, retrieve=two_pass"] is True
     # parity's file is there, but parity did not run now: its verdict is not taken from it
     assert seen["CUDA answers and kept tokens equal the CPU's"] is None
     assert seen["--reduce dtd on the still clip / plain encode"] is None
