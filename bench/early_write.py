@@ -3,9 +3,11 @@ every token costs after its last chunk, with the pack written at the end against
 chunks go in (pack/early.py).
 
     python bench/early_write.py [--model rehearsal-llava-ov-0.5b] [--layers 4] [--frames 128]
-        [--device auto] [--repeats 2] [--out bench/results/early_write-cpu.json]
+        [--device auto] [--repeats 2] [--methods full,rekv]
+        [--out bench/results/early_write-cpu.json]
 
-For full and rekv, each way in turn: the encode's wall time (api.encode: media to a published,
+For each method (full and rekv; streamingtom's 4-bit pack is quantized by the writer), each way in
+turn: the encode's wall time (api.encode: media to a published,
 fsync'd pack), the encode's own time (up to the suffix's prefill), and their difference, the tail:
 what the write adds after the last chunk. Best of `repeats`. The early write is forced on whatever
 the pack's size and device (by default it needs 64 MiB of K/V and a GPU).
@@ -58,6 +60,7 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=128)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--methods", default="full,rekv", help="methods that keep every token")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "early_write-cpu.json"))
     args = ap.parse_args()
     backbone = load_backbone(LoadOptions(args.model, args.device, layers=args.layers or None))
@@ -67,7 +70,7 @@ def main() -> None:
 
         write_dataset(Path(tmp) / "set", clips=1, frames=args.frames, seed=5, kind="normal")
         video = next((Path(tmp) / "set").rglob("*.mp4"))
-        for method in ("full", "rekv"):
+        for method in args.methods.split(","):
             runs: dict[str, list[dict]] = {"end": [], "early": []}
             for _ in range(args.repeats):
                 for when in runs:  # in turn: the page cache and the machine alike for both

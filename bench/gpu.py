@@ -350,6 +350,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--parts", default=",".join(PARTS), help="which parts, in this order")
     ap.add_argument("--scale-methods", default="full,hermes,rekv,streamingtom")
+    streaming = "full,hermes,rekv,streamingtom,infinipot,streammem"
+    ap.add_argument("--sync-methods", default=streaming, help="the syncs part's methods")
     args = ap.parse_args()
     from gpu_goals import summarize, table
 
@@ -361,7 +363,6 @@ def main() -> None:
     model, layers, frames = "rehearsal-llava-ov-7b", 0, args.frames
     if args.quick:
         model, layers, frames = "rehearsal-llava-ov-0.5b", 1, 32
-    streaming = ["full", "hermes", "rekv", "streamingtom", "infinipot", "streammem"]
 
     def save(part: str, result: dict) -> None:
         (out / f"gpu-{part}.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -375,10 +376,11 @@ def main() -> None:
     live = ["--model", model, "--minutes", "1", "--methods", "hermes,infinipot"]
     live += ["--tokens", "4096", "--device", args.device]
     quick = 8 if args.quick else 100
+    sync_methods = args.sync_methods.split(",")
     runs = {
         "parity": lambda: save("parity", in_temp(lambda tmp: parity(args.device, tmp))),
         "syncs": lambda: save(
-            "syncs", syncs(args.device, model, layers, min(frames, 128), streaming)
+            "syncs", syncs(args.device, model, layers, min(frames, 128), sync_methods)
         ),
         "floor": lambda: save("floor", floor(args.device, model, layers, frames)),
         "read": lambda: save("read", in_temp(lambda tmp: read(tmp, quick, args.device))),

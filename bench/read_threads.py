@@ -1,0 +1,112 @@
+"""How a fresh read's speed depends on its threads, on this machine's cores:
+
+    python bench/read_threads.py [--device cuda] [--quick]
+
+The reading threads (tensors.READ_THREADS: a quarter of the cores, at most 4), the hashing threads
+(hashing.HASH_THREADS: 8) and the group a GPU-bound read is staged in (staging.STAGE_BYTES: 64 MiB)
+were set on a 2-core machine. Each setting is tried on four reads at 7B width, a fresh open each,
+best of `--tries`:
+
+- `gather`: every block of a 1.1 GB pack (100 frames of 196 tokens) onto the device;
+- `hermes`: every block of a HERMES-shaped pack (512 frames of 8 tokens a layer, 236 MB);
+- `layer_reads`: ReKV's reading inside the forward (28 layers in turn, 12 blocks each, a digest a
+  layer);
+- `layer_picks`: StreamingTOM's 4-bit pack, 251 of 512 frames a layer (27 KB digest units).
+
+Writes bench/results/read-threads-<device>.json: seconds for each read and setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def use(read_threads: int, hash_threads: int, stage_bytes: int) -> None:
+    """Every later read of this process with these settings (new pools; the old ones idle)."""
+    from mmkv_cli.pack import hashing, staging, tensors
+    from mmkv_cli.pack.pools import KeptPool
+
+    tensors.READ_THREADS, tensors._reading = read_threads, KeptPool(read_threads, "mmkv-read")
+    hashing.HASH_THREADS, hashing._hashing = hash_threads, KeptPool(hash_threads, "mmkv-hash")
+    staging.STAGE_BYTES = stage_bytes
+
+
+def gather_s(path: Path, names: list[str], device: str, tries: int) -> float:
+    import time
+
+    import torch
+
+    from mmkv_cli.pack import PackReader
+
+    best = float("inf")
+    for _ in range(tries):
+        began = time.perf_counter()
+        PackReader(path).gather(names, device=device)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - began)
+    return round(best, 4)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="small packs, two settings")
+    ap.add_argument("--tries", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "bench"))
+    from rates import layer_picks, layer_reads, seven_b_pack
+
+    from mmkv_cli.pack import hashing, staging, tensors
+
+    default = (tensors.READ_THREADS, hashing.HASH_THREADS, staging.STAGE_BYTES)
+    frames, stom_frames = (8, 32) if args.quick else (100, 512)
+    reads, hashes, stages = ([1, 4, 8], [4, 8, 15], [16 << 20, 64 << 20])
+    if args.quick:
+        reads, hashes, stages = [1, 2], [2], [64 << 20]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        packs = {
+            "gather": seven_b_pack(work / "a.kvpack", frames),
+            "hermes": seven_b_pack(work / "h.kvpack", stom_frames, tokens=8),
+        }
+        keyed = seven_b_pack(work / "k.kvpack", frames, retrieval_keys=True)
+        stom = seven_b_pack(work / "s.kvpack", stom_frames, True, tokens=50, bits=4)
+        files = {"gather": "a", "hermes": "h"}
+        for r, h, s in itertools.product(reads, hashes, stages):
+            use(r, h, s)
+            row = {"read_threads": r, "hash_threads": h, "stage_mib": s >> 20}
+            for label, names in packs.items():
+                path = work / f"{files[label]}.kvpack"
+                row[f"{label}_s"] = gather_s(path, names, args.device, args.tries)
+            if s == stages[-1]:  # the per-layer reads stage nothing: once a (read, hash) pair
+                picks = min(12, frames)
+                row["layer_reads_s"] = layer_reads(
+                    work / "k.kvpack", keyed, args.device, picks, args.tries
+                )
+                half = len(stom) // 2 - 5
+                row["layer_picks_s"] = layer_picks(
+                    work / "s.kvpack", stom, args.device, half, args.tries
+                )
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    use(*default)
+    sizes = {"gather_frames": frames, "hermes_frames": stom_frames}
+    result = {"device": args.device, "cpus": __import__("os").cpu_count(), **sizes, "rows": rows}
+    out = Path(args.out) / f"read-threads-{'quick-' if args.quick else ''}{args.device}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
