@@ -188,7 +188,8 @@ class SyncLog:
 
 
 def floor(device: str, model: str, layers: int, frames: int) -> dict:
-    """The language model alone over frames x 196 tokens, 16 frames a chunk, into one cache."""
+    """The language model alone over frames x 196 tokens, 16 frames a chunk, into one cache, on
+    the attention kernels a loaded backbone runs (`cudnn_sdp`: whether cuDNN's was among them)."""
     import torch
 
     from mmkv_cli.backbones.loading import load_backbone
@@ -210,7 +211,8 @@ def floor(device: str, model: str, layers: int, frames: int) -> dict:
     tokens = frames * 196
     print(f"floor: {tokens} tokens in {seconds:.2f} s", flush=True)
     return {"device": device, "model": model, "tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds}  # fmt: skip
+            "tokens_per_s": tokens / seconds,
+            "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled()}  # fmt: skip
 
 
 def make_video(folder: Path, frames: int) -> Path:

@@ -122,3 +122,19 @@ def test_a_row_stride_sums_every_nth_row_times_n_on_both_paths(stride, rows, key
     assert torch.allclose(fused.column_sum[0], expected, atol=1e-5, rtol=1e-4)
     assert torch.allclose(blockwise.column_sum[0], expected, atol=1e-5, rtol=1e-4)
     assert not torch.allclose(expected, probs.sum(dim=1), atol=1e-3)  # a sample, not all rows
+
+
+def test_a_cuda_model_attends_without_cudnns_per_shape_plans():
+    """cuDNN's SDPA builds a plan for each new (query, key) length; on CUDA it is switched off and
+    flash and memory-efficient attention stay on. A CPU model leaves torch's switches alone."""
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        attention.plan_free_attention(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        attention.plan_free_attention(torch.device("cuda", 0))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)

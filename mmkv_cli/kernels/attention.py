@@ -214,8 +214,9 @@ def head_slices(module, query, key, value, starts: tuple[int, ...], **kwargs):
 
 def install(model) -> None:
     """Route the language model's attention (not the vision tower's) through the recording
-    function."""
+    function, on attention kernels that need no plan per shape (`plan_free_attention`)."""
     global _sdpa
+    plan_free_attention(next(model.parameters()).device)
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -224,6 +225,16 @@ def install(model) -> None:
     AttentionInterface.register(NAME, _attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     model.config.get_text_config()._attn_implementation = NAME
+
+
+def plan_free_attention(device) -> None:
+    """On CUDA, SDPA without cuDNN's kernel, which torch tries first on Hopper and later GPUs:
+    cuDNN builds an execution plan for each new pair of query and key lengths (hundreds of ms on
+    an H100), and every chunk of an encode (its cache grows) and every question is a new pair.
+    Flash and memory-efficient attention plan nothing. Torch's backend switches are the process's,
+    not a thread's: set once, on a model's load."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 @contextmanager
