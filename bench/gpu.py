@@ -10,7 +10,8 @@
 4. read: a 7B-width pack (28 layers, 196 tokens a frame, fp16) read whole from the page cache by a
    fresh `gather` to the host and to the device, and by `verify` (goal: 5 GB/s), on this
    machine's cores; pinning a buffer and copying it to the device, pinned and pageable; ReKV's
-   reading inside the forward (each layer its own 12 blocks) with a digest a block and a layer;
+   reading inside the forward (each layer its own k = 64 blocks) with a digest a block and a layer,
+   read as a question reads it and each layer checked at once;
    StreamingTOM's 4-bit pack of 27 KB digest units, its question and `verify`, hashed on one
    thread and on the hashing threads.
 5. scale, reduce, early_write and live: bench/scale.py, bench/reduce.py, bench/early_write.py
@@ -43,6 +44,7 @@ RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 PARTS = ("parity", "syncs", "floor", "read", "scale", "reduce", "early_write", "live")
 QUESTIONS = ["what color is the circle ?", "which shape appeared first ?"]
+READ_PICKS = 64  # ReKV's k: the blocks each layer reads inside the forward
 # the scripts import this checkout's mmkv_cli where it is not installed (a device machine), next
 # to what PYTHONPATH already names (the wheels carried there)
 ENV = {
@@ -258,13 +260,22 @@ def read(work: Path, blocks: int, device: str) -> dict:
         "fresh_gather_to_device_gb_s": best_rate(size, lambda: on_device(path, names, device), 3),
         "verify_gb_s": best_rate(size, lambda: verify(path), 3),
         **transfers(device),
-        # ReKV inside the forward: 28 layers, 12 blocks each, one digest a block against one a
-        # layer (K/V of the same shape; the second pack keeps a retrieval key a layer)
-        "layer_reads_block_digests_s": layer_reads(path, names, device, min(12, blocks), 3),
-        "layer_reads_layer_digests_s": layer_reads(
-            keyed(work, blocks), names, device, min(12, blocks), 3
-        ),
+        # ReKV inside the forward: 28 layers, each its k = 64 blocks, one digest a block against
+        # one a layer (K/V of the same shape; the second pack keeps a retrieval key a layer), read
+        # as a question does (checksums left to finish on many cores) and each checked at once
+        "layer_reads_picks": min(READ_PICKS, blocks),
+        "layer_reads_block_digests_s": layer_reads(path, names, device, min(READ_PICKS, blocks), 3),
+        **keyed_reads(keyed(work, blocks), names, device, min(READ_PICKS, blocks)),
         **small_units(streamingtom_shaped(work), device),
+    }
+
+
+def keyed_reads(path: Path, names: list[str], device: str, picks: int) -> dict:
+    from rates import layer_reads
+
+    return {
+        "layer_reads_layer_digests_s": layer_reads(path, names, device, picks, 3),
+        "layer_reads_checked_at_once_s": layer_reads(path, names, device, picks, 3, False),
     }
 
 

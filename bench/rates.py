@@ -48,22 +48,31 @@ def best_rate(size: int, work: Callable[[], object], tries: int) -> float:
     return round(size / min(times) / 1e9, 2)
 
 
-def layer_reads(path: Path, names: list[str], device: str, picks: int, tries: int) -> float:
+def layer_reads(
+    path: Path, names: list[str], device: str, picks: int, tries: int, question: bool = True
+) -> float:
     """Seconds (best of `tries`, a fresh open each) of ReKV's reading inside the forward: each
-    layer in turn reads its own `picks` blocks (random, the same every run), its rows alone."""
+    layer in turn reads its own `picks` blocks (random, the same every run), its rows alone. As a
+    question reads (`question`), a layer's checksums may finish while the next layer is read, and
+    every one is waited for at the end, where the first token would be."""
     import numpy as np
     import torch
 
     from mmkv_cli.pack import PackReader
+    from mmkv_cli.pack.verdicts import LaterVerdicts
 
     rng = np.random.default_rng(0)
     chosen = [sorted(rng.choice(len(names), picks, replace=False).tolist()) for _ in range(LAYERS)]
     best = float("inf")
     for _ in range(tries):
         reader, began = PackReader(path), time.perf_counter()
+        later = LaterVerdicts(str(path)) if question else None
         for layer, picked in enumerate(chosen):
             taken = [names[i] for i in picked]
-            reader.gather(taken, [taken if i == layer else [] for i in range(LAYERS)], device)
+            only = [taken if i == layer else [] for i in range(LAYERS)]
+            reader.gather(taken, only, device, later=later)
+        if later is not None:
+            later.check_reads()
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - began)

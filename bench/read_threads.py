@@ -9,8 +9,8 @@ best of `--tries`:
 
 - `gather`: every block of a 1.1 GB pack (100 frames of 196 tokens) onto the device;
 - `hermes`: every block of a HERMES-shaped pack (512 frames of 8 tokens a layer, 236 MB);
-- `layer_reads`: ReKV's reading inside the forward (28 layers in turn, 12 blocks each, a digest a
-  layer);
+- `layer_reads`: ReKV's reading inside the forward (28 layers in turn, k = 64 blocks each, a digest
+  a layer, read as a question reads);
 - `layer_picks`: StreamingTOM's 4-bit pack, 251 of 512 frames a layer (27 KB digest units).
 
 Writes bench/results/read-threads-<device>.json: seconds for each read and setting.
@@ -90,7 +90,7 @@ def main() -> None:
                 path = work / f"{files[label]}.kvpack"
                 row[f"{label}_s"] = gather_s(path, names, args.device, args.tries)
             if s == stages[-1]:  # the per-layer reads stage nothing: once a (read, hash) pair
-                picks = min(12, frames)
+                picks = min(64, frames)  # ReKV's k
                 row["layer_reads_s"] = layer_reads(
                     work / "k.kvpack", keyed, args.device, picks, args.tries
                 )

@@ -1,6 +1,7 @@
 """Generation apart from the cache: greedy and sampled token choice, stop strings, and a text stream
 that never shows half a character."""
 
+import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -112,3 +113,23 @@ def test_a_context_verdict_left_unread_is_read_with_the_first_token():
     made = generate(logits, lambda t: steps.append(t) or logits, str, set(),
                     GenerationOptions(3), later=later)  # fmt: skip
     assert made.token_ids == [4, 4, 4] and later.pending() is None
+
+
+def test_no_token_is_shown_before_the_contexts_checksums_are_read():
+    """A read that left its checksums to finish (pack/verdicts.py) refuses the pack before the
+    first token, and with no token to make at all."""
+    from mmkv_cli.errors import PackError
+    from mmkv_cli.pack.verdicts import LaterVerdicts
+
+    def refused() -> None:
+        raise PackError("p.kvpack is corrupted (checksum mismatch in b1)")
+
+    shown: list[str] = []
+    for tokens in (4, 0):
+        later = LaterVerdicts("p.kvpack")
+        later.defer(refused)
+        options = GenerationOptions(max_new_tokens=tokens)  # 0: the verdict is still read
+        with pytest.raises(PackError, match="checksum mismatch in b1"):
+            generate(torch.tensor([0.0, 5.0, 1.0]), lambda t: torch.tensor([9.0, 0.0, 0.0]),
+                     str, set(), options, shown.append, later=later)  # fmt: skip
+    assert shown == []

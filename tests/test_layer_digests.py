@@ -260,3 +260,58 @@ def test_verify_names_a_resealed_nan_in_one_layer_of_a_block(tmp_path, seed):
     faults = api.verify(forged)["faults"]
     assert len(faults) == 1 and "NaN or Inf" in faults[0], faults
     assert api.verify(tmp_path / "p.kvpack")["ok"]
+
+
+def deferring(monkeypatch) -> list[int]:
+    """Every read of more than one unit hashed on threads, on as many cores as a GPU machine has,
+    so a question's reads leave their checksums to finish; returns a list that grows by one for
+    each read left so."""
+    from mmkv_cli.pack import reader as reading
+
+    monkeypatch.setattr(hashing, "PARALLEL_HASH_BLOCK_BYTES", 0)
+    monkeypatch.setattr(hashing, "RUN_BYTES", 1)  # a run a unit
+    monkeypatch.setattr(hashing.os, "cpu_count", lambda: 16)  # as a GPU machine's
+    left: list[int] = []
+
+    def counted(hashes):
+        left.append(1)
+        return hashing.mismatched_later(hashes)
+
+    monkeypatch.setattr(reading, "mismatched_later", counted)
+    return left
+
+
+def test_a_question_takes_rows_whose_checksums_are_still_computed_and_waits_for_them(
+    tmp_path, monkeypatch
+):
+    from mmkv_cli.pack.verdicts import LaterVerdicts
+
+    blocks = write(tmp_path / "p.kvpack")
+    bad = flipped(tmp_path / "p.kvpack", tmp_path / "bad.kvpack", 1, 2)
+    left = deferring(monkeypatch)
+    later = LaterVerdicts(str(bad))
+    reader = PackReader(bad)
+    keys, _, _ = reader.gather(["b1", "b2"], only(2, ["b1", "b2"]), later=later)
+    assert left == [1]  # the flipped layer's rows handed over before their verdict
+    assert keys[2].shape[1] == COUNTS[1][2] + COUNTS[2][2]
+    with pytest.raises(PackError, match="checksum mismatch in b1"):
+        later.check_reads()
+    later.check_reads()  # each verdict is read once
+    # an intact read: the same rows as one checked at once, and its units then count as checked
+    later = LaterVerdicts(str(tmp_path / "p.kvpack"))
+    reader = PackReader(tmp_path / "p.kvpack")
+    keys, values, _ = reader.gather(["b0", "b2"], only(3, ["b0", "b2"]), later=later)
+    later.check_reads()
+    assert torch.equal(keys[3], torch.cat([blocks[0].keys[3], blocks[2].keys[3]], dim=1))
+    assert torch.equal(values[3], torch.cat([blocks[0].values[3], blocks[2].values[3]], dim=1))
+    reader.gather(["b0", "b2"], only(3, ["b0", "b2"]), later=later)
+    assert left == [1, 1]  # nothing left to hash the second time
+
+
+def test_without_a_question_to_wait_a_read_is_refused_at_once(tmp_path, monkeypatch):
+    write(tmp_path / "p.kvpack")
+    bad = flipped(tmp_path / "p.kvpack", tmp_path / "bad.kvpack", 1, 2)
+    left = deferring(monkeypatch)
+    with pytest.raises(PackError, match="checksum mismatch in b1"):
+        PackReader(bad).gather(["b1", "b2"], only(2, ["b1", "b2"]))
+    assert left == []

@@ -172,3 +172,49 @@ def test_a_preset_asking_in_forward_retrieval_of_the_last_layer_is_refused_in_on
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert "retrieve: in_forward needs layers: each" in done.stderr
     assert not (tmp_path / "p.kvpack").exists()
+
+
+def test_layers_read_while_the_layers_before_are_still_hashed_answer_the_same(
+    tmp_path, backbones, clip, monkeypatch
+):
+    """Each layer's rows handed over before their checksums are done (as a 7B layer's are) give
+    the same first logits as rows checked first."""
+    from tests.test_layer_digests import deferring
+
+    backbone = backbones["tiny-llava-ov"]
+    pack = tmp_path / "r.kvpack"
+    encode_pack(clip, pack, method=MethodSpec("rekv", {"k": 3}), backbone=backbone,
+                max_frames=8)  # fmt: skip
+    checked = ask_pack(pack, QUESTION, backbone=backbone, max_new_tokens=1, keep_logits=True)
+    left = deferring(monkeypatch)
+    deferred = ask_pack(pack, QUESTION, backbone=backbone, max_new_tokens=1, keep_logits=True)
+    assert len(left) >= 2  # the layers' reads at least
+    assert deferred.answer == checked.answer
+    torch.testing.assert_close(deferred.first_logits, checked.first_logits, rtol=0, atol=0)
+
+
+def test_a_flipped_layer_read_inside_the_forward_is_refused_before_any_token(
+    tmp_path, backbones, clip, monkeypatch
+):
+    from mmkv_cli import api
+    from mmkv_cli.errors import PackError
+    from mmkv_cli.options import AskOptions, GenerationOptions
+    from tests.mutants import Parts
+    from tests.test_layer_digests import deferring
+
+    backbone = backbones["tiny-llava-ov"]
+    pack = tmp_path / "r.kvpack"
+    encode_pack(clip, pack, method=MethodSpec("rekv", {"k": 3}), backbone=backbone,
+                max_frames=8)  # fmt: skip
+    parts = Parts.of(pack.read_bytes())
+    start, stop = parts.directory["blocks.k"]["data_offsets"]
+    for at in range(start, stop, 16):  # every block's every layer: whichever a layer picks
+        parts.data[at] ^= 0x20
+    bad = tmp_path / "bad.kvpack"
+    bad.write_bytes(parts.bytes())
+    left = deferring(monkeypatch)
+    shown: list[str] = []
+    asking = AskOptions(generation=GenerationOptions(8))
+    with pytest.raises(PackError, match="checksum mismatch"):
+        api.ask(bad, QUESTION, asking, backbone=backbone, on_token=shown.append)
+    assert left and shown == []

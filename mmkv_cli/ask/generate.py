@@ -25,6 +25,8 @@ def pick(
     temperature-scaled distribution cut to its top-p mass. Never from NaN or Inf: an argmax of them
     is an arbitrary token, an answer that only looks like one. later: the context's verdicts not
     yet read, read in the same transfer (a pack they refuse is named before the logits are)."""
+    if later is not None:  # the host's checks first: the device runs on meanwhile
+        later.check_reads()
     pending = later.pending() if later is not None else None
     verdicts = [] if pending is None else [pending]
     if options.temperature <= 0:  # the token and the checks in one transfer: one wait a token
@@ -129,7 +131,7 @@ def generate(
 ) -> Generated:
     """Decode from the logits of the question's last token. step(token) runs one token and returns
     the next logits. Ends at an end-of-turn token, a stop string or max_new_tokens. later: the
-    context's NaN/Inf verdicts, read with the first token."""
+    context's NaN/Inf verdicts and checksums still being computed, read with the first token."""
     import time
 
     clock = clock or time.perf_counter
@@ -150,6 +152,8 @@ def generate(
         if stream.stopped or n + 1 == options.max_new_tokens:
             break
         logits = step(token)
+    if later is not None:  # no token was picked: the context's checks are still read
+        later.check_reads()
     unread = later.pending() if later is not None else None
     if unread is not None:  # no token was picked
         later.settle(bool(unread))

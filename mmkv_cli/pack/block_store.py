@@ -5,6 +5,7 @@ on each block's own stored bytes."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -83,6 +84,31 @@ class BlockStore:
         hashes = self.hashes(where, where.all_units(), finite=self.quant is None)
         bad = mismatched(hashes)
         return bad, hashes.nonfinite() if self.quant is None else None
+
+    def faults(
+        self, where: BlockRows, rows_of: Callable[[list[int]], BlockRows]
+    ) -> tuple[list[int], list[int]]:
+        """verify's faults among the blocks of `where`, as table rows: (those whose checksum
+        differs, those whose K/V hold NaN or Inf: as stored, checked on the bytes hashed, or
+        decoded where quantized, for the blocks whose scales might not decode finite). rows_of:
+        where other table rows lie (a failing chunk's suspects are decoded one by one)."""
+        bad, nonfinite = self.checked(where)
+        self.bytes_read += self.stored_bytes(where)
+        if nonfinite is not None:
+            return [where.indices[i] for i in bad], [where.indices[i] for i in nonfinite]
+        suspects = [where.indices[i] for i in self.decode_suspects(where)]
+
+        def finite(chosen: list[int]) -> bool:
+            rows = rows_of(chosen)
+            keys, values, *_ = self.read_rows(
+                rows, [np.arange(len(chosen))] * rows.layers, None, None
+            )
+            return all_finite([*keys, *values])
+
+        decoded = (
+            [] if not suspects or finite(suspects) else [i for i in suspects if not finite([i])]
+        )
+        return [where.indices[i] for i in bad], decoded
 
     def decode_suspects(self, where: BlockRows) -> list[int]:
         """The quantized blocks of `where` (positions in it) whose stored scales might decode to

@@ -6,6 +6,7 @@ import hashlib
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TypeVar
 
 import blake3
@@ -41,6 +42,9 @@ _scratch = threading.local()
 # threads kept for hashing: a retrieval inside the forward checks a layer's blocks 28 times a
 # question, and starting threads for each cost more than hashing a layer's rows
 _hashing = KeptPool(HASH_THREADS, "mmkv-hash")
+# a question's reads whose checksums finish while its forward runs, one after another (each on the
+# hashing threads too): read before its first token is shown (LaterVerdicts)
+_checking = KeptPool(1, "mmkv-check")
 
 
 def new_digest(algorithm: str):
@@ -300,6 +304,12 @@ def mismatched(hashes: BlockHashes) -> list[int]:
     else:
         hashes.work()
     return hashes.mismatched()
+
+
+def mismatched_later(hashes: BlockHashes) -> Future:
+    """`mismatched(hashes)` on a thread of its own (with the hashing threads), not waited for: its
+    result, or the error a read of the file raised while hashing, comes with `.result()`."""
+    return _checking.get().submit(mismatched, hashes)
 
 
 def hashed_beside(hashes: BlockHashes, read: Callable[[], T]) -> T:

@@ -3,6 +3,8 @@ through the descriptor opened)."""
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +26,7 @@ from mmkv_cli.pack.hashing import (
     digest_of,
     hashed_beside,
     mismatched,
+    mismatched_later,
 )
 from mmkv_cli.pack.header import read_header
 from mmkv_cli.pack.integrity import (
@@ -41,6 +44,10 @@ from mmkv_cli.pack.vidkv import two_bit_flags_sound
 OVERLAP_BYTES = 8 << 20
 # verify checks blocks this many at a time (an hour of video at a block a frame is 3,600 or more)
 VERIFY_BLOCKS = 1024
+# A question's read leaves its checksums to finish beside the next read only on this many cores or
+# more: on 2, ReKV's 28 layers of 64 blocks at 7B read in 0.37 s so against 0.29 s checked at once
+# (bench/rates.py layer_reads; the hashing had no core to itself)
+DEFER_CORES = 8
 
 
 class PackReader:
@@ -172,8 +179,10 @@ class PackReader:
         A context of many blocks is read with a pread per run of consecutive rows; bound for a GPU,
         into pinned memory, a large one in groups of whole blocks each sent while the next is read
         (pack/staging.py). Every block's checksum is still verified, on its own bytes, before
-        anything read is handed out. later: where the NaN/Inf verdict of K/V decoded on the device
-        goes unread, for the caller to read with something it reads anyway (None: read now).
+        anything read is handed out, unless `later` is given: where the NaN/Inf verdict of K/V
+        decoded on the device goes unread, for the caller to read with something it reads anyway,
+        and where a read of large digest units leaves its checksums to finish, for the caller to
+        wait for before it shows anything made of the rows (None: both read now).
         """
         if not names:
             return [], [], []
@@ -196,20 +205,31 @@ class PackReader:
         # K/V as stored are checked for NaN/Inf on the bytes hashed, on the hashing threads (a
         # checksum says the bytes are the writer's, not that the writer was honest or sane)
         hashes = store.hashes(where, pending, finite=self.quant is None)
+        # a question (`later`) takes rows whose large units are still being hashed, and its
+        # first token waits for the verdict: ReKV's next layer is read while this one's hash
+        defer = later is not None and hashes.threads() > 1 and (os.cpu_count() or 1) >= DEFER_CORES
         if self._hashed_as_read(where, store, taken, device):
             # a unit is one run of one layer (a digest a layer): hashed on the bytes read
             kept: dict = {}
             read = store.read_rows(where, taken, device, dtype, kept)
             if set(kept) == set(store.views):
                 hashes.read_from(kept, *where.rows_in_read(taken, pending))
-            mismatched(hashes)
-            self._refuse(where, hashes)
+            if defer:
+                later.defer(self._check_later(where, hashes, named, mismatched_later(hashes)))
+            else:
+                mismatched(hashes)
+                self._refuse(where, hashes)
         elif store.kv_bytes(where, pending) < OVERLAP_BYTES or hashes.threads() < 2:
             # small, or of units too small to hash but holding the GIL: a thread costs more
             # than it saves
+            defer = False
             mismatched(hashes)
             self._refuse(where, hashes)
             read = store.read_rows(where, taken, device, dtype)
+        elif defer:  # the hashing threads read the file beside this thread's rows
+            checking = mismatched_later(hashes)
+            read = store.read_rows(where, taken, device, dtype)
+            later.defer(self._check_later(where, hashes, named, checking))
         else:
             # checksums on threads while the rows are copied (both let go of the GIL), and on
             # this thread too once the copy is done: one after the other, a read ran slower
@@ -218,8 +238,21 @@ class PackReader:
         if self.quant is not None:
             read = self._decoded_finite(read, names, later)
         self._tensors.still_whole()  # blocks checked before need not be hashed again
-        self._verified.update(named)
+        if not defer:
+            self._verified.update(named)
         return read
+
+    def _check_later(self, where: BlockRows, hashes: BlockHashes, named, checking: Future):
+        """What a question calls before its first token for a read whose checksums are
+        `checking`: it waits for them, and refuses the pack as a read checked at once would."""
+
+        def check() -> None:
+            checking.result()  # an error of the file while it was hashed is raised here
+            self._tensors.still_whole()
+            self._refuse(where, hashes)
+            self._verified.update(named)
+
+        return check
 
     def _hashed_as_read(self, where: BlockRows, store: BlockStore, taken, device) -> bool:
         """Whether a read's units are hashed on the bytes it reads: each unit one layer's run of
@@ -320,41 +353,15 @@ class PackReader:
             if fault:  # every quantized block decodes through them: none can be read
                 return [f"key scales: {fault}"]
             self._key_scales = scales
+        name = self._blocks.name
         for first in range(0, len(self._blocks), chunk):
-            indices = list(range(first, min(len(self._blocks), first + chunk)))
-            where = self._rows(indices)
+            where = self._rows(list(range(first, min(len(self._blocks), first + chunk))))
             self._tensors.still_whole()
             self._fetch(where, where.all_units())
-            bad, nonfinite = store.checked(where)
-            for i in bad:
-                faults.append(f"block {self._blocks.name(indices[i])}: checksum mismatch")
-            self._tensors.bytes_read += store.stored_bytes(where)
-            if nonfinite is None:  # quantized: those whose scales might not decode finite, decoded
-                faults += self._nonfinite_blocks([indices[i] for i in store.decode_suspects(where)])
-            faults += [f"block {self._blocks.name(indices[i])}: NaN or Inf in its K/V"
-                       for i in nonfinite or []]  # fmt: skip
+            bad, nonfinite = store.faults(where, self._rows)
+            faults += [f"block {name(i)}: checksum mismatch" for i in bad]
+            faults += [f"block {name(i)}: NaN or Inf in its K/V" for i in nonfinite]
         return faults
-
-    def _nonfinite_blocks(self, indices: list[int]) -> list[str]:
-        """Faults for the quantized blocks at `indices` whose decoded K/V hold NaN or Inf: a chunk
-        at once, block by block only where it fails (blocks stored as computed are checked on the
-        bytes their checksums read)."""
-        store = self._block_store()
-
-        def finite(chosen: list[int]) -> bool:
-            where = self._rows(chosen)
-            keys, values, *_ = store.read_rows(
-                where, [np.arange(len(chosen))] * where.layers, None, None
-            )
-            return all_finite([*keys, *values])
-
-        if not indices or finite(indices):
-            return []
-        return [
-            f"block {self._blocks.name(i)}: NaN or Inf in its K/V"
-            for i in indices
-            if not finite([i])
-        ]
 
     def span_arrays(self, name: str) -> tuple[np.ndarray, ...]:
         """A prompt span's stored K, V and positions, checked: its checksum, no NaN or Inf, its

@@ -1,9 +1,18 @@
-"""NaN/Inf verdicts on K/V decoded on the device, read later. A quantized context is decoded where
-it is used; reading its verdict as soon as it is made would stop the host once more before the
-first token. A question reads the verdicts with its first token instead (one transfer for both),
-and refuses the pack then, before any token is shown."""
+"""Verdicts on what a question read, taken with its first token rather than as each read ends.
+
+NaN/Inf verdicts on K/V decoded on the device: a quantized context is decoded where it is used;
+reading its verdict as soon as it is made would stop the host once more before the first token. A
+question reads them with its first token instead (one transfer for both).
+
+Checksums still being computed: a read of large digest units bound for the model (ReKV's layers
+read inside the forward, a context read whole) hands its rows over at once and leaves its hashing
+to finish on the hashing threads while the forward runs; the first token waits for it.
+
+Either way the pack is refused then, before any token is shown."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
@@ -28,6 +37,19 @@ class LaterVerdicts:
         self.path = path
         self._flags: list[torch.Tensor] = []
         self._names: dict[str, None] = {}  # in the order first read, each once
+        self._checks: list[Callable[[], None]] = []
+
+    def defer(self, check: Callable[[], None]) -> None:
+        """A read's checksums, still being computed: `check()` waits for them and refuses the pack
+        (PackError) where they differ."""
+        self._checks.append(check)
+
+    def check_reads(self) -> None:
+        """Wait for every deferred read's checksums, in the order read: the first that fails
+        refuses the pack."""
+        checks, self._checks = self._checks, []
+        for check in checks:
+            check()
 
     def add(self, flag: torch.Tensor | None, names: list[str]) -> None:
         if flag is not None:
