@@ -10,7 +10,9 @@ best of `--tries`:
 - `gather`: every block of a 1.1 GB pack (100 frames of 196 tokens) onto the device;
 - `hermes`: every block of a HERMES-shaped pack (512 frames of 8 tokens a layer, 236 MB);
 - `layer_reads`: ReKV's reading inside the forward (28 layers in turn, k = 64 blocks each, a digest
-  a layer, read as a question reads);
+  a layer), read as a question reads, each layer checked at once (`_at_once`), and with reads of
+  8 MiB or more split over the reading threads (`_split`; tensors.PARALLEL_READ_BYTES, 32 MiB);
+  HERMES's read as a question reads it too (`hermes_question_s`);
 - `layer_picks`: StreamingTOM's 4-bit pack, 251 of 512 frames a layer (27 KB digest units).
 
 Writes bench/results/read-threads-<device>.json: seconds for each read and setting.
@@ -39,17 +41,23 @@ def use(read_threads: int, hash_threads: int, stage_bytes: int) -> None:
     staging.STAGE_BYTES = stage_bytes
 
 
-def gather_s(path: Path, names: list[str], device: str, tries: int) -> float:
+def gather_s(path: Path, names: list[str], device: str, tries: int, question=False) -> float:
+    """Seconds of a fresh open and gather of `names`, best of `tries`; as a question reads
+    (`question`: checksums left to finish on many cores, waited for at the end)."""
     import time
 
     import torch
 
     from mmkv_cli.pack import PackReader
+    from mmkv_cli.pack.verdicts import LaterVerdicts
 
     best = float("inf")
     for _ in range(tries):
         began = time.perf_counter()
-        PackReader(path).gather(names, device=device)
+        later = LaterVerdicts(str(path)) if question else None
+        PackReader(path).gather(names, device=device, later=later)
+        if later is not None:
+            later.check_reads()
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - began)
@@ -90,10 +98,23 @@ def main() -> None:
                 path = work / f"{files[label]}.kvpack"
                 row[f"{label}_s"] = gather_s(path, names, args.device, args.tries)
             if s == stages[-1]:  # the per-layer reads stage nothing: once a (read, hash) pair
-                picks = min(64, frames)  # ReKV's k
-                row["layer_reads_s"] = layer_reads(
-                    work / "k.kvpack", keyed, args.device, picks, args.tries
+                row["hermes_question_s"] = gather_s(
+                    work / "h.kvpack", packs["hermes"], args.device, args.tries, question=True
                 )
+                picks, k = min(64, frames), work / "k.kvpack"  # ReKV's k
+                row["layer_reads_s"] = layer_reads(k, keyed, args.device, picks, args.tries)
+                row["layer_reads_at_once_s"] = layer_reads(
+                    k, keyed, args.device, picks, args.tries, question=False
+                )
+                # a layer's 25 MB at 7B is under the parallel reads' 32 MiB: split it too
+                parallel = tensors.PARALLEL_READ_BYTES
+                tensors.PARALLEL_READ_BYTES = 8 << 20
+                try:
+                    row["layer_reads_split_s"] = layer_reads(
+                        k, keyed, args.device, picks, args.tries
+                    )
+                finally:
+                    tensors.PARALLEL_READ_BYTES = parallel
                 half = len(stom) // 2 - 5
                 row["layer_picks_s"] = layer_picks(
                     work / "s.kvpack", stom, args.device, half, args.tries
