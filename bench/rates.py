@@ -38,6 +38,36 @@ def seven_b_pack(
     return [b.name for b in body]
 
 
+def best_seconds(work: Callable[[], object], device: str, tries: int) -> float:
+    """Seconds of the fastest of `tries` runs of `work` (a read: a fresh open each), the device's
+    copies waited for."""
+    import torch
+
+    best = float("inf")
+    for _ in range(tries):
+        began = time.perf_counter()
+        work()
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - began)
+    return round(best, 4)
+
+
+def gather_seconds(path: Path, names: list[str], device: str, tries: int, question=False) -> float:
+    """A fresh open and gather of every layer's rows of `names`, best of `tries`; as a question
+    reads (`question`: checksums left to finish on many cores, waited for at the end)."""
+    from mmkv_cli.pack import PackReader
+    from mmkv_cli.pack.verdicts import LaterVerdicts
+
+    def read() -> None:
+        later = LaterVerdicts(str(path)) if question else None
+        PackReader(path).gather(names, device=device, later=later)
+        if later is not None:
+            later.check_reads()
+
+    return best_seconds(read, device, tries)
+
+
 def best_rate(size: int, work: Callable[[], object], tries: int) -> float:
     """GB/s of `size` bytes over the fastest of `tries` runs of `work`."""
     times = []
@@ -56,16 +86,15 @@ def layer_reads(
     question reads (`question`), a layer's checksums may finish while the next layer is read, and
     every one is waited for at the end, where the first token would be."""
     import numpy as np
-    import torch
 
     from mmkv_cli.pack import PackReader
     from mmkv_cli.pack.verdicts import LaterVerdicts
 
     rng = np.random.default_rng(0)
     chosen = [sorted(rng.choice(len(names), picks, replace=False).tolist()) for _ in range(LAYERS)]
-    best = float("inf")
-    for _ in range(tries):
-        reader, began = PackReader(path), time.perf_counter()
+
+    def read() -> None:
+        reader = PackReader(path)
         later = LaterVerdicts(str(path)) if question else None
         for layer, picked in enumerate(chosen):
             taken = [names[i] for i in picked]
@@ -73,10 +102,8 @@ def layer_reads(
             reader.gather(taken, only, device, later=later)
         if later is not None:
             later.check_reads()
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - began)
-    return round(best, 4)
+
+    return best_seconds(read, device, tries)
 
 
 def layer_picks(path: Path, names: list[str], device: str, picks: int, tries: int) -> float:
@@ -84,7 +111,6 @@ def layer_picks(path: Path, names: list[str], device: str, picks: int, tries: in
     (StreamingTOM's; ReKV's two-pass): every layer its own `picks` blocks (random, the same every
     run), each checked by its layer's digests, decoded on `device`."""
     import numpy as np
-    import torch
 
     from mmkv_cli.pack import PackReader
 
@@ -92,11 +118,4 @@ def layer_picks(path: Path, names: list[str], device: str, picks: int, tries: in
     chosen = [sorted(rng.choice(len(names), picks, replace=False).tolist()) for _ in range(LAYERS)]
     union = [names[i] for i in sorted(set().union(*chosen))]
     per_layer = [[names[i] for i in picked] for picked in chosen]
-    best = float("inf")
-    for _ in range(tries):
-        reader, began = PackReader(path), time.perf_counter()
-        reader.gather(union, per_layer, device)
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - began)
-    return round(best, 4)
+    return best_seconds(lambda: PackReader(path).gather(union, per_layer, device), device, tries)

@@ -41,29 +41,6 @@ def use(read_threads: int, hash_threads: int, stage_bytes: int) -> None:
     staging.STAGE_BYTES = stage_bytes
 
 
-def gather_s(path: Path, names: list[str], device: str, tries: int, question=False) -> float:
-    """Seconds of a fresh open and gather of `names`, best of `tries`; as a question reads
-    (`question`: checksums left to finish on many cores, waited for at the end)."""
-    import time
-
-    import torch
-
-    from mmkv_cli.pack import PackReader
-    from mmkv_cli.pack.verdicts import LaterVerdicts
-
-    best = float("inf")
-    for _ in range(tries):
-        began = time.perf_counter()
-        later = LaterVerdicts(str(path)) if question else None
-        PackReader(path).gather(names, device=device, later=later)
-        if later is not None:
-            later.check_reads()
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - began)
-    return round(best, 4)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -72,7 +49,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
-    from rates import layer_picks, layer_reads, seven_b_pack
+    from rates import gather_seconds, layer_picks, layer_reads, seven_b_pack
 
     from mmkv_cli.pack import hashing, staging, tensors
 
@@ -96,9 +73,9 @@ def main() -> None:
             row = {"read_threads": r, "hash_threads": h, "stage_mib": s >> 20}
             for label, names in packs.items():
                 path = work / f"{files[label]}.kvpack"
-                row[f"{label}_s"] = gather_s(path, names, args.device, args.tries)
+                row[f"{label}_s"] = gather_seconds(path, names, args.device, args.tries)
             if s == stages[-1]:  # the per-layer reads stage nothing: once a (read, hash) pair
-                row["hermes_question_s"] = gather_s(
+                row["hermes_question_s"] = gather_seconds(
                     work / "h.kvpack", packs["hermes"], args.device, args.tries, question=True
                 )
                 picks, k = min(64, frames), work / "k.kvpack"  # ReKV's k

@@ -18,6 +18,14 @@ from tests.helpers import ask_pack, choose, encode_pack
 QUESTION = "what color is the circle ?"
 
 
+def rekv_pack(tmp_path, backbone, clip):
+    """ReKV's pack of 8 frames, 3 blocks retrieved a layer."""
+    pack = tmp_path / "r.kvpack"
+    encode_pack(clip, pack, method=MethodSpec("rekv", {"k": 3}), backbone=backbone,
+                max_frames=8)  # fmt: skip
+    return pack
+
+
 def reference_choice(backbone, reader, ids, k, mode="keep"):
     """Every layer's blocks (table rows, time order) as ReKV's code picks them, and the first
     token's logits over them. positions reindex: every layer's context compacted, the question
@@ -53,9 +61,7 @@ def test_each_layer_retrieves_with_its_own_query_inside_the_forward(
     tmp_path, backbones, clip, positions
 ):
     backbone = backbones["tiny-llava-ov"]
-    pack = tmp_path / "r.kvpack"
-    encode_pack(clip, pack, method=MethodSpec("rekv", {"k": 3}), backbone=backbone,
-                max_frames=8)  # fmt: skip
+    pack = rekv_pack(tmp_path, backbone, clip)
     reader = PackReader(pack)
     ids = backbone.question_ids(QUESTION, reader.header.prompt.question)
     wanted, logits = reference_choice(backbone, reader, ids, 3, positions)
@@ -182,9 +188,7 @@ def test_layers_read_while_the_layers_before_are_still_hashed_answer_the_same(
     from tests.test_layer_digests import deferring
 
     backbone = backbones["tiny-llava-ov"]
-    pack = tmp_path / "r.kvpack"
-    encode_pack(clip, pack, method=MethodSpec("rekv", {"k": 3}), backbone=backbone,
-                max_frames=8)  # fmt: skip
+    pack = rekv_pack(tmp_path, backbone, clip)
     checked = ask_pack(pack, QUESTION, backbone=backbone, max_new_tokens=1, keep_logits=True)
     left = deferring(monkeypatch)
     deferred = ask_pack(pack, QUESTION, backbone=backbone, max_new_tokens=1, keep_logits=True)
@@ -203,9 +207,7 @@ def test_a_flipped_layer_read_inside_the_forward_is_refused_before_any_token(
     from tests.test_layer_digests import deferring
 
     backbone = backbones["tiny-llava-ov"]
-    pack = tmp_path / "r.kvpack"
-    encode_pack(clip, pack, method=MethodSpec("rekv", {"k": 3}), backbone=backbone,
-                max_frames=8)  # fmt: skip
+    pack = rekv_pack(tmp_path, backbone, clip)
     parts = Parts.of(pack.read_bytes())
     start, stop = parts.directory["blocks.k"]["data_offsets"]
     for at in range(start, stop, 16):  # every block's every layer: whichever a layer picks
