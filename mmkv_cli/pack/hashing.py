@@ -257,6 +257,12 @@ class BlockHashes:
         """Hash no more runs: what they were for failed."""
         self._stopped = True
 
+    def let_go(self) -> None:
+        """Drop the buffers `read_from` was given, once every run is hashed (the verdicts stay): a
+        question's layer read bound for a GPU is pinned memory, which the next layer's read can
+        take again only once nothing holds it."""
+        self._read = None
+
     def threads(self) -> int:
         """How many threads to hash on: one for units under PARALLEL_HASH_BLOCK_BYTES."""
         if self._average < PARALLEL_HASH_BLOCK_BYTES:
@@ -308,8 +314,16 @@ def mismatched(hashes: BlockHashes) -> list[int]:
 
 def mismatched_later(hashes: BlockHashes) -> Future:
     """`mismatched(hashes)` on a thread of its own (with the hashing threads), not waited for: its
-    result, or the error a read of the file raised while hashing, comes with `.result()`."""
-    return _checking.get().submit(mismatched, hashes)
+    result, or the error a read of the file raised while hashing, comes with `.result()`. The
+    buffers hashed are let go as soon as they are, not when the result is read."""
+
+    def check() -> list[int]:
+        try:
+            return mismatched(hashes)
+        finally:
+            hashes.let_go()
+
+    return _checking.get().submit(check)
 
 
 def hashed_beside(hashes: BlockHashes, read: Callable[[], T]) -> T:
