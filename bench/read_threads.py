@@ -55,7 +55,7 @@ def main() -> None:
 
     default = (tensors.READ_THREADS, hashing.HASH_THREADS, staging.STAGE_BYTES)
     frames, stom_frames = (8, 32) if args.quick else (100, 512)
-    # 64 MiB groups read the 1.1 GB pack about 2x faster than 16 MiB on the H100: larger too
+    # 256 MiB too: the third H100 run found 64 MiB well ahead of 16 (docs/benchmarks.md)
     reads, hashes, stages = ([1, 4, 8], [4, 8, 15], [16 << 20, 64 << 20, 256 << 20])
     if args.quick:
         reads, hashes, stages = [1, 2], [2], [64 << 20]

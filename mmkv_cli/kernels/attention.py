@@ -229,8 +229,8 @@ def install(model) -> None:
 
 def plan_free_attention(device) -> None:
     """On CUDA, SDPA without cuDNN's kernel, which torch tries first on Hopper and later GPUs:
-    cuDNN builds an execution plan for each new pair of query and key lengths (hundreds of ms on
-    an H100), and every chunk of an encode (its cache grows) and every question is a new pair.
+    cuDNN builds an execution plan for each new pair of query and key lengths (docs/benchmarks.md,
+    "One H100"), and every chunk of an encode (its cache grows) and every question is a new pair.
     Flash and memory-efficient attention plan nothing. Torch's backend switches are the process's,
     not a thread's: set once, on a model's load."""
     if device.type == "cuda":

@@ -45,8 +45,8 @@ OVERLAP_BYTES = 8 << 20
 # verify checks blocks this many at a time (an hour of video at a block a frame is 3,600 or more)
 VERIFY_BLOCKS = 1024
 # A question's read leaves its checksums to finish beside the next read only on this many cores or
-# more: on 2, ReKV's 28 layers of 64 blocks at 7B read in 0.37 s so against 0.29 s checked at once
-# (bench/rates.py layer_reads; the hashing had no core to itself)
+# more: on 2 the hashing has no core to itself and ReKV's layers read slower so (bench/rates.py
+# layer_reads; figures in docs/benchmarks.md)
 DEFER_CORES = 8
 
 
@@ -205,10 +205,21 @@ class PackReader:
         # K/V as stored are checked for NaN/Inf on the bytes hashed, on the hashing threads (a
         # checksum says the bytes are the writer's, not that the writer was honest or sane)
         hashes = store.hashes(where, pending, finite=self.quant is None)
+        as_read = self._hashed_as_read(where, store, taken, device)
+        # small, or of units too small to hash but holding the GIL: a thread costs more than it
+        # saves, so the checksums come first on this thread
+        small = not as_read and (
+            store.kv_bytes(where, pending) < OVERLAP_BYTES or hashes.threads() < 2
+        )
         # a question (`later`) takes rows whose large units are still being hashed, and its
         # first token waits for the verdict: ReKV's next layer is read while this one's hash
-        defer = later is not None and hashes.threads() > 1 and (os.cpu_count() or 1) >= DEFER_CORES
-        if self._hashed_as_read(where, store, taken, device):
+        defer = (
+            later is not None
+            and not small
+            and hashes.threads() > 1
+            and (os.cpu_count() or 1) >= DEFER_CORES
+        )
+        if as_read:
             # a unit is one run of one layer (a digest a layer): hashed on the bytes read
             kept: dict = {}
             read = store.read_rows(where, taken, device, dtype, kept)
@@ -219,10 +230,7 @@ class PackReader:
             else:
                 mismatched(hashes)
                 self._refuse(where, hashes)
-        elif store.kv_bytes(where, pending) < OVERLAP_BYTES or hashes.threads() < 2:
-            # small, or of units too small to hash but holding the GIL: a thread costs more
-            # than it saves
-            defer = False
+        elif small:
             mismatched(hashes)
             self._refuse(where, hashes)
             read = store.read_rows(where, taken, device, dtype)
