@@ -6,6 +6,7 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,7 +19,7 @@ from mmkv_cli.methods.mukv import (
     quarter_grid,
 )
 from mmkv_cli.methods.retrieval import retrieve
-from mmkv_cli.methods.scoring import top_in_order
+from mmkv_cli.methods.scoring import SIMILARITY, top_in_order
 from mmkv_cli.pack import PackReader
 from tests.conftest import TINY
 from tests.helpers import ask_pack, choose, encode_pack
@@ -86,26 +87,17 @@ def test_middle_frame_views_detail_only_each_segments_middle_step():
 def test_rerank_lifts_the_candidate_that_agrees_with_top_segments():
     segment = torch.tensor([[1.0, 0.0, 0.0]])
     agrees, disagrees = torch.tensor([0.9, 0.1, 0.0]), torch.tensor([0.0, 0.0, 1.0])
-    reps = torch.stack([segment[0], agrees, disagrees])
-    scores = torch.tensor(
-        [0.5, 0.30, 0.32]
-    )  # the disagreeing patch scores a little higher on its own
-    picks = retrieve(
-        scores,
-        reps,
-        ["segment", "patch", "patch"],
-        k={"patch": 1, "segment": 1},
-        rerank={"patch": 0.3},
-        top_segments=5,
-    )
-    patch = [p for p in picks if p.granularity == "patch"]
-    assert [p.index for p in patch] == [1]
-    without = retrieve(
-        scores, reps, ["segment", "patch", "patch"], k={"patch": 1}, rerank={}, top_segments=5
-    )
-    assert [p.index for p in without] == [2]
+    reps = torch.stack([segment[0], agrees, disagrees])[:, None]  # one layer
+    # the disagreeing patch scores a little higher on its own
+    scores = torch.tensor([[0.5, 0.30, 0.32]])
+    kinds = ["segment", "patch", "patch"]
+    (picks,) = retrieve(scores, reps, kinds, {"patch": 1, "segment": 1}, {"patch": 0.3}, 5)
+    patch = [i for i, g in zip(picks.index, picks.granularity) if g == "patch"]
+    assert patch == [1]
+    (without,) = retrieve(scores, reps, kinds, k={"patch": 1}, rerank={}, top_segments=5)
+    assert without.index.tolist() == [2]
     # the block table hands granularities over as codes; the picks are the same
-    coded = retrieve(
+    (coded,) = retrieve(
         scores,
         reps,
         (torch.tensor([1, 0, 0]), ["patch", "segment"]),
@@ -113,9 +105,30 @@ def test_rerank_lifts_the_candidate_that_agrees_with_top_segments():
         rerank={"patch": 0.3},
         top_segments=5,
     )
-    assert [(p.index, p.granularity, p.reranked) for p in coded] == [
-        (p.index, p.granularity, p.reranked) for p in picks
-    ]
+    assert coded.index.tolist() == picks.index.tolist()
+    assert coded.granularity == picks.granularity and (coded.reranked == picks.reranked).all()
+
+
+def test_every_layer_retrieved_at_once_picks_what_each_would_alone():
+    """A pack retrieved layer by layer is scored for every layer in one batch: each layer's
+    picks are those of the layer scored alone, its scores the same to float32's rounding."""
+    g = torch.Generator().manual_seed(0)
+    blocks, layers = 300, 6
+    reps = torch.randn(blocks, layers, 32, generator=g).half()
+    query = torch.randn(layers, 32, generator=g)
+    codes = (torch.arange(blocks) % 3, ["segment", "frame", "patch"])
+    k, rerank = {"frame": 20, "patch": 9, "segment": 4}, {"frame": 0.2, "patch": 0.3}
+    for similarity in SIMILARITY.values():
+        together = retrieve(similarity(query, reps.transpose(0, 1)), reps, codes, k, rerank, 3)
+        for layer in range(layers):
+            one = reps[:, layer : layer + 1]
+            scores = similarity(query[layer : layer + 1], one.transpose(0, 1))
+            (alone,) = retrieve(scores, one, codes, k, rerank, 3)
+            assert together[layer].index.tolist() == alone.index.tolist()
+            assert together[layer].granularity == alone.granularity
+            assert np.allclose(together[layer].score, alone.score, rtol=1e-6, atol=1e-6)
+            assert np.allclose(together[layer].reranked, alone.reranked, rtol=1e-6, atol=1e-6)
+        assert len({tuple(p.index.tolist()) for p in together}) == layers  # each its own
 
 
 def test_retrieval_picks_the_block_holding_a_planted_needle(tmp_path, backbones, clip):
