@@ -11,33 +11,17 @@ import numpy as np
 
 from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack.block_store import BlockStore, all_finite
-from mmkv_cli.pack.finite import finite_stored
-from mmkv_cli.pack.format import (
-    BLOCKS,
-    PARTS,
-    SERIES,
-    Span,
-    split_layers,
-)
-from mmkv_cli.pack.hashing import (
-    BlockHashes,
-    chunk_digests,
-    digest_of,
-    hashed_beside,
-    mismatched,
-    mismatched_later,
-)
+from mmkv_cli.pack.block_store import BlockStore
+from mmkv_cli.pack.format import BLOCKS, PARTS, SERIES, Span, split_layers
+from mmkv_cli.pack.hashing import BlockHashes, hashed_beside, mismatched, mismatched_later
 from mmkv_cli.pack.header import read_header
-from mmkv_cli.pack.integrity import (
-    uncovered,
-)
+from mmkv_cli.pack.integrity import uncovered
 from mmkv_cli.pack.opening import open_pack
+from mmkv_cli.pack.side_tensors import checked_key_scales, checked_representatives, checked_span
 from mmkv_cli.pack.source import block_byte_ranges, open_pack_file
 from mmkv_cli.pack.table import BlockRows, BlockTable
 from mmkv_cli.pack.tensors import StoredTensors
 from mmkv_cli.pack.verdicts import LaterVerdicts, finite_flag
-from mmkv_cli.pack.vidkv import two_bit_flags_sound
 
 # Reads of at least this many K/V bytes are checksummed on a thread beside the copy; below it the
 # thread's start costs more than it saves (docs/measurements.md)
@@ -128,15 +112,9 @@ class PackReader:
         torch)."""
         if not self._stored.get("representatives"):
             return None
-        stored = self._tensors.array("reps")
-        digest = (self._stored.get("integrity") or {}).get("reps")
-        if self.format_version >= 8:  # a digest per chunk (checked on open), on threads
-            whole = chunk_digests(stored, digest["chunk"], self.digest) == digest[self.digest]
-        else:
-            whole = digest is None or digest_of([stored], self.digest) == digest
-        if not whole:
-            raise PackError(f"{self.path} is corrupted (checksum mismatch in reps)")
-        return stored
+        return checked_representatives(
+            self._tensors, self._stored, self.format_version, self.digest, self._where
+        )
 
     def _read_representatives(self) -> torch.Tensor:
         stored = self.stored_representatives()
@@ -302,16 +280,7 @@ class PackReader:
 
     def _read_key_scales(self) -> tuple[torch.Tensor | None, str | None]:
         """(the key scales, None), or (None, what is wrong with them)."""
-        stored = self._tensors.array(f"{BLOCKS}.kq")
-        digest = self._stored["integrity"]["key_scales"]
-        if chunk_digests(stored, digest["chunk"], self.digest) != digest[self.digest]:
-            return None, "checksum mismatch"
-        scales = torch.from_numpy(stored).view(torch.float16)
-        if not all_finite([scales]):
-            return None, "NaN or Inf"
-        if self.quant.mixed and not two_bit_flags_sound(scales[:, 2]):
-            return None, "channel flags not 0/1, half of them 1,"
-        return scales, None
+        return checked_key_scales(self._tensors, self._stored, self.digest, self.quant.mixed)
 
     def _block_store(self) -> BlockStore:
         if self._store is None:
@@ -372,20 +341,8 @@ class PackReader:
         return faults
 
     def span_arrays(self, name: str) -> tuple[np.ndarray, ...]:
-        """A prompt span's stored K, V and positions, checked: its checksum, no NaN or Inf, its
-        shared positions one layer's worth (numpy: no torch)."""
-        meta = self.spans_meta[name]
-        parts = [f"{name}.{part}" for part in ("k", "v", "pos")]
-        k, v, pos = (self._tensors.array(part) for part in parts)
-        if digest_of((k, v, pos), self.digest) != meta[self.digest]:
-            raise PackError(f"{self.path} is corrupted (checksum mismatch in {name})")
-        dtypes = [self._tensors.view(part)[1] for part in parts[:2]]
-        if not all(finite_stored(a, dtype) for a, dtype in zip((k, v), dtypes)):
-            raise PackError(f"{self.path} is corrupted (NaN or Inf in the K/V of {name})")
-        counts = meta["layer_counts"]
-        if meta.get("shared_positions") and (len(set(counts)) > 1 or pos.shape[0] != counts[0]):
-            raise PackError(f"{self.path} is corrupted (positions of {name})")
-        return k, v, pos
+        """A prompt span's stored K, V and positions, checked (numpy: no torch)."""
+        return checked_span(self._tensors, name, self.spans_meta[name], self.digest, self._where)
 
     def _refuse(self, where: BlockRows, hashes: BlockHashes) -> None:
         """Refuse the read `hashes` checked (once every run is hashed) for its first block whose
