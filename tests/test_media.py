@@ -35,6 +35,15 @@ def test_frames_differ_over_time(clip):
     assert np.abs(frames[0].astype(int) - frames[3]).sum() > 0  # shapes move and appear
 
 
+@pytest.mark.parametrize("backend", ["decord", "pyav"])
+def test_a_range_past_the_last_frame_is_refused_by_its_frames(clip, backend):
+    media = load_video(Path(clip), 2.0, 0, backend=backend)
+    assert len(media.read(14, 99)) == 2  # stop past the end: to the last frame
+    for start, stop in ((16, 18), (99, 100), (3, 3), (-1, 2)):
+        with pytest.raises(ValueError, match=rf"frames \[{start}, \d+\) of .* hold none of its 16"):
+            media.read(start, stop)
+
+
 def test_image_folder_glob_and_pdf():
     folder = load_media(str(SAMPLES / "images"))
     glob = load_media(str(SAMPLES / "images" / "*.png"))

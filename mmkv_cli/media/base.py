@@ -24,8 +24,15 @@ class Media:
         return len(self.timestamps)
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        """Frames [start, stop) as uint8 [n, H, W, 3]."""
-        return self._read(start, min(stop, self.num_frames))
+        """Frames [start, stop) as uint8 [n, H, W, 3], to the last frame where stop is past it. A
+        range holding no frame is refused in one line: the loaders' own errors for it named an
+        index, or an empty list, not the range."""
+        stop = min(stop, self.num_frames)
+        if not 0 <= start < stop:
+            raise ValueError(
+                f"frames [{start}, {stop}) of {self.source} hold none of its {self.num_frames}"
+            )
+        return self._read(start, stop)
 
     def describe(self) -> dict:
         return {
