@@ -317,3 +317,39 @@ def test_without_a_question_to_wait_a_read_is_refused_at_once(tmp_path, monkeypa
     with pytest.raises(PackError, match="checksum mismatch in b1"):
         PackReader(bad).gather(["b1", "b2"], only(2, ["b1", "b2"]))
     assert left == []
+
+
+def test_small_units_read_by_layer_are_hashed_in_stretches(tmp_path, monkeypatch):
+    """A retrieval's small units (StreamingTOM's: 27 KB at 7B) are checked in stretches of
+    neighbours of one size, each joined with one numpy call: an honest read never falls back to
+    a unit at a time, and a flip in one unit still names its block."""
+    from mmkv_cli.pack import read_units
+
+    # sizes change between blocks, so stretches are cut by size as well as by the picks
+    counts = [[2 + (i // 7) % 3] * LAYERS for i in range(30)]
+    blocks = [block(f"b{i}", c, i) for i, c in enumerate(counts)]
+    header = pack_header(layers=LAYERS, dtype="float32", heads=HEADS, dim=DIM)
+    write_pack(tmp_path / "p.kvpack", header, prompt("prefix", 2), blocks, prompt("suffix", 1))
+    rng = np.random.default_rng(0)
+    picks = [sorted(rng.choice(30, 17, replace=False).tolist()) for _ in range(LAYERS)]
+    names = [f"b{i}" for i in sorted(set().union(*picks))]
+    per_layer = [[f"b{i}" for i in p] for p in picks]
+    singly, stretches = [], []
+    each, check = read_units.ReadUnits._check_each, read_units.ReadUnits.check
+    monkeypatch.setattr(
+        read_units.ReadUnits, "_check_each", lambda s, run: singly.append(run) or each(s, run)
+    )
+    monkeypatch.setattr(
+        read_units.ReadUnits, "check", lambda s, run: stretches.append(len(run)) or check(s, run)
+    )
+    keys, _, _ = PackReader(tmp_path / "p.kvpack").gather(names, per_layer)
+    for layer, p in enumerate(picks):
+        assert torch.equal(keys[layer], torch.cat([blocks[i].keys[layer] for i in p], dim=1))
+    assert not singly and sum(stretches) == sum(map(len, picks)) and max(stretches) > 1
+    parts = Parts.of((tmp_path / "p.kvpack").read_bytes())
+    row = sum(map(sum, counts[: picks[2][3]])) + sum(counts[picks[2][3]][:2])  # its layer 2
+    parts.data[parts.directory["blocks.k"]["data_offsets"][0] + row * HEADS * DIM * 4 + 3] ^= 1
+    (tmp_path / "bad.kvpack").write_bytes(parts.bytes())
+    with pytest.raises(PackError, match=rf"checksum mismatch in b{picks[2][3]}\)"):
+        PackReader(tmp_path / "bad.kvpack").gather(names, per_layer)
+    assert singly  # the stretch holding it was checked a unit at a time

@@ -171,8 +171,19 @@ def test_a_context_past_the_overlap_threshold_reads_back_exactly(
         "read_from",
         lambda self, *a: taken.append("as read") or from_read(self, *a),
     )
+    from mmkv_cli.pack import read_units
+
+    joined: list[bool] = []
+    runs = read_units.ReadUnits.runs
+    monkeypatch.setattr(
+        read_units.ReadUnits, "runs", lambda self, n: joined.append(self.joined) or runs(self, n)
+    )
     keys_read, values, positions = PackReader(path).gather([s.name for s in spans])
     assert taken == ([] if path_taken == "before" else [path_taken])
+    # hashed as read: units of 64 KiB or less in stretches joined side by side, larger a part
+    # at a time
+    want = [per_digest <= read_units.JOIN_BYTES] if path_taken == "as read" else []
+    assert joined == want
     if threaded:
         assert threads and min(threads) > 1 or (os.cpu_count() or 1) < 2
     else:

@@ -13,7 +13,8 @@ import blake3
 import numpy as np
 
 from mmkv_cli.pack.finite import finite_stored
-from mmkv_cli.pack.pools import KeptPool
+from mmkv_cli.pack.pools import KeptPool, scratch
+from mmkv_cli.pack.read_units import JOIN_BYTES, ReadUnits
 
 # Digest units of at least this many bytes on average are checksummed on up to HASH_THREADS threads
 # (and beside a read): below it a unit's Python costs as much as its hashing, all of it holding the
@@ -34,11 +35,6 @@ DIGESTS = {"sha256": hashlib.sha256, "blake3": blake3.blake3}
 # A block's rows are hashed this many bytes at a time, through a buffer each thread keeps (a real
 # block's K or V is a few MB at 7B; one of hundreds of frames, far more)
 SCRATCH_BYTES = 8 << 20
-# A digest unit's parts of at most this many bytes in all are joined before they are hashed: for
-# small units one BLAKE3 update costs less than one a part (StreamingTOM's 27 KB units hold
-# positions and value scales of a few hundred bytes each); a larger unit's copy costs more
-JOIN_BYTES = 64 << 10
-_scratch = threading.local()
 # threads kept for hashing: a retrieval inside the forward checks a layer's blocks 28 times a
 # question, and starting threads for each cost more than hashing a layer's rows
 _hashing = KeptPool(HASH_THREADS, "mmkv-hash")
@@ -107,22 +103,22 @@ class BlockHashes:
         self._run_count = -(-count // per_run)
         self._bad: list[int] = []
         self._stopped = False
-        self._read: list | None = None  # by part: the buffers read, each unit's and its offset
+        self._read: ReadUnits | None = None  # the buffers read, where they are given
 
-    def read_from(self, kept: dict, layers: list[int], rows: list[int], firsts: list[int]) -> None:
+    def read_from(
+        self, kept: dict, layers: np.ndarray, rows: np.ndarray, firsts: np.ndarray
+    ) -> None:
         """Hash the units from the buffers a read left (`kept`: part -> numpy buffers, one for
         every layer or one a layer), not the file: each unit is one layer's run there. layers,
         rows: each unit's layer and its run's first row in that layer's rows (BlockRows.
         rows_in_read); firsts: each layer's first row in a buffer for every layer. A retrieval's
         thousands of small units are then read once, not a second time to be hashed."""
-        self._read = []
-        for name, _, _, _, _, row in self._parts:
-            buffers = [memoryview(b.reshape(-1).view(np.uint8)) for b in kept[name]]
-            if len(buffers) == 1:
-                which, at = [0] * len(layers), [firsts[i] + r for i, r in zip(layers, rows)]
-            else:
-                which, at = layers, rows
-            self._read.append((buffers, which, [a * row for a in at]))
+        parts = [(p, dtype, starts, stops, row) for p, _, dtype, starts, stops, row in self._parts]
+        read = ReadUnits(
+            parts, kept, layers, rows, firsts, self._new, self._expected, self._blocks, self._finite
+        )
+        runs = read.runs(max(1, RUN_BYTES // max(1, self._average)))
+        self._read, self._runs, self._run_count = read, iter(runs), len(runs)
 
     def work(self) -> None:
         """Hash runs until none is left (or `stop` is called)."""
@@ -131,9 +127,10 @@ class BlockHashes:
                 run = next(self._runs, None)
             if run is None:
                 return
-            if self._read is not None:  # a unit's runs lie apart in the buffers read
-                for j in run:
-                    self._check_read(j)
+            if self._read is not None:  # the units lie in the buffers read
+                bad, nonfinite = self._read.check(run)
+                self._bad += bad
+                self._nonfinite += nonfinite
                 continue
             first = run.start
             units, blocks = self._units, self._blocks
@@ -206,22 +203,6 @@ class BlockHashes:
                 self._bad.append(self._blocks[j])
         return True
 
-    def _check_read(self, j: int) -> None:
-        """Unit j from the buffers a read left (`read_from`): one stretch of each part's. A
-        retrieval's question hashes thousands of these, each paying its Python holding the GIL,
-        so nothing is done here that _check does for pieces cut by rows or by blocks."""
-        finite = True
-        pieces = []
-        for (buffers, which, at), (_, _, dtype, starts, stops, row) in zip(self._read, self._parts):
-            begin = at[j]
-            pieces.append(buffers[which[j]][begin : begin + (stops[j] - starts[j]) * row])
-            if self._finite and finite:
-                finite = finite_stored(np.frombuffer(pieces[-1], np.uint8), dtype)
-        if not finite:
-            self._nonfinite.append(self._blocks[j])
-        if self._digest_of(pieces) != self._expected[j].tobytes():
-            self._bad.append(self._blocks[j])
-
     def _digest_of(self, pieces: list[memoryview]) -> bytes:
         """The digest of `pieces` one after another: joined in this thread's kept buffer and
         hashed in one update when they are small (JOIN_BYTES), one update a piece otherwise."""
@@ -277,17 +258,6 @@ class BlockHashes:
     def nonfinite(self) -> list[int]:
         """With `finite`: the blocks holding NaN or Inf as stored, once every run is hashed."""
         return sorted(set(self._nonfinite))
-
-
-def scratch(nbytes: int, use: str = "read") -> memoryview:
-    """This thread's kept buffer for `use` ("read": bytes read to be hashed; "join": a unit's
-    parts joined), of at least `nbytes` (grown when asked for more), as flat bytes: they are the
-    caller's until this thread asks again for the same use."""
-    held = getattr(_scratch, use, None)
-    if held is None or len(held) < nbytes:
-        held = memoryview(np.empty(nbytes, np.uint8))
-        setattr(_scratch, use, held)
-    return held
 
 
 def stored_bytes(views: dict, where, units, token_major: bool) -> int:

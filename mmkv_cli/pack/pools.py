@@ -1,6 +1,7 @@
 """Thread pools made on first use and kept for the process: starting threads for every read cost
 more than a layer's read at 7B. A forked child has none of the parent's threads: it makes its
-own."""
+own. And each thread's kept buffers: a fresh buffer for every read paid a page fault for every
+4 KiB it was given, about as much again as the read."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 _kept: weakref.WeakSet[KeptPool] = weakref.WeakSet()
+_scratch = threading.local()
 
 
 class KeptPool:
@@ -34,6 +38,17 @@ class KeptPool:
 def _forget_all() -> None:
     for pool in list(_kept):
         pool._forget()
+
+
+def scratch(nbytes: int, use: str = "read") -> memoryview:
+    """This thread's kept buffer for `use` ("read": bytes read to be hashed; "join": a unit's
+    parts joined), of at least `nbytes` (grown when asked for more), as flat bytes: they are the
+    caller's until this thread asks again for the same use."""
+    held = getattr(_scratch, use, None)
+    if held is None or len(held) < nbytes:
+        held = memoryview(np.empty(nbytes, np.uint8))
+        setattr(_scratch, use, held)
+    return held
 
 
 os.register_at_fork(after_in_child=_forget_all)

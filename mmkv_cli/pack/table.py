@@ -245,7 +245,7 @@ class BlockRows:
         """Rows each layer reads taking the blocks at taken[l] (token_rows, position_rows)."""
         return [int(self.counts[t, layer].sum()) for layer, t in enumerate(taken)]
 
-    def rows_in_read(self, taken: list[np.ndarray], units: np.ndarray) -> tuple[list, list, list]:
+    def rows_in_read(self, taken: list[np.ndarray], units: np.ndarray) -> tuple[np.ndarray, ...]:
         """For digest units of one layer each: each unit's layer, the row its run starts at
         within that layer's rows of a read of `taken` (token_rows, position_rows), and each
         layer's first row in the whole read."""
@@ -255,7 +255,7 @@ class BlockRows:
             within[t, layer] = np.cumsum(counts) - counts
         layers = units % self.units
         firsts = np.cumsum([0, *self.layer_totals(taken)])
-        return layers.tolist(), within[units // self.units, layers].tolist(), firsts.tolist()
+        return layers, within[units // self.units, layers], firsts
 
     def _runs(self, starts: np.ndarray, taken: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         # layer-major: every layer's taken blocks in context order, so a tensor is read in one go
