@@ -353,3 +353,29 @@ def test_small_units_read_by_layer_are_hashed_in_stretches(tmp_path, monkeypatch
     with pytest.raises(PackError, match=rf"checksum mismatch in b{picks[2][3]}\)"):
         PackReader(tmp_path / "bad.kvpack").gather(names, per_layer)
     assert singly  # the stretch holding it was checked a unit at a time
+
+
+def test_a_questions_small_units_hashed_as_read_are_left_to_finish(tmp_path, monkeypatch):
+    """On a GPU machine's cores a question leaves even units too small for threads (hashed on
+    one, as StreamingTOM's 27 KB ones) to finish beside it, and its first token waits for them."""
+    from mmkv_cli.pack import reader as reading
+    from mmkv_cli.pack.verdicts import LaterVerdicts
+
+    blocks = write(tmp_path / "p.kvpack")
+    bad = flipped(tmp_path / "p.kvpack", tmp_path / "bad.kvpack", 1, 2)
+    monkeypatch.setattr(hashing.os, "cpu_count", lambda: 16)
+    left: list = []
+    monkeypatch.setattr(
+        reading, "mismatched_later", lambda h: left.append(h) or hashing.mismatched_later(h)
+    )
+    later = LaterVerdicts(str(bad))
+    keys, _, _ = PackReader(bad).gather(["b1", "b2"], only(2, ["b1", "b2"]), later=later)
+    assert len(left) == 1 and left[0].threads() == 1  # one thread, not waited for
+    assert keys[2].shape[1] == COUNTS[1][2] + COUNTS[2][2]
+    assert torch.equal(keys[2][:, COUNTS[1][2] :], blocks[2].keys[2])
+    with pytest.raises(PackError, match="checksum mismatch in b1"):
+        later.check_reads()
+    monkeypatch.setattr(hashing.os, "cpu_count", lambda: 2)  # too few cores to leave them
+    with pytest.raises(PackError, match="checksum mismatch in b1"):
+        PackReader(bad).gather(["b1", "b2"], only(2, ["b1", "b2"]), later=LaterVerdicts(str(bad)))
+    assert len(left) == 1

@@ -189,12 +189,15 @@ class PackReader:
         small = not as_read and (
             store.kv_bytes(where, pending) < OVERLAP_BYTES or hashes.threads() < 2
         )
-        # a question (`later`) takes rows whose large units are still being hashed, and its
-        # first token waits for the verdict: ReKV's next layer is read while this one's hash
+        # a question (`later`) takes rows whose units are still being hashed, and its first
+        # token waits for the verdict: ReKV's next layer is read while this one's is hashed, and
+        # StreamingTOM's thousands of small units hashed as read (on one thread: their Python
+        # holds the GIL) while its context goes to the device and is decoded and prefilled
         defer = (
             later is not None
+            and len(pending) > 0
             and not small
-            and hashes.threads() > 1
+            and (as_read or hashes.threads() > 1)
             and (os.cpu_count() or 1) >= DEFER_CORES
         )
         if as_read:
