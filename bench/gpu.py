@@ -295,6 +295,9 @@ def small_units(path: Path, device: str) -> dict:
         hashing.PARALLEL_HASH_BLOCK_BYTES = at
         try:
             out[f"layer_picks_4bit{label}_s"] = layer_picks(path, names, device, 251, 3)
+            if not label:  # as a question: its checksums finish beside (8 cores or more)
+                question = layer_picks(path, names, device, 251, 3, question=True)
+                out["layer_picks_4bit_question_s"] = question
             out[f"verify_4bit_small_units{label}_gb_s"] = best_rate(size, lambda: verify(path), 3)
         finally:
             hashing.PARALLEL_HASH_BLOCK_BYTES = threshold

@@ -106,16 +106,27 @@ def layer_reads(
     return best_seconds(read, device, tries)
 
 
-def layer_picks(path: Path, names: list[str], device: str, picks: int, tries: int) -> float:
+def layer_picks(
+    path: Path, names: list[str], device: str, picks: int, tries: int, question: bool = False
+) -> float:
     """Seconds (best of `tries`, a fresh open each) of a per-layer retrieval's one read
     (StreamingTOM's; ReKV's two-pass): every layer its own `picks` blocks (random, the same every
-    run), each checked by its layer's digests, decoded on `device`."""
+    run), each checked by its layer's digests, decoded on `device`. As a question reads
+    (`question`): the checksums may finish after the read, waited for at the end."""
     import numpy as np
 
     from mmkv_cli.pack import PackReader
+    from mmkv_cli.pack.verdicts import LaterVerdicts
 
     rng = np.random.default_rng(0)
     chosen = [sorted(rng.choice(len(names), picks, replace=False).tolist()) for _ in range(LAYERS)]
     union = [names[i] for i in sorted(set().union(*chosen))]
     per_layer = [[names[i] for i in picked] for picked in chosen]
-    return best_seconds(lambda: PackReader(path).gather(union, per_layer, device), device, tries)
+
+    def read() -> None:
+        later = LaterVerdicts(str(path)) if question else None
+        PackReader(path).gather(union, per_layer, device, later=later)
+        if later is not None:
+            later.check_reads()
+
+    return best_seconds(read, device, tries)
