@@ -346,13 +346,27 @@ def test_small_units_read_by_layer_are_hashed_in_stretches(tmp_path, monkeypatch
     for layer, p in enumerate(picks):
         assert torch.equal(keys[layer], torch.cat([blocks[i].keys[layer] for i in p], dim=1))
     assert not singly and sum(stretches) == sum(map(len, picks)) and max(stretches) > 1
+    # a flip in one unit: its own digest in the stretch names its block
+    hit = picks[2][3]
+    row = sum(map(sum, counts[:hit])) + sum(counts[hit][:2])  # its layer 2
     parts = Parts.of((tmp_path / "p.kvpack").read_bytes())
-    row = sum(map(sum, counts[: picks[2][3]])) + sum(counts[picks[2][3]][:2])  # its layer 2
     parts.data[parts.directory["blocks.k"]["data_offsets"][0] + row * HEADS * DIM * 4 + 3] ^= 1
     (tmp_path / "bad.kvpack").write_bytes(parts.bytes())
-    with pytest.raises(PackError, match=rf"checksum mismatch in b{picks[2][3]}\)"):
+    with pytest.raises(PackError, match=rf"checksum mismatch in b{hit}\)"):
         PackReader(tmp_path / "bad.kvpack").gather(names, per_layer)
-    assert singly  # the stretch holding it was checked a unit at a time
+    assert not singly
+    # a NaN forged under a re-sealed checksum: the stretch holding it is checked a unit at a time
+    from tests.mutants import _reseal_block
+
+    parts = Parts.of((tmp_path / "p.kvpack").read_bytes())
+    at = parts.directory["blocks.v"]["data_offsets"][0] + row * HEADS * DIM * 4
+    parts.data[at : at + 4] = np.float32("nan").tobytes()
+    _reseal_block(parts, parts.header(), "blocks.v", row)
+    parts.reseal()
+    (tmp_path / "nan.kvpack").write_bytes(parts.bytes())
+    with pytest.raises(PackError, match=rf"NaN or Inf in the K/V of b{hit}\)"):
+        PackReader(tmp_path / "nan.kvpack").gather(names, per_layer)
+    assert singly
 
 
 def test_a_questions_small_units_hashed_as_read_are_left_to_finish(tmp_path, monkeypatch):

@@ -70,27 +70,20 @@ class ReadUnits:
         if not self.joined:
             return self._check_each(run)
         count, first = len(run), run.start
-        widths = [int(sizes[first]) for sizes in self._sizes]
-        width = sum(widths)
-        joined = np.frombuffer(scratch(count * width, "join"), np.uint8, count * width)
-        joined = joined.reshape(count, width)
-        column, finite = 0, True
-        for buffers, dtype, which, at, size in zip(
-            self._buffers, self._dtypes, self._which, self._at, widths
+        parts, finite = [], True
+        for buffers, dtype, which, at, sizes in zip(
+            self._buffers, self._dtypes, self._which, self._at, self._sizes
         ):
+            size = int(sizes[first])
             part = np.frombuffer(buffers[which[first]], np.uint8, count * size, int(at[first]))
             if self._finite and finite:
                 finite = finite_stored(part, dtype)
-            joined[:, column : column + size] = part.reshape(count, size)
-            column += size
+            parts.append(part.reshape(count, size))
         if not finite:  # which blocks: each unit on its own
             return self._check_each(run)
-        rows, new = memoryview(joined.reshape(-1)), self._new
-        got = b"".join([new(rows[i * width : (i + 1) * width]).digest() for i in range(count)])
         units = self._order[run.start : run.stop]
-        if got == self._expected[units].tobytes():
-            return [], []
-        return self._check_each(run)
+        bad = differing(joined_digests(parts, self._new), self._expected[units])
+        return [self._blocks[units[i]] for i in bad], []
 
     def _check_each(self, run: range) -> tuple[list[int], list[int]]:
         """check(run), unit by unit: one update a part."""
@@ -109,3 +102,26 @@ class ReadUnits:
             if digest.digest() != self._expected[unit].tobytes():
                 bad.append(self._blocks[unit])
         return bad, nonfinite
+
+
+def joined_digests(parts: list[np.ndarray], new) -> bytes:
+    """The digests of units whose parts are given as [units, bytes] arrays ([1, bytes]: a part
+    every unit holds whole, as positions stored once for every layer), each unit's parts in turn:
+    joined side by side in this thread's kept buffer, one hash (`new`) a unit; 32 bytes each."""
+    count, width = max(p.shape[0] for p in parts), sum(p.shape[1] for p in parts)
+    joined = np.frombuffer(scratch(count * width, "join"), np.uint8, count * width)
+    joined = joined.reshape(count, width)
+    column = 0
+    for part in parts:
+        joined[:, column : column + part.shape[1]] = part
+        column += part.shape[1]
+    rows = memoryview(joined.reshape(-1))
+    return b"".join([new(rows[i * width : (i + 1) * width]).digest() for i in range(count)])
+
+
+def differing(got: bytes, expected: np.ndarray) -> list[int]:
+    """Which units' digests in `got` (32 bytes each) differ from expected [units, 32]."""
+    if got == expected.tobytes():
+        return []
+    mine = np.frombuffer(got, np.uint8).reshape(-1, 32)
+    return np.flatnonzero((mine != expected).any(axis=1)).tolist()
