@@ -14,9 +14,10 @@
    read as a question reads it and each layer checked at once;
    StreamingTOM's 4-bit pack of 27 KB digest units, its question and `verify`, hashed on one
    thread and on the hashing threads.
-5. scale, reduce, early_write and live: bench/scale.py, bench/reduce.py, bench/early_write.py
-   (the pack written while full and rekv encode, against at the end) and bench/live.py at 7B full
-   depth.
+5. scale, reduce and live: bench/scale.py, bench/reduce.py and bench/live.py at 7B full depth.
+6. early_write, only when `--parts` names it: bench/early_write.py (the pack written while full
+   and rekv encode, against at the end). Three H100 runs settled that writing while encoding wins
+   (docs/benchmarks.md), and its 78 s had put a whole run over 8 minutes.
 
 Writes bench/results/gpu-<part>.json, and gpu-goals.json: issue 48's goals against this run's
 figures, with each part's seconds (bench/gpu_goals.py; printed at the end). `--quick` runs every
@@ -43,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 PARTS = ("parity", "syncs", "floor", "read", "scale", "reduce", "early_write", "live")
+DEFAULT_PARTS = tuple(part for part in PARTS if part != "early_write")  # a run of under 8 minutes
 QUESTIONS = ["what color is the circle ?", "which shape appeared first ?"]
 READ_PICKS = 64  # ReKV's k: the blocks each layer reads inside the forward
 # the scripts import this checkout's mmkv_cli where it is not installed (a device machine), next
@@ -370,7 +372,7 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=512)
     ap.add_argument("--quick", action="store_true", help="every part small: checks the script")
     ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--parts", default=",".join(PARTS), help="which parts, in this order")
+    ap.add_argument("--parts", default=",".join(DEFAULT_PARTS), help="which, in this order")
     ap.add_argument("--scale-methods", default="full,hermes,rekv,streamingtom")
     streaming = "full,hermes,rekv,streamingtom,infinipot,streammem"
     ap.add_argument("--sync-methods", default=streaming, help="the syncs part's methods")
