@@ -13,7 +13,8 @@ best of `--tries`:
   a layer), read as a question reads, each layer checked at once (`_at_once`), and with reads of
   8 MiB or more split over the reading threads (`_split`; tensors.PARALLEL_READ_BYTES, 32 MiB);
   HERMES's read as a question reads it too (`hermes_question_s`);
-- `layer_picks`: StreamingTOM's 4-bit pack, 251 of 512 frames a layer (27 KB digest units).
+- `layer_picks`: StreamingTOM's 4-bit pack, 251 of 512 frames a layer (27 KB digest units), and
+  read as a question reads it (`_question`: its checksums left to finish beside, 8 cores or more).
 
 Writes bench/results/read-threads-<device>.json: seconds for each read and setting.
 """
@@ -94,15 +95,17 @@ def main() -> None:
                 finally:
                     tensors.PARALLEL_READ_BYTES = parallel
                 half = len(stom) // 2 - 5
-                row["layer_picks_s"] = layer_picks(
-                    work / "s.kvpack", stom, args.device, half, args.tries
-                )
+                for label, question in (("", False), ("_question", True)):
+                    row[f"layer_picks{label}_s"] = layer_picks(
+                        work / "s.kvpack", stom, args.device, half, args.tries, question
+                    )
             print(json.dumps(row), flush=True)
             rows.append(row)
     use(*default)
     sizes = {"gather_frames": frames, "hermes_frames": stom_frames}
     result = {"device": args.device, "cpus": __import__("os").cpu_count(), **sizes, "rows": rows}
     out = Path(args.out) / f"read-threads-{'quick-' if args.quick else ''}{args.device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)  # a sweep's figures are not lost to a name
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
 
