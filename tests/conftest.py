@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -8,6 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may touch the network
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # no config file of the machine's (~/.config/mmkv/config.toml) changes what a test sees
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="mmkv-test-config-")
+atexit.register(shutil.rmtree, os.environ["XDG_CONFIG_HOME"], True)  # one left a run otherwise
 os.environ.pop("MMKV_CONFIG", None)
 
 ROOT = Path(__file__).resolve().parent.parent
