@@ -73,17 +73,13 @@ class BlockHashes:
         units = np.asarray(units, dtype=np.int64)
         self._units = units.tolist()
         self._blocks = (units // where.units).tolist()  # the block each unit is of
-        # each unit's stretch of every tensor, as lists: a unit is hashed without numpy calls;
-        # and a row's bytes (v2/v3, read whole: one unit a block, never cut by rows)
+        # each unit's stretch of every tensor (arrays for read_from), and as lists: a unit is
+        # hashed without numpy calls; and a row's bytes (v2/v3, read whole: one unit a block,
+        # never cut by rows)
+        self._bounds = [where.unit_bounds(p, units) for p in views]
         self._parts = [
-            (
-                p,
-                view,
-                dtype,
-                *(b.tolist() for b in where.unit_bounds(p, units)),
-                view.row_bytes if token_major else 0,
-            )
-            for p, (view, dtype) in views.items()
+            (p, view, dtype, *(b.tolist() for b in bounds), view.row_bytes if token_major else 0)
+            for (p, (view, dtype)), bounds in zip(views.items(), self._bounds)
         ]
         self._expected = where.digests.reshape(-1, 32)[units]
         # finite: each unit's values as stored are checked for NaN/Inf on the bytes hashed too
@@ -113,7 +109,10 @@ class BlockHashes:
         rows: each unit's layer and its run's first row in that layer's rows (BlockRows.
         rows_in_read); firsts: each layer's first row in a buffer for every layer. A retrieval's
         thousands of small units are then read once, not a second time to be hashed."""
-        parts = [(p, dtype, starts, stops, row) for p, _, dtype, starts, stops, row in self._parts]
+        parts = [
+            (p, dtype, *bounds, row)
+            for (p, _, dtype, _, _, row), bounds in zip(self._parts, self._bounds)
+        ]
         read = ReadUnits(
             parts, kept, layers, rows, firsts, self._new, self._expected, self._blocks, self._finite
         )

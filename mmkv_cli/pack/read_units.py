@@ -23,8 +23,8 @@ JOIN_BYTES = 64 << 10
 class ReadUnits:
     """Where each digest unit's parts lie in the buffers a read left, and their checks.
 
-    parts: for each part (name, dtype, unit starts, unit stops, row bytes); kept: part name ->
-    the read's numpy buffers (one for every layer, or one a layer); layers, rows: each unit's
+    parts: for each part (name, dtype, unit starts, unit stops: arrays, row bytes); kept: part
+    name -> the read's numpy buffers (one for every layer, or one a layer); layers, rows: each unit's
     layer and its run's first row in that layer's rows; firsts: each layer's first row in a
     buffer for every layer; new: an empty hash; expected: [units, 32] the table's digests;
     blocks: the block each unit is of; finite: check K/V as stored for NaN/Inf too."""
@@ -41,7 +41,7 @@ class ReadUnits:
             else:
                 which.append(layers)
                 at.append(rows * row)
-            sizes.append((np.asarray(stops) - np.asarray(starts)) * row)
+            sizes.append((stops - starts) * row)
         average = int(sum(s.sum() for s in sizes)) // max(1, len(layers))
         self.joined = average <= JOIN_BYTES
         # in buffer order where units are joined in stretches; unit order otherwise
