@@ -24,9 +24,9 @@ class ReadUnits:
     """Where each digest unit's parts lie in the buffers a read left, and their checks.
 
     parts: for each part (name, dtype, unit starts, unit stops: arrays, row bytes); kept: part
-    name -> the read's numpy buffers (one for every layer, or one a layer); layers, rows: each unit's
-    layer and its run's first row in that layer's rows; firsts: each layer's first row in a
-    buffer for every layer; new: an empty hash; expected: [units, 32] the table's digests;
+    name -> the read's numpy buffers (one for every layer, or one a layer); layers, rows: each
+    unit's layer and its run's first row in that layer's rows; firsts: each layer's first row in
+    a buffer for every layer; new: an empty hash; expected: [units, 32] the table's digests;
     blocks: the block each unit is of; finite: check K/V as stored for NaN/Inf too."""
 
     def __init__(self, parts, kept, layers, rows, firsts, new, expected, blocks, finite: bool):
