@@ -35,7 +35,7 @@ FLOAT16_MAX = 65504.0
 # a float32 of at least this magnitude becomes Inf as float16 (65504 is odd: a tie rounds up)
 FLOAT16_INF_FROM = 65520.0
 MAX_GROUP = 1 << 16
-CHUNK_TOKENS = 2048  # tokens dequantized at a time on a CPU (their float32 copies fit in cache)
+CHUNK_TOKENS = 2048  # tokens (de)quantized at a time on a CPU (their float32 copies fit in cache)
 
 
 @dataclass(frozen=True)
@@ -148,10 +148,18 @@ def _scale_zero(low: torch.Tensor, high: torch.Tensor, bits: int) -> torch.Tenso
     return torch.stack([scale, low], dim=-1).to(torch.float16)
 
 
-def _codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    # quantize against the stored (float16) scale and zero, so decoding adds no second rounding
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return ((x - zero) / safe).round_().clamp_(0, (1 << bits) - 1).to(torch.uint8)
+def _codes_into(out: torch.Tensor, x, scale, zero, bits: int) -> None:
+    """x's codes written into uint8 `out`, against the stored (float16) scale and zero, so
+    decoding adds no second rounding."""
+    safe = torch.where(scale > 0, scale, 1.0)
+    out.copy_(torch.sub(x, zero).div_(safe).round_().clamp_(0, (1 << bits) - 1))
+
+
+def token_chunks(n: int, device: torch.device) -> list[slice]:
+    """n tokens a chunk at a time on a CPU (CHUNK_TOKENS: their float32 copies stay in cache),
+    all at once on a GPU."""
+    step = max(1, n if device.type == "cuda" else CHUNK_TOKENS)
+    return [slice(first, first + step) for first in range(0, n, step)]
 
 
 def layer_first_groups(totals: list[int], group: int) -> list[int]:
@@ -196,7 +204,10 @@ class SpanningKeyRanges:
     def add(self, keys: torch.Tensor, counts: list[int], values: torch.Tensor | None = None):
         """One block's token-major keys [sum counts, H, D], its layers one after another (mixed:
         and its values)."""
-        x = None if self.bits == MIXED else keys.float().reshape(keys.shape[0], -1)
+        # ranges of the keys as given (float16 min and max are exact in float32): a float32 copy
+        # of every block cost more than the ranges, and torch.aminmax ran 2-6x slower than
+        # amin and amax on the CPU
+        x = None if self.bits == MIXED else keys.reshape(keys.shape[0], -1)
         first = 0
         for layer, count in enumerate(counts):
             at = first
@@ -205,7 +216,8 @@ class SpanningKeyRanges:
                 if self.bits == MIXED:  # the group's planes come from its tokens at its close
                     self.held[layer].append((keys[at : at + take], values[at : at + take]))
                 else:
-                    low, high = torch.aminmax(x[at : at + take], dim=0)
+                    rows = x[at : at + take]
+                    low, high = rows.amin(dim=0).float(), rows.amax(dim=0).float()
                     held = self.open[layer]
                     if held is not None:
                         low, high = torch.minimum(low, held[0]), torch.maximum(high, held[1])
@@ -247,8 +259,11 @@ def quantize_keys_with(
     if bits == MIXED:
         return vidkv.encode_keys(keys, scales.index_select(0, rows))
     bits = int(bits)
-    picked = scales.index_select(0, rows).float().reshape(n, 2, -1)
-    codes = _codes(keys.float().reshape(n, -1), picked[:, 0], picked[:, 1], bits)
+    codes = torch.empty(n, heads * dim, dtype=torch.uint8, device=keys.device)
+    for chunk in token_chunks(n, keys.device):
+        picked = scales.index_select(0, rows[chunk]).float().flatten(2)  # [m, 2, H * D]
+        x = keys[chunk].flatten(1).float()
+        _codes_into(codes[chunk], x, picked[:, 0], picked[:, 1], bits)
     return pack_codes(codes.reshape(n, heads, dim), bits)
 
 
@@ -258,12 +273,15 @@ def quantize_values(
     """Token-major values [n, H, D] -> (packed codes [n, H, D * bits / 8] uint8, scale and zero
     [n, H * D / group, 2] float16), per token over groups of `group` channels."""
     n, heads, dim = values.shape
-    bits = int(bits)
-    x = values.float().reshape(n, -1, group)
-    stored = _scale_zero(x.amin(dim=-1), x.amax(dim=-1), bits)
-    scale, zero = (t.unsqueeze(-1) for t in stored.float().unbind(-1))
-    codes = _codes(x, scale, zero, bits).reshape(n, heads, dim)
-    return pack_codes(codes, bits), stored
+    bits, grouped = int(bits), values.reshape(n, -1, group)
+    codes = torch.empty(grouped.shape, dtype=torch.uint8, device=values.device)
+    stored = torch.empty(*grouped.shape[:2], 2, dtype=torch.float16, device=values.device)
+    for chunk in token_chunks(n, values.device):
+        x = grouped[chunk].float()
+        stored[chunk] = _scale_zero(x.amin(dim=-1), x.amax(dim=-1), bits)
+        scale, zero = (t.unsqueeze(-1) for t in stored[chunk].float().unbind(-1))
+        _codes_into(codes[chunk], x, scale, zero, bits)
+    return pack_codes(codes.reshape(n, heads, dim), bits), stored
 
 
 def decodes_finite(scale: np.ndarray, zero: np.ndarray, bits: int, dtype: str) -> np.ndarray:
@@ -337,11 +355,9 @@ def dequantize(
     dim = key_scales.shape[-1]
     out_keys = torch.empty(n, heads, dim, dtype=dtype, device=keys.device)
     out_values = torch.empty_like(out_keys)
-    step = n if keys.device.type == "cuda" else CHUNK_TOKENS
     if bits == MIXED and prepared is None:
         prepared = vidkv.prepare(key_scales)  # once per group, not per token
-    for first in range(0, n, max(1, step)):
-        rows = slice(first, first + step)
+    for rows in token_chunks(n, keys.device):
         if bits == MIXED:  # the values' scales are the key groups' fourth plane
             at = key_group[rows]
             out_keys[rows] = vidkv.decode_keys_at(keys[rows], prepared, at)
