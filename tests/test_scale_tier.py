@@ -22,34 +22,7 @@ from mmkv_cli.pack.quant import QuantSpec
 from mmkv_cli.pack.report import verify
 from tests.helpers import pack_header
 from tests.mutants import Parts
-
-LAYERS, HEADS, DIM = 28, 4, 128  # LLaVA-OV-7B's language model (Qwen2-7B): 28 x 4 KV heads x 128
-
-
-def block(name: str, tokens: int, seed: int, layers: int = LAYERS, keys: int | None = None) -> Span:
-    """A frame at 7B width with a retrieval key for each layer (or `keys` of them: one makes a
-    pack with one digest a block)."""
-    g = torch.Generator().manual_seed(seed)
-    kv = [torch.randn(HEADS, tokens, DIM, generator=g).half() for _ in range(2 * layers)]
-    return Span(
-        name=name,
-        keys=kv[:layers],
-        values=kv[layers:],
-        positions=[torch.arange(tokens).expand(3, -1) + seed * tokens for _ in range(layers)],
-        granularity="frame",
-        steps=(seed, seed + 1),
-        time=(float(seed), seed + 0.5),
-        representative=torch.randn(keys or layers, HEADS * DIM, generator=g).half(),
-    )
-
-
-def plain(name: str, tokens: int, layers: int = LAYERS) -> Span:
-    return Span(
-        name=name,
-        keys=[torch.zeros(HEADS, tokens, DIM, dtype=torch.float16)] * layers,
-        values=[torch.ones(HEADS, tokens, DIM, dtype=torch.float16)] * layers,
-        positions=[torch.arange(tokens).expand(3, -1)] * layers,
-    )
+from tests.scale_shapes import DIM, HEADS, LAYERS, block, plain
 
 
 def write_7b(path, blocks: int, tokens: int = 1, quant=None, layers: int = LAYERS, keys=None):
@@ -402,92 +375,6 @@ def test_stored_values_are_checked_finite_by_their_exponent_bits(dtype):
         stored = broken.view(torch.uint16).numpy() if dtype == "bfloat16" else broken.numpy()
         assert not finite_stored(stored, dtype), (dtype, bad)
     assert finite_stored(np.arange(4, dtype=np.int32), "int32")
-
-
-def constant_block(index: int, tokens: int) -> Span:
-    """A block at 7B width whose every key is index + layer / 32 and every value minus that:
-    expanded views (a few bytes each until written), so a 4.5 GB pack costs no memory to build,
-    and a read from the wrong offset cannot return the right numbers."""
-    keys = [
-        torch.full((HEADS, 1, DIM), index + layer / 32, dtype=torch.float16).expand(-1, tokens, -1)
-        for layer in range(LAYERS)
-    ]
-    return Span(
-        name=f"b{index}",
-        keys=keys,
-        values=[-k for k in keys],
-        positions=[torch.arange(tokens).expand(3, -1) + index * tokens] * LAYERS,
-        granularity="frame",
-        steps=(index, index + 1),
-        time=(float(index), index + 0.5),
-    )
-
-
-def test_a_pack_past_4_gib_reads_verifies_and_names_a_flip_past_the_boundary(tmp_path, monkeypatch):
-    """400 frames of 196 tokens at 7B width: blocks.k and blocks.v are 2.25 GB each (byte
-    offsets inside one tensor past 2^31), the file 4.5 GB (offsets past 2^32): the last block's
-    values lie wholly past 4 GiB."""
-    count, tokens = 400, 196
-    path = tmp_path / "big.kvpack"
-    header = pack_header(layers=LAYERS, dtype="float16", heads=HEADS, dim=DIM)
-    blocks = [constant_block(i, tokens) for i in range(count)]
-    write_pack(path, header, plain("prefix", 2), blocks, plain("suffix", 1))
-    assert path.stat().st_size > (1 << 32) + (1 << 27)
-    with open(path, "rb") as fh:
-        data_start = 8 + int.from_bytes(fh.read(8), "little")
-        fh.seek(0)
-        directory = Parts.of(fh.read(data_start)).directory
-    start, stop = directory["blocks.v"]["data_offsets"]
-    assert directory["blocks.k"]["data_offsets"][1] > 1 << 31 and start > 1 << 31
-    last = data_start + stop - tokens * LAYERS * HEADS * DIM * 2  # the last block's values
-    assert last > 1 << 32
-    reader = PackReader(path)
-    keys, values, positions = reader.gather([f"b{count - 1}", "b0"])
-    for layer in (0, LAYERS - 1):
-        want = torch.cat([blocks[count - 1].keys[layer], blocks[0].keys[layer]], dim=1)
-        assert torch.equal(keys[layer], want) and torch.equal(values[layer], -want)
-    assert positions[0][0, 0] == (count - 1) * tokens
-    assert verify(path)["ok"]
-    whole_tensor_in_one_read(path, "blocks.v", count, tokens, monkeypatch)
-    with open(path, "r+b") as fh:  # a flip in the last block's values, past 4 GiB
-        fh.seek(last + 5)
-        byte = fh.read(1)[0]
-        fh.seek(last + 5)
-        fh.write(bytes([byte ^ 0x01]))
-    with pytest.raises(PackError, match=f"checksum mismatch in b{count - 1}"):
-        PackReader(path).gather([f"b{count - 1}"])
-    report = verify(path)
-    assert not report["ok"]
-    assert [f for f in report["faults"] if f"b{count - 1}" in f] == report["faults"], report
-
-
-def whole_tensor_in_one_read(path, name: str, count: int, tokens: int, monkeypatch) -> None:
-    """Tensor `name` (2.25 GB) read whole: one preadv asked for more than Linux gives in a call
-    (2 GiB - 4 KiB), the loop reads the rest, and the last block's values are whole."""
-    import os
-
-    from mmkv_cli.pack.source import open_pack_file
-    from mmkv_cli.pack.tensors import StoredTensors
-
-    real, calls = os.preadv, []
-
-    def watched(fd, buffers, offset):
-        asked = sum(len(memoryview(b)) for b in buffers)
-        got = real(fd, buffers, offset)
-        calls.append((asked, got))
-        return got
-
-    monkeypatch.setattr("mmkv_cli.pack.tensors.os.preadv", watched)
-    source, where = open_pack_file(path)
-    whole = StoredTensors(source, where).array(name)
-    monkeypatch.undo()
-    assert whole.nbytes > 1 << 31
-    assert any(asked > 1 << 31 and got < asked for asked, got in calls), calls
-    rows = whole.reshape(count, LAYERS, tokens, HEADS, DIM)  # a block's layers one after another
-    for index in (0, count - 1):
-        for layer in (0, LAYERS - 1):
-            assert (rows[index, layer] == np.float16(-(index + layer / 32))).all()
-    del whole, rows
 
 
 def test_reads_longer_than_one_preadv_returns_are_finished_by_the_loop(reps_pack, monkeypatch):
