@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from concurrent.futures import wait
 
 import numpy as np
 
 from mmkv_cli.lazy import torch
 from mmkv_cli.pack import vidkv
-from mmkv_cli.pack.hashing import BlockHashes, mismatched, raw_view, stored_bytes
+from mmkv_cli.pack.hashing import (
+    BlockHashes,
+    beside_hashing,
+    mismatched,
+    raw_view,
+    stored_bytes,
+)
 from mmkv_cli.pack.quant import QuantSpec, decodes_finite, dequantize
 from mmkv_cli.pack.staging import Staging
 from mmkv_cli.pack.table import BlockRows
@@ -92,11 +99,19 @@ class BlockStore:
         differs, those whose K/V hold NaN or Inf: as stored, checked on the bytes hashed, or
         decoded where quantized, for the blocks whose scales might not decode finite). rows_of:
         where other table rows lie (a failing chunk's suspects are decoded one by one)."""
-        bad, nonfinite = self.checked(where)
+        # a quantized pack's scales are read and checked beside the hashing (StreamingTOM's 4-bit
+        # pack at 7B: 0.235 -> 0.205 s of a 0.4 GB verify on 2 cores)
+        quantized = self.quant is not None
+        suspecting = beside_hashing(lambda: self.decode_suspects(where)) if quantized else None
+        try:
+            bad, nonfinite = self.checked(where)
+        finally:
+            if suspecting is not None:
+                wait([suspecting])  # its error, if any, is raised by result() below
         self.bytes_read += self.stored_bytes(where)
-        if nonfinite is not None:
-            return [where.indices[i] for i in bad], [where.indices[i] for i in nonfinite]
-        suspects = [where.indices[i] for i in self.decode_suspects(where)]
+        if nonfinite is not None or suspecting is None:
+            return [where.indices[i] for i in bad], [where.indices[i] for i in nonfinite or []]
+        suspects = [where.indices[i] for i in suspecting.result()]
 
         def finite(chosen: list[int]) -> bool:
             rows = rows_of(chosen)

@@ -295,6 +295,13 @@ def mismatched_later(hashes: BlockHashes) -> Future:
     return _checking.get().submit(check)
 
 
+def beside_hashing(work: Callable[[], T]) -> Future:
+    """work() on one of the hashing threads, not waited for: a check that reads the file while
+    this thread hashes (numpy's checks, like the reads and the hashes, run mostly without the
+    GIL)."""
+    return _hashing.get().submit(work)
+
+
 def hashed_beside(hashes: BlockHashes, read: Callable[[], T]) -> T:
     """read() on this thread while pool threads compute `hashes`; once it returns, this thread
     hashes what is left with them. Every hash is done when this returns (or read's error is
