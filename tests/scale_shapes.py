@@ -36,10 +36,11 @@ def plain(name: str, tokens: int, layers: int = LAYERS) -> Span:
     )
 
 
-def constant_block(index: int, tokens: int) -> Span:
+def constant_block(index: int, tokens: int, retrieval_keys: bool = False) -> Span:
     """A block at 7B width whose every key is index + layer / 32 and every value minus that:
     expanded views (a few bytes each until written), so a 4.5 GB pack costs no memory to build,
-    and a read from the wrong offset cannot return the right numbers."""
+    and a read from the wrong offset cannot return the right numbers. retrieval_keys: a key a
+    layer, as ReKV's and StreamingTOM's blocks (so a digest a layer, v12)."""
     keys = [
         torch.full((HEADS, 1, DIM), index + layer / 32, dtype=torch.float16).expand(-1, tokens, -1)
         for layer in range(LAYERS)
@@ -52,4 +53,7 @@ def constant_block(index: int, tokens: int) -> Span:
         granularity="frame",
         steps=(index, index + 1),
         time=(float(index), index + 0.5),
+        representative=torch.full((LAYERS, HEADS * DIM), index / 1024, dtype=torch.float16)
+        if retrieval_keys
+        else None,
     )

@@ -109,20 +109,21 @@ def whole_tensor_in_one_read(path, name: str, count: int, tokens: int, monkeypat
 
 
 def test_a_quantized_pack_of_more_than_2_31_codes_in_one_tensor(big_path):
-    """780 frames of 196 tokens at 7B width, 8-bit: blocks.k holds 2.19G codes, one byte each
-    (a tensor past 2^31 elements, where float16 needs 8 GiB), blocks.v ends past 4 GiB. An hour
-    at 4 bits passes it too (350K tokens: 2.5 GB of key codes); 4 and 8 bits share every offset.
-    Constant blocks decode exactly: a spanning key group holds at most two of their values, its
-    own ends."""
+    """780 frames of 196 tokens at 7B width, 8-bit, a retrieval key a layer (so a digest a layer,
+    as StreamingTOM's packs): blocks.k holds 2.19G codes, one byte each (a tensor past 2^31
+    elements, where float16 needs 8 GiB), blocks.v ends past 4 GiB. An hour at 4 bits passes it
+    too (350K tokens: 2.5 GB of key codes); 4 and 8 bits share every offset. Constant blocks
+    decode exactly: a spanning key group holds at most two of their values, its own ends."""
     count, tokens = 780, 196
     header = pack_header(layers=LAYERS, dtype="float16", heads=HEADS, dim=DIM)
-    blocks = [constant_block(i, tokens) for i in range(count)]
+    blocks = [constant_block(i, tokens, retrieval_keys=True) for i in range(count)]
     write_pack(big_path, header, plain("prefix", 2), blocks, plain("suffix", 1), False,
                QuantSpec(8, 128))  # fmt: skip
     data_start, directory = stored_directory(big_path)
     codes = directory["blocks.k"]
     assert codes["dtype"] == "U8" and math.prod(codes["shape"]) > (1 << 31) + (1 << 24)
     assert data_start + directory["blocks.v"]["data_offsets"][1] > 1 << 32
+    assert directory["blocks.blake3"]["shape"] == [count, LAYERS, 32]  # a digest a layer
     reader = PackReader(big_path)
     keys, values, _ = reader.gather([f"b{count - 1}", "b0"])
     for layer in (0, LAYERS - 1):
