@@ -99,8 +99,8 @@ class BlockStore:
         differs, those whose K/V hold NaN or Inf: as stored, checked on the bytes hashed, or
         decoded where quantized, for the blocks whose scales might not decode finite). rows_of:
         where other table rows lie (a failing chunk's suspects are decoded one by one)."""
-        # a quantized pack's scales are read and checked beside the hashing (StreamingTOM's 4-bit
-        # pack at 7B: 0.235 -> 0.205 s of a 0.4 GB verify on 2 cores)
+        # a quantized pack's scales are read and checked beside the hashing, not after it
+        # (docs/benchmarks.md, Quantized packs)
         quantized = self.quant is not None
         suspecting = beside_hashing(lambda: self.decode_suspects(where)) if quantized else None
         try:

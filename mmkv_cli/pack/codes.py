@@ -13,7 +13,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     per_byte = 8 // bits
     codes = codes.to(torch.uint8)
     # each position in the byte OR-ed in from a strided view: a sum over a small last axis ran
-    # 2-4x slower on the CPU (the host quantizes every block a pack is written with)
+    # slower on the CPU, where every block a pack is written with is quantized
     packed = codes[..., 0::per_byte].clone(memory_format=torch.contiguous_format)
     for position in range(1, per_byte):
         packed |= codes[..., position::per_byte] << position * bits

@@ -205,8 +205,8 @@ class SpanningKeyRanges:
         """One block's token-major keys [sum counts, H, D], its layers one after another (mixed:
         and its values)."""
         # ranges of the keys as given (float16 min and max are exact in float32): a float32 copy
-        # of every block cost more than the ranges, and torch.aminmax ran 2-6x slower than
-        # amin and amax on the CPU
+        # of every block cost more than the ranges, and torch.aminmax ran slower than amin and
+        # amax on the CPU (docs/benchmarks.md, Quantized packs)
         x = None if self.bits == MIXED else keys.reshape(keys.shape[0], -1)
         first = 0
         for layer, count in enumerate(counts):
