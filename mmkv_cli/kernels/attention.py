@@ -34,6 +34,10 @@ __all__ = [
 ]
 
 NAME = "mmkv"
+# A question's few query rows under a mask: transformers' SDPA then copies every cached key and
+# value once per query head of a group (repeat_kv), the whole context 7 times at LLaVA-OV's widths.
+# Up to this many rows, the group's heads are folded into the query rows instead (grouped_sdpa).
+FOLD_ROWS = 1024
 QUERY_ROWS_PER_STEP = 256  # rows of QK^T computed at once when scoring: bounds peak memory
 SCORE_ELEMENTS = 1 << 27  # and fewer rows when the keys are many: a block stays near 512 MB
 
@@ -147,7 +151,7 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         if isinstance(held, tuple):
             return head_slices(module, query, key, value, held, **kwargs)
         mask = with_heads(query, key, own_length_mask(query, key, attention_mask), held)
-        return _sdpa(module, query, key, value, mask, **kwargs)
+        return grouped_sdpa(module, query, key, value, mask, **kwargs)
     if recorder is not None and layer in recorder.layers:
         if recorder.queries:
             recorder.query[layer] = query.detach()
@@ -156,7 +160,39 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
             return _recorded_attention(recorder, layer, query, key, value, scaling), None
         if recorder.rows:  # a question's few rows: SDPA answers, as an unrecorded ask would
             recorder.row[layer] = causal_rows(query.detach(), key.detach(), scaling)
-    return _sdpa(module, query, key, value, own_length_mask(query, key, attention_mask), **kwargs)
+    mask = own_length_mask(query, key, attention_mask)
+    return grouped_sdpa(module, query, key, value, mask, **kwargs)
+
+
+def grouped_sdpa(module, query, key, value, mask, **kwargs):
+    """transformers' SDPA attention -> ([B, q, H, D], None), except for a few query rows under a
+    mask with grouped KV heads: query heads sharing a KV head are folded into the query rows
+    ([B, H_kv, group * q, D]) and the mask repeated for them, so the keys and values are read as
+    they are, never copied per query head. Each row's attention is the same arithmetic."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    if (
+        group == 1
+        or q_len == 1  # transformers folds a single row itself
+        or group * q_len > FOLD_ROWS
+        or mask is None  # SDPA takes grouped heads itself when no mask is given
+        or mask.shape[1] not in (1, heads)
+        or mask.shape[2] != q_len
+        or kwargs.get("dropout")
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
+    ):
+        return _sdpa(module, query, key, value, mask, **kwargs)
+    rows = query.reshape(batch, kv_heads, group * q_len, dim)
+    if mask.shape[1] == 1:
+        mask = mask.repeat(1, 1, group, 1)
+    else:  # a mask per query head: each KV head's group of them, one after another
+        mask = mask.reshape(mask.shape[0], kv_heads, group * q_len, mask.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        rows, key, value, attn_mask=mask, scale=kwargs.get("scaling")
+    )
+    return out.reshape(batch, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 def own_length_mask(
@@ -207,7 +243,7 @@ def head_slices(module, query, key, value, starts: tuple[int, ...], **kwargs):
         at = starts[first]
         k, v = key[:, first:head, at:], value[:, first:head, at:]
         q = query[:, first * group : head * group]
-        out.append(_sdpa(module, q, k, v, own_length_mask(q, k, None), **kwargs)[0])
+        out.append(grouped_sdpa(module, q, k, v, own_length_mask(q, k, None), **kwargs)[0])
         first = head
     return torch.cat(out, dim=2), None
 
