@@ -12,7 +12,9 @@ import numpy as np
 import torch
 import transformers
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
+from mmkv_cli.backbones.appending import AppendingLayer
 from mmkv_cli.backbones.spec import ModelSpec
 from mmkv_cli.errors import ModelError
 from mmkv_cli.kernels import attention
@@ -212,7 +214,9 @@ class Backbone:
     ) -> DynamicCache:
         """A cache holding per-layer [H_kv, n, D] tensors, the same for each of `batch` rows.
         adopt: the tensors were made for this cache (a pack's context, GBs at an hour): it holds
-        them as they are, where a plain update would copy every layer once more."""
+        them as they are, where a plain update would copy every layer once more, and its updates
+        (a question, each token of the answer) go into room after them (AppendingLayer), where
+        a plain update copies the whole context each time."""
         cache = self.new_cache()
         for layer, (k, v) in enumerate(zip(keys, values)):
             k, v = (
@@ -226,7 +230,10 @@ class Backbone:
                 continue
             cache.update(k[:, :, :0], v[:, :, :0], layer)  # sets the layer up, holding nothing
             entry = cache.layers[layer]
-            entry.keys, entry.values = k, v  # never written in place: updates concatenate
+            if type(entry) is DynamicLayer:  # a question and its answer go into room after it
+                cache.layers[layer] = AppendingLayer(k, v)
+            else:  # never written in place: updates concatenate
+                entry.keys, entry.values = k, v
         return cache
 
     def select_extra(self, extra: dict, index: torch.Tensor) -> dict:
