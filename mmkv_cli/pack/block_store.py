@@ -101,15 +101,16 @@ class BlockStore:
         where other table rows lie (a failing chunk's suspects are decoded one by one)."""
         # a quantized pack's scales are read and checked beside the hashing, not after it
         # (docs/benchmarks.md, Quantized packs)
-        quantized = self.quant is not None
-        suspecting = beside_hashing(lambda: self.decode_suspects(where)) if quantized else None
+        suspecting = None
+        if self.quant is not None:
+            suspecting = beside_hashing(lambda: self.decode_suspects(where))
         try:
-            bad, nonfinite = self.checked(where)
+            bad, nonfinite = self.checked(where)  # nonfinite: None where quantized
         finally:
             if suspecting is not None:
                 wait([suspecting])  # its error, if any, is raised by result() below
         self.bytes_read += self.stored_bytes(where)
-        if nonfinite is not None or suspecting is None:
+        if suspecting is None:
             return [where.indices[i] for i in bad], [where.indices[i] for i in nonfinite or []]
         suspects = [where.indices[i] for i in suspecting.result()]
 
