@@ -122,7 +122,8 @@ bench-scale: setup
 
 # What only a GPU shows (issue 48), under 8 minutes on one H100: CPU / CUDA parity of every method and
 # reducer, host syncs per chunk, the bare prefill floor, and scale / reduce / live at 7B full depth.
-# Results in bench/results/gpu-*.json. `python bench/gpu.py --quick --device cpu` checks the script.
+# Results in bench/results/gpu-*.json. `python bench/gpu.py --quick --device cpu` checks the script
+# (its results in bench/results/quick/).
 bench-gpu: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/gpu.py
 

@@ -371,7 +371,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--frames", type=int, default=512)
     ap.add_argument("--quick", action="store_true", help="every part small: checks the script")
-    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument(
+        "--out",
+        help="where the results go (default: bench/results; with --quick, bench/results/quick,"
+        " so a check of the script never replaces a device run's figures)",
+    )
     ap.add_argument("--parts", default=",".join(DEFAULT_PARTS), help="which, in this order")
     ap.add_argument("--scale-methods", default="full,hermes,rekv,streamingtom")
     streaming = "full,hermes,rekv,streamingtom,infinipot,streammem"
@@ -382,7 +386,7 @@ def main() -> None:
     unknown = set(args.parts.split(",")) - set(PARTS)
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)} (known: {', '.join(PARTS)})")
-    out = Path(args.out)
+    out = Path(args.out) if args.out else RESULTS / "quick" if args.quick else RESULTS
     out.mkdir(parents=True, exist_ok=True)
     model, layers, frames = "rehearsal-llava-ov-7b", 0, args.frames
     if args.quick:
