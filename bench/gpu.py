@@ -56,10 +56,14 @@ ENV = {
 }
 
 
-def parity(device: str, work: Path) -> dict:
+def parity(device: str, work: Path, keys: int) -> dict:
     """Every method (and reducer on full) on the demo: the device's answers and kept tokens
     against the CPU's. The device's packs of full, rekv and streamingtom are written while they
-    are encoded, however small; the CPU's at the end."""
+    are encoded, however small; the CPU's at the end. The demo runs in float32, which flash
+    attention does not take: its causal path is checked at 7B width in bfloat16 over `keys`
+    (bench/attention_kernels.py)."""
+    import attention_kernels
+
     import mmkv_cli.pack.early as early
     from mmkv_cli import api
     from mmkv_cli.backbones.loading import load_backbone
@@ -88,7 +92,10 @@ def parity(device: str, work: Path) -> dict:
         out.append({"method": method, "reduce": reduce, "equal": same, "cpu": seen["cpu"][:2],
                     device: seen[device][:2], "device_pack_on_cpu": crossed})  # fmt: skip
         print(f"parity {method} {reduce or ''}: {'equal' if same else 'DIFFERENT'}", flush=True)
-    return {"device": device, "rows": out, "all_equal": all(r["equal"] for r in out)}
+    causal = attention_kernels.check(device, keys)
+    print(f"parity causal attention: {'equal' if causal['all_equal'] else 'DIFFERENT'}", flush=True)
+    return {"device": device, "rows": out, "all_equal": all(r["equal"] for r in out),
+            "causal_attention": causal}  # fmt: skip
 
 
 def syncs(device: str, model: str, layers: int, frames: int, methods: list[str]) -> dict:
@@ -406,7 +413,9 @@ def main() -> None:
     quick = 8 if args.quick else 100
     sync_methods = args.sync_methods.split(",")
     runs = {
-        "parity": lambda: save("parity", in_temp(lambda tmp: parity(args.device, tmp))),
+        "parity": lambda: save(
+            "parity", in_temp(lambda tmp: parity(args.device, tmp, frames * 196 // 4))
+        ),
         "syncs": lambda: save(
             "syncs", syncs(args.device, model, layers, min(frames, 128), sync_methods)
         ),

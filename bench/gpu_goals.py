@@ -47,11 +47,15 @@ def missing(name: str, target, parts: str) -> dict:
 
 
 def parity_goals(parity: dict | None) -> list[dict]:
+    flash = "an encode's causal chunk on flash attention = SDPA under its written-out mask"
     if parity is None:
-        return [missing("CUDA answers and kept tokens equal the CPU's", "all", "parity")]
+        return [
+            missing("CUDA answers and kept tokens equal the CPU's", "all", "parity"),
+            missing(flash, "all", "parity"),
+        ]
     rows = parity["rows"]
     equal = sum(r["equal"] for r in rows)
-    return [
+    out = [
         goal(
             "CUDA answers and kept tokens equal the CPU's",
             f"{equal} of {len(rows)}",
@@ -60,6 +64,19 @@ def parity_goals(parity: dict | None) -> list[dict]:
             "gpu-parity.json",
         )
     ]
+    causal = parity.get("causal_attention")
+    if causal is None:  # a run from before the check
+        return [*out, missing(flash, "all", "parity")]
+    shapes = causal["shapes"]
+    ran = all(s["flash"] for s in shapes)
+    detail = "; ".join(
+        f"{s['rows']} rows: {s['declared_s']} s against {s['written_out_s']} s, "
+        f"largest difference {s['max_difference']:.4f}"
+        for s in shapes
+    )
+    measured = f"{sum(s['equal'] for s in shapes)} of {len(shapes)} equal, flash {ran}"
+    met = causal["all_equal"] and ran
+    return [*out, goal(flash, measured, "all, on flash", met, "gpu-parity.json", detail)]
 
 
 def encode_goals(scale: dict | None, floor: dict | None) -> list[dict]:

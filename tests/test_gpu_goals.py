@@ -59,6 +59,8 @@ def test_goals_are_judged_from_the_parts_run_now(tmp_path):
     assert seen["host syncs a question to its first token, rekv, retrieve=two_pass"] is True
     # parity's file is there, but parity did not run now: its verdict is not taken from it
     assert seen["CUDA answers and kept tokens equal the CPU's"] is None
+    flash = "an encode's causal chunk on flash attention = SDPA under its written-out mask"
+    assert seen[flash] is None
     assert seen["--reduce dtd on the still clip / plain encode"] is None
     # a part that ran but wrote nothing this time: the file an earlier run left is not read
     later = gpu_goals.summarize(tmp_path, ["read"], since=time.time() + 60)
@@ -67,3 +69,20 @@ def test_goals_are_judged_from_the_parts_run_now(tmp_path):
     saved = json.loads((tmp_path / "gpu-goals.json").read_text())
     assert saved == result and saved["part_seconds"] == {"read": 3.0}
     assert "NOT MET TTFT rekv (s): 1.0 (goal 0.3" in gpu_goals.table(result)
+
+
+def test_the_causal_chunk_on_flash_is_met_only_where_flash_ran_and_agreed(tmp_path):
+    flash = "an encode's causal chunk on flash attention = SDPA under its written-out mask"
+
+    def judged(*shapes) -> bool | None:
+        rows = [{"rows": r, "flash": f, "equal": e, "max_difference": 0.01,
+                 "declared_s": 0.1, "written_out_s": 0.3} for r, f, e in shapes]  # fmt: skip
+        causal = {"shapes": rows, "all_equal": all(s["equal"] for s in rows)}
+        write(tmp_path, "parity", {"rows": [{"equal": True}], "causal_attention": causal})
+        return verdicts(gpu_goals.summarize(tmp_path, ["parity"]))[flash]
+
+    assert judged((3136, True, True), (40, True, True)) is True
+    assert judged((3136, True, True), (40, True, False)) is False  # a difference past bf16's
+    assert judged((3136, False, True), (40, True, True)) is False  # equal, but not on flash
+    write(tmp_path, "parity", {"rows": [{"equal": True}]})  # a run from before the check
+    assert verdicts(gpu_goals.summarize(tmp_path, ["parity"]))[flash] is None

@@ -1,9 +1,12 @@
-"""A question's few query rows attend to the whole context under a mask. transformers' SDPA would
-copy every cached key and value once per query head of a group (repeat_kv); grouped_sdpa folds
-the group's heads into the query rows instead: the same attention, no copy of the context."""
+"""Query rows attend to a cached context under a mask. transformers' SDPA would copy every cached
+key and value once per query head of a group (repeat_kv); grouped_sdpa reads the grouped heads as
+they are: a question's few rows with the group's heads folded into them, an encode's chunk on the
+CPU by SDPA's grouped heads, and on CUDA flash attention aligned to the last key where the mask is
+causal alone. The same attention, no copy of the context."""
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -77,12 +80,60 @@ def test_a_mask_per_query_head_is_folded_with_its_rows(copies):
 
 
 @pytest.mark.parametrize("rows", [1, 200])
-def test_one_row_and_a_chunks_rows_stay_with_transformers(copies, rows, monkeypatch):
-    """One row: transformers folds it itself; past FOLD_ROWS (an encode's chunk) the folded mask
-    would outgrow the copy it saves."""
+def test_one_row_stays_with_transformers_and_a_chunks_rows_read_grouped_heads(
+    copies, rows, monkeypatch
+):
+    """One row: transformers folds it itself. Past FOLD_ROWS (an encode's chunk) the folded mask
+    would outgrow the copy it saves: on the CPU, SDPA takes the mask with grouped heads, and
+    gives transformers' output (to the bit on torch 2.14)."""
     monkeypatch.setattr(attention, "FOLD_ROWS", 7 * 100)
     module, query, key, value = tensors(14, 2, rows, 300)
     mask = (torch.arange(300)[None] <= torch.arange(rows)[:, None] + 300 - rows)[None, None]
     got, _ = grouped_sdpa(module, query, key, value, mask, scaling=16**-0.5)
-    assert copies == ([] if rows == 1 else [7, 7])
+    assert copies == []
+    copied, _ = sdpa_attention.sdpa_attention_forward(
+        module, query, key, value, mask, scaling=16**-0.5
+    )
+    assert torch.allclose(got, copied, rtol=0, atol=1e-6)
     assert torch.allclose(got, written_out(query, key, value, mask), atol=1e-5)
+
+
+@pytest.fixture
+def flash_everywhere(monkeypatch):
+    """The flash path taken on the CPU too (torch then lays the causal bias out as a mask; on
+    CUDA it is flash's own causal flag): what the bias means is checked here, not the kernel."""
+    monkeypatch.setattr(attention, "_flash_lower_right", lambda *_: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch says which kernels it could not use on the CPU
+        yield
+
+
+@pytest.mark.parametrize("heads,kv_heads,rows,keys", [(14, 2, 120, 300), (4, 4, 33, 33)])
+def test_a_causal_chunk_on_flash_sees_the_keys_up_to_its_own_place(
+    copies, flash_everywhere, heads, kv_heads, rows, keys
+):
+    """causal: the mask hides from each row only the keys after it, so flash needs none. A
+    chunk's rows are the newest keys: aligned to the first keys instead, row 0 would see one
+    key, and this fails."""
+    module, query, key, value = tensors(heads, kv_heads, rows, keys, seed=2)
+    causal = own_length_mask(query, key, None)
+    causal = causal if causal is not None else torch.ones(rows, keys, dtype=torch.bool).tril()
+    everything = torch.ones(1, 1, rows, keys, dtype=torch.bool)  # not read: causal says it all
+    got, _ = grouped_sdpa(module, query, key, value, everything, causal=True, scaling=16**-0.5)
+    assert copies == []
+    assert torch.allclose(got, written_out(query, key, value, causal), atol=1e-5)
+
+
+def test_a_mask_not_declared_causal_is_read_on_the_flash_path_too(copies, flash_everywhere):
+    """A cache held per head (an ask's `with_heads` mask) is more than causal: its mask is read."""
+    module, query, key, value = tensors(8, 2, 5, 40, seed=3)
+    held = torch.ones(2, 35, dtype=torch.bool)
+    held[1, 5:20] = False
+    mask = with_heads(query, key, own_length_mask(query, key, None), held)
+    got, _ = grouped_sdpa(module, query, key, value, mask, scaling=16**-0.5)
+    assert torch.allclose(got, written_out(query, key, value, mask), atol=1e-5)
+
+
+def test_flash_is_asked_for_on_cuda_alone():
+    _, query, key, value = tensors(14, 2, 8, 40, torch.bfloat16)
+    assert not attention._flash_lower_right(query, key, value)

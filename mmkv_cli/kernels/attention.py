@@ -160,39 +160,78 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
             return _recorded_attention(recorder, layer, query, key, value, scaling), None
         if recorder.rows:  # a question's few rows: SDPA answers, as an unrecorded ask would
             recorder.row[layer] = causal_rows(query.detach(), key.detach(), scaling)
+    # transformers' mask is causal and nothing else: mmkv never runs the model padded
     mask = own_length_mask(query, key, attention_mask)
-    return grouped_sdpa(module, query, key, value, mask, **kwargs)
+    return grouped_sdpa(module, query, key, value, mask, causal=True, **kwargs)
 
 
-def grouped_sdpa(module, query, key, value, mask, **kwargs):
-    """transformers' SDPA attention -> ([B, q, H, D], None), except for a few query rows under a
-    mask with grouped KV heads: query heads sharing a KV head are folded into the query rows
-    ([B, H_kv, group * q, D]) and the mask repeated for them, so the keys and values are read as
-    they are, never copied per query head. Each row's attention is the same arithmetic."""
+def grouped_sdpa(module, query, key, value, mask, causal: bool = False, **kwargs):
+    """transformers' SDPA attention -> ([B, q, H, D], None), without its copy of every cached key
+    and value once per query head of a group (repeat_kv) under a mask, wherever a kernel can read
+    grouped heads as they are. Each row's attention is the same arithmetic:
+
+    - on CUDA, where `causal` says the mask hides from each query row only the keys after its own
+      (the queries the newest entries): flash attention aligned to the last key, no mask at all
+      (an encode's chunk over its cache; memory-efficient attention under a mask was its only
+      kernel, and it takes no grouped heads);
+    - up to FOLD_ROWS rows (a question): the group's query heads folded into the query rows
+      ([B, H_kv, group * q, D]) and the mask repeated for them;
+    - more rows on the CPU: SDPA given the mask and the grouped heads (its flash kernel takes
+      both; a chunk's folded mask would outgrow the copy it saves)."""
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
     if (
-        group == 1
-        or q_len == 1  # transformers folds a single row itself
-        or group * q_len > FOLD_ROWS
-        or mask is None  # SDPA takes grouped heads itself when no mask is given
-        or mask.shape[1] not in (1, heads)
-        or mask.shape[2] != q_len
+        mask is None  # SDPA takes grouped heads itself when no mask is given
+        or q_len == 1  # transformers folds one row itself
         or kwargs.get("dropout")
         or kwargs.get("position_bias") is not None
         or kwargs.get("softcap") is not None
     ):
         return _sdpa(module, query, key, value, mask, **kwargs)
+    scale = kwargs.get("scaling")
+    if causal and kwargs.get("sliding_window") is None and _flash_lower_right(query, key, value):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=_lower_right(q_len, key.shape[2]), scale=scale,
+            enable_gqa=True,
+        )  # fmt: skip
+        return out.transpose(1, 2).contiguous(), None
+    if group == 1 or mask.shape[1] not in (1, heads) or mask.shape[2] != q_len:
+        return _sdpa(module, query, key, value, mask, **kwargs)
+    if group * q_len > FOLD_ROWS:
+        if query.device.type != "cpu":  # CUDA's kernel under a mask takes no grouped heads
+            return _sdpa(module, query, key, value, mask, **kwargs)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        return out.transpose(1, 2).contiguous(), None
     rows = query.reshape(batch, kv_heads, group * q_len, dim)
     if mask.shape[1] == 1:
         mask = mask.repeat(1, 1, group, 1)
     else:  # a mask per query head: each KV head's group of them, one after another
         mask = mask.reshape(mask.shape[0], kv_heads, group * q_len, mask.shape[-1])
     out = torch.nn.functional.scaled_dot_product_attention(
-        rows, key, value, attn_mask=mask, scale=kwargs.get("scaling")
+        rows, key, value, attn_mask=mask, scale=scale
     )
     return out.reshape(batch, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _flash_lower_right(query, key, value) -> bool:
+    """Whether flash attention runs these tensors (CUDA, half precision, a head size it takes)
+    with the grouped heads as they are. A host check of shapes and dtypes: no device wait."""
+    if query.device.type != "cuda":
+        return False
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    return can_use_flash_attention(SDPAParams(query, key, value, None, 0.0, False, True))
+
+
+def _lower_right(q_len: int, k_len: int):
+    """The causal bias with the query rows the last of the keys, which SDPA hands to flash
+    attention as its own causal flag (is_causal=True aligns the rows to the first keys)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(q_len, k_len)
 
 
 def own_length_mask(
@@ -243,7 +282,8 @@ def head_slices(module, query, key, value, starts: tuple[int, ...], **kwargs):
         at = starts[first]
         k, v = key[:, first:head, at:], value[:, first:head, at:]
         q = query[:, first * group : head * group]
-        out.append(grouped_sdpa(module, q, k, v, own_length_mask(q, k, None), **kwargs)[0])
+        mask = own_length_mask(q, k, None)
+        out.append(grouped_sdpa(module, q, k, v, mask, causal=True, **kwargs)[0])
         first = head
     return torch.cat(out, dim=2), None
 
