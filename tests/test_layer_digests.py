@@ -393,3 +393,40 @@ def test_a_questions_small_units_hashed_as_read_are_left_to_finish(tmp_path, mon
     with pytest.raises(PackError, match="checksum mismatch in b1"):
         PackReader(bad).gather(["b1", "b2"], only(2, ["b1", "b2"]), later=LaterVerdicts(str(bad)))
     assert len(left) == 1
+
+
+def test_verify_hashes_even_layers_at_once_and_still_names_each_flipped_layer(
+    tmp_path, monkeypatch
+):
+    """verify joins a block's small per-layer units part by part with one numpy copy each where
+    every layer holds as many rows (b1; b3, whose positions all layers share, stored once) and
+    unit by unit elsewhere (b0, b2): a flip in any layer of any block is named, that block alone."""
+    counts = [*COUNTS, [3, 3, 3, 3]]
+    blocks = [block(f"b{i}", c, i) for i, c in enumerate(COUNTS)]
+    shared = block("b3", counts[3], 3)
+    blocks.append(Span(**{**shared.__dict__, "positions": [shared.positions[0]] * LAYERS}))
+    header = pack_header(layers=LAYERS, dtype="float32", heads=HEADS, dim=DIM)
+    path = tmp_path / "p.kvpack"
+    write_pack(path, header, prompt("prefix", 2), blocks, prompt("suffix", 1))
+    evenly: list[tuple[str, bool]] = []
+    real = hashing.BlockHashes._hashed_evenly
+
+    def watched(self, first, stop, read):
+        evenly.append((f"b{self._blocks[first]}", real(self, first, stop, read)))
+        return evenly[-1][1]
+
+    monkeypatch.setattr(hashing.BlockHashes, "_hashed_evenly", watched)
+    assert api.verify(path)["ok"]
+    assert dict(evenly) == {"b0": False, "b1": True, "b2": False, "b3": True}
+    parts = Parts.of(path.read_bytes())
+    start = parts.directory["blocks.k"]["data_offsets"][0]
+    for i, layers in enumerate(counts):
+        for layer, n in enumerate(layers):
+            if not n:
+                continue
+            row = sum(map(sum, counts[:i])) + sum(layers[:layer])
+            bad = Parts.of(path.read_bytes())
+            bad.data[start + row * HEADS * DIM * 4 + 3] ^= 0x10
+            (tmp_path / "bad.kvpack").write_bytes(bad.bytes())
+            faults = api.verify(tmp_path / "bad.kvpack")["faults"]
+            assert len(faults) == 1 and f"b{i}" in faults[0], (i, layer, faults)

@@ -445,3 +445,35 @@ def test_verify_decodes_only_the_blocks_whose_scales_might_overflow(tmp_path, mo
     parts.reseal()
     bad.write_bytes(parts.bytes())
     assert verify(bad)["faults"] == [f"block b{i}: NaN or Inf in its K/V" for i in range(4)]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("plane_axis,shape", [(-1, (300, 4, 2)), (1, (40, 2, 2, 8))])
+def test_a_rows_scales_are_settled_by_their_bits_and_only_doubtful_rows_decoded(
+    dtype, plane_axis, shape
+):
+    """verify's screen of a quantized pack's scales: per row, the verdict decodes_finite gives
+    pair by pair, whether every row passes the one-pass screen (an honest pack) or some hold a
+    scale past 2^(15 - bits), Inf or NaN."""
+    import numpy as np
+
+    from mmkv_cli.pack.quant import decodes_finite, rows_decode_finite
+
+    rng = np.random.default_rng(len(shape))
+    pairs = (rng.standard_normal(shape) * 3).astype(np.float16)
+
+    def by_pairs(rows):
+        scale, zero = np.take(rows, 0, plane_axis), np.take(rows, 1, plane_axis)
+        return decodes_finite(scale, zero, 4, dtype).reshape(len(rows), -1).all(axis=1)
+
+    assert rows_decode_finite(pairs, plane_axis, 4, dtype).all()
+    flat = pairs.reshape(len(pairs), -1)
+    for row, value in [(3, np.inf), (7, np.nan), (11, 3000.0), (12, 65504.0), (20, -5000.0)]:
+        flat[row, row % flat.shape[1]] = value
+    got = rows_decode_finite(pairs, plane_axis, 4, dtype)
+    assert np.array_equal(got, by_pairs(pairs))
+    assert not got[[3, 7]].any() and got[[0, 1, 2]].all()
+    if dtype == "float16":  # past 2^11 a row is decoded: 65504 x 15 overflows float16
+        assert not got[12] and got[11] == by_pairs(pairs[11:12])[0]
+    else:
+        assert got[[11, 12, 20]].all()

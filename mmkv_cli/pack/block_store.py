@@ -19,7 +19,7 @@ from mmkv_cli.pack.hashing import (
     raw_view,
     stored_bytes,
 )
-from mmkv_cli.pack.quant import QuantSpec, decodes_finite, dequantize
+from mmkv_cli.pack.quant import QuantSpec, decodes_finite, dequantize, rows_decode_finite
 from mmkv_cli.pack.staging import Staging
 from mmkv_cli.pack.table import BlockRows
 from mmkv_cli.pack.tensors import FileArray
@@ -136,24 +136,25 @@ class BlockStore:
             return list(range(count))
         bits, dtype = int(self.quant.bits), self.kv_dtype
 
-        def fine(scales: np.ndarray, plane_axis: int) -> np.ndarray:
-            scale, zero = np.take(scales, 0, plane_axis), np.take(scales, 1, plane_axis)
-            return decodes_finite(scale, zero, bits, dtype)
+        def fine(plane_axis: int) -> Callable[[np.ndarray], np.ndarray]:
+            return lambda rows: rows_decode_finite(rows, plane_axis, bits, dtype)
 
-        suspect = self._failing("vq", where, lambda vq: fine(vq, -1))  # [tokens, groups, 2]
+        suspect = self._failing("vq", where, fine(-1))  # [tokens, groups, 2]
         if self.key_scales is None:  # v7/v8: a block's key groups are rows of its own
-            suspect |= self._failing("kq", where, lambda kq: fine(kq, 1))  # [groups, 2, H, D]
+            suspect |= self._failing("kq", where, fine(1))  # [groups, 2, H, D]
         elif not self._keys_decode_finite():
             return list(range(count))
         return np.flatnonzero(suspect).tolist()
 
     def _failing(self, part: str, where: BlockRows, fine) -> np.ndarray:
         """[blocks of where] whether any of a block's rows of `part` fails `fine` (rows -> a bool
-        per value)."""
+        per row)."""
         starts, stops = where.block_bounds(part)
         low = int(starts.min())
         rows = self.views[part][0][low : int(stops.max())]
-        failed = ~fine(rows).reshape(len(rows), -1).all(axis=1)
+        failed = ~fine(rows)
+        if not failed.any():  # an honest writer's
+            return np.zeros(len(starts), dtype=bool)
         before = np.concatenate([[0], np.cumsum(failed)])
         return before[stops - low] > before[starts - low]
 

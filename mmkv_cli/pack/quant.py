@@ -307,6 +307,28 @@ def decodes_finite(scale: np.ndarray, zero: np.ndarray, bits: int, dtype: str) -
     return _decodes_finite(scale, zero, bits, dtype)
 
 
+def rows_decode_finite(pairs: np.ndarray, plane_axis: int, bits: int, dtype: str) -> np.ndarray:
+    """Per row (axis 0) of stored scale/zero pairs (float16, the pair on `plane_axis`): whether
+    every pair decodes finite (decodes_finite). A row whose every value's float16 magnitude is
+    under both limits (Inf/NaN; in float16, 2^(15 - bits)) is settled by one pass over its bits,
+    a maximum a row; only the others are decoded pair by pair (from an honest writer, none)."""
+    if pairs.dtype != np.float16 or not len(pairs):
+        scale, zero = np.take(pairs, 0, plane_axis), np.take(pairs, 1, plane_axis)
+        return decodes_finite(scale, zero, bits, dtype).reshape(len(pairs), -1).all(axis=1)
+    limit = ((15 - bits) + 15) << 10 if dtype == "float16" else 0x7C00
+    magnitude = np.bitwise_and(np.ascontiguousarray(pairs).view(np.uint16), 0x7FFF)
+    if magnitude.max() < limit:  # one pass settles them all: a maximum over a short row is slow
+        return np.ones(len(pairs), dtype=bool)
+    fine = magnitude.reshape(len(pairs), -1).max(axis=1) < limit
+    doubtful = np.flatnonzero(~fine)
+    if len(doubtful):
+        rows = pairs[doubtful]
+        scale, zero = np.take(rows, 0, plane_axis), np.take(rows, 1, plane_axis)
+        settled = decodes_finite(scale, zero, bits, dtype).reshape(len(rows), -1).all(axis=1)
+        fine[doubtful] = settled
+    return fine
+
+
 def _decodes_finite(scale: np.ndarray, zero: np.ndarray, bits: int, dtype: str) -> np.ndarray:
     """decodes_finite worked out for every pair."""
     with np.errstate(all="ignore"):
