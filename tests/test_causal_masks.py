@@ -21,8 +21,8 @@ def declared(monkeypatch):
     seen, real = [], attention.grouped_sdpa
 
     def watched(module, query, key, value, mask, causal=False, **kwargs):
-        if causal:
-            seen.append((query.shape[2], key.shape[2], mask))
+        if causal:  # the model's mask, for layer 0's length: the layer's own made from it
+            seen.append((query.shape[2], key.shape[2], attention.own_length_mask(query, key, mask)))
         return real(module, query, key, value, mask, causal, **kwargs)
 
     monkeypatch.setattr(attention, "grouped_sdpa", watched)

@@ -137,3 +137,16 @@ def test_a_mask_not_declared_causal_is_read_on_the_flash_path_too(copies, flash_
 def test_flash_is_asked_for_on_cuda_alone():
     _, query, key, value = tensors(14, 2, 8, 40, torch.bfloat16)
     assert not attention._flash_lower_right(query, key, value)
+
+
+def test_on_flash_no_mask_is_made_for_the_layers_own_length(copies, flash_everywhere, monkeypatch):
+    """A chunk's rows over an hour's keys: its mask would be a GB. On flash none is made."""
+
+    def made(*_):
+        raise AssertionError("a mask was made")
+
+    monkeypatch.setattr(attention, "own_length_mask", made)
+    module, query, key, value = tensors(14, 2, 120, 300, seed=4)
+    got, _ = grouped_sdpa(module, query, key, value, None, causal=True, scaling=16**-0.5)
+    causal = torch.arange(300)[None] <= torch.arange(120)[:, None] + 180
+    assert torch.allclose(got, written_out(query, key, value, causal), atol=1e-5)

@@ -161,8 +161,7 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         if recorder.rows:  # a question's few rows: SDPA answers, as an unrecorded ask would
             recorder.row[layer] = causal_rows(query.detach(), key.detach(), scaling)
     # transformers' mask is causal and nothing else: mmkv never runs the model padded
-    mask = own_length_mask(query, key, attention_mask)
-    return grouped_sdpa(module, query, key, value, mask, causal=True, **kwargs)
+    return grouped_sdpa(module, query, key, value, attention_mask, causal=True, **kwargs)
 
 
 def grouped_sdpa(module, query, key, value, mask, causal: bool = False, **kwargs):
@@ -171,31 +170,43 @@ def grouped_sdpa(module, query, key, value, mask, causal: bool = False, **kwargs
     grouped heads as they are. Each row's attention is the same arithmetic:
 
     - on CUDA, where `causal` says the mask hides from each query row only the keys after its own
-      (the queries the newest entries): flash attention aligned to the last key, no mask at all
-      (an encode's chunk over its cache; memory-efficient attention under a mask was its only
-      kernel, and it takes no grouped heads);
+      (the queries the newest entries): flash attention aligned to the last key, with no mask,
+      not even one made for the layer's own length (an encode's chunk over its cache: under a
+      mask transformers' kernel had been memory-efficient attention, which takes no grouped
+      heads, and a chunk's mask over an hour's keys is a GB);
     - up to FOLD_ROWS rows (a question): the group's query heads folded into the query rows
       ([B, H_kv, group * q, D]) and the mask repeated for them;
     - more rows on the CPU: SDPA given the mask and the grouped heads (its flash kernel takes
-      both; a chunk's folded mask would outgrow the copy it saves)."""
+      both; a chunk's folded mask would outgrow the copy it saves).
+
+    causal: `mask` is the model's causal mask, made for layer 0's length (or None); the layer's
+    own is made from it where one is needed (own_length_mask)."""
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
-    if (
-        mask is None  # SDPA takes grouped heads itself when no mask is given
-        or q_len == 1  # transformers folds one row itself
-        or kwargs.get("dropout")
+    plain = not (
+        kwargs.get("dropout")
         or kwargs.get("position_bias") is not None
         or kwargs.get("softcap") is not None
-    ):
-        return _sdpa(module, query, key, value, mask, **kwargs)
+    )
     scale = kwargs.get("scaling")
-    if causal and kwargs.get("sliding_window") is None and _flash_lower_right(query, key, value):
+    if (
+        causal
+        and plain
+        and q_len > 1
+        and kwargs.get("sliding_window") is None
+        and _flash_lower_right(query, key, value)
+    ):
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=_lower_right(q_len, key.shape[2]), scale=scale,
             enable_gqa=True,
         )  # fmt: skip
         return out.transpose(1, 2).contiguous(), None
+    if causal:
+        mask = own_length_mask(query, key, mask)
+    # no mask: SDPA takes grouped heads itself; one row: transformers folds it itself
+    if mask is None or q_len == 1 or not plain:
+        return _sdpa(module, query, key, value, mask, **kwargs)
     if group == 1 or mask.shape[1] not in (1, heads) or mask.shape[2] != q_len:
         return _sdpa(module, query, key, value, mask, **kwargs)
     if group * q_len > FOLD_ROWS:
@@ -282,8 +293,7 @@ def head_slices(module, query, key, value, starts: tuple[int, ...], **kwargs):
         at = starts[first]
         k, v = key[:, first:head, at:], value[:, first:head, at:]
         q = query[:, first * group : head * group]
-        mask = own_length_mask(q, k, None)
-        out.append(grouped_sdpa(module, q, k, v, mask, causal=True, **kwargs)[0])
+        out.append(grouped_sdpa(module, q, k, v, None, causal=True, **kwargs)[0])
         first = head
     return torch.cat(out, dim=2), None
 
