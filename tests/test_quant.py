@@ -467,6 +467,7 @@ def test_a_rows_scales_are_settled_by_their_bits_and_only_doubtful_rows_decoded(
         return decodes_finite(scale, zero, 4, dtype).reshape(len(rows), -1).all(axis=1)
 
     assert rows_decode_finite(pairs, plane_axis, 4, dtype).all()
+    assert rows_decode_finite(pairs[:0], plane_axis, 4, dtype).shape == (0,)  # no rows
     flat = pairs.reshape(len(pairs), -1)
     for row, value in [(3, np.inf), (7, np.nan), (11, 3000.0), (12, 65504.0), (20, -5000.0)]:
         flat[row, row % flat.shape[1]] = value

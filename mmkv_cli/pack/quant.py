@@ -308,24 +308,26 @@ def decodes_finite(scale: np.ndarray, zero: np.ndarray, bits: int, dtype: str) -
 
 
 def rows_decode_finite(pairs: np.ndarray, plane_axis: int, bits: int, dtype: str) -> np.ndarray:
-    """Per row (axis 0) of stored scale/zero pairs (float16, the pair on `plane_axis`): whether
-    every pair decodes finite (decodes_finite). A row whose every value's float16 magnitude is
-    under both limits (Inf/NaN; in float16, 2^(15 - bits)) is settled by one pass over its bits,
-    a maximum a row; only the others are decoded pair by pair (from an honest writer, none)."""
-    if pairs.dtype != np.float16 or not len(pairs):
-        scale, zero = np.take(pairs, 0, plane_axis), np.take(pairs, 1, plane_axis)
-        return decodes_finite(scale, zero, bits, dtype).reshape(len(pairs), -1).all(axis=1)
+    """Per row (axis 0) of stored scale/zero pairs (the pair on `plane_axis`): whether every pair
+    decodes finite (decodes_finite). In float16, a row whose every value's magnitude is under
+    both limits (Inf/NaN; in float16, 2^(15 - bits)) is settled by one pass over the bits; only
+    the others are decoded pair by pair (from an honest writer, none)."""
+
+    def pair_by_pair(rows: np.ndarray) -> np.ndarray:
+        scale, zero = np.take(rows, 0, plane_axis), np.take(rows, 1, plane_axis)
+        return decodes_finite(scale, zero, bits, dtype).reshape(len(rows), -1).all(axis=1)
+
+    if not pairs.size:
+        return np.ones(len(pairs), dtype=bool)
+    if pairs.dtype != np.float16:
+        return pair_by_pair(pairs)
     limit = ((15 - bits) + 15) << 10 if dtype == "float16" else 0x7C00
     magnitude = np.bitwise_and(np.ascontiguousarray(pairs).view(np.uint16), 0x7FFF)
     if magnitude.max() < limit:  # one pass settles them all: a maximum over a short row is slow
         return np.ones(len(pairs), dtype=bool)
     fine = magnitude.reshape(len(pairs), -1).max(axis=1) < limit
     doubtful = np.flatnonzero(~fine)
-    if len(doubtful):
-        rows = pairs[doubtful]
-        scale, zero = np.take(rows, 0, plane_axis), np.take(rows, 1, plane_axis)
-        settled = decodes_finite(scale, zero, bits, dtype).reshape(len(rows), -1).all(axis=1)
-        fine[doubtful] = settled
+    fine[doubtful] = pair_by_pair(pairs[doubtful])
     return fine
 
 
