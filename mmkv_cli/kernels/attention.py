@@ -197,17 +197,26 @@ def grouped_sdpa(module, query, key, value, mask, causal: bool = False, **kwargs
         and kwargs.get("sliding_window") is None
         and _flash_lower_right(query, key, value)
     ):
+        # aligned to the last key, which SDPA hands to flash attention as its own causal flag
+        # (is_causal=True would align the rows to the first keys)
+        from torch.nn.attention.bias import causal_lower_right
+
         out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=_lower_right(q_len, key.shape[2]), scale=scale,
+            query, key, value, attn_mask=causal_lower_right(q_len, key.shape[2]), scale=scale,
             enable_gqa=True,
         )  # fmt: skip
         return out.transpose(1, 2).contiguous(), None
     if causal:
         mask = own_length_mask(query, key, mask)
     # no mask: SDPA takes grouped heads itself; one row: transformers folds it itself
-    if mask is None or q_len == 1 or not plain:
-        return _sdpa(module, query, key, value, mask, **kwargs)
-    if group == 1 or mask.shape[1] not in (1, heads) or mask.shape[2] != q_len:
+    if (
+        mask is None
+        or q_len == 1
+        or not plain
+        or group == 1
+        or mask.shape[1] not in (1, heads)
+        or mask.shape[2] != q_len
+    ):
         return _sdpa(module, query, key, value, mask, **kwargs)
     if group * q_len > FOLD_ROWS:
         if query.device.type != "cpu":  # CUDA's kernel under a mask takes no grouped heads
@@ -235,14 +244,6 @@ def _flash_lower_right(query, key, value) -> bool:
     from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
     return can_use_flash_attention(SDPAParams(query, key, value, None, 0.0, False, True))
-
-
-def _lower_right(q_len: int, k_len: int):
-    """The causal bias with the query rows the last of the keys, which SDPA hands to flash
-    attention as its own causal flag (is_causal=True aligns the rows to the first keys)."""
-    from torch.nn.attention.bias import causal_lower_right
-
-    return causal_lower_right(q_len, k_len)
 
 
 def own_length_mask(

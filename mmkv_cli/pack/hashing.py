@@ -15,7 +15,7 @@ import numpy as np
 
 from mmkv_cli.pack.finite import finite_stored
 from mmkv_cli.pack.pools import KeptPool, scratch
-from mmkv_cli.pack.read_units import JOIN_BYTES, ReadUnits
+from mmkv_cli.pack.read_units import JOIN_BYTES, ReadUnits, differing, joined_digests
 
 # Digest units of at least this many bytes on average are checksummed on up to HASH_THREADS threads
 # (and beside a read): below it a unit's Python costs as much as its hashing, all of it holding the
@@ -210,7 +210,7 @@ class BlockHashes:
         read it) where each part holds them in even, consecutive runs, or in one run they all
         share (a block's positions), and a unit is small (JOIN_BYTES): every part laid beside the
         others for all the units by one numpy copy a part, then one update a unit, no Python a
-        piece. False where that does not hold, and nothing is done."""
+        piece (read_units.joined_digests). False where that does not hold, and nothing is done."""
         count, widths = stop - first, []
         for _, _, _, starts, stops, row in self._parts:
             heads, ends = starts[first:stop], stops[first:stop]
@@ -219,20 +219,11 @@ class BlockHashes:
             if len(lengths) != 1 or not (shared or heads[1:] == ends[:-1]):
                 return False
             widths.append(lengths.pop() * row)
-        width = sum(widths)
-        if width > JOIN_BYTES:
+        if sum(widths) > JOIN_BYTES:
             return False
-        joined = np.frombuffer(scratch(width * count, "join"), np.uint8, width * count)
-        joined, at = joined.reshape(count, width), 0
-        for region, part in zip(read, widths):  # a shared part's one run, to every unit
-            joined[:, at : at + part] = np.frombuffer(region, np.uint8).reshape(-1, part)
-            at += part
-        new, expected = self._new, self._expected
-        for j, unit in zip(range(first, stop), joined):
-            digest = new()
-            digest.update(unit)
-            if digest.digest() != expected[j].tobytes():
-                self._bad.append(self._blocks[j])
+        parts = [np.frombuffer(r, np.uint8).reshape(-1, w) for r, w in zip(read, widths)]
+        got = joined_digests(parts, self._new)  # a shared part is one row, for every unit
+        self._bad += [self._blocks[first + i] for i in differing(got, self._expected[first:stop])]
         return True
 
     def _digest_of(self, pieces: list[memoryview]) -> bytes:

@@ -26,6 +26,7 @@ from mmkv_cli.lazy import torch
 from mmkv_cli.options import KV_BITS
 from mmkv_cli.pack import vidkv
 from mmkv_cli.pack.codes import pack_codes, unpack_codes
+from mmkv_cli.pack.finite import EXPONENTS
 
 # 16: not quantized (the backbone's own dtype); 1.5: VidKV's mixed 1/2-bit keys and ternary values
 # (vidkv.py)
@@ -35,6 +36,7 @@ FLOAT16_MAX = 65504.0
 # a float32 of at least this magnitude becomes Inf as float16 (65504 is odd: a tie rounds up)
 FLOAT16_INF_FROM = 65520.0
 MAX_GROUP = 1 << 16
+FLOAT16_INF_BITS = EXPONENTS["float16"][1]  # a float16's magnitude bits from Inf on
 CHUNK_TOKENS = 2048  # tokens (de)quantized at a time on a CPU (their float32 copies fit in cache)
 
 
@@ -296,15 +298,21 @@ def decodes_finite(scale: np.ndarray, zero: np.ndarray, bits: int, dtype: str) -
     pack's value scales at 7B are 5.7M pairs, checked by every `verify`."""
     if scale.dtype == np.float16 and zero.dtype == np.float16:
         magnitude = [np.bitwise_and(t.view(np.uint16), 0x7FFF) for t in (scale, zero)]
-        fine = (magnitude[0] < 0x7C00) & (magnitude[1] < 0x7C00)  # neither Inf nor NaN
+        fine = (magnitude[0] < FLOAT16_INF_BITS) & (magnitude[1] < FLOAT16_INF_BITS)
         if dtype != "float16":
             return fine
-        small = ((15 - bits) + 15) << 10  # float16 bits of 2^(15 - bits)
+        small = _float16_bits_of_decodable(bits)
         rest = np.flatnonzero(fine & ~((magnitude[0] < small) & (magnitude[1] < small)))
         if len(rest):
             fine.flat[rest] = _decodes_finite(scale.flat[rest], zero.flat[rest], bits, dtype)
         return fine
     return _decodes_finite(scale, zero, bits, dtype)
+
+
+def _float16_bits_of_decodable(bits: int) -> int:
+    """The float16 bits of 2^(15 - bits): a scale and zero both under it decode every code under
+    2^15 in float16."""
+    return ((15 - bits) + 15) << 10
 
 
 def rows_decode_finite(pairs: np.ndarray, plane_axis: int, bits: int, dtype: str) -> np.ndarray:
@@ -321,7 +329,7 @@ def rows_decode_finite(pairs: np.ndarray, plane_axis: int, bits: int, dtype: str
         return np.ones(len(pairs), dtype=bool)
     if pairs.dtype != np.float16:
         return pair_by_pair(pairs)
-    limit = ((15 - bits) + 15) << 10 if dtype == "float16" else 0x7C00
+    limit = _float16_bits_of_decodable(bits) if dtype == "float16" else FLOAT16_INF_BITS
     magnitude = np.bitwise_and(np.ascontiguousarray(pairs).view(np.uint16), 0x7FFF)
     if magnitude.max() < limit:  # one pass settles them all: a maximum over a short row is slow
         return np.ones(len(pairs), dtype=bool)
