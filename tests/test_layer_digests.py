@@ -395,12 +395,16 @@ def test_a_questions_small_units_hashed_as_read_are_left_to_finish(tmp_path, mon
     assert len(left) == 1
 
 
+@pytest.mark.parametrize("join_bytes", [None, 300])
 def test_verify_hashes_even_layers_at_once_and_still_names_each_flipped_layer(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, join_bytes
 ):
     """verify joins a block's small per-layer units part by part with one numpy copy each where
     every layer holds as many rows (b1; b3, whose positions all layers share, stored once) and
-    unit by unit elsewhere (b0, b2): a flip in any layer of any block is named, that block alone."""
+    unit by unit elsewhere (b0, b2), or where a unit passes JOIN_BYTES (lowered to 300 here, under
+    b1's 560 and b3's 420): a flip in any layer of any block is named, that block alone."""
+    if join_bytes is not None:
+        monkeypatch.setattr(hashing, "JOIN_BYTES", join_bytes)
     counts = [*COUNTS, [3, 3, 3, 3]]
     blocks = [block(f"b{i}", c, i) for i, c in enumerate(COUNTS)]
     shared = block("b3", counts[3], 3)
@@ -417,7 +421,8 @@ def test_verify_hashes_even_layers_at_once_and_still_names_each_flipped_layer(
 
     monkeypatch.setattr(hashing.BlockHashes, "_hashed_evenly", watched)
     assert api.verify(path)["ok"]
-    assert dict(evenly) == {"b0": False, "b1": True, "b2": False, "b3": True}
+    even = join_bytes is None
+    assert dict(evenly) == {"b0": False, "b1": even, "b2": False, "b3": even}
     parts = Parts.of(path.read_bytes())
     start = parts.directory["blocks.k"]["data_offsets"][0]
     for i, layers in enumerate(counts):
