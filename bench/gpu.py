@@ -206,7 +206,8 @@ class SyncLog:
 
 def floor(device: str, model: str, layers: int, frames: int) -> dict:
     """The language model alone over frames x 196 tokens, 16 frames a chunk, into one cache, on
-    the attention kernels a loaded backbone runs (`cudnn_sdp`: whether cuDNN's was among them)."""
+    the attention kernels a loaded backbone runs (`cudnn_sdp`: whether cuDNN's was among them;
+    `attention`: mmkv_unmasked where flash runs the model's heads and no causal mask is made)."""
     import torch
 
     from mmkv_cli.backbones.loading import load_backbone
@@ -229,7 +230,8 @@ def floor(device: str, model: str, layers: int, frames: int) -> dict:
     print(f"floor: {tokens} tokens in {seconds:.2f} s", flush=True)
     return {"device": device, "model": model, "tokens": tokens, "seconds": seconds,
             "tokens_per_s": tokens / seconds,
-            "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled()}  # fmt: skip
+            "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled(),
+            "attention": backbone.text_config._attn_implementation}  # fmt: skip
 
 
 def make_video(folder: Path, frames: int) -> Path:

@@ -6,9 +6,12 @@ exactly that, so a change that breaks it (a padded batch, a family's own mask) f
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
+from mmkv_cli.backbones.base import text_kv
 from mmkv_cli.kernels import attention
 from mmkv_cli.options import MethodSpec
 from tests.conftest import TINY
@@ -54,3 +57,45 @@ def test_every_mask_declared_causal_is_causal_alone(
         visible = mask if mask.dtype == torch.bool else mask == 0
         assert visible.shape[-2:] == (rows, keys)
         assert torch.equal(visible, newest_last(rows, keys).expand_as(visible)), (rows, keys)
+
+
+@pytest.mark.parametrize("model", TINY)
+@pytest.mark.parametrize("method,budget", [("full", None), ("hermes", 0.3)])
+def test_a_model_flash_runs_makes_no_mask_and_answers_the_same(
+    backbones, clip, tmp_path, monkeypatch, model, method, budget
+):
+    """Where flash attention runs a model's heads, install() has the model make no causal mask (a
+    chunk's over an hour's keys is a GB): every layer's attention is told causal with no mask, and
+    the packs answer as they did with one. On the CPU the flash path is forced; torch lays its
+    causal bias out there, so what is checked is the meaning, not the kernel."""
+    backbone = backbones[model]
+    text = backbone.model.config.get_text_config()
+
+    def answer(tag: str):
+        pack = tmp_path / f"{tag}.kvpack"
+        choice = MethodSpec(method, {"chunk_frames": 4})
+        encode_pack(clip, pack, method=choice, budget=budget, backbone=backbone, max_frames=16)
+        return ask_pack(
+            pack, "What happens?", backbone=backbone, max_new_tokens=3, keep_logits=True
+        )
+
+    masked = answer("masked")
+    monkeypatch.setattr(text, "_attn_implementation", text._attn_implementation)  # put back after
+    monkeypatch.setattr(attention, "_flash_lower_right", lambda *_: True)
+    kv = text_kv(text)
+    attention.install(backbone.model, text.num_attention_heads, kv["kv_heads"], kv["head_dim"])
+    assert text._attn_implementation == attention.UNMASKED_NAME
+    given, real = [], attention.grouped_sdpa
+
+    def watched(module, query, key, value, mask, causal=False, **kwargs):
+        given.append((query.shape[2], mask))
+        return real(module, query, key, value, mask, causal, **kwargs)
+
+    monkeypatch.setattr(attention, "grouped_sdpa", watched)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch names the kernels it could not use on the CPU
+        unmasked = answer("unmasked")
+    assert sum(rows > 1 for rows, _ in given) >= 3, "chunks over a cache, and a question"
+    assert all(mask is None for _, mask in given)
+    assert unmasked.token_ids == masked.token_ids
+    assert torch.allclose(unmasked.first_logits, masked.first_logits, atol=1e-4)

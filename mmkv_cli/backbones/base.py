@@ -87,7 +87,9 @@ class Backbone:
         self, model, tokenizer, video_processor, name: str, spec: ModelSpec, prompt: PromptPieces
     ):
         self.model = model.eval()
-        attention.install(model)
+        text = model.config.get_text_config()
+        kv = text_kv(text)
+        attention.install(model, text.num_attention_heads, kv["kv_heads"], kv["head_dim"])
         self.tokenizer = tokenizer
         self.video_processor = video_processor
         self.name = name  # as the user named it: a preset, an HF id or a folder

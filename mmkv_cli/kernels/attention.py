@@ -34,6 +34,9 @@ __all__ = [
 ]
 
 NAME = "mmkv"
+# the same attention for a model that flash attention runs, which makes no causal mask ("flash" is
+# not in the name: transformers reads any name holding it as the flash-attention package's)
+UNMASKED_NAME = "mmkv_unmasked"
 # A question's few query rows under a mask: transformers' SDPA then copies every cached key and
 # value once per query head of a group (repeat_kv), the whole context 7 times at LLaVA-OV's widths.
 # Up to this many rows, the group's heads are folded into the query rows instead (grouped_sdpa).
@@ -299,19 +302,45 @@ def head_slices(module, query, key, value, starts: tuple[int, ...], **kwargs):
     return torch.cat(out, dim=2), None
 
 
-def install(model) -> None:
+def install(model, heads: int, kv_heads: int, head_dim: int) -> None:
     """Route the language model's attention (not the vision tower's) through the recording
-    function, on attention kernels that need no plan per shape (`plan_free_attention`)."""
+    function, on attention kernels that need no plan per shape (`plan_free_attention`).
+
+    Where flash attention runs this model's heads (`_flash_lower_right`), the model makes no
+    causal mask for a forward (`UNMASKED_NAME`): a chunk's rows over an hour's keys are a GB of
+    mask, which the flash path never reads. A layer that needs one after all makes its own."""
     global _sdpa
-    plan_free_attention(next(model.parameters()).device)
+    parameter = next(model.parameters())
+    plan_free_attention(parameter.device)
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     _sdpa = sdpa_attention_forward
-    AttentionInterface.register(NAME, _attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
-    model.config.get_text_config()._attn_implementation = NAME
+    for name, mask in ((NAME, sdpa_mask), (UNMASKED_NAME, _causal_unmade)):
+        AttentionInterface.register(name, _attention)
+        AttentionMaskInterface.register(name, mask)
+    probe = [
+        torch.empty(1, n, 2, head_dim, dtype=parameter.dtype, device=parameter.device)
+        for n in (heads, kv_heads, kv_heads)
+    ]
+    flash = _flash_lower_right(*probe)
+    model.config.get_text_config()._attn_implementation = UNMASKED_NAME if flash else NAME
+
+
+def _causal_unmade(*args, **kwargs):
+    """transformers' SDPA mask, except the plain causal one of rows over keys (no padding, no
+    window), which is left unmade (None): `_attention` declares it causal, and grouped_sdpa's
+    flash path or `own_length_mask` stands for it."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    plain = (
+        not args
+        and kwargs.get("mask_function") is causal_mask_function
+        and kwargs.get("attention_mask") is None
+        and kwargs.get("local_size") is None
+    )
+    return None if plain else sdpa_mask(*args, **kwargs)
 
 
 def plan_free_attention(device) -> None:
