@@ -124,6 +124,33 @@ def test_a_row_stride_sums_every_nth_row_times_n_on_both_paths(stride, rows, key
     assert not torch.allclose(expected, probs.sum(dim=1), atol=1e-3)  # a sample, not all rows
 
 
+@pytest.mark.parametrize("keys,rows_a_step", [(300, 3), (150, 6), (90, 10)])
+def test_score_blocks_take_fewer_rows_as_the_keys_grow(keys, rows_a_step, monkeypatch):
+    """At 7B over an hour (28 heads x 350K keys) one block of QUERY_ROWS_PER_STEP rows would be
+    10 GB of float32 scores: SCORE_ELEMENTS takes a step down to 13 rows there. Lowered here so
+    that 300 keys give 3 rows a step (and fewer keys more): the recorded output, column sums and
+    rows equal the written-out attention across every block edge."""
+    monkeypatch.setattr(attention, "SCORE_ELEMENTS", 2 * 4 * 900)
+    steps, real = [], attention._row_blocks
+
+    def counted(query, key, scaling):
+        for start, probs in real(query, key, scaling):
+            steps.append(probs.shape[2])
+            yield start, probs
+
+    monkeypatch.setattr(attention, "_row_blocks", counted)
+    torch.manual_seed(keys)
+    query = torch.randn(2, 4, 20, 16) * 2
+    key, value = torch.randn(2, 2, keys, 16), torch.randn(2, 2, keys, 16)
+    out, probs = _reference(query, key, value)
+    recorder = Recorder(layers={0}, column_sums=True, rows=True)
+    got = attention._blockwise_recorded(recorder, 0, query, key, value, 16**-0.5)
+    assert steps == [min(rows_a_step, 20 - first) for first in range(0, 20, rows_a_step)]
+    assert torch.allclose(got, out, atol=1e-5)
+    assert torch.allclose(recorder.column_sum[0], probs.mean(dim=1).sum(dim=1), atol=1e-5)
+    assert torch.allclose(recorder.row[0], probs.mean(dim=1), atol=1e-6)
+
+
 def test_a_cuda_model_attends_without_cudnns_per_shape_plans():
     """cuDNN's SDPA builds a plan for each new (query, key) length; on CUDA it is switched off and
     flash and memory-efficient attention stay on. A CPU model leaves torch's switches alone."""
