@@ -113,7 +113,8 @@ if profiled == "1":  # one more question, under cProfile (host) and torch's prof
                     spent[key] = spent.get(key, 0.0) + time.perf_counter() - began
         setattr(owner, name, timed_call)
 
-    timing(tensors.StoredTensors, "read_into", "preads_all_threads")
+    timing(tensors.StoredTensors, "read_into", "preads_all_threads")  # one buffer each
+    timing(tensors.StoredTensors, "_read_each", "table_preads_all_threads")  # runs' tables
     timing(hashing.BlockHashes, "_check", "checksums_all_threads")
     timing(block_store.BlockStore, "read_rows", "rows_this_thread")
     timing(reader_module, "hashed_beside", "rows_and_checksums")

@@ -227,13 +227,13 @@ def test_the_layers_a_read_skips_share_one_empty_buffer(tmp_path, monkeypatch, b
     write_pack(path, header, prompt("prefix", 2), blocks, prompt("suffix", 1), quant=quant)
     whole = PackReader(path).gather(["b0", "b2"])
     made: list[int] = []
-    real = Staging.buffer
+    real = Staging._made
 
     def counted(self, rows, *args):
         made.append(rows)
         return real(self, rows, *args)
 
-    monkeypatch.setattr(Staging, "buffer", counted)
+    monkeypatch.setattr(Staging, "_made", counted)
     keys, values, positions = PackReader(path).gather(["b0", "b2"], only(3, ["b0", "b2"]))
     assert made.count(0) <= (2 if bits == 16 else 0)  # one a part (K, V) at most
     for layer in range(LAYERS):

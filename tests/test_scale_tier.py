@@ -16,7 +16,7 @@ import torch
 from blake3 import blake3
 
 from mmkv_cli.errors import PackError
-from mmkv_cli.pack import PackReader, Span, write_pack
+from mmkv_cli.pack import PackReader, Span, vectored, write_pack
 from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_count, chunk_digests
 from mmkv_cli.pack.quant import QuantSpec
 from mmkv_cli.pack.report import verify
@@ -384,7 +384,7 @@ def test_reads_longer_than_one_preadv_returns_are_finished_by_the_loop(reps_pack
 
     path, spans = reps_pack
     want = PackReader(path).gather([s.name for s in spans[:40]])
-    real, calls = os.preadv, []
+    real, real_table, calls = os.preadv, vectored.preadv, []
 
     def capped(fd, buffers, offset):
         left, cut = 4099, []
@@ -396,7 +396,16 @@ def test_reads_longer_than_one_preadv_returns_are_finished_by_the_loop(reps_pack
         calls.append(offset)
         return real(fd, cut, offset)
 
+    def capped_table(fd, rows, offset):  # the scattering reads' table of pieces, cut the same
+        ends = np.cumsum(rows[:, 1].astype(np.int64))
+        keep = min(len(rows), int(np.searchsorted(ends, 4099)) + 1)
+        cut = rows[:keep].copy()
+        cut[-1, 1] -= max(0, int(ends[keep - 1]) - 4099)
+        calls.append(offset)
+        return real_table(fd, cut, offset)
+
     monkeypatch.setattr("mmkv_cli.pack.tensors.os.preadv", capped)
+    monkeypatch.setattr(vectored, "preadv", capped_table)
     got = PackReader(path).gather([s.name for s in spans[:40]])
     assert len(calls) > 100
     for mine, theirs in zip(got, want):
@@ -409,7 +418,6 @@ def test_a_context_of_few_tokens_a_layer_reads_every_layer_in_one_pass(tmp_path,
     read a layer at a time, each (block, layer) run was a preadv of its own, 28 x 2 x blocks of
     them at 7B. Every layer's runs now go in file order, those next to each other in one preadv
     of up to IOV_MAX buffers (lowered to 64 here, so a pass crosses it several times)."""
-    import os
 
     g = torch.Generator().manual_seed(3)
 
@@ -426,13 +434,13 @@ def test_a_context_of_few_tokens_a_layer_reads_every_layer_in_one_pass(tmp_path,
     write_pack(path, header, span("prefix", [2] * LAYERS, None), body,
                span("suffix", [1] * LAYERS, None))  # fmt: skip
     monkeypatch.setattr("mmkv_cli.pack.tensors.IOV_MAX", 64)
-    real, calls = os.preadv, []
+    real, calls = vectored.preadv, []
 
-    def counted(fd, buffers, offset):
-        calls.append(len(buffers))
-        return real(fd, buffers, offset)
+    def counted(fd, pieces, offset):
+        calls.append(len(pieces))
+        return real(fd, pieces, offset)
 
-    monkeypatch.setattr("mmkv_cli.pack.tensors.os.preadv", counted)
+    monkeypatch.setattr(vectored, "preadv", counted)
     chosen = [s.name for s in body[::2]] + [s.name for s in body[1::2]]  # out of file order too
     keys, values, positions = PackReader(path).gather(chosen)
     by_name = {s.name: s for s in body}
@@ -449,7 +457,6 @@ def test_a_large_read_on_several_threads_reads_back_exactly(reps_pack, monkeypat
     """Past PARALLEL_READ_BYTES a read is cut, between runs, into preads of about READ_BYTES (an
     odd size here, so no window ends on a run's edge) on READ_THREADS threads: 4 on a 16-core
     machine, 1 on this one, so the test asks for 3."""
-    import os
     import threading
 
     import mmkv_cli.pack.tensors as tensors
@@ -462,13 +469,13 @@ def test_a_large_read_on_several_threads_reads_back_exactly(reps_pack, monkeypat
     monkeypatch.setattr(tensors, "_reading", KeptPool(3, "mmkv-read"))
     monkeypatch.setattr(tensors, "READ_BYTES", (1 << 20) + 17)
     monkeypatch.setattr(tensors, "PARALLEL_READ_BYTES", 4 << 20)
-    real, threads = os.preadv, set()
+    real, threads = vectored.preadv, set()
 
-    def seen(fd, buffers, offset):
+    def seen(fd, pieces, offset):
         threads.add(threading.current_thread().name)
-        return real(fd, buffers, offset)
+        return real(fd, pieces, offset)
 
-    monkeypatch.setattr("mmkv_cli.pack.tensors.os.preadv", seen)
+    monkeypatch.setattr(vectored, "preadv", seen)
     got = PackReader(path).gather(names)
     for mine, theirs in zip(got, want):
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs))

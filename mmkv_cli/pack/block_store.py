@@ -304,13 +304,7 @@ class BlockStore:
             array = np.swapaxes(array, 0, 1)
         # the layers that take no rows share one empty buffer: a retrieval inside the forward
         # reads one layer at a time, and each of the others cost a pinned buffer and a copy
-        blank = None
-        if any(len(r) == 0 for r in rows):
-            blank = staging.buffer(0, array.shape[1:], array.dtype, dtype)
-        made = [
-            staging.buffer(len(r), array.shape[1:], array.dtype, dtype) if len(r) else blank
-            for r in rows
-        ]
+        made = staging.buffers([len(r) for r in rows], array.shape[1:], array.dtype, dtype)
         outs = [out for out, _ in made]
         if isinstance(array, FileArray):
             array.take_each(rows, outs)

@@ -20,6 +20,8 @@ from mmkv_cli.lazy import torch
 STAGE_BYTES = 64 << 20
 # the same on the CPU, where a group would only add a copy into place (None: one read)
 HOST_STAGE_BYTES: int | None = None
+# host buffers of layers after one another share an allocation of at least this (Staging.buffers)
+HOST_JOIN_BYTES = 32 << 20
 
 
 class Staging:
@@ -31,11 +33,39 @@ class Staging:
         self.pinned = self.device.type == "cuda"
         self.stage_bytes = STAGE_BYTES if self.pinned else HOST_STAGE_BYTES
 
-    def buffer(self, rows: int, row_shape: tuple, np_dtype, torch_dtype: str):
-        """An empty [rows, *row_shape] buffer: the numpy array a pread fills, and the same bytes
-        as a torch tensor of `torch_dtype` (bfloat16 is read as uint16: numpy has none)."""
+    def buffers(self, counts: list[int], row_shape: tuple, np_dtype, torch_dtype: str) -> list:
+        """Empty [counts[i], *row_shape] buffers: for each, the numpy array a pread fills and the
+        same bytes as a torch tensor of `torch_dtype` (bfloat16 is read as uint16: numpy has
+        none). Those of no rows share one.
+
+        On the host, numpy's: it asks for huge pages for an allocation of 4 MiB or more, and a
+        pread into fresh memory then faults a page in each 2 MiB instead of each 4 KiB (a
+        HERMES-shaped context's layers are about 4 MiB a part at 7B). Layers after one another
+        share an allocation of at least HOST_JOIN_BYTES; a larger layer has its own, so a
+        caller letting go of each layer as it joins it holds at most one more group."""
+        row_bytes = int(np.prod(row_shape, dtype=np.int64)) * np.dtype(np_dtype).itemsize
+        join = 0 if self.pinned else HOST_JOIN_BYTES  # pinned: the caching allocator's, reused
+        made: list = [None] * len(counts)
+        blank, group = None, []  # group: layers waiting to share an allocation
+        for layer, rows in enumerate(counts):
+            if rows:
+                group.append(layer)
+            else:
+                blank = blank or self._made(0, row_shape, np_dtype, torch_dtype)
+                made[layer] = blank
+            held = sum(counts[g] for g in group)
+            if group and (layer == len(counts) - 1 or held * row_bytes >= join):
+                array, tensor = self._made(held, row_shape, np_dtype, torch_dtype)
+                at = 0
+                for g in group:  # each layer a view of its rows of the allocation
+                    made[g] = array[at : at + counts[g]], tensor[at : at + counts[g]]
+                    at += counts[g]
+                group = []
+        return made
+
+    def _made(self, rows: int, row_shape: tuple, np_dtype, torch_dtype: str):
         shape = (rows, *row_shape)
-        if not self.pinned:  # numpy's: it asks for huge pages, so a pread fills it faster
+        if not self.pinned:
             array = np.empty(shape, np_dtype)
             return array, torch.from_numpy(array).view(getattr(torch, torch_dtype))
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(np_dtype).itemsize

@@ -13,6 +13,7 @@ import numpy as np
 
 from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
+from mmkv_cli.pack import vectored
 from mmkv_cli.pack.integrity import read_directory
 from mmkv_cli.pack.pools import KeptPool
 from mmkv_cli.pack.source import PackFile
@@ -70,7 +71,7 @@ class FileArray:
         """Rows [first, stop) read into the start of `into` (flat bytes, a kept buffer's): that
         stretch of it. No numpy on the way: a hash of small blocks reads thousands of these."""
         out = into[: (stop - first) * self.row_bytes]
-        self._stored.read_into([out], self._start + first * self.row_bytes)
+        self._stored.read_into(out, self._start + first * self.row_bytes)
         return out
 
     def take(self, rows: np.ndarray, axis: int = 0, out: np.ndarray | None = None) -> np.ndarray:
@@ -115,11 +116,8 @@ class FileArray:
         puts = (starts - opens[owner]) * self.row_bytes
         order = np.argsort(firsts, kind="stable")
         firsts, lengths, puts, owner = firsts[order], lengths[order], puts[order], owner[order]
-        flats = [memoryview(out.reshape(-1).view(np.uint8)) for out in outs]
         sizes = lengths * self.row_bytes
-        pieces = [
-            flats[o][p : p + n] for o, p, n in zip(owner.tolist(), puts.tolist(), sizes.tolist())
-        ]
+        pieces = vectored.table(outs, owner, puts, sizes)  # no Python object a run
         # a stretch of the file begins where a run does not go on from the one before; within
         # one, a read begins where a run starts a new READ_BYTES window of it, or the read holds
         # IOV_MAX buffers (one preadv's most)
@@ -134,7 +132,7 @@ class FileArray:
         cuts = np.flatnonzero((at - opened) % IOV_MAX == 0)
         ends = [*cuts[1:].tolist(), count]
         offsets = (self._start + firsts[cuts] * self.row_bytes).tolist()
-        reads = [(o, pieces[c:d]) for o, c, d in zip(offsets, cuts.tolist(), ends)]
+        reads = [(o, pieces[c:d]) for o, c, d in zip(offsets, cuts.tolist(), ends)]  # views
         # handed to the reading threads in tasks of about READ_BYTES: a task a read of a few KB
         # (a retrieval's runs, scattered) cost the pool more than the read
         task = ahead[cuts] // READ_BYTES
@@ -148,7 +146,7 @@ class FileArray:
         at = 0
         for first, stop in runs:
             size = (stop - first) * self.row_bytes
-            self._stored.read_into([flat[at : at + size]], self._start + first * self.row_bytes)
+            self._stored.read_into(flat[at : at + size], self._start + first * self.row_bytes)
             at += size
         return out
 
@@ -172,7 +170,7 @@ class StoredTensors:
         start, stop = (self.data_start + o for o in self.entries[name]["data_offsets"])
         self.source.ensure([(start, stop)])
         out = np.empty(stop - start, dtype=np.uint8)
-        self.read_into([memoryview(out)], start)
+        self.read_into(memoryview(out), start)
         self.bytes_read += out.nbytes
         return out
 
@@ -187,39 +185,32 @@ class StoredTensors:
         if not self.source.unchanged():
             raise PackError(f"{self.path} changed while it was being read")
 
-    def read_many(self, tasks: list[list[tuple[int, list[memoryview]]]], total: int) -> None:
-        """Each task's (offset, buffers) reads, `total` bytes in all; the tasks on READ_THREADS
-        threads when they are many and large (a pread lets go of the GIL, and one thread copies
-        from the page cache at a fraction of what the memory does)."""
+    def read_many(self, tasks: list[list[tuple[int, np.ndarray]]], total: int) -> None:
+        """Each task's (offset, pieces) reads (pieces: a `vectored.table`'s rows), `total` bytes
+        in all; the tasks on READ_THREADS threads when they are many and large (a pread lets go
+        of the GIL, and one thread copies from the page cache at a fraction of what the memory
+        does)."""
         if READ_THREADS > 1 and len(tasks) > 1 and total >= PARALLEL_READ_BYTES:
             list(_reading.get().map(self._read_each, tasks))
             return
         for reads in tasks:
             self._read_each(reads)
 
-    def _read_each(self, reads: list[tuple[int, list[memoryview]]]) -> None:
-        for offset, pieces in reads:
-            self.read_into(pieces, offset)
-
-    def read_into(self, into: list[memoryview], offset: int) -> None:
-        """The file's bytes from `offset` on, into the buffers `into` one after another: a short
-        read means the file was cut under the reader."""
+    def _read_each(self, reads: list[tuple[int, np.ndarray]]) -> None:
         fd = self._file.fileno()
-        into = [piece for piece in into if len(piece)]
-        left = sum(map(len, into))
-        first = 0  # the first buffer not yet filled
-        while first < len(into):
-            got = os.preadv(fd, into[first:], offset)
+        for offset, pieces in reads:
+            if not vectored.read_fully(fd, pieces, offset):
+                raise PackError(f"{self.path} changed while it was being read")
+
+    def read_into(self, into: memoryview, offset: int) -> None:
+        """The file's bytes from `offset` on, into the buffer `into`: a short read means the
+        file was cut under the reader."""
+        fd = self._file.fileno()
+        while len(into):
+            got = os.preadv(fd, [into], offset)
             if got <= 0:
                 raise PackError(f"{self.path} changed while it was being read")
-            offset, left = offset + got, left - got
-            if not left:  # the usual case: every buffer filled (no walk over a thousand of them)
-                return
-            while first < len(into) and got >= len(into[first]):  # whole buffers filled
-                got -= len(into[first])
-                first += 1
-            if got:  # a buffer filled in part: the rest of it next
-                into[first] = into[first][got:]
+            offset, into = offset + got, into[got:]
 
     def array(self, name: str) -> np.ndarray:
         """Tensor `name` read whole into memory, as numpy (no torch needed)."""

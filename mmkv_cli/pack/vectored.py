@@ -1,0 +1,89 @@
+"""Scattering reads described by a table: one row (address, length) per buffer piece, the
+layout of the C library's `struct iovec`, made by numpy for all the pieces of a read at once.
+A context of a per-layer eviction's pack is tens of thousands of runs of a few KB, each going to
+its layer's buffer: a Python buffer object a run cost about a microsecond, a quarter of such a
+read on its own (docs/benchmarks.md). The table is handed to the C library's preadv as it is."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+
+import numpy as np
+
+# struct iovec: a pointer and a size_t, both the width of a pointer
+IOVEC = np.uintp
+
+
+class _Libc:
+    """The C library's preadv, looked up on first use (`import mmkv` stays cheap and portable)."""
+
+    preadv = None
+
+    @classmethod
+    def get(cls):
+        if cls.preadv is None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            # preadv64 where the C library has both: its off_t is 64-bit on every platform
+            function = getattr(libc, "preadv64", None) or libc.preadv
+            function.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64)
+            function.restype = ctypes.c_ssize_t
+            cls.preadv = function
+        return cls.preadv
+
+
+def table(buffers: list[np.ndarray], owner: np.ndarray, at: np.ndarray, sizes: np.ndarray):
+    """The (address, length) rows of pieces [at, at + size) of buffers[owner]: each piece checked
+    to lie inside its buffer, which must be C-contiguous, writable, and kept alive by the caller
+    until the reads are done."""
+    for buffer in buffers:
+        if not (buffer.flags.c_contiguous and buffer.flags.writeable):
+            raise ValueError("internal: a read's buffer is not contiguous and writable")
+    if len(owner) and (
+        (at < 0).any()
+        or (sizes < 0).any()
+        or (at + sizes > np.asarray([b.nbytes for b in buffers], np.int64)[owner]).any()
+    ):
+        raise ValueError("internal: a read's piece lies outside its buffer")
+    bases = np.asarray([b.ctypes.data for b in buffers], dtype=IOVEC)
+    rows = np.empty((len(owner), 2), dtype=IOVEC)
+    rows[:, 0] = bases[owner] + at.astype(IOVEC)
+    rows[:, 1] = sizes
+    return rows
+
+
+def preadv(fd: int, rows: np.ndarray, offset: int) -> int:
+    """One preadv of the file's bytes from `offset` into the pieces `rows` (C-contiguous, at most
+    IOV_MAX of them): the bytes read, which may be fewer than asked (Linux's most in a call is 2
+    GiB - 4 KiB). An interrupted call is made again; any other failure is an OSError."""
+    call = _Libc.get()
+    while True:
+        got = call(fd, rows.ctypes.data, len(rows), offset)
+        if got >= 0:
+            return got
+        code = ctypes.get_errno()
+        if code != errno.EINTR:
+            raise OSError(code, os.strerror(code))
+
+
+def read_fully(fd: int, rows: np.ndarray, offset: int) -> bool:
+    """The file's bytes from `offset` on into every piece of `rows`, one after another, however
+    many calls that takes: False where the file ends first (it was cut under the reader)."""
+    left = int(rows[:, 1].sum()) if len(rows) else 0
+    rows = rows[rows[:, 1] > 0]
+    while left:
+        got = preadv(fd, np.ascontiguousarray(rows), offset)
+        if got <= 0:
+            return False
+        offset, left = offset + got, left - got
+        if not left:
+            return True
+        # the pieces filled whole are dropped; one filled in part goes on from where it stopped
+        ends = np.cumsum(rows[:, 1])
+        first = int(np.searchsorted(ends, got, side="right"))
+        rows = rows[first:].copy()
+        done = got - (int(ends[first - 1]) if first else 0)
+        rows[0, 0] += done
+        rows[0, 1] -= done
+    return True
