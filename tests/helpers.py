@@ -190,3 +190,20 @@ def run_mmkv(*args: str, env: dict | None = None, cwd=None) -> subprocess.Comple
         cwd=cwd,
         timeout=300,
     )
+
+
+def capped_rows(address: int, count: int, cap: int) -> np.ndarray:
+    """The `count` pieces of a `vectored.table` at `address`, cut after their first `cap` bytes:
+    what a preadv that reads at most `cap` bytes fills (a copy)."""
+    import ctypes
+
+    from mmkv_cli.pack.vectored import IOVEC
+
+    width = np.dtype(IOVEC).itemsize
+    rows = np.frombuffer((ctypes.c_char * (count * 2 * width)).from_address(address), IOVEC)
+    rows = rows.reshape(count, 2).copy()
+    ends = np.cumsum(rows[:, 1].astype(np.int64))
+    keep = min(count, int(np.searchsorted(ends, cap)) + 1)
+    rows = rows[:keep].copy()
+    rows[-1, 1] -= max(0, int(ends[keep - 1]) - cap)
+    return rows

@@ -15,7 +15,7 @@ import torch
 import mmkv_cli.pack.staging as staging
 from mmkv_cli.pack import PackReader, Span, vectored, write_pack
 from mmkv_cli.pack.staging import Staging
-from tests.helpers import pack_header
+from tests.helpers import capped_rows, pack_header
 from tests.scale_shapes import DIM, HEADS, LAYERS
 
 
@@ -46,13 +46,10 @@ def test_short_reads_are_finished_and_an_end_of_file_is_reported(data_file, monk
     handle, data = data_file
     real, calls = vectored.preadv, []
 
-    def capped(fd, rows, offset):
-        ends = np.cumsum(rows[:, 1].astype(np.int64))
-        keep = min(len(rows), int(np.searchsorted(ends, 777)) + 1)
-        cut = rows[:keep].copy()
-        cut[-1, 1] -= max(0, int(ends[keep - 1]) - 777)
+    def capped(fd, address, count, offset):
+        cut = capped_rows(address, count, 777)
         calls.append(offset)
-        return real(fd, cut, offset)
+        return real(fd, cut.ctypes.data, len(cut), offset)
 
     monkeypatch.setattr(vectored, "preadv", capped)
     out = np.zeros((40, 100), np.uint8)

@@ -20,7 +20,7 @@ from mmkv_cli.pack import PackReader, Span, vectored, write_pack
 from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_count, chunk_digests
 from mmkv_cli.pack.quant import QuantSpec
 from mmkv_cli.pack.report import verify
-from tests.helpers import pack_header
+from tests.helpers import capped_rows, pack_header
 from tests.mutants import Parts
 from tests.scale_shapes import DIM, HEADS, LAYERS, block, plain
 
@@ -396,13 +396,10 @@ def test_reads_longer_than_one_preadv_returns_are_finished_by_the_loop(reps_pack
         calls.append(offset)
         return real(fd, cut, offset)
 
-    def capped_table(fd, rows, offset):  # the scattering reads' table of pieces, cut the same
-        ends = np.cumsum(rows[:, 1].astype(np.int64))
-        keep = min(len(rows), int(np.searchsorted(ends, 4099)) + 1)
-        cut = rows[:keep].copy()
-        cut[-1, 1] -= max(0, int(ends[keep - 1]) - 4099)
+    def capped_table(fd, address, count, offset):  # a scattering read's pieces, cut the same
+        cut = capped_rows(address, count, 4099)
         calls.append(offset)
-        return real_table(fd, cut, offset)
+        return real_table(fd, cut.ctypes.data, len(cut), offset)
 
     monkeypatch.setattr("mmkv_cli.pack.tensors.os.preadv", capped)
     monkeypatch.setattr(vectored, "preadv", capped_table)
@@ -436,9 +433,9 @@ def test_a_context_of_few_tokens_a_layer_reads_every_layer_in_one_pass(tmp_path,
     monkeypatch.setattr("mmkv_cli.pack.tensors.IOV_MAX", 64)
     real, calls = vectored.preadv, []
 
-    def counted(fd, pieces, offset):
-        calls.append(len(pieces))
-        return real(fd, pieces, offset)
+    def counted(fd, address, count, offset):
+        calls.append(count)
+        return real(fd, address, count, offset)
 
     monkeypatch.setattr(vectored, "preadv", counted)
     chosen = [s.name for s in body[::2]] + [s.name for s in body[1::2]]  # out of file order too
@@ -471,9 +468,9 @@ def test_a_large_read_on_several_threads_reads_back_exactly(reps_pack, monkeypat
     monkeypatch.setattr(tensors, "PARALLEL_READ_BYTES", 4 << 20)
     real, threads = vectored.preadv, set()
 
-    def seen(fd, pieces, offset):
+    def seen(fd, address, count, offset):
         threads.add(threading.current_thread().name)
-        return real(fd, pieces, offset)
+        return real(fd, address, count, offset)
 
     monkeypatch.setattr(vectored, "preadv", seen)
     got = PackReader(path).gather(names)
@@ -509,13 +506,13 @@ def test_a_retrievals_scattered_runs_go_to_the_reading_threads_in_tasks_of_bytes
     calls, threads = [], set()
     read_many, read_each = tensors.StoredTensors.read_many, tensors.StoredTensors._read_each
 
-    def counted(self, tasks, total):
+    def counted(self, pieces, tasks, total):
         calls.append((len(tasks), sum(map(len, tasks)), total))
-        return read_many(self, tasks, total)
+        return read_many(self, pieces, tasks, total)
 
-    def seen(self, reads):
+    def seen(self, pieces, reads):
         threads.add(threading.current_thread().name)
-        return read_each(self, reads)
+        return read_each(self, pieces, reads)
 
     monkeypatch.setattr(tensors.StoredTensors, "read_many", counted)
     monkeypatch.setattr(tensors.StoredTensors, "_read_each", seen)

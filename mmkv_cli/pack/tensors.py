@@ -130,15 +130,23 @@ class FileArray:
         at = np.arange(count)
         opened = np.maximum.accumulate(np.where(new, at, 0))  # where each one's read began
         cuts = np.flatnonzero((at - opened) % IOV_MAX == 0)
-        ends = [*cuts[1:].tolist(), count]
-        offsets = (self._start + firsts[cuts] * self.row_bytes).tolist()
-        reads = [(o, pieces[c:d]) for o, c, d in zip(offsets, cuts.tolist(), ends)]  # views
+        offsets = self._start + firsts[cuts] * self.row_bytes
+        # each read (file offset, its pieces' rows [first, stop) of the table, bytes) in plain
+        # ints: a retrieval's scattered runs are a read each, 14,000 a tensor
+        reads = list(
+            zip(
+                offsets.tolist(),
+                cuts.tolist(),
+                [*cuts[1:].tolist(), count],
+                np.add.reduceat(sizes, cuts).tolist(),
+            )
+        )
         # handed to the reading threads in tasks of about READ_BYTES: a task a read of a few KB
         # (a retrieval's runs, scattered) cost the pool more than the read
         task = ahead[cuts] // READ_BYTES
         firsts_of = [*np.flatnonzero(np.append(True, np.diff(task) != 0)).tolist(), len(reads)]
         tasks = [reads[a:b] for a, b in zip(firsts_of, firsts_of[1:])]
-        self._stored.read_many(tasks, int(sizes.sum()))
+        self._stored.read_many(pieces, tasks, int(sizes.sum()))
 
     def _into(self, out: np.ndarray, runs: list[tuple[int, int]]) -> np.ndarray:
         """Row ranges `runs` read one after another into `out`."""
@@ -185,21 +193,24 @@ class StoredTensors:
         if not self.source.unchanged():
             raise PackError(f"{self.path} changed while it was being read")
 
-    def read_many(self, tasks: list[list[tuple[int, np.ndarray]]], total: int) -> None:
-        """Each task's (offset, pieces) reads (pieces: a `vectored.table`'s rows), `total` bytes
-        in all; the tasks on READ_THREADS threads when they are many and large (a pread lets go
-        of the GIL, and one thread copies from the page cache at a fraction of what the memory
-        does)."""
+    def read_many(self, pieces: np.ndarray, tasks: list[list[tuple]], total: int) -> None:
+        """Each task's reads (file offset, first and stop row of `pieces`, a `vectored.table`,
+        bytes), `total` bytes in all; the tasks on READ_THREADS threads when they are many and
+        large (a pread lets go of the GIL, and one thread copies from the page cache at a
+        fraction of what the memory does)."""
         if READ_THREADS > 1 and len(tasks) > 1 and total >= PARALLEL_READ_BYTES:
-            list(_reading.get().map(self._read_each, tasks))
+            list(_reading.get().map(self._read_each, [pieces] * len(tasks), tasks))
             return
         for reads in tasks:
-            self._read_each(reads)
+            self._read_each(pieces, reads)
 
-    def _read_each(self, reads: list[tuple[int, np.ndarray]]) -> None:
-        fd = self._file.fileno()
-        for offset, pieces in reads:
-            if not vectored.read_fully(fd, pieces, offset):
+    def _read_each(self, pieces: np.ndarray, reads: list[tuple]) -> None:
+        fd, table, row = self._file.fileno(), pieces.ctypes.data, pieces.strides[0]
+        for offset, first, stop, size in reads:
+            if vectored.preadv(fd, table + first * row, stop - first, offset) == size:
+                continue
+            # cut short (Linux's most a call, or the file cut under the reader): read again whole
+            if not vectored.read_fully(fd, pieces[first:stop], offset):
                 raise PackError(f"{self.path} changed while it was being read")
 
     def read_into(self, into: memoryview, offset: int) -> None:

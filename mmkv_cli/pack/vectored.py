@@ -53,13 +53,14 @@ def table(buffers: list[np.ndarray], owner: np.ndarray, at: np.ndarray, sizes: n
     return rows
 
 
-def preadv(fd: int, rows: np.ndarray, offset: int) -> int:
-    """One preadv of the file's bytes from `offset` into the pieces `rows` (C-contiguous, at most
-    IOV_MAX of them): the bytes read, which may be fewer than asked (Linux's most in a call is 2
-    GiB - 4 KiB). An interrupted call is made again; any other failure is an OSError."""
+def preadv(fd: int, address: int, count: int, offset: int) -> int:
+    """One preadv of the file's bytes from `offset` on into the `count` pieces of the table rows
+    at `address` (at most IOV_MAX): the bytes read, which may be fewer than asked (Linux's most in
+    a call is 2 GiB - 4 KiB). An interrupted call is made again; any other failure is an
+    OSError."""
     call = _Libc.get()
     while True:
-        got = call(fd, rows.ctypes.data, len(rows), offset)
+        got = call(fd, address, count, offset)
         if got >= 0:
             return got
         code = ctypes.get_errno()
@@ -70,10 +71,10 @@ def preadv(fd: int, rows: np.ndarray, offset: int) -> int:
 def read_fully(fd: int, rows: np.ndarray, offset: int) -> bool:
     """The file's bytes from `offset` on into every piece of `rows`, one after another, however
     many calls that takes: False where the file ends first (it was cut under the reader)."""
-    left = int(rows[:, 1].sum()) if len(rows) else 0
-    rows = rows[rows[:, 1] > 0]
+    rows = rows[rows[:, 1] > 0].copy()  # C-contiguous, and changed below
+    left = int(rows[:, 1].sum())
     while left:
-        got = preadv(fd, np.ascontiguousarray(rows), offset)
+        got = preadv(fd, rows.ctypes.data, len(rows), offset)
         if got <= 0:
             return False
         offset, left = offset + got, left - got
@@ -82,8 +83,8 @@ def read_fully(fd: int, rows: np.ndarray, offset: int) -> bool:
         # the pieces filled whole are dropped; one filled in part goes on from where it stopped
         ends = np.cumsum(rows[:, 1])
         first = int(np.searchsorted(ends, got, side="right"))
-        rows = rows[first:].copy()
         done = got - (int(ends[first - 1]) if first else 0)
+        rows = rows[first:].copy()
         rows[0, 0] += done
         rows[0, 1] -= done
     return True
