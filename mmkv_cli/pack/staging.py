@@ -64,6 +64,8 @@ class Staging:
         return made
 
     def _made(self, rows: int, row_shape: tuple, np_dtype, torch_dtype: str):
+        """One allocation of [rows, *row_shape]: (numpy array, torch tensor) over the same bytes,
+        pinned where bound for a GPU."""
         shape = (rows, *row_shape)
         if not self.pinned:
             array = np.empty(shape, np_dtype)
