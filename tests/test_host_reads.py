@@ -64,7 +64,7 @@ def test_short_reads_are_finished_and_an_end_of_file_is_reported(data_file, monk
 
 def test_an_interrupted_call_is_made_again_and_a_failure_raised(data_file, monkeypatch):
     handle, data = data_file
-    real, seen = vectored._Libc.get(), []
+    real, seen = vectored._preadv(), []
 
     def interrupted(fd, address, count, offset):
         seen.append(offset)
@@ -73,12 +73,12 @@ def test_an_interrupted_call_is_made_again_and_a_failure_raised(data_file, monke
             return -1
         return real(fd, address, count, offset)
 
-    monkeypatch.setattr(vectored._Libc, "preadv", interrupted)
+    monkeypatch.setattr(vectored, "_preadv", lambda: interrupted)
     out = np.zeros(64, np.uint8)
     rows = vectored.table([out], np.array([0]), np.array([0]), np.array([64]))
     assert vectored.read_fully(handle.fileno(), rows, 0)
     assert out.tobytes() == data[:64] and len(seen) == 2
-    monkeypatch.setattr(vectored._Libc, "preadv", None)
+    monkeypatch.undo()
     with pytest.raises(OSError):
         vectored.read_fully(-1, rows, 0)  # EBADF
 

@@ -17,6 +17,7 @@ from mmkv_cli.pack.quant import (
     spanning_groups,
 )
 from mmkv_cli.pack.stored import stored_positions
+from mmkv_cli.pack.writeback import WriteBack
 
 
 class KeyScales:
@@ -84,7 +85,7 @@ def write_blocks(
     scales. Returns where each part's writes ended and the blocks' checksums (each its digests of
     `digest_layers` stored layers at a time, joined).
     The file keeps all blocks' K, then all V, ...: each part is a run of writes in block order."""
-    at, digests = list(starts), []
+    at, digests, back = list(starts), [], WriteBack(fh)
 
     def write(block: Span, stored: list | None) -> None:
         if stored is None:  # as computed
@@ -95,6 +96,7 @@ def write_blocks(
         for part, raw in enumerate(raws):
             fh.seek(at[part])
             fh.write(raw)
+            back.wrote(part, at[part], raw.nbytes)
             at[part] += raw.nbytes
 
     for block in blocks:

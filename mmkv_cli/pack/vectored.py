@@ -12,25 +12,22 @@ import os
 
 import numpy as np
 
+from mmkv_cli.pack import libc
+
 # struct iovec: a pointer and a size_t, both the width of a pointer
 IOVEC = np.uintp
 
 
-class _Libc:
-    """The C library's preadv, looked up on first use (`import mmkv` stays cheap and portable)."""
-
-    preadv = None
-
-    @classmethod
-    def get(cls):
-        if cls.preadv is None:
-            libc = ctypes.CDLL(None, use_errno=True)
-            # preadv64 where the C library has both: its off_t is 64-bit on every platform
-            function = getattr(libc, "preadv64", None) or libc.preadv
-            function.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64)
-            function.restype = ctypes.c_ssize_t
-            cls.preadv = function
-        return cls.preadv
+def _preadv():
+    """The C library's preadv (preadv64 where it has both: a 64-bit offset on every platform)."""
+    found = libc.function(
+        ("preadv64", "preadv"),
+        (ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64),
+        ctypes.c_ssize_t,
+    )
+    if found is None:
+        raise OSError(errno.ENOSYS, "this system's C library has no preadv")
+    return found
 
 
 def table(buffers: list[np.ndarray], owner: np.ndarray, at: np.ndarray, sizes: np.ndarray):
@@ -58,7 +55,7 @@ def preadv(fd: int, address: int, count: int, offset: int) -> int:
     at `address` (at most IOV_MAX): the bytes read, which may be fewer than asked (Linux's most in
     a call is 2 GiB - 4 KiB). An interrupted call is made again; any other failure is an
     OSError."""
-    call = _Libc.get()
+    call = _preadv()
     while True:
         got = call(fd, address, count, offset)
         if got >= 0:
