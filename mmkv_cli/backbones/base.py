@@ -98,7 +98,7 @@ class Backbone:
         self.prompt = prompt
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.text_config = model.config.get_text_config()
+        self.text_config = text
         self._lm = model.model.language_model
 
     # --- geometry, filled in by the family ---

@@ -46,21 +46,21 @@ class Staging:
         row_bytes = int(np.prod(row_shape, dtype=np.int64)) * np.dtype(np_dtype).itemsize
         join = 0 if self.pinned else HOST_JOIN_BYTES  # pinned: the caching allocator's, reused
         made: list = [None] * len(counts)
-        blank, group = None, []  # group: layers waiting to share an allocation
+        blank, group, held = None, [], 0  # group: layers waiting to share `held` rows
         for layer, rows in enumerate(counts):
             if rows:
                 group.append(layer)
+                held += rows
             else:
                 blank = blank or self._made(0, row_shape, np_dtype, torch_dtype)
                 made[layer] = blank
-            held = sum(counts[g] for g in group)
             if group and (layer == len(counts) - 1 or held * row_bytes >= join):
                 array, tensor = self._made(held, row_shape, np_dtype, torch_dtype)
                 at = 0
                 for g in group:  # each layer a view of its rows of the allocation
                     made[g] = array[at : at + counts[g]], tensor[at : at + counts[g]]
                     at += counts[g]
-                group = []
+                group, held = [], 0
         return made
 
     def _made(self, rows: int, row_shape: tuple, np_dtype, torch_dtype: str):

@@ -207,10 +207,11 @@ class StoredTensors:
     def _read_each(self, pieces: np.ndarray, reads: list[tuple]) -> None:
         fd, table, row = self._file.fileno(), pieces.ctypes.data, pieces.strides[0]
         for offset, first, stop, size in reads:
-            if vectored.preadv(fd, table + first * row, stop - first, offset) == size:
+            got = vectored.preadv(fd, table + first * row, stop - first, offset)
+            if got == size:
                 continue
-            # cut short (Linux's most a call, or the file cut under the reader): read again whole
-            if not vectored.read_fully(fd, pieces[first:stop], offset):
+            # cut short (Linux's most a call, or the file cut under the reader): the rest
+            if got <= 0 or not vectored.read_fully(fd, pieces[first:stop], offset, got):
                 raise PackError(f"{self.path} changed while it was being read")
 
     def read_into(self, into: memoryview, offset: int) -> None:

@@ -65,23 +65,23 @@ def preadv(fd: int, address: int, count: int, offset: int) -> int:
             raise OSError(code, os.strerror(code))
 
 
-def read_fully(fd: int, rows: np.ndarray, offset: int) -> bool:
+def read_fully(fd: int, rows: np.ndarray, offset: int, got: int = 0) -> bool:
     """The file's bytes from `offset` on into every piece of `rows`, one after another, however
-    many calls that takes: False where the file ends first (it was cut under the reader)."""
+    many calls that takes, the first `got` of them read already (a call cut short): False where
+    the file ends first (it was cut under the reader)."""
     rows = rows[rows[:, 1] > 0].copy()  # C-contiguous, and changed below
     left = int(rows[:, 1].sum())
-    while left:
-        got = preadv(fd, rows.ctypes.data, len(rows), offset)
-        if got <= 0:
-            return False
+    while True:
         offset, left = offset + got, left - got
         if not left:
             return True
-        # the pieces filled whole are dropped; one filled in part goes on from where it stopped
-        ends = np.cumsum(rows[:, 1])
-        first = int(np.searchsorted(ends, got, side="right"))
-        done = got - (int(ends[first - 1]) if first else 0)
-        rows = rows[first:].copy()
-        rows[0, 0] += done
-        rows[0, 1] -= done
-    return True
+        if got:  # the pieces filled whole are dropped; one filled in part goes on where it stopped
+            ends = np.cumsum(rows[:, 1])
+            first = int(np.searchsorted(ends, got, side="right"))
+            done = got - (int(ends[first - 1]) if first else 0)
+            rows = rows[first:].copy()
+            rows[0, 0] += done
+            rows[0, 1] -= done
+        got = preadv(fd, rows.ctypes.data, len(rows), offset)
+        if got <= 0:
+            return False
