@@ -1,8 +1,8 @@
 """Scattering reads described by a table: one row (address, length) per buffer piece, the
 layout of the C library's `struct iovec`, made by numpy for all the pieces of a read at once.
 A context of a per-layer eviction's pack is tens of thousands of runs of a few KB, each going to
-its layer's buffer: a Python buffer object a run cost about a microsecond, a quarter of such a
-read on its own (docs/benchmarks.md). The table is handed to the C library's preadv as it is."""
+its layer's buffer: a Python buffer object a run was a large share of such a read (figures in
+docs/benchmarks.md). The table is handed to the C library's preadv as it is."""
 
 from __future__ import annotations
 
