@@ -115,6 +115,28 @@ def test_pyav_reads_any_order_as_a_full_decode(tmp_path, name):
             assert np.array_equal(media.read(start, stop), truth[picks[start:stop]]), (fps, i)
 
 
+def test_pyav_converts_a_videos_frames_through_one_context(tmp_path, monkeypatch):
+    """A frame's own to_ndarray sets up a swscale context for that frame alone (milliseconds
+    each from PyAV 17): every read of a video shares one, and gives the same frames."""
+    import av.video.reformatter as reformatter
+
+    made, real = [], reformatter.VideoReformatter
+
+    def counted():
+        made.append(real())
+        return made[-1]
+
+    path = tmp_path / "gop.mp4"
+    _gop_video(path, 90)
+    truth = _decode_all(path)
+    monkeypatch.setattr(reformatter, "VideoReformatter", counted)
+    media = load_video(path, 30.0, 0, backend="pyav")
+    spans = [(s, s + 10) for s in (0, 10, 50, 20, 80)]  # forward, then seeks both ways
+    for start, stop in spans:
+        assert np.array_equal(media.read(start, stop), truth[start:stop])
+    assert len(made) == 1
+
+
 def test_pyav_holds_one_chunk_of_frames(tmp_path):
     """Opening a long video keeps no decoded frames: a chunk's read allocates about that chunk."""
     import tracemalloc

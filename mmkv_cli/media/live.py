@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from mmkv_cli.errors import MediaError
+from mmkv_cli.media.pyav_frames import rgb_converter
 
 NETWORK = ("rtsp://", "rtsps://", "rtmp://", "rtmps://", "udp://", "tcp://", "http://", "https://")
 _END = object()  # the reader's last word: the source ended
@@ -229,10 +230,10 @@ class LiveSource:
                 if not container.streams.video:
                     raise MediaError(f"{self.spec} holds no video stream")
                 stream = container.streams.video[0]
-                ticks = Ticks(self.options.fps)
-                self._decode(container, stream, ticks)
+                ticks, to_rgb = Ticks(self.options.fps), rgb_converter()
+                self._decode(container, stream, ticks, to_rgb)
                 for tick, chosen in ticks.end():
-                    self._put(tick, chosen)
+                    self._put(tick, to_rgb(chosen))
             self._queue.put(_END)
         except MediaError as err:
             self._queue.put(err)
@@ -241,7 +242,7 @@ class LiveSource:
                 MediaError(f"cannot read the live source {self.spec}: {ffmpeg_line(err)}")
             )
 
-    def _decode(self, container, stream, ticks: Ticks) -> None:
+    def _decode(self, container, stream, ticks: Ticks, to_rgb) -> None:
         origin = None
         try:
             for frame in container.decode(stream):
@@ -251,15 +252,14 @@ class LiveSource:
                     continue
                 origin = frame.time if origin is None else origin
                 for tick, chosen in ticks.offer(frame.time - origin, frame):
-                    self._put(tick, chosen)
+                    self._put(tick, to_rgb(chosen))
         except OSError as err:
             # a broadcast ends by closing its connection, which FFmpeg reads as a broken one
             if origin is None or self.kind != "network":
                 raise
             self.ended_by = str(err).splitlines()[0]
 
-    def _put(self, tick: float, frame) -> None:
-        rgb = frame.to_ndarray(format="rgb24")
+    def _put(self, tick: float, rgb: np.ndarray) -> None:
         item = (tick, rgb, time.monotonic())
         if self.behind == "wait":
             while not self._stop.is_set():

@@ -90,12 +90,24 @@ def nearest_frames(times: np.ndarray, wanted: list[float]) -> np.ndarray:
     return np.where(earlier, at - 1, at).astype(np.int64)
 
 
+def rgb_converter():
+    """frame -> its RGB array [H, W, 3] uint8, through one swscale context for every frame given.
+    A frame's own `to_ndarray(format="rgb24")` sets up a context for that frame alone, and since
+    PyAV 17 (swscale on threads of its own) that set-up cost more than a 720p frame's conversion:
+    milliseconds a frame, an hour's frames in seconds (docs/benchmarks.md). Not for two threads."""
+    from av.video.reformatter import VideoReformatter
+
+    reformatter = VideoReformatter()
+    return lambda frame: reformatter.reformat(frame, format="rgb24").to_ndarray()
+
+
 class FrameCursor:
     """Decodes one stream forward, remembering where it stopped."""
 
     def __init__(self, path: str, index: FrameIndex):
         self.path, self.index = path, index
         self._close = None
+        self._rgb = rgb_converter()
         self._restart()
 
     def _restart(self) -> None:
@@ -130,7 +142,7 @@ class FrameCursor:
             self._reach(int(picks[0]))
         for number, frame in self._decoded():
             if number in slots:
-                image = frame.to_ndarray(format="rgb24")
+                image = self._rgb(frame)
                 for slot in slots[number]:
                     out[slot] = image
             if number >= int(picks[-1]):
