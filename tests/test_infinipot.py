@@ -76,6 +76,38 @@ def test_after_an_eviction_the_code_pairs_by_cache_index_and_spatial_by_grid_pla
     assert by_slot[:3].tolist() == pytest.approx([0.0, -1.0, -1.0])
 
 
+def _pairwise_tar(keys, frames, slots, reference):
+    """TaR as defined, a pair at a time: each token against every reference frame's token at its
+    place, cosines averaged over heads, then over the pairs it has (0 with none)."""
+    unit = torch.nn.functional.normalize(keys.double(), dim=-1)
+    out = torch.zeros(keys.shape[1], dtype=torch.float64)
+    for i in range(keys.shape[1]):
+        partners = (reference & (slots == slots[i])).nonzero().squeeze(1)
+        if partners.numel():
+            out[i] = -(unit[:, i : i + 1] * unit[:, partners]).sum(-1).mean(0).mean()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("frames", "per_frame", "share"), [(7, 4, 0.6), (300, 4, 0.25), (9, 49, 0.25)]
+)
+def test_tar_against_every_reference_frame_is_the_pairwise_definition(frames, per_frame, share):
+    # many frames of few tokens (the demo backbone's 4 a frame under a 4K cap: a thousand frames
+    # held, hundreds of them the reference) as well as real grids; a partial oldest run too
+    torch.manual_seed(frames)
+    n = frames * per_frame - 3
+    keys = torch.randn(2, n, 16)
+    reference = recent_entries(n, per_frame, share)
+    cut, places = pairs_by_cache_slot(n, per_frame)
+    got = tar_scores(keys, cut, places, reference)
+    torch.testing.assert_close(got, _pairwise_tar(keys, cut, places, reference).float())
+    steps = torch.arange(n) // per_frame  # spatial places, a reference of whole steps
+    spatial = spatial_slots(steps)
+    reference = recent_mask(steps, share)
+    got = tar_scores(keys, steps, spatial, reference)
+    torch.testing.assert_close(got, _pairwise_tar(keys, steps, spatial, reference).float())
+
+
 def test_value_norms_average_the_heads():
     values = torch.zeros(2, 3, 4)
     values[0, 1, 0], values[1, 1, 0] = 3.0, 1.0

@@ -111,42 +111,35 @@ def tar_scores(
     averaged. "previous": minus the similarity to the same place in the previous frame (0 where
     there is none). Higher means less redundant, more worth keeping.
     """
-    mine, theirs = compared_pairs(frames, slots, reference)
-    device = keys.device  # the similarities on the keys' device; the pairing is host bookkeeping
-    a, b = (t.to(device, non_blocking=True) for t in (mine, theirs))
+    device = keys.device  # the similarities on the keys' device; the places are host bookkeeping
     unit = torch.nn.functional.normalize(keys.float(), dim=-1)
-    cos = (unit[:, a] * unit[:, b]).sum(dim=-1).mean(dim=0)
-    total = torch.zeros(frames.numel(), device=device).index_add_(0, a, -cos)
     if isinstance(reference, str):  # previous frame: at most one pair a token
-        return total
-    counted = torch.bincount(mine, minlength=frames.numel()).clamp_min(1)
-    return total / counted.to(device, non_blocking=True)
-
-
-def compared_pairs(
-    frames: torch.Tensor, slots: torch.Tensor, reference: torch.Tensor | str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token, the token it is compared with) index pairs for tar_scores, each [m]: per reference
-    frame in turn, every token whose place that frame holds; or ("previous") the same place in the
-    previous frame."""
+        mine, theirs = (t.to(device, non_blocking=True) for t in previous_pairs(frames, slots))
+        cos = (unit[:, mine] * unit[:, theirs]).sum(dim=-1).mean(dim=0)
+        return torch.zeros(frames.numel(), device=device).index_add_(0, mine, -cos)
+    # a mean of cosines with the reference tokens at a place is the dot product with the mean of
+    # their unit keys: each place's reference keys summed once, not a pair for every token and
+    # reference frame (thousands of frames when a frame is a few tokens)
     size = int(slots.max()) + 1 if slots.numel() else 0
-    if isinstance(reference, str):
-        rank = torch.unique(frames, return_inverse=True)[1]
-        table = torch.full((int(rank.max()) + 1 if rank.numel() else 0, size), -1)
-        table[rank, slots] = torch.arange(frames.numel())
-        before = torch.where(rank > 0, table[(rank - 1).clamp_min(0), slots], -1)
-        has = before >= 0
-        return has.nonzero().squeeze(1), before[has]
-    mine, theirs = [torch.empty(0, dtype=torch.long)], [torch.empty(0, dtype=torch.long)]
-    for frame in torch.unique(frames[reference]).tolist():
-        at = torch.full((size,), -1)
-        held = ((frames == frame) & reference).nonzero().squeeze(1)
-        at[slots[held]] = held
-        other = at[slots]
-        has = other >= 0
-        mine.append(has.nonzero().squeeze(1))
-        theirs.append(other[has])
-    return torch.cat(mine), torch.cat(theirs)
+    held = reference.nonzero().squeeze(1)
+    place, held = (t.to(device, non_blocking=True) for t in (slots, held))
+    sums = torch.zeros(unit.shape[0], size, unit.shape[2], device=device)
+    sums.index_add_(1, place[held], unit[:, held])
+    counted = torch.bincount(slots[reference], minlength=size).clamp_min(1)
+    total = -(unit * sums[:, place]).sum(dim=-1).mean(dim=0)
+    return total / counted[slots].to(device, non_blocking=True)
+
+
+def previous_pairs(frames: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, the token at its place in the previous frame) index pairs, each [m]: tokens of the
+    first frame, or whose place the previous frame lacks, have none."""
+    size = int(slots.max()) + 1 if slots.numel() else 0
+    rank = torch.unique(frames, return_inverse=True)[1]
+    table = torch.full((int(rank.max()) + 1 if rank.numel() else 0, size), -1)
+    table[rank, slots] = torch.arange(frames.numel())
+    before = torch.where(rank > 0, table[(rank - 1).clamp_min(0), slots], -1)
+    has = before >= 0
+    return has.nonzero().squeeze(1), before[has]
 
 
 def pairs_by_cache_slot(n: int, per_frame: int) -> tuple[torch.Tensor, torch.Tensor]:
