@@ -112,6 +112,7 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/per_head.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/early_write.py
 	$(BIN)/python bench/media_read.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/media_prep.py
 
 # Real scale (issue 16): rehearsal models at real width over 64-1800 frames. About 45 minutes on 2 CPU
 # cores at one layer; on a GPU run `python bench/scale.py --layers 0` for the full depth in bf16.

@@ -15,7 +15,10 @@
    StreamingTOM's 4-bit pack of 27 KB digest units, its question and `verify`, hashed on one
    thread and on the hashing threads.
 5. scale, reduce and live: bench/scale.py, bench/reduce.py and bench/live.py at 7B full depth.
-6. early_write, only when `--parts` names it: bench/early_write.py (the pack written while full
+6. media: bench/media_prep.py, the host's decoding, RGB and video processor a frame of 720p and
+   1080p H.264, as the encode's read-ahead runs them, with the processor on the host and on the
+   device: the scale part's 128 px clips cost the host nothing, a user's video does.
+7. early_write, only when `--parts` names it: bench/early_write.py (the pack written while full
    and rekv encode, against at the end). Three H100 runs settled that writing while encoding wins
    (docs/benchmarks.md), and its 78 s had put a whole run over 8 minutes.
 
@@ -43,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
-PARTS = ("parity", "syncs", "floor", "read", "scale", "reduce", "early_write", "live")
+PARTS = ("parity", "syncs", "floor", "read", "scale", "reduce", "media", "early_write", "live")
 DEFAULT_PARTS = tuple(part for part in PARTS if part != "early_write")  # a run of under 8 minutes
 QUESTIONS = ["what color is the circle ?", "which shape appeared first ?"]
 # the scripts import this checkout's mmkv_cli where it is not installed (a device machine), next
@@ -300,6 +303,9 @@ def main() -> None:
     early += ["--out", str(out / "gpu-early_write.json")]
     live = ["--model", model, "--minutes", "1", "--methods", "hermes,infinipot"]
     live += ["--tokens", "4096", "--device", args.device]
+    media = ["--device", args.device, "--models", "rehearsal-llava-ov-0.5b"]
+    media += ["--out", str(out / "gpu-media.json")]
+    media += ["--sizes", "640x360", "--seconds", "4"] if args.quick else ["--seconds", "30"]
     quick = 8 if args.quick else 100
     sync_methods = args.sync_methods.split(",")
     runs = {
@@ -320,6 +326,7 @@ def main() -> None:
             "--out",
             str(out / "gpu-reduce.json"),
         ),
+        "media": lambda: bench("media_prep.py", *media),
         "early_write": lambda: bench("early_write.py", *common, *early),
         "live": lambda: None if args.quick else bench("live.py", *live),
     }
