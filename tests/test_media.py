@@ -69,8 +69,10 @@ def test_bad_media_gives_media_errors(tmp_path):
         load_media(str(SAMPLES / "clip.mp4"), fps=0)
 
 
-def _gop_video(path: Path, count: int, fps: int = 30) -> np.ndarray:
-    """A video with B-frames and a key frame every 12 frames, each frame's number drawn in it."""
+def _gop_video(path: Path, count: int, fps: int = 30, encoder_threads: str = "SLICE") -> np.ndarray:
+    """A video with B-frames and a key frame every 12 frames, each frame's number drawn in it.
+    encoder_threads: "SLICE" (PyAV's default: several slices a frame) or "FRAME" (one slice a
+    frame, as the ffmpeg command line writes, which only frame threads decode in parallel)."""
     import av
 
     frames = np.zeros((count, 32, 48, 3), np.uint8)
@@ -80,6 +82,7 @@ def _gop_video(path: Path, count: int, fps: int = 30) -> np.ndarray:
     with av.open(str(path), "w", format=path.suffix[1:]) as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = 48, 32, "yuv420p"
+        stream.thread_type = encoder_threads
         stream.options = {"crf": "10", "g": "12", "bf": "2", "preset": "veryfast"}
         for image in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
@@ -96,12 +99,16 @@ def _decode_all(path: Path) -> np.ndarray:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
 
 
-@pytest.mark.parametrize("name", ["gop.mp4", "gop.h264"])
-def test_pyav_reads_any_order_as_a_full_decode(tmp_path, name):
+@pytest.mark.parametrize(
+    ("name", "encoder_threads"),
+    [("gop.mp4", "SLICE"), ("gop.h264", "SLICE"), ("gop.mp4", "FRAME"), ("gop.h264", "FRAME")],
+)
+def test_pyav_reads_any_order_as_a_full_decode(tmp_path, name, encoder_threads):
     """Reads decode forward, seek to key frames, and go backwards: every frame is the one a plain
-    decode of the whole file gives at that time. A raw stream (no pts, no seeks) counts frames."""
+    decode of the whole file gives at that time, on FFmpeg's frame threads too (each seek flushes
+    the frames they hold). A raw stream (no pts, no seeks) counts frames."""
     path = tmp_path / name
-    _gop_video(path, 150)
+    _gop_video(path, 150, encoder_threads=encoder_threads)
     truth = _decode_all(path)
     for fps, cap in [(30.0, 0), (7.0, 0), (30.0, 40)]:
         media = load_video(path, fps, cap, backend="pyav")

@@ -15,6 +15,12 @@ import numpy as np
 
 from mmkv_cli.errors import MediaError
 
+# How a file's frames are decoded in parallel: FFmpeg's frame threads where the codec has them, and
+# its slice threads (PyAV's default alone). Most files hold one slice a frame (the ffmpeg command
+# line's x264, most encoders), which slice threads decode on one core; a whole file's frames are
+# decoded in order, so frame threads' latency costs nothing (a live source keeps the default)
+DECODE_THREADING = "AUTO"
+
 
 @dataclass(frozen=True)
 class FrameIndex:
@@ -64,6 +70,7 @@ def _counted_index(path: str) -> FrameIndex:
 
     with av.open(path) as container:
         stream = container.streams.video[0]
+        stream.thread_type = DECODE_THREADING
         rate = float(stream.guessed_rate or stream.average_rate or 0) or 1.0
         stamps = [frame.time for frame in container.decode(stream)]
     if any(t is None for t in stamps):
@@ -118,6 +125,7 @@ class FrameCursor:
             self._close()  # closes the old container and drops its finalizer
         self.container = av.open(self.path)
         self.stream = self.container.streams.video[0]
+        self.stream.thread_type = DECODE_THREADING
         self.frames = None  # the decoding iterator, started on the first read
         self.next_index = 0  # presentation index of the frame the iterator yields next
         self._close = weakref.finalize(self, self.container.close)
