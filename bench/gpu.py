@@ -15,9 +15,10 @@
    StreamingTOM's 4-bit pack of 27 KB digest units, its question and `verify`, hashed on one
    thread and on the hashing threads.
 5. scale, reduce and live: bench/scale.py, bench/reduce.py and bench/live.py at 7B full depth.
-6. media: bench/media_prep.py, the host's decoding, RGB and video processor a frame of 720p and
-   1080p H.264, as the encode's read-ahead runs them, with the processor on the host and on the
-   device: the scale part's 128 px clips cost the host nothing, a user's video does.
+6. media: bench/media_prep.py, the host's decoding and RGB a frame of 1080p H.264 under FFmpeg's
+   slice and frame threads, and the video processor on the host and on the device, as the
+   encode's read-ahead runs them: the scale part's 128 px clips cost the host nothing, a user's
+   video does.
 7. early_write, only when `--parts` names it: bench/early_write.py (the pack written while full
    and rekv encode, against at the end). Three H100 runs settled that writing while encoding wins
    (docs/benchmarks.md), and its 78 s had put a whole run over 8 minutes.
@@ -305,7 +306,8 @@ def main() -> None:
     live += ["--tokens", "4096", "--device", args.device]
     media = ["--device", args.device, "--models", "rehearsal-llava-ov-0.5b"]
     media += ["--out", str(out / "gpu-media.json")]
-    media += ["--sizes", "640x360", "--seconds", "4"] if args.quick else ["--seconds", "30"]
+    media += ["--sizes", "640x360" if args.quick else "1920x1080"]
+    media += ["--seconds", "4" if args.quick else "20"]
     quick = 8 if args.quick else 100
     sync_methods = args.sync_methods.split(",")
     runs = {

@@ -46,19 +46,25 @@ print(json.dumps({"backend": backend, "fps": fps, "frames": media.num_frames, "o
 """
 
 
-def write_video(path: Path, width: int, height: int, seconds: int) -> None:
+def write_video(
+    path: Path, width: int, height: int, seconds: int, encoder_threads: str = "SLICE"
+) -> None:
+    """encoder_threads: PyAV's default "SLICE" writes several slices a frame; "FRAME" one, as the
+    ffmpeg command line and most encoders do (only frame threads decode those in parallel)."""
     import av
     import numpy as np
 
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    y, x = np.mgrid[0:height, 0:width]
+    # each channel's gradient once, moved by adding to bytes (which wrap at 256, as the % did)
+    base = np.stack([x % 256, y % 256, ((x + y) // 2) % 256], axis=-1).astype(np.uint8)
+    steps = np.array([3, 2, 1], dtype=np.int64)
     with av.open(str(path), "w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=30)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.thread_type = encoder_threads
         stream.options = {"g": "60", "bf": "2", "preset": "ultrafast", "crf": "23"}
         for i in range(seconds * 30):
-            image = np.stack(
-                [(x + 3 * i) % 256, (y + 2 * i) % 256, ((x + y) / 2 + i) % 256], axis=-1
-            ).astype(np.uint8)
+            image = base + ((steps * i) % 256).astype(np.uint8)
             for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
