@@ -100,8 +100,8 @@ def nearest_frames(times: np.ndarray, wanted: list[float]) -> np.ndarray:
 def rgb_converter():
     """frame -> its RGB array [H, W, 3] uint8, through one swscale context for every frame given.
     A frame's own `to_ndarray(format="rgb24")` sets up a context for that frame alone, and since
-    PyAV 17 (swscale on threads of its own) that set-up cost more than a 720p frame's conversion:
-    milliseconds a frame, an hour's frames in seconds (docs/benchmarks.md). Not for two threads."""
+    PyAV 17 (swscale on threads of its own) that set-up cost more than a 720p frame's conversion
+    (docs/benchmarks.md). Not for two threads at once."""
     from av.video.reformatter import VideoReformatter
 
     reformatter = VideoReformatter()
