@@ -37,6 +37,7 @@ class WriteBack:
         first, stop = self.pending.get(part, (start, start))
         if stop != start:  # not where the part's writes left off: what came before goes now
             self._hand_on([(first, stop)])
+            self.held -= stop - first
             first = start
         self.pending[part] = (first, start + size)
         self.held += size
