@@ -45,6 +45,7 @@ __all__ = [
     "PackSession",
     "answer_record",
     "ask",
+    "check_encode",
     "context_policy",
     "convert",
     "convert_quant",
@@ -120,6 +121,12 @@ def encode(
     write_encoded(output, backbone, choice, context, source, encoded, quant, options.force)
     checkpoint.remove()  # the pack is whole: the state it was saved for is done
     return {**inspect(output), **encoded.stats}
+
+
+def check_encode(media: str, output: str | Path, options: EncodeOptions) -> None:
+    """What an encode to a local output refuses before any model loads (a client checks this
+    before handing the encode to a server)."""
+    _checked_before_loading(media, local_path(output), options)
 
 
 def _checked_before_loading(media: str, output: Path, options: EncodeOptions):
@@ -306,16 +313,27 @@ class PackSession:
         backbone: Backbone | None = None,
         load: LoadOptions | None = None,
     ):
-        from mmkv_cli.backbones.loading import load_backbone
         from mmkv_cli.pack.integrity import check_askable
 
+        # the pack first: a missing or broken one is refused before torch is imported
         self.reader = PackReader(pack) if isinstance(pack, str | Path) else pack
         check_askable(self.reader.header, str(self.reader.path))
         self.policy = context_policy(self.reader)
         if backbone is None:
+            from mmkv_cli.backbones.loading import load_backbone
+
             backbone = load_backbone(load_for(self.reader, load or LoadOptions()))
         self.backbone = backbone
         self._fetched = 0  # the remote pack's bytes already charged to a question (none yet)
+
+    @property
+    def media_kind(self) -> str:
+        """What the pack was made from: video, images or document (how its blocks are shown)."""
+        return self.reader.header.media.kind
+
+    def turn_tokens(self, turns: tuple[tuple[str, str], ...]) -> int:
+        """How many tokens earlier (question, answer) turns take in this model's prompt."""
+        return len(self.backbone.turns_ids(turns))
 
     def close(self) -> None:
         """Let go of the pack's file (a memory pack holds none)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,6 +20,8 @@ from typing import Any, Literal
 from mmkv_cli.errors import UsageError
 from mmkv_cli.spec import knob, override
 
+_DURATION = re.compile(r"(\d+(?:\.\d*)?)\s*(ms|s|m|h|d)?")
+_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 Level = Literal["debug", "info", "warning", "error", "critical"]
 
 
@@ -33,6 +36,9 @@ class ServeConfig:
     cors: tuple[str, ...] | None = knob(None, "origins whose web pages may call the API ('*': any)")
     preload: bool | None = knob(None, "load the model before answering anything, /health included")
     open_metrics: bool | None = knob(None, "answer /metrics without the API key (for a scraper)")
+    cache_gb: float | None = knob(
+        None, "GiB of hot packs' KV a server keeps in memory (default: a quarter of RAM)", above=0
+    )
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,12 @@ class Config:
     presets: str | None = knob(None, "a folder of your presets (methods/, models/), as --presets")
     log_level: Level | None = knob(None, "log records from this level (as --log-level)")
     serve: ServeConfig = knob(ServeConfig(), "`mmkv serve`'s settings")
+    keep_alive: str | None = knob(
+        None,
+        "when set (300, '5m', '1h'; -1: forever), ask, chat and encode start a warm local server "
+        "if none runs, which leaves after that long idle",
+    )
+    host: str | None = knob(None, "the warm server's socket the CLI uses (as MMKV_HOST)")
 
 
 def config_path() -> Path:
@@ -65,6 +77,9 @@ def config() -> Config:
     path, data = config_path(), _written()
     if data is None:
         return Config()
+    keep = data.get("keep_alive")
+    if isinstance(keep, int | float) and not isinstance(keep, bool):  # seconds, as a number
+        data = {**data, "keep_alive": str(keep)}
     if isinstance(data.get("serve"), dict) and isinstance(data["serve"].get("cors"), str):
         data = {**data, "serve": {**data["serve"], "cors": [data["serve"]["cors"]]}}  # one origin
     try:
@@ -72,6 +87,11 @@ def config() -> Config:
     except UsageError as err:
         said = str(err).removeprefix("config.").removeprefix("config: ")
         raise UsageError(f"{path}: {said}") from None
+    if chosen.keep_alive is not None:
+        try:
+            seconds_of(chosen.keep_alive, "keep_alive")
+        except UsageError as err:
+            raise UsageError(f"{path}: {err}") from None
     for key in ("packs", "presets"):  # folders: ~ is the user's home, as in a shell
         folder = getattr(chosen, key)
         if folder is not None and "://" not in folder:
@@ -103,3 +123,18 @@ def file_values() -> dict[str, Any]:
     flat = {key: value for key, value in data.items() if key != "serve"}
     flat.update({f"serve.{key}": value for key, value in (data.get("serve") or {}).items()})
     return flat
+
+
+def seconds_of(text: str | float | int, what: str) -> float:
+    """A duration as ollama's keep_alive takes it: seconds, or '30s', '5m', '1h' (0: at once;
+    negative: never)."""
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        return float(text)
+    if isinstance(text, str):
+        stripped = text.strip()
+        negative = stripped.startswith("-")
+        match = _DURATION.fullmatch(stripped.lstrip("-"))
+        if match:
+            value = float(match.group(1)) * _SECONDS[match.group(2)]
+            return -value if negative else value
+    raise UsageError(f"{what} must be a duration (300, '30s', '5m', '1h'), not {str(text)[:60]!r}")

@@ -93,16 +93,16 @@ def test_bad_commands_and_values_are_one_line_and_the_chat_goes_on(session):
 def test_the_history_is_cut_to_its_turn_and_token_limits(session):
     chat = Chat(AskOptions(), turns=3, tokens=10_000)
     chat.history = [(f"question {i} ?", f"answer {i}") for i in range(6)]
-    assert [q for q, _ in recent_turns(session.backbone, chat)] == [
+    assert [q for q, _ in recent_turns(session, chat)] == [
         "question 3 ?",
         "question 4 ?",
         "question 5 ?",
     ]
     one = len(session.backbone.turns_ids((chat.history[-1],)))
     chat.tokens = one  # room for the newest turn only
-    assert recent_turns(session.backbone, chat) == chat.history[-1:]
+    assert recent_turns(session, chat) == chat.history[-1:]
     chat.turns = 0
-    assert recent_turns(session.backbone, chat) == []
+    assert recent_turns(session, chat) == []
 
 
 def test_chat_reads_piped_lines_in_a_real_process(tmp_path, backbones):

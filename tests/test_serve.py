@@ -189,7 +189,9 @@ def test_a_full_queue_answers_503_with_retry_after(packs):
 
     async def go():
         app, client = _in_process(packs, queue=1)
-        app.state.packs.session = lambda name: Slow()
+        app.state.packs.ask = lambda name, question, options, on_token=None: Slow().ask(
+            question, options
+        )
         body = {"model": "clip", "messages": [{"role": "user", "content": "hi"}]}
         async with client:
             first = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
@@ -204,19 +206,26 @@ def test_a_full_queue_answers_503_with_retry_after(packs):
     asyncio.run(go())
 
 
-def test_an_evicted_backbone_takes_its_sessions_with_it(packs, monkeypatch):
+def test_a_model_switch_evicts_the_oldest_backbone_by_the_cap(packs, monkeypatch):
     import mmkv_cli.backbones.loading as backbones_module
     from mmkv_cli.options import LoadOptions
     from mmkv_cli.serve.app import Packs
     from mmkv_cli.serve.shelf import shelf
 
-    monkeypatch.setattr(backbones_module, "load_backbone", lambda load: object())
+    class Fake:
+        def __init__(self, layers: int):
+            self.layers = layers
+
+        def kv_shape(self) -> dict:
+            return {"layers": self.layers}
+
+    monkeypatch.setattr(backbones_module, "load_backbone", lambda load: Fake(load.layers or 2))
     held = Packs(shelf(packs), LoadOptions(), models=1)
     first = held.backbone(LoadOptions("a"))
-    held.sessions["clip"] = ((0, 0), type("S", (), {"backbone": first})())
-    assert held.backbone(LoadOptions("a")) is first and "clip" in held.sessions  # a hit keeps it
+    assert held.backbone(LoadOptions("a")) is first  # a hit keeps it, its depth unsaid or said
+    assert held.backbone(LoadOptions("a", layers=2)) is first
     held.backbone(LoadOptions("a", layers=1))  # another depth of a rehearsal model: its own
-    assert list(held.backbones) == [LoadOptions("a", layers=1)] and "clip" not in held.sessions
+    assert list(held.backbones) == [LoadOptions("a", layers=1)]
 
 
 def test_openai_compatible_without_surprises(server, packs):

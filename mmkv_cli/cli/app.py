@@ -16,6 +16,7 @@ from mmkv_cli.cli import asking as cli_asking
 from mmkv_cli.cli import batch as cli_batch
 from mmkv_cli.cli import live as cli_live
 from mmkv_cli.cli import packs as cli_pack
+from mmkv_cli.cli import server as cli_server
 from mmkv_cli.cli import settings as cli_settings
 from mmkv_cli.cli import study as cli_study
 from mmkv_cli.cli import talk as cli_talk
@@ -150,12 +151,12 @@ def encode(
     model: str | None = ModelOpt,
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
+    no_server: bool = cli_server.NoServerOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Turn media into the model's KV cache, compress it with METHOD and save it as a .kvpack."""
 
     def body() -> None:
-        from mmkv_cli import api
         from mmkv_cli.cli.display import encode_progress, encoded_line, out_console
 
         options = EncodeOptions(
@@ -173,8 +174,9 @@ def encode(
             reduce=reduce,
         )
         load = load_options(model, device, dtype)
+        encoding = cli_server.encoder(media, output, options, load, no_server)
         if as_json:
-            emit_json(api.encode(media, output, options, load=load))
+            emit_json(encoding())
             return
         bar = encode_progress()
         task = bar.add_task("encode", total=None, rate="")
@@ -190,9 +192,7 @@ def encode(
             bar.update(task, completed=frames, rate=f"{rate:,.0f} tok/s")
 
         try:
-            info = api.encode(
-                media, output, options, load=load, progress=on_progress, on_start=on_start
-            )
+            info = encoding(progress=on_progress, on_start=on_start)
         finally:
             if started:
                 bar.stop()
@@ -288,6 +288,8 @@ app.command(cls=Command)(cli_pack.verify)
 app.command(cls=Command)(cli_pack.ls)
 app.command(cls=Command)(cli_batch.batch)
 app.command("config", cls=Command)(cli_settings.config_command)
+app.command(cls=Command)(cli_server.ps)
+app.command(cls=Command)(cli_server.stop)
 
 
 def main() -> None:

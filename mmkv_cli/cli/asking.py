@@ -26,6 +26,7 @@ from mmkv_cli.cli.common import (
     ray_option,
     run,
 )
+from mmkv_cli.cli.server import NoServerOpt, open_session
 from mmkv_cli.cluster.pool import Cluster
 from mmkv_cli.errors import MmkvError, UsageError
 from mmkv_cli.methods import pruning_methods
@@ -77,6 +78,7 @@ def ask(
     workers: int = WorkersOpt,
     cpus_per_worker: float = CpusPerWorkerOpt,
     gpus_per_worker: float = GpusPerWorkerOpt,
+    no_server: bool = NoServerOpt,
     as_json: bool = JsonLinesOpt,
 ) -> None:
     """Answer questions from a saved pack, without the media.
@@ -85,7 +87,6 @@ def ask(
     --json prints one JSON object per question (JSONL), in input order."""
 
     def body() -> None:
-        from mmkv_cli import api
         from mmkv_cli.cli.questions import gather
 
         asked = gather(list(questions or []), questions_file)
@@ -109,8 +110,11 @@ def ask(
         elif pack is None:
             raise UsageError("give a PACK, or a questions file whose lines name their packs")
         else:
-            session = api.PackSession(pack, load=load_options(model, device, dtype))
-            failed = _answer_all(session, asked, options, as_json, explain)
+            session = open_session(pack, load_options(model, device, dtype), no_server)
+            try:
+                failed = _answer_all(session, asked, options, as_json, explain)
+            finally:
+                session.close()
         if failed:
             raise MmkvError(f"{failed} of {len(asked)} questions failed (see above)")
 
@@ -157,7 +161,7 @@ def _answer_all(session, asked: list, options: AskOptions, as_json: bool, explai
         if explain:
             from mmkv_cli.cli.display import show_retrieved
 
-            show_retrieved(answer.retrieved, answer.blocks_used, session.reader.header.media.kind)
+            show_retrieved(answer.retrieved, answer.blocks_used, session.media_kind)
     return failed
 
 

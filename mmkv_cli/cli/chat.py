@@ -55,7 +55,7 @@ def chat_loop(session, lines: Iterable[str], chat: Chat, write: Say, note: Say, 
             except UsageError as err:
                 note(f"error: {err}")
             continue
-        options = replace(chat.options, history=tuple(recent_turns(session.backbone, chat)))
+        options = replace(chat.options, history=tuple(recent_turns(session, chat)))
         try:
             answer = session.ask(text, options, on_token=write)
         except MmkvError as err:
@@ -71,10 +71,10 @@ def chat_loop(session, lines: Iterable[str], chat: Chat, write: Say, note: Say, 
         chat.last = answer
 
 
-def recent_turns(backbone, chat: Chat) -> list[tuple[str, str]]:
+def recent_turns(session, chat: Chat) -> list[tuple[str, str]]:
     """The turns a follow-up sees: the last `turns`, fewer while they pass `tokens` tokens."""
     turns = chat.history[-chat.turns :] if chat.turns > 0 else []
-    while turns and len(backbone.turns_ids(tuple(turns))) > chat.tokens:
+    while turns and session.turn_tokens(tuple(turns)) > chat.tokens:
         turns = turns[1:]
     return turns
 

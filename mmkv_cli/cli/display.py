@@ -319,3 +319,34 @@ def show_config(path, rows: list[dict]) -> None:
         )
         table.add_row(row["key"], Text(value), row["from"], *((row["doc"],) if wide else ()))
     out_console.print(table)
+
+
+def show_server(state: dict) -> None:
+    """`mmkv ps`: the server, then its loaded models and hot packs (most recent first)."""
+    alive = state.get("keep_alive_s", -1)
+    leaves = "never leaves" if alive < 0 else f"leaves after {alive:g} s idle"
+    out_console.print(
+        Text(f"mmkv server {state.get('version')} (pid {state.get('pid')}) on {state['socket']}")
+    )
+    hot, cap = human_bytes(state.get("hot_bytes", 0)), human_bytes(state.get("cache_bytes", 0))
+    out_console.print(
+        Text(f"{leaves}; idle {state.get('idle_s', 0):.1f} s; hot packs {hot} of {cap}")
+    )
+    models = Table(title="models", title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("model", "device", "dtype", "size"):
+        models.add_column(column, no_wrap=column == "model", overflow="fold")
+    for row in state.get("models", []):
+        models.add_row(
+            Text(str(row["model"])),
+            str(row["device"]),
+            str(row["dtype"]),
+            human_bytes(row["bytes"]),
+        )
+    out_console.print(models if state.get("models") else Text("no model loaded"))
+    packs = Table(title="hot packs", title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("pack", "held", "spans", "questions"):
+        packs.add_column(column, no_wrap=column == "pack", overflow="fold")
+    for row in state.get("packs", []):
+        held = human_bytes(row["bytes"]) + ("" if row["holding"] else " (over the cap: read)")
+        packs.add_row(Text(str(row["path"])), held, str(row["spans"]), str(row["questions"]))
+    out_console.print(packs if state.get("packs") else Text("no pack hot"))

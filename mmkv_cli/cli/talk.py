@@ -24,6 +24,7 @@ from mmkv_cli.cli.common import (
     model_names,
     run,
 )
+from mmkv_cli.cli.server import NoServerOpt, open_session
 from mmkv_cli.errors import AddressError, UsageError
 from mmkv_cli.options import AskOptions, Dtype, GenerationOptions, check_generation
 
@@ -55,18 +56,18 @@ def chat(
     model: str | None = PackModelOpt,
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
+    no_server: bool = NoServerOpt,
 ) -> None:
     """Ask a pack question after question; answers stream, follow-ups see earlier turns (/help)."""
 
     def body() -> None:
-        from mmkv_cli import api
         from mmkv_cli.cli.chat import Chat, chat_loop
         from mmkv_cli.cli.display import err_console, show_retrieved
 
         generation = GenerationOptions(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
         options = AskOptions(generation=generation)
         check_generation(generation)  # before the model loads
-        session = api.PackSession(pack, load=load_options(model, device, dtype))
+        session = open_session(pack, load_options(model, device, dtype), no_server)
         interactive = sys.stdin.isatty()
         if interactive:
             err_console.print(
@@ -87,9 +88,7 @@ def chat(
             chat,
             write,
             note,
-            lambda answer: show_retrieved(
-                answer.retrieved, answer.blocks_used, session.reader.header.media.kind
-            ),
+            lambda answer: show_retrieved(answer.retrieved, answer.blocks_used, session.media_kind),
         )
         if chat.failed:  # as `ask` does: a script sees that some questions got no answer
             raise typer.Exit(1)
@@ -194,12 +193,41 @@ def serve(
     open_metrics: bool = typer.Option(
         False, "--open-metrics", help="Answer /metrics without the API key (for a scraper)."
     ),
+    http: bool = typer.Option(
+        True, "--http/--no-http", help="Answer HTTP; --no-http: the local channel alone."
+    ),
+    local: bool = typer.Option(
+        True,
+        "--local/--no-local",
+        help="Also answer this user's mmkv commands on the local socket (see `mmkv ps`).",
+    ),
+    keep_alive: str = typer.Option(
+        "-1",
+        "--keep-alive",
+        help="Leave after this long without a request (300, 5m, 1h; -1: never). With --no-http.",
+    ),
+    cache_gb: float | None = typer.Option(
+        None,
+        "--cache-gb",
+        help="GiB of hot packs' KV kept in memory, least recently used out first (default: a "
+        "quarter of RAM).",
+    ),
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
 ) -> None:
-    """Serve the packs of a folder over an OpenAI-compatible HTTP API (/v1/chat/completions)."""
+    """Serve packs over an OpenAI-compatible HTTP API (/v1/chat/completions), and keep models and
+    packs warm for this user's mmkv commands (the local socket)."""
 
     def body() -> None:
+        from mmkv_cli.config import seconds_of
+
+        idle = seconds_of(keep_alive, "--keep-alive")
+        if cache_gb is not None and not cache_gb > 0:
+            raise UsageError(f"--cache-gb must be above 0, not {cache_gb}")
+        cache_bytes = None if cache_gb is None else int(cache_gb * (1 << 30))
+        if not http:
+            _serve_local(load_options(model, device, dtype), models, cache_bytes, idle, preload)
+            return
         try:
             import uvicorn
 
@@ -220,8 +248,11 @@ def serve(
             cors=cors,
             preload=preload,
             open_metrics=open_metrics,
+            cache_bytes=cache_bytes,
         )
         _log_access()
+        if local:
+            _local_beside(app.state.packs.warm)
         count = len(app.state.packs.names())
         if not api_key and not _loopback(host):
             err_console.print(
@@ -236,3 +267,37 @@ def serve(
         server.run(sockets=[listening])
 
     run(body)
+
+
+def _serve_local(load, models: int, cache_bytes: int | None, idle: float, preload: bool) -> None:
+    """`serve --no-http`: the local channel alone (what a command starts with keep_alive set)."""
+    from mmkv_cli.cli.display import err_console
+    from mmkv_cli.serve.client import server_host
+    from mmkv_cli.serve.local import LocalServer
+    from mmkv_cli.serve.place import local_place
+    from mmkv_cli.serve.warm import Warm
+
+    warm = Warm(load, models, cache_bytes)
+    server = LocalServer(warm, local_place(server_host()), idle)
+    server.bind()  # a second server racing this one leaves here, in one line
+    if preload:
+        warm.on_model_thread(warm.preload)
+    err_console.print(f"mmkv server on {server.place.socket} (pid {os.getpid()})", markup=False)
+    try:
+        server.serve()
+    finally:
+        warm.close()
+
+
+def _local_beside(warm) -> None:
+    from mmkv_cli.cli.display import err_console
+    from mmkv_cli.serve.client import server_host
+    from mmkv_cli.serve.local import start_beside
+    from mmkv_cli.serve.place import local_place
+
+    place = local_place(server_host())
+    if start_beside(warm, place) is None:
+        err_console.print(
+            f"note: another mmkv server answers on {place.socket}; this one serves HTTP only",
+            markup=False,
+        )

@@ -91,26 +91,35 @@ class MemoryPack:
         """Blocks `names` joined per layer in that order, as PackReader.gather gives them (for a
         pack stored as computed: the KV on the host, device and dtype unused; later unused too:
         the encoder's own KV, nothing decoded, leaves no verdict)."""
-        if not names:
-            return [], [], []
-        spans = {name: self._blocks[self._index(name)] for name in names}
-        first = spans[names[0]]
-        layers = len(first.keys)
-        chosen = per_layer if per_layer is not None else [names] * layers
-        out: tuple[list, list, list] = ([], [], [])
-        for layer, taken in enumerate(chosen):
-            for part, joined in enumerate(out):
-                pieces = [_parts(spans[name])[part][layer] for name in taken]
-                empty = _parts(first)[part][layer][:, :0]
-                joined.append(torch.cat(pieces, dim=1) if pieces else empty.clone())
-        out[2][:] = [p.to(torch.int64) for p in out[2]]  # as read: int64 positions
-        return out
+        return joined_spans(
+            {name: self._blocks[self._index(name)] for name in names}, names, per_layer
+        )
 
     def _index(self, name: str) -> int:
         index = self.blocks.index_of(name)
         if index is None:  # as the reader says it
             raise PackError(f"{self.path} has no block {name}")
         return index
+
+
+def joined_spans(
+    spans: dict[str, Span], names: list[str], per_layer: list[list[str]] | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Spans `names` joined per layer in that order, as PackReader.gather gives them (per_layer:
+    for every layer the names it takes instead): (keys, values, int64 positions) on the host."""
+    if not names:
+        return [], [], []
+    first = spans[names[0]]
+    layers = len(first.keys)
+    chosen = per_layer if per_layer is not None else [names] * layers
+    out: tuple[list, list, list] = ([], [], [])
+    for layer, taken in enumerate(chosen):
+        for part, joined in enumerate(out):
+            pieces = [_parts(spans[name])[part][layer] for name in taken]
+            empty = _parts(first)[part][layer][:, :0]
+            joined.append(torch.cat(pieces, dim=1) if pieces else empty.clone())
+    out[2][:] = [p.to(torch.int64) for p in out[2]]  # as read: int64 positions
+    return out
 
 
 def _parts(span: Span) -> tuple[list, list, list]:

@@ -17,8 +17,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,9 +25,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mmkv_cli.api import load_for
 from mmkv_cli.errors import MmkvError, UsageError
 from mmkv_cli.options import AskOptions, LoadOptions
+from mmkv_cli.pack.storage import is_url
 from mmkv_cli.serve.metrics import Metrics
 from mmkv_cli.serve.pack_routes import pack_routes
 from mmkv_cli.serve.requests import ChatRequest
@@ -38,6 +36,7 @@ from mmkv_cli.serve.responses import error as _error
 from mmkv_cli.serve.shelf import FolderShelf, Shelf, shelf
 from mmkv_cli.serve.stream_routes import stream_answer, stream_routes
 from mmkv_cli.serve.streams import Streams
+from mmkv_cli.serve.warm import Warm
 
 MAX_BODY_BYTES = 1 << 20  # a chat request is text: 1 MiB is generous
 # what a probe or a scraper reads without the API key: nothing about any pack
@@ -51,18 +50,28 @@ class Busy(Exception):
 
 
 class Packs:
-    """Pack sessions by name, their backbones in a small LRU, every model call on one thread."""
+    """Packs by name on the shelf, answered by what the server keeps warm (serve/warm.py): every
+    model call on its one thread, a bounded line of requests waiting for it."""
 
-    def __init__(self, shelf: Shelf, load: LoadOptions, models: int = 2, queue: int = 16):
+    def __init__(
+        self,
+        shelf: Shelf,
+        load: LoadOptions,
+        models: int = 2,
+        queue: int = 16,
+        warm: Warm | None = None,
+    ):
         self.shelf = shelf
         self.load = load
-        self.capacity = max(1, models)
+        self.warm = warm or Warm(load, models)
+        self.worker = self.warm.worker
         self.limit = max(1, queue)
-        self.backbones: OrderedDict[LoadOptions, object] = OrderedDict()
-        self.sessions: dict[str, tuple[tuple, object]] = {}
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="mmkv-model")
         self.pending = 0
         self.lock = threading.Lock()
+
+    @property
+    def backbones(self):
+        return self.warm.backbones
 
     def path(self, name: str) -> str | Path:
         """The pack `name` on the shelf (LookupError when there is none)."""
@@ -86,45 +95,19 @@ class Packs:
     def on_model_thread(self, job):
         """`job` run on the model thread, waited for (a stream's frames and answers take turns
         there with the chats; the waiting line's limit is for requests, not streams)."""
-        return self.worker.submit(job).result()
+        return self.warm.on_model_thread(job)
 
-    def session(self, name: str):
-        """The open session of pack `name` (model thread only): reopened when the file changed."""
-        from mmkv_cli.api import PackSession
-        from mmkv_cli.pack import PackReader
-
+    def ask(self, name: str, question: str, options: AskOptions, on_token=None):
+        """Pack `name` asked (model thread only), from its hot copy while the file is unchanged."""
         path, key = self.shelf.locate(name)
-        held = self.sessions.get(name)
-        if held and held[0] == key:
-            return held[1]
-        reader = PackReader(path)  # opened once: the session keeps it
-        session = PackSession(reader, backbone=self.backbone(load_for(reader, self.load)))
-        self.sessions[name] = (key, session)
-        return session
+        session = self.warm.session(path, self.load, key if is_url(path) else None)
+        return self.warm.ask(session, question, options, on_token)
 
     def backbone(self, load: LoadOptions):
-        from mmkv_cli.backbones.loading import load_backbone
-
-        if load in self.backbones:
-            self.backbones.move_to_end(load)
-            return self.backbones[load]
-        backbone = load_backbone(load)
-        self.backbones[load] = backbone
-        while len(self.backbones) > self.capacity:
-            _, gone = self.backbones.popitem(last=False)  # sessions on it go too, freeing it
-            self.sessions = {n: s for n, s in self.sessions.items() if s[1].backbone is not gone}
-        return backbone
+        return self.warm.backbone(load)
 
     def preload(self) -> None:
-        """Load the server's model (--model, else the default) before any request (model thread),
-        held under the key a pack's load gives it: its depth named."""
-        from mmkv_cli.backbones.spec import default_model
-
-        load = replace(self.load, model=self.load.model or default_model())
-        backbone = self.backbone(load)
-        if load.layers is None:
-            self.backbones.pop(load)
-            self.backbones[replace(load, layers=backbone.kv_shape()["layers"])] = backbone
+        self.warm.preload()
 
 
 def _busy():
@@ -144,13 +127,15 @@ def create_app(
     cors: list[str] | None = None,
     preload: bool = False,
     open_metrics: bool = False,
+    cache_bytes: int | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over the packs in `folder`: guards, error bodies, routes, and
     for browsers the origins in `cors` (`*`: any). preload: load the model (`load`'s, else the
     default) before the server answers anything, `/health` included. open_metrics: /metrics
     answers without the key (it tells request counts, latencies and load, so it needs the key by
     default)."""
-    packs = Packs(shelf(folder), load or LoadOptions(), models, queue)
+    load = load or LoadOptions()
+    packs = Packs(shelf(folder), load, models, queue, Warm(load, models, cache_bytes))
     metrics = Metrics(lambda: packs.pending, lambda: len(packs.backbones))
     local = packs.shelf.folder if isinstance(packs.shelf, FolderShelf) else None
     streams = Streams(local, packs.load, packs.backbone, packs.on_model_thread)
@@ -270,7 +255,7 @@ def _chat_route(app: FastAPI, packs: Packs, streams: Streams, metrics: Metrics) 
         if body.stream:
             return await _stream(packs, body, question, options, created, ident, metrics)
         try:
-            answer = await packs.run(lambda: packs.session(body.model).ask(question, options))
+            answer = await packs.run(lambda: packs.ask(body.model, question, options))
             metrics.ttft.observe(answer.ttft_s)
         except Busy:
             return _busy()
@@ -341,7 +326,7 @@ async def _stream(
         loop.call_soon_threadsafe(pieces.put_nowait, ("piece", piece))
 
     def job():
-        return packs.session(body.model).ask(question, options, on_token=on_token)
+        return packs.ask(body.model, question, options, on_token)
 
     def chunk(delta: dict, finish: str | None = None, extra: dict | None = None) -> str:
         return chunk_event(ident, created, body.model, delta, finish, extra)

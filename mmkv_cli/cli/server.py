@@ -1,0 +1,104 @@
+"""`mmkv ps` and `mmkv stop`: what the warm local server holds, and ending it."""
+
+from __future__ import annotations
+
+import typer
+
+from mmkv_cli.cli.common import JsonOpt, emit_json, run
+from mmkv_cli.errors import MmkvError
+
+NoServerOpt = typer.Option(
+    False,
+    "--no-server",
+    help="Run here even when a warm mmkv server runs (it is used by default: `mmkv ps`).",
+)
+
+
+class NoServer(MmkvError):
+    """`ps` or `stop` with no server to ask."""
+
+    exit_code = 1
+
+
+def _running():
+    from mmkv_cli.serve.client import server_host, warm_client
+    from mmkv_cli.serve.place import local_place
+
+    client = warm_client(start=False)
+    if client is None:
+        raise NoServer(f"no mmkv server runs (none at {local_place(server_host()).socket})")
+    return client
+
+
+def ps(as_json: bool = JsonOpt) -> None:
+    """Show the warm server: its loaded models and hot packs, with their memory."""
+
+    def body() -> None:
+        from mmkv_cli.cli.display import show_server
+
+        client = _running()
+        try:
+            state = client.request("ps")
+        finally:
+            client.close()
+        state.pop("event", None)
+        emit_json(state) if as_json else show_server(state)
+
+    run(body)
+
+
+def stop(as_json: bool = JsonOpt) -> None:
+    """Stop the warm server (its models and hot packs are let go)."""
+
+    def body() -> None:
+        from mmkv_cli.cli.display import out_console
+
+        client = _running()
+        try:
+            done = client.request("stop")
+        finally:
+            client.close()
+        if as_json:
+            emit_json({"stopped": True, "pid": done.get("pid")})
+        else:
+            out_console.print(f"stopped the mmkv server (pid {done.get('pid')})", markup=False)
+
+    run(body)
+
+
+def open_session(pack: str, load, no_server: bool):
+    """The pack opened for questions: in the warm server when one runs (or keep_alive starts
+    one), else here. Either answers as `api.PackSession` does."""
+    from mmkv_cli.serve.client import RemoteSession, clear_status, status, warm_client
+
+    client = warm_client(no_server)
+    if client is not None:
+        return RemoteSession(client, pack, load)
+    from mmkv_cli import api
+
+    status("loading the model ...")
+    try:
+        return api.PackSession(pack, load=load)
+    finally:
+        clear_status()
+
+
+def encoder(media: str, output: str, options, load, no_server: bool):
+    """How this encode runs: a function of (progress, on_start) giving the summary, in the warm
+    server when one runs and both ends are local files, else here."""
+    from mmkv_cli import api
+    from mmkv_cli.pack.storage import is_url
+    from mmkv_cli.serve.client import remote_encode, warm_client
+
+    client = None if is_url(media) or is_url(output) else warm_client(no_server)
+    if client is None:
+        return lambda **hooks: api.encode(media, output, options, load=load, **hooks)
+    api.check_encode(media, output, options)  # refused here, in one line, before the server
+
+    def remote(**hooks):
+        try:
+            return remote_encode(client, media, output, options, load, **hooks)
+        finally:
+            client.close()
+
+    return remote

@@ -1,0 +1,223 @@
+"""Packs kept hot: a server's recently asked packs, their verified KV held in memory under a cap.
+
+A `HotPack` is a pack's reader that keeps every span it has read and checked (the prefix, the
+suffix, each block a question took): the next question joins them from memory and reads nothing
+from the file. On CUDA the held spans sit in pinned host memory, so they go to the device without
+a staging copy. `HotPacks` holds them by path, least recently used out first when their bytes pass
+the cap, and never answers from a stale copy: each use compares the path's file with the one opened
+(device, inode, size, mtime_ns, ctime_ns) and reopens when a write, a cut or a rename moved any.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from mmkv_cli.lazy import torch
+from mmkv_cli.pack import PackReader
+from mmkv_cli.pack.format import Span
+from mmkv_cli.pack.memory import joined_spans
+from mmkv_cli.pack.storage import is_url
+
+
+def file_identity(path: str | Path) -> tuple | None:
+    """What changes when a file is written, cut or replaced (None: there is no file)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+def _span_bytes(span: Span) -> int:
+    tensors = [*span.keys, *span.values, *span.positions]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class HotPack:
+    """A PackReader whose spans, once read and verified, are kept (the members `ask` uses)."""
+
+    def __init__(self, reader: PackReader, version: tuple, pin: bool = False):
+        self.reader, self.version, self.pin = reader, version, pin
+        self.path, self.header = reader.path, reader.header
+        self.format_version = reader.format_version
+        self._held: dict[str, Span] = {}
+        self.held_bytes = 0
+        self.reps_bytes = 0  # the retrieval keys, held by the reader once read
+        self.holding = True  # False once the pack alone passes the cap: read as a plain reader
+
+    @property
+    def blocks(self):
+        return self.reader.blocks
+
+    @property
+    def rotated_representatives(self) -> bool:
+        return self.reader.rotated_representatives
+
+    @property
+    def bytes_read(self) -> int:
+        return self.reader.bytes_read
+
+    @property
+    def fetched(self) -> int | None:
+        return self.reader.fetched
+
+    def representatives(self):
+        reps = self.reader.representatives()  # read once and held by the reader
+        if reps is not None and not self.reps_bytes:
+            self.reps_bytes = reps.numel() * reps.element_size()
+        return reps
+
+    def span(self, name: str, keep: bool = True, dtype=None) -> Span:
+        if dtype is None and name in self._held:
+            return self._held[name]
+        loaded = self.reader.span(name, keep=False, dtype=dtype)
+        if dtype is None and self.holding:
+            loaded = self._kept(loaded)
+        return loaded
+
+    def gather(self, names, per_layer=None, device=None, dtype=None, later=None):
+        """As PackReader.gather, from the held spans (a block not yet held is read and verified
+        whole, then held); K/V on the host, or pinned on CUDA for the caller's copy."""
+        if not self.holding or dtype is not None:
+            return self.reader.gather(names, per_layer, device, dtype, later)
+        for name in names:
+            if self.blocks.index_of(name) is None:  # as the reader says it
+                return self.reader.gather(names, per_layer, device, dtype, later)
+        spans = {name: self.span(name) for name in names}
+        return joined_spans(spans, names, per_layer)
+
+    def _kept(self, span: Span) -> Span:
+        if self.pin:
+            span = replace(
+                span,
+                keys=[t.pin_memory() for t in span.keys],
+                values=[t.pin_memory() for t in span.values],
+            )
+        self._held[span.name] = span
+        self.held_bytes += _span_bytes(span)
+        return span
+
+    def release(self) -> None:
+        """Drop the held spans and hold no more (the pack alone is over the cap)."""
+        self._held.clear()
+        self.held_bytes, self.holding = 0, False
+
+    @property
+    def nbytes(self) -> int:
+        return self.held_bytes + self.reps_bytes
+
+    @property
+    def held_spans(self) -> int:
+        return len(self._held)
+
+    def close(self) -> None:
+        self._held.clear()
+        self.reader.source.close()
+
+
+@dataclass
+class HotEntry:
+    pack: HotPack
+    questions: int = 0  # asked of it since it was opened (ps)
+
+
+class HotPacks:
+    """Opened packs by path under a byte cap, least recently used out first; `take` gives a pack
+    that is the file on disk now. Not thread-safe on its own: the server takes it on the model
+    thread, and `listing` under the lock."""
+
+    def __init__(self, cap_bytes: int, pin: bool = False):
+        self.cap = max(0, int(cap_bytes))
+        self.pin = pin
+        self.packs: OrderedDict[str, HotEntry] = OrderedDict()
+        self.lock = threading.Lock()
+        self.reopened = 0  # packs found changed on disk and opened again (ps, tests)
+
+    def take(self, path: str | Path, version: tuple | None = None) -> HotPack:
+        """The pack at `path` (a URL's `version` from its shelf), opened once and kept while it
+        stays the same file; opened afresh when it changed."""
+        key = str(path)
+        entry = self.packs.get(key)
+        now = version if version is not None or is_url(path) else file_identity(path)
+        if entry is not None and now is not None and entry.pack.version == now:
+            with self.lock:
+                self.packs.move_to_end(key)
+            return entry.pack
+        if entry is not None:
+            self.reopened += 1
+            self._drop(key)
+        pack = self._opened(path, version)
+        with self.lock:
+            self.packs[key] = HotEntry(pack)
+        return pack
+
+    def _opened(self, path: str | Path, version: tuple | None) -> HotPack:
+        while True:
+            before = version if version is not None or is_url(path) else file_identity(path)
+            reader = PackReader(path)
+            after = version if version is not None or is_url(path) else file_identity(path)
+            if before == after:  # not replaced while it was opened
+                return HotPack(reader, after or (), self.pin)
+            reader.source.close()
+
+    def asked(self, pack) -> None:
+        """Count a question asked of `pack` (if it is still held)."""
+        with self.lock:
+            for entry in self.packs.values():
+                if entry.pack is pack:
+                    entry.questions += 1
+
+    def trim(self, keep: HotPack | None = None) -> None:
+        """Least recently used packs out until the held bytes fit the cap; `keep` (the pack just
+        asked) stays open, its spans let go when it alone passes the cap."""
+        with self.lock:
+            while self.held() > self.cap:
+                victim = next((k for k, e in self.packs.items() if e.pack is not keep), None)
+                if victim is None:
+                    break
+                self.packs.pop(victim).pack.close()
+        if keep is not None and self.held() > self.cap:
+            keep.release()
+
+    def held(self) -> int:
+        return sum(entry.pack.nbytes for entry in self.packs.values())
+
+    def _drop(self, key: str) -> None:
+        with self.lock:
+            entry = self.packs.pop(key, None)
+        if entry is not None:
+            entry.pack.close()
+
+    def clear(self) -> None:
+        for key in list(self.packs):
+            self._drop(key)
+
+    def listing(self) -> list[dict]:
+        with self.lock:
+            return [
+                {
+                    "path": key,
+                    "bytes": entry.pack.nbytes,
+                    "spans": entry.pack.held_spans,
+                    "questions": entry.questions,
+                    "holding": entry.pack.holding,
+                }
+                for key, entry in reversed(self.packs.items())
+            ]
+
+
+def default_cap() -> int:
+    """A quarter of this machine's memory, at most 64 GiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 << 30
+    return min(total // 4, 64 << 30)
+
+
+def wants_pin(device: str) -> bool:
+    return device != "cpu" and torch.cuda.is_available()

@@ -1,0 +1,108 @@
+"""What a server keeps warm, for every channel it answers on (HTTP and the local socket): backbones
+by (model, device, dtype, depth) in a small LRU, packs kept hot under a byte cap (serve/hot.py), and
+the one thread every model call runs on (a device does one forward at a time anyway)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+from mmkv_cli.api import PackSession, load_for
+from mmkv_cli.options import LoadOptions
+from mmkv_cli.serve.hot import HotPacks, default_cap, wants_pin
+
+
+class Warm:
+    def __init__(self, load: LoadOptions, models: int = 2, cache_bytes: int | None = None) -> None:
+        self.load = load
+        self.capacity = max(1, models)
+        self.backbones: OrderedDict[LoadOptions, object] = OrderedDict()
+        self.hot = HotPacks(default_cap() if cache_bytes is None else cache_bytes,
+                            pin=wants_pin(load.device))  # fmt: skip
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="mmkv-model")
+        self.lock = threading.Lock()  # the backbone LRU, read by `ps` off the model thread
+        self.last_used = time.monotonic()
+
+    def on_model_thread(self, job):
+        """`job` run on the model thread, waited for."""
+        try:
+            return self.worker.submit(job).result()
+        finally:
+            self.last_used = time.monotonic()
+
+    def backbone(self, load: LoadOptions):
+        """The backbone `load` names, loaded once (model thread only); the least recently used
+        goes when more than `capacity` are loaded, and the hot packs answered by it stay. Held
+        under its depth named, so an encode's load (depth unsaid) and a pack's meet."""
+        from mmkv_cli.backbones.loading import load_backbone
+
+        with self.lock:
+            key = self._held_as(load)
+            if key is not None:
+                self.backbones.move_to_end(key)
+                return self.backbones[key]
+        backbone = load_backbone(load)
+        with self.lock:
+            self.backbones[replace(load, layers=backbone.kv_shape()["layers"])] = backbone
+            while len(self.backbones) > self.capacity:
+                self.backbones.popitem(last=False)
+        return backbone
+
+    def _held_as(self, load: LoadOptions) -> LoadOptions | None:
+        if load.layers is not None:
+            return load if load in self.backbones else None
+        same = (k for k in self.backbones if replace(k, layers=None) == load)
+        return next(same, None)
+
+    def session(
+        self, path: str | Path, load: LoadOptions | None = None, version: tuple | None = None
+    ) -> PackSession:
+        """A session over the hot pack at `path` (model thread only): the file as it is now, its
+        backbone by `load` (default: the server's) and the pack's own model."""
+        pack = self.hot.take(path, version)
+        backbone = self.backbone(load_for(pack.reader, load or self.load))
+        return PackSession(pack, backbone=backbone)
+
+    def ask(self, session: PackSession, question: str, options, on_token=None):
+        """One question on a warm session, the hot packs trimmed to the cap after it."""
+        try:
+            return session.ask(question, options, on_token)
+        finally:
+            self.hot.asked(session.reader)
+            self.hot.trim(keep=session.reader)
+
+    def preload(self, load: LoadOptions | None = None) -> None:
+        """Load the server's model (default: the default model) before any request (model
+        thread), held under the key a pack's load gives it: its depth named."""
+        from mmkv_cli.backbones.spec import default_model
+
+        load = load or self.load
+        self.backbone(replace(load, model=load.model or default_model()))
+
+    def models(self) -> list[dict]:
+        """The loaded backbones, most recent first, with their weights' bytes."""
+        with self.lock:
+            loaded = list(reversed(self.backbones.items()))
+        return [
+            {
+                "model": load.model,
+                "device": str(backbone.device),
+                "dtype": str(backbone.dtype).removeprefix("torch."),
+                "layers": load.layers,
+                "bytes": _weights_bytes(backbone),
+            }
+            for load, backbone in loaded
+        ]
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=False, cancel_futures=True)
+        self.hot.clear()
+
+
+def _weights_bytes(backbone) -> int:
+    model = backbone.model
+    return sum(p.numel() * p.element_size() for p in model.parameters())
