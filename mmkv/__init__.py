@@ -88,6 +88,7 @@ __all__ = [
     "live",
     "methods",
     "open",
+    "unload",
     "verify",
 ]
 
@@ -171,7 +172,7 @@ def encode(
     )
     load = LoadOptions(model=model, device=device, dtype=dtype)
     return EncodeResult.from_record(
-        _api.encode(str(media), out, options, load=load, progress=progress)
+        _api.encode(str(media), out, options, load=load, progress=progress, shared=True)
     )
 
 
@@ -214,6 +215,11 @@ def ask(
             prune=prune,
             prune_budget=prune_budget,
         )
+
+
+def unload() -> None:
+    """Let go of the models `ask`, `open` and `encode` keep loaded between calls (at most two)."""
+    _api.unload()
 
 
 @called_from_python()

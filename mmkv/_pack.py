@@ -37,7 +37,7 @@ class Pack:
         dtype: str = "auto",
     ) -> None:
         load = LoadOptions(model=model, device=device, dtype=dtype)
-        self.session = api.PackSession(path, load=load)
+        self.session = api.PackSession(path, load=load, shared=True)
         self.path = str(path)
 
     def __repr__(self) -> str:

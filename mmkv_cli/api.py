@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmkv_cli import logs
+from mmkv_cli.backbones.held import HeldBackbones
 from mmkv_cli.errors import PackError, UsageError, flag
 from mmkv_cli.methods import METHODS
 from mmkv_cli.methods.base import ContextPolicy
@@ -56,9 +57,12 @@ __all__ = [
     "pack_model",
     "refuse_input_as_output",
     "stored_method",
+    "unload",
     "verify",
 ]
 EncodeProgress = Callable[[int, int], None]  # (frames done, visual tokens done)
+# backbones `mmkv.ask` / `mmkv.encode` share across calls in one process (two: a model and another)
+PROCESS_BACKBONES = HeldBackbones(2)
 LOG = logs.get(__name__)
 
 
@@ -72,13 +76,16 @@ def encode(
     progress: EncodeProgress | None = None,
     on_start: Callable[[int], None] | None = None,
     shown_as: str | None = None,
+    shared: bool = False,
 ) -> dict:
     """Encode `media` into a .kvpack at `output`; returns a summary (the inspect view plus
     timings). Either may be a URL (s3://...): remote media is downloaded first, a remote pack is
-    written here and published whole. shown_as: the media's name in the pack (its URL)."""
+    written here and published whole. shown_as: the media's name in the pack (its URL). shared:
+    the backbone from the process's held ones (loaded there once)."""
     options = options or EncodeOptions()
     if is_url(output) or is_url(media):
-        return _encode_remote(media, str(output), options, backbone, load, progress, on_start)
+        remote = (backbone, load, progress, on_start, shared)
+        return _encode_remote(media, str(output), options, *remote)
     from mmkv_cli.backbones import tower_families
     from mmkv_cli.media import media_kind
 
@@ -98,6 +105,8 @@ def encode(
     from mmkv_cli.media import load_media
     from mmkv_cli.methods import EncodeContext
 
+    if backbone is None and shared:
+        backbone = _shared_for_encode(load)
     backbone = backbone or load_backbone(load)  # encode_media checks the reducer on its family
     kv = backbone.kv_shape()
     quant.check(kv["kv_heads"], kv["head_dim"])  # and against this model's width
@@ -129,6 +138,19 @@ def check_encode(media: str, output: str | Path, options: EncodeOptions) -> None
     _checked_before_loading(media, local_path(output), options)
 
 
+def _shared_for_encode(load: LoadOptions | None) -> Backbone:
+    from mmkv_cli.backbones.spec import default_model
+
+    load = load or LoadOptions()
+    return PROCESS_BACKBONES.get(replace(load, model=load.model or default_model()))
+
+
+def unload() -> None:
+    """Let go of the backbones this process holds for `shared` calls (their memory is freed once
+    nothing else refers to them)."""
+    PROCESS_BACKBONES.clear()
+
+
 def _checked_before_loading(media: str, output: Path, options: EncodeOptions):
     """Everything an encode can refuse before the model loads: the bits and group, the output
     (writable, not the media, no checkpoint it would overwrite), the method, budget and guidance.
@@ -153,7 +175,7 @@ def _checked_before_loading(media: str, output: Path, options: EncodeOptions):
     return quant, choice
 
 
-def _encode_remote(media, output, options, backbone, load, progress, on_start) -> dict:
+def _encode_remote(media, output, options, backbone, load, progress, on_start, shared) -> dict:
     """encode with remote media, or a remote output, staged through local temporary files."""
     from contextlib import nullcontext
 
@@ -175,6 +197,7 @@ def _encode_remote(media, output, options, backbone, load, progress, on_start) -
             progress=progress,
             on_start=on_start,
             shown_as=media,
+            shared=shared,
         )
     return {**done, "path": output}
 
@@ -312,7 +335,10 @@ class PackSession:
         *,
         backbone: Backbone | None = None,
         load: LoadOptions | None = None,
+        shared: bool = False,
     ):
+        """shared: take the backbone from the process's held ones (`held_backbones`), loading it
+        there once for every later session (Python's `mmkv.ask` in a loop)."""
         from mmkv_cli.pack.integrity import check_askable
 
         # the pack first: a missing or broken one is refused before torch is imported
@@ -322,7 +348,8 @@ class PackSession:
         if backbone is None:
             from mmkv_cli.backbones.loading import load_backbone
 
-            backbone = load_backbone(load_for(self.reader, load or LoadOptions()))
+            chosen = load_for(self.reader, load or LoadOptions())
+            backbone = PROCESS_BACKBONES.get(chosen) if shared else load_backbone(chosen)
         self.backbone = backbone
         self._fetched = 0  # the remote pack's bytes already charged to a question (none yet)
 

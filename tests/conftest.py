@@ -12,6 +12,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="mmkv-test-config-")
 atexit.register(shutil.rmtree, os.environ["XDG_CONFIG_HOME"], True)  # one left a run otherwise
 os.environ.pop("MMKV_CONFIG", None)
+# no warm server of the machine's answers a test's commands: a private, empty runtime folder
+os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="mmkv-rt-")
+atexit.register(shutil.rmtree, os.environ["XDG_RUNTIME_DIR"], True)
+for _name in ("MMKV_HOST", "MMKV_KEEP_ALIVE", "MMKV_NO_SERVER"):
+    os.environ.pop(_name, None)
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "samples"

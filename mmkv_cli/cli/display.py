@@ -347,6 +347,6 @@ def show_server(state: dict) -> None:
     for column in ("pack", "held", "spans", "questions"):
         packs.add_column(column, no_wrap=column == "pack", overflow="fold")
     for row in state.get("packs", []):
-        held = human_bytes(row["bytes"]) + ("" if row["holding"] else " (over the cap: read)")
+        held = human_bytes(row["bytes"])
         packs.add_row(Text(str(row["path"])), held, str(row["spans"]), str(row["questions"]))
     out_console.print(packs if state.get("packs") else Text("no pack hot"))

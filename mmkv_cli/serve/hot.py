@@ -47,7 +47,6 @@ class HotPack:
         self._held: dict[str, Span] = {}
         self.held_bytes = 0
         self.reps_bytes = 0  # the retrieval keys, held by the reader once read
-        self.holding = True  # False once the pack alone passes the cap: read as a plain reader
 
     @property
     def blocks(self):
@@ -75,14 +74,14 @@ class HotPack:
         if dtype is None and name in self._held:
             return self._held[name]
         loaded = self.reader.span(name, keep=False, dtype=dtype)
-        if dtype is None and self.holding:
+        if dtype is None:
             loaded = self._kept(loaded)
         return loaded
 
     def gather(self, names, per_layer=None, device=None, dtype=None, later=None):
         """As PackReader.gather, from the held spans (a block not yet held is read and verified
         whole, then held); K/V on the host, or pinned on CUDA for the caller's copy."""
-        if not self.holding or dtype is not None:
+        if dtype is not None:
             return self.reader.gather(names, per_layer, device, dtype, later)
         for name in names:
             if self.blocks.index_of(name) is None:  # as the reader says it
@@ -100,11 +99,6 @@ class HotPack:
         self._held[span.name] = span
         self.held_bytes += _span_bytes(span)
         return span
-
-    def release(self) -> None:
-        """Drop the held spans and hold no more (the pack alone is over the cap)."""
-        self._held.clear()
-        self.held_bytes, self.holding = 0, False
 
     @property
     def nbytes(self) -> int:
@@ -173,15 +167,12 @@ class HotPacks:
 
     def trim(self, keep: HotPack | None = None) -> None:
         """Least recently used packs out until the held bytes fit the cap; `keep` (the pack just
-        asked) stays open, its spans let go when it alone passes the cap."""
+        asked) goes last, when it alone passes the cap (its next question opens it afresh)."""
         with self.lock:
-            while self.held() > self.cap:
-                victim = next((k for k, e in self.packs.items() if e.pack is not keep), None)
-                if victim is None:
-                    break
+            while self.held() > self.cap and self.packs:
+                others = (k for k, e in self.packs.items() if e.pack is not keep)
+                victim = next(others, next(iter(self.packs)))
                 self.packs.pop(victim).pack.close()
-        if keep is not None and self.held() > self.cap:
-            keep.release()
 
     def held(self) -> int:
         return sum(entry.pack.nbytes for entry in self.packs.values())
@@ -204,7 +195,6 @@ class HotPacks:
                     "bytes": entry.pack.nbytes,
                     "spans": entry.pack.held_spans,
                     "questions": entry.questions,
-                    "holding": entry.pack.holding,
                 }
                 for key, entry in reversed(self.packs.items())
             ]

@@ -4,14 +4,13 @@ the one thread every model call runs on (a device does one forward at a time any
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 from mmkv_cli.api import PackSession, load_for
+from mmkv_cli.backbones.held import HeldBackbones
 from mmkv_cli.options import LoadOptions
 from mmkv_cli.serve.hot import HotPacks, default_cap, wants_pin
 
@@ -19,12 +18,10 @@ from mmkv_cli.serve.hot import HotPacks, default_cap, wants_pin
 class Warm:
     def __init__(self, load: LoadOptions, models: int = 2, cache_bytes: int | None = None) -> None:
         self.load = load
-        self.capacity = max(1, models)
-        self.backbones: OrderedDict[LoadOptions, object] = OrderedDict()
+        self.backbones = HeldBackbones(models)
         self.hot = HotPacks(default_cap() if cache_bytes is None else cache_bytes,
                             pin=wants_pin(load.device))  # fmt: skip
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="mmkv-model")
-        self.lock = threading.Lock()  # the backbone LRU, read by `ps` off the model thread
         self.last_used = time.monotonic()
 
     def on_model_thread(self, job):
@@ -35,28 +32,8 @@ class Warm:
             self.last_used = time.monotonic()
 
     def backbone(self, load: LoadOptions):
-        """The backbone `load` names, loaded once (model thread only); the least recently used
-        goes when more than `capacity` are loaded, and the hot packs answered by it stay. Held
-        under its depth named, so an encode's load (depth unsaid) and a pack's meet."""
-        from mmkv_cli.backbones.loading import load_backbone
-
-        with self.lock:
-            key = self._held_as(load)
-            if key is not None:
-                self.backbones.move_to_end(key)
-                return self.backbones[key]
-        backbone = load_backbone(load)
-        with self.lock:
-            self.backbones[replace(load, layers=backbone.kv_shape()["layers"])] = backbone
-            while len(self.backbones) > self.capacity:
-                self.backbones.popitem(last=False)
-        return backbone
-
-    def _held_as(self, load: LoadOptions) -> LoadOptions | None:
-        if load.layers is not None:
-            return load if load in self.backbones else None
-        same = (k for k in self.backbones if replace(k, layers=None) == load)
-        return next(same, None)
+        """The backbone `load` names (model thread only), loaded once and kept in the LRU."""
+        return self.backbones.get(load)
 
     def session(
         self, path: str | Path, load: LoadOptions | None = None, version: tuple | None = None
@@ -85,8 +62,7 @@ class Warm:
 
     def models(self) -> list[dict]:
         """The loaded backbones, most recent first, with their weights' bytes."""
-        with self.lock:
-            loaded = list(reversed(self.backbones.items()))
+        loaded = self.backbones.items()
         return [
             {
                 "model": load.model,
