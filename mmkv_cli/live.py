@@ -72,9 +72,7 @@ class Follow:
         """on_model(job): runs `job` (every forward: a frame, a memory cut, an answer) where the
         backbone's work is done; a server passes its model thread, so streams and chats on one
         backbone take turns in one queue instead of running beside each other."""
-        from mmkv_cli.backbones.loading import load_backbone
         from mmkv_cli.backbones.spec import model_spec
-        from mmkv_cli.encode.live import LiveEncoder, check_live
         from mmkv_cli.methods import EncodeContext
         from mmkv_cli.methods.choice import choice_for
         from mmkv_cli.pack.quant import QuantSpec
@@ -86,6 +84,8 @@ class Follow:
         choice = choice_for(options)
         self.quant = QuantSpec(options.bits_for(choice.method), options.kv_group)
         self.quant.check(1, 8)
+        from mmkv_cli.methods.choice import check_live
+
         self.choice = check_live(choice)
         load = load or LoadOptions()
         if live.fps is None:  # the model's own rate, known before it loads
@@ -96,12 +96,16 @@ class Follow:
         if self.source.kind in ("pipe", "file"):  # its bytes wait: read while the model loads
             self.source.start()
         try:
+            from mmkv_cli.backbones.loading import load_backbone
+
             self.backbone = backbone or load_backbone(load)
         except BaseException:
             self.source.close()
             raise
         kv = self.backbone.kv_shape()
         self.quant.check(kv["kv_heads"], kv["head_dim"])
+        from mmkv_cli.encode.live import LiveEncoder
+
         self.context = EncodeContext("video", options.guidance_prompt)
         self.encoder = LiveEncoder(self.backbone, self.choice, self.context)
         self.snapshot_every = snapshot_every

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from mmkv_cli.encode.encoder import encode_media
-from mmkv_cli.encode.live import LiveEncoder, check_live
+from mmkv_cli.encode.live import LiveEncoder
 from mmkv_cli.errors import MediaError, UsageError
 from mmkv_cli.media import load_media
 from mmkv_cli.media.base import Media
 from mmkv_cli.methods import METHODS, EncodeContext
-from mmkv_cli.methods.choice import resolve_method
+from mmkv_cli.methods.choice import check_live, resolve_method
 from tests.conftest import SAMPLES, TINY
 
 EVERY = sorted(METHODS)

@@ -109,6 +109,8 @@ def main_options(
         else:
             level = level_named(chosen.log_level, "log_level")
         show_logs(level, quiet)
+        if quiet:
+            os.environ["MMKV_QUIET"] = "1"  # no status line from a client either
         use_presets(presets or chosen.presets)  # and $MMKV_PRESETS, then the built-in ones
 
     run(body)
@@ -292,6 +294,34 @@ app.command(cls=Command)(cli_server.ps)
 app.command(cls=Command)(cli_server.stop)
 
 
+_LOG_FLAGS = {"-v", "-vv", "-vvv", "--verbose", "-q", "--quiet"}
+
+
+def _log_flags_first(command, args: list[str]) -> list[str]:
+    """-v and -q given after the command's name (`mmkv ask -v PACK Q`) moved before it, where the
+    app takes them; never a value of another option (`--stop -q`), nor after `--`."""
+    named = next((i for i, a in enumerate(args) if not a.startswith("-")), None)
+    sub = command.commands.get(args[named]) if named is not None else None
+    if sub is None:
+        return args
+    valued = {
+        name
+        for param in sub.params
+        if param.param_type_name == "option" and not (param.is_flag or param.count)
+        for name in param.opts
+    }
+    moved, rest = [], args[: named + 1]
+    for i, arg in enumerate(args[named + 1 :], named + 1):
+        if arg == "--":
+            rest += args[i:]
+            break
+        if arg in _LOG_FLAGS and args[i - 1] not in valued:
+            moved.append(arg)
+        else:
+            rest.append(arg)
+    return moved + rest
+
+
 def main() -> None:
     """The console entry point: a usage error is one line on stderr and exit 2, as any other
     error."""
@@ -302,6 +332,7 @@ def main() -> None:
     if not sys.argv[1:]:
         sys.argv.append("--help")
     command = typer.main.get_command(app)
+    sys.argv[1:] = _log_flags_first(command, sys.argv[1:])
     try:
         defaults = cli_settings.command_defaults()  # the config file's, under the command line's
     except MmkvError as err:

@@ -37,32 +37,13 @@ from mmkv_cli.encode.encoder import (
 from mmkv_cli.encode.reducing import ChunkReducer
 from mmkv_cli.encode.stream import padded
 from mmkv_cli.encode.text_attention import text_attention
-from mmkv_cli.errors import MediaError, UsageError
+from mmkv_cli.errors import MediaError
 from mmkv_cli.kernels.host import HostCopies
 from mmkv_cli.methods import Budget, EncodeContext
-from mmkv_cli.methods.choice import MethodChoice
+from mmkv_cli.methods.choice import MethodChoice, check_live
 from mmkv_cli.methods.running_cache import RunningCache, StreamState
 from mmkv_cli.pack import Span
 from mmkv_cli.reduce.choice import check_reducer
-
-
-def check_live(choice: MethodChoice) -> MethodChoice:
-    """Refuse, before any work, what cannot follow a stream of unknown length."""
-    method, budget = choice.method, choice.budget
-    if method.blockwise is not None:
-        if budget is not None and budget.tokens is not None:
-            raise UsageError(
-                f"'{choice.name}' keeps a share of each block: a token count needs the stream's "
-                "length, which a live stream does not have (give --budget S)"
-            )
-        return choice
-    if not method.keeps_all and (budget is None or budget.tokens is None):
-        share = f"{budget.share:g}" if budget is not None and budget.share is not None else "all"
-        raise UsageError(
-            f"a live stream has no length to take a share of: give '{choice.name}' its memory as "
-            f"--budget-tokens N (its budget is a share, {share})"
-        )
-    return choice
 
 
 class LiveEncoder:

@@ -185,3 +185,22 @@ def _in_code(name: str) -> MethodChoice:
     method = METHODS[name]
     reduce = resolve_reducer(method.reducer, where=f"method {name}")
     return MethodChoice(name, method, method.params(), method.budget, method.description, reduce)
+
+
+def check_live(choice: MethodChoice) -> MethodChoice:
+    """Refuse, before any work, what cannot follow a stream of unknown length."""
+    method, budget = choice.method, choice.budget
+    if method.blockwise is not None:
+        if budget is not None and budget.tokens is not None:
+            raise UsageError(
+                f"'{choice.name}' keeps a share of each block: a token count needs the stream's "
+                "length, which a live stream does not have (give --budget S)"
+            )
+        return choice
+    if not method.keeps_all and (budget is None or budget.tokens is None):
+        share = f"{budget.share:g}" if budget is not None and budget.share is not None else "all"
+        raise UsageError(
+            f"a live stream has no length to take a share of: give '{choice.name}' its memory as "
+            f"--budget-tokens N (its budget is a share, {share})"
+        )
+    return choice

@@ -119,7 +119,7 @@ def _protocol(asked: str, choice, level: Level, moments: bool) -> str:
     """A run's protocol: as asked (a stream refuses, before any work, a budget that needs the
     stream's length), or for auto: stream where the questions carry moments and the budget can
     follow a stream, else replay."""
-    from mmkv_cli.encode.live import check_live
+    from mmkv_cli.methods.choice import check_live
 
     if asked == "replay" or (asked == "auto" and not moments):
         return "replay"
