@@ -1,3 +1,3 @@
-from mmkv_cli.cli.app import main
+from mmkv_cli.cli.entry import main
 
 main()

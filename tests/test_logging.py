@@ -50,6 +50,7 @@ def test_quiet_leaves_answers_and_errors(tmp_path):
 
 def test_a_library_logs_only_where_its_user_asks(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="mmkv")
+    mmkv.unload()  # the model loads here, not in an earlier test of this process
     mmkv.encode(CLIP, tmp_path / "p.kvpack", model="demo", max_frames=4)
     loaded = [r for r in caplog.records if r.name == "mmkv.backbones.loading"]
     assert loaded and loaded[0].levelno == logging.INFO and "demo" in loaded[0].getMessage()
@@ -58,6 +59,7 @@ def test_a_library_logs_only_where_its_user_asks(tmp_path, caplog):
         "import logging, mmkv\n"
         f"mmkv.encode({CLIP!r}, 'q.kvpack', model='demo', max_frames=4)\n"
         "logging.basicConfig(level=logging.INFO)\n"  # the user's own configuration shows them
+        "mmkv.unload()\n"  # the model loads again: its record shown this time
         f"mmkv.encode({CLIP!r}, 'q.kvpack', model='demo', max_frames=4, force=True)\n"
     )
     done = subprocess.run(

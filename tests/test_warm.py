@@ -413,3 +413,84 @@ def test_stop_ends_the_server_and_ps_says_none_runs(tmp_path):
     assert none.returncode == 1 and none.stderr.startswith("error: no mmkv server runs")
     assert not (folder / "mmkv" / "mmkv.sock").exists()
     shutil.rmtree(folder, ignore_errors=True)
+
+
+_REFUSED_BEFORE_TORCH = """
+import sys
+from mmkv_cli.cli.entry import main
+sys.argv = ["mmkv", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as done:
+    code = done.code
+heavy = [m for m in ("torch", "transformers") if m in sys.modules]
+sys.stdout.write(f"exit {code} {heavy}")
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["ask", "missing.kvpack", CIRCLE], 4),
+        (["ask", "{pack}", CIRCLE, "--temperature", "-1"], 2),
+        (["chat", "missing.kvpack"], 4),
+        (["encode", "missing.mp4", "-o", "x.kvpack", "--model", "demo"], 3),
+        (["encode", str(SAMPLES / "clip.mp4"), "-o", "x.kvpack", "--method", "nope"], 2),
+        (["live", "missing.ts", "-o", "y.kvpack", "--model", "demo"], 3),
+        (["live", "missing.ts", "-o", "y.kvpack", "--method", "recency", "--budget", "0.5"], 2),
+    ],
+)
+def test_a_refusal_comes_before_torch_is_imported(tmp_path, packs, args, code):
+    args = [a.format(pack=packs["full"]) for a in args]
+    done = subprocess.run(
+        [sys.executable, "-c", _REFUSED_BEFORE_TORCH, *args],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert done.stdout == f"exit {code} []", done.stdout + done.stderr
+    assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1
+
+
+def test_version_answers_before_the_cli_loads():
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "mmkv_cli", "--version"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.stdout.startswith("mmkv ") and "mmkv_cli.cli.app" not in done.stderr
+
+
+def test_log_flags_after_the_command_name_are_taken(packs):
+    from typer.main import get_command
+
+    from mmkv_cli.cli.app import _log_flags_first
+
+    command = get_command(app)
+    pack = str(packs["full"])
+    assert _log_flags_first(command, ["ask", "-v", pack, "q", "-q"]) == [
+        "-v",
+        "-q",
+        "ask",
+        pack,
+        "q",
+    ]
+    kept = ["ask", pack, "q", "--stop", "-q", "--", "-v"]  # a value, and after `--`: as given
+    assert _log_flags_first(command, kept) == kept
+    moved = _log_flags_first(command, ["ask", pack, CIRCLE, "-q", "--no-server"])
+    quiet = runner.invoke(app, moved)  # as main() hands it on
+    assert quiet.exit_code == 0 and quiet.stdout == "red\n"
+
+
+def test_python_calls_in_a_loop_load_the_model_once(packs, tmp_path, monkeypatch):
+    import mmkv
+    import mmkv_cli.backbones.loading as loading
+
+    loads = []
+    real = loading.load_backbone
+    monkeypatch.setattr(loading, "load_backbone", lambda load: loads.append(load) or real(load))
+    mmkv.unload()
+    for n in range(3):
+        assert mmkv.ask(packs["full"], CIRCLE, device="cpu").answer == "red"
+        mmkv.encode(SAMPLES / "clip.mp4", tmp_path / f"{n}.kvpack", model="demo", device="cpu")
+    assert len(loads) == 1
+    mmkv.unload()
+    mmkv.ask(packs["full"], CIRCLE, device="cpu")
+    assert len(loads) == 2

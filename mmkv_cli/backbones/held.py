@@ -51,6 +51,10 @@ class HeldBackbones:
         with self._lock:
             return list(reversed(self._held.items()))
 
+    def values(self) -> list[Backbone]:
+        with self._lock:
+            return list(self._held.values())
+
     def clear(self) -> None:
         with self._lock:
             self._held.clear()

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-from mmkv_cli.ask.prune import ask_pruner
 from mmkv_cli.errors import MmkvError, UsageError
 from mmkv_cli.methods import pruning_methods
 from mmkv_cli.options import AskOptions
@@ -102,6 +101,8 @@ def command(chat: Chat, text: str, note: Say, explain) -> str | None:
             chat.options = replace(chat.options, prune=None, prune_budget=None)
             note("no pruning")
         elif len(args) == 2:
+            from mmkv_cli.ask.prune import ask_pruner  # torch: only when a chat prunes
+
             budget = _number(args[1], "/prune BUDGET")
             ask_pruner(args[0], budget)  # refuses a method that cannot prune, or a bad budget
             chat.options = replace(chat.options, prune=args[0], prune_budget=budget)

@@ -215,8 +215,10 @@ def serve(
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
 ) -> None:
-    """Serve packs over an OpenAI-compatible HTTP API (/v1/chat/completions), and keep models and
-    packs warm for this user's mmkv commands (the local socket)."""
+    """Serve packs over an OpenAI-compatible HTTP API, and keep models and packs warm for you.
+
+    /v1/chat/completions answers the packs of --packs; this user's mmkv commands (ask, chat,
+    encode) use the same warm models and hot packs over a private local socket (`mmkv ps`)."""
 
     def body() -> None:
         from mmkv_cli.config import seconds_of

@@ -113,7 +113,9 @@ def warm_client(no_server: bool = False, start: bool = True) -> Client | None:
         found = connect(place)
     if found is not None or host or not start:
         if found is None and host:
-            raise UsageError(f"no mmkv server answers at {place.socket} (MMKV_HOST)")
+            raise UsageError(
+                f"no mmkv server answers at {place.socket} (MMKV_HOST, or the config's host)"
+            )
         return found
     alive = keep_alive()
     if alive is None:

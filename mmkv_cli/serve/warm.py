@@ -22,6 +22,8 @@ class Warm:
         self.hot = HotPacks(default_cap() if cache_bytes is None else cache_bytes,
                             pin=wants_pin(load.device))  # fmt: skip
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="mmkv-model")
+        # sessions by (path, load), reused while their hot pack and backbone are still held
+        self.sessions: dict[tuple[str, LoadOptions], PackSession] = {}
         self.last_used = time.monotonic()
 
     def on_model_thread(self, job):
@@ -41,8 +43,14 @@ class Warm:
         """A session over the hot pack at `path` (model thread only): the file as it is now, its
         backbone by `load` (default: the server's) and the pack's own model."""
         pack = self.hot.take(path, version)
-        backbone = self.backbone(load_for(pack.reader, load or self.load))
-        return PackSession(pack, backbone=backbone)
+        load = load or self.load
+        held = self.sessions.get((str(path), load))
+        loaded = self.backbones.values()
+        if held is not None and held.reader is pack and any(b is held.backbone for b in loaded):
+            return held  # the same file and weights: its method and model checks stand
+        backbone = self.backbone(load_for(pack.reader, load))
+        self.sessions[(str(path), load)] = session = PackSession(pack, backbone=backbone)
+        return session
 
     def ask(self, session: PackSession, question: str, options, on_token=None):
         """One question on a warm session, the hot packs trimmed to the cap after it."""
@@ -51,6 +59,8 @@ class Warm:
         finally:
             self.hot.asked(session.reader)
             self.hot.trim(keep=session.reader)
+            kept = {id(entry.pack) for entry in self.hot.packs.values()}
+            self.sessions = {k: s for k, s in self.sessions.items() if id(s.reader) in kept}
 
     def preload(self, load: LoadOptions | None = None) -> None:
         """Load the server's model (default: the default model) before any request (model
@@ -76,6 +86,7 @@ class Warm:
 
     def close(self) -> None:
         self.worker.shutdown(wait=False, cancel_futures=True)
+        self.sessions.clear()
         self.hot.clear()
 
 

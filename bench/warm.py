@@ -1,0 +1,177 @@
+"""A question through the warm local server, against a process of its own (issue 71).
+
+    python bench/warm.py [--runs 20] [--wide-frames 512] [--wide-method hermes]
+
+On the demo backbone, five packs of samples/clip.mp4 and a `mmkv serve --no-http` in a private
+runtime folder: the client's own start-up (`mmkv --version`), `mmkv ask` end to end through the
+server and in its own process (medians), a 20-question shell loop over the five packs both ways,
+and a hot pack's second question (client wall time, and bytes read from the file) against the same
+answer in-process. Then at real width (rehearsal-llava-ov-7b, 2 layers): a pack of
+`--wide-frames` frames, its TTFT hot against a fresh open. Goals: CLI ask through the server
+<= 0.5 s; --version <= 0.15 s; hot / in-process <= 1.2 with 0 bytes read; the loop >= 10x
+faster. Results: bench/results/warm.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTION = "what color is the circle ?"
+LOOP = ["what color is the circle ?", "which shape appeared first ?", "which shape appeared last ?",
+        "how many shapes appeared ?"]  # fmt: skip
+METHODS = ("full", "mukv", "rekv", "hermes", "recency")
+
+
+def timed(args: list[str], env: dict) -> float:
+    began = time.perf_counter()
+    done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True)
+    took = time.perf_counter() - began
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed: {done.stderr.strip()}")
+    return took
+
+
+def median_of(runs: int, args: list[str], env: dict) -> float:
+    return round(statistics.median(timed(args, env) for _ in range(runs)), 4)
+
+
+def demo_part(folder: Path, runs: int) -> dict:
+    from mmkv_cli import api
+    from mmkv_cli.options import AskOptions, EncodeOptions, LoadOptions
+    from mmkv_cli.serve.client import RemoteSession, connect
+    from mmkv_cli.serve.place import Place
+
+    backbone = api.PROCESS_BACKBONES.get(LoadOptions("demo", "cpu"))
+    packs = []
+    for method in METHODS:
+        packs.append(folder / f"{method}.kvpack")
+        options = EncodeOptions(
+            method, budget_tokens=24 if method in ("hermes", "recency") else None
+        )
+        api.encode(str(ROOT / "samples" / "clip.mp4"), packs[-1], options, backbone=backbone)
+    runtime = Path(tempfile.mkdtemp(prefix="mwb-", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MMKV_")}
+    env.update(XDG_RUNTIME_DIR=str(runtime), HF_HUB_OFFLINE="1")
+    mmkv = [sys.executable, "-m", "mmkv_cli"]
+    server = subprocess.Popen([*mmkv, "serve", "--no-http", "--device", "cpu"], env=env, cwd=ROOT,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    place = Place(runtime / "mmkv" / "mmkv.sock")
+    try:
+        while not place.socket.exists():
+            time.sleep(0.05)
+        ask = [*mmkv, "ask", str(packs[0]), QUESTION]
+        timed(ask, env)  # the server loads the model once
+        result = {
+            "version_s": median_of(runs, [*mmkv, "--version"], env),
+            "ask_warm_s": median_of(runs, ask, env),
+            "ask_own_process_s": median_of(max(3, runs // 4), [*ask, "--no-server"], env),
+        }
+        loop = [(packs[n % len(packs)], LOOP[n % len(LOOP)]) for n in range(20)]
+        for name, extra in (("loop_warm_s", []), ("loop_own_process_s", ["--no-server"])):
+            began = time.perf_counter()
+            for pack, question in loop:
+                timed([*mmkv, "ask", str(pack), question, *extra], env)
+            result[name] = round(time.perf_counter() - began, 3)
+        result["loop_speedup"] = round(result["loop_own_process_s"] / result["loop_warm_s"], 1)
+        client = connect(place)
+        remote = RemoteSession(client, str(packs[2]), LoadOptions(device="cpu"))
+        here = api.PackSession(packs[2], backbone=backbone)
+        options = AskOptions()
+        remote.ask(QUESTION, options), here.ask(QUESTION, options)
+        hot, own, read = [], [], []
+        for _ in range(runs):
+            began = time.perf_counter()
+            read.append(remote.ask(QUESTION, options).bytes_read)
+            hot.append(time.perf_counter() - began)
+            began = time.perf_counter()
+            here.ask(QUESTION, options)
+            own.append(time.perf_counter() - began)
+        remote.close()
+        result.update(
+            hot_question_s=round(statistics.median(hot), 4),
+            in_process_question_s=round(statistics.median(own), 4),
+            hot_over_in_process=round(statistics.median(hot) / statistics.median(own), 3),
+            hot_bytes_read=max(read),
+        )
+        timed([*mmkv, "stop"], env)
+        server.wait(30)
+    finally:
+        if server.poll() is None:
+            server.kill()
+        shutil.rmtree(runtime, ignore_errors=True)
+    return result
+
+
+def wide_part(folder: Path, frames: int, method: str, runs: int) -> dict:
+    """TTFT of a hot pack against a fresh open at 7B width (2 layers), the same backbone."""
+    from mmkv_cli import api
+    from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
+    from mmkv_cli.serve.warm import Warm
+    from mmkv_cli.study.synth import write_dataset
+
+    load = LoadOptions("rehearsal-llava-ov-7b", "cpu", layers=2)
+    warm = Warm(load)
+    backbone = warm.backbone(load)
+    write_dataset(folder / "set", clips=1, frames=frames, seed=5, kind="normal")
+    video = folder / "set" / "clips" / "clip_0000.mp4"
+    pack = folder / "wide.kvpack"
+    began = time.perf_counter()
+    options = EncodeOptions(method, fps=2.0, max_frames=frames, force=True)
+    api.encode(str(video), pack, options, backbone=backbone)
+    encode_s = time.perf_counter() - began
+    one = AskOptions(generation=GenerationOptions(max_new_tokens=1))
+    fresh, hot = [], []
+    warm.ask(warm.session(pack, load), QUESTION, one)  # held from here on
+    for _ in range(runs):
+        session = api.PackSession(pack, backbone=backbone)
+        fresh.append(session.ask(QUESTION, one).ttft_s)
+        session.close()
+        hot.append(warm.ask(warm.session(pack, load), QUESTION, one).ttft_s)
+    warm.close()
+    return {
+        "model": load.model, "layers": 2, "frames": frames, "method": method,
+        "pack_bytes": pack.stat().st_size, "encode_s": round(encode_s, 1),
+        "ttft_fresh_s": round(statistics.median(fresh), 4),
+        "ttft_hot_s": round(statistics.median(hot), 4),
+        "hot_over_fresh": round(statistics.median(hot) / statistics.median(fresh), 3),
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--wide-frames", type=int, default=512, help="0: skip the real-width part")
+    ap.add_argument("--wide-method", default="hermes")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "warm.json"))
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="mmkv-warm-") as tmp:
+        result = {"demo": demo_part(Path(tmp), args.runs)}
+        print(json.dumps(result["demo"], indent=1), flush=True)
+        if args.wide_frames:
+            result["wide"] = wide_part(Path(tmp), args.wide_frames, args.wide_method, 7)
+            print(json.dumps(result["wide"], indent=1), flush=True)
+    demo = result["demo"]
+    result["goals"] = {
+        "ask_warm_le_0.5_s": demo["ask_warm_s"] <= 0.5,
+        "version_le_0.15_s": demo["version_s"] <= 0.15,
+        "hot_over_in_process_le_1.2": demo["hot_over_in_process"] <= 1.2,
+        "hot_reads_nothing": demo["hot_bytes_read"] == 0,
+        "loop_ge_10x": demo["loop_speedup"] >= 10,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["goals"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
