@@ -42,6 +42,9 @@ demo: setup
 	$(BIN)/mmkv inspect $(OUT)/clip-hermes.kvpack
 	$(BIN)/mmkv ask $(OUT)/clip-hermes.kvpack "which shape appeared last ?" --json
 	$(BIN)/mmkv profile samples/clip.mp4 --model demo --methods full,recency,rekv,mukv,hermes --question "which shape appeared first ?" --plot $(OUT)/profile.png
+	@echo
+	@echo "mmkv is installed in $(VENV): run 'source $(VENV)/bin/activate' to put it on your PATH"
+	@echo "(or call $(BIN)/mmkv); for fast answers, a warm server: MMKV_KEEP_ALIVE=10m (docs/warm.md)"
 
 # Retrain the demo backbone (mmkv_cli/assets/demo.safetensors): about 70 minutes on 2 CPU cores; resumes.
 # Two runs: 5000 steps from scratch, then 2000 steps at a lower rate with every clip length from the start
@@ -104,6 +107,7 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/hermes_memory.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/decode_cost.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/serve.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/warm.py --wide-frames 64
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/serve_streams.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/quant.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/fuzz.py

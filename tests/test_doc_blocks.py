@@ -20,6 +20,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # circle first
 TRUTH = {
     "README.md#0": ["circle"],
+    "warm.md#0": ["red", "circle"],
     "python.md#0": [r"0\.4 Smoothing\(", r"hermes 24 \d+ ", "circle", "red"],
     "python.md#1": [r"method hermes\.deep_share: 2\.0 is above the maximum 1", "MuKV 3"],
     "python.md#2": [

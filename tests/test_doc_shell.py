@@ -12,6 +12,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,16 @@ def test_the_shell_blocks_of_a_page_run_in_order(tmp_path, page):
     stand_ins(tmp_path)
     env = {**os.environ, "MMKV_MODEL": "demo", "HF_HUB_OFFLINE": "1", "COLUMNS": "100"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # this venv's mmkv
+    # a warm server a page starts is the page's own, and ends with it
+    env["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="mdr-", dir="/tmp")
+    try:
+        _run_page(tmp_path, page, env)
+    finally:
+        subprocess.run([sys.executable, "-m", "mmkv_cli", "stop"], env=env, capture_output=True)
+        shutil.rmtree(env["XDG_RUNTIME_DIR"], ignore_errors=True)
+
+
+def _run_page(tmp_path: Path, page: str, env: dict) -> None:
     for where, body, _ in (b for b in RUN if b[0].split("#")[0] == page):
         script = "set -euo pipefail\n" + body.replace("/tmp/", f"{tmp_path}/")
         done = subprocess.run(

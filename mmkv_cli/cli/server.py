@@ -88,11 +88,24 @@ def encoder(media: str, output: str, options, load, no_server: bool):
     server when one runs and both ends are local files, else here."""
     from mmkv_cli import api
     from mmkv_cli.pack.storage import is_url
-    from mmkv_cli.serve.client import remote_encode, warm_client
+    from mmkv_cli.serve.client import clear_status, remote_encode, status, warm_client
 
     client = None if is_url(media) or is_url(output) else warm_client(no_server)
     if client is None:
-        return lambda **hooks: api.encode(media, output, options, load=load, **hooks)
+
+        def here(on_start=None, **hooks):
+            def started(frames: int) -> None:
+                clear_status()
+                if on_start is not None:
+                    on_start(frames)
+
+            status("loading the model and the media ...")
+            try:
+                return api.encode(media, output, options, load=load, on_start=started, **hooks)
+            finally:
+                clear_status()
+
+        return here
     api.check_encode(media, output, options)  # refused here, in one line, before the server
 
     def remote(**hooks):
