@@ -4,6 +4,7 @@ reference a pack's answer is compared against."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -109,9 +110,10 @@ def ask_pack(pack, question, *, backbone=None, max_new_tokens=32, keep_logits=Fa
 
 
 @contextmanager
-def serving(packs: str, *extra: str):
+def serving(packs: str, *extra: str, runtime: str | None = None):
     """`mmkv serve --packs PACKS [EXTRA...]` in its own process on a free loopback port, without
-    an API key; yields its base URL once /health answers, and stops it afterwards."""
+    an API key; yields its base URL once /health answers, and stops it afterwards. Its local
+    channel is in `runtime` (default: a folder of its own, so no other test's command uses it)."""
     import httpx
     import pytest
 
@@ -121,11 +123,12 @@ def serving(packs: str, *extra: str):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (an access line a request: never a full pipe)
+    private = tempfile.mkdtemp(prefix="msv-", dir="/tmp")
     process = subprocess.Popen(
         [sys.executable, "-m", "mmkv_cli", "serve", "--packs", packs, "--port", str(port)]
         + ["--device", "cpu", *extra],
         cwd=ROOT,
-        env={**os.environ, "MMKV_API_KEY": ""},
+        env={**os.environ, "MMKV_API_KEY": "", "XDG_RUNTIME_DIR": runtime or private},
         stdout=subprocess.DEVNULL,
         stderr=log,
         text=True,
@@ -148,6 +151,7 @@ def serving(packs: str, *extra: str):
         process.terminate()
         process.wait(timeout=20)
         log.close()
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def pack_header(layers=3, dtype="float32", heads=2, dim=8, **sections):

@@ -225,7 +225,7 @@ def test_a_model_switch_evicts_the_oldest_backbone_by_the_cap(packs, monkeypatch
     assert held.backbone(LoadOptions("a")) is first  # a hit keeps it, its depth unsaid or said
     assert held.backbone(LoadOptions("a", layers=2)) is first
     held.backbone(LoadOptions("a", layers=1))  # another depth of a rehearsal model: its own
-    assert list(held.backbones) == [LoadOptions("a", layers=1)]
+    assert [(k.model, k.layers) for k in held.backbones] == [("a", 1)]
 
 
 def test_openai_compatible_without_surprises(server, packs):

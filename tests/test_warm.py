@@ -494,3 +494,36 @@ def test_python_calls_in_a_loop_load_the_model_once(packs, tmp_path, monkeypatch
     mmkv.unload()
     mmkv.ask(packs["full"], CIRCLE, device="cpu")
     assert len(loads) == 2
+
+
+def test_serve_answers_http_and_this_users_commands_from_one_set_of_warm_models(packs):
+    """`mmkv serve --packs DIR` opens the local channel beside HTTP: a pack asked over HTTP is hot
+    for `mmkv ask`, and both use the one loaded model."""
+    import httpx
+
+    from tests.helpers import serving
+
+    folder = _short_folder()
+    shelf = folder / "packs"
+    shelf.mkdir()
+    shutil.copy(packs["rekv"], shelf / "clip.kvpack")
+    env = _fresh_env(folder)
+    with serving(str(shelf), runtime=str(folder)) as base:
+        body = {"model": "clip", "messages": [{"role": "user", "content": CIRCLE}]}
+        reply = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()
+        asked = _mmkv(env, "ask", str(shelf / "clip.kvpack"), CIRCLE, "--json")
+        assert json.loads(asked.stdout)["bytes_read"] == 0  # hot from the HTTP question
+        assert json.loads(asked.stdout)["answer"] == reply["choices"][0]["message"]["content"]
+        state = json.loads(_mmkv(env, "ps", "--json").stdout)
+        assert len(state["models"]) == 1 and state["packs"][0]["questions"] == 2
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_inspect_says_what_the_warm_server_holds_of_a_pack(server, packs, monkeypatch):
+    pack = str(packs["mukv"])
+    cold = json.loads(runner.invoke(app, ["inspect", pack, "--json"]).stdout)
+    monkeypatch.setenv("MMKV_HOST", str(server.place.socket))
+    assert runner.invoke(app, ["ask", pack, CIRCLE]).exit_code == 0
+    hot = json.loads(runner.invoke(app, ["inspect", pack, "--json"]).stdout)
+    assert "hot" not in cold and hot["hot"]["bytes"] > 0 and hot["hot"]["questions"] >= 1
+    assert "in the warm server" in runner.invoke(app, ["inspect", pack]).stdout

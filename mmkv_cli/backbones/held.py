@@ -27,8 +27,9 @@ class HeldBackbones:
 
     def get(self, load: LoadOptions) -> Backbone:
         """The backbone `load` names, loaded on its first call (one caller loads at a time)."""
-        from mmkv_cli.backbones.loading import load_backbone
+        from mmkv_cli.backbones.loading import load_backbone, placed
 
+        load = placed(load)  # `auto` and the device it means: the same weights
         with self._lock:
             key = self._held_as(load)
             if key is not None:

@@ -61,6 +61,17 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def placed(options: LoadOptions) -> LoadOptions:
+    """`options` with its device as the load will resolve it (the config's where "auto" was left,
+    then this machine's), so `auto` and the device it means name the same weights."""
+    device = options.device
+    if device == "auto" and config().device:
+        device = config().device
+    where = resolve_device(device)
+    name = f"cuda:{where.index or 0}" if where.type == "cuda" else where.type
+    return replace(options, device=name)
+
+
 def resolve_dtype(dtype: str, device: torch.device, tiny: bool) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" and not tiny else torch.float32

@@ -224,6 +224,9 @@ def inspect(
             emit_json(rows) if as_json else show_listing_of_packs(pack, rows)
             return
         info = api.inspect(pack)
+        hot = cli_server.hot_state(pack)  # held by a running warm server: what `ps` says of it
+        if hot is not None:
+            info["hot"] = hot
         emit_json(info) if as_json else show_inspect(info)
 
     run(body)

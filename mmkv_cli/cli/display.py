@@ -189,6 +189,10 @@ def show_inspect(info: dict) -> None:
         ),
         ("created", info["created"]),
     ]
+    if info.get("hot"):
+        hot = info["hot"]
+        held = f"in the warm server: {human_bytes(hot['bytes'])} held, {hot['questions']} questions"
+        rows.append(("hot", held))
     for row in rows:
         table.add_row(*row)
     out_console.print(table)

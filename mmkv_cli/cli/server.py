@@ -115,3 +115,30 @@ def encoder(media: str, output: str, options, load, no_server: bool):
             client.close()
 
     return remote
+
+
+def hot_state(pack: str) -> dict | None:
+    """What a running warm server holds of `pack` ({bytes, spans, questions}), or None (no server
+    runs, or the pack is not hot there). Never starts a server."""
+    import contextlib
+    import os
+    from pathlib import Path
+
+    from mmkv_cli.pack.storage import is_url
+    from mmkv_cli.serve.client import warm_client
+
+    if is_url(pack):
+        return None
+    with contextlib.suppress(MmkvError):
+        client = warm_client(start=False)
+        if client is None:
+            return None
+        try:
+            state = client.request("ps")
+        finally:
+            client.close()
+        here = {os.path.realpath(pack), str(Path(pack).absolute())}
+        for row in state.get("packs", []):
+            if row.get("path") in here or os.path.realpath(str(row.get("path"))) in here:
+                return {k: row[k] for k in ("bytes", "spans", "questions") if k in row}
+    return None

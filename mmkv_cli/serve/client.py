@@ -41,8 +41,10 @@ class Client:
     def request(self, op: str, on_event: Callable[[dict], None] | None = None, **fields) -> dict:
         """Send one request; hand each event before its end to `on_event`; the end's fields, or
         the error the in-process path would raise."""
-        try:
+        # a server that refused the connection said why before closing: that is read below
+        with contextlib.suppress(wire.ChannelClosed):
             self.channel.send({"op": op, **fields})
+        try:
             while True:
                 event = self.channel.receive()
                 kind = event.get("event")
