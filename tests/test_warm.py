@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from mmkv_cli.api import PackSession
 from mmkv_cli.cli.app import app
 from mmkv_cli.options import AskOptions, GenerationOptions, LoadOptions
 from mmkv_cli.serve import wire
@@ -527,3 +528,31 @@ def test_inspect_says_what_the_warm_server_holds_of_a_pack(server, packs, monkey
     hot = json.loads(runner.invoke(app, ["inspect", pack, "--json"]).stdout)
     assert "hot" not in cold and hot["hot"]["bytes"] > 0 and hot["hot"]["questions"] >= 1
     assert "in the warm server" in runner.invoke(app, ["inspect", pack]).stdout
+
+
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [
+        ("streamingtom", {}),  # 4-bit by its own default
+        ("full", {"kv_bits": 1.5}),  # VidKV's mixed bits
+        ("h2o", {}),  # per KV head
+        ("rekv", {}),  # retrieval layer by layer
+        ("hermes", {"budget_tokens": 24}),
+    ],
+)
+def test_a_hot_pack_gives_the_logits_of_a_fresh_read(tmp_path, backbones, method, options):
+    """The same first-token logits from the held spans as from the file, question after question
+    (and at a moment), for quantized, per-head and retrieval packs."""
+    import torch
+
+    pack = tmp_path / f"{method}.kvpack"
+    encode_pack(str(SAMPLES / "clip.mp4"), pack, "demo", method, **options)
+    warm = Warm(LoadOptions(device="cpu"))
+    for at in (None, 2.0, None):
+        asked = AskOptions(at=at, keep_logits=True, generation=GenerationOptions(max_new_tokens=2))
+        hot = warm.ask(warm.session(pack), FIRST, asked)
+        cold = PackSession(pack, backbone=warm.session(pack).backbone).ask(FIRST, asked)
+        assert torch.equal(hot.first_logits, cold.first_logits) and hot.answer == cold.answer
+        assert hot.blocks_used == cold.blocks_used
+    assert hot.bytes_read == 0 < cold.bytes_read
+    warm.close()
