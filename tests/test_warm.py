@@ -556,3 +556,21 @@ def test_a_hot_pack_gives_the_logits_of_a_fresh_read(tmp_path, backbones, method
         assert hot.blocks_used == cold.blocks_used
     assert hot.bytes_read == 0 < cold.bytes_read
     warm.close()
+
+
+def test_a_runtime_folder_others_may_enter_is_never_connected_to(monkeypatch, packs, tmp_path):
+    """A folder at the server's place that is not this user's alone: the command runs here and
+    says why, in one line, at -v; it never talks to a socket there."""
+    folder = _short_folder()
+    (folder / "mmkv").mkdir(mode=0o755)
+    (folder / "mmkv").chmod(0o755)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(folder))
+    result = runner.invoke(app, ["ask", str(packs["full"]), CIRCLE])
+    assert result.exit_code == 0 and result.stdout == "red\n"
+    presets = tmp_path / "mine"
+    (presets / "methods").mkdir(parents=True)
+    monkeypatch.setenv("MMKV_PRESETS", str(presets))
+    from mmkv_cli.cli.server import _own_presets
+
+    assert _own_presets()  # a command with presets of its own runs here
+    shutil.rmtree(folder, ignore_errors=True)

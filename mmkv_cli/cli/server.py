@@ -66,12 +66,24 @@ def stop(as_json: bool = JsonOpt) -> None:
     run(body)
 
 
+def _own_presets() -> bool:
+    """Whether this command sees presets of the user's own, which a server started elsewhere may
+    not: such a command runs here."""
+    from mmkv_cli import logs
+    from mmkv_cli.presets import user_folders
+
+    if user_folders():
+        logs.get(__name__).info("your own presets are in effect: running here, not in the server")
+        return True
+    return False
+
+
 def open_session(pack: str, load, no_server: bool):
     """The pack opened for questions: in the warm server when one runs (or keep_alive starts
     one), else here. Either answers as `api.PackSession` does."""
     from mmkv_cli.serve.client import RemoteSession, clear_status, status, warm_client
 
-    client = warm_client(no_server)
+    client = warm_client(no_server or _own_presets())
     if client is not None:
         return RemoteSession(client, pack, load)
     from mmkv_cli import api
@@ -90,7 +102,8 @@ def encoder(media: str, output: str, options, load, no_server: bool):
     from mmkv_cli.pack.storage import is_url
     from mmkv_cli.serve.client import clear_status, remote_encode, status, warm_client
 
-    client = None if is_url(media) or is_url(output) else warm_client(no_server)
+    remote = is_url(media) or is_url(output)
+    client = None if remote else warm_client(no_server or _own_presets())
     if client is None:
 
         def here(on_start=None, **hooks):

@@ -44,6 +44,11 @@ def use_presets(folder: str | Path | None) -> None:
         LOG.info("presets from %s first", folder)
 
 
+def user_folders() -> list[Path]:
+    """The folders of the user's own presets in effect (--presets, $MMKV_PRESETS, the config's)."""
+    return _folders()[:-1]  # the last is the built-in one
+
+
 def _folders() -> list:
     """Where presets are looked up, first match wins."""
     found: list = []

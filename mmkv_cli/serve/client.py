@@ -17,12 +17,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from mmkv_cli import logs
 from mmkv_cli.config import seconds_of
 from mmkv_cli.errors import MmkvError, UsageError
 from mmkv_cli.options import AskOptions, EncodeOptions, LoadOptions
 from mmkv_cli.serve import wire
 from mmkv_cli.serve.place import Place, local_place, private_folder
 
+LOG = logs.get(__name__)
 START_WAIT_S = 60.0  # a server started here has this long to open its socket
 
 
@@ -109,20 +111,25 @@ def warm_client(no_server: bool = False, start: bool = True) -> Client | None:
         return None
     host = server_host()
     place = local_place(host)
-    if not host and not private_folder(place.folder, create=False):
-        found = None
-    else:
-        found = connect(place)
-    if found is not None or host or not start:
-        if found is None and host:
-            raise UsageError(
-                f"no mmkv server answers at {place.socket} (MMKV_HOST, or the config's host)"
-            )
-        return found
-    alive = keep_alive()
-    if alive is None:
-        return None
-    return start_server(place, alive)
+    if not host:
+        try:
+            if not private_folder(place.folder, create=False):
+                return _started(place, start)
+        except UsageError as err:  # not ours to trust: never connect there
+            LOG.warning("%s; running here", err)
+            return None
+    found = connect(place)
+    if found is None and host:
+        raise UsageError(
+            f"no mmkv server answers at {place.socket} (MMKV_HOST, or the config's host)"
+        )
+    return found if found is not None else _started(place, start)
+
+
+def _started(place: Place, start: bool) -> Client | None:
+    """A server started for this command when keep_alive says so (None: run here)."""
+    alive = keep_alive() if start else None
+    return None if alive is None else start_server(place, alive)
 
 
 def start_server(place: Place, alive: float) -> Client:
