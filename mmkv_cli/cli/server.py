@@ -20,14 +20,18 @@ class NoServer(MmkvError):
     exit_code = 1
 
 
-def _running():
+def _asked(op: str) -> dict:
+    """The running server's answer to `op` (one line and exit 1 when none runs)."""
     from mmkv_cli.serve.client import server_host, warm_client
     from mmkv_cli.serve.place import local_place
 
     client = warm_client(start=False)
     if client is None:
         raise NoServer(f"no mmkv server runs (none at {local_place(server_host()).socket})")
-    return client
+    try:
+        return client.request(op)
+    finally:
+        client.close()
 
 
 def ps(as_json: bool = JsonOpt) -> None:
@@ -36,11 +40,7 @@ def ps(as_json: bool = JsonOpt) -> None:
     def body() -> None:
         from mmkv_cli.cli.display import show_server
 
-        client = _running()
-        try:
-            state = client.request("ps")
-        finally:
-            client.close()
+        state = _asked("ps")
         state.pop("event", None)
         emit_json(state) if as_json else show_server(state)
 
@@ -53,11 +53,7 @@ def stop(as_json: bool = JsonOpt) -> None:
     def body() -> None:
         from mmkv_cli.cli.display import out_console
 
-        client = _running()
-        try:
-            done = client.request("stop")
-        finally:
-            client.close()
+        done = _asked("stop")
         if as_json:
             emit_json({"stopped": True, "pid": done.get("pid")})
         else:
