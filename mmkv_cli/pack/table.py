@@ -148,11 +148,14 @@ class BlockTable(Sequence):
 
 
 def eligible_at(table: BlockTable, at: float | None) -> np.ndarray:
-    """Indices of the blocks that start by the moment `at`, in time order (a block with no time
-    counts as 0); every block when `at` is None."""
+    """Indices of the blocks whose every frame was shown by the moment `at` (their last frame at
+    or before it), in time order; every block when `at` is None. A block spanning the moment holds
+    frames after it, and a pack does not say which of its tokens came from which frame, so it is
+    left out whole: an answer at `at` never sees a later frame. A block with no time counts as 0."""
     chosen = np.arange(len(table))
     if at is not None:
-        chosen = np.flatnonzero(np.nan_to_num(table.start_times(), nan=0.0) <= at)
+        ends = np.nan_to_num(table.times()[:, 1], nan=0.0)
+        chosen = np.flatnonzero(ends <= at + 1e-9)  # times are stored rounded
     return chosen[np.argsort(table.start_steps()[chosen], kind="stable")]
 
 
