@@ -376,8 +376,9 @@ class PackSession:
         """Answer `question` from the pack alone; the media is never read again.
 
         options.at: the question's moment (seconds, or the index of an image or page): only blocks
-        whose every frame was shown by then count (a block spanning it is left out whole). options.prune: a method that prunes the context's visual KV by
-        the question's attention before decoding, keeping options.prune_budget of it.
+        whose every frame was shown by then count (a block spanning it is left out whole).
+        options.prune: a method that prunes the context's visual KV by the question's attention
+        before decoding, keeping options.prune_budget of it.
         """
         from mmkv_cli.ask.answer import answer_from_pack
         from mmkv_cli.ask.prune import ask_pruner

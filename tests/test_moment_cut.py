@@ -11,7 +11,7 @@ from tests.helpers import encode_pack
 
 LAST = "which shape appeared last ?"
 # a budget each method takes: a share for those that keep one, tokens for streaming memories
-TOKENS = {"hermes", "recency", "streammem", "infinipot", "streamingtom", "h2o"}
+TOKENS = {"hermes", "recency", "streammem", "infinipot", "h2o"}
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
