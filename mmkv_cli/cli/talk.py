@@ -212,6 +212,11 @@ def serve(
         help="GiB of hot packs' KV kept in memory, least recently used out first (default: a "
         "quarter of RAM).",
     ),
+    hot_on_device: bool = typer.Option(
+        False,
+        "--hot-on-device",
+        help="Hold hot packs' KV on the GPU itself (under --cache-gb), not in pinned host memory.",
+    ),
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,
 ) -> None:
@@ -222,13 +227,15 @@ def serve(
 
     def body() -> None:
         from mmkv_cli.config import seconds_of
+        from mmkv_cli.serve.warm import Warm
 
         idle = seconds_of(keep_alive, "--keep-alive")
         if cache_gb is not None and not cache_gb > 0:
             raise UsageError(f"--cache-gb must be above 0, not {cache_gb}")
         cache_bytes = None if cache_gb is None else int(cache_gb * (1 << 30))
         if not http:
-            _serve_local(load_options(model, device, dtype), models, cache_bytes, idle, preload)
+            warm = Warm(load_options(model, device, dtype), models, cache_bytes, hot_on_device)
+            _serve_local(warm, idle, preload)
             return
         try:
             import uvicorn
@@ -250,7 +257,7 @@ def serve(
             cors=cors,
             preload=preload,
             open_metrics=open_metrics,
-            cache_bytes=cache_bytes,
+            warm=Warm(load_options(model, device, dtype), models, cache_bytes, hot_on_device),
         )
         _log_access()
         if local:
@@ -271,15 +278,13 @@ def serve(
     run(body)
 
 
-def _serve_local(load, models: int, cache_bytes: int | None, idle: float, preload: bool) -> None:
+def _serve_local(warm, idle: float, preload: bool) -> None:
     """`serve --no-http`: the local channel alone (what a command starts with keep_alive set)."""
     from mmkv_cli.cli.display import err_console
     from mmkv_cli.serve.client import server_host
     from mmkv_cli.serve.local import LocalServer
     from mmkv_cli.serve.place import local_place
-    from mmkv_cli.serve.warm import Warm
 
-    warm = Warm(load, models, cache_bytes)
     server = LocalServer(warm, local_place(server_host()), idle)
     server.bind()  # a second server racing this one leaves here, in one line
     if preload:

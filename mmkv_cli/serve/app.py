@@ -127,15 +127,15 @@ def create_app(
     cors: list[str] | None = None,
     preload: bool = False,
     open_metrics: bool = False,
-    cache_bytes: int | None = None,
+    warm: Warm | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over the packs in `folder`: guards, error bodies, routes, and
     for browsers the origins in `cors` (`*`: any). preload: load the model (`load`'s, else the
     default) before the server answers anything, `/health` included. open_metrics: /metrics
     answers without the key (it tells request counts, latencies and load, so it needs the key by
-    default)."""
+    default). warm: the models and hot packs kept (default: `load`'s, `models` of them)."""
     load = load or LoadOptions()
-    packs = Packs(shelf(folder), load, models, queue, Warm(load, models, cache_bytes))
+    packs = Packs(shelf(folder), load, models, queue, warm or Warm(load, models))
     metrics = Metrics(lambda: packs.pending, lambda: len(packs.backbones))
     local = packs.shelf.folder if isinstance(packs.shelf, FolderShelf) else None
     streams = Streams(local, packs.load, packs.backbone, packs.on_model_thread)

@@ -3,9 +3,10 @@
 A `HotPack` is a pack's reader that keeps every span it has read and checked (the prefix, the
 suffix, each block a question took): the next question joins them from memory and reads nothing
 from the file. On CUDA the held spans sit in pinned host memory, so they go to the device without
-a staging copy. `HotPacks` holds them by path, least recently used out first when their bytes pass
-the cap, and never answers from a stale copy: each use compares the path's file with the one opened
-(device, inode, size, mtime_ns, ctime_ns) and reopens when a write, a cut or a rename moved any.
+a staging copy, or (`--hot-on-device`) on the device itself, costing no copy at all. `HotPacks`
+holds them by path, least recently used out first when their bytes pass the cap, and never answers
+from a stale copy: each use compares the path's file with the one opened (device, inode, size,
+mtime_ns, ctime_ns) and reopens when a write, a cut or a rename moved any.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ def _span_bytes(span: Span) -> int:
 class HotPack:
     """A PackReader whose spans, once read and verified, are kept (the members `ask` uses)."""
 
-    def __init__(self, reader: PackReader, version: tuple, pin: bool = False):
-        self.reader, self.version, self.pin = reader, version, pin
+    def __init__(self, reader: PackReader, version: tuple, where: str = "host"):
+        self.reader, self.version = reader, version
+        self.where = where  # host | pinned | device: where held K/V sit
+        self.device = None  # with where "device": the answering backbone's (set before a read)
         self.path, self.header = reader.path, reader.header
         self.format_version = reader.format_version
         self._held: dict[str, Span] = {}
@@ -80,7 +83,7 @@ class HotPack:
 
     def gather(self, names, per_layer=None, device=None, dtype=None, later=None):
         """As PackReader.gather, from the held spans (a block not yet held is read and verified
-        whole, then held); K/V on the host, or pinned on CUDA for the caller's copy."""
+        whole, then held); K/V on the host, pinned for the caller's copy, or on the device."""
         if dtype is not None:
             return self.reader.gather(names, per_layer, device, dtype, later)
         for name in names:
@@ -90,11 +93,17 @@ class HotPack:
         return joined_spans(spans, names, per_layer)
 
     def _kept(self, span: Span) -> Span:
-        if self.pin:
+        if self.where == "pinned":
             span = replace(
                 span,
                 keys=[t.pin_memory() for t in span.keys],
                 values=[t.pin_memory() for t in span.values],
+            )
+        elif self.where == "device" and self.device is not None:  # positions stay on the host
+            span = replace(
+                span,
+                keys=[t.to(self.device) for t in span.keys],
+                values=[t.to(self.device) for t in span.values],
             )
         self._held[span.name] = span
         self.held_bytes += _span_bytes(span)
@@ -124,9 +133,9 @@ class HotPacks:
     that is the file on disk now. Not thread-safe on its own: the server takes it on the model
     thread, and `listing` under the lock."""
 
-    def __init__(self, cap_bytes: int, pin: bool = False):
+    def __init__(self, cap_bytes: int, where: str = "host"):
         self.cap = max(0, int(cap_bytes))
-        self.pin = pin
+        self.where = where
         self.packs: OrderedDict[str, HotEntry] = OrderedDict()
         self.lock = threading.Lock()
         self.reopened = 0  # packs found changed on disk and opened again (ps, tests)
@@ -155,7 +164,7 @@ class HotPacks:
             reader = PackReader(path)
             after = version if version is not None or is_url(path) else file_identity(path)
             if before == after:  # not replaced while it was opened
-                return HotPack(reader, after or (), self.pin)
+                return HotPack(reader, after or (), self.where)
             reader.source.close()
 
     def asked(self, pack) -> None:
@@ -209,5 +218,9 @@ def default_cap() -> int:
     return min(total // 4, 64 << 30)
 
 
-def wants_pin(device: str) -> bool:
-    return device != "cpu" and torch.cuda.is_available()
+def hot_place(device: str, on_device: bool) -> str:
+    """Where a server on `device` holds hot K/V: the device itself when asked (and there is one),
+    pinned host memory beside a CUDA device, else plain host memory."""
+    if device == "cpu" or not torch.cuda.is_available():
+        return "host"
+    return "device" if on_device else "pinned"

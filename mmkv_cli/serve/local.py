@@ -24,7 +24,6 @@ from dataclasses import replace
 
 from mmkv_cli import __version__, logs
 from mmkv_cli.errors import MmkvError, UsageError
-from mmkv_cli.options import LoadOptions
 from mmkv_cli.serve import wire
 from mmkv_cli.serve.place import Place, check_socket_path, private_folder
 from mmkv_cli.serve.warm import Warm
@@ -268,19 +267,6 @@ def _as_shown(text: str, shown: dict[str, str]) -> str:
     for path, given in sorted(shown.items(), key=lambda item: -len(item[0])):
         text = text.replace(path, given)
     return text
-
-
-def run_local(
-    load: LoadOptions, models: int, cache_bytes: int | None, keep_alive: float, place: Place
-) -> None:
-    """`mmkv serve --no-http`: the local channel alone, until stopped or idle past keep_alive."""
-    warm = Warm(load, models, cache_bytes)
-    server = LocalServer(warm, place, keep_alive)
-    server.bind()
-    try:
-        server.serve()
-    finally:
-        warm.close()
 
 
 def start_beside(warm: Warm, place: Place) -> LocalServer | None:

@@ -12,15 +12,23 @@ from pathlib import Path
 from mmkv_cli.api import PackSession, load_for
 from mmkv_cli.backbones.held import HeldBackbones
 from mmkv_cli.options import LoadOptions
-from mmkv_cli.serve.hot import HotPacks, default_cap, wants_pin
+from mmkv_cli.serve.hot import HotPacks, default_cap, hot_place
 
 
 class Warm:
-    def __init__(self, load: LoadOptions, models: int = 2, cache_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        load: LoadOptions,
+        models: int = 2,
+        cache_bytes: int | None = None,
+        on_device: bool = False,
+    ) -> None:
+        """on_device: hold hot packs' K/V on the device (CUDA) rather than in pinned host memory;
+        the byte cap counts them the same."""
         self.load = load
         self.backbones = HeldBackbones(models)
-        self.hot = HotPacks(default_cap() if cache_bytes is None else cache_bytes,
-                            pin=wants_pin(load.device))  # fmt: skip
+        cap = default_cap() if cache_bytes is None else cache_bytes
+        self.hot = HotPacks(cap, hot_place(load.device, on_device))
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="mmkv-model")
         # sessions by (path, load), reused while their hot pack and backbone are still held
         self.sessions: dict[tuple[str, LoadOptions], PackSession] = {}
@@ -49,6 +57,7 @@ class Warm:
         if held is not None and held.reader is pack and any(b is held.backbone for b in loaded):
             return held  # the same file and weights: its method and model checks stand
         backbone = self.backbone(load_for(pack.reader, load))
+        pack.device = backbone.device  # where a pack held on the device goes
         self.sessions[(str(path), load)] = session = PackSession(pack, backbone=backbone)
         return session
 
