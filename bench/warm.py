@@ -1,6 +1,7 @@
 """A question through the warm local server, against a process of its own (issue 71).
 
     python bench/warm.py [--runs 20] [--wide-frames 512] [--wide-method hermes]
+        [--wide-layers 2] [--wide-device cpu] [--hot-on-device]
 
 On the demo backbone, five packs of samples/clip.mp4 and a `mmkv serve --no-http` in a private
 runtime folder: the client's own start-up (`mmkv --version`), `mmkv ask` end to end through the
@@ -112,15 +113,18 @@ def demo_part(folder: Path, runs: int) -> dict:
     return result
 
 
-def wide_part(folder: Path, frames: int, method: str, runs: int) -> dict:
-    """TTFT of a hot pack against a fresh open at 7B width (2 layers), the same backbone."""
+def wide_part(
+    folder: Path, frames: int, method: str, runs: int, layers: int, device: str, on_device: bool
+) -> dict:
+    """TTFT of a hot pack against a fresh open at 7B width (`layers` of it; 0: the whole depth),
+    the same backbone."""
     from mmkv_cli import api
     from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
     from mmkv_cli.serve.warm import Warm
     from mmkv_cli.study.synth import write_dataset
 
-    load = LoadOptions("rehearsal-llava-ov-7b", "cpu", layers=2)
-    warm = Warm(load)
+    load = LoadOptions("rehearsal-llava-ov-7b", device, layers=layers or None)
+    warm = Warm(load, on_device=on_device)
     backbone = warm.backbone(load)
     write_dataset(folder / "set", clips=1, frames=frames, seed=5, kind="normal")
     video = folder / "set" / "clips" / "clip_0000.mp4"
@@ -139,7 +143,8 @@ def wide_part(folder: Path, frames: int, method: str, runs: int) -> dict:
         hot.append(warm.ask(warm.session(pack, load), QUESTION, one).ttft_s)
     warm.close()
     return {
-        "model": load.model, "layers": 2, "frames": frames, "method": method,
+        "model": load.model, "layers": layers or "all", "frames": frames, "method": method,
+        "device": str(backbone.device), "hot_on_device": on_device,
         "pack_bytes": pack.stat().st_size, "encode_s": round(encode_s, 1),
         "ttft_fresh_s": round(statistics.median(fresh), 4),
         "ttft_hot_s": round(statistics.median(hot), 4),
@@ -152,13 +157,19 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--wide-frames", type=int, default=512, help="0: skip the real-width part")
     ap.add_argument("--wide-method", default="hermes")
+    ap.add_argument("--wide-layers", type=int, default=2, help="0: the model's full depth (GPU)")
+    ap.add_argument("--wide-device", default="cpu", help="cpu, cuda, ...")
+    ap.add_argument("--hot-on-device", action="store_true", help="hold the hot pack on the GPU")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "warm.json"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="mmkv-warm-") as tmp:
         result = {"demo": demo_part(Path(tmp), args.runs)}
         print(json.dumps(result["demo"], indent=1), flush=True)
         if args.wide_frames:
-            result["wide"] = wide_part(Path(tmp), args.wide_frames, args.wide_method, 7)
+            result["wide"] = wide_part(
+                Path(tmp), args.wide_frames, args.wide_method, 7,
+                args.wide_layers, args.wide_device, args.hot_on_device,
+            )  # fmt: skip
             print(json.dumps(result["wide"], indent=1), flush=True)
     demo = result["demo"]
     result["goals"] = {
