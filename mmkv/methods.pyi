@@ -136,8 +136,9 @@ class HERMES(MethodConfig):
     guidance_prompt: str | None
     shallow_share: float
     deep_share: float
-    recency_k: tuple[float, float]
-    middle_a: tuple[float, float]
+    curves: Literal['backbone', 'llava_ov', 'qwen']
+    recency_k: tuple[float, float] | None
+    middle_a: tuple[float, float] | None
     smoothing: Smoothing | Mapping[str, Any]
     prompts: Literal['roles', 'one']
     local_question: str
@@ -159,8 +160,9 @@ class HERMES(MethodConfig):
         guidance_prompt: str | None = ...,
         shallow_share: float = ...,
         deep_share: float = ...,
-        recency_k: tuple[float, float] = ...,
-        middle_a: tuple[float, float] = ...,
+        curves: Literal['backbone', 'llava_ov', 'qwen'] = ...,
+        recency_k: tuple[float, float] | None = ...,
+        middle_a: tuple[float, float] | None = ...,
         smoothing: Smoothing | Mapping[str, Any] = ...,
         prompts: Literal['roles', 'one'] = ...,
         local_question: str = ...,

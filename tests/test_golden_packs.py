@@ -14,7 +14,9 @@ number; every tensor byte for byte as before, meda-llava-images too, whose tiny 
 keep the same tokens, so its pack stays per layer), with h2o-demo and meda-demo added: packs held
 per head (the trained demo's heads keep different tokens), and all six for format v12 (issue 48: the
 version number and `blocks.digest_layers`; every tensor byte for byte as before but the digests,
-one a block as before, stored [blocks, 1, 32])."""
+one a block as before, stored [blocks, 1, 32]), and hermes-qwen25 for HERMES' per-backbone curves
+(issue 72: a Qwen backbone weighs recency as the authors' Qwen file does, so its middle layers
+keep other tokens; `curves` in the header's params)."""
 
 import json
 from pathlib import Path

@@ -13,7 +13,7 @@ from mmkv_cli.encode.encoder import encode_media
 from mmkv_cli.kernels.rope import rotate_keys
 from mmkv_cli.media import load_media
 from mmkv_cli.methods import Budget, EncodeContext
-from mmkv_cli.methods.hermes import HermesMemory, HermesParams, mix_for
+from mmkv_cli.methods.hermes import HermesMemory, HermesParams, curves_for, mix_for
 from mmkv_cli.methods.hermes_scoring import (
     fold_into_summary,
     layer_roles,
@@ -37,18 +37,42 @@ def test_layer_split_and_depth_interpolation_follow_the_authors_code():
         assert roles == sorted(roles, key=["shallow", "middle", "deep"].index)
     middle = [p for r, p in layer_roles(28, 0.1, 0.3) if r == "middle"]
     assert len(middle) == 17 and middle[0] == 0.0 and middle[-1] == pytest.approx(16 / 17)
-    assert mix_for("middle", 0.0, PARAMS) == (1.0, 20.0)
-    a, k = mix_for("middle", 1.0, PARAMS)
+    llava = curves_for(PARAMS, "llava_onevision")
+    assert mix_for("middle", 0.0, llava) == (1.0, 20.0)
+    a, k = mix_for("middle", 1.0, llava)
     assert a == pytest.approx(0.1) and k == pytest.approx(0.5)
-    assert mix_for("shallow", 0.0, PARAMS)[0] == 1.0 and mix_for("deep", 1.0, PARAMS)[0] == 0.0
+    assert mix_for("shallow", 0.0, llava)[0] == 1.0 and mix_for("deep", 1.0, llava)[0] == 0.0
     assert [r for r, _ in layer_roles(4, 0.1, 0.3)] == ["middle", "middle", "deep", "deep"]
+
+
+@pytest.mark.parametrize(
+    ("family", "a", "k"),
+    [  # the authors' files at commit 8d699b1, written out: a(p), k(p) over a middle layer's depth
+        ("llava_onevision", lambda p: 1 - 0.9 * p, lambda p: 20 - 19.5 * p),
+        ("qwen2_vl", lambda p: 0.75 - 0.6 * p, lambda p: 20 - 12 * p),
+        ("qwen2_5_vl", lambda p: 0.75 - 0.6 * p, lambda p: 20 - 12 * p),
+        ("qwen3_vl", lambda p: 0.75 - 0.6 * p, lambda p: 20 - 12 * p),
+    ],
+)
+def test_middle_layers_weigh_recency_as_the_authors_file_for_the_backbone_does(family, a, k):
+    curves = curves_for(PARAMS, family)
+    for p in (0.0, 0.25, 0.5, 16 / 17):
+        got = mix_for("middle", p, curves)
+        assert got == pytest.approx((a(p), k(p)), abs=1e-12), (family, p)
+    # one file for every backbone, and fields set over it, as options
+    llava_everywhere = curves_for(HermesParams(curves="llava_ov"), family)
+    assert mix_for("middle", 0.5, llava_everywhere) == pytest.approx((0.55, 10.25))
+    own = curves_for(HermesParams(recency_k=(10.0, 1.0)), family)
+    assert mix_for("middle", 1.0, own)[1] == pytest.approx(1.0)
+    assert own["middle_a"] == curves["middle_a"]
 
 
 def test_recency_wins_in_shallow_layers_and_an_attended_old_token_survives_in_deep_ones():
     attention = torch.full((10,), 0.01)
     attention[1] = 5.0  # an old token the guidance prompt looks at
-    shallow = top_in_order(layer_score(attention, *mix_for("shallow", 0, PARAMS)), 3)
-    deep = top_in_order(layer_score(attention, *mix_for("deep", 1, PARAMS)), 3)
+    curves = curves_for(PARAMS, "llava_onevision")
+    shallow = top_in_order(layer_score(attention, *mix_for("shallow", 0, curves)), 3)
+    deep = top_in_order(layer_score(attention, *mix_for("deep", 1, curves)), 3)
     assert shallow.tolist() == [7, 8, 9]
     assert 1 in deep.tolist()
     curve = recency_curve(5, 20.0)
@@ -418,3 +442,24 @@ def test_summary_tokens_go_into_the_pack_in_the_step_they_were_made_at(backbones
         assert sum(b.layer_counts[layer] for b in out.blocks) == 40
     for layer in deep:
         assert int(policy.summary_mask[layer].sum()) >= 1
+
+
+def test_an_encode_takes_the_curves_of_its_backbones_family(tmp_path, backbones):
+    """On a Qwen backbone the default is the Qwen file's curves (the same pack as asking for them),
+    and LLaVA-OV's keep other tokens; a LLaVA-OV backbone's default is its own file's."""
+    from mmkv_cli.options import MethodSpec
+
+    def kept(model: str, curves: str | None) -> list[torch.Tensor]:
+        out = tmp_path / f"{model}-{curves}.kvpack"
+        method = MethodSpec("hermes", {"curves": curves} if curves else {})
+        encode_pack("samples/clip.mp4", out, method=method, budget_tokens=8, fps=2.0, force=True,
+                    backbone=backbones[model])  # fmt: skip
+        reader = PackReader(out)
+        return reader.gather([reader.blocks.name(i) for i in range(len(reader.blocks))])[2]
+
+    same = zip(kept("tiny-qwen2.5-vl", None), kept("tiny-qwen2.5-vl", "qwen"), strict=True)
+    assert all(torch.equal(a, b) for a, b in same)
+    other = zip(kept("tiny-qwen2.5-vl", None), kept("tiny-qwen2.5-vl", "llava_ov"), strict=True)
+    assert not all(torch.equal(a, b) for a, b in other)
+    own = zip(kept("tiny-llava-ov", None), kept("tiny-llava-ov", "llava_ov"), strict=True)
+    assert all(torch.equal(a, b) for a, b in own)

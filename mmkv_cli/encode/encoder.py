@@ -174,6 +174,7 @@ def encode_streaming(
         total=total,
         position_limit=int(backbone.text_config.max_position_embeddings),
         rope=backbone.rope_tables(),
+        family=backbone.family,
     )
     state.attend = lambda text, **how: text_attention(backbone, state, text, **how)
     peak_kv, skip, cuts = 0, 0, []  # cuts: where each save cut the stream (saved_state.py)

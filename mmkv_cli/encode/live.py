@@ -175,6 +175,7 @@ class StreamRunner:
             total=0,
             position_limit=int(backbone.text_config.max_position_embeddings),
             rope=backbone.rope_tables(),
+            family=backbone.family,
         )
         self._bind(self.state)
 

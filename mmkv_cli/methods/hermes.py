@@ -66,12 +66,21 @@ class HermesParams(GuidedParams):
         0.1, "share of layers that are shallow (pure recency)", low=0, high=1
     )
     deep_share: float = knob(0.3, "share of layers that are deep (pure attention)", low=0, high=1)
-    recency_k: tuple[float, float] = knob(
-        (20.0, 0.5), "forgetting-curve steepness k: shallow value, then the deepest middle layer's"
+    curves: Literal["backbone", "llava_ov", "qwen"] = knob(
+        "backbone",
+        "whose middle-layer recency weights: the authors' file for the backbone's family "
+        "(llavaov_hermes.py for LLaVA-OV, qwenvl_hermes.py for Qwen2/2.5/3-VL), or one file's "
+        "for every backbone",
     )
-    middle_a: tuple[float, float] = knob(
-        (1.0, 0.1),
-        "recency weight a across middle layers: first, then last (1 - 0.9 p)",
+    recency_k: tuple[float, float] | None = knob(
+        None,
+        "forgetting-curve steepness k: shallow value, then the deepest middle layer's (null: the "
+        "curves' file: 20 -> 0.5 LLaVA-OV, 20 -> 8 Qwen)",
+    )
+    middle_a: tuple[float, float] | None = knob(
+        None,
+        "recency weight a across middle layers: first, then last (null: the curves' file: "
+        "1 - 0.9 p LLaVA-OV, 0.75 - 0.6 p Qwen)",
         low=0,
         high=1,
     )
@@ -112,14 +121,39 @@ class HermesParams(GuidedParams):
     )
 
 
-def mix_for(role: str, p: float, params: HermesParams) -> tuple[float, float]:
+# The authors' middle-layer curves per backbone file (HERMES commit 8d699b1): the recency weight a
+# at the first and last middle layer, and the forgetting-curve steepness k at the shallow layers and
+# the deepest middle one; both linear in the middle layer's depth p.
+CURVES = {
+    "llava_ov": {"middle_a": (1.0, 0.1), "recency_k": (20.0, 0.5)},  # a = 1 - 0.9p, k = 20 - 19.5p
+    "qwen": {"middle_a": (0.75, 0.15), "recency_k": (20.0, 8.0)},  # a = 0.75 - 0.6p, k = 20 - 12p
+}
+CURVES_OF_FAMILY = {
+    "llava_onevision": "llava_ov",
+    "qwen2_vl": "qwen",
+    "qwen2_5_vl": "qwen",
+    "qwen3_vl": "qwen",
+}
+
+
+def curves_for(params: HermesParams, family: str) -> dict[str, tuple[float, float]]:
+    """The (a, k) curves a backbone of `family` uses: the file `curves` names (the family's own
+    by default; a family without a file of its own takes LLaVA-OV's), each set field over it."""
+    chosen = (
+        CURVES_OF_FAMILY.get(family, "llava_ov") if params.curves == "backbone" else params.curves
+    )
+    set_here = {"middle_a": params.middle_a, "recency_k": params.recency_k}
+    return {**CURVES[chosen], **{k: v for k, v in set_here.items() if v is not None}}
+
+
+def mix_for(role: str, p: float, curves: dict[str, tuple[float, float]]) -> tuple[float, float]:
     """(a, k): the recency weight and the forgetting-curve steepness of a layer."""
-    k0, k1 = params.recency_k
+    k0, k1 = curves["recency_k"]
     if role == "shallow":
         return 1.0, k0
     if role == "deep":
         return 0.0, k1
-    a0, a1 = params.middle_a
+    a0, a1 = curves["middle_a"]
     return a0 + (a1 - a0) * p, k0 + (k1 - k0) * p
 
 
@@ -196,8 +230,9 @@ class HermesMemory(KeepAll):
     def _compress(self, state: StreamState, cap: int) -> None:
         roles = self._roles(state)
         attention = self._attention(state, roles)
+        curves = curves_for(self.params, state.family)
         scores = [
-            layer_score(attention[layer], *mix_for(role, p, self.params))
+            layer_score(attention[layer], *mix_for(role, p, curves))
             for layer, (role, p) in enumerate(roles)
         ]
         gammas = [self.params.smoothing.of(role) for role, _ in roles]

@@ -306,6 +306,7 @@ class StreamState:
     rope: tuple | None = None  # (inv_freq, axes) for delta-rotating cached keys
     grid: tuple[int, int] | None = None  # a temporal step's visual tokens as (rows, cols)
     attend: Attend | None = field(default=None, repr=False)
+    family: str = ""  # the backbone's family, for a method whose authors' code differs by it
 
     @property
     def layers(self) -> int:
