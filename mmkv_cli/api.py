@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmkv_cli import logs
+from mmkv_cli.ask.result import answer_record  # as `ask --json` prints an answer
 from mmkv_cli.backbones.held import HeldBackbones
-from mmkv_cli.errors import PackError, UsageError, flag
+from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.methods import METHODS
 from mmkv_cli.methods.base import ContextPolicy
 from mmkv_cli.methods.choice import choice_for
@@ -30,6 +31,7 @@ from mmkv_cli.options import (
     check_ask,
 )
 from mmkv_cli.pack import PackReader, check_writable
+from mmkv_cli.pack.convert import convert_quant
 from mmkv_cli.pack.report import inspect, listing, verify  # the verbs that read packs alone
 from mmkv_cli.pack.storage import is_url, local_path
 from mmkv_cli.reduce.choice import check_reducer
@@ -219,21 +221,6 @@ def refuse_input_as_output(media: str, output: Path) -> None:
             raise UsageError(f"{output} is the media being encoded ({source}): pick another output")
 
 
-def convert_quant(kv_bits: float | None, kv_group: int | None) -> QuantSpec | None:
-    """How a convert re-stores the KV: None keeps it as stored; a group needs bits too (the
-    caller's words for both: --kv-bits on the command line, kv_bits in Python)."""
-    from mmkv_cli.options import kv_bits_value
-    from mmkv_cli.pack.quant import QuantSpec
-
-    if kv_bits is None:
-        if kv_group is not None:
-            bits = flag("kv_bits")
-            raise UsageError(f"{flag('kv_group')} sets how {bits} quantizes: pass {bits} too")
-        return None
-    bits = kv_bits_value(kv_bits)
-    return QuantSpec(bits) if kv_group is None else QuantSpec(bits, kv_group)
-
-
 def convert(
     source: str | Path,
     output: str | Path,
@@ -419,27 +406,3 @@ def ask(
 ) -> Answer:
     """One question: a PackSession used once."""
     return PackSession(pack, backbone=backbone, load=load).ask(question, options, on_token)
-
-
-def answer_record(
-    answer: Answer, question: str, at: float | None = None, ident=None, explain: bool = True
-) -> dict:
-    """An answer as `ask --json` prints it (one JSON object per question); the retrieved blocks
-    only when explained (an hour's retrieval lists dozens of blocks a question)."""
-    record = {"id": ident} if ident is not None else {}
-    return {
-        **record,
-        "question": question,
-        "at": at,
-        "answer": answer.answer,
-        "context_tokens": answer.context_tokens,
-        "ttft_s": answer.ttft_s,
-        "ttft_phases_s": answer.phases_s,
-        "total_s": answer.total_s,
-        "decode_s_per_token": answer.decode_s_per_token,
-        "blocks": len(answer.blocks_used),
-        "bytes_read": answer.bytes_read,
-        "bytes_fetched": answer.bytes_fetched,
-        **({"retrieved": answer.retrieved} if explain else {}),
-        "kv_tokens_after_prune": answer.kv_tokens,
-    }

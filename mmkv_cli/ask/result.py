@@ -43,3 +43,27 @@ class Answer:
     kv_tokens: list[int] | None = None
     phases_s: dict[str, float] = field(default_factory=dict)
     first_logits: torch.Tensor | None = field(default=None, repr=False)
+
+
+def answer_record(
+    answer: Answer, question: str, at: float | None = None, ident=None, explain: bool = True
+) -> dict:
+    """An answer as `ask --json` prints it (one JSON object per question); the retrieved blocks
+    only when explained (an hour's retrieval lists dozens of blocks a question)."""
+    record = {"id": ident} if ident is not None else {}
+    return {
+        **record,
+        "question": question,
+        "at": at,
+        "answer": answer.answer,
+        "context_tokens": answer.context_tokens,
+        "ttft_s": answer.ttft_s,
+        "ttft_phases_s": answer.phases_s,
+        "total_s": answer.total_s,
+        "decode_s_per_token": answer.decode_s_per_token,
+        "blocks": len(answer.blocks_used),
+        "bytes_read": answer.bytes_read,
+        "bytes_fetched": answer.bytes_fetched,
+        **({"retrieved": answer.retrieved} if explain else {}),
+        "kv_tokens_after_prune": answer.kv_tokens,
+    }

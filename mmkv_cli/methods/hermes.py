@@ -24,9 +24,11 @@ from mmkv_cli.kernels.rope import compact_positions, rotate_keys
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper
 from mmkv_cli.methods.hermes_scoring import (
+    family_curves,
     fold_into_summary,
     layer_roles,
     layer_score,
+    mix_for,
     role_questions,
     smooth_deep_to_shallow,
 )
@@ -121,40 +123,10 @@ class HermesParams(GuidedParams):
     )
 
 
-# The authors' middle-layer curves per backbone file (HERMES commit 8d699b1): the recency weight a
-# at the first and last middle layer, and the forgetting-curve steepness k at the shallow layers and
-# the deepest middle one; both linear in the middle layer's depth p.
-CURVES = {
-    "llava_ov": {"middle_a": (1.0, 0.1), "recency_k": (20.0, 0.5)},  # a = 1 - 0.9p, k = 20 - 19.5p
-    "qwen": {"middle_a": (0.75, 0.15), "recency_k": (20.0, 8.0)},  # a = 0.75 - 0.6p, k = 20 - 12p
-}
-CURVES_OF_FAMILY = {
-    "llava_onevision": "llava_ov",
-    "qwen2_vl": "qwen",
-    "qwen2_5_vl": "qwen",
-    "qwen3_vl": "qwen",
-}
-
-
 def curves_for(params: HermesParams, family: str) -> dict[str, tuple[float, float]]:
     """The (a, k) curves a backbone of `family` uses: the file `curves` names (the family's own
     by default; a family without a file of its own takes LLaVA-OV's), each set field over it."""
-    chosen = (
-        CURVES_OF_FAMILY.get(family, "llava_ov") if params.curves == "backbone" else params.curves
-    )
-    set_here = {"middle_a": params.middle_a, "recency_k": params.recency_k}
-    return {**CURVES[chosen], **{k: v for k, v in set_here.items() if v is not None}}
-
-
-def mix_for(role: str, p: float, curves: dict[str, tuple[float, float]]) -> tuple[float, float]:
-    """(a, k): the recency weight and the forgetting-curve steepness of a layer."""
-    k0, k1 = curves["recency_k"]
-    if role == "shallow":
-        return 1.0, k0
-    if role == "deep":
-        return 0.0, k1
-    a0, a1 = curves["middle_a"]
-    return a0 + (a1 - a0) * p, k0 + (k1 - k0) * p
+    return family_curves(params.curves, family, params.middle_a, params.recency_k)
 
 
 # --- the memory policy ---

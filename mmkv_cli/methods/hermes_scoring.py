@@ -1,5 +1,6 @@
-"""HERMES' scoring as pure functions over tensors: the layer roles, the forgetting curve, the
-pseudo-questions, cross-layer smoothing and the summary fold (the memory policy: hermes.py)."""
+"""HERMES' scoring as pure functions over tensors: the layer roles, the per-backbone curves, the
+forgetting curve, the pseudo-questions, cross-layer smoothing and the summary fold (the memory
+policy: hermes.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,44 @@ import math
 from mmkv_cli.kernels.rope import rotate_keys
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.scoring import minmax
+
+# The authors' middle-layer curves per backbone file (HERMES commit 8d699b1): the recency weight a
+# at the first and last middle layer, and the forgetting-curve steepness k at the shallow layers and
+# the deepest middle one; both linear in the middle layer's depth p.
+CURVES = {
+    "llava_ov": {"middle_a": (1.0, 0.1), "recency_k": (20.0, 0.5)},  # a = 1 - 0.9p, k = 20 - 19.5p
+    "qwen": {"middle_a": (0.75, 0.15), "recency_k": (20.0, 8.0)},  # a = 0.75 - 0.6p, k = 20 - 12p
+}
+CURVES_OF_FAMILY = {
+    "llava_onevision": "llava_ov",
+    "qwen2_vl": "qwen",
+    "qwen2_5_vl": "qwen",
+    "qwen3_vl": "qwen",
+}
+
+
+def family_curves(
+    curves: str,
+    family: str,
+    middle_a: tuple[float, float] | None = None,
+    recency_k: tuple[float, float] | None = None,
+) -> dict[str, tuple[float, float]]:
+    """The curves of file `curves` ("backbone": the family's own; a family without a file of its
+    own takes LLaVA-OV's), with `middle_a` / `recency_k` over them where given."""
+    chosen = CURVES_OF_FAMILY.get(family, "llava_ov") if curves == "backbone" else curves
+    set_here = {"middle_a": middle_a, "recency_k": recency_k}
+    return {**CURVES[chosen], **{k: v for k, v in set_here.items() if v is not None}}
+
+
+def mix_for(role: str, p: float, curves: dict[str, tuple[float, float]]) -> tuple[float, float]:
+    """(a, k): the recency weight and the forgetting-curve steepness of a layer."""
+    k0, k1 = curves["recency_k"]
+    if role == "shallow":
+        return 1.0, k0
+    if role == "deep":
+        return 0.0, k1
+    a0, a1 = curves["middle_a"]
+    return a0 + (a1 - a0) * p, k0 + (k1 - k0) * p
 
 
 def layer_roles(layers: int, shallow: float, deep: float) -> list[tuple[str, float]]:

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mmkv_cli.errors import PackError, UsageError
+from mmkv_cli.errors import PackError, UsageError, flag
 from mmkv_cli.lazy import torch
+from mmkv_cli.options import kv_bits_value
 from mmkv_cli.pack import PackHeader, PackReader, Span, check_writable
 from mmkv_cli.pack.format import OLD_TABLE_COLUMNS, SERIES, BlockShape, block_name
 from mmkv_cli.pack.quant import QuantSpec
@@ -58,6 +59,18 @@ class _Blocks(Sequence):
         loaded = self.reader.span(self.reader.blocks.name(row), keep=False, dtype=self.dtype)
         rep = self.reps[row].to(self.dtype) if self.reps is not None else None
         return replace(loaded, name=block_name(i), representative=rep)
+
+
+def convert_quant(kv_bits: float | None, kv_group: int | None) -> QuantSpec | None:
+    """How a convert re-stores the KV: None keeps it as stored; a group needs bits too (the
+    caller's words for both: --kv-bits on the command line, kv_bits in Python)."""
+    if kv_bits is None:
+        if kv_group is not None:
+            bits = flag("kv_bits")
+            raise UsageError(f"{flag('kv_group')} sets how {bits} quantizes: pass {bits} too")
+        return None
+    bits = kv_bits_value(kv_bits)
+    return QuantSpec(bits) if kv_group is None else QuantSpec(bits, kv_group)
 
 
 def kept_rows(reader: PackReader, start: float | None, stop: float | None) -> np.ndarray:
