@@ -413,6 +413,14 @@ def test_stop_ends_the_server_and_ps_says_none_runs(tmp_path):
     none = _mmkv(env, "ps")
     assert none.returncode == 1 and none.stderr.startswith("error: no mmkv server runs")
     assert not (folder / "mmkv" / "mmkv.sock").exists()
+    again = subprocess.Popen([sys.executable, "-m", "mmkv_cli", "serve", "--no-http"], env=env,
+                             cwd=ROOT, stderr=subprocess.DEVNULL)  # fmt: skip
+    for _ in range(200):
+        if (folder / "mmkv" / "mmkv.sock").exists():
+            break
+        time.sleep(0.05)
+    again.terminate()  # a TERM, as a service manager sends: the socket goes too
+    assert again.wait(30) == 0 and not (folder / "mmkv" / "mmkv.sock").exists()
     shutil.rmtree(folder, ignore_errors=True)
 
 

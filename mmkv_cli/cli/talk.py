@@ -260,8 +260,9 @@ def serve(
             warm=Warm(load_options(model, device, dtype), models, cache_bytes, hot_on_device),
         )
         _log_access()
-        if local:
-            _local_beside(app.state.packs.warm)
+        beside = _local_beside(app.state.packs.warm) if local else None
+        if beside is not None:  # its socket goes with the server, whatever ends it
+            app.state.closing += [beside.stop, beside.close]
         count = len(app.state.packs.names())
         if not api_key and not _loopback(host):
             err_console.print(
@@ -287,6 +288,10 @@ def _serve_local(warm, idle: float, preload: bool) -> None:
 
     server = LocalServer(warm, local_place(server_host()), idle)
     server.bind()  # a second server racing this one leaves here, in one line
+    import signal
+
+    # a TERM (kill, a service manager) ends it as `mmkv stop` does: its socket goes with it
+    signal.signal(signal.SIGTERM, lambda signum, frame: server.stop())
     if preload:
         warm.on_model_thread(warm.preload)
     err_console.print(f"mmkv server on {server.place.socket} (pid {os.getpid()})", markup=False)
@@ -296,15 +301,18 @@ def _serve_local(warm, idle: float, preload: bool) -> None:
         warm.close()
 
 
-def _local_beside(warm) -> None:
+def _local_beside(warm):
+    """The local channel beside HTTP, or None when another server owns it (a note says so)."""
     from mmkv_cli.cli.display import err_console
     from mmkv_cli.serve.client import server_host
     from mmkv_cli.serve.local import start_beside
     from mmkv_cli.serve.place import local_place
 
     place = local_place(server_host())
-    if start_beside(warm, place) is None:
+    beside = start_beside(warm, place)
+    if beside is None:
         err_console.print(
             f"note: another mmkv server answers on {place.socket}; this one serves HTTP only",
             markup=False,
         )
+    return beside

@@ -146,9 +146,12 @@ def create_app(
             await asyncio.get_running_loop().run_in_executor(packs.worker, packs.preload)
         yield
         await asyncio.get_running_loop().run_in_executor(None, streams.stop_all)  # packs kept
+        for close in app.state.closing:  # what runs beside the app (the local channel)
+            close()
 
     app = FastAPI(title="mmkv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.packs, app.state.streams, app.state.metrics = packs, streams, metrics
+    app.state.closing = []  # called at shutdown, before uvicorn hands the signal on
     _guard(app, api_key, metrics, OPEN_ROUTES + (("/metrics",) if open_metrics else ()))
     if cors:  # added last, so it runs first: a preflight carries no key
         from fastapi.middleware.cors import CORSMiddleware
