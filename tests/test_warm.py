@@ -582,3 +582,21 @@ def test_a_runtime_folder_others_may_enter_is_never_connected_to(monkeypatch, pa
 
     assert _own_presets()  # a command with presets of its own runs here
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_ctrl_c_mid_answer_leaves_nothing_for_the_next_question(server, packs):
+    """chat's Ctrl-C stops an answer: the rest of it never reaches the next question's output."""
+    client = connect(server.place)
+    session = RemoteSession(client, str(packs["full"]), LoadOptions())
+    options = AskOptions(generation=GenerationOptions(max_new_tokens=8))
+    expected = session.ask(FIRST, options).answer
+
+    def stop(piece: str) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        session.ask(CIRCLE, options, on_token=stop)
+    pieces: list[str] = []
+    again = session.ask(FIRST, options, on_token=pieces.append)
+    assert again.answer == expected and "".join(pieces).strip() == expected
+    session.close()

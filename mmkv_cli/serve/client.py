@@ -56,11 +56,23 @@ class Client:
                     raise wire.raised(event)
                 if on_event is not None:
                     on_event(event)
+        except KeyboardInterrupt:
+            # Ctrl-C mid-answer (chat goes on): the rest of this answer must not reach the next
+            # request, so this connection goes (the server stops generating) and a fresh one
+            # takes its place
+            self._reconnect()
+            raise
         except wire.ChannelClosed:
             raise ServerGone(
                 f"the mmkv server at {self.place.socket} stopped before answering (its log: "
                 f"{self.place.log}); run again, or pass --no-server"
             ) from None
+
+    def _reconnect(self) -> None:
+        self.channel.close()
+        fresh = connect(self.place)
+        if fresh is not None:
+            self.channel = fresh.channel
 
     def close(self) -> None:
         self.channel.close()
