@@ -102,22 +102,28 @@ def live(
             signal.signal(
                 stop, lambda signum, frame: [stopping.set(), *(f.stop() for f in started)]
             )
-        following = Follow(
-            source,
-            output,
-            options,
-            LiveOptions(fps=fps, behind=behind, stall_s=stall, timeout_s=timeout),
-            load=load,
-            snapshot_every=snapshot_every,
-            generation=GenerationOptions(max_new_tokens),
-            on_answer=lambda record: _show(record, as_json, out_console),
-            on_ready=lambda event: err_console.print(
-                f"ready: {source} gave its first frame {event['after_s']:.1f} s after the start; "
-                "questions are answered from here",
-                highlight=False,
-                soft_wrap=True,
-            ),
-        )
+        from mmkv_cli.serve.client import clear_status, status
+
+        status("loading the model ...")  # on a terminal: seconds pass before the first frame
+        try:
+            following = Follow(
+                source,
+                output,
+                options,
+                LiveOptions(fps=fps, behind=behind, stall_s=stall, timeout_s=timeout),
+                load=load,
+                snapshot_every=snapshot_every,
+                generation=GenerationOptions(max_new_tokens),
+                on_answer=lambda record: _show(record, as_json, out_console),
+                on_ready=lambda event: err_console.print(
+                    f"ready: {source} gave its first frame {event['after_s']:.1f} s after the "
+                    "start; questions are answered from here",
+                    highlight=False,
+                    soft_wrap=True,
+                ),
+            )
+        finally:
+            clear_status()
         feeder = threading.Thread(
             target=_feed, args=(following, questions), name="mmkv-live-questions", daemon=True
         )
