@@ -135,6 +135,8 @@ def test_a_hot_packs_second_question_reads_nothing_from_the_file(server, packs, 
     state = json.loads(runner.invoke(app, ["ps", "--json"]).stdout)
     hot = {Path(p["path"]).name: p for p in state["packs"]}
     assert hot["rekv.kvpack"]["bytes"] > 0 and hot["rekv.kvpack"]["questions"] >= 2
+    assert hot["rekv.kvpack"]["where"] == "host"  # a CPU server: plain host memory
+    assert "hot packs" in runner.invoke(app, ["ps"]).stdout
     assert [m["model"] for m in state["models"]].count("demo") == 1
 
 

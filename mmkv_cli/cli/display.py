@@ -348,9 +348,10 @@ def show_server(state: dict) -> None:
         )
     out_console.print(models if state.get("models") else Text("no model loaded"))
     packs = Table(title="hot packs", title_justify="left", box=box.SIMPLE_HEAD)
-    for column in ("pack", "held", "spans", "questions"):
+    for column in ("pack", "held", "in", "spans", "questions"):
         packs.add_column(column, no_wrap=column == "pack", overflow="fold")
     for row in state.get("packs", []):
-        held = human_bytes(row["bytes"])
-        packs.add_row(Text(str(row["path"])), held, str(row["spans"]), str(row["questions"]))
+        held, where = human_bytes(row["bytes"]), str(row.get("where", ""))
+        cells = (held, where, str(row["spans"]), str(row["questions"]))
+        packs.add_row(Text(str(row["path"])), *cells)
     out_console.print(packs if state.get("packs") else Text("no pack hot"))

@@ -204,6 +204,7 @@ class HotPacks:
                     "bytes": entry.pack.nbytes,
                     "spans": entry.pack.held_spans,
                     "questions": entry.questions,
+                    "where": entry.pack.where,
                 }
                 for key, entry in reversed(self.packs.items())
             ]
