@@ -141,10 +141,7 @@ def check_encode(media: str, output: str | Path, options: EncodeOptions) -> None
 
 
 def _shared_for_encode(load: LoadOptions | None) -> Backbone:
-    from mmkv_cli.backbones.spec import default_model
-
-    load = load or LoadOptions()
-    return PROCESS_BACKBONES.get(replace(load, model=load.model or default_model()))
+    return PROCESS_BACKBONES.get(load or LoadOptions())
 
 
 def unload() -> None:
@@ -324,7 +321,7 @@ class PackSession:
         load: LoadOptions | None = None,
         shared: bool = False,
     ):
-        """shared: take the backbone from the process's held ones (`held_backbones`), loading it
+        """shared: take the backbone from the process's held ones (`PROCESS_BACKBONES`), loading it
         there once for every later session (Python's `mmkv.ask` in a loop)."""
         from mmkv_cli.pack.integrity import check_askable
 

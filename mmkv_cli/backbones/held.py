@@ -29,7 +29,7 @@ class HeldBackbones:
         """The backbone `load` names, loaded on its first call (one caller loads at a time)."""
         from mmkv_cli.backbones.loading import load_backbone, placed
 
-        load = placed(load)  # `auto` and the device it means: the same weights
+        load = placed(load)  # a default and what it means: the same weights
         with self._lock:
             key = self._held_as(load)
             if key is not None:

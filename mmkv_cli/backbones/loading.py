@@ -62,14 +62,15 @@ def resolve_device(device: str) -> torch.device:
 
 
 def placed(options: LoadOptions) -> LoadOptions:
-    """`options` with its device as the load will resolve it (the config's where "auto" was left,
-    then this machine's), so `auto` and the device it means name the same weights."""
+    """`options` with its model and device as the load will resolve them (the default model where
+    none is named; the config's device where "auto" was left, then this machine's), so a default
+    and what it means name the same weights."""
     device = options.device
     if device == "auto" and config().device:
         device = config().device
     where = resolve_device(device)
     name = f"cuda:{where.index or 0}" if where.type == "cuda" else where.type
-    return replace(options, device=name)
+    return replace(options, model=options.model or default_model(), device=name)
 
 
 def resolve_dtype(dtype: str, device: torch.device, tiny: bool) -> torch.dtype:

@@ -20,18 +20,28 @@ class NoServer(MmkvError):
     exit_code = 1
 
 
-def _asked(op: str) -> dict:
-    """The running server's answer to `op` (one line and exit 1 when none runs)."""
-    from mmkv_cli.serve.client import server_host, warm_client
-    from mmkv_cli.serve.place import local_place
+def _request(op: str) -> dict | None:
+    """A running server's answer to `op`, or None when none runs (none is started for it)."""
+    from mmkv_cli.serve.client import warm_client
 
     client = warm_client(start=False)
     if client is None:
-        raise NoServer(f"no mmkv server runs (none at {local_place(server_host()).socket})")
+        return None
     try:
         return client.request(op)
     finally:
         client.close()
+
+
+def _asked(op: str) -> dict:
+    """The running server's answer to `op` (one line and exit 1 when none runs)."""
+    from mmkv_cli.serve.client import server_host
+    from mmkv_cli.serve.place import local_place
+
+    done = _request(op)
+    if done is None:
+        raise NoServer(f"no mmkv server runs (none at {local_place(server_host()).socket})")
+    return done
 
 
 def ps(as_json: bool = JsonOpt) -> None:
@@ -77,12 +87,14 @@ def _own_presets() -> bool:
 def open_session(pack: str, load, no_server: bool):
     """The pack opened for questions: in the warm server when one runs (or keep_alive starts
     one), else here. Either answers as `api.PackSession` does."""
+    from mmkv_cli import api
+    from mmkv_cli.pack.storage import is_url
     from mmkv_cli.serve.client import RemoteSession, clear_status, status, warm_client
 
-    client = warm_client(no_server or _own_presets())
+    # a pack on object storage is read here, with this command's credentials
+    client = None if is_url(pack) else warm_client(no_server or _own_presets())
     if client is not None:
         return RemoteSession(client, pack, load)
-    from mmkv_cli import api
 
     status("loading the model ...")
     try:
@@ -134,18 +146,13 @@ def hot_state(pack: str) -> dict | None:
     from pathlib import Path
 
     from mmkv_cli.pack.storage import is_url
-    from mmkv_cli.serve.client import warm_client
 
     if is_url(pack):
         return None
     with contextlib.suppress(MmkvError):
-        client = warm_client(start=False)
-        if client is None:
+        state = _request("ps")
+        if state is None:
             return None
-        try:
-            state = client.request("ps")
-        finally:
-            client.close()
         here = {os.path.realpath(pack), str(Path(pack).absolute())}
         for row in state.get("packs", []):
             if row.get("path") in here or os.path.realpath(str(row.get("path"))) in here:

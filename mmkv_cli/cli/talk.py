@@ -6,6 +6,7 @@ import contextlib
 import errno
 import ipaddress
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -288,8 +289,6 @@ def _serve_local(warm, idle: float, preload: bool) -> None:
 
     server = LocalServer(warm, local_place(server_host()), idle)
     server.bind()  # a second server racing this one leaves here, in one line
-    import signal
-
     # a TERM (kill, a service manager) ends it as `mmkv stop` does: its socket goes with it
     signal.signal(signal.SIGTERM, lambda signum, frame: server.stop())
     if preload:

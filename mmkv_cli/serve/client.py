@@ -184,26 +184,21 @@ class RemoteSession:
     """A pack opened in the server: as `api.PackSession`, for the members the CLI uses."""
 
     def __init__(self, client: Client, pack: str, load: LoadOptions):
-        from mmkv_cli.pack import PackReader
-        from mmkv_cli.pack.integrity import check_askable
+        from mmkv_cli.pack.storage import local_path
 
-        reader = PackReader(pack)  # refused here, in this process's words, before the server
-        try:
-            check_askable(reader.header, str(reader.path))
-            self.media_kind = reader.header.media.kind
-        finally:
-            reader.source.close()
+        shown = local_path(pack)  # as the in-process reader names it: its errors say it so
         self.client, self.load = client, load
         self.fields = {
-            "pack": str(Path(pack).absolute()),
-            "pack_shown": str(reader.path),
+            "pack": str(shown.absolute()),
+            "pack_shown": str(shown),
             "load": wire.load_record(load),
         }
         status("loading the model in the server ...")
-        try:
-            client.request("open", **self.fields)
+        try:  # the server opens and checks the pack, as PackSession does, then its model
+            opened = client.request("open", **self.fields)
         finally:
             clear_status()
+        self.media_kind = str(opened["media_kind"])
 
     def ask(
         self,

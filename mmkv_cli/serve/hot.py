@@ -33,6 +33,11 @@ def file_identity(path: str | Path) -> tuple | None:
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
+def _version_of(path: str | Path, version: tuple | None) -> tuple | None:
+    """What says a pack is the one held: its shelf's version for a URL, else the file's identity."""
+    return version if version is not None or is_url(path) else file_identity(path)
+
+
 def _span_bytes(span: Span) -> int:
     tensors = [*span.keys, *span.values, *span.positions]
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -138,20 +143,18 @@ class HotPacks:
         self.where = where
         self.packs: OrderedDict[str, HotEntry] = OrderedDict()
         self.lock = threading.Lock()
-        self.reopened = 0  # packs found changed on disk and opened again (ps, tests)
 
     def take(self, path: str | Path, version: tuple | None = None) -> HotPack:
         """The pack at `path` (a URL's `version` from its shelf), opened once and kept while it
         stays the same file; opened afresh when it changed."""
         key = str(path)
         entry = self.packs.get(key)
-        now = version if version is not None or is_url(path) else file_identity(path)
+        now = _version_of(path, version)
         if entry is not None and now is not None and entry.pack.version == now:
             with self.lock:
                 self.packs.move_to_end(key)
             return entry.pack
         if entry is not None:
-            self.reopened += 1
             self._drop(key)
         pack = self._opened(path, version)
         with self.lock:
@@ -160,9 +163,9 @@ class HotPacks:
 
     def _opened(self, path: str | Path, version: tuple | None) -> HotPack:
         while True:
-            before = version if version is not None or is_url(path) else file_identity(path)
+            before = _version_of(path, version)
             reader = PackReader(path)
-            after = version if version is not None or is_url(path) else file_identity(path)
+            after = _version_of(path, version)
             if before == after:  # not replaced while it was opened
                 return HotPack(reader, after or (), self.where)
             reader.source.close()

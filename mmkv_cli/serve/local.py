@@ -125,9 +125,8 @@ class LocalServer:
         with self.count_lock:
             self.active += 1
         try:
-            uid = _PEER.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER.size))[
-                1
-            ]
+            peer = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER.size)
+            _, uid, _ = _PEER.unpack(peer)
             if uid != os.getuid():
                 LOG.warning("refused a connection from uid %d", uid)
                 channel.send(wire.error_event(UsageError("this server answers its own user only")))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 from mmkv_cli.api import PackSession, load_for
@@ -74,10 +73,7 @@ class Warm:
     def preload(self, load: LoadOptions | None = None) -> None:
         """Load the server's model (default: the default model) before any request (model
         thread), held under the key a pack's load gives it: its depth named."""
-        from mmkv_cli.backbones.spec import default_model
-
-        load = load or self.load
-        self.backbone(replace(load, model=load.model or default_model()))
+        self.backbone(load or self.load)
 
     def models(self) -> list[dict]:
         """The loaded backbones, most recent first, with their weights' bytes."""
