@@ -602,3 +602,37 @@ def test_ctrl_c_mid_answer_leaves_nothing_for_the_next_question(server, packs):
     again = session.ask(FIRST, options, on_token=pieces.append)
     assert again.answer == expected and "".join(pieces).strip() == expected
     session.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "code", "line"),
+    [
+        (["ps"], {"MMKV_HOST": "tcp://h:1"}, 2, "MMKV_HOST must name a server's socket"),
+        (
+            ["ask", "{pack}", CIRCLE],
+            {"MMKV_HOST": "/nonexistent/mmkv.sock"},
+            2,
+            "no mmkv server answers at /nonexistent/mmkv.sock",
+        ),
+        (
+            ["ask", "{pack}", CIRCLE],
+            {"MMKV_KEEP_ALIVE": "soon"},
+            2,
+            "MMKV_KEEP_ALIVE must be a duration",
+        ),
+        (["serve", "--no-http", "--cache-gb", "0"], {}, 2, "--cache-gb must be above 0"),
+        (["serve", "--no-http", "--keep-alive", "later"], {}, 2, "--keep-alive must be a duration"),
+        (["serve", "--no-http"], {"MMKV_HOST": "/tmp/" + "x" * 120}, 2, "the socket path /tmp/xxx"),
+    ],
+)
+def test_the_warm_servers_refusals_are_one_line(tmp_path, packs, args, env, code, line):
+    folder = _short_folder()
+    argv = [a.format(pack=packs["full"]) for a in args]
+    done = subprocess.run(
+        [sys.executable, "-c", _REFUSED_BEFORE_TORCH, *argv],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        env={**_fresh_env(folder), **env},
+    )  # fmt: skip
+    assert done.stdout == f"exit {code} []", done.stdout + done.stderr
+    assert done.stderr.startswith(f"error: {line}") and done.stderr.count("\n") == 1, done.stderr
+    shutil.rmtree(folder, ignore_errors=True)

@@ -228,6 +228,8 @@ def serve(
 
     def body() -> None:
         from mmkv_cli.config import seconds_of
+        from mmkv_cli.serve.client import server_host
+        from mmkv_cli.serve.place import check_socket_path, local_place
         from mmkv_cli.serve.warm import Warm
 
         idle = seconds_of(keep_alive, "--keep-alive")
@@ -235,8 +237,10 @@ def serve(
             raise UsageError(f"--cache-gb must be above 0, not {cache_gb}")
         cache_bytes = None if cache_gb is None else int(cache_gb * (1 << 30))
         if not http:
+            place = local_place(server_host())
+            check_socket_path(place.socket)  # before the model side is imported
             warm = Warm(load_options(model, device, dtype), models, cache_bytes, hot_on_device)
-            _serve_local(warm, idle, preload)
+            _serve_local(warm, place, idle, preload)
             return
         try:
             import uvicorn
@@ -280,14 +284,12 @@ def serve(
     run(body)
 
 
-def _serve_local(warm, idle: float, preload: bool) -> None:
+def _serve_local(warm, place, idle: float, preload: bool) -> None:
     """`serve --no-http`: the local channel alone (what a command starts with keep_alive set)."""
     from mmkv_cli.cli.display import err_console
-    from mmkv_cli.serve.client import server_host
     from mmkv_cli.serve.local import LocalServer
-    from mmkv_cli.serve.place import local_place
 
-    server = LocalServer(warm, local_place(server_host()), idle)
+    server = LocalServer(warm, place, idle)
     server.bind()  # a second server racing this one leaves here, in one line
     # a TERM (kill, a service manager) ends it as `mmkv stop` does: its socket goes with it
     signal.signal(signal.SIGTERM, lambda signum, frame: server.stop())

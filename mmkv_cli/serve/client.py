@@ -125,11 +125,12 @@ def warm_client(no_server: bool = False, start: bool = True) -> Client | None:
     place = local_place(host)
     if not host:
         try:
-            if not private_folder(place.folder, create=False):
-                return _started(place, start)
+            ours = private_folder(place.folder, create=False)
         except UsageError as err:  # not ours to trust: never connect there
             LOG.warning("%s; running here", err)
             return None
+        if not ours:
+            return _started(place, start)
     found = connect(place)
     if found is None and host:
         raise UsageError(
