@@ -636,3 +636,21 @@ def test_the_warm_servers_refusals_are_one_line(tmp_path, packs, args, env, code
     assert done.stdout == f"exit {code} []", done.stdout + done.stderr
     assert done.stderr.startswith(f"error: {line}") and done.stderr.count("\n") == 1, done.stderr
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_pack_over_the_whole_cap_is_read_as_the_plain_reader_reads_it(tmp_path, backbones):
+    """Never held, so never read block by whole block: the rows a question takes, as a fresh
+    reader reads them (retrieval by layer, 2 blocks a layer, reads those layers' rows alone),
+    and nothing kept after."""
+    from mmkv_cli.options import MethodSpec
+
+    pack = tmp_path / "rekv-2.kvpack"
+    encode_pack(str(SAMPLES / "clip.mp4"), pack, "demo", MethodSpec("rekv", {"k": 2}))
+    warm = Warm(LoadOptions(device="cpu"), cache_bytes=1)
+    options = AskOptions(generation=GenerationOptions(max_new_tokens=2))
+    hot = warm.ask(warm.session(pack), FIRST, options)
+    fresh = PackSession(pack, backbone=warm.session(pack).backbone)
+    cold = fresh.ask(FIRST, options)
+    assert hot.bytes_read == cold.bytes_read > 0 and hot.answer == cold.answer
+    assert warm.hot.held() == 0
+    warm.close()

@@ -46,8 +46,13 @@ def _span_bytes(span: Span) -> int:
 class HotPack:
     """A PackReader whose spans, once read and verified, are kept (the members `ask` uses)."""
 
-    def __init__(self, reader: PackReader, version: tuple, where: str = "host"):
+    def __init__(
+        self, reader: PackReader, version: tuple, where: str = "host", holding: bool = True
+    ):
         self.reader, self.version = reader, version
+        # False: a pack larger than the whole cap is read as the plain reader reads it (rows
+        # coalesced, a layer's alone for retrieval by layer), never block by whole block
+        self.holding = holding
         self.where = where  # host | pinned | device: where held K/V sit
         self.device = None  # with where "device": the answering backbone's (set before a read)
         self.path, self.header = reader.path, reader.header
@@ -79,6 +84,8 @@ class HotPack:
         return reps
 
     def span(self, name: str, keep: bool = True, dtype=None) -> Span:
+        if not self.holding:
+            return self.reader.span(name, keep, dtype)
         if dtype is None and name in self._held:
             return self._held[name]
         loaded = self.reader.span(name, keep=False, dtype=dtype)
@@ -89,7 +96,7 @@ class HotPack:
     def gather(self, names, per_layer=None, device=None, dtype=None, later=None):
         """As PackReader.gather, from the held spans (a block not yet held is read and verified
         whole, then held); K/V on the host, pinned for the caller's copy, or on the device."""
-        if dtype is not None:
+        if dtype is not None or not self.holding:
             return self.reader.gather(names, per_layer, device, dtype, later)
         for name in names:
             if self.blocks.index_of(name) is None:  # as the reader says it
@@ -167,7 +174,8 @@ class HotPacks:
             reader = PackReader(path)
             after = _version_of(path, version)
             if before == after:  # not replaced while it was opened
-                return HotPack(reader, after or (), self.where)
+                held = reader.size <= self.cap  # a pack over the whole cap is never held
+                return HotPack(reader, after or (), self.where, held)
             reader.source.close()
 
     def asked(self, pack) -> None:
@@ -179,8 +187,11 @@ class HotPacks:
 
     def trim(self, keep: HotPack | None = None) -> None:
         """Least recently used packs out until the held bytes fit the cap; `keep` (the pack just
-        asked) goes last, when it alone passes the cap (its next question opens it afresh)."""
+        asked) goes last, when it alone passes the cap (its next question opens it afresh). A pack
+        read without holding goes at once: nothing of it is kept."""
         with self.lock:
+            for key in [k for k, e in self.packs.items() if not e.pack.holding]:
+                self.packs.pop(key).pack.close()
             while self.held() > self.cap and self.packs:
                 others = (k for k, e in self.packs.items() if e.pack is not keep)
                 victim = next(others, next(iter(self.packs)))
