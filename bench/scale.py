@@ -79,20 +79,8 @@ if ask_as:  # the pack's parameters with some changed: the same blocks, another 
         readings[ask_as] = timed(lambda: answer_from_pack(backbone, held, policy, question, one))
 profile = {}
 if profiled == "1":  # one more question, under cProfile (host) and torch's profiler (kernels)
-    import cProfile, pstats
-    from pathlib import Path
-    from torch.profiler import ProfilerActivity, profile as kernels
-    host = cProfile.Profile()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with kernels(activities=activities) as traced:
-        host.runcall(api.ask, pack, question, one, backbone=backbone)
-    stats = pstats.Stats(host).stats
-    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:15]
-    profile["host_tottime_ms"] = [
-        [f"{Path(f).name}:{line}({name})", round(1e3 * row[2], 2)] for (f, line, name), row in top
-    ]
-    events = sorted(traced.key_averages(), key=lambda e: -e.self_device_time_total)[:10]
-    profile["device_self_ms"] = [[e.key, round(e.self_device_time_total / 1e3, 2)] for e in events]
+    from profiling import profiled
+    profile.update(profiled(lambda: api.ask(pack, question, one, backbone=backbone), cuda))
     # and where one question's read went on every thread (cProfile sees only this one): seconds
     # in preads and in checksums summed over threads, and this thread's rows and checksum tail
     import threading

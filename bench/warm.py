@@ -117,7 +117,7 @@ def demo_part(folder: Path, runs: int) -> dict:
 
 def wide_part(
     folder: Path, frames: int, method: str, runs: int, layers: int, device: str,
-    holds: tuple[str, ...], cli_runs: int,
+    holds: tuple[str, ...], cli_runs: int, profile: bool = False,
 ) -> dict:  # fmt: skip
     """TTFT of a hot pack against a fresh open at 7B width (`layers` of it; 0: the whole depth),
     the same backbone, for each place a hot pack is held (`host`: pinned on CUDA; `device`), then
@@ -152,8 +152,20 @@ def wide_part(
         warm = Warm(load, on_device=hold == "device")
         warm.backbones = first.backbones  # the same weights, loaded once
         warm.ask(warm.session(pack, load), QUESTION, one)  # held from here on
-        hot = [warm.ask(warm.session(pack, load), QUESTION, one).ttft_s for _ in range(runs)]
+        answers = [warm.ask(warm.session(pack, load), QUESTION, one) for _ in range(runs)]
+        hot = [answer.ttft_s for answer in answers]
         result[f"ttft_hot_{hold}_s"] = round(statistics.median(hot), 4)
+        result[f"ttft_hot_{hold}_phases_s"] = {
+            phase: round(statistics.median(a.phases_s[phase] for a in answers), 4)
+            for phase in answers[0].phases_s
+        }
+        if profile:  # one more hot question, under cProfile and torch's profiler
+            from profiling import profiled
+
+            def ask(warm=warm):
+                return warm.ask(warm.session(pack, load), QUESTION, one)
+
+            result[f"hot_{hold}_profile"] = profiled(ask, backbone.device.type == "cuda")
         result[f"hot_{hold}_over_fresh"] = round(statistics.median(hot) / result["ttft_fresh_s"], 3)
         warm.close()
     first.close()
@@ -173,16 +185,20 @@ def cli_part(pack: Path, device: str, runs: int) -> dict:
     server = subprocess.Popen([*mmkv, "serve", "--no-http", "--device", device], env=env,
                               cwd=ROOT, stderr=subprocess.DEVNULL)  # fmt: skip
     ask = [*mmkv, "ask", str(pack), QUESTION, "--max-new-tokens", "1", "--json"]
-    walls, ttfts = [], []
+    walls, ttfts, totals = [], [], []
     try:
         while not (runtime / "mmkv" / "mmkv.sock").exists():
             time.sleep(0.05)
         timed(ask, env)  # the server loads the model and holds the pack
+        version = median_of(runs, [*mmkv, "--version"], env)
+        python = median_of(runs, [sys.executable, "-c", "pass"], env)
         for _ in range(runs):
             began = time.perf_counter()
             done = subprocess.run(ask, env=env, cwd=ROOT, capture_output=True, text=True)
             walls.append(time.perf_counter() - began)
-            ttfts.append(json.loads(done.stdout)["ttft_s"])
+            answer = json.loads(done.stdout)
+            ttfts.append(answer["ttft_s"])
+            totals.append(answer["total_s"])
         timed([*mmkv, "stop"], env)
         server.wait(60)
     finally:
@@ -190,8 +206,13 @@ def cli_part(pack: Path, device: str, runs: int) -> dict:
             server.kill()
         shutil.rmtree(runtime, ignore_errors=True)
     wall, ttft = statistics.median(walls), statistics.median(ttfts)
-    return {"runs": runs, "ask_s": round(wall, 4), "ttft_s": round(ttft, 4),
-            "ask_over_ttft_s": round(wall - ttft, 4)}  # fmt: skip
+    # total_s: the server's answer, first token and the rest; the client's own share is the wall
+    # time past it (its interpreter, imports, the round trip and printing)
+    total = statistics.median(totals)
+    return {"runs": runs, "python_s": python, "version_s": version, "ask_s": round(wall, 4),
+            "ttft_s": round(ttft, 4), "total_s": round(total, 4),
+            "ask_over_ttft_s": round(wall - ttft, 4),
+            "client_s": round(wall - total, 4)}  # fmt: skip
 
 
 def main() -> None:
@@ -203,6 +224,7 @@ def main() -> None:
     ap.add_argument("--wide-device", default="cpu", help="cpu, cuda, ...")
     ap.add_argument("--wide-holds", default="host", help="where hot packs are held: host,device")
     ap.add_argument("--wide-cli-runs", type=int, default=5, help="0: no CLI end to end at width")
+    ap.add_argument("--profile", action="store_true", help="profile one more hot question")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "warm.json"))
     args = ap.parse_args()
     result, goals = {}, {}
@@ -221,7 +243,7 @@ def main() -> None:
             holds = tuple(args.wide_holds.split(","))
             result["wide"] = wide = wide_part(
                 Path(tmp), args.wide_frames, args.wide_method, 7, args.wide_layers,
-                args.wide_device, holds, args.wide_cli_runs,
+                args.wide_device, holds, args.wide_cli_runs, args.profile,
             )  # fmt: skip
             print(json.dumps(wide, indent=1), flush=True)
             if args.wide_layers == 0 and wide["device"].startswith("cuda"):  # issue 71's 7B goals

@@ -103,10 +103,14 @@ class MemoryPack:
 
 
 def joined_spans(
-    spans: dict[str, Span], names: list[str], per_layer: list[list[str]] | None
+    spans: dict[str, Span],
+    names: list[str],
+    per_layer: list[list[str]] | None,
+    pinned: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """Spans `names` joined per layer in that order, as PackReader.gather gives them (per_layer:
-    for every layer the names it takes instead): (keys, values, int64 positions) on the host."""
+    for every layer the names it takes instead): (keys, values, int64 positions) where the spans
+    are; pinned: K/V joined into pinned host memory, for a copy to the device without a wait."""
     if not names:
         return [], [], []
     first = spans[names[0]]
@@ -117,9 +121,21 @@ def joined_spans(
         for part, joined in enumerate(out):
             pieces = [_parts(spans[name])[part][layer] for name in taken]
             empty = _parts(first)[part][layer][:, :0]
-            joined.append(torch.cat(pieces, dim=1) if pieces else empty.clone())
+            if not pieces:
+                joined.append(empty.clone())
+            elif pinned and part < 2:
+                joined.append(torch.cat(pieces, dim=1, out=_pinned_like(pieces)))
+            else:
+                joined.append(torch.cat(pieces, dim=1))
     out[2][:] = [p.to(torch.int64) for p in out[2]]  # as read: int64 positions
     return out
+
+
+def _pinned_like(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Pinned host memory for `pieces` joined on dim 1."""
+    shape = list(pieces[0].shape)
+    shape[1] = sum(int(p.shape[1]) for p in pieces)
+    return torch.empty(shape, dtype=pieces[0].dtype, pin_memory=True)
 
 
 def _parts(span: Span) -> tuple[list, list, list]:

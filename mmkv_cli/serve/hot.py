@@ -39,8 +39,11 @@ def _version_of(path: str | Path, version: tuple | None) -> tuple | None:
 
 
 def _span_bytes(span: Span) -> int:
-    tensors = [*span.keys, *span.values, *span.positions]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return _joined_bytes((span.keys, span.values, span.positions))
+
+
+def _joined_bytes(parts: tuple[list, list, list]) -> int:
+    return sum(t.numel() * t.element_size() for part in parts for t in part)
 
 
 class HotPack:
@@ -58,6 +61,10 @@ class HotPack:
         self.path, self.header = reader.path, reader.header
         self.format_version = reader.format_version
         self._held: dict[str, Span] = {}
+        # the last question's context joined, by (names, per-layer names): a follow-up over the
+        # same blocks (every question of a whole-context method) starts from it, no join again;
+        # its K/V are the storage of the spans in it (_hold_as_views)
+        self._joined: tuple[tuple, tuple[list, list, list]] | None = None
         self.held_bytes = 0
         self.reps_bytes = 0  # the retrieval keys, held by the reader once read
 
@@ -101,8 +108,44 @@ class HotPack:
         for name in names:
             if self.blocks.index_of(name) is None:  # as the reader says it
                 return self.reader.gather(names, per_layer, device, dtype, later)
-        spans = {name: self.span(name) for name in names}
-        return joined_spans(spans, names, per_layer)
+        key = (tuple(names), None if per_layer is None else tuple(map(tuple, per_layer)))
+        if self._joined is None or self._joined[0] != key:
+            spans = {name: self.span(name) for name in names}
+            joined = joined_spans(spans, names, per_layer, pinned=self.where == "pinned")
+            self._hold_as_views(joined, names, per_layer)
+            self._joined = (key, joined)
+        # new lists over the held tensors: the caller lets go of its layers as it copies them
+        return tuple(list(part) for part in self._joined[1])
+
+    def _hold_as_views(self, joined, names, per_layer) -> None:
+        """The joined K/V become the storage of the spans in it (each span's rows a view), so a
+        pack's bytes are held once; a span still viewing the previous join gets its rows copied
+        out, and that join is let go whole."""
+        before = self._joined
+        chosen = per_layer if per_layer is not None else [names] * len(joined[0])
+        for layer, taken in enumerate(chosen):
+            at = 0
+            for name in taken:
+                span = self._held[name]
+                rows = int(span.keys[layer].shape[1])
+                span.keys[layer] = joined[0][layer][:, at : at + rows]
+                span.values[layer] = joined[1][layer][:, at : at + rows]
+                at += rows
+        self.held_bytes += _joined_bytes(([], [], joined[2]))  # K/V counted as the spans'
+        if before is None:
+            return
+        self.held_bytes -= _joined_bytes(([], [], before[1][2]))
+        stale = {t.untyped_storage().data_ptr() for t in (*before[1][0], *before[1][1])}
+        for span in self._held.values():
+            for part in (span.keys, span.values):
+                for layer, tensor in enumerate(part):
+                    if tensor.untyped_storage().data_ptr() in stale:
+                        part[layer] = self._own_copy(tensor)
+
+    def _own_copy(self, tensor):
+        if self.where == "pinned":
+            return torch.empty_like(tensor, pin_memory=True).copy_(tensor)
+        return tensor.clone()
 
     def _kept(self, span: Span) -> Span:
         if self.where == "pinned":
@@ -130,6 +173,7 @@ class HotPack:
         return len(self._held)
 
     def close(self) -> None:
+        self._joined = None
         self._held.clear()
         self.reader.source.close()
 
