@@ -232,7 +232,7 @@ def test_usage_errors_are_one_line_in_a_real_process(qwen_pack):
         (["encode", "x.mp4", "-o", "y", "--budget", "abc"], "Invalid value for '--budget'"),
         (["encode"], "Missing argument 'media'"),
         (["explode"], "No such command 'explode'"),
-        (["ask", str(qwen_pack), "what ?", "--prune", "hermes"], "'hermes' is not one of"),
+        (["ask", str(qwen_pack), "what ?", "--prune", "hermes"], "'hermes' does not prune at ask"),
         (["--presets", "/no/such/folder", "methods"], "--presets: no such folder"),
     ]
     for args, message in cases:

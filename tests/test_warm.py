@@ -350,7 +350,8 @@ def _mmkv(env: dict, *args: str, stdin: str | None = None) -> subprocess.Complet
 
 def test_keep_alive_starts_one_server_for_racing_clients_found_without_flags(packs):
     """Fresh processes, no flags: keep_alive starts a server in the background; two clients at
-    once start one between them; the client side imports neither torch nor transformers; a
+    once start one between them; the client side imports neither torch, transformers, numpy nor
+    the method registry or pack reader (the server reads the pack); a
     server killed outright leaves the next command to run in its own process."""
     folder = _short_folder()
     env = _fresh_env(folder, MMKV_KEEP_ALIVE="60")
@@ -391,7 +392,9 @@ try:
     main()
 except SystemExit as done:
     assert done.code == 0, done.code
-heavy = [m for m in ("torch", "transformers") if m in sys.modules]
+# the server reads the pack and knows the methods: a client needs neither (nor numpy)
+light = ("torch", "transformers", "numpy", "mmkv_cli.methods", "mmkv_cli.pack.reader")
+heavy = [m for m in light if m in sys.modules]
 print("light" if not heavy else f"imported {heavy}")
 """
 

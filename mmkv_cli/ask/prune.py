@@ -13,10 +13,8 @@ from typing import Any
 
 import torch
 
-from mmkv_cli.errors import UsageError
-from mmkv_cli.methods import pruning_methods
 from mmkv_cli.methods.base import AskPruner
-from mmkv_cli.methods.choice import check_budget, resolve_method
+from mmkv_cli.methods.choice import check_budget, check_pruning
 
 
 @dataclass(frozen=True)
@@ -30,10 +28,7 @@ class AskPrune:
 def ask_pruner(method: str, budget: float | None) -> AskPrune:
     """The pruner of `method` (or a preset over it) at `budget` (default: the method's own
     share)."""
-    choice = resolve_method(method)
-    if choice.method.prune_at_ask is None:
-        able = ", ".join(pruning_methods())
-        raise UsageError(f"method '{method}' does not prune at ask ({able} do)")
+    choice = check_pruning(method)
     share = check_budget(budget) if budget is not None else choice.budget.share_of(1)
     return AskPrune(method, share, choice.params, choice.method.prune_at_ask)
 

@@ -237,7 +237,7 @@ def methods(as_json: bool = JsonOpt) -> None:
     """List the compression methods (paper, default budget, parameters) and the token reducers."""
 
     def body() -> None:
-        from mmkv_cli.cli.display import show_listing
+        from mmkv_cli.cli.display import out_console, show_listing
         from mmkv_cli.methods.choice import method_listing
         from mmkv_cli.reduce import REDUCERS
         from mmkv_cli.spec import describe
@@ -260,6 +260,8 @@ def methods(as_json: bool = JsonOpt) -> None:
             for row in rows:
                 row["reducer"] = row["reduce"]["name"] if row["reduce"] else ""
             show_listing("methods", rows, ["name", "budget", "reducer", "description"])
+            pruning = [row["name"] for row in rows if "prune-at-ask" in row["abilities"]]
+            out_console.print(f"ask --prune takes: {', '.join(pruning)}", markup=False)
             show_listing("reducers (encode --reduce)", reducers, ["name", "description"])
 
     run(body)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
-from enum import Enum
 
 import typer
 
@@ -29,11 +28,7 @@ from mmkv_cli.cli.common import (
 from mmkv_cli.cli.server import NoServerOpt, open_session
 from mmkv_cli.cluster.pool import Cluster
 from mmkv_cli.errors import MmkvError, UsageError
-from mmkv_cli.methods import pruning_methods
 from mmkv_cli.options import AskOptions, Dtype, GenerationOptions, LoadOptions, Positions, check_ask
-
-# the methods that prune a context's visual KV by the question (`ask --prune`), from the registry
-PruneMethod = Enum("PruneMethod", {name: name for name in pruning_methods()}, type=str)
 
 
 def ask(
@@ -55,19 +50,21 @@ def ask(
     seed: int | None = SeedOpt,
     stop: list[str] | None = StopOpt,
     model: str | None = PackModelOpt,
-    explain: bool = typer.Option(False, "--explain", help="List the retrieved blocks and scores."),
+    explain: bool = typer.Option(
+        False, "--explain", help="List the context's blocks, their spans and retrieval scores."
+    ),
     at: float | None = typer.Option(
         None, "--at", help="The question's moment (s): only blocks shown by then count."
     ),
     positions: Positions | None = typer.Option(
         None, "--positions", help="Keep the stored positions or compact them (default: method's)."
     ),
-    prune: PruneMethod | None = typer.Option(
+    prune: str | None = typer.Option(
         None,
         "--prune",
         metavar="METHOD",
-        help="Prune the context's visual KV by the question before decoding: "
-        f"{', '.join(pruning_methods())}.",
+        help="Prune the context's visual KV by the question before decoding, with a method that "
+        "prunes at ask (`mmkv methods` names them) or a preset over one.",
     ),
     budget: float | None = typer.Option(
         None, "--budget", help="With --prune: share of the visual KV kept."
@@ -94,11 +91,16 @@ def ask(
         options = AskOptions(
             at=at,
             positions=positions,
-            prune=prune.value if prune else None,
+            prune=prune,
             prune_budget=budget,
             generation=generation,
+            explain=explain,
         )
         check_ask(options)  # before the model loads
+        if prune is not None:  # the registry is read only when asked for
+            from mmkv_cli.methods.choice import check_pruning
+
+            check_pruning(prune)
         if ray is None and workers > 1:
             raise UsageError("--workers > 1 runs on Ray: add --ray local, --ray auto or an address")
         if ray is not None or any(q.pack is not None for q in asked):
@@ -124,7 +126,7 @@ def ask(
 def _answer_all(session, asked: list, options: AskOptions, as_json: bool, explain: bool) -> int:
     """Answer each question in order, streaming text (or one JSON line each); a question that
     fails reports its one-line error and the others still run. Returns how many failed."""
-    from mmkv_cli import api
+    from mmkv_cli.ask.result import answer_record
     from mmkv_cli.cli.display import err_console
 
     def stream(piece: str) -> None:
@@ -155,7 +157,7 @@ def _answer_all(session, asked: list, options: AskOptions, as_json: bool, explai
                 err_console.print(f"[red]error:[/red] {err}", highlight=False)
             continue
         if as_json:
-            emit_json(api.answer_record(answer, q.text, mine.at, q.id, explain))
+            emit_json(answer_record(answer, q.text, mine.at, q.id, explain))
             continue
         sys.stdout.write("\n")
         if explain:

@@ -87,7 +87,6 @@ def _own_presets() -> bool:
 def open_session(pack: str, load, no_server: bool):
     """The pack opened for questions: in the warm server when one runs (or keep_alive starts
     one), else here. Either answers as `api.PackSession` does."""
-    from mmkv_cli import api
     from mmkv_cli.pack.storage import is_url
     from mmkv_cli.serve.client import RemoteSession, clear_status, status, warm_client
 
@@ -95,6 +94,7 @@ def open_session(pack: str, load, no_server: bool):
     client = None if is_url(pack) else warm_client(no_server or _own_presets())
     if client is not None:
         return RemoteSession(client, pack, load)
+    from mmkv_cli import api  # the model side: not a client's import
 
     status("loading the model ...")
     try:

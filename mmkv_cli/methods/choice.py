@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from mmkv_cli.errors import UsageError, flag
-from mmkv_cli.methods import METHODS, Budget, Method
+from mmkv_cli.methods import METHODS, Budget, Method, pruning_methods
 from mmkv_cli.methods.base import GuidedParams
 from mmkv_cli.options import EncodeOptions, MethodSpec
 from mmkv_cli.presets import find_preset, preset_names, read_preset
@@ -128,6 +128,16 @@ def check_budget(budget: float) -> float:
     if not (0.0 < budget <= 1.0):
         raise UsageError(f"budget must be in (0, 1], got {budget:g}")
     return float(budget)
+
+
+def check_pruning(method: str) -> MethodChoice:
+    """`method` (or a preset over it) if it prunes a context by the question at ask, else one
+    line naming those that do."""
+    choice = resolve_method(method)
+    if choice.method.prune_at_ask is None:
+        able = ", ".join(pruning_methods())
+        raise UsageError(f"method '{method}' does not prune at ask ({able} do)")
+    return choice
 
 
 def method_names() -> list[str]:

@@ -1,10 +1,30 @@
-"""pack: the .kvpack on disk (format, typed header, atomic writer, lazy verified reader)."""
+"""pack: the .kvpack on disk (format, typed header, atomic writer, lazy verified reader).
 
-from mmkv_cli.pack.atomic import check_writable
-from mmkv_cli.pack.format import FORMAT_VERSION, Span, block_name
-from mmkv_cli.pack.header import KVShape, PackHeader
-from mmkv_cli.pack.reader import PackReader
-from mmkv_cli.pack.writer import write_pack
+Its names load on first use, so a module of it that needs none of them (storage's `is_url` in a
+warm server's client) costs no reader, hashing or numpy import."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mmkv_cli.pack.atomic import check_writable
+    from mmkv_cli.pack.format import FORMAT_VERSION, Span, block_name
+    from mmkv_cli.pack.header import KVShape, PackHeader
+    from mmkv_cli.pack.reader import PackReader
+    from mmkv_cli.pack.writer import write_pack
+
+_HOMES = {
+    "check_writable": "atomic",
+    "FORMAT_VERSION": "format",
+    "Span": "format",
+    "block_name": "format",
+    "KVShape": "header",
+    "PackHeader": "header",
+    "PackReader": "reader",
+    "write_pack": "writer",
+}
 
 __all__ = [
     "FORMAT_VERSION",
@@ -16,3 +36,12 @@ __all__ = [
     "check_writable",
     "write_pack",
 ]
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'mmkv_cli.pack' has no attribute '{name}'")
+    value = getattr(importlib.import_module(f"mmkv_cli.pack.{home}"), name)
+    globals()[name] = value
+    return value
