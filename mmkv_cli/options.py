@@ -138,6 +138,8 @@ class AskOptions:
     prune_budget: float | None = None  # with prune: share of visual KV kept (None: its default)
     generation: GenerationOptions = field(default_factory=GenerationOptions)
     keep_logits: bool = False  # keep the first answer token's logits (tests, comparisons)
+    # list every block of the context with its span, where no retrieval scored them (`--explain`)
+    explain: bool = False
     # earlier (question, answer) turns, oldest first: the question follows them, after the context
     history: tuple[tuple[str, str], ...] = ()
 

@@ -28,8 +28,13 @@ def test_no_block_after_the_moment_enters_its_answer(tmp_path, backbones, method
         times[reader.blocks.name(index)] = row["time"]
     reader.source.close()
     for at in (0.0, 2.0, 2.9):
-        options = AskOptions(at=at, generation=GenerationOptions(max_new_tokens=2))
+        options = AskOptions(at=at, generation=GenerationOptions(max_new_tokens=2), explain=True)
         answer = api.PackSession(pack, shared=True).ask(LAST, options)
         shown = [times[name] for name in answer.blocks_used if times.get(name)]
         assert all(end <= at + 1e-9 for _, end in shown), (method, at, shown)
+        # --explain lists every block of the context (retrieval's or not) with the span it shows
+        listed = [entry["block"] for entry in answer.retrieved]
+        assert sorted(listed) == sorted(answer.blocks_used), (method, at)
+        spans = [entry["time"] for entry in answer.retrieved if entry["time"]]
+        assert all(end <= at + 1e-9 for _, end in spans), (method, at, spans)
         assert answer.answer.split()[0] not in ("square", "triangle"), (method, at, answer.answer)

@@ -153,6 +153,18 @@ def build_cache(
     )
 
 
+def _context_blocks(reader: PackReader, names: list[str]) -> list[dict]:
+    """Every block of a context no retrieval chose, with the span it shows (no scores)."""
+    listed = []
+    for name in names:
+        row = reader.blocks[reader.blocks.index_of(name)]
+        listed.append(
+            {"block": name, "granularity": row["granularity"], "time": row["time"], "score": None,
+             "reranked": None}
+        )  # fmt: skip
+    return listed
+
+
 def _representatives(reader: PackReader) -> torch.Tensor:
     reps = reader.representatives()
     if reps is None:
@@ -246,7 +258,7 @@ def answer_from_pack(
         total_s=total,
         decode_s_per_token=decode_s,
         blocks_used=names,
-        retrieved=selection.explain,
+        retrieved=selection.explain or (_context_blocks(reader, names) if options.explain else []),
         bytes_read=reader.bytes_read,
         first_logits=first_logits,
         kv_tokens=kv_tokens,

@@ -22,7 +22,8 @@ class Answer:
         total_s: seconds from the question to the last token.
         decode_s_per_token: seconds per decoded token after the first (None: no decode step).
         blocks_used: the pack's blocks in the context, in context order.
-        retrieved: per retrieved block, why it was chosen (empty without retrieval).
+        retrieved: per retrieved block, why it was chosen; without retrieval, with `explain`, every
+            block of the context with its span (scores None), else empty.
         bytes_read: bytes of the pack this question read.
         bytes_fetched: bytes brought over the network for it (a remote pack).
         kv_tokens: per layer, the visual tokens left after pruning at ask (None: not pruned).

@@ -278,22 +278,23 @@ def _span(time: list | None, seconds: bool) -> str:
 
 
 def show_retrieved(retrieved: list[dict], used: list[str], kind: str | None = "video") -> None:
-    """Why the context holds what it holds: each retrieved block, its span (seconds of a video,
-    pages of a document, images of a set) and its scores."""
+    """Why the context holds what it holds: each block, its span (seconds of a video, pages of a
+    document, images of a set) and, where retrieval chose it, its scores."""
     if not retrieved:
-        err_console.print(
-            f"[dim]no retrieval: the context holds all {len(used)} stored blocks[/dim]"
-        )
+        err_console.print(f"[dim]no retrieval: the context holds {len(used)} stored blocks[/dim]")
         return
+    scored = retrieved[0]["score"] is not None
     layered = "layers" in retrieved[0]  # per-layer retrieval: how many layers took each block
-    table = Table(title="retrieved blocks (context order)")
+    title = "retrieved blocks (context order)" if scored else "context blocks (no retrieval)"
+    table = Table(title=title)
     unit, seconds = SPAN_UNITS.get(kind or "video", ("time (s)", True))
-    columns = ["block", "granularity", unit, "score", "reranked"] + ["layers"] * layered
+    columns = ["block", "granularity", unit] + ["score", "reranked"] * scored + ["layers"] * layered
     for column in columns:
         table.add_column(column, justify="left" if column in columns[:3] else "right")
     for r in retrieved:
-        span = _span(r.get("time"), seconds)
-        row = [r["block"], r["granularity"], span, f"{r['score']:.3f}", f"{r['reranked']:.3f}"]
+        row = [r["block"], r["granularity"] or "", _span(r.get("time"), seconds)]
+        if scored:
+            row += [f"{r['score']:.3f}", f"{r['reranked']:.3f}"]
         table.add_row(*row, *([str(r["layers"])] if layered else []))
     err_console.print(table)
 

@@ -66,7 +66,7 @@ def chat(
         from mmkv_cli.cli.display import err_console, show_retrieved
 
         generation = GenerationOptions(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
-        options = AskOptions(generation=generation)
+        options = AskOptions(generation=generation, explain=True)  # /explain, any time
         check_generation(generation)  # before the model loads
         session = open_session(pack, load_options(model, device, dtype), no_server)
         interactive = sys.stdin.isatty()

@@ -140,6 +140,7 @@ class ChatRequest(BaseModel):
             at=self.at,
             prune=self.prune,
             prune_budget=self.budget,
+            explain=self.explain,
             generation=GenerationOptions(
                 self.max_completion_tokens or self.max_tokens or 256,
                 self.temperature or 0.0,
