@@ -115,41 +115,60 @@ def test_value_norms_average_the_heads():
 
 
 def test_adaptive_pooling_goes_by_depth_quarter_as_the_code_counts():
-    # the code: idx = layer // (layers // 4) into [2, 2, 1, -1] dimensions, [7, 5, 3, 3] kernels
+    # the code: idx = layer // (layers // 4) into [3, 2, 1, -1] dimensions, [7, 5, 3, 1] kernels
     assert [layer_pooling(i, 28) for i in (0, 6, 7, 13, 14, 20, 21, 27)] == [
-        (2, 7), (2, 7), (2, 5), (2, 5), (1, 3), (1, 3), (0, 0), (0, 0)
+        (3, 7), (3, 7), (2, 5), (2, 5), (1, 3), (1, 3), (0, 0), (0, 0)
     ]  # fmt: skip
     # 26 layers: the code's index would reach 4 at layer 24; here those layers are the last quarter
     assert [layer_pooling(i, 26)[0] for i in (23, 24, 25)] == [0, 0, 0]
-    assert [layer_pooling(i, 2) for i in (0, 1)] == [(2, 7), (2, 5)]  # shallower than 4 layers
+    assert [layer_pooling(i, 2) for i in (0, 1)] == [(3, 7), (2, 5)]  # shallower than 4 layers
 
 
 def _reference_pooled(values: torch.Tensor, dims: int, kernel: int, rows: int) -> torch.Tensor:
     """The code's pooling: per head, the held entries' value norms [H, n] (n whole frames)
-    reshaped [H, frames, rows, -1] and AvgPool2d'ed, or AvgPool1d'ed as [H, n]; then, as mmkv
-    keeps one set per layer, averaged over heads."""
+    reshaped [H, frames, rows, -1] and AvgPool3d'ed (as one unbatched volume a head) or
+    AvgPool2d'ed (each frame a channel), the window no larger than the frames, rows or columns
+    (odd, none under 2), or AvgPool1d'ed as [H, n]; then, as mmkv keeps one set per layer,
+    averaged over heads."""
     score = values.norm(dim=-1)  # [H, n]
-    if dims == 2:
-        pool = torch.nn.AvgPool2d((kernel, kernel), stride=(1, 1), padding=(kernel // 2,) * 2)
-        heads, n = score.shape
-        score = pool(score.reshape(heads, n // (rows * rows), rows, -1)).reshape(heads, -1)
+    heads, n = score.shape
+    if dims > 1:
+        volume = score.reshape(heads, n // (rows * rows), rows, -1)
+        size = min(kernel, *volume.shape[1:])
+        size -= 1 if size % 2 == 0 else 0
+        if size >= 2:
+            pool = torch.nn.AvgPool3d if dims == 3 else torch.nn.AvgPool2d
+            volume = pool(size, stride=1, padding=size // 2)(volume)
+        score = volume.reshape(heads, -1)
     else:
         score = torch.nn.AvgPool1d(kernel, stride=1, padding=kernel // 2)(score)
     return score.mean(dim=0)
 
 
-@pytest.mark.parametrize(("dims", "kernel"), [(2, 7), (2, 5), (1, 3)])
-def test_pooled_value_norms_are_the_codes(dims, kernel):
+@pytest.mark.parametrize("frames", [9, 4, 3, 2])
+@pytest.mark.parametrize(("dims", "kernel"), [(3, 7), (2, 5), (1, 3)])
+def test_pooled_value_norms_are_the_codes(dims, kernel, frames):
+    """Across frames in the first quarter; the window shrinks with few frames held, as the
+    code's does (4 frames: 3; 2 frames: none)."""
     torch.manual_seed(0)
-    values = torch.randn(2, 3 * 64, 8)  # 2 heads, 3 frames of an 8 x 8 grid
+    values = torch.randn(2, frames * 64, 8)  # 2 heads, frames of an 8 x 8 grid
     got = pooled_norms(value_norms(values), dims, kernel, per_frame=64, grid=(8, 8))
     torch.testing.assert_close(got, _reference_pooled(values, dims, kernel, 8))
-    # a partial oldest frame (an eviction left 40 of its 64): padded in front, the rest unchanged
-    tail = pooled_norms(value_norms(values[:, 24:]), dims, kernel, per_frame=64, grid=(8, 8))
-    if dims == 2:
-        torch.testing.assert_close(tail[40:], got[64:])
-    assert tail.shape == (168,)
+    if frames == 2 and dims > 1:
+        torch.testing.assert_close(got, value_norms(values))
     assert torch.equal(pooled_norms(value_norms(values), 0, 0, 64, (8, 8)), value_norms(values))
+
+
+def test_a_partial_oldest_frame_is_padded_in_front():
+    """An eviction left 40 of the oldest frame's 64 entries: it pools as a frame padded with
+    zeros in front; within each frame's grid the newer frames' pooled norms are unchanged."""
+    torch.manual_seed(0)
+    values = torch.randn(2, 3 * 64, 8)
+    got = pooled_norms(value_norms(values), 2, 5, per_frame=64, grid=(8, 8))
+    tail = pooled_norms(value_norms(values[:, 24:]), 2, 5, per_frame=64, grid=(8, 8))
+    torch.testing.assert_close(tail[40:], got[64:])
+    assert tail.shape == (168,)
+    assert pooled_norms(value_norms(values[:, 24:]), 3, 7, 64, (8, 8)).shape == (168,)
     # stamped steps (not one whole grid) pool along the cache
     torch.testing.assert_close(
         pooled_norms(value_norms(values), 2, 3, per_frame=66, grid=(8, 8)),

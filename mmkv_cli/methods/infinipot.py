@@ -58,7 +58,8 @@ class InfiniPotParams(StreamParams):
     pooling: Literal["none", "layer_adaptive"] = knob(
         "none",
         "value norms as they are, or smoothed by depth quarter before VaN picks (the code's "
-        "adaptive_pooling): 7x7 and 5x5 over each frame's grid, 3 along the cache, none",
+        "adaptive_pooling): 7x7x7 across frames and their grids, 5x5 over each frame's grid, 3 "
+        "along the cache, none",
     )
     pairing: Literal["cache_slot", "spatial"] = knob(
         "cache_slot",
@@ -157,7 +158,8 @@ def value_norms(values: torch.Tensor) -> torch.Tensor:
 
 
 # (pooling dimensions, kernel) by quarter of the model's depth, shallow first: the code's lists
-ADAPTIVE_POOLING = ((2, 7), (2, 5), (1, 3), (0, 0))
+# (kvcache_utils.py, 81a4dbe: pooling_func_list [3, 2, 1, -1], pool_size_list [7, 5, 3, 1])
+ADAPTIVE_POOLING = ((3, 7), (2, 5), (1, 3), (0, 0))
 
 
 def layer_pooling(layer: int, layers: int) -> tuple[int, int]:
@@ -170,22 +172,32 @@ def layer_pooling(layer: int, layers: int) -> tuple[int, int]:
 def pooled_norms(
     norms: torch.Tensor, dims: int, kernel: int, per_frame: int, grid: tuple[int, int] | None
 ) -> torch.Tensor:
-    """Value norms [n] of the held entries, averaged over a kernel x kernel window of each frame's
-    grid (dims 2) or a kernel-long window of the cache (dims 1), stride 1, zero-padded to the same
-    size (padding counted in the average, as torch's pooling does). A frame is a run of per_frame
+    """Value norms [n] of the held entries, averaged over a window, stride 1, zero-padded to the
+    same size (padding counted in the average, as torch's pooling does): kernel^3 across frames and
+    each frame's grid (dims 3), kernel^2 within each frame's grid (dims 2), or kernel along the
+    cache (dims 1). As the code does, a grid window is no larger than the frames held, the grid's
+    rows or its columns (odd: one less when even; none under 2). A frame is a run of per_frame
     entries counted back from the newest (the code's frames); the oldest, partial one is padded
-    with zeros in front. Steps that are not one whole grid (stamped frames) pool along the
-    cache."""
+    with zeros in front. Steps that are not one whole grid (stamped frames) pool along the cache."""
     n = norms.numel()
     if dims == 0 or n == 0:
         return norms
     rows = grid[0] if grid else 0
-    if dims == 2 and rows and per_frame == grid[0] * grid[1]:
+    if dims >= 2 and rows and per_frame == grid[0] * grid[1]:
         frames = -(-n // per_frame)
+        size = min(kernel, frames, rows, grid[1])
+        size -= 1 - size % 2
+        if size < 2:
+            return norms
         padded = torch.nn.functional.pad(norms.float(), (frames * per_frame - n, 0))
-        pooled = torch.nn.functional.avg_pool2d(
-            padded.view(frames, 1, rows, -1), kernel, stride=1, padding=kernel // 2
-        )
+        if dims == 3:
+            pooled = torch.nn.functional.avg_pool3d(
+                padded.view(1, 1, frames, rows, -1), size, stride=1, padding=size // 2
+            )
+        else:
+            pooled = torch.nn.functional.avg_pool2d(
+                padded.view(frames, 1, rows, -1), size, stride=1, padding=size // 2
+            )
         return pooled.reshape(-1)[frames * per_frame - n :]
     pooled = torch.nn.functional.avg_pool1d(
         norms.float().view(1, 1, n), kernel, stride=1, padding=kernel // 2
