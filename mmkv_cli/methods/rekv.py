@@ -52,7 +52,19 @@ class ReKVParams(StreamParams):
         "alone gives every layer's vector first",
     )
 
+    chunk_size: int = knob(
+        1,
+        "frames retrieved together: runs of this many frames score their mean and the best "
+        "k / chunk_size runs are taken whole (the code's retrieve_chunk_size; 1: frame by frame)",
+        low=1,
+    )
+
     def __post_init__(self) -> None:
+        if self.k % self.chunk_size:
+            raise UsageError(
+                f"k ({self.k}) must be a multiple of chunk_size ({self.chunk_size}): k / "
+                "chunk_size runs of frames are retrieved"
+            )
         if self.retrieve == "in_forward" and self.layers != "each":
             raise UsageError(
                 "retrieve: in_forward needs layers: each (the last layer's vector is known only "
@@ -79,6 +91,7 @@ def context(params: ReKVParams) -> RetrievalContext:
     return RetrievalContext(
         RetrievalOptions(
             k={"frame": params.k},
+            chunk=params.chunk_size,
             query=params.query,
             positions=params.positions,
             similarity=params.similarity,

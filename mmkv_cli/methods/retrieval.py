@@ -29,6 +29,7 @@ class RetrievalOptions:
     k: dict[str, int]  # blocks kept per granularity; granularities missing here are never retrieved
     rerank: dict[str, float] = field(default_factory=dict)  # lambda_g per granularity
     top_segments: int = 0  # segments whose mean representative reranks the others (0: no rerank)
+    chunk: int = 1  # blocks retrieved together: runs of this many, by their mean score (ReKV)
     query: str = "query_mean"  # query_mean | last_key
     positions: str = "keep"  # keep | reindex
     similarity: str = "cosine"  # cosine | dot
@@ -61,9 +62,12 @@ def retrieve(
     k: dict[str, int],
     rerank: dict[str, float],
     top_segments: int,
+    chunk: int = 1,
 ) -> list[Picks]:
     """Pick blocks per granularity for every layer at once: top 2k by score, rerank by agreement
-    with the top segments, keep k.
+    with the top segments, keep k. With chunk > 1 (no rerank) runs of `chunk` consecutive blocks
+    of a granularity are scored by their mean (the last run may be shorter) and the best
+    k / chunk runs kept whole: `reranked` is the run's mean.
 
     scores [layers, blocks]; reps [blocks, layers, dim], each layer's own representatives.
     rerank[g] = lambda_g: s' = (1 - lambda) s + lambda cos(rep, c), c = mean of the top segments'
@@ -89,6 +93,9 @@ def retrieve(
         if g not in kinds or keep <= 0:
             continue
         members = torch.nonzero(codes == kinds.index(g)).flatten()
+        if chunk > 1:
+            found.append((g, *_runs(scores[:, members], members, keep // chunk, chunk)))
+            continue
         top = torch.topk(scores[:, members], min(2 * keep, len(members)), dim=1)
         candidates = members[top.indices]
         before = scores.gather(1, candidates)
@@ -101,10 +108,34 @@ def retrieve(
         found.append((g, *chosen))
     if not found:
         return [Picks.none() for _ in range(scores.shape[0])]
-    labels = [g for g, index, _, _ in found for _ in range(index.shape[1])]
-    index, score, reranked = (np.concatenate([f[i] for f in found], axis=1) for i in (1, 2, 3))
-    score, reranked = score.astype(np.float64), reranked.astype(np.float64)
-    return [Picks(index[i], labels, score[i], reranked[i]) for i in range(len(index))]
+    picks = []
+    for layer in range(scores.shape[0]):
+        # a run past the last block leaves its slots empty (-1): each layer drops its own
+        kept = [(g, *(a[layer] for a in arrays)) for g, *arrays in found]
+        kept = [(g, i[i >= 0], s[i >= 0], r[i >= 0]) for g, i, s, r in kept]
+        labels = [g for g, index, _, _ in kept for _ in range(len(index))]
+        index, score, reranked = (np.concatenate([f[i] for f in kept]) for i in (1, 2, 3))
+        picks.append(Picks(index, labels, score.astype(np.float64), reranked.astype(np.float64)))
+    return picks
+
+
+def _runs(scores: torch.Tensor, members: torch.Tensor, runs: int, chunk: int) -> tuple:
+    """The best `runs` runs of `chunk` consecutive members by mean score, per layer (scores
+    [layers, n]): (member indices, scores, run means) [layers, runs x chunk], best run first, in
+    time order within a run, -1 where a short last run has no block."""
+    n = scores.shape[1]
+    run_of = torch.arange(n, device=scores.device) // chunk
+    count = -(-n // chunk)
+    sums = torch.zeros(scores.shape[0], count, device=scores.device).index_add_(1, run_of, scores)
+    means = sums / torch.bincount(run_of, minlength=count).to(scores.dtype)
+    top = torch.topk(means, min(runs, count), dim=1).indices  # [layers, runs]
+    slots = (top[:, :, None] * chunk + torch.arange(chunk, device=scores.device)).flatten(1)
+    inside = slots < n
+    at = slots.clamp(max=n - 1)
+    chosen = torch.where(inside, members[at], -1)
+    score = torch.where(inside, scores.gather(1, at), float("nan"))
+    mean = means.gather(1, top).repeat_interleave(chunk, dim=1)
+    return tuple(t.cpu().numpy() for t in (chosen, score, mean))
 
 
 class RetrievalContext:
@@ -190,7 +221,9 @@ class RetrievalContext:
         vectors query [layers, dim]."""
         o = self.options
         scores = SIMILARITY[o.similarity](query, reps.transpose(0, 1))
-        picks = retrieve(scores, reps, (codes, blocks.kinds), o.k, o.rerank, o.top_segments)
+        picks = retrieve(
+            scores, reps, (codes, blocks.kinds), o.k, o.rerank, o.top_segments, o.chunk
+        )
         return [replace(p, index=eligible[p.index]) for p in picks]
 
 
