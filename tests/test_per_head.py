@@ -189,7 +189,7 @@ def union_reference(backbone, reader, ids):
     return first, masks, tokens
 
 
-@pytest.mark.parametrize("method", ["h2o", "h2o-adaptive", "meda"])
+@pytest.mark.parametrize("method", ["h2o", "h2o-adaptive", "meda", "snapkv", "pyramidkv"])
 def test_a_per_head_pack_answers_as_each_head_over_its_own_tokens(tmp_path, demo, clip, method):
     backbone = demo
     spec = MethodSpec("h2o", {"head_budgets": "adaptive"}) if method == "h2o-adaptive" else method

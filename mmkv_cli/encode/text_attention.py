@@ -16,6 +16,7 @@ def text_attention(
     text: str | list[str],
     rows: bool = False,
     reducers: dict | None = None,
+    per_head: bool = False,
 ):
     """Per layer, the attention the rows of `text` (as a question turn after the stream so far) pay
     each cached visual token, mean over heads and rows; the text is cut off the cache again
@@ -26,14 +27,18 @@ def text_attention(
     cached visual tokens and of the text, as (rows, visual slices, text slices).
     reducers (name -> fn(block [B, H, rows, visual columns])): per layer, each reducer's mean over
     the text rows, every head kept (MEDA's per-head entropy); nothing [H, q, k] is held whole.
+    per_head: per layer [H_kv, visual] instead, each KV head's mean over its query heads (what a
+    method keeping tokens per KV head scores by).
     """
     if not isinstance(text, str):
         if rows or reducers:
             raise ValueError("several texts are scored by their column sums only")
-        sums = [_on_device(backbone, state, t, False, None)[0] for t in text]
+        sums = [_on_device(backbone, state, t, False, None, per_head)[0] for t in text]
         flat = host_all([s for each in sums for s in each])
         return [flat[i * state.layers : (i + 1) * state.layers] for i in range(len(text))]
-    found, recorder, visual, ends, count = _on_device(backbone, state, text, rows, reducers)
+    found, recorder, visual, ends, count = _on_device(
+        backbone, state, text, rows, reducers, per_head
+    )
     # every layer's share brought over in one copy: a copy a layer waited once a layer
     if reducers:
         names = list(reducers)
@@ -53,7 +58,9 @@ def text_attention(
     return host_all(found)
 
 
-def _on_device(backbone: Backbone, state: StreamState, text: str, rows: bool, reducers):
+def _on_device(
+    backbone: Backbone, state: StreamState, text: str, rows: bool, reducers, per_head: bool = False
+):
     """The text's forward over the running cache, recorded: (per layer its mean column sums over
     the visual tokens, still on the device; the recorder; the visual slices; the cache ends; the
     text's token count)."""
@@ -66,6 +73,7 @@ def _on_device(backbone: Backbone, state: StreamState, text: str, rows: bool, re
     recorder = Recorder(
         layers=set(range(state.layers)),
         column_sums=not rows and not reducers,
+        per_head=per_head,
         rows=rows,
         reducers={name: (dict(enumerate(visual)), fn) for name, fn in (reducers or {}).items()},
     )
@@ -75,7 +83,7 @@ def _on_device(backbone: Backbone, state: StreamState, text: str, rows: bool, re
     sums = []
     if not rows and not reducers:
         sums = [
-            recorder.column_sum[layer][0, starts[layer] : ends[layer]] / len(ids)
+            recorder.column_sum[layer][0, ..., starts[layer] : ends[layer]] / len(ids)
             for layer in range(state.layers)
         ]
     return sums, recorder, visual, ends, len(ids)

@@ -104,7 +104,8 @@ def score_every_knob() -> int:
 
 
 def selection_knob() -> str:
-    """The field of the methods whose code keeps tokens per KV head (H2O, MEDA)."""
+    """The field of the methods whose code keeps tokens per KV head (H2O, MEDA, SnapKV,
+    PyramidKV)."""
     return knob(
         "per_head",
         "per_head: each KV head keeps its own tokens by its own attention (the authors' code); "

@@ -1,6 +1,7 @@
 """PyramidKV (Cai et al., 2024), visual tokens only: SnapKV's scores, budgets falling linearly with
 depth (more in shallow layers, where attention is spread; fewer in deep ones, where it is
-concentrated).
+concentrated). As KVCache-Factory's code does, each KV head keeps its own tokens, the layer's
+budget each (`selection: per_layer`: one set a layer by the heads' mean).
 
 The schedule is the paper's arithmetic sequence (last layer budget / beta, first 2 budget - that),
 with what the authors' KVCache-Factory code does when a budget is more than half the tokens: every
@@ -16,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper
+from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper, selection_knob
 from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import question_window_scores, top_in_order, window_scores
 from mmkv_cli.methods.topk import TopKAtEnd
@@ -26,6 +27,7 @@ from mmkv_cli.spec import knob
 @dataclass(frozen=True)
 class PyramidKVParams(GuidedParams):
     pool_kernel: int = knob(7, "1-D max-pool width over neighbouring tokens' scores", low=1)
+    selection: Literal["per_head", "per_layer"] = selection_knob()
     beta: float = knob(
         20.0, "the last layer keeps budget / beta, the first 2 x budget - that", low=1
     )
@@ -82,8 +84,9 @@ class PyramidKVMemory(TopKAtEnd):
         return pyramid_budgets(state.layers, per_layer, p.beta, state.total, p.large_budget)
 
     def layer_scores(self, state: StreamState):
-        attention = state.attend(self.context.guidance(self.params.guidance_prompt))
-        return window_scores(attention, self.params.pool_kernel)
+        per_head = self.params.selection == "per_head"
+        guidance = self.context.guidance(self.params.guidance_prompt)
+        return window_scores(state.attend(guidance, per_head=per_head), self.params.pool_kernel)
 
 
 METHOD = Method(

@@ -54,13 +54,14 @@ def adaptive_per_head(scores: torch.Tensor, count: int, floor: float) -> list[to
 
 
 def pooled(scores: torch.Tensor, kernel: int) -> torch.Tensor:
-    """1-D max-pool along the tokens (stride 1, same length): a kept token brings its neighbours'
-    weight."""
+    """1-D max-pool along the tokens (the last dimension; stride 1, same length): a kept token
+    brings its neighbours' weight. Scores per head [H, n] pool each head's row alone."""
+    n = scores.shape[-1] if scores.dim() else 0
     if kernel <= 1 or scores.numel() == 0:
         return scores
     pool = torch.nn.functional.max_pool1d
-    out = pool(scores.float()[None, None], kernel, stride=1, padding=kernel // 2)
-    return out[0, 0, : scores.numel()]
+    out = pool(scores.float().reshape(-1, 1, n), kernel, stride=1, padding=kernel // 2)
+    return out[:, 0, :n].reshape(scores.shape)
 
 
 def window_scores(attention: list[torch.Tensor], kernel: int) -> list[torch.Tensor]:

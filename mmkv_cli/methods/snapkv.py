@@ -1,13 +1,18 @@
 """SnapKV (Li et al., 2024), visual tokens only: an observation window of text rows scores the
-cached visual tokens (attention mean over heads, summed over the window's rows, max-pooled), each
-layer keeps its top-k. At encode no question exists yet, so the window is a generic guidance prompt.
+cached visual tokens (attention summed over the window's rows, max-pooled) and the top-k are kept.
+As KVCache-Factory's and kvpress's code do, each KV head keeps its own by its own attention (the
+mean over its query heads: the authors' per query head selection would store a KV row once per
+query head of its group); `selection: per_layer` keeps one set a layer by the heads' mean. At
+encode no question exists yet, so the window is a generic guidance prompt; pruning at ask keeps
+one set a layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper
+from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper, selection_knob
 from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import keep_share, question_window_scores, window_scores
 from mmkv_cli.methods.topk import TopKAtEnd
@@ -17,6 +22,7 @@ from mmkv_cli.spec import knob
 @dataclass(frozen=True)
 class SnapKVParams(GuidedParams):
     pool_kernel: int = knob(7, "1-D max-pool width over neighbouring tokens' scores", low=1)
+    selection: Literal["per_head", "per_layer"] = selection_knob()
 
 
 def prune_at_ask(rows, visual, question, budget: float, params: SnapKVParams):
@@ -25,14 +31,15 @@ def prune_at_ask(rows, visual, question, budget: float, params: SnapKVParams):
 
 class SnapKVMemory(TopKAtEnd):
     def layer_scores(self, state: StreamState):
-        attention = state.attend(self.context.guidance(self.params.guidance_prompt))
-        return window_scores(attention, self.params.pool_kernel)
+        per_head = self.params.selection == "per_head"
+        guidance = self.context.guidance(self.params.guidance_prompt)
+        return window_scores(state.attend(guidance, per_head=per_head), self.params.pool_kernel)
 
 
 METHOD = Method(
     name="snapkv",
     label="SnapKV",
-    description="top visual tokens per layer by a guidance prompt's attention (pooled)",
+    description="top visual tokens per KV head by a guidance prompt's attention (pooled)",
     paper=Paper(
         "SnapKV: LLM Knows What You are Looking for Before Generation",
         2024,
