@@ -160,6 +160,7 @@ def encode(
 
     def body() -> None:
         from mmkv_cli.cli.display import encode_progress, encoded_line, out_console
+        from mmkv_cli.cli.literal import plain
 
         options = EncodeOptions(
             method,
@@ -198,7 +199,7 @@ def encode(
         finally:
             if started:
                 bar.stop()
-        out_console.print(encoded_line(info), highlight=False)
+        out_console.print(plain(encoded_line(info)))
 
     run(body)
 

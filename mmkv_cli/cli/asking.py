@@ -128,6 +128,7 @@ def _answer_all(session, asked: list, options: AskOptions, as_json: bool, explai
     fails reports its one-line error and the others still run. Returns how many failed."""
     from mmkv_cli.ask.result import answer_record
     from mmkv_cli.cli.display import err_console
+    from mmkv_cli.cli.literal import literal
 
     def stream(piece: str) -> None:
         sys.stdout.write(piece)
@@ -137,7 +138,8 @@ def _answer_all(session, asked: list, options: AskOptions, as_json: bool, explai
     for number, q in enumerate(asked, 1):
         mine = replace(options, at=q.at if q.at is not None else options.at)
         if len(asked) > 1 and not as_json:
-            err_console.print(f"[dim][{number}/{len(asked)}][/dim] {q.text}", highlight=False)
+            counted = f"[dim]\\[{number}/{len(asked)}][/dim]"
+            err_console.print(f"{counted} {literal(q.text)}", highlight=False)
         try:
             answer = session.ask(q.text, mine, on_token=None if as_json else stream)
         except MmkvError as err:
@@ -154,7 +156,7 @@ def _answer_all(session, asked: list, options: AskOptions, as_json: bool, explai
                     }
                 )
             else:
-                err_console.print(f"[red]error:[/red] {err}", highlight=False)
+                err_console.print(f"[red]error:[/red] {literal(err)}", highlight=False)
             continue
         if as_json:
             emit_json(answer_record(answer, q.text, mine.at, q.id, explain))

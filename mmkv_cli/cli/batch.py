@@ -123,6 +123,7 @@ def _show(report: dict, out: str) -> None:
     from rich.table import Table
 
     from mmkv_cli.cli.display import human_bytes, out_console
+    from mmkv_cli.cli.literal import plain
 
     table = Table(title=f"batch: {out}", title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("items", "ok", "skipped", "failed", "written", "encoded/min"):
@@ -135,4 +136,4 @@ def _show(report: dict, out: str) -> None:
     )
     out_console.print(table)
     for failure in report["failures"]:
-        out_console.print(f"failed: {failure['media']}: {failure['error']}", highlight=False)
+        out_console.print(plain(f"failed: {failure['media']}: {failure['error']}"))

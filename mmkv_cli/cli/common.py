@@ -121,6 +121,7 @@ def quiet() -> None:
 def run(body: Callable[[], None]) -> None:
     """Every failure becomes one line on stderr and a non-zero exit; MMKV_DEBUG=1 re-raises."""
     from mmkv_cli.cli.display import error_console as err_console
+    from mmkv_cli.cli.literal import literal
 
     try:
         quiet()
@@ -128,7 +129,8 @@ def run(body: Callable[[], None]) -> None:
     except MmkvError as err:
         if os.environ.get("MMKV_DEBUG"):
             raise
-        err_console.print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True, markup=True)
+        # the line may name a file, a pack's field or a user's text: printed as it is
+        err_console.print(f"[red]error:[/red] {literal(err)}", highlight=False, soft_wrap=True)
         raise typer.Exit(err.exit_code) from None
     except KeyboardInterrupt:
         err_console.print("interrupted", highlight=False)
@@ -140,7 +142,7 @@ def run(body: Callable[[], None]) -> None:
             raise
         first = str(err).splitlines()[0] if str(err) else ""
         err_console.print(
-            f"[red]error:[/red] internal error: {type(err).__name__}: {first} "
+            f"[red]error:[/red] internal error: {type(err).__name__}: {literal(first)} "
             "(run with MMKV_DEBUG=1 for a traceback)",
             highlight=False,
             soft_wrap=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 
 from rich import box
@@ -17,6 +18,8 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from mmkv_cli.cli.literal import plain, visible
+
 err_console = Console(stderr=True)  # notes and progress: `-q` silences them
 out_console = Console()
 error_console = Console(stderr=True)  # the one line of a failure: never silenced
@@ -25,8 +28,6 @@ error_console = Console(stderr=True)  # the one line of a failure: never silence
 def show_logs(level: int, quiet: bool) -> None:
     """mmkv's log records at `level` and above on stderr through rich's handler; quiet: the notes
     and progress bars go too, leaving answers and errors."""
-    import logging
-
     from rich.logging import RichHandler
 
     err_console.quiet = quiet
@@ -37,10 +38,18 @@ def show_logs(level: int, quiet: bool) -> None:
         markup=False,
         rich_tracebacks=False,
     )
-    handler.setFormatter(logging.Formatter("%(name)s: %(message)s", datefmt="%H:%M:%S"))
+    handler.setFormatter(VisibleFormatter("%(name)s: %(message)s", datefmt="%H:%M:%S"))
     root = logging.getLogger("mmkv")
     root.handlers = [h for h in root.handlers if not isinstance(h, RichHandler)] + [handler]
     root.setLevel(level)
+
+
+class VisibleFormatter(logging.Formatter):
+    """A record's line with its control characters made visible: a logged path or request line
+    may come from outside."""
+
+    def format(self, record) -> str:
+        return visible(super().format(record))
 
 
 def human_bytes(n: float) -> str:
@@ -162,7 +171,8 @@ def budget_note(info: dict) -> str:
 
 
 def show_inspect(info: dict) -> None:
-    table = Table(title=f"{info['path']}", show_header=False, title_justify="left")
+    # every string here may come from the pack or the file's name: shown as it is (cli/literal.py)
+    table = Table(title=plain(info["path"]), show_header=False, title_justify="left")
     table.add_column("field", style="bold")
     table.add_column("value")
     rows = [
@@ -193,14 +203,14 @@ def show_inspect(info: dict) -> None:
         hot = info["hot"]
         held = f"in the warm server: {human_bytes(hot['bytes'])} held, {hot['questions']} questions"
         rows.append(("hot", held))
-    for row in rows:
-        table.add_row(*row)
+    for field, value in rows:
+        table.add_row(field, plain(value))
     out_console.print(table)
     grains = Table(title="blocks by granularity", title_justify="left")
     for col in ("granularity", "blocks", "tokens", "bytes"):
         grains.add_column(col, justify="right" if col != "granularity" else "left")
     for name, g in info["granularities"].items():
-        grains.add_row(name, str(g["blocks"]), str(g["tokens"]), human_bytes(g["bytes"]))
+        grains.add_row(plain(name), str(g["blocks"]), str(g["tokens"]), human_bytes(g["bytes"]))
     out_console.print(grains)
     layers = Table(title="tokens kept per layer", title_justify="left")
     layers.add_column("layer", justify="right")
@@ -224,7 +234,7 @@ def show_listing(title: str, rows: list[dict], columns: list[str]) -> None:
         else:  # words wrap; a long identifier (an HF id) folds instead of ending in '…'
             table.add_column(col, overflow="fold" if col == "source" else "ellipsis")
     for row in rows:
-        table.add_row(*(str(row.get(c, "")) for c in columns))
+        table.add_row(*(plain(row.get(c, "")) for c in columns))
     out_console.print(table)
 
 
@@ -232,7 +242,7 @@ def show_models(rows: list[dict], default: str) -> None:
     """The presets by family, one line a model: its name, where it comes from and whether its
     weights are here; the description beside it where the terminal has room (wide ones)."""
     wide = out_console.width >= 120
-    out_console.print(f"models (default: {default})", highlight=False)
+    out_console.print(plain(f"models (default: {default})"))
     out_console.print("weights: built in, here, or hub (fetched on first use)", style="dim")
     for family in dict.fromkeys(row["family"] for row in rows):
         table = Table(title=family, title_justify="left", box=None, padding=(0, 1), pad_edge=False)
@@ -240,17 +250,17 @@ def show_models(rows: list[dict], default: str) -> None:
             whole = column in ("name", "weights")  # a long local path folds, whole, over lines
             table.add_column(column, no_wrap=whole, overflow="fold", header_style="dim")
         for row in (r for r in rows if r["family"] == family):
-            cells = [Text(row["name"]), Text(row["source"]), row["weights"]]
-            table.add_row(*cells, *((row["description"],) if wide else ()))
+            cells = [plain(row["name"]), plain(row["source"]), row["weights"]]
+            table.add_row(*cells, *((plain(row["description"]),) if wide else ()))
         out_console.print(table)
 
 
 def show_listing_of_packs(folder: str, rows: list[dict]) -> None:
     """One line a pack: the name one types, what it holds, its size and state."""
     if not rows:
-        out_console.print(f"no packs (*.kvpack) in {folder}", highlight=False)
+        out_console.print(plain(f"no packs (*.kvpack) in {folder}"))
         return
-    table = Table(title=f"packs in {folder}", title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(title=plain(f"packs in {folder}"), title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("pack", "model", "method", "media", "size", "state"):
         table.add_column(column, no_wrap=column == "pack", overflow="fold")
     for row in rows:
@@ -258,9 +268,10 @@ def show_listing_of_packs(folder: str, rows: list[dict]) -> None:
         media = f"{row['media']} ({row['frames']})" if row.get("media") else "-"
         state = row["state"]
         whole = state == "opens" or state.startswith("verified")
-        shown = Text(state, style="" if whole else "red")  # a fault's words are not markup
+        shown = plain(state, style="" if whole else "red")  # a fault's words are not markup
         size = human_bytes(row["bytes"])
-        table.add_row(Text(row["name"]), row.get("model") or "-", method, media, size, shown)
+        model = plain(row.get("model") or "-")
+        table.add_row(plain(row["name"]), model, plain(method), plain(media), size, shown)
     out_console.print(table)
 
 
@@ -292,7 +303,7 @@ def show_retrieved(retrieved: list[dict], used: list[str], kind: str | None = "v
     for column in columns:
         table.add_column(column, justify="left" if column in columns[:3] else "right")
     for r in retrieved:
-        row = [r["block"], r["granularity"] or "", _span(r.get("time"), seconds)]
+        row = [plain(r["block"]), plain(r["granularity"] or ""), _span(r.get("time"), seconds)]
         if scored:
             row += [f"{r['score']:.3f}", f"{r['reranked']:.3f}"]
         table.add_row(*row, *([str(r["layers"])] if layered else []))
@@ -312,7 +323,7 @@ def show_config(path, rows: list[dict]) -> None:
     """The config file's path, then one line a setting: key, value, where it came from; its
     meaning beside them where the terminal has room."""
     there = "" if path.is_file() else " (not there: `mmkv config --init` writes one)"
-    out_console.print(f"config file: {path}{there}", highlight=False, soft_wrap=True)
+    out_console.print(plain(f"config file: {path}{there}"), soft_wrap=True)
     wide = out_console.width >= 120
     table = Table(box=None, padding=(0, 1), pad_edge=False)
     for column in ("key", "value", "from", *(("meaning",) if wide else ())):
@@ -322,7 +333,8 @@ def show_config(path, rows: list[dict]) -> None:
         value = (
             "-" if value is None else ", ".join(value) if isinstance(value, list) else str(value)
         )
-        table.add_row(row["key"], Text(value), row["from"], *((row["doc"],) if wide else ()))
+        cells = (row["key"], plain(value), plain(row["from"]))
+        table.add_row(*cells, *((row["doc"],) if wide else ()))
     out_console.print(table)
 
 
@@ -331,7 +343,7 @@ def show_server(state: dict) -> None:
     alive = state.get("keep_alive_s", -1)
     leaves = "never leaves" if alive < 0 else f"leaves after {alive:g} s idle"
     out_console.print(
-        Text(f"mmkv server {state.get('version')} (pid {state.get('pid')}) on {state['socket']}")
+        plain(f"mmkv server {state.get('version')} (pid {state.get('pid')}) on {state['socket']}")
     )
     hot, cap = human_bytes(state.get("hot_bytes", 0)), human_bytes(state.get("cache_bytes", 0))
     out_console.print(
@@ -342,7 +354,7 @@ def show_server(state: dict) -> None:
         models.add_column(column, no_wrap=column == "model", overflow="fold")
     for row in state.get("models", []):
         models.add_row(
-            Text(str(row["model"])),
+            plain(row["model"]),
             str(row["device"]),
             str(row["dtype"]),
             human_bytes(row["bytes"]),
@@ -354,5 +366,5 @@ def show_server(state: dict) -> None:
     for row in state.get("packs", []):
         held, where = human_bytes(row["bytes"]), str(row.get("where", ""))
         cells = (held, where, str(row["spans"]), str(row["questions"]))
-        packs.add_row(Text(str(row["path"])), *cells)
+        packs.add_row(plain(row["path"]), *cells)
     out_console.print(packs if state.get("packs") else Text("no pack hot"))

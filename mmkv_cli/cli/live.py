@@ -21,6 +21,7 @@ from mmkv_cli.cli.common import (
     method_names,
     run,
 )
+from mmkv_cli.cli.literal import plain
 from mmkv_cli.errors import MediaError, UsageError
 from mmkv_cli.options import Dtype, EncodeOptions, GenerationOptions
 
@@ -116,9 +117,10 @@ def live(
                 generation=GenerationOptions(max_new_tokens),
                 on_answer=lambda record: _show(record, as_json, out_console),
                 on_ready=lambda event: err_console.print(
-                    f"ready: {source} gave its first frame {event['after_s']:.1f} s after the "
-                    "start; questions are answered from here",
-                    highlight=False,
+                    plain(
+                        f"ready: {source} gave its first frame {event['after_s']:.1f} s after "
+                        "the start; questions are answered from here"
+                    ),
                     soft_wrap=True,
                 ),
             )
@@ -141,9 +143,10 @@ def live(
         feeder.start()
         done = following.run()
         err_console.print(
-            f"wrote {done['path']}: {done['frames']} frames to {done['moment']:.2f} s "
-            f"({done['stopped']}; {done['dropped']} dropped, {done['snapshots']} snapshots)",
-            highlight=False,
+            plain(
+                f"wrote {done['path']}: {done['frames']} frames to {done['moment']:.2f} s "
+                f"({done['stopped']}; {done['dropped']} dropped, {done['snapshots']} snapshots)"
+            ),
             soft_wrap=True,  # one line however long the path: a log reads it as one
         )
         if done["error"]:
@@ -172,7 +175,7 @@ def _feed(following, questions: str | None) -> None:
         try:
             lines, where = open(questions, encoding="utf-8-sig"), questions  # noqa: SIM115
         except OSError as err:
-            err_console.print(f"error: {questions}: {err.strerror}", highlight=False)
+            err_console.print(plain(f"error: {questions}: {err.strerror}"))
             return
     ignored: set[str] = set()  # keys of other tools' files (answers, types), told once each
     for number, line in enumerate(lines, 1):
@@ -183,12 +186,13 @@ def _feed(following, questions: str | None) -> None:
                 following.ask(LiveQuestion(q.text, q.id, q.at))
             if ignored - known:
                 err_console.print(
-                    f"warning: {where}: ignored the key(s) {', '.join(sorted(ignored - known))} "
-                    "(live reads question, id and at)",
-                    highlight=False,
+                    plain(
+                        f"warning: {where}: ignored the key(s) "
+                        f"{', '.join(sorted(ignored - known))} (live reads question, id and at)"
+                    )
                 )
         except UsageError as err:
-            err_console.print(f"error: {err}", highlight=False)
+            err_console.print(plain(f"error: {err}"))
 
 
 def _typed():
@@ -206,15 +210,13 @@ def _show(record: dict, as_json: bool, console) -> None:
         return
     asked = record["id"] if record.get("id") is not None else record["question"]
     if "error" in record:
-        console.print(
-            f"[{asked}] error: {record['error']}", highlight=False, markup=False, soft_wrap=True
-        )
+        console.print(plain(f"[{asked}] error: {record['error']}"), soft_wrap=True)
         return
     note = f"; {record['note']}" if record.get("note") else ""
     console.print(
-        f"[{asked} @ {record['moment']:.2f} s] {record['answer']}  "
-        f"(ttft {record['ttft_s']:.2f} s, {record['behind_s']:.1f} s behind{note})",
-        highlight=False,
-        markup=False,  # "[q1 @ 2.00 s]" is not a style
+        plain(  # "[q1 @ 2.00 s]" is not a style
+            f"[{asked} @ {record['moment']:.2f} s] {record['answer']}  "
+            f"(ttft {record['ttft_s']:.2f} s, {record['behind_s']:.1f} s behind{note})"
+        ),
         soft_wrap=True,
     )

@@ -39,9 +39,10 @@ def convert(
     def body() -> None:
         from mmkv_cli import api
         from mmkv_cli.cli.display import converted_line, out_console
+        from mmkv_cli.cli.literal import plain
 
         info = api.convert(source, output, api.convert_quant(kv_bits, kv_group), start, stop, force)
-        emit_json(info) if as_json else out_console.print(converted_line(info), highlight=False)
+        emit_json(info) if as_json else out_console.print(plain(converted_line(info)))
 
     run(body)
 
@@ -54,6 +55,7 @@ def verify(pack: str = typer.Argument(..., help="A .kvpack."), as_json: bool = J
     def body() -> None:
         from mmkv_cli import api
         from mmkv_cli.cli.display import human_bytes, out_console
+        from mmkv_cli.cli.literal import plain
         from mmkv_cli.errors import PackError
 
         report = api.verify(pack)
@@ -66,15 +68,16 @@ def verify(pack: str = typer.Argument(..., help="A .kvpack."), as_json: bool = J
             )
             unverifiable = ", ".join(report["unverifiable"])
             out_console.print(
-                f"ok: {checked}"
-                if not unverifiable
-                else f"ok as far as format v{report['format_version']} can tell: {checked}; "
-                f"it has no checksum over {unverifiable} (checked for shape and sense only)",
-                highlight=False,
+                plain(
+                    f"ok: {checked}"
+                    if not unverifiable
+                    else f"ok as far as format v{report['format_version']} can tell: {checked}; "
+                    f"it has no checksum over {unverifiable} (checked for shape and sense only)"
+                )
             )
         else:
             for fault in report["faults"]:
-                out_console.print(f"fault: {fault}", highlight=False)
+                out_console.print(plain(f"fault: {fault}"))
         if not report["ok"]:
             count = len(report["faults"])
             raise PackError(f"{report['path']}: {count} fault{'' if count == 1 else 's'}")

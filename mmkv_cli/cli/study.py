@@ -252,6 +252,7 @@ def synth(
 
     def body() -> None:
         from mmkv_cli.cli.display import out_console
+        from mmkv_cli.cli.literal import plain
         from mmkv_cli.study.synth import write_dataset
 
         info = write_dataset(
@@ -261,9 +262,10 @@ def synth(
             emit_json(info)
         else:
             out_console.print(
-                f"wrote {info['clips']} clips of {frames} frames and {info['questions']} questions "
-                f"to {info['folder']}",
-                highlight=False,
+                plain(
+                    f"wrote {info['clips']} clips of {frames} frames and {info['questions']} "
+                    f"questions to {info['folder']}"
+                )
             )
 
     run(body)

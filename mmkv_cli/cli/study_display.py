@@ -9,6 +9,7 @@ from rich import box
 from rich.table import Table
 
 from mmkv_cli.cli.display import human_bytes, out_console, short_label
+from mmkv_cli.cli.literal import plain
 
 
 def show_workers(result: dict) -> None:
@@ -20,7 +21,7 @@ def show_workers(result: dict) -> None:
         table.add_row(name, str(did["videos"]), f"{did['seconds']:.1f}")
     out_console.print(table)
     for failure in result["failed"]:
-        out_console.print(f"failed: {failure['video']}: {failure['error']}", highlight=False)
+        out_console.print(plain(f"failed: {failure['video']}: {failure['error']}"))
 
 
 def show_eval(runs: list[dict], figure: str) -> None:
@@ -35,13 +36,12 @@ def show_eval(runs: list[dict], figure: str) -> None:
             for p in protocols
         )
         out_console.print(
-            f"protocols ({chosen}): a streamed and a replayed accuracy are not comparable",
-            highlight=False,
+            plain(f"protocols ({chosen}): a streamed and a replayed accuracy are not comparable")
         )
     for protocol in protocols:
         chosen = [r for r in runs if r.get("protocol", "replay") == protocol]
         _eval_tables(chosen, f" ({protocol})" if len(protocols) > 1 else "")
-    out_console.print(f"plot: {figure}", highlight=False)
+    out_console.print(plain(f"plot: {figure}"))
 
 
 def standard_error(accuracy: float, n: int) -> float:
@@ -116,7 +116,7 @@ def show_profile(result: dict) -> None:
     for title, cells in zip(titles, (measured, ratios)):
         # a rule under the header, one space between columns, headings no wider than their
         # figures: eight columns fit 80, and a figure is never split
-        out_console.print(title, highlight=False)  # apart: a long title would widen the table
+        out_console.print(plain(title))  # apart: a long title would widen the table
         table = Table(box=box.SIMPLE_HEAD, padding=0, show_edge=False)
         headings = ["method", *(heading for heading, _, _ in columns)]
         for heading, column in zip(headings, [labels, *cells]):

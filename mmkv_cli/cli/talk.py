@@ -25,6 +25,7 @@ from mmkv_cli.cli.common import (
     model_names,
     run,
 )
+from mmkv_cli.cli.literal import plain
 from mmkv_cli.cli.server import NoServerOpt, open_session
 from mmkv_cli.errors import AddressError, UsageError
 from mmkv_cli.options import AskOptions, Dtype, GenerationOptions, check_generation
@@ -80,7 +81,7 @@ def chat(
             sys.stdout.flush()
 
         def note(line: str) -> None:
-            err_console.print(line, highlight=False, markup=False)
+            err_console.print(plain(line))
 
         chat = Chat(options, turns, turn_tokens)
         chat_loop(

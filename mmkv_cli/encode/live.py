@@ -90,7 +90,7 @@ class LiveEncoder:
             h, w = self.frame_hw
             raise MediaError(
                 f"the stream changed resolution at {at:.2f} s ({w}x{h} -> "
-                f"{frame.shape[1]}x{frame.shape[0]}): the memory so far is kept"
+                f"{frame.shape[1]}x{frame.shape[0]})"
             )
         if self.times and at <= self.times[-1]:
             raise MediaError(f"a frame at {at:.3f} s came after one at {self.times[-1]:.3f} s")
