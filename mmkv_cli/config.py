@@ -65,7 +65,11 @@ class Config:
 def config_path() -> Path:
     """Where the config file is read from (it need not exist)."""
     if os.environ.get("MMKV_CONFIG"):
-        return Path(os.environ["MMKV_CONFIG"]).expanduser()
+        named = os.environ["MMKV_CONFIG"]
+        try:
+            return Path(named).expanduser()
+        except RuntimeError:  # ~user of no such user
+            raise UsageError(f"MMKV_CONFIG names {named}, whose ~ names no user here") from None
     home = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
     return Path(home) / "mmkv" / "config.toml"
 
@@ -101,6 +105,9 @@ def config() -> Config:
     return chosen
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes; a larger file is refused unread
+
+
 @functools.cache
 def _written() -> dict[str, Any] | None:
     """The file as TOML, read once a process (None: there is none)."""
@@ -110,11 +117,20 @@ def _written() -> dict[str, Any] | None:
             raise UsageError(f"MMKV_CONFIG names {path}, which is not a file")
         return None
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as err:
+        with path.open("rb") as file:
+            raw = file.read(MAX_CONFIG_BYTES + 1)  # never more than a config can be
+    except OSError as err:
+        raise UsageError(f"{path}: cannot be read ({err.strerror or err})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise UsageError(f"{path}: over {MAX_CONFIG_BYTES // 1024} KiB, too large for a config")
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
         raise UsageError(f"{path}: cannot be read ({err})") from None
     except tomllib.TOMLDecodeError as err:
         raise UsageError(f"{path}: not TOML: {err}") from None
+    except RecursionError:  # tables or arrays nested thousands deep
+        raise UsageError(f"{path}: not TOML mmkv reads: nested too deep") from None
 
 
 def file_values() -> dict[str, Any]:

@@ -98,6 +98,8 @@ def test_a_wrong_file_is_one_line_for_every_command(tmp_path):
         "[serve]\nport = 99999\n": "serve.port: 99999 is above the maximum 65535",
         'log_level = "loud"\n': "log_level: 'loud' is not one of debug, info,",
         "model = \n": "not TOML",
+        "x = " + "[" * 3000 + "]" * 3000 + "\n": "nested too deep",  # issue 74, row 5
+        "# " + "x" * (1 << 20) + "\n": "too large for a config",  # row 11: refused unread
     }
     for text, said in cases.items():
         config.write_text(text)
@@ -107,6 +109,9 @@ def test_a_wrong_file_is_one_line_for_every_command(tmp_path):
             assert said in done.stderr and done.stderr.count("\n") == 1, done.stderr
     missing = mmkv_cli("methods", env={"MMKV_CONFIG": str(tmp_path / "none.toml")})
     assert missing.returncode == 2 and "which is not a file" in missing.stderr
+    nobody = mmkv_cli("methods", env={"MMKV_CONFIG": "~nosuchuser/c.toml"})  # row 6
+    assert nobody.returncode == 2 and "names no user here" in nobody.stderr
+    assert nobody.stderr.count("\n") == 1, nobody.stderr
 
 
 def test_the_guides_example_file_is_a_valid_config(tmp_path):

@@ -18,6 +18,10 @@ from mmkv_cli.errors import UsageError
 from mmkv_cli.options import MAX_QUESTION_CHARS
 
 MAX_QUESTIONS = 100_000
+MAX_ID_CHARS = 256  # an id names a question in the answers: a label, echoed back
+# a JSON line holds a question (at most MAX_QUESTION_CHARS, escaped: up to 6 characters each) and
+# a few short fields; a longer line is refused before it is parsed
+MAX_LINE_CHARS = 6 * MAX_QUESTION_CHARS + 8192
 FIELDS = {"question", "at", "id", "pack"}
 
 
@@ -60,6 +64,8 @@ def _plain(text: str, where: str) -> Question:
 
 
 def _parse_json(text: str, where: str, ignored: set[str] | None) -> Question:
+    if len(text) > MAX_LINE_CHARS:
+        raise UsageError(f"{where}: a line longer than {MAX_LINE_CHARS} characters")
     try:
         row = json.loads(text)
     except json.JSONDecodeError as err:
@@ -82,8 +88,15 @@ def _parse_json(text: str, where: str, ignored: set[str] | None) -> Question:
     ):
         raise UsageError(f"{where}: 'at' must be a number of seconds >= 0")
     ident = row.get("id")
-    if ident is not None and (isinstance(ident, bool) or not isinstance(ident, str | int)):
-        raise UsageError(f"{where}: 'id' must be text or an integer")
+    if ident is not None and (
+        isinstance(ident, bool)
+        or not isinstance(ident, str | int)
+        or (isinstance(ident, str) and len(ident) > MAX_ID_CHARS)
+        or (isinstance(ident, int) and not -(2**63) <= ident < 2**63)
+    ):
+        raise UsageError(
+            f"{where}: 'id' must be text of at most {MAX_ID_CHARS} characters or a 64-bit integer"
+        )
     pack = row.get("pack")
     if pack is not None and (not isinstance(pack, str) or not pack.strip() or len(pack) > 4096):
         raise UsageError(f"{where}: 'pack' must be a path or URL")
