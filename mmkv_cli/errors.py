@@ -30,6 +30,12 @@ class PackError(MmkvError):
     exit_code = 4
 
 
+def unreadable(path, err: OSError) -> PackError:
+    """The one line a pack whose bytes cannot be read is refused with (a failing disk, a lost
+    network mount, a path to something that is no file): never a traceback."""
+    return PackError(f"cannot read {path}: {err.strerror or err}")
+
+
 class ModelError(MmkvError):
     """A backbone cannot be found or loaded."""
 

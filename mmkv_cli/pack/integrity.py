@@ -19,7 +19,7 @@ import re
 import struct
 from typing import TYPE_CHECKING
 
-from mmkv_cli.errors import PackError
+from mmkv_cli.errors import PackError, unreadable
 from mmkv_cli.pack.format import (
     BLOCKS,
     FORMAT_NAME,
@@ -51,6 +51,13 @@ FIRST_READ = 64 << 10  # a kvpack's header is a few KB: fetched with the length 
 def read_directory(fh, path, ensure=None) -> tuple[dict, int]:
     """The safetensors directory of the open file `fh`, checked; and where the data starts.
     ensure(ranges): makes byte ranges readable first (a remote pack's mirror)."""
+    try:
+        return _read_directory(fh, path, ensure)
+    except OSError as err:  # EIO on the first bytes: a failing disk, /proc/self/mem
+        raise unreadable(path, err) from None
+
+
+def _read_directory(fh, path, ensure) -> tuple[dict, int]:
     size = os.fstat(fh.fileno()).st_size
     if ensure is not None:  # one request for the length and (usually) the whole header
         ensure([(0, min(size, FIRST_READ))])
@@ -65,6 +72,8 @@ def read_directory(fh, path, ensure=None) -> tuple[dict, int]:
     if ensure is not None:
         ensure([(8, 8 + length)])
     text = os.pread(fh.fileno(), length, 8)
+    if len(text) != length:  # fewer bytes than the size just read: cut under the reader
+        raise PackError(f"{path} changed while it was being read")
     # padded with spaces only, and no other whitespace between its tokens (the writers make it
     # compact; JSON strings hold none raw): bytes no checksum covers cannot change unseen
     if any(byte in text.rstrip(b" ") for byte in b"\t\n\r"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mmkv_cli.errors import PackError
+from mmkv_cli.errors import PackError, unreadable
 from mmkv_cli.pack.reader import PackReader
 
 BYTES_PER_VALUE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -146,14 +146,22 @@ def listing(folder: str | Path, check: bool = False) -> list[dict]:
     "verified" (check: every byte read and checked, as `verify`); else the fault, in one line.
     No model, no torch (a quantized pack's `check` decodes its values, as `verify` does)."""
     where = Path(folder)
-    if not where.is_dir():
-        raise PackError(f"{folder} is not a folder")
+    try:
+        if not where.is_dir():
+            raise PackError(f"{folder} is not a folder")
+        paths = sorted(where.glob("*.kvpack"))
+    except OSError as err:  # a folder we may not read
+        raise unreadable(folder, err) from None
     rows = []
-    for path in sorted(where.glob("*.kvpack")):
-        row: dict = {"name": path.name, "bytes": path.stat().st_size}
-        try:
+    for path in paths:
+        row: dict = {"name": path.name, "bytes": 0}
+        try:  # one entry's fault is its row's state: the rest are still listed
+            row["bytes"] = path.stat().st_size
             info = inspect(path)
             report = verify(path) if check else None
+        except OSError as err:  # a dangling link, a link loop, a file we may not read
+            rows.append({**row, "state": f"cannot be read: {err.strerror or err}"})
+            continue
         except PackError as err:
             rows.append({**row, "state": str(err).replace(str(path), path.name)})
             continue

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import IO, Protocol
 
-from mmkv_cli.errors import PackError
+from mmkv_cli.errors import PackError, unreadable
 from mmkv_cli.pack.storage import RemoteFile, is_url, local_path
 
 
@@ -28,13 +28,14 @@ class PackFile(Protocol):
 
 class LocalFile:
     def __init__(self, path: Path):
-        if not path.is_file():
-            raise PackError(f"no such pack: {path}")
         try:
+            if not path.is_file():
+                there = path.exists()  # a folder, a FIFO, a device: not a pack's bytes
+                raise PackError(f"{path} is not a file" if there else f"no such pack: {path}")
             self.file = open(path, "rb")  # noqa: SIM115 (held for the reader's life)
-        except OSError as err:
-            raise PackError(f"cannot read {path}: {err.strerror or err}") from None
-        stat = os.fstat(self.file.fileno())
+            stat = os.fstat(self.file.fileno())
+        except OSError as err:  # a link loop, a name too long, a folder we may not enter
+            raise unreadable(path, err) from None
         self.size = stat.st_size
         self._opened = (stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
         self.local = True

@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from mmkv_cli.errors import PackError
+from mmkv_cli.errors import PackError, unreadable
 from mmkv_cli.lazy import torch
 from mmkv_cli.pack import vectored
 from mmkv_cli.pack.integrity import read_directory
@@ -207,11 +207,15 @@ class StoredTensors:
     def _read_each(self, pieces: np.ndarray, reads: list[tuple]) -> None:
         fd, table, row = self._file.fileno(), pieces.ctypes.data, pieces.strides[0]
         for offset, first, stop, size in reads:
-            got = vectored.preadv(fd, table + first * row, stop - first, offset)
-            if got == size:
-                continue
-            # cut short (Linux's most a call, or the file cut under the reader): the rest
-            if got <= 0 or not vectored.read_fully(fd, pieces[first:stop], offset, got):
+            try:
+                got = vectored.preadv(fd, table + first * row, stop - first, offset)
+                if got == size:
+                    continue
+                # cut short (Linux's most a call, or the file cut under the reader): the rest
+                whole = got > 0 and vectored.read_fully(fd, pieces[first:stop], offset, got)
+            except OSError as err:  # EIO: a failing disk or mount
+                raise unreadable(self.path, err) from None
+            if not whole:
                 raise PackError(f"{self.path} changed while it was being read")
 
     def read_into(self, into: memoryview, offset: int) -> None:
@@ -219,7 +223,10 @@ class StoredTensors:
         file was cut under the reader."""
         fd = self._file.fileno()
         while len(into):
-            got = os.preadv(fd, [into], offset)
+            try:
+                got = os.preadv(fd, [into], offset)
+            except OSError as err:
+                raise unreadable(self.path, err) from None
             if got <= 0:
                 raise PackError(f"{self.path} changed while it was being read")
             offset, into = offset + got, into[got:]

@@ -1,0 +1,122 @@
+"""Issue 74, rows 3 and 4: a file system that fails under a pack. A dangling link, a link loop, a
+folder, a FIFO or a read that fails with EIO is one row of a listing, or one line and exit 4,
+never exit 70 and never a lost listing; reads that fail at any call are one PackError."""
+
+import errno
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from mmkv_cli import api
+from mmkv_cli.cli.app import app
+from mmkv_cli.errors import PackError
+from mmkv_cli.pack import PackReader, vectored
+from tests.conftest import SAMPLES
+from tests.helpers import encode_pack
+
+runner = CliRunner()
+EIO_FILE = "/proc/self/mem"  # a file whose every read fails with EIO (Linux)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory, backbones):
+    pack = tmp_path_factory.mktemp("good") / "good.kvpack"
+    encode_pack(str(SAMPLES / "clip.mp4"), pack, "demo", "rekv")
+    return pack
+
+
+@pytest.fixture
+def folder(tmp_path, good):
+    (tmp_path / "good.kvpack").write_bytes(good.read_bytes())
+    (tmp_path / "dangling.kvpack").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop.kvpack").symlink_to(tmp_path / "loop.kvpack")
+    (tmp_path / "folder.kvpack").mkdir()
+    os.mkfifo(tmp_path / "fifo.kvpack")
+    if os.path.exists(EIO_FILE):
+        (tmp_path / "eio.kvpack").symlink_to(EIO_FILE)
+    return tmp_path
+
+
+def test_a_listing_keeps_its_good_packs_and_says_each_fault(folder):
+    for args in (["ls", str(folder)], ["ls", str(folder), "--verify"], ["inspect", str(folder)]):
+        shown = runner.invoke(app, args)
+        assert shown.exit_code == 0, (args, shown.output)
+        assert "good.kvpack" in shown.stdout and "Traceback" not in shown.output
+    rows = {
+        r["name"]: r for r in json.loads(runner.invoke(app, ["ls", str(folder), "--json"]).stdout)
+    }
+    assert rows["good.kvpack"]["state"] == "opens"
+    assert rows["dangling.kvpack"]["state"] == "cannot be read: No such file or directory"
+    assert rows["loop.kvpack"]["state"].startswith("cannot be read: Too many levels")
+    assert rows["folder.kvpack"]["state"] == "folder.kvpack is not a file"
+    assert rows["fifo.kvpack"]["state"] == "fifo.kvpack is not a file"
+    if "eio.kvpack" in rows:
+        assert rows["eio.kvpack"]["state"] == "cannot read eio.kvpack: Input/output error"
+
+
+@pytest.mark.skipif(not os.path.exists(EIO_FILE), reason="needs Linux's /proc/self/mem")
+@pytest.mark.parametrize("command", [["verify"], ["inspect"], ["ask", "--no-server"]])
+def test_a_pack_whose_reads_fail_is_one_line_and_exit_4(folder, command):
+    pack = str(folder / "eio.kvpack")
+    args = [*command, pack, *(["what ?"] if command[0] == "ask" else [])]
+    done = runner.invoke(app, args)
+    assert done.exit_code == 4, done.output
+    assert done.stderr.strip() == f"error: cannot read {pack}: Input/output error"
+
+
+def test_a_questions_line_naming_an_unreadable_pack_fails_alone(folder, tmp_path):
+    lines = [{"question": "what color is the circle ?", "pack": str(folder / name)}
+             for name in ("good.kvpack", "dangling.kvpack", "fifo.kvpack")]  # fmt: skip
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    done = runner.invoke(app, ["ask", "--questions", str(questions), "--json", "--no-server"])
+    assert done.exit_code == 1, done.output  # some failed: not an internal error
+    answers = [json.loads(line) for line in done.stdout.splitlines()]
+    assert "answer" in answers[0] and all("error" in a for a in answers[1:])
+
+
+def _failing_at(monkeypatch, call: int, short: bool = False) -> dict:
+    """os.pread, os.preadv and the vectored preadv fail with EIO (or read nothing: a file cut
+    short) at their `call`-th call, counted together."""
+    count = {"calls": 0}
+
+    def wrap(real, nothing):
+        def failing(*args):
+            count["calls"] += 1
+            if count["calls"] == call + 1:
+                if short:
+                    return nothing
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return real(*args)
+
+        return failing
+
+    monkeypatch.setattr(os, "pread", wrap(os.pread, b""))
+    monkeypatch.setattr(os, "preadv", wrap(os.preadv, 0))
+    monkeypatch.setattr(vectored, "preadv", wrap(vectored.preadv, 0))
+    return count
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_a_read_failing_at_any_call_is_one_pack_error(good, monkeypatch, short):
+    """Open, a question's read of every block, and verify, with the reads failing at each call in
+    turn until a run passes none: always a PackError, or the right result."""
+    names = None
+    for call in range(10_000):
+        with monkeypatch.context() as patched:
+            count = _failing_at(patched, call, short)
+            try:
+                reader = PackReader(good)
+                names = [reader.blocks.name(i) for i in range(len(reader.blocks))]
+                reader.gather(names)
+                api.verify(good)
+            except PackError as err:
+                said = str(err)
+                assert "cannot read" in said or "changed while" in said or "truncated" in said
+                assert "Input/output error" in said or short, said
+                continue
+        if count["calls"] <= call:  # no call failed: every read point was walked
+            break
+    assert names and call > 3
