@@ -263,6 +263,26 @@ def _reseal_block(parts: Parts, header: dict, name: str, row: int) -> None:
     parts.data[start : start + len(digests)] = digests
 
 
+def with_positions(raw: bytes, value: int) -> bytes:
+    """Every stored block position set to `value` (in the pack's own width), each block's
+    checksum and the index digest recomputed: a forger's pack whose bytes are all as sealed."""
+    parts = Parts.of(raw)
+    entry = parts.directory["blocks.pos"]
+    start, stop = entry["data_offsets"]
+    dtype = STORED[entry["dtype"]]
+    count = (stop - start) // np.dtype(dtype).itemsize
+    parts.data[start:stop] = np.full(count, value, dtype=dtype).tobytes()
+    header = parts.header()
+    table_entry = parts.directory["blocks.table"]
+    table = np.frombuffer(
+        _tensor_bytes(parts, "blocks.table"), STORED[table_entry["dtype"]]
+    ).reshape(table_entry["shape"])
+    for row in table[:, 3].tolist():  # each block's first token row: its checksum again
+        _reseal_block(parts, header, "blocks.k", int(row))
+    parts.reseal()
+    return parts.bytes()
+
+
 def read_everything(path) -> str:
     """What reading every byte of a pack (no model: the old fixtures name none) came to: refused
     (one clear error), read (every block and span read back, all finite), or internal."""

@@ -62,6 +62,21 @@ def check_compatible(reader: PackReader, backbone: Backbone) -> None:
             f"{reader.path} was made with model {theirs}), not '{here['model']}': re-encode it "
             "with this model"
         )
+    check_kv_shape(reader, backbone)
+
+
+def check_kv_shape(reader: PackReader, backbone: Backbone) -> None:
+    """Refuse a pack whose KV (layers x KV heads x head width) is not the model's, whatever its
+    fingerprint says (a forged header, a preset built otherwise), before any block is read."""
+    kv, model = reader.header.kv, backbone.kv_shape()
+    stored = (kv.layers, kv.kv_heads, kv.head_dim)
+    wanted = (model["layers"], model["kv_heads"], model["head_dim"])
+    if stored != wanted:
+        shape = " x ".join(map(str, stored))
+        raise PackError(
+            f"{reader.path}: the pack's KV ({shape}, layers x KV heads x head width) does not fit "
+            f"the model ({' x '.join(map(str, wanted))})"
+        )
 
 
 def build_cache(

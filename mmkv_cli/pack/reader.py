@@ -225,7 +225,8 @@ class PackReader:
             read = hashed_beside(hashes, lambda: store.read_rows(where, taken, device, dtype))
             self._refuse(where, hashes)  # before anything read is handed out
         if self.quant is not None:
-            read = self._decoded_finite(read, names, later)
+            read = self._decoded_finite(read, names, later, dtype)
+        self._check_positions(read[2], "the blocks read")
         self._tensors.still_whole()  # blocks checked before need not be hashed again
         if not defer:
             self._verified.update(named)
@@ -251,16 +252,27 @@ class PackReader:
             return False
         return not store.read_in_groups(sum(where.layer_totals(taken)), device)
 
-    def _decoded_finite(self, read: tuple, names: list[str], later: LaterVerdicts | None):
+    def _decoded_finite(self, read: tuple, names: list[str], later: LaterVerdicts | None, dtype):
         """`read` (keys, values, positions) of a quantized pack unless its decoded K/V hold NaN
         or Inf (so the scales are checked too). later: where the verdict goes unread."""
         flag = finite_flag([*read[0], *read[1]])
         if later is not None:
-            later.add(flag, names)
+            later.add(flag, names, lambda: self._nonfinite_block(names, dtype))
         elif flag is not None and not bool(flag):  # one verdict for K and V: one wait
-            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            shown = self._nonfinite_block(names, dtype)
             raise PackError(f"{self.path} is corrupted (NaN or Inf in the K/V of {shown})")
         return read
+
+    def _nonfinite_block(self, names: list[str], dtype) -> str:
+        """The first of `names` whose decoded K/V hold NaN or Inf, each read again alone (only
+        once a read of them all was refused)."""
+        if len(names) > 1:
+            for name in names:
+                try:
+                    self.gather([name], dtype=dtype)
+                except PackError:
+                    return name
+        return names[0] if names else "the blocks read"
 
     def _rows(self, indices: list[int]) -> BlockRows:
         """Where the blocks at `indices` (table rows) sit in the block tensors."""
@@ -347,6 +359,19 @@ class PackReader:
         """A prompt span's stored K, V and positions, checked (numpy: no torch)."""
         return checked_span(self._tensors, name, self.spans_meta[name], self.digest, self._where)
 
+    def _check_positions(self, positions: list[torch.Tensor], what: str) -> None:
+        """Refuse stored positions before the stream's start or at or past where the question
+        goes (the header's next position): a checksum says the bytes are the writer's, not that
+        the writer was sane, and a position out there would place a token anywhere."""
+        limit = self.header.layout.next_position
+        held = [p for p in positions if p.numel()]
+        if not held:
+            return
+        low, high = torch.stack([p.amin() for p in held]), torch.stack([p.amax() for p in held])
+        if int(low.min()) < 0 or (limit is not None and int(high.max()) >= limit):
+            bound = "0 or more" if limit is None else f"0..{limit - 1}"
+            raise PackError(f"{self.path} is corrupted (a position of {what} outside {bound})")
+
     def _refuse(self, where: BlockRows, hashes: BlockHashes) -> None:
         """Refuse the read `hashes` checked (once every run is hashed) for its first block whose
         checksum differs, or whose K/V as stored hold NaN or Inf."""
@@ -374,6 +399,7 @@ class PackReader:
                 for array, p in zip(self.span_arrays(name), ("k", "v", "pos"))
             )
             counts = meta["layer_counts"]
+            self._check_positions([pos], name)
             if meta.get("shared_positions"):  # v7: one layer's rows serve them all
                 pos = pos.repeat(len(counts), 1)
             keys, values, positions = (

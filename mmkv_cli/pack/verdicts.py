@@ -36,7 +36,8 @@ class LaterVerdicts:
     def __init__(self, path: str) -> None:
         self.path = path
         self._flags: list[torch.Tensor] = []
-        self._names: dict[str, None] = {}  # in the order first read, each once
+        # each read's blocks and what names the one at fault (asked only when a verdict fails)
+        self._reads: list[tuple[list[str], Callable[[], str] | None]] = []
         self._checks: list[Callable[[], None]] = []
 
     def defer(self, check: Callable[[], None]) -> None:
@@ -51,10 +52,14 @@ class LaterVerdicts:
         for check in checks:
             check()
 
-    def add(self, flag: torch.Tensor | None, names: list[str]) -> None:
+    def add(
+        self, flag: torch.Tensor | None, names: list[str], at_fault: Callable[[], str] | None = None
+    ) -> None:
+        """A read's verdict over its blocks `names`; at_fault(): the block whose K/V are not
+        finite, found (by reading them again) only if the verdict fails."""
         if flag is not None:
             self._flags.append(flag)
-            self._names.update(dict.fromkeys(names))
+            self._reads.append((names, at_fault))
 
     def pending(self) -> torch.Tensor | None:
         """Every verdict in one bool tensor, not read (None: none to read)."""
@@ -62,8 +67,13 @@ class LaterVerdicts:
 
     def settle(self, finite: bool) -> None:
         """Refuse the pack unless `finite`, the pending verdict as read."""
-        self._flags = []
-        if not finite:
-            names = list(self._names)
-            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-            raise PackError(f"{self.path} is corrupted (NaN or Inf in the K/V of {shown})")
+        flags, self._flags = self._flags, []
+        reads, self._reads = self._reads, []
+        if finite:
+            return
+        for flag, (names, at_fault) in zip(flags, reads):  # a refusal: each verdict looked at
+            if not bool(flag):
+                listed = ", ".join(names[:3]) + ", ..." * (len(names) > 3)
+                shown = at_fault() if at_fault else listed
+                raise PackError(f"{self.path} is corrupted (NaN or Inf in the K/V of {shown})")
+        raise PackError(f"{self.path} is corrupted (NaN or Inf in the K/V read)")
