@@ -47,7 +47,21 @@ KINDS = {
     "table": True,
     "shape": True,
     "nonfinite": True,
+    # issue 74: markup and escape codes in a header string, every stored position moved, the
+    # KV shape forged against the model
+    "text": True,
+    "positions": True,
+    "kvshape": True,
 }
+HOSTILE_TEXT = [
+    "[/bold]",
+    "[red]x[/red]",
+    "[link=https://x.example]y[/link]",
+    "\x1b]0;pwned\x07\x1b[2J",
+    "a\u202eb",
+    "\x00",
+    "\r\nerror: a line of its own",
+]
 # a float's bytes as NaN, +Inf or -Inf, by safetensors dtype
 NON_FINITE = {
     "F32": [struct.pack("<f", v) for v in (math.nan, math.inf, -math.inf)],
@@ -161,8 +175,35 @@ def mutate(raw: bytes, kind: str, rng: random.Random) -> bytes:
         return parts.bytes()
     if kind == "nonfinite":
         return nonfinite(parts, rng)
-    # field: one header value replaced by junk, the header checksum recomputed
     header = parts.header()
+    blocks = "blocks.pos" in parts.directory and "blocks.table" in parts.directory
+    # the v7 table's columns say which rows a block's checksum covers
+    if kind == "positions" and blocks and header.get("format_version", 0) >= 7:
+        last = (header.get("layout") or {}).get("next_position") or 1
+        value = rng.choice([-1, -1_000_000, 2**31 - 1, last, last + 5, last - 1, 0])
+        return with_positions(raw, value)
+    if kind == "kvshape" and isinstance(header.get("kv"), dict):
+        kv = header["kv"]
+        key = rng.choice(["layers", "kv_heads", "head_dim", "both"])
+        if key == "both" and all(isinstance(kv.get(k), int) for k in ("layers", "kv_heads")):
+            kv["layers"], kv["kv_heads"] = kv["layers"] * kv["kv_heads"], 1
+        elif isinstance(kv.get(key), int):
+            kv[key] = rng.choice([kv[key] * 2, kv[key] + 1, max(1, kv[key] // 2)])
+        parts.set_header(header)
+        return parts.bytes()
+    if kind == "text":
+        strings = [path for path, value in _paths(header) if path and isinstance(value, str)]
+        if strings:
+            path = rng.choice(strings)
+            node = header
+            for key in path[:-1]:
+                node = node[key]
+            hostile = rng.choice(HOSTILE_TEXT)
+            node[path[-1]] = rng.choice([hostile, node[path[-1]] + hostile])
+            parts.set_header(header)
+            return parts.bytes()
+    # field (and a kind the pack has nothing for): one header value replaced by junk, the
+    # header checksum recomputed
     path, _ = rng.choice([p for p in _paths(header) if p[0]])
     node = header
     for key in path[:-1]:
@@ -281,6 +322,33 @@ def with_positions(raw: bytes, value: int) -> bytes:
         _reseal_block(parts, header, "blocks.k", int(row))
     parts.reseal()
     return parts.bytes()
+
+
+def shown_raw(path) -> str | None:
+    """What showing the pack (`inspect`, and `ls` of its folder) put on a terminal that it should
+    not have: a raw control character or a markup error (None: nothing)."""
+    import contextlib
+    import io
+
+    from rich.console import Console
+
+    from mmkv_cli import api
+    from mmkv_cli.cli import display
+    from mmkv_cli.errors import MmkvError
+
+    buffer = io.StringIO()
+    saved = display.out_console
+    display.out_console = Console(file=buffer, force_terminal=False, color_system=None, width=100)
+    try:
+        with contextlib.suppress(MmkvError):  # refused, in one line elsewhere
+            display.show_inspect(api.inspect(path))
+        display.show_listing_of_packs(str(path.parent), api.listing(path.parent))
+    except Exception as err:  # noqa: BLE001 (what the fuzzers count)
+        return f"{type(err).__name__}: {str(err)[:200]}"
+    finally:
+        display.out_console = saved
+    raw = [c for c in buffer.getvalue() if c != "\n" and (ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0)]
+    return f"a raw control character {raw[0]!r} shown" if raw else None
 
 
 def read_everything(path) -> str:

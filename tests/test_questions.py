@@ -39,7 +39,7 @@ def test_lines_are_questions_or_json_objects():
         ('{"question": "a", "at": "soon"}', "'at' must be a number"),
         ('{"question": "a", "id": true}', "'id' must be text of at most 256"),
         ('{"question": "a", "id": "%s"}' % ("i" * 257), "'id' must be text of at most 256"),
-        ('{"question": "a", "id": %d}' % 2**63, "or a 64-bit integer"),
+        ('{"question": "a", "id": ' + str(2**63) + "}", "or a 64-bit integer"),
         ('{"question": "a", "id": "%s"}' % ("i" * 200_000), "a line longer than"),
         ("[1, 2]", None),  # not an object: a plain question that happens to look like JSON
         ("x" * 20_001, "longer than 20000 characters"),

@@ -225,6 +225,21 @@ def check_header(header: dict, version: int, where: str) -> None:
         value = method.get(key)
         _need(value is None or (isinstance(value, str) and len(value) <= 128), where, key)
     _need(isinstance(method.get("params", {}), dict), where, "method.params")
+    share = method.get("budget")
+    _need(
+        share is None or (type(share) in (int, float) and math.isfinite(share) and 0 < share <= 1),
+        where,
+        "method.budget",
+    )
+    tokens = method.get("budget_tokens")
+    _need(tokens is None or _is_int(tokens, 1, 1 << 40), where, "method.budget_tokens")
+    media = _section(header, "media", where)
+    for key, longest in (("kind", 32), ("source", 4096), ("digest", 256)):
+        value = media.get(key)
+        _need(value is None or (isinstance(value, str) and len(value) <= longest), where, key)
+    _need(media.get("frames") is None or _is_int(media["frames"]), where, "media.frames")
+    created = header.get("created")
+    _need(created is None or (isinstance(created, str) and len(created) <= 64), where, "created")
     reduce = method.get("reduce")
     _need(
         reduce is None
