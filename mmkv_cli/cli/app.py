@@ -159,8 +159,9 @@ def encode(
     """Turn media into the model's KV cache, compress it with METHOD and save it as a .kvpack."""
 
     def body() -> None:
+        from rich.text import Text
+
         from mmkv_cli.cli.display import encode_progress, encoded_line, out_console
-        from mmkv_cli.cli.literal import plain
 
         options = EncodeOptions(
             method,
@@ -199,7 +200,7 @@ def encode(
         finally:
             if started:
                 bar.stop()
-        out_console.print(plain(encoded_line(info)))
+        out_console.print(Text(encoded_line(info)))  # two lines, each part made visible
 
     run(body)
 

@@ -154,10 +154,10 @@ def converted_line(info: dict) -> str:
 
 def encoded_line(info: dict) -> str:
     """Two lines that fit 80 columns: the file written, then what it keeps."""
-    return (
-        f"wrote {info['path']} ({human_bytes(info['bytes'])}, {info['blocks']} blocks) in "
-        f"{info['encode_s']:.2f} s\n{info['method']} ({budget_label(info)}): {kept_label(info)}"
-        f"{budget_note(info)}"
+    return (  # the path and method shown as they are: the line break is this function's own
+        f"wrote {visible(info['path'])} ({human_bytes(info['bytes'])}, {info['blocks']} blocks) "
+        f"in {info['encode_s']:.2f} s\n{visible(info['method'])} ({budget_label(info)}): "
+        f"{kept_label(info)}{budget_note(info)}"
     )
 
 
