@@ -16,7 +16,8 @@ per head (the trained demo's heads keep different tokens), and all six for forma
 version number and `blocks.digest_layers`; every tensor byte for byte as before but the digests,
 one a block as before, stored [blocks, 1, 32]), and hermes-qwen25 for HERMES' per-backbone curves
 (issue 72: a Qwen backbone weighs recency as the authors' Qwen file does, so its middle layers
-keep other tokens; `curves` in the header's params)."""
+keep other tokens; `curves` in the header's params), and all six for `layout.position_limit` (issue
+74: the bound every stored position is checked against; every tensor byte for byte as before)."""
 
 import json
 from pathlib import Path

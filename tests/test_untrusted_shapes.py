@@ -20,6 +20,9 @@ def packs(tmp_path_factory, backbones):
     for method in ("h2o", "streamingtom", "full"):
         made[method] = folder / f"{method}.kvpack"
         encode_pack(str(SAMPLES / "clip.mp4"), made[method], "demo", method)
+    # M-RoPE: a video's time positions run past the text after it, so the bound is the header's
+    made["qwen"] = folder / "qwen.kvpack"
+    encode_pack(str(SAMPLES / "clip.mp4"), made["qwen"], "tiny-qwen2-vl", "full")
     return made
 
 
@@ -42,19 +45,21 @@ def test_a_per_head_pack_resealed_as_per_layer_does_not_fit_the_model(packs, tmp
         _ask(forged)
 
 
-@pytest.mark.parametrize("method", ["full", "streamingtom"])
-@pytest.mark.parametrize("value", [-1_000_000, 2**31 - 1, "next"])
+@pytest.mark.parametrize("method", ["full", "streamingtom", "qwen"])
+@pytest.mark.parametrize("value", [-1_000_000, 2**31 - 1, "limit"])
 @pytest.mark.parametrize("positions", [None, Positions.reindex])
 def test_positions_outside_the_stream_are_refused_where_they_are_read(
     packs, tmp_path, method, value, positions
 ):
     from mmkv_cli.pack import PackReader
 
-    next_position = PackReader(packs[method]).header.layout.next_position
+    layout = PackReader(packs[method]).header.layout
+    assert layout.position_limit >= layout.next_position
+    assert _ask(packs[method], positions=positions).answer  # the honest pack's are in range
     forged = tmp_path / "forged.kvpack"
-    forged.write_bytes(with_positions(packs[method].read_bytes(), next_position if value == "next"
-                                      else value))  # fmt: skip
-    with pytest.raises(PackError, match=r"corrupted \(a position of the blocks read outside 0\.\."):
+    moved = layout.position_limit if value == "limit" else value
+    forged.write_bytes(with_positions(packs[method].read_bytes(), moved))
+    with pytest.raises(PackError, match=r"corrupted \(a position of the blocks read outside -?\d+\.\."):
         _ask(forged, positions=positions)
 
 

@@ -43,9 +43,14 @@ class Streamed:
 
 def layout_record(backbone: Backbone, layout: StreamLayout, shift: int, frame_hw) -> dict:
     """The pack header's layout of an encode (its step lengths become a series)."""
+    parts = [p for p in (layout.prefix, layout.visual, layout.suffix) if p.numel()]
+    highest = max([layout.next_position - 1, *(int(p.max()) for p in parts)])
     return {
         "position_dims": backbone.position_dims,
         "next_position": layout.next_position - shift,
+        # a compaction (shift > 0) only lowers positions; summaries placed among the tokens
+        # (shift < 0: HERMES) raise the later ones by as much
+        "position_limit": highest + 1 - min(shift, 0),
         "rope_deltas": layout.rope_delta - shift,
         "position_shift": shift,
         "frames_per_step": backbone.frames_per_step,

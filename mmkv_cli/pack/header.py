@@ -121,6 +121,10 @@ class LayoutRecord(Section):
     tokens_per_step: int | None = None
     grid: list | None = None  # the visual grid of a step (height, width), in tokens
     frame_size: list | None = None  # a frame's height and width, in pixels
+    # every stored position is below it (issue 74): the stream's highest position + 1, the
+    # question's first one included (M-RoPE places a video's time positions past the text after
+    # it); absent from packs written before, where 1-D layouts have next_position instead
+    position_limit: int | None = field(default=None, metadata={"when_set": True})
     extra: dict = field(default_factory=dict)
 
 

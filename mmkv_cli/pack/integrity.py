@@ -214,6 +214,8 @@ def check_header(header: dict, version: int, where: str) -> None:
     layout = _section(header, "layout", where)
     if layout.get("next_position") is not None:
         _need(_is_int(layout["next_position"], 0, 2**31 - 1), where, "layout.next_position")
+    if layout.get("position_limit") is not None:
+        _need(_is_int(layout["position_limit"], 1, 2**31), where, "layout.position_limit")
     if layout.get("position_dims") is not None:
         _need(layout["position_dims"] in (1, 3), where, "layout.position_dims")
     fingerprint = _section(header, "fingerprint", where)
@@ -349,3 +351,26 @@ def uncovered(version: int, header: dict, entries: dict) -> list[str]:
     if header.get("representatives") and (header.get("integrity") or {}).get("reps") is None:
         out.append("representatives")
     return out
+
+
+def check_positions(positions: list, layout, path: str, what: str) -> None:
+    """Refuse stored positions [P, n] (each a torch tensor on the host) outside the stream's
+    range: a checksum says the bytes are the writer's, not that the writer was sane, and a
+    position out there places a token anywhere. 1-D RoPE: 0 .. position_limit - 1 (older packs:
+    the question's first position). M-RoPE: a compaction moves a token's three axes alike, so its
+    height and width may go below 0, never past -position_limit (older packs: unchecked)."""
+    import torch
+
+    limit = layout.position_limit
+    three = layout.position_dims == 3
+    if limit is None and not three:
+        limit = layout.next_position
+    held = [p for p in positions if p.numel()]
+    if not held or (limit is None and three):
+        return
+    low = torch.stack([p.amin() for p in held]).min()
+    high = torch.stack([p.amax() for p in held]).max()
+    floor = -limit if three and limit is not None else 0
+    if int(low) < floor or (limit is not None and int(high) >= limit):
+        bound = f"{floor}..{limit - 1}" if limit is not None else f"{floor} or more"
+        raise PackError(f"{path} is corrupted (a position of {what} outside {bound})")

@@ -15,7 +15,7 @@ from mmkv_cli.pack.block_store import BlockStore
 from mmkv_cli.pack.format import BLOCKS, PARTS, SERIES, Span, split_layers
 from mmkv_cli.pack.hashing import BlockHashes, hashed_beside, mismatched, mismatched_later
 from mmkv_cli.pack.header import read_header
-from mmkv_cli.pack.integrity import uncovered
+from mmkv_cli.pack.integrity import check_positions, uncovered
 from mmkv_cli.pack.opening import open_pack
 from mmkv_cli.pack.side_tensors import checked_key_scales, checked_representatives, checked_span
 from mmkv_cli.pack.source import block_byte_ranges, open_pack_file
@@ -360,17 +360,7 @@ class PackReader:
         return checked_span(self._tensors, name, self.spans_meta[name], self.digest, self._where)
 
     def _check_positions(self, positions: list[torch.Tensor], what: str) -> None:
-        """Refuse stored positions before the stream's start or at or past where the question
-        goes (the header's next position): a checksum says the bytes are the writer's, not that
-        the writer was sane, and a position out there would place a token anywhere."""
-        limit = self.header.layout.next_position
-        held = [p for p in positions if p.numel()]
-        if not held:
-            return
-        low, high = torch.stack([p.amin() for p in held]), torch.stack([p.amax() for p in held])
-        if int(low.min()) < 0 or (limit is not None and int(high.max()) >= limit):
-            bound = "0 or more" if limit is None else f"0..{limit - 1}"
-            raise PackError(f"{self.path} is corrupted (a position of {what} outside {bound})")
+        check_positions(positions, self.header.layout, f"{self.path}", what)
 
     def _refuse(self, where: BlockRows, hashes: BlockHashes) -> None:
         """Refuse the read `hashes` checked (once every run is hashed) for its first block whose
