@@ -59,7 +59,8 @@ def test_positions_outside_the_stream_are_refused_where_they_are_read(
     forged = tmp_path / "forged.kvpack"
     moved = layout.position_limit if value == "limit" else value
     forged.write_bytes(with_positions(packs[method].read_bytes(), moved))
-    with pytest.raises(PackError, match=r"corrupted \(a position of the blocks read outside -?\d+\.\."):
+    refused = r"corrupted \(a position of the blocks read outside -?\d+\.\."
+    with pytest.raises(PackError, match=refused):
         _ask(forged, positions=positions)
 
 
