@@ -94,3 +94,14 @@ def test_questions_with_markup_are_asked_and_shown_as_typed(forged, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "what color [/x]" in result.stderr and "which [bold]shape" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_logged_request_line_shows_its_controls_escaped():
+    """serve's access log and mmkv's own logs: a request path or a pack's name as it came."""
+    import logging
+
+    from mmkv_cli.cli.display import VisibleFormatter
+
+    record = logging.LogRecord("mmkv.access", logging.INFO, "", 0, "GET /%s 404", (TERMINAL,), None)
+    line = VisibleFormatter("%(message)s").format(record)
+    assert line == "GET /\\x1b]0;pwned\\x07\\x1b[2J 404"

@@ -124,8 +124,11 @@ def _log_access() -> None:
     """One line on stderr for each request, as web servers print them."""
     import logging
 
+    from mmkv_cli.cli.display import VisibleFormatter
+
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    # a request's path and headers come from outside: their control characters shown escaped
+    handler.setFormatter(VisibleFormatter("%(asctime)s %(message)s"))
     access = logging.getLogger("mmkv.access")
     access.addHandler(handler)
     access.setLevel(logging.INFO)
