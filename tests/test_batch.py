@@ -218,3 +218,13 @@ def test_a_killed_batch_resumes_and_leaves_no_partial_pack(tmp_path):
     packs = list(dest.glob("*.kvpack"))
     assert len(packs) == 6 and all(api.verify(p)["ok"] for p in packs)
     assert not [p for p in dest.iterdir() if p.name.endswith(".mmkv-partial")]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="needs Linux's /proc/self/mem")
+def test_a_media_whose_reads_fail_fails_its_row_in_one_line(videos, tmp_path):
+    """Issue 74: a dying disk under one media (EIO on read) is that row's one line."""
+    (videos / "eio.mp4").symlink_to("/proc/self/mem")
+    settings = BatchSettings(DEMO, EncodeOptions(method="recency", budget=0.5), str(tmp_path / "p"))
+    rows = run_batch(read_manifest(str(videos / "eio.mp4")), settings)
+    assert rows[0]["status"] == "failed"
+    assert rows[0]["error"] == f"cannot read {videos / 'eio.mp4'}: Input/output error"

@@ -107,6 +107,8 @@ class BatchWorker:
             row.update(self._run(item, known or {}, row))
         except MmkvError as err:
             row.update(status="failed", error=str(err))
+        except OSError as err:  # a failing disk or mount, a link loop: the media, not mmkv
+            row.update(status="failed", error=f"cannot read {item.media}: {err.strerror or err}")
         except Exception as err:  # one bad video never stops the batch: it is this row's error
             line = (str(err).strip().splitlines() or [""])[0][:300]
             row.update(status="failed", error=f"{type(err).__name__}: {line}")
