@@ -62,6 +62,7 @@ class ReKV(MethodConfig):
     similarity: Literal['dot', 'cosine']
     layers: Literal['each', 'last']
     retrieve: Literal['in_forward', 'two_pass']
+    chunk_size: int
     def __init__(
         self,
         *,
@@ -77,6 +78,7 @@ class ReKV(MethodConfig):
         similarity: Literal['dot', 'cosine'] = ...,
         layers: Literal['each', 'last'] = ...,
         retrieve: Literal['in_forward', 'two_pass'] = ...,
+        chunk_size: int = ...,
     ) -> None: ...
 
 
@@ -203,10 +205,11 @@ class InfiniPotV(MethodConfig):
 
 
 class SnapKV(MethodConfig):
-    """SnapKV: top visual tokens per layer by a guidance prompt's attention (pooled)."""
+    """SnapKV: top visual tokens per KV head by a guidance prompt's attention (pooled)."""
     chunk_frames: int
     guidance_prompt: str | None
     pool_kernel: int
+    selection: Literal['per_head', 'per_layer']
     def __init__(
         self,
         *,
@@ -217,6 +220,7 @@ class SnapKV(MethodConfig):
         chunk_frames: int = ...,
         guidance_prompt: str | None = ...,
         pool_kernel: int = ...,
+        selection: Literal['per_head', 'per_layer'] = ...,
     ) -> None: ...
 
 
@@ -247,6 +251,7 @@ class PyramidKV(MethodConfig):
     chunk_frames: int
     guidance_prompt: str | None
     pool_kernel: int
+    selection: Literal['per_head', 'per_layer']
     beta: float
     large_budget: Literal['uniform', 'clamp']
     def __init__(
@@ -259,6 +264,7 @@ class PyramidKV(MethodConfig):
         chunk_frames: int = ...,
         guidance_prompt: str | None = ...,
         pool_kernel: int = ...,
+        selection: Literal['per_head', 'per_layer'] = ...,
         beta: float = ...,
         large_budget: Literal['uniform', 'clamp'] = ...,
     ) -> None: ...
