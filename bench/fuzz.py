@@ -6,7 +6,10 @@ Kinds (tests/mutants.py): data, header (a bit flipped), dtype (a directory dtype
 the same size), truncate; and, re-sealed as a forger would (header checksum and index digest
 recomputed), field (a header value replaced by junk), table (a table or time entry changed),
 shape (a directory shape changed), nonfinite (a NaN or Inf written into K/V or a scale, every
-checksum over it recomputed). Outcomes: refused (one clear error), same (the answer's logits
+checksum over it recomputed), and issue 74's: text (markup or escape codes in a header string;
+the pack is then shown by inspect and ls, which must print it as it is), positions (every stored
+position moved, in range or out), kvshape (the KV shape forged against the model).
+Outcomes: refused (one clear error), same (the answer's logits
 identical to the unmutated pack's), changed (different, and no error), nonfinite (an answer from
 NaN/Inf logits), hang (over 60 s), internal (a crash). Goals: 0 internal, 0 hangs, 0 nonfinite,
 and 0 changed among the kinds not re-sealed. Each mutant is asked twice: plainly and at second 2
@@ -45,7 +48,7 @@ from mmkv_cli.backbones.loading import load_backbone  # noqa: E402
 from mmkv_cli.errors import MmkvError  # noqa: E402
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions  # noqa: E402
 from tests.abuse import STDIN_ENDINGS, end_live_from_stdin, walk_serve_routes  # noqa: E402
-from tests.mutants import KINDS, mutate, read_everything  # noqa: E402
+from tests.mutants import KINDS, mutate, read_everything, shown_raw  # noqa: E402
 
 QUESTION = "which shape appeared first ?"
 ASKS = [
@@ -105,6 +108,9 @@ def v8_mutants(args, backbone, rng, tmp: Path) -> tuple[dict, list]:
         _, raw, references = subjects[n // len(kinds) % len(subjects)]
         target.write_bytes(mutate(raw, kind, rng))
         result = bounded(lambda refs=references: asked(target, backbone, refs))
+        if kind in ("text", "field") and not result.startswith("internal"):
+            shown = bounded(lambda: shown_raw(target) or "")  # inspect and ls print it as it is
+            result = f"internal: {shown}" if shown and shown != "refused" else result
         if result.startswith("internal"):
             crashes.append(f"{n} {kind}: {result}")
         counts[kind, result.split(":")[0]] += 1

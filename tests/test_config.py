@@ -128,3 +128,21 @@ def test_the_guides_example_file_is_a_valid_config(tmp_path):
     assert values["presets"] == (str(tmp_path / "mmkv-presets"), "config")
     assert values["serve.port"] == (8080, "config") and values["model"][1] == "config"
     assert {key for key, (_, source) in values.items() if source == "default"} == set()
+
+
+def test_init_writes_example_values_that_are_settings_when_uncommented(tmp_path):
+    """Issue 75, row 15: every key of `config --init`'s file has a value in TOML (in effect, or an
+    example of its form), so a line uncommented is a setting; MMKV_CONFIG may name the file to
+    make."""
+    import re
+
+    config = tmp_path / "new" / "mmkv.toml"
+    made = mmkv_cli("config", "--init", env={"MMKV_CONFIG": str(config)})
+    assert made.returncode == 0, made.stderr
+    text = config.read_text()
+    uncommented = re.sub(r"(?m)^# ([a-z_]+ = )", r"\1", text)
+    values = tomllib.loads(uncommented)
+    assert values["model"] == "llava-ov-0.5b" and values["serve"]["port"] == 8000
+    assert values["keep_alive"] == "5m" and values["serve"]["cors"] == ["http://localhost:3000"]
+    keys = {line.split(" = ")[0].removeprefix("# ") for line in text.splitlines() if " = " in line}
+    assert keys == {*values, *values["serve"]} - {"serve"}  # every key set, none left empty

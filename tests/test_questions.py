@@ -219,3 +219,37 @@ def test_questions_naming_packs_on_a_local_ray_answer_as_here(tmp_path):
 
     assert answers(done.stdout) == answers(here.stdout)
     assert "packs in" in done.stderr  # the per-worker summary
+
+
+def test_ask_reads_synths_question_files_and_says_what_it_left_out(tmp_path):
+    """Issue 75, row 9: a file of synth's or eval's lines (with their answers and types) is asked;
+    the keys ask does not read are named once, with the file as it was given."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from mmkv_cli.cli.app import app
+    from tests.conftest import SAMPLES
+    from tests.helpers import encode_pack
+
+    pack = tmp_path / "p.kvpack"
+    encode_pack(str(SAMPLES / "clip.mp4"), pack, "demo", "full")
+    folder = tmp_path / "syn"
+    folder.mkdir()
+    lines = [
+        {"question": "what color is the circle ?", "answer": "red", "type": "color"},
+        {"question": "which shape appeared first ?", "answer": "circle", "type": "first", "at": 2},
+    ]
+    (folder / "qa.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    done = CliRunner().invoke(
+        app, ["ask", str(pack), "--questions", str(folder / "qa.jsonl"), "--json", "--no-server"]
+    )
+    assert done.exit_code == 0, done.output
+    assert [json.loads(line)["question"] for line in done.stdout.splitlines()] == [
+        line["question"] for line in lines
+    ]
+    warned = [line for line in done.stderr.splitlines() if line.startswith("warning")]
+    assert warned == [
+        f"warning: {folder / 'qa.jsonl'}: ignored the key(s) answer, type (ask reads question, at, "
+        "id and pack)"
+    ]

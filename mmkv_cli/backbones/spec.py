@@ -36,9 +36,12 @@ class ModelSpec:
     layers: int | None = knob(None, "cut the language model to this many layers (null: all)", low=1)
 
 
+PAPERS_MODEL = "llava-ov-0.5b"  # the seed papers' backbone: the model when nothing names one
+
+
 def default_model() -> str:
     """$MMKV_MODEL, else the config file's model, else the papers' backbone."""
-    return os.environ.get("MMKV_MODEL") or config().model or "llava-ov-0.5b"
+    return os.environ.get("MMKV_MODEL") or config().model or PAPERS_MODEL
 
 
 def model_names() -> list[str]:

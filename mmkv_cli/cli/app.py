@@ -63,6 +63,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def main_options(
+    ctx: typer.Context,
     version: bool = typer.Option(
         False,
         "--version",
@@ -94,12 +95,13 @@ def main_options(
     import os
 
     from mmkv_cli.cli.display import show_logs
-    from mmkv_cli.config import config
+    from mmkv_cli.config import Config, config
     from mmkv_cli.logs import level_named
     from mmkv_cli.presets import use_presets
 
     def body() -> None:
-        chosen = config()
+        # `mmkv config` reads the file itself (its faults in its own line), and `--init` makes it
+        chosen = Config() if ctx.invoked_subcommand == "config" else config()
         if log_level is not None:
             level = level_named(log_level, "--log-level")
         elif os.environ.get("MMKV_LOG"):
@@ -329,6 +331,18 @@ def _log_flags_first(command, args: list[str]) -> list[str]:
     return moved + rest
 
 
+def _subcommand(args: list[str]) -> str | None:
+    """The command `args` name: the first word that is neither an option nor an option's value."""
+    valued = {"--presets", "--log-level"}  # mmkv's own options that take one
+    words = iter(args)
+    for word in words:
+        if word in valued:
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
 def main() -> None:
     """The console entry point: a usage error is one line on stderr and exit 2, as any other
     error."""
@@ -341,7 +355,9 @@ def main() -> None:
     command = typer.main.get_command(app)
     sys.argv[1:] = _log_flags_first(command, sys.argv[1:])
     try:
-        defaults = cli_settings.command_defaults()  # the config file's, under the command line's
+        # the config file's, under the command line's; `mmkv config` reads (or makes) it itself
+        wanted = _subcommand(sys.argv[1:])
+        defaults = {} if wanted == "config" else cli_settings.command_defaults()
     except MmkvError as err:
         sys.stderr.write(f"error: {err}\n")
         sys.exit(err.exit_code)

@@ -86,7 +86,19 @@ def ask(
     def body() -> None:
         from mmkv_cli.cli.questions import gather
 
-        asked = gather(list(questions or []), questions_file)
+        ignored: set[str] = set()  # the keys of other tools' files (synth's, eval's): told once
+        asked = gather(list(questions or []), questions_file, ignored)
+        if ignored:
+            from mmkv_cli.cli.display import err_console
+            from mmkv_cli.cli.literal import plain
+
+            err_console.print(
+                plain(
+                    f"warning: {questions_file}: ignored the key(s) {', '.join(sorted(ignored))} "
+                    "(ask reads question, at, id and pack)"
+                ),
+                soft_wrap=True,  # one line, however long the path
+            )
         generation = GenerationOptions(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
         options = AskOptions(
             at=at,

@@ -113,9 +113,12 @@ def read_stdin() -> list[str]:
         raise UsageError("stdin is not UTF-8 text") from None
 
 
-def gather(arguments: list[str], file: str | None) -> list[Question]:
+def gather(
+    arguments: list[str], file: str | None, ignored: set[str] | None = None
+) -> list[Question]:
     """The questions of one `ask`: the arguments in order ('-' reads stdin, one per line), then
-    the lines of `file` ('-': stdin). stdin can be read once."""
+    the lines of `file` ('-': stdin). stdin can be read once. ignored: where the keys of other
+    tools' files (synth's and eval's answers and types) are collected instead of refused."""
     if arguments.count("-") + (file == "-") > 1:
         raise UsageError("stdin can be read once: give '-' as one question or as --questions")
     out = []
@@ -128,7 +131,7 @@ def gather(arguments: list[str], file: str | None) -> list[Question]:
             raise UsageError("the question is empty")
     if file is not None:
         if file == "-":
-            out += parse_lines(read_stdin(), "stdin")
+            out += parse_lines(read_stdin(), "stdin", ignored)
         else:
             path = Path(file)
             try:
@@ -137,7 +140,7 @@ def gather(arguments: list[str], file: str | None) -> list[Question]:
                 raise UsageError(f"{file}: no such questions file") from None
             except (OSError, UnicodeDecodeError) as err:
                 raise UsageError(f"{file}: cannot read it as UTF-8 text ({err})") from None
-            out += parse_lines(lines, path.name)
+            out += parse_lines(lines, file, ignored)
     if not out:
         raise UsageError("no question given (QUESTION..., '-' for stdin, or --questions FILE)")
     return out

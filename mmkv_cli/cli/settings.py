@@ -36,11 +36,12 @@ def command_defaults() -> dict:
     return {"serve": serve, **({"ls": {"folder": chosen.packs}} if chosen.packs else {})}
 
 
-def rows() -> list[dict]:
-    """Every key, its value, where it came from and its meaning."""
-    from mmkv_cli.backbones.spec import default_model
+def rows(read: bool = True) -> list[dict]:
+    """Every key, its value, where it came from and its meaning (read: False, the defaults, the
+    file left unread)."""
+    from mmkv_cli.backbones.spec import PAPERS_MODEL, default_model
 
-    chosen, written = config(), file_values()
+    chosen, written = (config(), file_values()) if read else (Config(), {})
     out = []
     for field in describe(Config):
         key = field["name"]
@@ -48,7 +49,7 @@ def rows() -> list[dict]:
             continue
         value, source = getattr(chosen, key), "config" if key in written else "default"
         if key == "model":
-            value = default_model()
+            value = default_model() if read else PAPERS_MODEL
         variable = ENVIRONMENT.get(key)
         if variable and os.environ.get(variable):
             value, source = os.environ[variable], variable
@@ -68,15 +69,36 @@ def rows() -> list[dict]:
     return out
 
 
+# what a key with no default is set to in the template, to show its form
+EXAMPLES = {
+    "presets": "~/mmkv-presets",
+    "keep_alive": "5m",
+    "host": "/run/user/1000/mmkv/mmkv.sock",
+    "serve.cors": ["http://localhost:3000"],
+    "serve.cache_gb": 8.0,
+}
+
+
 def template() -> str:
-    """A config file with every key commented out, each with its meaning."""
+    """A config file with every key commented out, each with its meaning and a value in TOML: the
+    one in effect, or an example of its form; a line uncommented is a valid setting."""
+    import json
+
+    values = {row["key"]: row["value"] for row in rows(read=False)}
+
+    def line(key: str) -> str:
+        value = values.get(key)
+        value = EXAMPLES.get(key) if value is None else value
+        shown = str(value).lower() if isinstance(value, bool) else json.dumps(value)
+        return f"# {key.removeprefix('serve.')} = {shown}"
+
     lines = ["# mmkv's config (`mmkv config` shows what is in effect); uncomment to set.", ""]
     for field in describe(Config):
         if field["name"] != "serve":
-            lines += [f"# {field['doc']}", f"# {field['name']} = ", ""]
+            lines += [f"# {field['doc']}", line(field["name"]), ""]
     lines.append("[serve]")
     for field in describe(ServeConfig):
-        lines += [f"# {field['doc']}", f"# {field['name']} = "]
+        lines += [f"# {field['doc']}", line(f"serve.{field['name']}")]
     return "\n".join(lines) + "\n"
 
 
