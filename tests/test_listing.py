@@ -57,3 +57,26 @@ def test_ls_and_inspect_of_a_folder_print_one_line_a_pack(shelf):
     assert "no packs" in CliRunner().invoke(app, ["ls", str(empty)]).output
     with pytest.raises(PackError, match="not a folder"):
         api.listing(shelf / "clip.kvpack")
+
+
+def test_a_listing_is_one_line_a_pack_at_80_columns(tmp_path, backbones):
+    """Issue 75, row 6: `mmkv ls` of packs `mmkv batch` named (a content hash in each name) at 80
+    columns: one line a pack, no word split."""
+    from typer.testing import CliRunner
+
+    from mmkv_cli.cli.app import app
+    from tests.conftest import SAMPLES
+    from tests.helpers import encode_pack
+
+    for name, method, extra in (
+        ("clip-d56b59a537b2f53a", "recency", {"budget": 0.5}),
+        ("clip-0f1e2d3c4b5a6978", "hermes", {"budget_tokens": 4096}),
+    ):
+        encode_pack(str(SAMPLES / "clip.mp4"), tmp_path / f"{name}.kvpack", "demo", method,
+                    **extra)  # fmt: skip
+    shown = CliRunner().invoke(app, ["ls", str(tmp_path)], terminal_width=80, env={"COLUMNS": "80"})
+    assert shown.exit_code == 0, shown.output
+    rows = [line for line in shown.stdout.splitlines() if ".kvpack" in line]
+    assert len(rows) == 2 and len(shown.stdout.splitlines()) == 5, shown.stdout
+    assert "recency@0.5" in shown.stdout and "hermes@4096t" in shown.stdout
+    assert all(line.rstrip().endswith("opens") for line in rows)

@@ -260,12 +260,17 @@ def show_listing_of_packs(folder: str, rows: list[dict]) -> None:
     if not rows:
         out_console.print(plain(f"no packs (*.kvpack) in {folder}"))
         return
-    table = Table(title=plain(f"packs in {folder}"), title_justify="left", box=box.SIMPLE_HEAD)
-    for column in ("pack", "model", "method", "media", "size", "state"):
-        table.add_column(column, no_wrap=column == "pack", overflow="fold")
+    table = Table(
+        title=plain(f"packs in {folder}"), title_justify="left", box=box.SIMPLE_HEAD,
+        pad_edge=False, show_edge=False,
+    )  # fmt: skip
+    # one line a pack at 80 columns: the short cells whole, a fault's words folding in the last
+    for column in ("pack", "model", "method", "media", "size"):
+        table.add_column(column, no_wrap=column == "pack", overflow="ellipsis")
+    table.add_column("state", overflow="fold")
     for row in rows:
-        method = f"{row['method']} ({budget_label(row)})" if "method" in row else "-"
-        media = f"{row['media']} ({row['frames']})" if row.get("media") else "-"
+        method = short_label(row) if "method" in row else "-"  # hermes@4096t, recency@0.5
+        media = row.get("media") or "-"  # its frames: `inspect`
         state = row["state"]
         whole = state == "opens" or state.startswith("verified")
         shown = plain(state, style="" if whole else "red")  # a fault's words are not markup
