@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 from mmkv import methods
 from mmkv._live import Live
-from mmkv._pack import Pack
+from mmkv._pack import Pack, not_questions
 from mmkv._results import (
     EncodeResult,
     EvalResult,
@@ -53,6 +53,11 @@ from mmkv_cli.errors import (
     called_from_python,
 )
 from mmkv_cli.options import EncodeOptions, LoadOptions, kv_bits_value
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from mmkv._pack import OpenAndAskSettings
 
 __all__ = [
     "AddressError",
@@ -91,6 +96,12 @@ __all__ = [
     "unload",
     "verify",
 ]
+
+
+# the errors are mmkv's: shown as mmkv.UsageError, not where they are defined
+for _error in (AddressError, MediaError, MmkvError, ModelError, OutputExistsError, PackError,
+               SetupError, StorageError, UsageError):  # fmt: skip
+    _error.__module__ = __name__
 
 
 def __dir__() -> list[str]:
@@ -185,10 +196,22 @@ def open(  # noqa: A001 (mmkv.open, as io.open and tarfile.open)
     return Pack(pack, model=model, device=device, dtype=dtype)
 
 
+@overload
+def ask(pack: str | Path, question: str, **settings: Unpack[OpenAndAskSettings]) -> Answer: ...
+
+
+@overload
+def ask(
+    pack: str | Path,
+    question: list[str] | tuple[str, ...],
+    **settings: Unpack[OpenAndAskSettings],
+) -> list[Answer]: ...
+
+
 @called_from_python()
 def ask(
     pack: str | Path,
-    question: str,
+    question: str | Sequence[str],
     *,
     model: str | None = None,
     device: str = "auto",
@@ -201,20 +224,17 @@ def ask(
     stop: Sequence[str] = (),
     prune: str | None = None,
     prune_budget: float | None = None,
-) -> Answer:
-    """One question to a pack: `open` it and `Pack.ask` once (the arguments of both)."""
+) -> Answer | list[Answer]:
+    """A question to a pack (or a list of them, answered in turn): `open` it and `Pack.ask` (the
+    arguments of both)."""
+    settings: dict[str, Any] = dict(at=at, max_new_tokens=max_new_tokens, seed=seed, stop=stop)
+    settings.update(temperature=temperature, top_p=top_p, prune=prune, prune_budget=prune_budget)
     with open(pack, model=model, device=device, dtype=dtype) as opened:
-        return opened.ask(
-            question,
-            at=at,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop=stop,
-            prune=prune,
-            prune_budget=prune_budget,
-        )
+        if isinstance(question, str):
+            return opened.ask(question, **settings)
+        if not isinstance(question, list | tuple):
+            raise not_questions(question)
+        return opened.ask(list(question), **settings)
 
 
 def unload() -> None:

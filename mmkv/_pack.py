@@ -7,13 +7,44 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 from mmkv._results import PackInfo
 from mmkv_cli import api
 from mmkv_cli.ask.result import Answer
-from mmkv_cli.errors import called_from_python
+from mmkv_cli.errors import UsageError, called_from_python
 from mmkv_cli.options import AskOptions, GenerationOptions, LoadOptions
+
+if TYPE_CHECKING:
+    from typing_extensions import TypedDict, Unpack
+
+    class AskSettings(TypedDict, total=False):
+        """`Pack.ask`'s keywords, for its overloads (one question, or a list of them)."""
+
+        at: float | None
+        max_new_tokens: int
+        temperature: float
+        top_p: float
+        seed: int | None
+        stop: Sequence[str]
+        prune: str | None
+        prune_budget: float | None
+        on_text: Callable[[str], None] | None
+
+    class OpenAndAskSettings(TypedDict, total=False):
+        """`mmkv.ask`'s keywords: `open`'s, then `Pack.ask`'s but `on_text`."""
+
+        model: str | None
+        device: str
+        dtype: str
+        at: float | None
+        max_new_tokens: int
+        temperature: float
+        top_p: float
+        seed: int | None
+        stop: Sequence[str]
+        prune: str | None
+        prune_budget: float | None
 
 
 class Pack:
@@ -39,6 +70,7 @@ class Pack:
         load = LoadOptions(model=model, device=device, dtype=dtype)
         self.session = api.PackSession(path, load=load, shared=True)
         self.path = str(path)
+        self.closed = False
 
     def __repr__(self) -> str:
         header = self.session.reader.header
@@ -48,10 +80,18 @@ class Pack:
             f"blocks={len(self.session.reader.blocks)}, model={model!r})"
         )
 
+    @overload
+    def ask(self, question: str, **settings: Unpack[AskSettings]) -> Answer: ...
+
+    @overload
+    def ask(
+        self, question: list[str] | tuple[str, ...], **settings: Unpack[AskSettings]
+    ) -> list[Answer]: ...
+
     @called_from_python()
     def ask(
         self,
-        question: str,
+        question: str | Sequence[str],
         *,
         at: float | None = None,
         max_new_tokens: int = 32,
@@ -62,11 +102,12 @@ class Pack:
         prune: str | None = None,
         prune_budget: float | None = None,
         on_text: Callable[[str], None] | None = None,
-    ) -> Answer:
-        """Answer `question` from the pack alone.
+    ) -> Answer | list[Answer]:
+        """Answer `question` from the pack alone (a list of questions: each in turn, a list of
+        answers).
 
         Args:
-            question: the question, as text.
+            question: the question, as text, or a list of them.
             at: the question's moment in seconds (an image or page index for stills); only what
                 was shown by then counts (None: the end).
             max_new_tokens: the longest answer, in tokens.
@@ -79,9 +120,15 @@ class Pack:
             prune_budget: with prune, the share of visual KV kept (None: its default).
             on_text: called with each piece of the answer as it is decoded.
         """
+        if self.closed:
+            raise UsageError(f"the pack {self.path} is closed: open it again to ask it")
+        asked = [question] if isinstance(question, str) else question
+        if not isinstance(asked, Sequence) or not all(isinstance(q, str) for q in asked):
+            raise not_questions(question)
         generation = GenerationOptions(max_new_tokens, temperature, top_p, seed, tuple(stop))
         options = AskOptions(at=at, prune=prune, prune_budget=prune_budget, generation=generation)
-        return self.session.ask(question, options, on_token=on_text)
+        answers = [self.session.ask(q, options, on_token=on_text) for q in asked]
+        return answers[0] if isinstance(question, str) else answers
 
     def stream(
         self,
@@ -138,8 +185,10 @@ class Pack:
         return PackInfo.from_record(api.inspect(self.path))
 
     def close(self) -> None:
-        """Let go of the file (the model is freed with the object)."""
-        self.session.close()
+        """Let go of the file (the model is freed with the object); asking after is refused."""
+        if not self.closed:
+            self.closed = True
+            self.session.close()
 
     def __enter__(self) -> Pack:
         return self
@@ -151,6 +200,11 @@ class Pack:
         trace: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def not_questions(value: object) -> UsageError:
+    """What asking something other than text, or a list of texts, is refused with."""
+    return UsageError(f"question must be text or a list of texts, not {value!r:.60}")
 
 
 class _Stopped(Exception):

@@ -61,6 +61,11 @@ def flag(option: str, value: str | None = None) -> str:
     return "--" + option.replace("_", "-")
 
 
+def is_number(value: object) -> bool:
+    """An int or float (a bool is neither here): what a numeric option may be given as."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 @contextlib.contextmanager
 def called_from_python() -> Iterator[None]:
     """Errors raised inside name options as Python keywords (a decorator too)."""

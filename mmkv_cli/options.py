@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from mmkv_cli.errors import UsageError
+from mmkv_cli.errors import UsageError, flag, is_number
 
 
 class Positions(str, Enum):
@@ -119,15 +119,20 @@ def check_generation(options: GenerationOptions) -> None:
     model loads: one clear line for each, never a NaN that samples garbage."""
     import math
 
-    if options.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens must be at least 1")
-    if not (math.isfinite(options.temperature) and options.temperature >= 0):
-        raise UsageError(f"--temperature must be a number >= 0, not {options.temperature}")
-    if not (math.isfinite(options.top_p) and 0 < options.top_p <= 1):
-        raise UsageError(f"--top-p must be in (0, 1], not {options.top_p}")
-    seed = options.seed
-    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-        raise UsageError(f"--seed must fit in 64 bits ({SEED_RANGE[0]} to {SEED_RANGE[1]})")
+    o = options
+    if not (is_number(o.max_new_tokens) and int(o.max_new_tokens) == o.max_new_tokens >= 1):
+        raise UsageError(f"{flag('max_new_tokens')} must be a whole number, at least 1")
+    if not (is_number(o.temperature) and math.isfinite(o.temperature) and o.temperature >= 0):
+        raise UsageError(f"{flag('temperature')} must be a number >= 0, not {o.temperature!r}")
+    if not (is_number(o.top_p) and math.isfinite(o.top_p) and 0 < o.top_p <= 1):
+        raise UsageError(f"{flag('top_p')} must be in (0, 1], not {o.top_p!r}")
+    seed = o.seed
+    if seed is not None and not (
+        isinstance(seed, int)
+        and not isinstance(seed, bool)
+        and SEED_RANGE[0] <= seed <= SEED_RANGE[1]
+    ):
+        raise UsageError(f"{flag('seed')} must fit in 64 bits ({SEED_RANGE[0]} to {SEED_RANGE[1]})")
 
 
 @dataclass(frozen=True)
@@ -148,10 +153,14 @@ def check_ask(options: AskOptions) -> None:
     """An ask's own settings and its sampling, checked before a model loads."""
     import math
 
-    if options.at is not None and not (math.isfinite(options.at) and options.at >= 0):
-        raise UsageError("--at must be a finite number of seconds (or an index), 0 or more")
-    if options.prune_budget is not None and not options.prune:
-        raise UsageError("--budget at ask only applies with --prune METHOD")
-    if options.prune_budget is not None and not 0 < options.prune_budget <= 1:
-        raise UsageError(f"--budget must be in (0, 1], not {options.prune_budget}")
+    at, share = options.at, options.prune_budget
+    if at is not None and not (is_number(at) and math.isfinite(at) and at >= 0):
+        raise UsageError(
+            f"{flag('at')} must be a finite number of seconds (or an index), 0 or more"
+        )
+    budget = "prune_budget" if flag("at") == "at" else "--budget"  # ask's own name for it
+    if share is not None and not options.prune:
+        raise UsageError(f"{budget} at ask only applies with {flag('prune')} METHOD")
+    if share is not None and not (is_number(share) and 0 < share <= 1):
+        raise UsageError(f"{budget} must be in (0, 1], not {share!r}")
     check_generation(options.generation)

@@ -23,5 +23,5 @@ def use(clip: str, out: str) -> list[str]:
     methods.HERMES(deep_share="deep")  # type: ignore[arg-type]
     methods.SnapKV(similarity="dot")  # type: ignore[call-arg]
     methods.ReKV(similarity="euclid")  # type: ignore[arg-type]
-    mmkv.ask(out, "?", temperature="hot")  # type: ignore[arg-type]
+    mmkv.ask(out, "?", temperature="hot")  # type: ignore[call-overload]
     return [str(deep), info.method, answer.answer, str(report.ok), str(shares), *names]

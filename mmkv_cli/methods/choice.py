@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mmkv_cli.errors import UsageError, flag
+from mmkv_cli.errors import UsageError, flag, is_number
 from mmkv_cli.methods import METHODS, Budget, Method, pruning_methods
 from mmkv_cli.methods.base import GuidedParams
 from mmkv_cli.options import EncodeOptions, MethodSpec
@@ -49,8 +49,10 @@ class MethodChoice:
             raise UsageError(
                 f"give {flag('budget')} (a share) or {flag('budget_tokens')}, not both"
             )
-        if tokens is not None and tokens < 1:
-            raise UsageError(f"{flag('budget_tokens')} must be at least 1, got {tokens}")
+        if tokens is not None and not (isinstance(tokens, int) and not isinstance(tokens, bool)
+                                       and tokens >= 1):  # fmt: skip
+            raise UsageError(f"{flag('budget_tokens')} must be a whole number, at least 1, got "
+                             f"{tokens!r}")  # fmt: skip
         budget = Budget(tokens=tokens) if tokens is not None else Budget(share=check_budget(share))
         return replace(self, budget=budget)
 
@@ -125,6 +127,8 @@ def resolve_spec(method: str | MethodSpec) -> MethodChoice:
 
 
 def check_budget(budget: float) -> float:
+    if not is_number(budget):
+        raise UsageError(f"budget must be a number in (0, 1], got {budget!r}")
     if not (0.0 < budget <= 1.0):
         raise UsageError(f"budget must be in (0, 1], got {budget:g}")
     return float(budget)
