@@ -93,3 +93,22 @@ def test_preload_loads_the_model_before_health_answers(tmp_path):
     with serving(str(folder), "--model", "demo", "--preload") as base:
         health = httpx.get(f"{base}/health", timeout=30).json()
     assert health["status"] == "ok" and health["models_loaded"] == ["demo"]
+
+
+def test_preload_loads_the_model_its_packs_name_or_says_why_not_in_one_line(tmp_path, backbones):
+    """Issue 75, row 3: serving.md's own block, packs made with the demo and no --model: the
+    demo is what loads; a model that cannot load is one line and exit 5, never a traceback."""
+    from tests.helpers import encode_pack, run_mmkv
+
+    folder = tmp_path / "packs"
+    folder.mkdir()
+    encode_pack(str(SAMPLES / "clip.mp4"), folder / "clip.kvpack", "demo", "recency", budget=0.5)
+    with serving(str(folder), "--preload") as base:
+        health = httpx.get(f"{base}/health", timeout=30).json()
+    assert health["models_loaded"] == ["demo"]
+    refused = run_mmkv(
+        "serve", "--packs", str(folder), "--port", "0", "--no-local", "--preload", "--model",
+        "llava-ov-0.5b", env={"HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert refused.returncode == 5 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith("error: model 'llava-ov-0.5b'")

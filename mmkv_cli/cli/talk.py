@@ -264,10 +264,11 @@ def serve(
             models=models,
             queue=queue,
             cors=cors,
-            preload=preload,
             open_metrics=open_metrics,
             warm=Warm(load_options(model, device, dtype), models, cache_bytes, hot_on_device),
         )
+        if preload:  # before the port answers anything, and a model that cannot load is one line
+            app.state.packs.on_model_thread(app.state.packs.preload)
         _log_access()
         beside = _local_beside(app.state.packs.warm) if local else None
         if beside is not None:  # its socket goes with the server, whatever ends it

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmkv_cli.errors import MmkvError, UsageError
 from mmkv_cli.options import AskOptions, LoadOptions
+from mmkv_cli.pack.report import inspect
 from mmkv_cli.pack.storage import is_url
 from mmkv_cli.serve.metrics import Metrics
 from mmkv_cli.serve.pack_routes import pack_routes
@@ -107,7 +108,24 @@ class Packs:
         return self.warm.backbone(load)
 
     def preload(self) -> None:
-        self.warm.preload()
+        """The server's model (`--model`), else the ones its packs name, the most named first
+        (as many as it keeps), else the default: what the first question would load."""
+        if self.load.model is not None:
+            self.warm.preload()
+            return
+        named: dict[str, int] = {}
+        for name in self.names()[:PRELOAD_SCAN]:
+            try:
+                model = inspect(self.path(name))["model"]
+            except (MmkvError, LookupError):  # a bad pack is refused when it is asked
+                continue
+            named[model] = named.get(model, 0) + 1
+        chosen = sorted(named, key=lambda m: -named[m])[: self.warm.backbones.capacity]
+        for model in chosen or [None]:
+            self.warm.preload(replace(self.load, model=model))
+
+
+PRELOAD_SCAN = 64  # packs whose header `--preload` reads for the models they name
 
 
 def _busy():
