@@ -120,3 +120,85 @@ def test_a_read_failing_at_any_call_is_one_pack_error(good, monkeypatch, short):
         if count["calls"] <= call:  # no call failed: every read point was walked
             break
     assert names and call > 3
+
+
+def test_a_write_failing_at_any_call_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """The writer under a failing disk (EIO at each write, seek or fsync in turn, then at the
+    rename): always `cannot write PATH: reason`, no pack at the path and no temporary beside it;
+    the run past every call writes a pack that reads back."""
+    import builtins
+
+    from mmkv_cli.pack.atomic import TEMP_SUFFIX
+    from mmkv_cli.pack.writer import write_pack
+    from tests.helpers import pack_header
+    from tests.scale_shapes import block, plain
+
+    layers = 2
+    header = pack_header(layers=layers, dtype="float16", heads=4, dim=128)
+    spans = [block(f"b{i}", 3, i, layers) for i in range(3)]
+    ends = plain("prefix", 2, layers), plain("suffix", 1, layers)
+    path = tmp_path / "out" / "p.kvpack"
+    path.parent.mkdir()
+    real_open, real_fsync, real_replace = builtins.open, os.fsync, os.replace
+
+    class Failing:
+        """The file object `open` gave, failing at the `at`-th write, seek or flush."""
+
+        def __init__(self, file, count, at):
+            self.file, self.count, self.at = file, count, at
+
+        def _step(self):
+            self.count["calls"] += 1
+            if self.count["calls"] == self.at + 1:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        def write(self, data):
+            self._step()
+            return self.file.write(data)
+
+        def seek(self, *args):
+            self._step()
+            return self.file.seek(*args)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+    for at in range(1000):
+        count = {"calls": 0}
+
+        def opening(name, mode="r", *args, at=at, count=count, **kwargs):
+            file = real_open(name, mode, *args, **kwargs)
+            writing = "w" in mode and str(name).endswith(TEMP_SUFFIX)
+            return Failing(file, count, at) if writing else file
+
+        def syncing(fd, at=at, count=count):
+            count["calls"] += 1
+            if count["calls"] == at + 1:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return real_fsync(fd)
+
+        with monkeypatch.context() as patched:
+            patched.setattr(builtins, "open", opening)
+            patched.setattr(os, "fsync", syncing)
+            try:
+                write_pack(path, header, ends[0], spans, ends[1])
+            except PackError as err:
+                assert str(err) == f"cannot write {path}: Input/output error"
+                assert sorted(os.listdir(path.parent)) == []  # nothing left, nothing half-written
+                continue
+        if count["calls"] <= at:  # no call failed: every write was walked
+            break
+    assert at > 5 and PackReader(path).gather(["b0", "b2"])[0][0].shape[1] == 6
+    with monkeypatch.context() as patched:  # and the rename into place
+        path.unlink()
+        patched.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "x")))
+        with pytest.raises(PackError, match="cannot write"):
+            write_pack(path, header, ends[0], spans, ends[1])
+        assert sorted(os.listdir(path.parent)) == []
+    assert real_replace is os.replace
