@@ -202,3 +202,20 @@ def test_a_write_failing_at_any_call_is_one_line_and_leaves_nothing(tmp_path, mo
             write_pack(path, header, ends[0], spans, ends[1])
         assert sorted(os.listdir(path.parent)) == []
     assert real_replace is os.replace
+
+
+@pytest.mark.skipif(not os.path.exists(EIO_FILE), reason="needs Linux's /proc/self/mem")
+def test_an_eval_set_whose_clip_cannot_be_read_is_one_line(tmp_path):
+    """A clip of an eval set on a failing disk: one line naming it, the media's exit code."""
+    from mmkv_cli.study.synth import write_dataset
+
+    write_dataset(tmp_path / "set", clips=1, frames=8, seed=3)
+    clip = next((tmp_path / "set" / "clips").glob("*.mp4"))
+    clip.unlink()
+    clip.symlink_to(EIO_FILE)
+    args = ["eval", str(tmp_path / "set" / "qa.jsonl"), "--model", "demo", "--methods", "full",
+            "-o", str(tmp_path / "out")]  # fmt: skip
+    done = runner.invoke(app, args)
+    assert done.exit_code == 3, done.output
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot read video {clip}")
