@@ -262,7 +262,7 @@ def show_listing_of_packs(folder: str, rows: list[dict]) -> None:
         return
     table = Table(
         title=plain(f"packs in {folder}"), title_justify="left", box=box.SIMPLE_HEAD,
-        pad_edge=False, show_edge=False,
+        pad_edge=False, show_edge=False, padding=(0, 1, 0, 0),  # two spaces between columns
     )  # fmt: skip
     # one line a pack at 80 columns: the short cells whole, a fault's words folding in the last
     for column in ("pack", "model", "method", "media", "size"):
