@@ -18,8 +18,8 @@ from mmkv_cli.options import AskOptions, GenerationOptions, LoadOptions
 if TYPE_CHECKING:
     from typing_extensions import TypedDict, Unpack
 
-    class AskSettings(TypedDict, total=False):
-        """`Pack.ask`'s keywords, for its overloads (one question, or a list of them)."""
+    class _Sampling(TypedDict, total=False):
+        """The keywords every ask takes (`Pack.ask`'s, but `on_text`)."""
 
         at: float | None
         max_new_tokens: int
@@ -29,22 +29,18 @@ if TYPE_CHECKING:
         stop: Sequence[str]
         prune: str | None
         prune_budget: float | None
+
+    class AskSettings(_Sampling, total=False):
+        """`Pack.ask`'s keywords, for its overloads (one question, or a list of them)."""
+
         on_text: Callable[[str], None] | None
 
-    class OpenAndAskSettings(TypedDict, total=False):
+    class OpenAndAskSettings(_Sampling, total=False):
         """`mmkv.ask`'s keywords: `open`'s, then `Pack.ask`'s but `on_text`."""
 
         model: str | None
         device: str
         dtype: str
-        at: float | None
-        max_new_tokens: int
-        temperature: float
-        top_p: float
-        seed: int | None
-        stop: Sequence[str]
-        prune: str | None
-        prune_budget: float | None
 
 
 class Pack:

@@ -35,9 +35,9 @@ class LaterVerdicts:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._flags: list[torch.Tensor] = []
-        # each read's blocks and what names the one at fault (asked only when a verdict fails)
-        self._reads: list[tuple[list[str], Callable[[], str] | None]] = []
+        # each read's verdict, its blocks, and what names the one at fault (asked only when the
+        # verdict fails)
+        self._reads: list[tuple[torch.Tensor, list[str], Callable[[], str] | None]] = []
         self._checks: list[Callable[[], None]] = []
 
     def defer(self, check: Callable[[], None]) -> None:
@@ -58,20 +58,18 @@ class LaterVerdicts:
         """A read's verdict over its blocks `names`; at_fault(): the block whose K/V are not
         finite, found (by reading them again) only if the verdict fails."""
         if flag is not None:
-            self._flags.append(flag)
-            self._reads.append((names, at_fault))
+            self._reads.append((flag, names, at_fault))
 
     def pending(self) -> torch.Tensor | None:
         """Every verdict in one bool tensor, not read (None: none to read)."""
-        return torch.stack(self._flags).all() if self._flags else None
+        return torch.stack([flag for flag, *_ in self._reads]).all() if self._reads else None
 
     def settle(self, finite: bool) -> None:
         """Refuse the pack unless `finite`, the pending verdict as read."""
-        flags, self._flags = self._flags, []
         reads, self._reads = self._reads, []
         if finite:
             return
-        for flag, (names, at_fault) in zip(flags, reads):  # a refusal: each verdict looked at
+        for flag, names, at_fault in reads:  # a refusal: each verdict looked at
             if not bool(flag):
                 listed = ", ".join(names[:3]) + ", ..." * (len(names) > 3)
                 shown = at_fault() if at_fault else listed
