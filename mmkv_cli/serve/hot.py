@@ -38,12 +38,12 @@ def _version_of(path: str | Path, version: tuple | None) -> tuple | None:
     return version if version is not None or is_url(path) else file_identity(path)
 
 
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _span_bytes(span: Span) -> int:
-    return _joined_bytes((span.keys, span.values, span.positions))
-
-
-def _joined_bytes(parts: tuple[list, list, list]) -> int:
-    return sum(t.numel() * t.element_size() for part in parts for t in part)
+    return _bytes([*span.keys, *span.values, *span.positions])
 
 
 class HotPack:
@@ -131,10 +131,10 @@ class HotPack:
                 span.keys[layer] = joined[0][layer][:, at : at + rows]
                 span.values[layer] = joined[1][layer][:, at : at + rows]
                 at += rows
-        self.held_bytes += _joined_bytes(([], [], joined[2]))  # K/V counted as the spans'
+        self.held_bytes += _bytes(joined[2])  # K/V counted as the spans'
         if before is None:
             return
-        self.held_bytes -= _joined_bytes(([], [], before[1][2]))
+        self.held_bytes -= _bytes(before[1][2])
         stale = {t.untyped_storage().data_ptr() for t in (*before[1][0], *before[1][1])}
         for span in self._held.values():
             for part in (span.keys, span.values):
