@@ -309,16 +309,11 @@ _LOG_FLAGS = {"-v", "-vv", "-vvv", "--verbose", "-q", "--quiet"}
 def _log_flags_first(command, args: list[str]) -> list[str]:
     """-v and -q given after the command's name (`mmkv ask -v PACK Q`) moved before it, where the
     app takes them; never a value of another option (`--stop -q`), nor after `--`."""
-    named = next((i for i, a in enumerate(args) if not a.startswith("-")), None)
+    named = _subcommand(command, args)
     sub = command.commands.get(args[named]) if named is not None else None
     if sub is None:
         return args
-    valued = {
-        name
-        for param in sub.params
-        if param.param_type_name == "option" and not (param.is_flag or param.count)
-        for name in param.opts
-    }
+    valued = _valued(sub)
     moved, rest = [], args[: named + 1]
     for i, arg in enumerate(args[named + 1 :], named + 1):
         if arg == "--":
@@ -331,15 +326,28 @@ def _log_flags_first(command, args: list[str]) -> list[str]:
     return moved + rest
 
 
-def _subcommand(args: list[str]) -> str | None:
-    """The command `args` name: the first word that is neither an option nor an option's value."""
-    valued = {"--presets", "--log-level"}  # mmkv's own options that take one
-    words = iter(args)
-    for word in words:
-        if word in valued:
-            next(words, None)
-        elif not word.startswith("-"):
-            return word
+def _valued(command) -> set[str]:
+    """The names of `command`'s options that take a value (a flag or a count takes none)."""
+    return {
+        name
+        for param in command.params
+        if param.param_type_name == "option" and not (param.is_flag or param.count)
+        for name in param.opts
+    }
+
+
+def _subcommand(command, args: list[str]) -> int | None:
+    """Where in `args` the command's name is: the first word that is neither an option of mmkv's
+    own nor its value."""
+    valued = _valued(command)
+    at = 0
+    while at < len(args):
+        if args[at] in valued:
+            at += 2
+        elif args[at].startswith("-"):
+            at += 1
+        else:
+            return at
     return None
 
 
@@ -356,7 +364,8 @@ def main() -> None:
     sys.argv[1:] = _log_flags_first(command, sys.argv[1:])
     try:
         # the config file's, under the command line's; `mmkv config` reads (or makes) it itself
-        wanted = _subcommand(sys.argv[1:])
+        at = _subcommand(command, sys.argv[1:])
+        wanted = sys.argv[1 + at] if at is not None else None
         defaults = {} if wanted == "config" else cli_settings.command_defaults()
     except MmkvError as err:
         sys.stderr.write(f"error: {err}\n")
