@@ -18,6 +18,7 @@ pack's TTFT <= 30 ms and the CLI ask <= its TTFT + 0.3 s. Results: bench/results
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -52,6 +53,31 @@ def client_env() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith("MMKV_") and k not in skip}
 
 
+MMKV = [sys.executable, "-m", "mmkv_cli"]
+
+
+@contextlib.contextmanager
+def private_server(device: str, wait: float):
+    """A `mmkv serve --no-http` in a runtime folder of its own, ready: yields (the environment
+    its clients run in, its socket). Stopped as `mmkv stop` does, and its folder removed, after."""
+    runtime = Path(tempfile.mkdtemp(prefix="mwb-", dir="/tmp"))
+    env = client_env()
+    env.update(XDG_RUNTIME_DIR=str(runtime), HF_HUB_OFFLINE="1")
+    server = subprocess.Popen([*MMKV, "serve", "--no-http", "--device", device], env=env,
+                              cwd=ROOT, stderr=subprocess.DEVNULL)  # fmt: skip
+    socket = runtime / "mmkv" / "mmkv.sock"
+    try:
+        while not socket.exists():
+            time.sleep(0.05)
+        yield env, socket
+        timed([*MMKV, "stop"], env)
+        server.wait(wait)
+    finally:
+        if server.poll() is None:
+            server.kill()
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
 def median_of(runs: int, args: list[str], env: dict) -> float:
     return round(statistics.median(timed(args, env) for _ in range(runs)), 4)
 
@@ -70,20 +96,12 @@ def demo_part(folder: Path, runs: int) -> dict:
             method, budget_tokens=24 if method in ("hermes", "recency") else None
         )
         api.encode(str(ROOT / "samples" / "clip.mp4"), packs[-1], options, backbone=backbone)
-    runtime = Path(tempfile.mkdtemp(prefix="mwb-", dir="/tmp"))
-    env = client_env()
-    env.update(XDG_RUNTIME_DIR=str(runtime), HF_HUB_OFFLINE="1")
-    mmkv = [sys.executable, "-m", "mmkv_cli"]
-    server = subprocess.Popen([*mmkv, "serve", "--no-http", "--device", "cpu"], env=env, cwd=ROOT,
-                              stderr=subprocess.DEVNULL)  # fmt: skip
-    place = Place(runtime / "mmkv" / "mmkv.sock")
-    try:
-        while not place.socket.exists():
-            time.sleep(0.05)
-        ask = [*mmkv, "ask", str(packs[0]), QUESTION]
+    with private_server("cpu", 30) as (env, socket):
+        place = Place(socket)
+        ask = [*MMKV, "ask", str(packs[0]), QUESTION]
         timed(ask, env)  # the server loads the model once
         result = {
-            "version_s": median_of(runs, [*mmkv, "--version"], env),
+            "version_s": median_of(runs, [*MMKV, "--version"], env),
             "ask_warm_s": median_of(runs, ask, env),
             "ask_own_process_s": median_of(max(3, runs // 4), [*ask, "--no-server"], env),
         }
@@ -91,7 +109,7 @@ def demo_part(folder: Path, runs: int) -> dict:
         for name, extra in (("loop_warm_s", []), ("loop_own_process_s", ["--no-server"])):
             began = time.perf_counter()
             for pack, question in loop:
-                timed([*mmkv, "ask", str(pack), question, *extra], env)
+                timed([*MMKV, "ask", str(pack), question, *extra], env)
             result[name] = round(time.perf_counter() - began, 3)
         result["loop_speedup"] = round(result["loop_own_process_s"] / result["loop_warm_s"], 1)
         client = connect(place)
@@ -114,12 +132,6 @@ def demo_part(folder: Path, runs: int) -> dict:
             hot_over_in_process=round(statistics.median(hot) / statistics.median(own), 3),
             hot_bytes_read=max(read),
         )
-        timed([*mmkv, "stop"], env)
-        server.wait(30)
-    finally:
-        if server.poll() is None:
-            server.kill()
-        shutil.rmtree(runtime, ignore_errors=True)
     return result
 
 
@@ -186,19 +198,11 @@ def wide_part(
 def cli_part(pack: Path, device: str, runs: int) -> dict:
     """`mmkv ask PACK Q --json` end to end through a `mmkv serve --no-http` of its own, once warm:
     the client's wall time against the TTFT the server reports."""
-    runtime = Path(tempfile.mkdtemp(prefix="mwb-", dir="/tmp"))
-    env = client_env()
-    env.update(XDG_RUNTIME_DIR=str(runtime), HF_HUB_OFFLINE="1")
-    mmkv = [sys.executable, "-m", "mmkv_cli"]
-    server = subprocess.Popen([*mmkv, "serve", "--no-http", "--device", device], env=env,
-                              cwd=ROOT, stderr=subprocess.DEVNULL)  # fmt: skip
-    ask = [*mmkv, "ask", str(pack), QUESTION, "--max-new-tokens", "1", "--json"]
+    ask = [*MMKV, "ask", str(pack), QUESTION, "--max-new-tokens", "1", "--json"]
     walls, ttfts, totals = [], [], []
-    try:
-        while not (runtime / "mmkv" / "mmkv.sock").exists():
-            time.sleep(0.05)
+    with private_server(device, 60) as (env, _):
         timed(ask, env)  # the server loads the model and holds the pack
-        version = median_of(runs, [*mmkv, "--version"], env)
+        version = median_of(runs, [*MMKV, "--version"], env)
         python = median_of(runs, [sys.executable, "-c", "pass"], env)
         for _ in range(runs):
             began = time.perf_counter()
@@ -207,12 +211,6 @@ def cli_part(pack: Path, device: str, runs: int) -> dict:
             answer = json.loads(done.stdout)
             ttfts.append(answer["ttft_s"])
             totals.append(answer["total_s"])
-        timed([*mmkv, "stop"], env)
-        server.wait(60)
-    finally:
-        if server.poll() is None:
-            server.kill()
-        shutil.rmtree(runtime, ignore_errors=True)
     wall, ttft = statistics.median(walls), statistics.median(ttfts)
     # total_s: the server's answer, first token and the rest; the client's own share is the wall
     # time past it (its interpreter, imports, the round trip and printing)
