@@ -4,11 +4,12 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # torch and torchvision as a pair that imports together (PyPI's torchvision failed beside torch 2.13).
-# PyPI's wheels: CUDA builds on Linux (a venv of about 6.6 GB). CPU=1 installs the CPU-only builds
-# (about 200 MB) from PyTorch's own index instead; TORCH_INDEX names any other index.
+# Without a GPU, setup takes the CPU-only builds (about 200 MB) from PyTorch's index when it answers,
+# else PyPI's (CUDA builds on Linux, about 6.6 GB). CPU=1 insists on the CPU builds, CPU=0 on PyPI's,
+# TORCH_INDEX names any other index. A changed PYTHON or choice rebuilds the venv (scripts/setup_venv.sh).
 TORCH := torch==2.14.1 torchvision==0.29.1
 CPU ?=
-TORCH_INDEX ?= $(if $(CPU),https://download.pytorch.org/whl/cpu)
+TORCH_INDEX ?=
 OUT ?= out
 # demo-grid's last training run: cuda where a GPU is, and processes rendering its clips ahead
 # (7 kept an H100 busy)
@@ -17,19 +18,9 @@ TRAIN_WORKERS ?= 0
 
 .PHONY: setup demo demo-model test test-matrix docs wheel-check samples bench bench-scale bench-gpu gpu-wheels clean
 
-$(BIN)/mmkv: pyproject.toml
-	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
-		echo "make setup: mmkv needs Python 3.11 or newer; '$(PYTHON)' is not (PYTHON=python3.13 picks another)"; exit 2; }
-	@if [ -z "$(TORCH_INDEX)" ] && ! command -v nvidia-smi > /dev/null; then \
-		echo "make setup: no NVIDIA GPU here; PyPI's torch is a CUDA build (about 6.6 GB)."; \
-		echo "  'make setup CPU=1' installs the CPU-only torch (about 200 MB) instead."; fi
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH)
-	$(BIN)/pip install -q -e '.[test,serve,ray,s3,eval]'
-	touch $(BIN)/mmkv
-
-setup: $(BIN)/mmkv
+setup:
+	@PYTHON='$(PYTHON)' VENV='$(VENV)' TORCH='$(TORCH)' CPU='$(CPU)' TORCH_INDEX='$(TORCH_INDEX)' \
+		scripts/setup_venv.sh
 
 demo: setup
 	mkdir -p $(OUT)

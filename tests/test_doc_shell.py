@@ -93,7 +93,13 @@ def test_the_shell_blocks_of_a_page_run_in_order(tmp_path, page):
     later block asks the pack an earlier one wrote)."""
     stand_ins(tmp_path)
     env = {**os.environ, "MMKV_MODEL": "demo", "HF_HUB_OFFLINE": "1", "COLUMNS": "100"}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # this venv's mmkv
+    venv_bin = str(Path(sys.executable).parent)
+    if page == "README.md":  # the front door: mmkv on the PATH only as its own lines put it there
+        (tmp_path / ".venv").symlink_to(sys.prefix)
+        env.pop("VIRTUAL_ENV", None)
+        env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != venv_bin)
+    else:
+        env["PATH"] = f"{venv_bin}{os.pathsep}{env['PATH']}"  # this venv's mmkv
     # a warm server a page starts is the page's own, and ends with it
     env["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="mdr-", dir="/tmp")
     try:
@@ -104,8 +110,10 @@ def test_the_shell_blocks_of_a_page_run_in_order(tmp_path, page):
 
 
 def _run_page(tmp_path: Path, page: str, env: dict) -> None:
+    sourced = ""  # one terminal: what an earlier block sourced holds in the later ones
     for where, body, _ in (b for b in RUN if b[0].split("#")[0] == page):
-        script = "set -euo pipefail\n" + body.replace("/tmp/", f"{tmp_path}/")
+        script = "set -euo pipefail\n" + sourced + body.replace("/tmp/", f"{tmp_path}/")
+        sourced += "".join(f"{line}\n" for line in body.splitlines() if line.startswith("source "))
         done = subprocess.run(
             ["bash", "-c", script],
             cwd=tmp_path,
