@@ -40,6 +40,7 @@ from mmkv_cli.spec import as_plain, override
 if TYPE_CHECKING:
     from mmkv_cli.ask.result import Answer
     from mmkv_cli.backbones.base import Backbone
+    from mmkv_cli.media.base import Media
     from mmkv_cli.pack.memory import MemoryPack
     from mmkv_cli.pack.quant import QuantSpec
 
@@ -76,7 +77,7 @@ def encode(
     backbone: Backbone | None = None,
     load: LoadOptions | None = None,
     progress: EncodeProgress | None = None,
-    on_start: Callable[[int], None] | None = None,
+    on_start: Callable[[int, int], None] | None = None,
     shown_as: str | None = None,
     shared: bool = False,
 ) -> dict:
@@ -116,8 +117,9 @@ def encode(
     max_frames = options.max_frames if options.max_frames is not None else backbone.spec.max_frames
     source = load_media(media, fps=fps, max_frames=max_frames)
     source.source = shown_as or source.source
+    taken = thinned(source, max_frames, options.max_frames is not None)
     if on_start:
-        on_start(source.num_frames)
+        on_start(source.num_frames, source.frames_offered)
     context = EncodeContext(source.kind, options.guidance_prompt)
     budget = choice.budget.label() if choice.budget else "every token"
     LOG.info(
@@ -131,7 +133,16 @@ def encode(
     encoded = encode_media(backbone, source, choice, context, progress, checkpoint, early=early)
     write_encoded(output, backbone, choice, context, source, encoded, quant, options.force)
     checkpoint.remove()  # the pack is whole: the state it was saved for is done
-    return {**inspect(output), **encoded.stats}
+    return {**inspect(output), **encoded.stats, **taken}
+
+
+def thinned(source: Media, max_frames: int, asked: bool) -> dict:
+    """What the summary says of the frames an encode took when it took fewer than the media offers
+    (evenly spaced, to `max_frames`: the user's --max-frames, or the model's own)."""
+    if source.frames_offered <= source.num_frames:
+        return {}
+    by = "option" if asked else "model"
+    return {"frames_offered": source.frames_offered, "max_frames": max_frames, "max_frames_by": by}
 
 
 def check_encode(media: str, output: str | Path, options: EncodeOptions) -> None:

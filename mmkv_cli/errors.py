@@ -55,9 +55,13 @@ CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("caller", default="
 
 def flag(option: str, value: str | None = None) -> str:
     """How the caller at hand spells an option: `--budget-tokens` on the command line,
-    `budget_tokens` in Python (`value`: the keyword's value, force=True)."""
-    if CALLER.get() == "python":
+    `budget_tokens` in Python (`value`: the keyword's value, force=True) and in a JSON body
+    ("budget_tokens": 24)."""
+    caller = CALLER.get()
+    if caller == "python":
         return option if value is None else f"{option}={value}"
+    if caller == "http":
+        return option if value is None else f'"{option}": {value}'
     return "--" + option.replace("_", "-")
 
 
@@ -67,13 +71,24 @@ def is_number(value: object) -> bool:
 
 
 @contextlib.contextmanager
-def called_from_python() -> Iterator[None]:
-    """Errors raised inside name options as Python keywords (a decorator too)."""
-    token = CALLER.set("python")
+def called_from(caller: str) -> Iterator[None]:
+    """Errors raised inside name options as `caller` spells them ("python" or "http")."""
+    token = CALLER.set(caller)
     try:
         yield
     finally:
         CALLER.reset(token)
+
+
+@contextlib.contextmanager
+def called_from_python() -> Iterator[None]:
+    """Errors raised inside name options as Python keywords (a decorator too)."""
+    with called_from("python"):
+        yield
+
+
+class ConflictError(UsageError):
+    """A name already taken by something running or kept (HTTP 409)."""
 
 
 def output_exists(what: object) -> OutputExistsError:

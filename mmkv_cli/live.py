@@ -18,11 +18,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from mmkv_cli import logs
 from mmkv_cli.api import PackSession, answer_record
-from mmkv_cli.errors import MediaError, MmkvError, UsageError
+from mmkv_cli.errors import MediaError, MmkvError, UsageError, flag
 from mmkv_cli.media.live import LiveOptions, LiveSource
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
 from mmkv_cli.pack import check_writable
@@ -35,6 +35,7 @@ class LiveQuestion:
     question: str
     id: str | int | None = None
     at: float | None = None  # the stream moment to answer at (None: when it arrives)
+    at_end: bool = False  # no moment, answered from the stream's final memory (a question file)
     # where this question's answer goes (a server's waiting request); None: the follow's on_answer
     reply: Callable[[dict], None] | None = field(default=None, compare=False)
     generation: GenerationOptions | None = None  # None: the follow's
@@ -51,6 +52,10 @@ def here(job: Callable[[], T]) -> T:
     return job()
 
 
+def _reached(question: LiveQuestion, moment: float) -> bool:
+    return question.at is not None and question.at <= moment
+
+
 class Follow:
     """One live source followed into one pack, questions answered on the way."""
 
@@ -63,6 +68,7 @@ class Follow:
         *,
         load: LoadOptions | None = None,
         backbone=None,
+        load_model: Callable[[LoadOptions], Any] | None = None,
         snapshot_every: float | None = None,
         generation: GenerationOptions | None = None,
         on_answer: Answered | None = None,
@@ -71,14 +77,16 @@ class Follow:
     ):
         """on_model(job): runs `job` (every forward: a frame, a memory cut, an answer) where the
         backbone's work is done; a server passes its model thread, so streams and chats on one
-        backbone take turns in one queue instead of running beside each other."""
+        backbone take turns in one queue instead of running beside each other. load_model(load):
+        the backbone, once everything else is checked (a server's held ones; default: loaded
+        here), where `backbone` is not given."""
         from mmkv_cli.backbones.spec import model_spec
         from mmkv_cli.methods import EncodeContext
         from mmkv_cli.methods.choice import choice_for
         from mmkv_cli.pack.quant import QuantSpec
 
         if snapshot_every is not None and not snapshot_every > 0:
-            raise UsageError("--snapshot-every must be a positive number of seconds")
+            raise UsageError(f"{flag('snapshot_every')} must be a positive number of seconds")
         self.output = local_path(output)
         check_writable(self.output, options.force)
         choice = choice_for(options)
@@ -98,7 +106,7 @@ class Follow:
         try:
             from mmkv_cli.backbones.loading import load_backbone
 
-            self.backbone = backbone or load_backbone(load)
+            self.backbone = backbone or (load_model or load_backbone)(load)
         except BaseException:
             self.source.close()
             raise
@@ -206,15 +214,16 @@ class Follow:
     def _answer_now(self) -> None:
         self._take_questions()
         # no moment, or one already reached (a question late for its moment gets the memory now)
-        now = [q for q in self.waiting if q.at is None or q.at <= self.encoder.moment]
+        moment = self.encoder.moment
+        now = [q for q in self.waiting if (q.at is None and not q.at_end) or _reached(q, moment)]
         self.waiting = [q for q in self.waiting if q not in now]
         for question in now:
             self._answer(question)
 
     def _answer(self, question: LiveQuestion, note: str | None = None) -> None:
         started = time.perf_counter()
-        behind = max(0.0, time.monotonic() - self.source.arrived) if self.source.arrived else 0.0
         moment = self.encoder.moment
+        behind = self.source.ahead_of(moment)
         generation = question.generation or self.generation
         try:
             memory = self.encoder.memory()

@@ -8,11 +8,12 @@ import time
 import httpx
 import openai
 
+import mmkv
 from mmkv import methods
 from mmkv_cli.api import stored_method
 from mmkv_cli.pack import PackReader
 from tests.conftest import SAMPLES
-from tests.helpers import mpegts_bytes, serving
+from tests.helpers import encode_pack, mpegts_bytes, serving
 
 
 def test_a_stream_is_started_asked_shown_and_stopped_into_a_pack(tmp_path):
@@ -36,9 +37,8 @@ def test_a_stream_is_started_asked_shown_and_stopped_into_a_pack(tmp_path):
         http = httpx.Client(base_url=base, timeout=120)
         request = {"name": "cam", "source": str(growing), "model": "demo", "fps": 2.0}
         refused = http.post("/v1/streams", json={**request, "method": "recency"})
-        assert (
-            refused.status_code == 400 and "--budget-tokens" in refused.json()["error"]["message"]
-        )
+        said = refused.json()["error"]["message"]  # the request's own field, not the CLI's flag
+        assert refused.status_code == 400 and "budget_tokens" in said and "--" not in said
         wrong = {"name": "hermes", "params": {"deep_share": 3}}
         refused = http.post("/v1/streams", json={**request, "method": wrong, "budget_tokens": 24})
         assert refused.status_code == 400
@@ -50,7 +50,8 @@ def test_a_stream_is_started_asked_shown_and_stopped_into_a_pack(tmp_path):
         )
         assert started.status_code == 201, started.text
         writer.start()
-        assert http.post("/v1/streams", json={**request, "budget_tokens": 24}).status_code == 400
+        taken = http.post("/v1/streams", json={**request, "budget_tokens": 24})
+        assert taken.status_code == 409, taken.text  # the name is a running stream's
         deadline = time.monotonic() + 90
         while http.get("/v1/streams/cam").json()["frames"] < 4 and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -112,3 +113,29 @@ def test_preload_loads_the_model_its_packs_name_or_says_why_not_in_one_line(tmp_
     )  # fmt: skip
     assert refused.returncode == 5 and refused.stderr.count("\n") == 1, refused.stderr
     assert refused.stderr.startswith("error: model 'llava-ov-0.5b'")
+
+
+def test_a_stream_runs_the_packs_model_and_is_refused_for_its_fields_first(tmp_path):
+    """A server of demo packs started without --model: a stream naming no model runs the demo
+    (not the default checkpoint, absent here); a wrong field is refused before any model loads,
+    named as the JSON field; a name a pack holds is a conflict."""
+    folder = tmp_path / "packs"
+    folder.mkdir()
+    encode_pack(SAMPLES / "clip.mp4", folder / "clip.kvpack", "demo", "full", max_frames=4)
+    source = str(SAMPLES / "clip.mp4")
+    with serving(str(folder)) as base:
+        http = httpx.Client(base_url=base, timeout=120)
+        absent = {"name": "cam", "source": source, "model": "llava-ov-0.5b", "method": "recency"}
+        refused = http.post("/v1/streams", json=absent)  # its budget, before its model
+        said = refused.json()["error"]["message"]
+        assert refused.status_code == 400 and "a token count, budget_tokens" in said, said
+        taken = http.post("/v1/streams", json={"name": "clip", "source": source})
+        assert taken.status_code == 409 and "a pack named 'clip' exists" in taken.text
+        started = http.post("/v1/streams", json={"name": "cam", "source": source, "stall_s": 1})
+        assert started.status_code == 201, started.text
+        deadline = time.monotonic() + 60
+        while http.get("/v1/streams/cam").json()["state"] == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert http.get("/v1/streams/cam").json()["frames"] == 16  # the whole clip, by the demo
+    assert mmkv.inspect(str(folder / "cam.kvpack")).model == "demo"

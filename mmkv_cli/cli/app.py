@@ -163,7 +163,13 @@ def encode(
     def body() -> None:
         from rich.text import Text
 
-        from mmkv_cli.cli.display import encode_progress, encoded_line, out_console
+        from mmkv_cli.cli.display import (
+            encode_progress,
+            encoded_line,
+            err_console,
+            out_console,
+            thinning_note,
+        )
 
         options = EncodeOptions(
             method,
@@ -181,14 +187,20 @@ def encode(
         )
         load = load_options(model, device, dtype)
         encoding = cli_server.encoder(media, output, options, load, no_server)
+
+        def note_thinning(frames: int, offered: int) -> None:  # before the encode, not after
+            if offered > frames:
+                err_console.print(Text(thinning_note(frames, offered, max_frames, "taking")))
+
         if as_json:
-            emit_json(encoding())
+            emit_json(encoding(on_start=note_thinning))
             return
         bar = encode_progress()
         task = bar.add_task("encode", total=None, rate="")
         started = {}
 
-        def on_start(frames: int) -> None:  # the bar appears once media and model are loaded
+        def on_start(frames: int, offered: int) -> None:  # once media and model are loaded
+            note_thinning(frames, offered)
             started["t"] = time.perf_counter()
             bar.update(task, total=frames)
             bar.start()

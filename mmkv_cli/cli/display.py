@@ -70,6 +70,7 @@ def encode_progress() -> Progress:
         TimeElapsedColumn(),
         console=err_console,
         transient=True,
+        disable=not err_console.is_terminal,  # off a terminal a bar leaves only a blank line
     )
 
 
@@ -86,6 +87,7 @@ def counting_progress(label: str, unit: str) -> Progress:
         TimeRemainingColumn(),
         console=err_console,
         transient=True,
+        disable=not err_console.is_terminal,
     )
 
 
@@ -153,12 +155,23 @@ def converted_line(info: dict) -> str:
 
 
 def encoded_line(info: dict) -> str:
-    """Two lines that fit 80 columns: the file written, then what it keeps."""
-    return (  # the path and method shown as they are: the line break is this function's own
+    """Two lines that fit 80 columns, the file written, then what it keeps; a third when the
+    encode took fewer frames than the media offers."""
+    lines = (  # the path and method shown as they are: the line breaks are this function's own
         f"wrote {visible(info['path'])} ({human_bytes(info['bytes'])}, {info['blocks']} blocks) "
         f"in {info['encode_s']:.2f} s\n{visible(info['method'])} ({budget_label(info)}): "
         f"{kept_label(info)}{budget_note(info)}"
     )
+    if not info.get("frames_offered"):
+        return lines
+    asked = info["max_frames"] if info.get("max_frames_by") == "option" else None
+    return f"{lines}\n{thinning_note(info['media']['frames'], info['frames_offered'], asked)}"
+
+
+def thinning_note(taken: int, offered: int, asked: int | None, verb: str = "took") -> str:
+    """Frames an encode took of more: `asked` is --max-frames as given (None: the model's cap)."""
+    cap = f"--max-frames {asked}" if asked is not None else f"the model's {taken} at most"
+    return f"{verb} {taken} of {offered} frames, evenly spaced ({cap}; --max-frames 0 takes all)"
 
 
 def budget_note(info: dict) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -49,7 +50,8 @@ def live(
         None,
         "--questions",
         help="JSONL of {question, id?, at?} (synth's and eval's files too; '-': stdin; "
-        "/dev/tty: typed while the stream comes on stdin); default: typed at a prompt.",
+        "/dev/tty: typed while the stream comes on stdin); default: typed at a prompt. A file's "
+        "question without at is asked at the stream's end.",
     ),
     snapshot_every: float | None = typer.Option(
         None, "--snapshot-every", help="Publish the memory as a whole pack every N stream seconds."
@@ -178,12 +180,21 @@ def _feed(following, questions: str | None) -> None:
             err_console.print(plain(f"error: {questions}: {err.strerror}"))
             return
     ignored: set[str] = set()  # keys of other tools' files (answers, types), told once each
+    # a file's question without a moment is asked of the whole stream, as eval asks it; typed or
+    # piped, it is asked now
+    at_end = where not in ("prompt", "stdin") and os.path.isfile(questions or "")
+    told = False
     for number, line in enumerate(lines, 1):
         line = line.removeprefix(BOM) if number == 1 else line  # a BOM on a pipe
         try:
             known = set(ignored)
             for q in parse_lines([line], f"{where}:{number}", ignored):
-                following.ask(LiveQuestion(q.text, q.id, q.at))
+                following.ask(LiveQuestion(q.text, q.id, q.at, at_end=at_end and q.at is None))
+                if at_end and q.at is None and not told:
+                    told = True
+                    err_console.print(
+                        plain(f"note: {where}: a question without 'at' is answered at the end")
+                    )
             if ignored - known:
                 err_console.print(
                     plain(

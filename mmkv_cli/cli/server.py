@@ -115,10 +115,10 @@ def encoder(media: str, output: str, options, load, no_server: bool):
     if client is None:
 
         def here(on_start=None, **hooks):
-            def started(frames: int) -> None:
+            def started(frames: int, offered: int) -> None:
                 clear_status()
                 if on_start is not None:
-                    on_start(frames)
+                    on_start(frames, offered)
 
             status("loading the model and the media ...")
             try:

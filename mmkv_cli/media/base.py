@@ -18,6 +18,12 @@ class Media:
     digest: str  # sha256 of the source bytes
     timestamps: list[float]  # seconds (video), index (images), page number (pdf)
     _read: Callable[[int, int], np.ndarray]  # (start, stop) -> uint8 [n, H, W, 3]
+    offered: int = 0  # frames (or pages, images) there were before thinning to max_frames; 0: all
+
+    @property
+    def frames_offered(self) -> int:
+        """How many frames the media offered at its rate, before thinning to max_frames."""
+        return max(self.offered, self.num_frames)
 
     @property
     def num_frames(self) -> int:
@@ -54,11 +60,18 @@ def sha256_files(paths: Iterable[Path]) -> str:
     return h.hexdigest()
 
 
+def frames_at(duration: float, fps: float) -> int:
+    """How many frames `fps` takes from `duration` seconds (before any thinning)."""
+    if duration <= 0 or fps <= 0:
+        return 0
+    return max(1, int(np.floor(duration * fps + 1e-9)))
+
+
 def sample_times(duration: float, fps: float, max_frames: int) -> list[float]:
     """Times at `fps` over [0, duration); uniformly thinned to `max_frames` when there are more."""
-    if duration <= 0 or fps <= 0:
+    count = frames_at(duration, fps)
+    if not count:
         return []
-    count = max(1, int(np.floor(duration * fps + 1e-9)))
     times = np.arange(count) / fps
     if max_frames and count > max_frames:
         times = np.linspace(0, duration, max_frames, endpoint=False) + duration / (2 * max_frames)

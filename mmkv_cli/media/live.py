@@ -63,6 +63,7 @@ class GrowingFile(io.RawIOBase):
     def __init__(self, path: str, stall_s: float, stop: threading.Event):
         self._fh = open(path, "rb")  # noqa: SIM115 (closed with this reader)
         self.stall_s, self.stop = stall_s, stop
+        self.read_bytes = 0
         self._grew = time.monotonic()
         self._ended = False
 
@@ -74,12 +75,20 @@ class GrowingFile(io.RawIOBase):
             n = self._fh.readinto(buffer)
             if n:
                 self._grew = time.monotonic()
+                self.read_bytes += n
                 return n
             if time.monotonic() - self._grew > self.stall_s:
                 self._ended = True
                 return 0
             time.sleep(0.05)
         return 0
+
+    def unread(self) -> int:
+        """Bytes written to the file that this reader has not reached yet."""
+        try:
+            return max(0, os.fstat(self._fh.fileno()).st_size - self.read_bytes)
+        except (OSError, ValueError):  # closed
+            return 0
 
     def close(self) -> None:
         self._fh.close()
@@ -148,7 +157,8 @@ class LiveSource:
             raise MediaError(f"unknown rule '{self.behind}' for a source ahead (wait, drop)")
         self.dropped = 0  # frames let go because the encode fell behind
         self.ended_by: str | None = None  # how a network source closed, when it did not end cleanly
-        self.arrived: float | None = None  # when the last frame handed out came (monotonic)
+        self.reached = 0.0  # the newest frame time decoded from the source
+        self._growing: GrowingFile | None = None
         self._digest = hashlib.sha256()
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, self.options.buffer))
         self._stop = threading.Event()
@@ -198,12 +208,21 @@ class LiveSource:
                 return
             if isinstance(item, MediaError):
                 raise item
-            at, frame, self.arrived = item
+            at, frame = item
             self._digest.update(frame.tobytes())
             yield at, frame
 
     def close(self) -> None:
         self._stop.set()
+
+    def ahead_of(self, moment: float) -> float:
+        """Seconds of stream the source holds past `moment` (a memory's newest frame): decoded and
+        not yet taken, and for a file, its bytes not yet read at the rate read so far."""
+        ahead = max(0.0, self.reached - moment)
+        growing = self._growing
+        if growing is not None and growing.read_bytes and self.reached > 0:
+            ahead += growing.unread() * self.reached / growing.read_bytes
+        return ahead
 
     # --- the reader thread ---
 
@@ -218,8 +237,8 @@ class LiveSource:
             piped = os.fdopen(os.dup(sys.stdin.fileno()), "rb", buffering=0)
             return av.open(piped, mode="r", options=LOW_LATENCY)
         if self.kind == "file":
-            growing = GrowingFile(self.spec, self.options.stall_s, self._stop)
-            return av.open(growing, mode="r", options=LOW_LATENCY)
+            self._growing = GrowingFile(self.spec, self.options.stall_s, self._stop)
+            return av.open(self._growing, mode="r", options=LOW_LATENCY)
         if self.kind == "device":
             return av.open(self.spec, format="v4l2")
         return av.open(self.spec, options={"rw_timeout": timeout, "timeout": timeout})
@@ -251,6 +270,7 @@ class LiveSource:
                 if frame.time is None:
                     continue
                 origin = frame.time if origin is None else origin
+                self.reached = frame.time - origin
                 for tick, chosen in ticks.offer(frame.time - origin, frame):
                     self._put(tick, to_rgb(chosen))
         except OSError as err:
@@ -260,7 +280,7 @@ class LiveSource:
             self.ended_by = str(err).splitlines()[0]
 
     def _put(self, tick: float, rgb: np.ndarray) -> None:
-        item = (tick, rgb, time.monotonic())
+        item = (tick, rgb)
         if self.behind == "wait":
             while not self._stop.is_set():
                 try:

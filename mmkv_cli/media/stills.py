@@ -60,6 +60,7 @@ def load_images(spec: str, max_frames: int) -> Media:
         digest=sha256_files(paths),
         timestamps=[float(i) for i in picks],
         _read=read,
+        offered=len(paths),
     )
 
 
@@ -89,7 +90,8 @@ def load_pdf(path: Path, max_frames: int, scale: float = 1.0) -> Media:
 
     try:
         doc = pdfium.PdfDocument(str(path))
-        picks = _thin(len(doc), max_frames)
+        pages = len(doc)
+        picks = _thin(pages, max_frames)
         scales = [page_scale(*doc[i].get_size(), scale) for i in picks]
         if not picks:
             raise MediaError(f"no pages in {path}")
@@ -111,4 +113,5 @@ def load_pdf(path: Path, max_frames: int, scale: float = 1.0) -> Media:
         digest=sha256_files([path]),
         timestamps=[float(i) for i in picks],
         _read=read,
+        offered=pages,
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from mmkv_cli.errors import MediaError
-from mmkv_cli.media.base import Media, sample_times, sha256_files
+from mmkv_cli.media.base import Media, frames_at, sample_times, sha256_files
 from mmkv_cli.media.pyav_frames import FrameCursor, index_stream, nearest_frames
 
 
@@ -64,12 +64,11 @@ def _decord_or_error(path: Path, fps: float, max_frames: int) -> Media:
         raise MediaError(f"cannot read video {path}: {err}") from err
 
 
-def _media(path: Path, times: list[float], read) -> Media:
+def _media(path: Path, times: list[float], read, offered: int) -> Media:
     if not times:
         raise MediaError(f"no frames could be read from {path}")
-    return Media(
-        kind="video", source=str(path), digest=sha256_files([path]), timestamps=times, _read=read
-    )
+    digest = sha256_files([path])
+    return Media("video", str(path), digest, times, read, offered)
 
 
 def import_decord():
@@ -114,7 +113,7 @@ def _load_with_decord(path: Path, fps: float, max_frames: int) -> Media:
         # Frame by frame: decord2's get_batch holds more (docs/measurements.md).
         return np.stack([reader[i].asnumpy() for i in indices[start:stop]])
 
-    return _media(path, times, read)
+    return _media(path, times, read, frames_at(total / native_fps, fps))
 
 
 def _load_with_pyav(path: Path, fps: float, max_frames: int) -> Media:
@@ -140,4 +139,4 @@ def _load_with_pyav(path: Path, fps: float, max_frames: int) -> Media:
         except Exception as err:
             raise MediaError(f"cannot read video {path}: {err}") from err
 
-    return _media(path, times, read)
+    return _media(path, times, read, frames_at(index.duration, fps))

@@ -208,13 +208,13 @@ def check_live(choice: MethodChoice) -> MethodChoice:
         if budget is not None and budget.tokens is not None:
             raise UsageError(
                 f"'{choice.name}' keeps a share of each block: a token count needs the stream's "
-                "length, which a live stream does not have (give --budget S)"
+                f"length, which a live stream does not have (give a share: {flag('budget')})"
             )
         return choice
     if not method.keeps_all and (budget is None or budget.tokens is None):
         share = f"{budget.share:g}" if budget is not None and budget.share is not None else "all"
         raise UsageError(
             f"a live stream has no length to take a share of: give '{choice.name}' its memory as "
-            f"--budget-tokens N (its budget is a share, {share})"
+            f"a token count, {flag('budget_tokens')} (its budget is a share, {share})"
         )
     return choice

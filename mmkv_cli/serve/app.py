@@ -113,6 +113,11 @@ class Packs:
         if self.load.model is not None:
             self.warm.preload()
             return
+        for model in self.models_named()[: self.warm.backbones.capacity] or [None]:
+            self.warm.preload(replace(self.load, model=model))
+
+    def models_named(self) -> list[str]:
+        """The models the packs name (the first PRELOAD_SCAN headers read), the most named first."""
         named: dict[str, int] = {}
         for name in self.names()[:PRELOAD_SCAN]:
             try:
@@ -120,9 +125,12 @@ class Packs:
             except (MmkvError, LookupError):  # a bad pack is refused when it is asked
                 continue
             named[model] = named.get(model, 0) + 1
-        chosen = sorted(named, key=lambda m: -named[m])[: self.warm.backbones.capacity]
-        for model in chosen or [None]:
-            self.warm.preload(replace(self.load, model=model))
+        return sorted(named, key=lambda m: -named[m])
+
+    def usual_model(self) -> str | None:
+        """What a request naming no model runs: the server's --model, else the model its packs
+        name most, else None (the default model)."""
+        return self.load.model or next(iter(self.models_named()), None)
 
 
 PRELOAD_SCAN = 64  # packs whose header `--preload` reads for the models they name
@@ -156,7 +164,7 @@ def create_app(
     packs = Packs(shelf(folder), load, models, queue, warm or Warm(load, models))
     metrics = Metrics(lambda: packs.pending, lambda: len(packs.backbones))
     local = packs.shelf.folder if isinstance(packs.shelf, FolderShelf) else None
-    streams = Streams(local, packs.load, packs.backbone, packs.on_model_thread)
+    streams = Streams(local, packs.load, packs.backbone, packs.on_model_thread, packs.usual_model)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

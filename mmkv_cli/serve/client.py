@@ -235,13 +235,14 @@ def remote_encode(
     options: EncodeOptions,
     load: LoadOptions,
     progress: Callable[[int, int], None] | None = None,
-    on_start: Callable[[int], None] | None = None,
+    on_start: Callable[[int, int], None] | None = None,
 ) -> dict:
     """`api.encode` run in the server (media and output by their absolute paths)."""
 
     def on_event(event: dict) -> None:
         if event.get("event") == "start" and on_start is not None:
-            on_start(int(event.get("frames", 0)))
+            frames = int(event.get("frames", 0))
+            on_start(frames, int(event.get("offered", frames)))
         elif event.get("event") == "progress" and progress is not None:
             progress(int(event.get("frames", 0)), int(event.get("tokens", 0)))
 

@@ -224,8 +224,8 @@ class LocalServer:
         load = replace(load, model=load.model or default_model())
         check_available(load.model)
 
-        def on_start(frames: int) -> None:
-            channel.send({"event": "start", "frames": frames})
+        def on_start(frames: int, offered: int) -> None:
+            channel.send({"event": "start", "frames": frames, "offered": offered})
 
         def progress(frames: int, tokens: int) -> None:
             channel.send({"event": "progress", "frames": frames, "tokens": tokens})

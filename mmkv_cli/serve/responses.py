@@ -6,9 +6,9 @@ import json
 
 from fastapi.responses import JSONResponse
 
-from mmkv_cli.errors import ModelError, PackError, UsageError
+from mmkv_cli.errors import ConflictError, ModelError, PackError, UsageError
 
-STATUS = {UsageError: 400, PackError: 422, ModelError: 503}
+STATUS = {UsageError: 400, ConflictError: 409, PackError: 422, ModelError: 503}
 
 
 def error(

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from mmkv_cli.errors import MmkvError, UsageError
+from mmkv_cli.errors import ConflictError, MmkvError, UsageError, called_from
 from mmkv_cli.live import Follow, LiveQuestion
 from mmkv_cli.media.live import LiveOptions
 from mmkv_cli.names import inside, name_problem
@@ -106,27 +106,35 @@ class Hosted:
 class Streams:
     """The streams a server hosts, by name; their packs go to the packs folder."""
 
-    def __init__(self, folder: Path | None, load: LoadOptions, backbone_for, on_model):
+    def __init__(self, folder: Path | None, load: LoadOptions, backbone_for, on_model, usual_model):
         self.folder = folder  # None: the packs are on object storage, where no stream can write
         self.load = load
         self.backbone_for = backbone_for  # LoadOptions -> a loaded backbone (the server's LRU)
         self.on_model = on_model  # job -> its result, run on the server's one model thread
+        self.usual_model = usual_model  # () -> the model a stream naming none runs (or None)
         self.hosted: dict[str, Hosted] = {}
         self.lock = threading.Lock()
 
     def start(self, request: StreamRequest) -> dict:
+        """Start `request`'s stream: everything it asks checked (and named as its JSON fields)
+        before its model loads; a name taken is a ConflictError."""
+        with called_from("http"):
+            return self._start(request)
+
+    def _start(self, request: StreamRequest) -> dict:
         if self.folder is None:
             raise UsageError("live streams need a local --packs folder to write their packs to")
         with self.lock:
             running = [name for name in self.hosted if self.live(name)]
             if request.name in running:
-                raise UsageError(f"a stream named '{request.name}' is running")
+                raise ConflictError(f"a stream named '{request.name}' is running")
             if len(running) >= MAX_STREAMS:
                 raise UsageError(f"{MAX_STREAMS} streams are running: stop one first")
             output = inside(self.folder, request.name, ".kvpack", "stream name")
             if output.exists():
-                raise UsageError(f"a pack named '{request.name}' exists: pick another name")
-            load = LoadOptions(request.model or self.load.model, self.load.device, self.load.dtype)
+                raise ConflictError(f"a pack named '{request.name}' exists: pick another name")
+            model = request.model or self.usual_model()
+            load = LoadOptions(model, self.load.device, self.load.dtype)
             method = request.method
             options = EncodeOptions(
                 method if isinstance(method, str) else MethodSpec(method.name, method.params),
@@ -140,7 +148,8 @@ class Streams:
                 output,
                 options,
                 live,
-                backbone=self.on_model(lambda: self.backbone_for(load)),
+                load=load,
+                load_model=lambda load: self.on_model(lambda: self.backbone_for(load)),
                 snapshot_every=request.snapshot_every,
                 on_model=self.on_model,
             )
