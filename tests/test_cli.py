@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from mmkv_cli.cli.app import app
 from mmkv_cli.pack.format import FORMAT_VERSION
 from tests.conftest import ROOT, SAMPLES
+from tests.helpers import run_mmkv
 
 runner = CliRunner()
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -114,6 +115,19 @@ def test_methods_and_models_list(qwen_pack):
     assert {"tiny-llava-ov", "tiny-qwen2-vl", "llava-ov-0.5b", "qwen2.5-vl-7b"} <= {
         m["name"] for m in models["models"]
     }
+
+
+def test_methods_opens_with_where_to_start_and_folds_presets_at_80_columns():
+    shown = run_mmkv("methods", env={"COLUMNS": "80"}).stdout.splitlines()
+    assert shown[0] == "start here"
+    picks = [line.split()[0] for line in shown[1 : shown.index("")]]
+    assert picks == ["full", "hermes", "mukv", "rekv"]  # methods in code that say when
+    assert all(len(line) <= 80 for line in shown) and len(shown) < 70
+    names = [line.split()[1] for line in shown if line.startswith("│ ") and line[2] != " "]
+    assert "h2o" in names and "h2o-adaptive" not in names
+    assert "presets: h2o-adaptive," in " ".join(shown)
+    every = run_mmkv("methods", "--all", env={"COLUMNS": "80"}).stdout
+    assert "│ h2o-adaptive " in every
 
 
 def zero_frame_video(path):

@@ -275,3 +275,24 @@ def test_eval_on_a_local_ray_answers_as_in_process_and_resumes_video_by_video(tm
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads(again.stdout)["videos"] == 1
     assert answers(tmp_path / "ray") == answers(tmp_path / "here")
+
+
+def test_the_plots_share_axis_is_labelled_in_plain_numbers():
+    """Shares within one decade (0.1 to 0.5) read 0.1, 0.2, 0.3, 0.5: no 4x10^-1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mmkv_cli.study.evaluate import share_axis
+
+    fig, ax = plt.subplots()
+    ax.plot([0.1, 0.25, 0.5], [0.4, 0.6, 0.7])
+    share_axis(ax)
+    fig.canvas.draw()
+    low, high = ax.get_xlim()
+    shown = [t for t in ax.get_xticklabels() if low <= t.get_position()[0] <= high]
+    major = [t.get_text() for t in shown]
+    minor = [t.get_text() for t in ax.get_xticklabels(minor=True) if t.get_text()]
+    plt.close(fig)
+    assert major == ["0.1", "0.2", "0.3", "0.5"] and minor == []

@@ -5,6 +5,7 @@ import pytest
 import mmkv
 from mmkv_cli import api
 from mmkv_cli.options import AskOptions, LoadOptions
+from tests.conftest import SAMPLES
 
 
 def test_encode_ask_open_and_stream_answer_as_the_api_does(tmp_path, clip):
@@ -27,3 +28,13 @@ def test_encode_ask_open_and_stream_answer_as_the_api_does(tmp_path, clip):
         mmkv.encode(clip, out, model="demo", method="recency", budget=0.5, max_frames=8)
     assert "--force" not in str(kept.value)  # Python's words, not the CLI's
     assert mmkv.encode(clip, out, model="demo", method="full", max_frames=8, force=True)
+
+
+def test_inspect_says_the_bits_a_stored_value_takes(tmp_path):
+    """kv_bits is what a stored value takes: 32 for a float32 pack (not the 16 of "as computed"),
+    the quantized width for a quantized one."""
+    clip = str(SAMPLES / "clip.mp4")
+    plain = mmkv.encode(clip, tmp_path / "f.kvpack", model="demo", max_frames=4)
+    assert plain.details["kv_dtype"] == "float32" and plain.kv_bits == 32
+    packed = mmkv.encode(clip, tmp_path / "q.kvpack", model="demo", max_frames=4, kv_bits=4)
+    assert mmkv.inspect(tmp_path / "q.kvpack").kv_bits == 4 == packed.kv_bits

@@ -72,3 +72,17 @@ def test_profile_compares_stored_bits_side_by_side():
         app, ["profile", str(SAMPLES / "clip.mp4"), "-m", "demo", "--kv-bits", "16,x"]
     )
     assert shown.exit_code == 2 and "--kv-bits must be one of" in shown.output
+
+
+def test_a_profile_of_one_token_answers_leaves_out_the_per_token_column(tmp_path):
+    """The demo answers in one word: no decode was timed, so neither the table nor the plot has
+    an empty per-token column, and a note says why."""
+    png = tmp_path / "p.png"
+    question = "what color is the circle ?"
+    args = ["profile", str(SAMPLES / "clip.mp4"), "-m", "demo", "--methods", "full,recency",
+            "--budget", "0.5", "--question", question, "--plot", str(png)]  # fmt: skip
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.stderr
+    assert "per tok" not in result.stdout and "TTFT" in result.stdout
+    assert "every answer was one token, so no decode time per token was measured" in result.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -248,12 +248,28 @@ def inspect(
     run(body)
 
 
+def with_presets_folded(rows: list[dict]) -> list[dict]:
+    """The methods in code, each naming its presets under its description."""
+    presets: dict[str, list[str]] = {}
+    for row in rows:
+        if row["name"] != row["implements"]:
+            presets.setdefault(row["implements"], []).append(row["name"])
+    folded = [dict(row) for row in rows if row["name"] == row["implements"]]
+    for row in folded:
+        if row["name"] in presets:
+            row["description"] += f"; presets: {', '.join(presets[row['name']])}"
+    return folded
+
+
 @app.command(cls=Command)
-def methods(as_json: bool = JsonOpt) -> None:
+def methods(
+    every: bool = typer.Option(False, "--all", help="A row for every preset too."),
+    as_json: bool = JsonOpt,
+) -> None:
     """List the compression methods (paper, default budget, parameters) and the token reducers."""
 
     def body() -> None:
-        from mmkv_cli.cli.display import out_console, show_listing
+        from mmkv_cli.cli.display import out_console, show_listing, show_start_here
         from mmkv_cli.methods.choice import method_listing
         from mmkv_cli.reduce import REDUCERS
         from mmkv_cli.spec import describe
@@ -273,10 +289,13 @@ def methods(as_json: bool = JsonOpt) -> None:
         if as_json:
             emit_json({"methods": rows, "reducers": reducers})
         else:
-            for row in rows:
-                row["reducer"] = row["reduce"]["name"] if row["reduce"] else ""
-            show_listing("methods", rows, ["name", "budget", "reducer", "description"])
+            show_start_here(rows)
             pruning = [row["name"] for row in rows if "prune-at-ask" in row["abilities"]]
+            shown = rows if every else with_presets_folded(rows)
+            for row in shown:
+                row["reducer"] = row["reduce"]["name"] if row["reduce"] else ""
+            title = "methods and presets" if every else "methods (--all: a row for each preset)"
+            show_listing(title, shown, ["name", "budget", "reducer", "description"])
             out_console.print(f"ask --prune takes: {', '.join(pruning)}", markup=False)
             show_listing("reducers (encode --reduce)", reducers, ["name", "description"])
 

@@ -3,7 +3,6 @@ packs, here or on Ray workers."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 
 import typer
@@ -139,12 +138,8 @@ def _answer_all(session, asked: list, options: AskOptions, as_json: bool, explai
     """Answer each question in order, streaming text (or one JSON line each); a question that
     fails reports its one-line error and the others still run. Returns how many failed."""
     from mmkv_cli.ask.result import answer_record
-    from mmkv_cli.cli.display import err_console
+    from mmkv_cli.cli.display import answer_broken, answer_end, answer_piece, err_console
     from mmkv_cli.cli.literal import literal
-
-    def stream(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
 
     failed = 0
     for number, q in enumerate(asked, 1):
@@ -153,8 +148,9 @@ def _answer_all(session, asked: list, options: AskOptions, as_json: bool, explai
             counted = f"[dim]\\[{number}/{len(asked)}][/dim]"
             err_console.print(f"{counted} {literal(q.text)}", highlight=False)
         try:
-            answer = session.ask(q.text, mine, on_token=None if as_json else stream)
+            answer = session.ask(q.text, mine, on_token=None if as_json else answer_piece)
         except MmkvError as err:
+            answer_broken()
             if len(asked) == 1:
                 raise
             failed += 1
@@ -173,7 +169,7 @@ def _answer_all(session, asked: list, options: AskOptions, as_json: bool, explai
         if as_json:
             emit_json(answer_record(answer, q.text, mine.at, q.id, explain))
             continue
-        sys.stdout.write("\n")
+        answer_end()
         if explain:
             from mmkv_cli.cli.display import show_retrieved
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from contextlib import contextmanager
 
 from rich import box
@@ -40,8 +41,50 @@ def show_logs(level: int, quiet: bool) -> None:
     )
     handler.setFormatter(VisibleFormatter("%(name)s: %(message)s", datefmt="%H:%M:%S"))
     root = logging.getLogger("mmkv")
-    root.handlers = [h for h in root.handlers if not isinstance(h, RichHandler)] + [handler]
+    root.handlers = [h for h in root.handlers if not isinstance(h, HeldWhileAnswering)]
+    root.handlers.append(HeldWhileAnswering(handler))
     root.setLevel(level)
+
+
+class HeldWhileAnswering(logging.Handler):
+    """Records that come while an answer's line streams on stdout wait for its end: on one
+    terminal they would land in the middle of the answer."""
+
+    held: list[tuple[logging.Handler, logging.LogRecord]] = []
+    answering = False
+
+    def __init__(self, inner: logging.Handler):
+        super().__init__()
+        self.inner = inner
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if HeldWhileAnswering.answering:
+            HeldWhileAnswering.held.append((self.inner, record))
+        else:
+            self.inner.handle(record)
+
+
+def answer_piece(piece: str) -> None:
+    """A piece of the answer streaming on stdout (the line is held open until answer_end)."""
+    HeldWhileAnswering.answering = True
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def answer_broken() -> None:
+    """An answer cut by an error: its line ends, so the error starts a line of its own."""
+    if HeldWhileAnswering.answering:
+        answer_end()
+
+
+def answer_end() -> None:
+    """The answer's line ended; the records held meanwhile shown."""
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    HeldWhileAnswering.answering = False
+    held, HeldWhileAnswering.held = HeldWhileAnswering.held, []
+    for handler, record in held:
+        handler.handle(record)
 
 
 class VisibleFormatter(logging.Formatter):
@@ -137,7 +180,7 @@ def prefilled_label(info: dict) -> str:
 def storage_label(info: dict) -> str:
     """How the visual KV is stored: bits, group and bytes per token per layer."""
     per_token = f"{info['kv_bytes_per_token']:g} bytes a token per layer"
-    if info["kv_bits"] == 16:
+    if info["kv_group"] is None:  # not quantized
         return f"{info['kv_dtype']}, as computed, {per_token}"
     ratio = info["kv_bytes_per_token"] / max(1, info["kv_bytes_per_token_as_computed"])
     return (
@@ -234,6 +277,18 @@ def show_inspect(info: dict) -> None:
         heads = [" ".join(map(str, layer["heads"]))] if info["per_head"] else []
         layers.add_row(str(layer["index"]), str(layer["tokens_kept"]), *heads)
     out_console.print(layers)
+
+
+def show_start_here(rows: list[dict]) -> None:
+    """The methods a newcomer picks first, each with when (the registry's start_here)."""
+    picks = [row for row in rows if row.get("start_here")]
+    if not picks:
+        return
+    out_console.print("start here", style="bold")
+    widest = max(len(row["name"]) for row in picks)
+    for row in picks:
+        out_console.print(plain(f"  {row['name']:<{widest}}  {row['start_here']}"))
+    out_console.print()
 
 
 def show_listing(title: str, rows: list[dict], columns: list[str]) -> None:

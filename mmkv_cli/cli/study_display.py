@@ -8,7 +8,7 @@ import math
 from rich import box
 from rich.table import Table
 
-from mmkv_cli.cli.display import human_bytes, out_console, short_label
+from mmkv_cli.cli.display import err_console, human_bytes, out_console, short_label
 from mmkv_cli.cli.literal import plain
 
 
@@ -88,6 +88,12 @@ def _eval_table(title: str, columns: tuple) -> Table:
     return table
 
 
+UNMEASURED_DECODE = (
+    "note: every answer was one token, so no decode time per token was measured "
+    "(a question with a longer answer measures it)"
+)
+
+
 def show_profile(result: dict) -> None:
     """Two narrow tables, measurements then ratios, so both fit an 80-column terminal."""
     columns = [
@@ -102,6 +108,9 @@ def show_profile(result: dict) -> None:
     from mmkv_cli.study.profile import label as run_label
 
     runs = result["methods"]
+    if all(r["decode_s_per_token"] is None for r in runs):  # an empty column says nothing
+        columns = [c for c in columns if c[1] != "decode_s_per_token"]
+        err_console.print(plain(UNMEASURED_DECODE))
     repeat = runs[0].get("repeat", 1) if runs else 1
     each = (
         f", medians of {repeat} runs" if repeat > 1 else ", one run each (--repeat N for medians)"

@@ -270,6 +270,7 @@ class Method:
     prune_at_ask: AskPruner | None = None  # offered to `ask --prune`
     reducer: str | None = None  # the token reducer it runs before the prefill (StreamingTOM's CTR)
     kv_bits: float = 16  # bits its pack stores K/V at unless `--kv-bits` says (StreamingTOM: 4)
+    start_here: str | None = None  # when a newcomer picks it first (`mmkv methods` opens with it)
 
     @property
     def keeps_all(self) -> bool:

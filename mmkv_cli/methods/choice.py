@@ -112,6 +112,7 @@ def method_listing() -> list[dict]:
                 "params": [{**p, "value": values[p["name"]]} for p in describe(method.params)],
                 "reduce": choice.reduce.record() if choice.reduce else None,
                 "kv_bits": method.kv_bits,
+                "start_here": method.start_here if name == method.name else None,
             }
         )
     return rows

@@ -23,6 +23,7 @@ METHOD = Method(
     name="full",
     label="Full",
     description="keep the whole KV cache (reference)",
+    start_here="the reference: every token kept, what the others are measured against",
     paper=Paper("the uncompressed baseline of all four papers", 2025),
     params=FullParams,
     budget=None,

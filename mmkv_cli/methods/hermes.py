@@ -373,6 +373,7 @@ METHOD = Method(
     name="hermes",
     label="HERMES",
     description="streaming layered memory, fixed 4K-token budget, summary token, no retrieval",
+    start_here="a live stream or a long video in a memory of fixed size",
     paper=Paper(
         "HERMES: KV Cache as Hierarchical Memory for Efficient Streaming Video Understanding",
         2026,

@@ -324,6 +324,7 @@ METHOD = Method(
     name="mukv",
     label="MuKV",
     description="multi-grained blocks, dual-signal compression, hierarchical retrieval",
+    start_here="a saved video, asked about at any grain from a moment to the whole",
     paper=Paper(
         "MuKV: Multi-Grained KV Cache Compression for Long Streaming Video Question-Answering",
         2026,

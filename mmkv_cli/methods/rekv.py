@@ -105,6 +105,7 @@ METHOD = Method(
     name="rekv",
     label="ReKV",
     description="whole stream, one block per frame, top-k retrieval by the question",
+    start_here="a long video whose questions each need a few moments of it",
     paper=Paper(
         "Streaming Video Question-Answering with In-context Video KV-Cache Retrieval (ReKV)",
         2025,

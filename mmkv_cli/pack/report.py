@@ -97,7 +97,8 @@ def inspect(pack: str | Path) -> dict:
         "prompt_tokens": spans["prefix"]["layer_counts"][0] + spans["suffix"]["layer_counts"][0],
         "bytes": reader.size,
         "kv_bytes": round(float(sum(per_layer)) * per_token),
-        "kv_bits": reader.quant.bits if reader.quant else 16,
+        # bits a stored value takes: the quantized width, else the dtype's (32 for float32)
+        "kv_bits": reader.quant.bits if reader.quant else 8 * BYTES_PER_VALUE[kv.dtype],
         "kv_group": reader.quant.group if reader.quant else None,
         "kv_dtype": kv.dtype,
         "kv_bytes_per_token": round(per_token, 2),  # per layer, K + V and their scales

@@ -139,6 +139,20 @@ def _series(run: dict) -> str:
     return f"{run['method']}{kind}{stream}"
 
 
+SHARE_TICKS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
+
+
+def share_axis(ax) -> None:
+    """A log x axis of shares labelled as plain numbers (0.1, 0.5), not as powers of ten: a
+    range within one decade otherwise gets only minor labels such as 4x10^-1."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(FixedLocator(SHARE_TICKS))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def plot(runs: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -169,7 +183,7 @@ def plot(runs: list[dict], path: Path) -> None:
     chances = [t["chance"] * t["n"] for t in runs[0]["by_type"].values() if t["chance"] is not None]
     if runs and len(chances) == len(runs[0]["by_type"]):
         ax.axhline(sum(chances) / runs[0]["n"], color="gray", linestyle="--", label="chance")
-    ax.set_xscale("log")
+    share_axis(ax)
     ax.set_xlabel("fraction of visual KV kept (measured)")
     ax.set_ylabel("accuracy")
     ax.set_ylim(0, 1.02)

@@ -211,9 +211,9 @@ def plot(result: dict, path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     names = [label(r) for r in result["methods"]]
-    shown = list(IN_WORDS)
-    fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 3.2))
-    for ax, metric in zip(axes, shown):
+    shown = [m for m in IN_WORDS if any(r["ratio"][m] is not None for r in result["methods"])]
+    fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 3.2), squeeze=False)
+    for ax, metric in zip(axes[0], shown):
         values = [r["ratio"][metric] or 0.0 for r in result["methods"]]
         ax.bar(names, values, color="#4c72b0")
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
