@@ -158,7 +158,7 @@ def check_ask(options: AskOptions) -> None:
         raise UsageError(
             f"{flag('at')} must be a finite number of seconds (or an index), 0 or more"
         )
-    budget = "prune_budget" if flag("at") == "at" else "--budget"  # ask's own name for it
+    budget = flag("prune_budget")
     if share is not None and not options.prune:
         raise UsageError(f"{budget} at ask only applies with {flag('prune')} METHOD")
     if share is not None and not (is_number(share) and 0 < share <= 1):

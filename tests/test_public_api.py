@@ -253,3 +253,29 @@ def test_reading_packs_and_listing_from_python_never_imports_torch(tmp_path, cli
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_python_keywords_and_cli_options_share_their_names():
+    """One set of names (issue 75): each keyword of `mmkv.encode`, `ask`, `live`, `convert` and
+    `eval` is an option of the command of the same name, spelled the same (start, not --from);
+    every command that writes takes -o / --out, as Python's `out`."""
+    import inspect as py_inspect
+
+    import typer
+
+    from mmkv_cli.cli.app import app
+
+    commands = typer.main.get_command(app).commands
+    for name in ("encode", "ask", "live", "convert", "eval"):
+        signature = py_inspect.signature(getattr(mmkv, name)).parameters.values()
+        keywords = {p.name for p in signature if p.kind is p.KEYWORD_ONLY} - {"progress"}
+        options = {
+            option.lstrip("-").replace("-", "_")
+            for param in commands[name].params
+            for option in param.opts
+            if option.startswith("--")
+        }
+        assert keywords <= options, (name, keywords - options)
+    for name in ("encode", "live", "eval", "batch"):
+        written = next(p for p in commands[name].params if "--out" in p.opts)
+        assert "-o" in written.opts, name

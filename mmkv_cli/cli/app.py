@@ -121,7 +121,7 @@ def main_options(
 @app.command(cls=Command)
 def encode(
     media: str = typer.Argument(..., help="Video file, PDF, image, image folder or glob."),
-    output: str = typer.Option(..., "--output", "-o", help="The .kvpack to write."),
+    output: str = typer.Option(..., "--out", "-o", "--output", help="The .kvpack to write."),
     method: str = typer.Option(
         "full",
         "--method",

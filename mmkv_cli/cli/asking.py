@@ -66,7 +66,7 @@ def ask(
         "prunes at ask (`mmkv methods` names them) or a preset over one.",
     ),
     budget: float | None = typer.Option(
-        None, "--budget", help="With --prune: share of the visual KV kept."
+        None, "--prune-budget", "--budget", help="With --prune: share of the visual KV kept."
     ),
     device: str = DeviceOpt,
     dtype: Dtype = DtypeOpt,

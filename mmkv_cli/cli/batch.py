@@ -37,7 +37,7 @@ def batch(
         "kv_bits, kv_group, guidance_prompt, reduce, id).",
     ),
     out: str = typer.Option(
-        ..., "--out", help="Folder or URL prefix the packs and batch.jsonl go to."
+        ..., "--out", "-o", "--output", help="Folder or URL prefix the packs and batch.jsonl go to."
     ),
     method: str = typer.Option(
         "full",

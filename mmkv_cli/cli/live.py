@@ -33,7 +33,9 @@ def live(
         help="'-' (a stream piped on stdin), a file still being written, rtsp:// rtmp:// udp:// "
         "http(s):// (MPEG-TS, HLS), or /dev/videoN.",
     ),
-    output: str = typer.Option(..., "--output", "-o", help="The .kvpack the memory goes to."),
+    output: str = typer.Option(
+        ..., "--out", "-o", "--output", help="The .kvpack the memory goes to."
+    ),
     method: str = typer.Option(
         "hermes", "--method", help="A streaming memory policy.", autocompletion=method_names
     ),

@@ -22,10 +22,10 @@ def convert(
         help="With --kv-bits: tokens per key group, channels per value group (default: 128).",
     ),
     start: float | None = typer.Option(
-        None, "--from", help="Keep only blocks showing this second or later."
+        None, "--start", "--from", help="Keep only blocks showing this second or later."
     ),
     stop: float | None = typer.Option(
-        None, "--to", help="Keep only blocks showing this second or earlier."
+        None, "--stop", "--to", help="Keep only blocks showing this second or earlier."
     ),
     force: bool = typer.Option(
         False, "--force", help="Replace an existing output; allow raising the precision."

@@ -128,7 +128,7 @@ def eval_(
         "questions carry moments and the budget can follow a stream.",
     ),
     out: str = typer.Option(
-        "eval", "--out", "-o", help="Results folder: OUT/<model>/<method>-b<budget>/."
+        "eval", "--out", "-o", "--output", help="Results folder: OUT/<model>/<method>-b<budget>/."
     ),
     positions: Positions | None = typer.Option(
         None, "--positions", help="Keep or compact positions (default: each method's)."
