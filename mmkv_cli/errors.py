@@ -87,10 +87,6 @@ def called_from_python() -> Iterator[None]:
         yield
 
 
-class ConflictError(UsageError):
-    """A name already taken by something running or kept (HTTP 409)."""
-
-
 def output_exists(what: object) -> OutputExistsError:
     """`what` is there already, and how this caller replaces it."""
     return OutputExistsError(f"{what} already exists; pass {flag('force', 'True')} to replace it")

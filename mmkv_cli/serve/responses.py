@@ -6,9 +6,10 @@ import json
 
 from fastapi.responses import JSONResponse
 
-from mmkv_cli.errors import ConflictError, ModelError, PackError, UsageError
+from mmkv_cli.errors import ModelError, OutputExistsError, PackError, UsageError
 
-STATUS = {UsageError: 400, ConflictError: 409, PackError: 422, ModelError: 503}
+# a name a stream or a pack already holds: 409
+STATUS = {UsageError: 400, OutputExistsError: 409, PackError: 422, ModelError: 503}
 
 
 def error(

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from mmkv_cli.errors import ConflictError, MmkvError, UsageError, called_from
+from mmkv_cli.errors import MmkvError, OutputExistsError, UsageError, called_from
 from mmkv_cli.live import Follow, LiveQuestion
 from mmkv_cli.media.live import LiveOptions
 from mmkv_cli.names import inside, name_problem
@@ -117,7 +117,7 @@ class Streams:
 
     def start(self, request: StreamRequest) -> dict:
         """Start `request`'s stream: everything it asks checked (and named as its JSON fields)
-        before its model loads; a name taken is a ConflictError."""
+        before its model loads; a name taken is an OutputExistsError (409)."""
         with called_from("http"):
             return self._start(request)
 
@@ -127,12 +127,12 @@ class Streams:
         with self.lock:
             running = [name for name in self.hosted if self.live(name)]
             if request.name in running:
-                raise ConflictError(f"a stream named '{request.name}' is running")
+                raise OutputExistsError(f"a stream named '{request.name}' is running")
             if len(running) >= MAX_STREAMS:
                 raise UsageError(f"{MAX_STREAMS} streams are running: stop one first")
             output = inside(self.folder, request.name, ".kvpack", "stream name")
             if output.exists():
-                raise ConflictError(f"a pack named '{request.name}' exists: pick another name")
+                raise OutputExistsError(f"a pack named '{request.name}' exists: pick another name")
             model = request.model or self.usual_model()
             load = LoadOptions(model, self.load.device, self.load.dtype)
             method = request.method
