@@ -94,8 +94,8 @@ def test_the_shell_blocks_of_a_page_run_in_order(tmp_path, page):
     stand_ins(tmp_path)
     env = {**os.environ, "MMKV_MODEL": "demo", "HF_HUB_OFFLINE": "1", "COLUMNS": "100"}
     venv_bin = str(Path(sys.executable).parent)
+    (tmp_path / ".venv").symlink_to(sys.prefix)  # the checkout's venv, which a page may activate
     if page == "README.md":  # the front door: mmkv on the PATH only as its own lines put it there
-        (tmp_path / ".venv").symlink_to(sys.prefix)
         env.pop("VIRTUAL_ENV", None)
         env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != venv_bin)
     else:
