@@ -16,7 +16,7 @@ OUT ?= out
 TRAIN_DEVICE ?= cpu
 TRAIN_WORKERS ?= 0
 
-.PHONY: setup demo demo-model test test-matrix docs wheel-check samples bench bench-scale bench-gpu gpu-wheels clean
+.PHONY: setup demo demo-model test test-matrix docs docs-figures wheel-check samples bench bench-scale bench-gpu gpu-wheels clean
 
 setup:
 	@PYTHON='$(PYTHON)' VENV='$(VENV)' TORCH='$(TORCH)' CPU='$(CPU)' TORCH_INDEX='$(TORCH_INDEX)' \
@@ -87,6 +87,11 @@ test-matrix:
 # The documentation site (docs/, mkdocs material) into site/; `make test` builds it with --strict.
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The docs' figures (docs/figures/*.png) from bench/results; tests/test_docs_figures.py checks that
+# each was drawn from its results file as it is now.
+docs-figures: setup
+	$(BIN)/python scripts/docs_figures.py
 
 # The built wheel, installed in a fresh venv outside the checkout, runs methods / encode / ask.
 wheel-check: setup

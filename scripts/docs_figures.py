@@ -29,6 +29,8 @@ def accuracy_vs_budget(data: dict, out: Path, tag: str) -> None:
     token budget is a share of this world's clips too), a panel per protocol."""
     import matplotlib.pyplot as plt
 
+    from mmkv_cli.study.evaluate import share_axis
+
     protocols = list(dict.fromkeys(run["protocol"] for run in data["runs"]))
     fig, axes = plt.subplots(1, len(protocols), figsize=(5 * len(protocols) + 2, 4), squeeze=False)
     methods = list(dict.fromkeys(run["method"] for run in data["runs"]))
@@ -36,22 +38,32 @@ def accuracy_vs_budget(data: dict, out: Path, tag: str) -> None:
         runs = [run for run in data["runs"] if run["protocol"] == protocol]
         for i, method in enumerate(methods):
             points = sorted((r["kept"], r["accuracy"]) for r in runs if r["method"] == method)
-            style = {"color": f"C{i % 10}", "label": method, "marker": "os^v"[i // 10]}
+            style = {"color": plt.get_cmap("tab20")(i % 20), "label": method, "marker": "os"[i % 2]}
             if points and all(kept >= 1.0 for kept, _ in points):  # keeps all: a level
                 ax.axhline(points[0][1], linestyle=":", color=style["color"], label=method)
             elif points:
                 ax.plot(*zip(*points), **style)
-        ax.set_xscale("log")
+        share_axis(ax)
         ax.set_title(f"{protocol} protocol", fontsize=10)
         ax.set_xlabel("share of visual KV kept (measured)")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("accuracy")
-    axes[0][-1].legend(fontsize="small", loc="center left", bbox_to_anchor=(1.02, 0.5))
+    shown = {}  # one legend for both panels, a method once
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            shown.setdefault(label, handle)
+    axes[0][-1].legend(
+        shown.values(),
+        shown.keys(),
+        fontsize="small",
+        loc="center left",
+        bbox_to_anchor=(1.02, 0.5),
+    )
     args = data["args"]
     fig.suptitle(
-        f"mmkv eval: {args['model']} on {args['clips']} clips of {args['frames']} frames "
-        f"(budgets 0.5 and {args['tokens']} tokens)",
+        f"mmkv eval: {args['model']} on {args['clips']} clips of {args['frames']} frames, "
+        f"budgets {args['budgets'].replace(',', ', ')} (a dotted line: a method keeping all)",
         fontsize=10,
     )
     _save(fig, out, tag, plt)
@@ -118,7 +130,7 @@ def _save(fig, out: Path, tag: str, plt) -> None:
 Figure = Callable[[dict, Path, str], None]
 # the figure's file, the results file it is drawn from, and how
 FIGURES: dict[str, tuple[str, Figure]] = {
-    "accuracy-demo.png": ("eval_protocols-demo.json", accuracy_vs_budget),
+    "accuracy-demo.png": ("eval-demo-64.json", accuracy_vs_budget),
     "cost-vs-length-cpu.png": ("scale-cpu.json", cost_vs_length),
     "live-hour-cpu.png": ("live-rehearsal-llava-ov-0.5b-1l.json", live_over_an_hour),
 }

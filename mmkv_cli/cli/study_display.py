@@ -31,10 +31,9 @@ def show_eval(runs: list[dict], figure: str) -> None:
     from different memories: each protocol gets tables of its own, and a line says which ran how."""
     protocols = list(dict.fromkeys(r.get("protocol", "replay") for r in runs))
     if len(protocols) > 1:
-        chosen = "; ".join(
-            f"{p}: {', '.join(r['method'] for r in runs if r.get('protocol', 'replay') == p)}"
-            for p in protocols
-        )
+        by = {p: dict.fromkeys(r["method"] for r in runs if r.get("protocol", "replay") == p)
+              for p in protocols}  # fmt: skip
+        chosen = "; ".join(f"{p}: {', '.join(methods)}" for p, methods in by.items())
         out_console.print(
             plain(f"protocols ({chosen}): a streamed and a replayed accuracy are not comparable")
         )
