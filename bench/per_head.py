@@ -10,6 +10,8 @@ cut three ways, each keeping `share` of the visual tokens per layer (in (token, 
   per_head   each KV head its own tokens, as many per head (H2O's and MEDA's code)
   ragged     each KV head its own tokens, head h keeping a share rising with h (AdaKV-like)
 (A rehearsal model's random weights make its heads agree, so the per-head selection is drawn here.)
+With --methods (issue 72: snapkv,pyramidkv), each method also encodes the clip itself, per KV head
+(its default) and as its `-per-layer` preset, at --share, and the same figures compare the two.
 Figures: the blocks' stored bytes over the bytes of the K/V they hold (the per-layer pack's, per
 entry), and the ask TTFT (median of 7, one-token answers, the packs asked in turn) of each against
 the per-layer pack's.
@@ -144,6 +146,7 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=64)
     ap.add_argument("--share", type=float, default=0.25)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--methods", default="", help="methods whose -per-layer preset to compare")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "per_head.json"))
     args = ap.parse_args()
     backbone = load_backbone(LoadOptions(args.model, args.device, layers=args.layers or None))
@@ -160,11 +163,20 @@ def main() -> None:
             how: variant(reader, how, args.share, Path(tmp) / f"{how}.kvpack", seed=7)
             for how in ("per_layer", "per_head", "ragged")
         }
+        for method in filter(None, args.methods.split(",")):
+            for name in (method, f"{method}-per-layer"):
+                made = EncodeOptions(name, args.share, fps=2.0, max_frames=args.frames, force=True)
+                paths[name] = Path(tmp) / f"{name}.kvpack"
+                api.encode(str(video), paths[name], made, backbone=backbone)
         timed = ttfts(paths, backbone)
         rows = {how: {**sizes(path), **timed[how]} for how, path in paths.items()}
         for how, row in rows.items():
             print(how, json.dumps(row), flush=True)
-    base = rows["per_layer"]
+
+    def against(how: str) -> str:  # a method's rows against its -per-layer preset's
+        method = how.removesuffix("-per-layer")
+        return f"{method}-per-layer" if method in args.methods.split(",") else "per_layer"
+
     result = {
         "model": args.model,
         "layers": args.layers,
@@ -172,13 +184,20 @@ def main() -> None:
         "share": args.share,
         "device": str(backbone.device),
         "rows": rows,
+        "methods": args.methods,
         "figures": {
             how: {
+                "against": against(how),
                 "bytes_vs_per_layer_per_entry": round(
-                    row["blocks_bytes"] / row["entries"] / (base["blocks_bytes"] / base["entries"]),
+                    row["blocks_bytes"]
+                    / row["entries"]
+                    / (rows[against(how)]["blocks_bytes"] / rows[against(how)]["entries"]),
                     4,
                 ),
-                "ttft_vs_per_layer": round(row["ttft_s"] / base["ttft_s"], 3),
+                "bytes_vs_per_layer": round(
+                    row["blocks_bytes"] / rows[against(how)]["blocks_bytes"], 4
+                ),
+                "ttft_vs_per_layer": round(row["ttft_s"] / rows[against(how)]["ttft_s"], 3),
             }
             for how, row in rows.items()
         },

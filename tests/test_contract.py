@@ -51,11 +51,14 @@ def test_method_encodes_inspects_and_answers(tmp_path, backbones, method, family
         max_frames=4,
         **case.budget,
     )
+    thinned = {k: info[k] for k in ("frames_offered", "max_frames", "max_frames_by") if k in info}
     assert info == {
         **api.inspect(pack),
         "encode_s": info["encode_s"],
         "peak_kv_bytes": info["peak_kv_bytes"],
+        **thinned,  # said only where the media offered more than max_frames
     }
+    assert not thinned or thinned["frames_offered"] > info["media"]["frames"] == 4
     assert info["method"] == method and info["media"]["kind"] == media and info["blocks"] > 0
     total, kept = info["visual_tokens_total"], info["visual_tokens_kept"]
     layers = [layer["tokens_kept"] for layer in info["layers"]]
