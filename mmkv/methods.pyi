@@ -151,6 +151,7 @@ class HERMES(MethodConfig):
     summary_at: Literal['after_kept', 'after_prompt']
     reindex: Literal['eager', 'lazy']
     reindex_at: int | None
+    continue_at: Literal['layer_end', 'stream']
     def __init__(
         self,
         *,
@@ -175,6 +176,7 @@ class HERMES(MethodConfig):
         summary_at: Literal['after_kept', 'after_prompt'] = ...,
         reindex: Literal['eager', 'lazy'] = ...,
         reindex_at: int | None = ...,
+        continue_at: Literal['layer_end', 'stream'] = ...,
     ) -> None: ...
 
 

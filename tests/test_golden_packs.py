@@ -17,7 +17,11 @@ version number and `blocks.digest_layers`; every tensor byte for byte as before 
 one a block as before, stored [blocks, 1, 32]), and hermes-qwen25 for HERMES' per-backbone curves
 (issue 72: a Qwen backbone weighs recency as the authors' Qwen file does, so its middle layers
 keep other tokens; `curves` in the header's params), and all six for `layout.position_limit` (issue
-74: the bound every stored position is checked against; every tensor byte for byte as before)."""
+74: the bound every stored position is checked against; every tensor byte for byte as before), and
+hermes-qwen25 for HERMES' per-layer continuation (issue 72: after a compression each layer's next
+chunk follows its own furthest position, as the authors' code places it, so a layer whose summary
+reaches further on M-RoPE's axes moves the others up; `continue_at` in the header's params, the
+prefix's positions per layer)."""
 
 import json
 from pathlib import Path

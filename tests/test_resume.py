@@ -17,7 +17,7 @@ import torch
 from mmkv_cli import api
 from mmkv_cli.encode.checkpoint import checkpoint_path
 from mmkv_cli.errors import PackError, UsageError
-from mmkv_cli.options import EncodeOptions
+from mmkv_cli.options import EncodeOptions, MethodSpec
 from mmkv_cli.pack import PackReader
 from mmkv_cli.study.synth import write_dataset
 
@@ -85,6 +85,23 @@ def test_an_interrupted_encode_resumes_to_the_same_pack(world, method, reduce):
     api.encode(video, cut, resumed, backbone=backbone)
     assert same_pack(whole, cut)
     assert not checkpoint_path(cut).exists()  # removed once the pack is written
+
+
+def test_lazy_hermes_resumes_with_its_layers_moved(world):
+    """Lazy HERMES moves layers as a whole after compressions (issue 72): how far each moved is in
+    the checkpoint, so the resumed pack's prompt sits where the uninterrupted one's does."""
+    backbone, tmp = world
+    video = str(tmp / "set" / "clips" / "clip_0000.mp4")
+    lazy, small = MethodSpec("hermes", {"reindex": "lazy"}), {"budget_tokens": 24}
+    whole = tmp / "hermes-lazy-whole.kvpack"
+    api.encode(video, whole, EncodeOptions(lazy, **OPTIONS, **small), backbone=backbone)
+    starts = {int(p[0, 0]) for p in PackReader(whole).span("prefix").positions}
+    assert len(starts) > 1  # layers moved by different amounts
+    cut = tmp / "hermes-lazy-cut.kvpack"
+    interrupt(backbone, video, cut, lazy, chunks=2, **small)
+    resumed = EncodeOptions(lazy, checkpoint_every=1, resume=True, **OPTIONS, **small)
+    api.encode(video, cut, resumed, backbone=backbone)
+    assert same_pack(whole, cut)
 
 
 def test_a_checkpoint_of_another_encode_is_refused(world):

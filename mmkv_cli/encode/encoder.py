@@ -38,14 +38,23 @@ from mmkv_cli.pack import Span
 from mmkv_cli.reduce.choice import check_reducer
 
 
-def _span(name: str, cache, starts: list[int], stop: int | None, positions: torch.Tensor) -> Span:
+def _span(
+    name: str,
+    cache,
+    starts: list[int],
+    stop: int | None,
+    positions: torch.Tensor,
+    shifts: list[int] | None = None,
+) -> Span:
     """Cache entries [starts[layer], stop) of every layer (layers may hold different counts
-    before)."""
+    before), at `positions` moved by shifts[layer] in each (a layer a policy moved as a whole)."""
     keys = [e.keys[0, :, start:stop] for e, start in zip(cache.layers, starts)]
     values = [e.values[0, :, start:stop] for e, start in zip(cache.layers, starts)]
     held = host_all(keys + values)  # one wait for every layer's, not one each
     layers = len(keys)
-    return Span(name, held[:layers], held[layers:], [positions.cpu()] * layers)
+    positions = positions.cpu()
+    placed = [positions + shift if shift else positions for shift in (shifts or [0] * layers)]
+    return Span(name, held[:layers], held[layers:], placed)
 
 
 def encode_media(
@@ -99,7 +108,12 @@ def encode_media(
             )
             # read back: a policy may have merged evicted tokens into the prompt's KV (MEDA)
             prefix = _span(
-                "prefix", done.cache, [0] * len(cache.layers), len(prefix_ids), layout.prefix
+                "prefix",
+                done.cache,
+                [0] * len(cache.layers),
+                len(prefix_ids),
+                layout.prefix,
+                done.prompt_shift,
             )
             encoded = finished(backbone, layout, prefix, done, frame_hw, started)
         except BaseException:
@@ -219,6 +233,7 @@ def encode_streaming(
         state.shift,
         prefilled=state.prefilled,
         head_masks=running.head_masks(),
+        prompt_shift=list(running.prompt_shift),
     )
 
 

@@ -142,8 +142,8 @@ class LiveEncoder:
             self.placed = layout
         return layout
 
-    def prefix(self, cache, layers: int) -> Span:
-        return _span("prefix", cache, [0] * layers, self.prompt_len, self.prefix_positions)
+    def prefix(self, cache, layers: int, shifts: list[int] | None = None) -> Span:
+        return _span("prefix", cache, [0] * layers, self.prompt_len, self.prefix_positions, shifts)
 
     def _end(self, fork: bool) -> Encoded:
         if self.frame_hw is None:
@@ -215,7 +215,8 @@ class StreamRunner:
         state.attend = None
         running = state.cache
         visual_end = [running.visual_start(i) + running.count(i) for i in range(state.layers)]
-        prefix = self.owner.prefix(running.cache, state.layers)  # MEDA may merge into it
+        # MEDA may merge into it; HERMES may have moved a layer as a whole
+        prefix = self.owner.prefix(running.cache, state.layers, running.prompt_shift)
         done = Streamed(
             blocks,
             running.cache,
@@ -224,6 +225,7 @@ class StreamRunner:
             state.shift,
             prefilled=state.prefilled,
             head_masks=running.head_masks(),
+            prompt_shift=list(running.prompt_shift),
         )
         return prefix, done
 

@@ -39,6 +39,9 @@ class Streamed:
     prefilled: int | None = None  # visual tokens prefilled (None: every one the stream gave)
     # per layer whose KV heads hold different tokens: which entries each sees (RunningCache)
     head_masks: dict = field(default_factory=dict)
+    # per layer, how far its prompt was moved from the layout's positions (RunningCache); empty:
+    # none was
+    prompt_shift: list[int] = field(default_factory=list)
 
 
 def layout_record(backbone: Backbone, layout: StreamLayout, shift: int, frame_hw) -> dict:

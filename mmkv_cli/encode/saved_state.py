@@ -33,6 +33,7 @@ def running_cache_tensors(
     `full` or of a sliding window is one run), so the head stays small."""
     live = {
         "cache.front": torch.tensor(running.front),
+        "cache.prompt_shift": torch.tensor(running.prompt_shift, dtype=torch.long),
         "cache.streamed": torch.tensor(running.streamed),
         "cache.cuts": torch.tensor(cuts, dtype=torch.long),
     }
@@ -124,6 +125,11 @@ def restore_running_cache(running, tensors: dict[str, torch.Tensor]) -> list[int
     (pieces no held entry needs any more are dropped): the archive keeps the loaded pieces
     themselves (no second host copy of an hour's offloaded KV). The saves' cuts, for the next."""
     running.front = tensors.pop("cache.front").tolist()
+    shifts = tensors.pop("cache.prompt_shift", None)  # a checkpoint from before it: none moved
+    if shifts is not None:
+        if shifts.numel() != running.layers:
+            raise PackError("the checkpoint is corrupted (cache.prompt_shift)")
+        running.prompt_shift = shifts.tolist()
     running.streamed = int(tensors.pop("cache.streamed"))
     cuts = _checked_cuts(tensors.pop("cache.cuts"), running.streamed)
     for layer, entry in enumerate(running.cache.layers):

@@ -7,9 +7,10 @@ pseudo-questions joined, as the authors' code asks them; scores are smoothed dee
 each layer keeps its own top-k. What deep layers evict is folded into a summary token, appended to
 the running cache as an ordinary token that later compressions score, may evict and fold again
 (the authors' code; `summary_as: running_mean` keeps one apart instead); its position follows the
-layer's last kept token, as in the authors' code. Positions stay (`lazy`, compacted only near the
-model's position limit) or are compacted at every compression (`eager`), keys re-rotated by the
-change. Everything kept goes into the pack; ask uses all of it (no retrieval).
+layer's last kept token, and what streams in next follows each layer's furthest entry (a layer
+moves as a whole to meet the stream), as in the authors' code. Positions stay (`lazy`, compacted
+only near the model's position limit) or are compacted at every compression (`eager`), keys
+re-rotated by every move. Everything kept goes into the pack; ask uses all of it (no retrieval).
 
 Smoothing pairs a layer's score with the deeper layer's score of the same stream token, as the paper
 means; the authors' code pairs cache slots, which hold different tokens once layers diverge.
@@ -33,7 +34,7 @@ from mmkv_cli.methods.hermes_scoring import (
     smooth_deep_to_shallow,
 )
 from mmkv_cli.methods.keep_all import KeepAll
-from mmkv_cli.methods.running_cache import StreamState
+from mmkv_cli.methods.running_cache import StreamState, continue_after_each_layer
 from mmkv_cli.methods.scoring import top_in_order
 from mmkv_cli.pack.format import Span, block_name
 from mmkv_cli.spec import knob
@@ -120,6 +121,12 @@ class HermesParams(GuidedParams):
         None,
         "lazy threshold (null: the model's max_position_embeddings - 1024, as the authors' code)",
         low=1,
+    )
+    continue_at: Literal["layer_end", "stream"] = knob(
+        "layer_end",
+        "after a compression, what streams in next follows each layer's own last entry (the "
+        "authors' per-layer start positions; a layer moves as a whole to meet it) or the stream's "
+        "next position in every layer (mmkv before issue 72)",
     )
 
 
@@ -218,7 +225,7 @@ class HermesMemory(KeepAll):
                 continue
             local = top_in_order(scores[layer], keep)
             if folds:
-                evicted[layer] = _evicted(state, layer, local)
+                evicted[layer] = state.cache.leaving(layer, local)
                 if self.params.summary_as == "token":
                     self.summary_mask[layer] = self._summaries(state, layer)[local]
             state.cache.retain(layer, local)
@@ -227,15 +234,31 @@ class HermesMemory(KeepAll):
         if self.params.summary_as == "token":
             for layer, gone in evicted.items():
                 self._add_summary(state, layer, gone)
-            return
-        for layer in sorted(set(self.summary) | set(evicted)):
-            self._fold(state, layer, evicted.get(layer))
+        else:
+            for layer in sorted(set(self.summary) | set(evicted)):
+                self._fold(state, layer, evicted.get(layer))
+        if self.params.continue_at == "layer_end":
+            self._continue_each_layer(state)
+
+    def _continue_each_layer(self, state: StreamState) -> None:
+        """What comes next follows each layer's furthest entry (a running-mean summary in front
+        counts, and moves with its layer)."""
+        front = {n: int(slot.max()) for n, slot in self.summary_position.items()}
+        moves = continue_after_each_layer(state, front)
+        for layer, held in self.summary.items():
+            self.summary_position[layer] = self.summary_position[layer] + moves[layer]
+            if held is not None and moves[layer]:
+                key, value, count = held
+                delta = torch.full((len(self.summary_position[layer]), 1), moves[layer])
+                self.summary[layer] = (rotate_keys(key, delta, *state.rope), value, count)
 
     def _summary_slot(self, state: StreamState, layer: int) -> torch.Tensor:
         """[P] where a deep layer's summary sits: one past the layer's furthest kept position on
         every axis (as text follows a video), or the stream's first visual position."""
         kept = state.cache.positions[layer]
-        first = state.layout_positions[:, 0]
+        first = (
+            state.layout_positions[:, 0] + state.cache.prompt_shift[layer]
+        )  # as its prompt moved
         if self.params.summary_at == "after_prompt" or not kept.numel():
             return first.clone()
         return torch.full_like(first, int(kept.max()) + 1)
@@ -306,7 +329,7 @@ class HermesMemory(KeepAll):
         top = start - 1
         for layer in range(state.layers):
             old = state.cache.positions[layer]
-            new = compact_positions(old, start)
+            new = compact_positions(old, start + state.cache.prompt_shift[layer])
             keys, _ = state.cache.visual(layer)
             moved = rotate_keys(keys, new - old, inv_freq, axes)
             state.cache.replace(layer, keys=moved, positions=new)
@@ -356,17 +379,6 @@ class HermesMemory(KeepAll):
         for i, block in enumerate(renamed):
             block.name = block_name(i)
         return renamed
-
-
-def _evicted(state: StreamState, layer: int, kept_local: torch.Tensor) -> tuple:
-    """The visual K, V (where the cache is: folded there) and positions a layer is about to let
-    go."""
-    keys, values = state.cache.visual(layer)
-    gone = torch.ones(keys.shape[1], dtype=torch.bool)
-    gone[kept_local] = False
-    gone = gone.nonzero().squeeze(1)
-    at = gone.to(keys.device, non_blocking=True)
-    return keys[:, at], values[:, at], state.cache.positions[layer][:, gone]
 
 
 METHOD = Method(

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from mmkv_cli.kernels.host import HostCopies
+from mmkv_cli.kernels.rope import rotate_keys
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.archive import Archive
 
@@ -30,6 +31,9 @@ class RunningCache:
         self.prompt_len = prompt_len
         layers = len(cache.layers)
         self.front = [0] * layers  # tokens between the prompt and the visual part (a summary token)
+        # per layer, how far its prompt's positions (and keys) were moved from the layout's: a
+        # policy that continues each layer after its own last entry moves a layer as a whole
+        self.prompt_shift = [0] * layers
         self.index = [torch.empty(0, dtype=torch.long) for _ in range(layers)]
         self.positions = [torch.empty(position_dims, 0, dtype=torch.long) for _ in range(layers)]
         # per layer, entries moved out of attention but kept for the pack, on the host
@@ -60,6 +64,7 @@ class RunningCache:
         fork.cache = copy.copy(self.cache)
         fork.cache.layers = [copy.copy(layer) for layer in self.cache.layers]
         fork.front, fork.index = list(self.front), list(self.index)
+        fork.prompt_shift = list(self.prompt_shift)
         fork.positions, fork.pristine = list(self.positions), list(self.pristine)
         fork.heads = list(self.heads)
         fork.archive = [archive.fork() for archive in self.archive]
@@ -108,6 +113,16 @@ class RunningCache:
         held = self.heads[layer]
         if held is not None:
             self.heads[layer] = held[:, local.to(held.device)]
+
+    def leaving(self, layer: int, kept_local: torch.Tensor) -> tuple:
+        """The visual K, V (where the cache is) and positions this layer lets go when it keeps
+        only `kept_local`."""
+        keys, values = self.visual(layer)
+        gone = torch.ones(keys.shape[1], dtype=torch.bool)
+        gone[kept_local] = False
+        gone = gone.nonzero().squeeze(1)
+        at = gone.to(keys.device, non_blocking=True)
+        return keys[:, at], values[:, at], self.positions[layer][:, gone]
 
     def retain_heads(self, layer: int, local: list[torch.Tensor]) -> None:
         """Keep, for each KV head h, only the visual entries at `local[h]` (indices into this
@@ -242,6 +257,22 @@ class RunningCache:
         if held is not None:  # every head holds what a policy made
             self.heads[layer] = torch.cat([held, held.new_ones(held.shape[0], 1)], dim=1)
 
+    def shift_layer(self, layer: int, by: int, rope: tuple) -> None:
+        """Move this layer as a whole `by` positions up: its prompt, front and visual entries,
+        keys re-rotated (RoPE: what they attend to among themselves is unchanged; what comes next
+        now follows closer). rope: (inv_freq, axes)."""
+        if len(self.archive[layer]) or self.heads[layer] is not None:
+            raise RuntimeError("internal: a layer with archived or per-head entries is not moved")
+        entry = self.cache.layers[layer]
+        end = self.visual_start(layer) + self.count(layer)
+        dims = self.positions[layer].shape[0]
+        delta = torch.full((dims, end), by, dtype=torch.long)
+        moved = rotate_keys(entry.keys[0, :, :end], delta, *rope)
+        self._splice(layer, 0, end, moved, entry.values[0, :, :end])
+        self.positions[layer] = self.positions[layer] + by
+        self.pristine[layer] = torch.zeros_like(self.pristine[layer])  # rewritten
+        self.prompt_shift[layer] += by
+
     def insert_front(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Put one token ([H_kv, 1, D]) right after the prompt of this layer, replacing the one
         there."""
@@ -315,3 +346,27 @@ class StreamState:
     def placed(self, start: int, stop: int) -> torch.Tensor:
         """[P, n] positions the visual tokens [start, stop) are placed at now."""
         return self.layout_positions[:, start:stop] - self.shift
+
+
+def continue_after_each_layer(
+    state: StreamState, also_held: dict[int, int] | None = None
+) -> list[int]:
+    """Place what streams in next right after each layer's own furthest position, as HERMES' code
+    places each layer's next chunk (its furthest on any axis, plus one): the stream goes on after
+    the furthest layer, and every other layer moves up as a whole to meet it (`shift_layer`).
+    also_held: per layer, the position of an entry the cache does not place (a summary kept in
+    front). Returns each layer's move."""
+    running = state.cache
+    prompt_end = int(state.layout_positions[0, 0]) - 1  # the prompt ends where the stream begins
+    ends = []
+    for layer in range(state.layers):
+        held = running.positions[layer]  # host bookkeeping: no wait
+        end = int(held.max()) if held.numel() else prompt_end + running.prompt_shift[layer]
+        ends.append(max(end, (also_held or {}).get(layer, end)))
+    upcoming = int(state.placed(state.seen, state.seen + 1)[0, 0])
+    state.shift += upcoming - (max(ends) + 1)  # the next token follows the furthest layer
+    moves = [max(ends) - end for end in ends]
+    for layer, by in enumerate(moves):
+        if by:
+            running.shift_layer(layer, by, state.rope)
+    return moves
