@@ -189,6 +189,7 @@ class InfiniPotV(MethodConfig):
     reference_count: Literal['held_tokens', 'held_steps']
     pooling: Literal['none', 'layer_adaptive']
     pairing: Literal['cache_slot', 'spatial']
+    selection: Literal['per_head', 'per_layer']
     def __init__(
         self,
         *,
@@ -203,6 +204,7 @@ class InfiniPotV(MethodConfig):
         reference_count: Literal['held_tokens', 'held_steps'] = ...,
         pooling: Literal['none', 'layer_adaptive'] = ...,
         pairing: Literal['cache_slot', 'spatial'] = ...,
+        selection: Literal['per_head', 'per_layer'] = ...,
     ) -> None: ...
 
 

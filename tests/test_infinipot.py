@@ -4,6 +4,7 @@ the running cache held under its cap while a long stream goes through."""
 import pytest
 import torch
 
+from mmkv_cli.api import PROCESS_BACKBONES
 from mmkv_cli.methods.infinipot import (
     choose,
     layer_pooling,
@@ -15,6 +16,7 @@ from mmkv_cli.methods.infinipot import (
     tar_scores,
     value_norms,
 )
+from mmkv_cli.options import LoadOptions
 from tests.helpers import choose as choose_method
 
 
@@ -208,24 +210,86 @@ def test_the_split_keeps_the_reference_then_tar_then_value_norm():
     assert choose(tar, van, reference, count=20, tar_share=0.5).numel() == 8
 
 
-def test_a_long_stream_stays_under_the_cap_and_the_pack_holds_it(tmp_path, backbones):
+@pytest.mark.parametrize("selection", ["per_head", "per_layer"])
+def test_a_long_stream_stays_under_the_cap_and_the_pack_holds_it(tmp_path, selection):
+    """Every (layer, KV head) of the pack holds the cap. The running cache never passes it per
+    layer; per head it holds the union of the heads' own sets, at most one cap a head."""
     from mmkv_cli.encode.encoder import encode_media
     from mmkv_cli.media import load_media
     from mmkv_cli.study.synth import write_dataset
 
     write_dataset(tmp_path / "set", clips=1, frames=64, seed=3, kind="normal")
     media = load_media(str(tmp_path / "set" / "clips" / "clip_0000.mp4"), max_frames=64)
-    cap = 96  # 6 frames of 16 tokens; chunks of 4 frames (64 tokens)
-    choice = choose_method("infinipot", budget_tokens=cap, chunk_frames=4)
-    out = encode_media(backbones["tiny-llava-ov"], media, choice)
-    frames = media.num_frames
-    assert frames >= 24 and out.visual_tokens_total == frames * 16
-    kept = [sum(b.layer_counts[layer] for b in out.blocks) for layer in range(4)]
-    assert kept == [cap] * 4
-    per_token = 2 * 2 * 16 * 4 * 4  # K and V, 2 KV heads, head dim 16, float32, 4 layers
+    cap = 96  # 24 frames of 4 tokens; chunks of 4 frames (16 tokens)
+    choice = choose_method("infinipot", budget_tokens=cap, chunk_frames=4, selection=selection)
+    demo = PROCESS_BACKBONES.get(LoadOptions("demo", "cpu"))  # its trained heads disagree
+    out = encode_media(demo, media, choice)
+    frames, heads = media.num_frames, 2 if selection == "per_head" else 1
+    assert frames >= 24 and out.visual_tokens_total == frames * 4
+    stored = len(out.blocks[0].keys)  # (layer, KV head) pairs per head, else layers
+    kept = [sum(b.layer_counts[i] for b in out.blocks) for i in range(stored)]
+    assert kept == [cap] * stored and out.per_head == (selection == "per_head")
+    per_token = 2 * 2 * 32 * 4 * 4  # K and V, 2 KV heads, head dim 32, float32, 4 layers
     prompt = out.prefix.layer_counts[0]
-    assert out.stats["peak_kv_bytes"] <= (prompt + cap) * per_token  # never past the cap
-    # the newest frames are TaR's reference and stay whole
-    assert out.blocks[-1].layer_counts == [16] * 4 and out.blocks[-1].steps == (frames - 1, frames)
+    assert out.stats["peak_kv_bytes"] <= (prompt + heads * cap) * per_token
+    # the newest frames are TaR's reference and stay whole, in every head
+    assert out.blocks[-1].layer_counts == [4] * stored and out.blocks[-1].steps == (
+        frames - 1,
+        frames,
+    )
     assert len(out.blocks) > 6  # older frames survive in part, not only the newest six
     assert choose_method("infinipot", budget=0.1).budget.share == 0.1
+
+
+def _held_per_head(keys: torch.Tensor, values: torch.Tensor, per_frame: int, **params):
+    """One layer of two KV heads, a 2-token prompt, then keys / values [2, n, D] at positions
+    2.., streamed whole; `finish` holds it to budget_tokens. Returns each head's stream indices."""
+    from transformers import DynamicCache
+
+    from mmkv_cli.methods import Budget, EncodeContext
+    from mmkv_cli.methods.infinipot import InfiniPotMemory, InfiniPotParams
+    from mmkv_cli.methods.running_cache import RunningCache, StreamState
+
+    n = keys.shape[1]
+    cache = DynamicCache()
+    prompt = torch.zeros(1, 2, 2, keys.shape[-1])
+    cache.update(
+        torch.cat([prompt, keys[None].float()], 2), torch.cat([prompt, values[None].float()], 2), 0
+    )
+    running = RunningCache(cache, prompt_len=2, position_dims=1)
+    running.appended(torch.arange(n), torch.arange(2, 2 + n).view(1, -1))
+    state = StreamState(
+        cache=running,
+        token_step=torch.arange(n) // per_frame,
+        layout_positions=torch.arange(2, 3 + n).view(1, -1),
+        total=n,
+        seen=n,
+    )
+    budget = Budget(tokens=params.pop("budget_tokens"))
+    InfiniPotMemory(InfiniPotParams(**params), budget, EncodeContext("video")).finish(state)
+    return [sorted(running.index[0][e].tolist()) for e in running.head_entries(0)]
+
+
+def test_each_kv_head_keeps_its_own_by_its_own_tar_and_value_norms():
+    """The authors' process_kv_cache, per KV head, written out: the newest frame's worth of
+    entries is the reference (int(0.25 x 12 / 2) = 1 frame), TaR picks 6 - round(0.5 x 6) = 3
+    (the reference's 2, then the token least like the reference token at its slot), value norm
+    the other 3; each head by its own keys and values."""
+    torch.manual_seed(5)
+    keys, values = torch.randn(2, 12, 4, dtype=torch.float64), torch.randn(2, 12, 4).double()
+
+    def by_definition(k: torch.Tensor, v: torch.Tensor) -> list[int]:
+        n = len(k)
+        unit = k / k.norm(dim=-1, keepdim=True)
+        keep = {n - 2, n - 1}  # the reference frame: its tokens at slots 0 and 1
+        tar = {i: -float(unit[i] @ unit[n - 2 + i % 2]) for i in range(n) if i not in keep}
+        keep.add(max(tar, key=tar.get))
+        norm = {i: float(v[i].norm()) for i in range(n) if i not in keep}
+        keep |= set(sorted(norm, key=norm.get, reverse=True)[:3])
+        return sorted(keep)
+
+    held = _held_per_head(keys, values, per_frame=2, budget_tokens=6)
+    assert held == [by_definition(keys[h], values[h]) for h in range(2)]
+    assert held[0] != held[1]  # they differ: one set a layer could not be both
+    mean = _held_per_head(keys, values, per_frame=2, budget_tokens=6, selection="per_layer")
+    assert mean[0] == mean[1] and len(mean[0]) == 6  # per_layer: one set, the heads' mean scores

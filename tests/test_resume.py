@@ -104,6 +104,22 @@ def test_lazy_hermes_resumes_with_its_layers_moved(world):
     assert same_pack(whole, cut)
 
 
+def test_per_head_infinipot_resumes_with_what_each_head_holds(world):
+    """InfiniPot-V keeps a set per KV head while it streams (issue 72): which head holds which
+    entry is in the checkpoint."""
+    backbone, tmp = world
+    video = str(tmp / "set" / "clips" / "clip_0000.mp4")
+    small = {"budget_tokens": 120}  # over a chunk (64 tokens): room for the heads to differ
+    whole = tmp / "infinipot-small-whole.kvpack"
+    api.encode(video, whole, EncodeOptions("infinipot", **OPTIONS, **small), backbone=backbone)
+    assert PackReader(whole).header.kv.per_head
+    cut = tmp / "infinipot-small-cut.kvpack"
+    interrupt(backbone, video, cut, "infinipot", chunks=2, **small)
+    resumed = EncodeOptions("infinipot", checkpoint_every=1, resume=True, **OPTIONS, **small)
+    api.encode(video, cut, resumed, backbone=backbone)
+    assert same_pack(whole, cut)
+
+
 def test_a_checkpoint_of_another_encode_is_refused(world):
     backbone, tmp = world
     video = str(tmp / "set" / "clips" / "clip_0000.mp4")

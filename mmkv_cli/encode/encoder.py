@@ -303,8 +303,8 @@ def stream_chunk(
         extra = backbone.select_extra(extra, at[None]) if extra else extra
     state.prefilled += len(index)
     recorder = policy.recorder(state) if len(index) else None  # all dropped: nothing to run
-    if len(index):
-        with recording(recorder) if recorder else nullcontext():
+    if len(index):  # over a cache held per head, each head attends to what it holds
+        with recording(recorder) if recorder else nullcontext(), masking(state.cache.head_masks()):
             backbone.forward(embeds, placed, state.cache.cache, **extra)
         state.cache.appended(index, placed)
     state.seen += n

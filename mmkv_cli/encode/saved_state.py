@@ -54,6 +54,8 @@ def running_cache_tensors(
             f"{name}.loose.v": values[:, loose.to(keys.device)],
             f"{name}.loose.pos": running.positions[layer][:, loose],
         }
+        if running.heads[layer] is not None:  # held per head (InfiniPot-V): which head holds what
+            live[f"{name}.heads"] = running.heads[layer].cpu()
         rows = served.nonzero().squeeze(1)
         rows = rows[torch.argsort(index[rows])]  # in stream order: each piece is a run of them
         edges = torch.searchsorted(index[rows], bounds).tolist()
@@ -139,6 +141,11 @@ def restore_running_cache(running, tensors: dict[str, torch.Tensor]) -> list[int
         if len(pristine) != len(index):
             raise PackError(f"the checkpoint is corrupted ({name}'s entries do not fit)")
         running.index[layer], running.pristine[layer] = index, pristine
+        heads = tensors.pop(f"{name}.heads", None)
+        if heads is not None:
+            if heads.dim() != 2 or heads.shape[1] != len(index):
+                raise PackError(f"the checkpoint is corrupted ({name}'s heads do not fit)")
+            running.heads[layer] = heads.to(torch.bool)
         served = pristine  # an index past the last cut has no piece: _placed refuses it
         pieces = {
             part: dict(_taken_pieces(tensors, f"{name}.stream.{part}."))

@@ -18,6 +18,7 @@ layer_adaptive`. `reference: previous` scores against the previous frame;
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -66,6 +67,11 @@ class InfiniPotParams(StreamParams):
         "same place: equal index mod tokens a frame in the held cache (the authors' code), or the "
         "same place of the frame grid, wherever evictions left the token (the paper's intent)",
     )
+    selection: Literal["per_head", "per_layer"] = knob(
+        "per_head",
+        "per_head: each KV head keeps its own tokens by its own TaR and value norms (the authors' "
+        "process_kv_cache); per_layer: one set a layer, by the heads' mean scores",
+    )
 
 
 # --- scoring: pure functions over tensors ---
@@ -102,6 +108,7 @@ def tar_scores(
     frames: torch.Tensor,
     slots: torch.Tensor,
     reference: torch.Tensor | str,
+    per_head: bool = False,
 ) -> torch.Tensor:
     """Temporal-axis redundancy turned into a keep score: keys [H, n, D]; frames [n] (ascending)
     which frame a token counts in and slots [n] its place there (see pairs_by_cache_slot and
@@ -109,15 +116,17 @@ def tar_scores(
 
     reference: a [n] mask of the reference tokens: a token scores minus the mean, over the
     reference frames that hold its place, of the cosine similarity to the token there, heads
-    averaged. "previous": minus the similarity to the same place in the previous frame (0 where
-    there is none). Higher means less redundant, more worth keeping.
+    averaged (per_head: each head's own, [H, n]). "previous": minus the similarity to the same
+    place in the previous frame (0 where there is none). Higher means less redundant, more worth
+    keeping.
     """
     device = keys.device  # the similarities on the keys' device; the places are host bookkeeping
     unit = torch.nn.functional.normalize(keys.float(), dim=-1)
     if isinstance(reference, str):  # previous frame: at most one pair a token
         mine, theirs = (t.to(device, non_blocking=True) for t in previous_pairs(frames, slots))
-        cos = (unit[:, mine] * unit[:, theirs]).sum(dim=-1).mean(dim=0)
-        return torch.zeros(frames.numel(), device=device).index_add_(0, mine, -cos)
+        cos = (unit[:, mine] * unit[:, theirs]).sum(dim=-1)
+        scores = torch.zeros(unit.shape[0], frames.numel(), device=device).index_add_(1, mine, -cos)
+        return scores if per_head else scores.mean(dim=0)
     # a mean of cosines with the reference tokens at a place is the dot product with the mean of
     # their unit keys: each place's reference keys summed once, not a pair for every token and
     # reference frame (thousands of frames when a frame is a few tokens)
@@ -127,7 +136,8 @@ def tar_scores(
     sums = torch.zeros(unit.shape[0], size, unit.shape[2], device=device)
     sums.index_add_(1, place[held], unit[:, held])
     counted = torch.bincount(slots[reference], minlength=size).clamp_min(1)
-    total = -(unit * sums[:, place]).sum(dim=-1).mean(dim=0)
+    total = -(unit * sums[:, place]).sum(dim=-1)
+    total = total if per_head else total.mean(dim=0)
     return total / counted[slots].to(device, non_blocking=True)
 
 
@@ -152,9 +162,11 @@ def pairs_by_cache_slot(n: int, per_frame: int) -> tuple[torch.Tensor, torch.Ten
     return torch.div(index, per_frame, rounding_mode="floor"), index % per_frame
 
 
-def value_norms(values: torch.Tensor) -> torch.Tensor:
-    """values [H, n, D] -> [n] L2 norm of each token's value, heads averaged (VaN)."""
-    return values.float().norm(dim=-1).mean(dim=0)
+def value_norms(values: torch.Tensor, per_head: bool = False) -> torch.Tensor:
+    """values [H, n, D] -> [n] L2 norm of each token's value, heads averaged (VaN; per_head: each
+    head's, [H, n])."""
+    norms = values.float().norm(dim=-1)
+    return norms if per_head else norms.mean(dim=0)
 
 
 # (pooling dimensions, kernel) by quarter of the model's depth, shallow first: the code's lists
@@ -246,46 +258,96 @@ class InfiniPotMemory(KeepAll):
             return  # the last chunk: finish() holds the pack to the cap
         # leave room for a chunk like this one, so the running cache stays within the cap
         room = max(1, self.budget.tokens_of(state.total) - chunk)
-        if state.cache.count(0) > room:
+        if _held(state) > room:
             self._compress(state, room)
 
     def finish(self, state: StreamState) -> None:
         cap = self.budget.tokens_of(state.total)
-        if state.cache.count(0) > cap:
+        if _held(state) > cap:
             self._compress(state, cap)
 
     def _compress(self, state: StreamState, count: int) -> None:
+        """Every layer held to `count` entries (per head: each KV head to `count` of its own)."""
         p = self.params
+        per_head = p.selection == "per_head"
         per_frame = int(torch.bincount(state.token_step).max())  # a step's tokens: a "frame"
         # every stream token's place in its grid (a pass over the whole stream: spatial only)
         places = spatial_slots(state.token_step) if p.pairing == "spatial" else None
-        scored, norms = [], []
+        scored, tars, norms = [], [], []
         for layer in range(state.layers):
-            n = state.cache.count(layer)
-            if n <= count:
+            # per head: each head's own entries, as many for each ([H, m]); else all, as one
+            entries = torch.stack(state.cache.head_entries(layer)) if per_head else None
+            m = entries.shape[1] if per_head else state.cache.count(layer)
+            if m <= count:
                 continue
             keys, values = state.cache.visual(layer)
-            steps = state.token_step[state.cache.index[layer]]
-            share = p.recent_share if p.reference == "recent" else 0
-            if p.reference_count == "held_tokens":
-                reference = recent_entries(n, per_frame, share)
+            if per_head:  # [H, m, D]: head h's own entries
+                at = entries.to(keys.device, non_blocking=True)
+                rows = torch.arange(keys.shape[0], device=keys.device)[:, None]
+                keys, values = keys[rows, at], values[rows, at]
+            whose = entries if per_head else torch.arange(m)[None]  # per head, or once
+            inputs = [self._tar_inputs(state, layer, row, per_frame, places) for row in whose]
+            if all(i is inputs[0] for i in inputs):  # the same for every head: one call
+                reference, frames, slots, compared = inputs[0]
+                tar = tar_scores(keys, frames, slots, compared, per_head).view(-1, m)
             else:
-                reference = recent_mask(steps, share)
-            if p.pairing == "cache_slot":
-                frames, slots = pairs_by_cache_slot(n, per_frame)
-            else:
-                frames, slots = steps, places[state.cache.index[layer]]
-            compared = reference if p.reference == "recent" else "previous"
-            scored.append((layer, reference, tar_scores(keys, frames, slots, compared)))
-            pooling = (0, 0)  # dimensions, kernel
-            if p.pooling == "layer_adaptive":
-                pooling = layer_pooling(layer, state.layers)
-            norms.append(pooled_norms(value_norms(values), *pooling, per_frame, state.grid))
+                tar = torch.cat([
+                    tar_scores(keys[h : h + 1], *i[1:], per_head=True) for h, i in enumerate(inputs)
+                ])  # fmt: skip
+            pooling = (
+                layer_pooling(layer, state.layers) if p.pooling == "layer_adaptive" else (0, 0)
+            )
+            van = value_norms(values, per_head).view(-1, m)
+            van = torch.stack([pooled_norms(row, *pooling, per_frame, state.grid) for row in van])
+            scored.append((layer, whose, [i[0] for i in inputs]))
+            tars.append(tar)
+            norms.append(van)
         # every layer's scores over in one copy (one wait); the choice is host bookkeeping
-        read = host_all([tar for *_, tar in scored] + norms)
-        for i, (layer, reference, _) in enumerate(scored):
-            kept = choose(read[i], read[len(scored) + i], reference, count, p.tar_share)
-            state.cache.retain(layer, kept)
+        read = host_all(tars + norms)
+        for i, (layer, whose, references) in enumerate(scored):
+            tar, van = read[i], read[len(scored) + i]
+            kept = [
+                row[choose(tar[h], van[h], references[h], count, p.tar_share)]
+                for h, row in enumerate(whose)
+            ]
+            if per_head:
+                state.cache.retain_heads(layer, kept)
+            else:
+                state.cache.retain(layer, kept[0])
+
+    def _tar_inputs(
+        self, state: StreamState, layer: int, row: torch.Tensor, per_frame: int, places
+    ):
+        """TaR's (reference, frames, slots, what it compares with) for the layer's entries `row`:
+        the same object for every head where they depend only on how many entries there are."""
+        p = self.params
+        share = p.recent_share if p.reference == "recent" else 0
+        if p.reference_count == "held_tokens" and p.pairing == "cache_slot":
+            return _by_count(len(row), per_frame, share, p.reference)
+        index = state.cache.index[layer][row]
+        steps = state.token_step[index]
+        if p.reference_count == "held_tokens":
+            reference = recent_entries(len(row), per_frame, share)
+        else:
+            reference = recent_mask(steps, share)
+        if p.pairing == "cache_slot":
+            frames, slots = pairs_by_cache_slot(len(row), per_frame)
+        else:
+            frames, slots = steps, places[index]
+        return reference, frames, slots, reference if p.reference == "recent" else "previous"
+
+
+def _held(state: StreamState) -> int:
+    """Visual entries each KV head of the first layer holds (every layer, every head as many)."""
+    return len(state.cache.head_entries(0)[0])
+
+
+@functools.lru_cache(maxsize=8)
+def _by_count(n: int, per_frame: int, share: float, reference: str) -> tuple:
+    """TaR's inputs for n held entries paired by cache slot: they depend on n alone."""
+    recent = recent_entries(n, per_frame, share)
+    frames, slots = pairs_by_cache_slot(n, per_frame)
+    return recent, frames, slots, recent if reference == "recent" else "previous"
 
 
 METHOD = Method(

@@ -74,6 +74,14 @@ class RunningCache:
         """Visual entries this layer holds."""
         return int(self.index[layer].numel())
 
+    def head_entries(self, layer: int) -> list[torch.Tensor]:
+        """Per KV head, the visual entries it holds (indices into the layer's visual part,
+        ascending): all of them while the layer is not held per head."""
+        held = self.heads[layer]
+        if held is None:
+            return [torch.arange(self.count(layer))] * int(self.cache.layers[layer].keys.shape[1])
+        return [row.nonzero().squeeze(1) for row in held.cpu()]
+
     def visual_start(self, layer: int) -> int:
         return self.prompt_len + self.front[layer]
 
@@ -88,9 +96,10 @@ class RunningCache:
         """A forward added these visual tokens (stream indices, positions [P, n]) to every layer's
         end."""
         fresh = torch.ones(len(index), dtype=torch.bool)
-        if any(held is not None for held in self.heads):
-            raise RuntimeError("internal: no forward adds visual tokens to a cache held per head")
         for layer in range(self.layers):
+            held = self.heads[layer]
+            if held is not None:  # what the forward added, every head holds
+                self.heads[layer] = torch.cat([held, held.new_ones(held.shape[0], len(index))], 1)
             self.index[layer] = torch.cat([self.index[layer], index])
             self.positions[layer] = torch.cat([self.positions[layer], positions], dim=1)
             self.pristine[layer] = torch.cat([self.pristine[layer], fresh])
