@@ -96,6 +96,20 @@ def test_every_family_holds_live_what_the_cut_media_holds(backbones, family):
             assert_same_spans(got, want)
 
 
+def test_per_head_infinipot_holds_live_what_the_cut_media_holds():
+    """The trained demo's KV heads keep different tokens (issue 72): a live memory held per head,
+    chunks attending to what each head holds, equals the encode of the clip cut there."""
+    from mmkv_cli.api import PROCESS_BACKBONES
+    from mmkv_cli.options import LoadOptions
+
+    demo = PROCESS_BACKBONES.get(LoadOptions("demo", "cpu"))
+    held = []
+    for got, want in follow(demo, "infinipot", (12, 20)):
+        assert_same_spans(got, want)
+        held.append(got.per_head and want.per_head)
+    assert all(held)
+
+
 def test_a_share_of_an_unknown_length_is_refused_before_any_work():
     with pytest.raises(UsageError, match="--budget-tokens"):
         check_live(resolve_method("recency"))
