@@ -319,7 +319,7 @@ def test_a_server_dying_mid_answer_is_one_line_and_a_failure(tmp_path, packs, mo
     threading.Thread(target=die_mid_answer, daemon=True).start()
     monkeypatch.setenv("MMKV_HOST", str(path))
     result = runner.invoke(app, ["ask", str(packs["full"]), CIRCLE])
-    assert result.exit_code == 10 and result.stdout == "re"
+    assert result.exit_code == 10 and result.stdout == "re\n"  # the error on a line of its own
     assert result.stderr.count("\n") == 1 and "stopped before answering" in result.stderr
     listener.close()
     shutil.rmtree(folder, ignore_errors=True)
