@@ -67,3 +67,22 @@ def test_a_library_logs_only_where_its_user_asks(tmp_path, caplog):
     )
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("INFO:mmkv.backbones.loading:loaded model demo") == 1, done.stderr
+
+
+def test_debug_records_never_land_on_the_answers_line(tmp_path):
+    """-vv with stdout and stderr on one terminal (here one pipe): the records that come while
+    the answer streams wait for its line to end, so the answer is a line of its own."""
+    import os
+
+    pack = str(tmp_path / "c.kvpack")
+    assert mmkv_cli("encode", CLIP, "--model", "demo", "-o", pack, "--no-server").returncode == 0
+    both = subprocess.run(
+        [sys.executable, "-m", "mmkv_cli", "-vv", "ask", pack, "what color is the circle ?",
+         "--no-server"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+        env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    assert both.returncode == 0, both.stdout
+    lines = both.stdout.splitlines()
+    assert "red" in lines, lines  # whole, alone on its line
+    assert lines.index("red") < next(i for i, line in enumerate(lines) if "answered from" in line)
