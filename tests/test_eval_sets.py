@@ -102,3 +102,60 @@ def test_eval_scores_an_ovobench_file_at_each_questions_moment(tmp_path):
         json.loads(line) for line in next((tmp_path / "runs").rglob("predictions.jsonl")).open()
     ]
     assert {r["question"] for r in rows} == {i.question for i in load_items(DATA / "ovobench.json")}
+
+
+def test_streamingbench_questions_at_their_time_stamp_in_their_part():
+    """StreamingBench's questions_real.json / questions_omni.json shape: options lettered "A. ...",
+    the answer a letter, time_stamp HH:MM:SS; each task counts in its part of the paper."""
+    path = DATA / "streamingbench_real.json"
+    assert detect(path) == "streamingbench"
+    items = load_items(path, media=SAMPLES)
+    assert [i.at for i in items] == [7.0, 3.0, 8.0]
+    assert [i.answer for i in items] == ["A", "B", "D"] and items[0].options[0] == "red"
+    assert [i.type for i in items] == [
+        "Object Recognition",
+        "Clips Summarize",
+        "Scene Understanding",
+    ]
+    assert [i.split for i in items] == ["real-time", "real-time", "omni-source"]
+    assert all(i.video == str(SAMPLES / "clip.mp4") for i in items)
+
+
+def test_a_streamingbench_proactive_record_is_refused_in_one_line(tmp_path):
+    record = [{"time": "x", "video_path": "clip.mp4", "questions": [
+        {"task_type": "Proactive Output", "question": "Tell me when the star shows.",
+         "time_stamp": "00:00:01", "ground_truth_time_stamp": "00:00:05",
+         "ground_truth_output": "now"}]}]  # fmt: skip
+    (tmp_path / "proactive.json").write_text(json.dumps(record))
+    with pytest.raises(UsageError, match="asks when to answer, not what"):
+        load_items(tmp_path / "proactive.json", media=SAMPLES)
+
+
+def test_rvs_questions_are_open_ended_at_their_end_time():
+    path = DATA / "rvs_ego.json"
+    assert detect(path) == "rvs"
+    items = load_items(path, media=SAMPLES)
+    assert [(i.at, i.answer, i.format, i.options) for i in items] == [
+        (7.0, "red", "text", ()),
+        (8.0, "triangle", "text", ()),
+    ]
+
+
+def test_ovobench_tasks_count_in_its_three_parts():
+    items = load_items(DATA / "ovobench.json", media=SAMPLES)
+    assert [i.split for i in items] == ["backward", "real-time", "real-time"]
+
+
+def test_eval_reports_streamingbench_by_its_parts(tmp_path):
+    """End to end on the demo: StreamingBench's questions answered at their moments, accuracy by
+    task and by the benchmark's part, in the table and in --json."""
+    runs = str(tmp_path / "runs")
+    args = ["eval", str(DATA / "streamingbench_real.json"), "--media", str(SAMPLES), "-m",
+            "demo", "--methods", "full", "--device", "cpu", "--out", runs]  # fmt: skip
+    shown = CliRunner().invoke(app, args, env={"COLUMNS": "100"})
+    assert shown.exit_code == 0, shown.output
+    assert "accuracy by the benchmark's part" in shown.stdout and "omni-source" in shown.stdout
+    result = CliRunner().invoke(app, [*args, "--json"])
+    run = json.loads(result.stdout.strip().splitlines()[-1])["runs"][0]
+    assert run["n"] == 3 and set(run["by_split"]) == {"real-time", "omni-source"}
+    assert run["by_split"]["real-time"]["n"] == 2

@@ -105,7 +105,7 @@ def eval_(
         None,
         "--task",
         help="The file's format when it does not tell: mmkv, mlvu, videomme, egoschema, "
-        "ovobench, mmlongbench-doc.",
+        "ovobench, streamingbench, rvs, mmlongbench-doc.",
     ),
     media: str | None = typer.Option(
         None, "--media", help="Folder holding the videos or PDFs (default: the file's folder)."
@@ -217,6 +217,9 @@ def eval_(
                 "n",
             )
             runs = [{k: r.get(k) for k in fields} for r in result["runs"]]
+            for shown, r in zip(runs, result["runs"]):
+                if "by_split" in r:  # the benchmark's own parts, where it has them
+                    shown["by_split"] = r["by_split"]
             ray_keys = ("videos", "failed", "workers", "pool_seconds")
             on_ray = {k: result[k] for k in ray_keys if k in result}
             emit_json({"runs": runs, "plot": result["plot"], **on_ray})

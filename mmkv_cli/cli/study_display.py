@@ -78,6 +78,20 @@ def _eval_tables(runs: list[dict], which: str) -> None:
     by_type.add_row("[dim]chance[/dim]", "", *dim[1:])
     out_console.print(summary)
     out_console.print(by_type)
+    parts = list(dict.fromkeys(s for r in runs for s in r.get("by_split", {})))
+    if parts:  # the benchmark's own parts (OVO-Bench, StreamingBench), as its tables give them
+        split = _eval_table(
+            f"accuracy by the benchmark's part{which}", ("method", "budget", *parts)
+        )
+        for r in runs:
+            held = r.get("by_split", {})
+            budget = f"{r['budget_tokens']}t" if r.get("budget_tokens") else f"{r['budget']:g}"
+            split.add_row(
+                r["method"],
+                budget,
+                *(f"{held[p]['accuracy']:.2f}" if p in held else "-" for p in parts),
+            )
+        out_console.print(split)
 
 
 def _eval_table(title: str, columns: tuple) -> Table:

@@ -40,12 +40,21 @@ def metrics(rows: list[dict], chance: Callable[[str, int], float | None]) -> dic
         t["correct"] += int(r["correct"])
     for t in by_type.values():
         t["accuracy"] = t["correct"] / t["n"]
+    by_split: dict[str, dict] = {}  # the benchmark's own parts, where it defines them
+    for r in rows:
+        if r.get("split"):
+            part = by_split.setdefault(r["split"], {"n": 0, "correct": 0})
+            part["n"] += 1
+            part["correct"] += int(r["correct"])
+    for part in by_split.values():
+        part["accuracy"] = part["correct"] / part["n"]
     n = len(rows)
     return {
         "n": n,
         "accuracy": sum(int(r["correct"]) for r in rows) / n if n else 0.0,
         **{key: _mean(rows, key) for key in ("kept", "prefilled", "kv_bytes", "encode_s")},
         "by_type": by_type,
+        **({"by_split": by_split} if by_split else {}),
     }
 
 
@@ -223,6 +232,7 @@ def _row(item: Item, video: str, answer, info: dict) -> dict:
         "video": video,
         "question": item.question,
         "type": item.type,
+        **({"split": item.split} if item.split else {}),
         "options": len(item.options),
         "answer": item.answer,
         "prediction": guess,

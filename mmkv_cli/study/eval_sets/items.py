@@ -26,6 +26,7 @@ class Item:
     at: float | None = None  # the question's moment (`ask --at`)
     type: str = "all"
     format: str = "text"  # FORMATS: how a prediction is compared (options: by letter)
+    split: str | None = None  # the benchmark's part (OVO-Bench: backward, real-time, forward)
 
     @property
     def key(self) -> str:
@@ -56,7 +57,9 @@ def strip_letter(option: str) -> str:
     return re.sub(r"^\s*\(?[A-J][.):]\s*", "", str(option))
 
 
-def make_item(video, question, answer, options=None, at=None, kind=None, fmt="text") -> Item:
+def make_item(
+    video, question, answer, options=None, at=None, kind=None, fmt="text", split=None
+) -> Item:
     options = [str(o) for o in (options or [])]
     if len(options) > len(LETTERS):
         raise UsageError(f"'{str(question)[:60]}' has more than {len(LETTERS)} options")
@@ -88,6 +91,7 @@ def make_item(video, question, answer, options=None, at=None, kind=None, fmt="te
         None if at is None else float(at),
         str(kind or "all"),
         "letter" if options else fmt,
+        None if split is None else str(split),
     )
 
 

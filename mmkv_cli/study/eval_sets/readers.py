@@ -128,9 +128,19 @@ def read_egoschema(path: Path, media: Path, answers: Path | None = None) -> list
     return items
 
 
+# OVO-Bench's three parts by task (its paper's table): what was seen before the question,
+# what is on screen at it, and what only later frames answer
+OVO_SPLITS = {
+    **dict.fromkeys(("EPM", "ASI", "HLD"), "backward"),
+    **dict.fromkeys(("STU", "OJR", "ATR", "ACR", "OCR", "FPD"), "real-time"),
+    **dict.fromkeys(("REC", "SSR", "CRR"), "forward"),
+}
+
+
 def read_ovobench(path: Path, media: Path) -> list[Item]:
     """OVO-Bench: [{id, task, video, realtime, question, options, answer}]; `realtime` is the
-    question's moment (seconds), so only what was seen by then answers it."""
+    question's moment (seconds), so only what was seen by then answers it. Each task counts in
+    its part: backward, real-time or forward."""
     return [
         make_item(
             media / r["video"],
@@ -139,9 +149,107 @@ def read_ovobench(path: Path, media: Path) -> list[Item]:
             r["options"],
             r["realtime"],
             r["task"],
+            split=OVO_SPLITS.get(r["task"]),
         )
         for r in _records(path)
     ]
+
+
+# StreamingBench's parts by task_type (its paper's three groups); omni-source questions need the
+# sound, which mmkv does not read: they are scored on the frames alone
+STREAMINGBENCH_SPLITS = {
+    **dict.fromkeys(
+        (
+            "Object Recognition",
+            "Attribute Recognition",
+            "Text-Rich Understanding",
+            "Counting",
+            "Action Recognition",
+            "Spatial Understanding",
+            "Event Understanding",
+            "Causal Reasoning",
+            "Clips Summarize",
+            "Prospective Reasoning",
+        ),
+        "real-time",
+    ),  # fmt: skip
+    **dict.fromkeys(
+        (
+            "Emotion Recognition",
+            "Scene Understanding",
+            "Source Discrimination",
+            "Multimodal Alignment",
+        ),
+        "omni-source",
+    ),  # fmt: skip
+    **dict.fromkeys(
+        ("Misleading Context Understanding", "Anomaly Context Understanding"), "contextual"
+    ),
+}
+
+
+def clock_seconds(stamp) -> float:
+    """'00:03:10' (or '3:10', or a number) as seconds."""
+    if isinstance(stamp, int | float) and not isinstance(stamp, bool):
+        return float(stamp)
+    parts = str(stamp).strip().split(":")
+    if not 1 <= len(parts) <= 3 or not all(p.replace(".", "", 1).isdigit() for p in parts):
+        raise ValueError(f"time_stamp {str(stamp)[:20]!r} is not HH:MM:SS")
+    return sum(float(p) * 60**i for i, p in enumerate(reversed(parts)))
+
+
+def read_streamingbench(path: Path, media: Path) -> list[Item]:
+    """StreamingBench (its src/data/questions_real.json, questions_omni.json): [{time,
+    video_path, video_categories, questions: [{task_type, question, time_stamp "HH:MM:SS",
+    options ["A. ...", ...], answer letter, required_ability}]}]. A question is asked at its
+    time_stamp over the video up to it, as its eval does; its task_type is its type, and its part
+    (real-time, omni-source, contextual) its split. Proactive-output records (no options, a time
+    to answer at) and the sequential-QA file are another protocol: refused."""
+    items = []
+    for entry in _records(path):
+        video = media / entry["video_path"]
+        for turn in entry["questions"]:
+            if "options" not in turn:
+                raise UsageError(
+                    f"{path}: '{turn['task_type']}' asks when to answer, not what: mmkv eval "
+                    "scores multiple-choice questions (questions_real.json, questions_omni.json)"
+                )
+            items.append(
+                make_item(
+                    video,
+                    turn["question"],
+                    turn["answer"],
+                    [strip_letter(o) for o in turn["options"]],
+                    clock_seconds(turn["time_stamp"]),
+                    turn["task_type"],
+                    split=STREAMINGBENCH_SPLITS.get(turn["task_type"]),
+                )
+            )
+    return items
+
+
+def read_rvs(path: Path, media: Path) -> list[Item]:
+    """RVS-Ego and RVS-Movie (Flash-VStream's realtime VideoQA sets, as HERMES ships them):
+    [{video_id, video_path, duration?, conversations: [{question, answer, start_time, end_time}]}];
+    each question is asked at its end_time, open-ended (scored by normalised match: the papers'
+    scores come from a GPT judge, which mmkv does not run). Files of this shape whose turns carry
+    choices (HERMES' converted StreamingBench and OVO-Bench) are scored by letter, their task as
+    the type."""
+    items = []
+    for entry in _records(path):
+        video = media / entry.get("video_path", entry.get("video_id", ""))
+        for turn in entry["conversations"]:
+            items.append(
+                make_item(
+                    video,
+                    turn["question"],
+                    turn["answer"],
+                    turn.get("choices"),
+                    turn["end_time"],
+                    turn.get("task", entry.get("task", "rvs")),
+                )
+            )
+    return items
 
 
 def read_mmlongbench_doc(path: Path, media: Path) -> list[Item]:
@@ -166,10 +274,13 @@ TASKS: dict[str, Callable[[Path, Path], list[Item]]] = {
     "videomme": read_videomme,
     "egoschema": read_egoschema,
     "ovobench": read_ovobench,
+    "streamingbench": read_streamingbench,
+    "rvs": read_rvs,
     "mmlongbench-doc": read_mmlongbench_doc,
 }
 # the key of a first record that tells a format apart from the others
 TELLTALES = (
+    ("questions", "streamingbench"),
     ("conversations", "mlvu"),
     ("videoID", "videomme"),
     ("q_uid", "egoschema"),
@@ -184,6 +295,9 @@ def detect(path: Path) -> str:
         return "videomme"
     records = _records(path)
     first = records[0] if records and isinstance(records[0], dict) else {}
+    turns = first.get("conversations")
+    if isinstance(turns, list) and turns and isinstance(turns[0], dict) and "end_time" in turns[0]:
+        return "rvs"  # conversations asked at moments: RVS (or HERMES' converted sets)
     for key, task in TELLTALES:
         if key in first:
             return task
