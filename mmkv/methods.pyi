@@ -7,7 +7,7 @@ from mmkv_cli.methods.hermes import Smoothing
 from mmkv_cli.methods.mukv import Counts
 from mmkv_cli.methods.mukv import Shares
 
-__all__ = ["MethodConfig", "get", "Full", "Recency", "ReKV", "MuKV", "HERMES", "InfiniPotV", "SnapKV", "H2O", "PyramidKV", "AirCache", "MEDA", "StreamingTOM", "StreamMem"]
+__all__ = ["MethodConfig", "get", "Full", "Recency", "ReKV", "MuKV", "HERMES", "InfiniPotV", "SnapKV", "H2O", "PyramidKV", "AirCache", "MEDA", "StreamingTOM", "StreamMem", "SimpleStream"]
 
 class MethodConfig:
     """A method with its parameters, each checked when it is built."""
@@ -361,4 +361,20 @@ class StreamMem(MethodConfig):
         chunk_frames: int = ...,
         proxy: str = ...,
         prototypes: bool = ...,
+    ) -> None: ...
+
+
+class SimpleStream(MethodConfig):
+    """SimpleStream: no memory: the newest N frames alone (4), prefilled fresh; the recency control."""
+    chunk_frames: int
+    frames: int
+    def __init__(
+        self,
+        *,
+        budget: float | None = ...,
+        budget_tokens: int | None = ...,
+        reduce: str | None = ...,
+        reduce_params: Mapping[str, Any] | None = ...,
+        chunk_frames: int = ...,
+        frames: int = ...,
     ) -> None: ...

@@ -26,6 +26,7 @@ from mmkv_cli.encode.saved_state import (
 from mmkv_cli.encode.sealing import EarlyTarget, Sealing, open_sealing
 from mmkv_cli.encode.stream import Progress, Stream, step_times_of
 from mmkv_cli.encode.text_attention import text_attention
+from mmkv_cli.encode.window import newest_frames, stream_tokens
 from mmkv_cli.errors import MediaError
 from mmkv_cli.kernels.attention import masking, recording
 from mmkv_cli.kernels.host import HostCopies, host_all
@@ -74,6 +75,9 @@ def encode_media(
     for record.write_encoded to finish."""
     if media.num_frames == 0:
         raise MediaError(f"no frames in {media.source}")
+    whole = media
+    if choice.method.window is not None:  # the newest frames alone (SimpleStream)
+        media = newest_frames(media, choice.method.window(choice.params))
     check_reducer(choice.reduce, media.kind, backbone.family, tower_families())
     started = time.perf_counter()
     per_step = backbone.frames_per_step
@@ -116,6 +120,9 @@ def encode_media(
                 done.prompt_shift,
             )
             encoded = finished(backbone, layout, prefix, done, frame_hw, started)
+            if whole is not media:  # its pack records what the stream gave, not the window's
+                total = stream_tokens(backbone, whole, frame_hw, clip_frames)
+                encoded = replace(encoded, visual_tokens_total=total)
         except BaseException:
             if sealing is not None:
                 sealing.pack.abandon()

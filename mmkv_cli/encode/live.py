@@ -15,6 +15,7 @@ the segment still arriving is made on the spot for a memory; its budget is a sha
 
 from __future__ import annotations
 
+import collections
 import copy
 import time
 from dataclasses import replace
@@ -30,6 +31,7 @@ from mmkv_cli.encode.encoder import (
     Encoded,
     Streamed,
     _span,
+    encode_media,
     finished,
     stream_chunk,
     visual_tokens,
@@ -39,6 +41,7 @@ from mmkv_cli.encode.stream import padded
 from mmkv_cli.encode.text_attention import text_attention
 from mmkv_cli.errors import MediaError
 from mmkv_cli.kernels.host import HostCopies
+from mmkv_cli.media.base import Media
 from mmkv_cli.methods import Budget, EncodeContext
 from mmkv_cli.methods.choice import MethodChoice, check_live
 from mmkv_cli.methods.running_cache import RunningCache, StreamState
@@ -57,6 +60,10 @@ class LiveEncoder:
         # the same reducer a file's encode runs, carried chunk to chunk (a memory copies it)
         self.reducer = ChunkReducer(choice.reduce) if choice.reduce is not None else None
         budget = choice.budget or Budget(share=1.0)
+        # a memory of the newest frames alone (SimpleStream) holds those frames, and encodes them
+        # when it is asked for, as a file's encode of the stream cut there does
+        self.window = choice.method.window(choice.params) if choice.method.window else None
+        self.recent: collections.deque = collections.deque(maxlen=self.window or 1)
         if choice.method.blockwise is not None:
             self.runner = BlockRunner(self, choice.method.blockwise(choice.params, budget))
             unit = self.per_step * self.runner.policy.segment_steps(self.per_step)
@@ -95,6 +102,9 @@ class LiveEncoder:
         if self.times and at <= self.times[-1]:
             raise MediaError(f"a frame at {at:.3f} s came after one at {self.times[-1]:.3f} s")
         self.times.append(float(at))
+        if self.window is not None:
+            self.recent.append((float(at), frame))
+            return
         if len(self.times) % self.per_step == 0:  # a step is whole: its times never change
             self.steps.append((self.times[-self.per_step], self.times[-1]))
         self.pending.append(frame)
@@ -148,12 +158,28 @@ class LiveEncoder:
     def _end(self, fork: bool) -> Encoded:
         if self.frame_hw is None:
             raise MediaError("the stream gave no frame yet")
+        if self.window is not None:
+            return self._window()
         frames = len(self.times)
         layout = self.layout(frames)
         pending = padded(np.stack(self.pending), self.per_step) if self.pending else None
         first = (frames - len(self.pending)) // self.per_step
         prefix, done = self.runner.end(fork, layout, pending, first)
         encoded = finished(self.backbone, layout, prefix, done, self.frame_hw, self.started)
+        return replace(encoded, stats={**encoded.stats, "live": True})
+
+    def _window(self) -> Encoded:
+        """The newest frames, encoded now as the stream cut here would be (the stream's every
+        time is given: the pack records how much of it there was)."""
+        held, first = list(self.recent), len(self.times) - len(self.recent)
+
+        def read(start: int, stop: int) -> np.ndarray:  # only the window's frames are held
+            return np.stack([frame for _, frame in held[start - first : stop - first]])
+
+        media = Media("video", "live", "0" * 64, list(self.times), read)
+        encoded = encode_media(
+            self.backbone, media, self.choice, self.context, clip_frames=self.clip_frames
+        )
         return replace(encoded, stats={**encoded.stats, "live": True})
 
 

@@ -13,6 +13,7 @@ from mmkv_cli.methods import (
     pyramidkv,
     recency,
     rekv,
+    simplestream,
     snapkv,
     streamingtom,
     streammem,
@@ -37,6 +38,7 @@ METHODS: dict[str, Method] = {
         meda,
         streamingtom,
         streammem,
+        simplestream,
     )
 }
 

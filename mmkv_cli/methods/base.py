@@ -271,6 +271,9 @@ class Method:
     reducer: str | None = None  # the token reducer it runs before the prefill (StreamingTOM's CTR)
     kv_bits: float = 16  # bits its pack stores K/V at unless `--kv-bits` says (StreamingTOM: 4)
     start_here: str | None = None  # when a newcomer picks it first (`mmkv methods` opens with it)
+    # params -> N: the memory is the newest N frames alone, prefilled fresh after the prompt
+    # (SimpleStream); None: the memory follows the whole stream
+    window: Callable[[Any], int] | None = None
 
     @property
     def keeps_all(self) -> bool:

@@ -86,6 +86,12 @@ def choice_for(options: EncodeOptions) -> MethodChoice:
     return guided.with_reduce(options.reduce, options.reduce_params)
 
 
+def _unbudgeted(choice: MethodChoice) -> str:
+    """What a method without a budget keeps: everything, or its window of newest frames."""
+    window = choice.method.window
+    return f"newest {window(choice.params)} frames" if window else "keeps all"
+
+
 def method_listing() -> list[dict]:
     """Every method and preset with its paper, budget and parameters at its values, as `mmkv
     methods --json` lists them."""
@@ -105,7 +111,7 @@ def method_listing() -> list[dict]:
                     "year": method.paper.year,
                     "url": method.paper.url,
                 },
-                "budget": budget.label() if budget else "keeps all",
+                "budget": budget.label() if budget else _unbudgeted(choice),
                 "budget_share": budget.share if budget else None,
                 "budget_tokens": budget.tokens if budget else None,
                 "abilities": method.abilities(),
