@@ -365,7 +365,7 @@ class StreamMem(MethodConfig):
 
 
 class SimpleStream(MethodConfig):
-    """SimpleStream: no memory: the newest N frames alone (4), prefilled fresh; the recency control."""
+    """SimpleStream: no memory: the newest frames alone, prefilled fresh (the recency control)."""
     chunk_frames: int
     frames: int
     def __init__(

@@ -89,7 +89,7 @@ def choice_for(options: EncodeOptions) -> MethodChoice:
 def _unbudgeted(choice: MethodChoice) -> str:
     """What a method without a budget keeps: everything, or its window of newest frames."""
     window = choice.method.window
-    return f"newest {window(choice.params)} frames" if window else "keeps all"
+    return f"{window(choice.params)} frames" if window else "keeps all"
 
 
 def method_listing() -> list[dict]:

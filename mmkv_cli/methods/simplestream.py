@@ -34,7 +34,7 @@ class WindowMemory(KeepAll):
 METHOD = Method(
     name="simplestream",
     label="SimpleStream",
-    description="no memory: the newest N frames alone (4), prefilled fresh; the recency control",
+    description="no memory: the newest frames alone, prefilled fresh (the recency control)",
     paper=Paper(
         "A Simple Baseline for Streaming Video Understanding (SimpleStream)",
         2026,
