@@ -150,3 +150,25 @@ def test_on_flash_no_mask_is_made_for_the_layers_own_length(copies, flash_everyw
     got, _ = grouped_sdpa(module, query, key, value, None, causal=True, scaling=16**-0.5)
     causal = torch.arange(300)[None] <= torch.arange(120)[:, None] + 180
     assert torch.allclose(got, written_out(query, key, value, causal), atol=1e-5)
+
+
+def test_a_chunk_over_a_cache_held_per_head_attends_each_heads_own_keys_gathered():
+    """Past FOLD_ROWS rows (a chunk), each KV head's queries attend to the cached entries it holds
+    and to the chunk's own keys, causally: the written-out masked attention, without building the
+    [heads, rows, keys] mask a chunk's rows over an InfiniPot-V cache would need."""
+    module, query, key, value = tensors(heads=8, kv_heads=2, rows=300, keys=700)
+    n = 400  # cached entries; the last 300 keys are the chunk's own
+    held = torch.rand(2, n, generator=torch.Generator().manual_seed(4)) > 0.5
+    got, _ = attention.held_keys_only(module, query, key, value, held)
+    causal = own_length_mask(query, key, None)
+    visible = with_heads(query, key, causal, held)
+    torch.testing.assert_close(
+        got.float(), written_out(query, key, value, visible), atol=1e-5, rtol=1e-4
+    )
+    masks = {0: held}
+    with attention.masking(masks):  # the layer's attention takes this path for a chunk's rows
+        via, _ = attention._attention(
+            SimpleNamespace(layer_idx=0, num_key_value_groups=4, is_causal=True),
+            query, key, value, None,
+        )  # fmt: skip
+    torch.testing.assert_close(via, got)

@@ -153,6 +153,8 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
             raise RuntimeError("internal: attention is not recorded over a cache held per head")
         if isinstance(held, tuple):
             return head_slices(module, query, key, value, held, **kwargs)
+        if query.shape[2] * (query.shape[1] // key.shape[1]) > FOLD_ROWS:  # a chunk's rows
+            return held_keys_only(module, query, key, value, held, **kwargs)
         mask = with_heads(query, key, own_length_mask(query, key, attention_mask), held)
         return grouped_sdpa(module, query, key, value, mask, **kwargs)
     if recorder is not None and layer in recorder.layers:
@@ -283,6 +285,22 @@ def with_heads(
     if causal.dtype != torch.bool:  # an additive mask: 0 where seen
         causal = causal == 0
     return causal & heads
+
+
+def held_keys_only(module, query, key, value, held: torch.Tensor, **kwargs):
+    """Attention of many rows (a chunk prefilled over a cache held per head) with each KV head's
+    query group over the cached entries that head holds (`held` [H_kv, n]) and the forward's own,
+    gathered: causal aligned to the last key, and no mask of [heads, rows, keys] (at 7B, a
+    chunk's over a per-head InfiniPot-V cache was over a GB a layer) -> ([B, q, H, D], None)."""
+    group, n, k_len = query.shape[1] // key.shape[1], held.shape[1], key.shape[2]
+    own = torch.arange(n, k_len)
+    out = []
+    for head, row in enumerate(held.cpu()):  # host bookkeeping: no wait
+        at = torch.cat([row.nonzero().squeeze(1), own]).to(key.device, non_blocking=True)
+        k, v = key[:, head : head + 1, at], value[:, head : head + 1, at]
+        q = query[:, head * group : (head + 1) * group]
+        out.append(grouped_sdpa(module, q, k, v, None, causal=True, **kwargs)[0])
+    return torch.cat(out, dim=2), None
 
 
 def head_slices(module, query, key, value, starts: tuple[int, ...], **kwargs):
