@@ -86,3 +86,11 @@ def test_debug_records_never_land_on_the_answers_line(tmp_path):
     lines = both.stdout.splitlines()
     assert "red" in lines, lines  # whole, alone on its line
     assert lines.index("red") < next(i for i, line in enumerate(lines) if "answered from" in line)
+    chat = subprocess.run(
+        [sys.executable, "-m", "mmkv_cli", "-vv", "chat", pack, "--no-server"],
+        input="what color is the circle ?\nwhich shape appeared last ?\n",
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+        env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    assert chat.returncode == 0, chat.stdout
+    assert {"red", "triangle"} <= set(chat.stdout.splitlines()), chat.stdout  # chat's too

@@ -64,7 +64,13 @@ def chat(
 
     def body() -> None:
         from mmkv_cli.cli.chat import Chat, chat_loop
-        from mmkv_cli.cli.display import err_console, show_retrieved
+        from mmkv_cli.cli.display import (
+            answer_broken,
+            answer_end,
+            answer_piece,
+            err_console,
+            show_retrieved,
+        )
 
         generation = GenerationOptions(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
         options = AskOptions(generation=generation, explain=True)  # /explain, any time
@@ -76,11 +82,11 @@ def chat(
                 f"[dim]{pack}: ask away; /help lists the commands, /quit or Ctrl-D leaves[/dim]"
             )
 
-        def write(piece: str) -> None:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        def write(piece: str) -> None:  # -vv records wait for the answer's line to end
+            answer_end() if piece == "\n" else answer_piece(piece)
 
         def note(line: str) -> None:
+            answer_broken()  # a line of its own, after any answer cut short
             err_console.print(plain(line))
 
         chat = Chat(options, turns, turn_tokens)
