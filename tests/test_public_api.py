@@ -279,3 +279,8 @@ def test_python_keywords_and_cli_options_share_their_names():
     for name in ("encode", "live", "eval", "batch"):
         written = next(p for p in commands[name].params if "--out" in p.opts)
         assert "-o" in written.opts, name
+    # and HTTP: a stream's fields are mmkv.live's keywords (its name and source aside)
+    from mmkv_cli.serve.streams import StreamRequest
+
+    live = set(py_inspect.signature(mmkv.live).parameters)
+    assert set(StreamRequest.model_fields) - {"name", "source"} <= live

@@ -46,7 +46,7 @@ def test_a_stream_is_started_asked_shown_and_stopped_into_a_pack(tmp_path):
         hermes = methods.HERMES(deep_share=0.5, summary=False).spec()  # as Python sends one
         typed = {"name": hermes.name, "params": dict(hermes.params)}
         started = http.post(
-            "/v1/streams", json={**request, "method": typed, "budget_tokens": 24, "stall_s": 30}
+            "/v1/streams", json={**request, "method": typed, "budget_tokens": 24, "stall": 30}
         )
         assert started.status_code == 201, started.text
         writer.start()

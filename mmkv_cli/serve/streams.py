@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from mmkv_cli.errors import MmkvError, OutputExistsError, UsageError, called_from
 from mmkv_cli.live import Follow, LiveQuestion
@@ -54,7 +54,8 @@ class StreamRequest(BaseModel):
     reduce: str | None = Field(None, max_length=64)  # a token reducer; None: the method's own
     snapshot_every: float | None = Field(None, gt=0)
     behind: Literal["wait", "drop"] | None = None
-    stall_s: float = Field(10.0, gt=0, le=3600)
+    # seconds of silence that end the stream: `stall` as the CLI and Python name it (stall_s read)
+    stall: float = Field(10.0, gt=0, le=3600, validation_alias=AliasChoices("stall", "stall_s"))
 
     @property
     def method_name(self) -> str:
@@ -142,7 +143,7 @@ class Streams:
                 kv_bits=request.kv_bits,
                 reduce=request.reduce,
             )
-            live = LiveOptions(fps=request.fps, behind=request.behind, stall_s=request.stall_s)
+            live = LiveOptions(fps=request.fps, behind=request.behind, stall_s=request.stall)
             follow = Follow(
                 request.source,
                 output,
