@@ -70,10 +70,14 @@ if [ -n "$DRY_RUN" ]; then say "would install torch from ${index:-PyPI}"; exit 0
 "$VENV/bin/pip" install -q --upgrade pip
 "$VENV/bin/pip" install -q ${index:+--index-url "$index"} $TORCH
 # compat: a path entry rather than an import hook, so type checkers (mypy, pyright) see mmkv;
-# setuptools' notice that the mode is transitional is kept out of sight unless the install fails
+# setuptools' notice that the mode is transitional is kept out of sight unless the install fails.
+# A setuptools without the mode gets the plain editable install, and a word.
 log=$(mktemp)
-"$VENV/bin/pip" install -q --config-settings editable_mode=compat -e '.[test,serve,ray,s3,eval]' \
-  > "$log" 2>&1 || { cat "$log"; rm -f "$log"; exit 1; }
+extras='.[test,serve,ray,s3,eval]'
+if ! "$VENV/bin/pip" install -q --config-settings editable_mode=compat -e "$extras" > "$log" 2>&1; then
+  say "setuptools refused its compat editable mode: a plain one (type checkers may not see mmkv)"
+  "$VENV/bin/pip" install -q -e "$extras" > "$log" 2>&1 || { cat "$log"; rm -f "$log"; exit 1; }
+fi
 rm -f "$log"
 printf '%s\n%s\n' "$wanted" "$project" > "$STAMP"
 say "mmkv is installed in $VENV: 'source $VENV/bin/activate' puts mmkv on your PATH (or call $VENV/bin/mmkv)"
