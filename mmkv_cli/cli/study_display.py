@@ -60,6 +60,9 @@ def _eval_tables(runs: list[dict], which: str) -> None:
     columns = ("method", "budget", "protocol", "kept", "n", "all", "se")
     summary = _eval_table(f"eval: accuracy{which}", columns)
     by_type = _eval_table(f"accuracy by question type{which}", ("method", "budget", *types))
+    # the benchmark's own parts (OVO-Bench, StreamingBench), as its tables give them
+    parts = list(dict.fromkeys(s for r in runs for s in r.get("by_split", {})))
+    by_part = _eval_table(f"accuracy by the benchmark's part{which}", ("method", "budget", *parts))
     for r in runs:
         kept = f"{r['kept']:.2f}" if r.get("kept") is not None else "-"
         budget = f"{r['budget_tokens']}t" if r.get("budget_tokens") else f"{r['budget']:g}"
@@ -73,25 +76,19 @@ def _eval_tables(runs: list[dict], which: str) -> None:
             budget if protocol == "replay" else f"{budget} {protocol}",
             *(f"{r['by_type'][t]['accuracy']:.2f}" if t in r["by_type"] else "-" for t in types),
         )
+        held = r.get("by_split", {})
+        by_part.add_row(
+            r["method"],
+            budget,
+            *(f"{held[p]['accuracy']:.2f}" if p in held else "-" for p in parts),
+        )
     dim = [f"[dim]{c:.2f}[/dim]" if c is not None else "-" for c in (overall, *chances)]
     summary.add_row("[dim]chance[/dim]", "", "", "", "", dim[0], "")
     by_type.add_row("[dim]chance[/dim]", "", *dim[1:])
     out_console.print(summary)
     out_console.print(by_type)
-    parts = list(dict.fromkeys(s for r in runs for s in r.get("by_split", {})))
-    if parts:  # the benchmark's own parts (OVO-Bench, StreamingBench), as its tables give them
-        split = _eval_table(
-            f"accuracy by the benchmark's part{which}", ("method", "budget", *parts)
-        )
-        for r in runs:
-            held = r.get("by_split", {})
-            budget = f"{r['budget_tokens']}t" if r.get("budget_tokens") else f"{r['budget']:g}"
-            split.add_row(
-                r["method"],
-                budget,
-                *(f"{held[p]['accuracy']:.2f}" if p in held else "-" for p in parts),
-            )
-        out_console.print(split)
+    if parts:
+        out_console.print(by_part)
 
 
 def _eval_table(title: str, columns: tuple) -> Table:

@@ -91,8 +91,8 @@ class LiveEncoder:
 
     def push(self, frame: np.ndarray, at: float) -> None:
         """One frame of the stream, at `at` seconds (after every earlier frame's)."""
-        if self.frame_hw is None:
-            self._begin(frame)
+        if self.frame_hw is None:  # a window encodes its frames when asked: no prompt to run now
+            self.frame_hw = tuple(frame.shape[:2]) if self.window else self._begin(frame)
         elif tuple(frame.shape[:2]) != self.frame_hw:
             h, w = self.frame_hw
             raise MediaError(
@@ -125,7 +125,8 @@ class LiveEncoder:
 
     # --- what both runners share ---
 
-    def _begin(self, frame: np.ndarray) -> None:
+    def _begin(self, frame: np.ndarray) -> tuple[int, int]:
+        """The prompt run and the runner begun on the first frame; its (height, width)."""
         backbone = self.backbone
         self.frame_hw = tuple(frame.shape[:2])
         layout = backbone.stream_layout(self.frame_hw, [(0.0, 0.0)], self.clip_frames)
@@ -134,6 +135,7 @@ class LiveEncoder:
         backbone.forward(backbone.embed_ids(prefix_ids), layout.prefix, self.cache)
         self.prompt_len, self.prefix_positions = len(prefix_ids), layout.prefix
         self.runner.begin()
+        return self.frame_hw
 
     def step_times(self, frames: int) -> list[tuple[float, float]]:
         """Each temporal step's (first, last) frame time over the first `frames` frames (a step

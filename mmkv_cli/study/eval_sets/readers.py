@@ -69,21 +69,26 @@ def read_mmkv(path: Path, media: Path) -> list[Item]:
 def read_mlvu(path: Path, media: Path) -> list[Item]:
     """MLVU as ReKV ships it: [{video_id, video_path, conversations: [{question, choices,
     answer, question_type?}]}]."""
-    items = []
+    return [
+        make_item(
+            video,
+            turn["question"],
+            turn["answer"],
+            turn.get("choices"),
+            turn.get("at", turn.get("timestamp")),
+            turn.get("question_type", entry.get("question_type")),
+        )
+        for video, entry, turn in _turns(path, media)
+    ]
+
+
+def _turns(path: Path, media: Path):
+    """(video, entry, turn) for every conversation turn of a [{video_path or video_id,
+    conversations: [...]}] file (MLVU as ReKV ships it, RVS)."""
     for entry in _records(path):
         video = media / entry.get("video_path", entry.get("video_id", ""))
         for turn in entry["conversations"]:
-            items.append(
-                make_item(
-                    video,
-                    turn["question"],
-                    turn["answer"],
-                    turn.get("choices"),
-                    turn.get("at", turn.get("timestamp")),
-                    turn.get("question_type", entry.get("question_type")),
-                )
-            )
-    return items
+            yield video, entry, turn
 
 
 def read_videomme(path: Path, media: Path) -> list[Item]:
@@ -235,21 +240,17 @@ def read_rvs(path: Path, media: Path) -> list[Item]:
     scores come from a GPT judge, which mmkv does not run). Files of this shape whose turns carry
     choices (HERMES' converted StreamingBench and OVO-Bench) are scored by letter, their task as
     the type."""
-    items = []
-    for entry in _records(path):
-        video = media / entry.get("video_path", entry.get("video_id", ""))
-        for turn in entry["conversations"]:
-            items.append(
-                make_item(
-                    video,
-                    turn["question"],
-                    turn["answer"],
-                    turn.get("choices"),
-                    turn["end_time"],
-                    turn.get("task", entry.get("task", "rvs")),
-                )
-            )
-    return items
+    return [
+        make_item(
+            video,
+            turn["question"],
+            turn["answer"],
+            turn.get("choices"),
+            turn["end_time"],
+            turn.get("task", entry.get("task", "rvs")),
+        )
+        for video, entry, turn in _turns(path, media)
+    ]
 
 
 def read_mmlongbench_doc(path: Path, media: Path) -> list[Item]:
