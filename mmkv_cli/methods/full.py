@@ -5,18 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmkv_cli.methods.base import Method, Paper, StreamParams
-from mmkv_cli.methods.keep_all import KeepAll
+from mmkv_cli.methods.keep_all import KeepPrefilled
 
 
 @dataclass(frozen=True)
 class FullParams(StreamParams):
     pass
-
-
-class FullMemory(KeepAll):
-    """Every token as prefilled: each step's block is whole as soon as its chunk is in."""
-
-    seals_as_prefilled = True
 
 
 METHOD = Method(
@@ -27,5 +21,5 @@ METHOD = Method(
     paper=Paper("the uncompressed baseline of all four papers", 2025),
     params=FullParams,
     budget=None,
-    streaming=FullMemory,
+    streaming=KeepPrefilled,
 )

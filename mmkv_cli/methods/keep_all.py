@@ -105,3 +105,10 @@ class KeepAll:
             time=time,
             representative=None if rope is None else self.representative(keys, positions, rope),
         )
+
+
+class KeepPrefilled(KeepAll):
+    """Every token as prefilled, nothing evicted or rewritten: each step's block is whole as soon
+    as its chunk is in (full; SimpleStream's window)."""
+
+    seals_as_prefilled = True

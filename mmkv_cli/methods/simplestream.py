@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmkv_cli.methods.base import Method, Paper, StreamParams
-from mmkv_cli.methods.keep_all import KeepAll
+from mmkv_cli.methods.keep_all import KeepPrefilled
 from mmkv_cli.spec import knob
 
 
@@ -23,12 +23,6 @@ class SimpleStreamParams(StreamParams):
         4, "the newest frames the model sees, prefilled fresh (recent_frames_only; 4 in the paper)",
         low=1, high=4096,
     )  # fmt: skip
-
-
-class WindowMemory(KeepAll):
-    """The window's frames, every token as prefilled."""
-
-    seals_as_prefilled = True
 
 
 METHOD = Method(
@@ -42,6 +36,6 @@ METHOD = Method(
     ),
     params=SimpleStreamParams,
     budget=None,
-    streaming=WindowMemory,
+    streaming=KeepPrefilled,  # the window's frames, every token as prefilled
     window=lambda params: params.frames,
 )
