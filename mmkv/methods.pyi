@@ -7,7 +7,7 @@ from mmkv_cli.methods.hermes import Smoothing
 from mmkv_cli.methods.mukv import Counts
 from mmkv_cli.methods.mukv import Shares
 
-__all__ = ["MethodConfig", "get", "Full", "Recency", "ReKV", "MuKV", "HERMES", "InfiniPotV", "SnapKV", "H2O", "PyramidKV", "AirCache", "MEDA", "StreamingTOM", "StreamMem", "SimpleStream"]
+__all__ = ["MethodConfig", "get", "Full", "Recency", "ReKV", "MuKV", "HERMES", "InfiniPotV", "SnapKV", "H2O", "PyramidKV", "AirCache", "MEDA", "StreamingTOM", "StreamMem", "SimpleStream", "CausalMem"]
 
 class MethodConfig:
     """A method with its parameters, each checked when it is built."""
@@ -377,4 +377,28 @@ class SimpleStream(MethodConfig):
         reduce_params: Mapping[str, Any] | None = ...,
         chunk_frames: int = ...,
         frames: int = ...,
+    ) -> None: ...
+
+
+class CausalMem(MethodConfig):
+    """CausalMem: a fixed budget: tokens an online semantic basis explains least; one mean a frame."""
+    chunk_frames: int
+    k_max: int
+    decay: float
+    new_directions: int
+    time_weight: float
+    min_foreground: int
+    def __init__(
+        self,
+        *,
+        budget: float | None = ...,
+        budget_tokens: int | None = ...,
+        reduce: str | None = ...,
+        reduce_params: Mapping[str, Any] | None = ...,
+        chunk_frames: int = ...,
+        k_max: int = ...,
+        decay: float = ...,
+        new_directions: int = ...,
+        time_weight: float = ...,
+        min_foreground: int = ...,
     ) -> None: ...

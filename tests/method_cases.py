@@ -20,6 +20,8 @@ CASES = {
     "hermes": Case({"budget_tokens": 24}),
     "mukv": Case(views_overlap=True),
     "streammem": Case(per_step_extra=True),
+    # one background entry a frame beside the foreground's budget
+    "causalmem": Case(per_step_extra=True),
 }
 
 

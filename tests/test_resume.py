@@ -394,3 +394,20 @@ def test_a_checkpoint_whose_pieces_do_not_fit_its_head_is_refused(slid):
     resume = EncodeOptions("full-slid", checkpoint_every=1, resume=True, **OPTIONS)
     with pytest.raises(PackError, match="checkpoint is corrupted .*cache.0's piece 0 does not"):
         api.encode(video, out, resume, backbone=backbone)
+
+
+def test_causalmem_resumes_with_its_basis_and_backgrounds(world):
+    """CausalMem's basis, foreground embeddings and per-frame backgrounds are in the checkpoint: a
+    resumed encode over its budget equals the uninterrupted one."""
+    backbone, tmp = world
+    video = str(tmp / "set" / "clips" / "clip_0000.mp4")
+    small = {"budget_tokens": 24}
+    whole = tmp / "causalmem-whole.kvpack"
+    info = api.encode(video, whole, EncodeOptions("causalmem", **OPTIONS, **small),
+                      backbone=backbone)  # fmt: skip
+    assert info["visual_tokens_kept"] < info["visual_tokens_total"]
+    cut = tmp / "causalmem-cut.kvpack"
+    interrupt(backbone, video, cut, "causalmem", chunks=2, **small)
+    resumed = EncodeOptions("causalmem", checkpoint_every=1, resume=True, **OPTIONS, **small)
+    api.encode(video, cut, resumed, backbone=backbone)
+    assert same_pack(whole, cut)

@@ -14,7 +14,7 @@ from mmkv_cli.backbones import tower_families
 from mmkv_cli.backbones.base import Backbone, StreamLayout
 from mmkv_cli.encode.blockwise import chunk_plans, order_blocks, prefill_blocks
 from mmkv_cli.encode.checkpoint import Checkpointing
-from mmkv_cli.encode.reducing import ChunkReducer
+from mmkv_cli.encode.reducing import ChunkReducer, grid_index
 from mmkv_cli.encode.results import Encoded, Streamed, layout_record
 from mmkv_cli.encode.saved_state import (
     block_rows,
@@ -299,6 +299,11 @@ def stream_chunk(
     )
     n = embeds.shape[1]
     index = torch.arange(state.seen, state.seen + n)
+    if policy.reads_embeddings:  # before the reducer's drops: a step is compared whole
+        where = grid_index(layout, first_step, len(steps))
+        flat = where.flatten().to(embeds.device, non_blocking=True)
+        state.chunk_grid = embeds[0, flat].view(*where.shape, -1)
+        state.chunk_index = where + state.seen
     placed = state.placed(state.seen, state.seen + n)
     if keep is not None:
         at = keep.nonzero()[:, 0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mmkv_cli.methods import (
     aircache,
+    causalmem,
     full,
     h2o,
     hermes,
@@ -39,6 +40,7 @@ METHODS: dict[str, Method] = {
         streamingtom,
         streammem,
         simplestream,
+        causalmem,
     )
 }
 

@@ -135,6 +135,10 @@ class StreamingMemory(Protocol):
     def make_blocks(self, state: StreamState, step_times: list[tuple[float, float]]) -> list[Span]:
         """What the cache holds at the end, as the pack's blocks in time order."""
 
+    # it chooses by what the language model took in (FluxMem, CausalMem): each chunk's grid tokens
+    # as embedded are on the state (StreamState.chunk_grid) when after_chunk runs
+    reads_embeddings: bool
+
     # every token it holds stays as prefilled, one block per temporal step (made by step_block):
     # its blocks can be made, and written, as each chunk goes in
     seals_as_prefilled: bool

@@ -30,6 +30,7 @@ class KeepAll:
     # every token it holds stays as prefilled, one block per temporal step: its blocks can be made,
     # and written, as each chunk goes in (a policy that evicts or rewrites entries: False)
     seals_as_prefilled = False
+    reads_embeddings = False  # chooses by attention or place, not by the tokens' embeddings
 
     def __init__(self, params, budget: Budget, context: EncodeContext):
         self.params = params
