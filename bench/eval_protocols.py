@@ -42,8 +42,8 @@ def main() -> None:
         data = Path(work) / "set"
         write_dataset(data, args.clips, args.frames, args.seed, world_name=args.world)
         qa = str(data / "qa.jsonl")
-        fixed = sorted(n for n, m in METHODS.items() if m.blockwise is None and not m.keeps_all)
-        whole = sorted(n for n, m in METHODS.items() if m.keeps_all)
+        fixed = sorted(n for n, m in METHODS.items() if m.blockwise is None and m.takes_budget)
+        whole = sorted(n for n, m in METHODS.items() if not m.takes_budget)
         blockwise = sorted(n for n, m in METHODS.items() if m.blockwise is not None)
         for protocol in ("replay", "stream"):
             started = time.perf_counter()

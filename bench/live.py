@@ -51,7 +51,7 @@ def child(
 
     backbone = load_backbone(LoadOptions(model, device, layers=layers or None))
     choice = resolve_method(method)
-    if not choice.method.keeps_all:
+    if choice.method.takes_budget:
         choice = choice.with_budget(tokens=tokens)
     context = EncodeContext("video")
     live = LiveEncoder(backbone, choice, context)

@@ -7,7 +7,7 @@ from mmkv_cli.methods.hermes import Smoothing
 from mmkv_cli.methods.mukv import Counts
 from mmkv_cli.methods.mukv import Shares
 
-__all__ = ["MethodConfig", "get", "Full", "Recency", "ReKV", "MuKV", "HERMES", "InfiniPotV", "SnapKV", "H2O", "PyramidKV", "AirCache", "MEDA", "StreamingTOM", "StreamMem", "SimpleStream", "CausalMem"]
+__all__ = ["MethodConfig", "get", "Full", "Recency", "ReKV", "MuKV", "HERMES", "InfiniPotV", "SnapKV", "H2O", "PyramidKV", "AirCache", "MEDA", "StreamingTOM", "StreamMem", "SimpleStream", "CausalMem", "FluxMem"]
 
 class MethodConfig:
     """A method with its parameters, each checked when it is built."""
@@ -401,4 +401,26 @@ class CausalMem(MethodConfig):
         new_directions: int = ...,
         time_weight: float = ...,
         min_foreground: int = ...,
+    ) -> None: ...
+
+
+class FluxMem(MethodConfig):
+    """FluxMem: newest frames whole, then what differs from its neighbours, then merged regions."""
+    chunk_frames: int
+    short_term_frames: int
+    mid_term_frames: int
+    direct_drop_similarity: float
+    pair_similarity: float | None
+    def __init__(
+        self,
+        *,
+        budget: float | None = ...,
+        budget_tokens: int | None = ...,
+        reduce: str | None = ...,
+        reduce_params: Mapping[str, Any] | None = ...,
+        chunk_frames: int = ...,
+        short_term_frames: int = ...,
+        mid_term_frames: int = ...,
+        direct_drop_similarity: float = ...,
+        pair_similarity: float | None = ...,
     ) -> None: ...

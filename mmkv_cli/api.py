@@ -121,7 +121,7 @@ def encode(
     if on_start:
         on_start(source.num_frames, source.frames_offered)
     context = EncodeContext(source.kind, options.guidance_prompt)
-    budget = choice.budget.label() if choice.budget else "every token"
+    budget = choice.budget.label() if choice.budget else "its defaults"
     LOG.info(
         "encoding %s (%s, %d frames) with %s at %s", media, source.kind, source.num_frames,
         choice.name, budget,

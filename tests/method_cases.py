@@ -29,6 +29,6 @@ def case_for(method: str) -> Case:
     """A method's case, or a preset's: its method's."""
     from mmkv_cli.methods.choice import resolve_method
 
-    if resolve_method(method).method.keeps_all:
+    if not resolve_method(method).method.takes_budget:
         return Case({})
     return CASES.get(method, Case())

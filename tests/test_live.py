@@ -31,7 +31,7 @@ def cut(media: Media, frames: int) -> Media:
 
 def live_choice(method: str, chunk_frames: int = 4):
     choice = resolve_method(method)
-    if not choice.method.keeps_all and choice.method.blockwise is None:  # a fixed memory
+    if choice.method.takes_budget and choice.method.blockwise is None:  # a fixed memory
         choice = choice.with_budget(tokens=40)
     return replace(choice, params=replace(choice.params, chunk_frames=chunk_frames))
 

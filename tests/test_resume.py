@@ -411,3 +411,19 @@ def test_causalmem_resumes_with_its_basis_and_backgrounds(world):
     resumed = EncodeOptions("causalmem", checkpoint_every=1, resume=True, **OPTIONS, **small)
     api.encode(video, cut, resumed, backbone=backbone)
     assert same_pack(whole, cut)
+
+
+def test_fluxmem_resumes_with_the_frames_it_still_decides_about(world):
+    """FluxMem's short- and mid-term frames (their embeddings, distances and choices) are in the
+    checkpoint: a resumed encode equals the uninterrupted one."""
+    backbone, tmp = world
+    video = str(tmp / "set" / "clips" / "clip_0000.mp4")
+    tiers = MethodSpec("fluxmem", {"short_term_frames": 4, "mid_term_frames": 4})
+    whole = tmp / "fluxmem-whole.kvpack"
+    info = api.encode(video, whole, EncodeOptions(tiers, **OPTIONS), backbone=backbone)
+    assert info["visual_tokens_kept"] < info["visual_tokens_total"]
+    cut = tmp / "fluxmem-cut.kvpack"
+    interrupt(backbone, video, cut, tiers, chunks=2)
+    resumed = EncodeOptions(tiers, checkpoint_every=1, resume=True, **OPTIONS)
+    api.encode(video, cut, resumed, backbone=backbone)
+    assert same_pack(whole, cut)

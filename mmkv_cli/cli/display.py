@@ -142,7 +142,9 @@ def budget_label(info: dict) -> str:
     if info.get("budget_tokens"):
         return f"budget {info['budget_tokens']} tokens"
     if info.get("budget") is None:
-        return "keeps all"
+        kept, prefilled = info.get("visual_tokens_kept"), info.get("visual_tokens_prefilled")
+        fewer = kept is not None and prefilled is not None and kept < prefilled
+        return "own thresholds" if fewer else "keeps all"
     return f"budget {info['budget']:g}"
 
 

@@ -196,6 +196,7 @@ def encode_streaming(
         position_limit=int(backbone.text_config.max_position_embeddings),
         rope=backbone.rope_tables(),
         family=backbone.family,
+        frames_per_step=backbone.frames_per_step,
     )
     state.attend = lambda text, **how: text_attention(backbone, state, text, **how)
     peak_kv, skip, cuts = 0, 0, []  # cuts: where each save cut the stream (saved_state.py)

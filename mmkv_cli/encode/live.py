@@ -204,6 +204,7 @@ class StreamRunner:
             position_limit=int(backbone.text_config.max_position_embeddings),
             rope=backbone.rope_tables(),
             family=backbone.family,
+            frames_per_step=backbone.frames_per_step,
         )
         self._bind(self.state)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from mmkv_cli.methods import (
     aircache,
     causalmem,
+    fluxmem,
     full,
     h2o,
     hermes,
@@ -41,6 +42,7 @@ METHODS: dict[str, Method] = {
         streammem,
         simplestream,
         causalmem,
+        fluxmem,
     )
 }
 

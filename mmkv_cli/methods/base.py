@@ -278,10 +278,17 @@ class Method:
     # params -> N: the memory is the newest N frames alone, prefilled fresh after the prompt
     # (SimpleStream); None: the memory follows the whole stream
     window: Callable[[Any], int] | None = None
+    # it sizes its memory by thresholds of its own (FluxMem): it takes no budget, yet keeps fewer
+    # tokens than it prefilled
+    adaptive: bool = False
+
+    @property
+    def takes_budget(self) -> bool:
+        return self.budget is not None
 
     @property
     def keeps_all(self) -> bool:
-        return self.budget is None
+        return self.budget is None and not self.adaptive
 
     def abilities(self) -> list[str]:
         out = ["blockwise" if self.blockwise else "streaming"]

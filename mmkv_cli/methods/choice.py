@@ -43,6 +43,9 @@ class MethodChoice:
         if share is None and tokens is None:
             return self
         given = flag("budget" if share is not None else "budget_tokens")
+        if self.method.adaptive:
+            raise UsageError(f"method '{self.name}' sizes its memory by its own thresholds: "
+                             f"{given} does not apply (its parameters set them)")  # fmt: skip
         if self.method.keeps_all:
             raise UsageError(f"method '{self.name}' keeps every token: {given} does not apply")
         if share is not None and tokens is not None:
@@ -87,7 +90,10 @@ def choice_for(options: EncodeOptions) -> MethodChoice:
 
 
 def _unbudgeted(choice: MethodChoice) -> str:
-    """What a method without a budget keeps: everything, or its window of newest frames."""
+    """What a method without a budget keeps: everything, its window of newest frames, or what
+    its own thresholds let stay."""
+    if choice.method.adaptive:
+        return "own thresholds"
     window = choice.method.window
     return f"{window(choice.params)} frames" if window else "keeps all"
 
@@ -218,7 +224,7 @@ def check_live(choice: MethodChoice) -> MethodChoice:
                 f"length, which a live stream does not have (give a share: {flag('budget')})"
             )
         return choice
-    if not method.keeps_all and (budget is None or budget.tokens is None):
+    if method.takes_budget and (budget is None or budget.tokens is None):
         share = f"{budget.share:g}" if budget is not None and budget.share is not None else "all"
         raise UsageError(
             f"a live stream has no length to take a share of: give '{choice.name}' its memory as "

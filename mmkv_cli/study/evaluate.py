@@ -88,7 +88,7 @@ def evaluate(
     plan = []
     for name in methods:
         choice = resolve_method(name)  # unknown names fail here, before any work
-        for level in [Level()] if choice.method.keeps_all else levels:
+        for level in levels if choice.method.takes_budget else [Level()]:
             plan.append((name, level, _protocol(settings.protocol, choice, level, moments)))
     model = load.model or default_model()
     root = Path(out)

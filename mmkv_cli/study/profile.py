@@ -105,7 +105,7 @@ def profile(
     logits: dict[str, torch.Tensor] = {}  # each method's first answer logits at the first bits
 
     def encode_options(name: str, **extra) -> EncodeOptions:
-        budget = None if choices[name].method.keeps_all else options.budget
+        budget = options.budget if choices[name].method.takes_budget else None
         return replace(options, method=name, budget=budget, force=True, **extra)
 
     with tempfile.TemporaryDirectory(prefix="mmkv-profile-") as tmp:
