@@ -7,7 +7,7 @@ from mmkv_cli.methods.hermes import Smoothing
 from mmkv_cli.methods.mukv import Counts
 from mmkv_cli.methods.mukv import Shares
 
-__all__ = ["MethodConfig", "get", "Full", "Recency", "ReKV", "MuKV", "HERMES", "InfiniPotV", "SnapKV", "H2O", "PyramidKV", "AirCache", "MEDA", "StreamingTOM", "StreamMem", "SimpleStream", "CausalMem", "FluxMem"]
+__all__ = ["MethodConfig", "get", "Full", "Recency", "ReKV", "MuKV", "HERMES", "InfiniPotV", "SnapKV", "H2O", "PyramidKV", "AirCache", "MEDA", "StreamingTOM", "StreamMem", "SimpleStream", "CausalMem", "FluxMem", "DSCache"]
 
 class MethodConfig:
     """A method with its parameters, each checked when it is built."""
@@ -423,4 +423,24 @@ class FluxMem(MethodConfig):
         mid_term_frames: int = ...,
         direct_drop_similarity: float = ...,
         pair_similarity: float | None = ...,
+    ) -> None: ...
+
+
+class DSCache(MethodConfig):
+    """DSCache: a sliding past cache placed without gaps, and the newest frames prefilled fresh."""
+    chunk_frames: int
+    context_len: int
+    frame_len: int
+    past_stride: int
+    def __init__(
+        self,
+        *,
+        budget: float | None = ...,
+        budget_tokens: int | None = ...,
+        reduce: str | None = ...,
+        reduce_params: Mapping[str, Any] | None = ...,
+        chunk_frames: int = ...,
+        context_len: int = ...,
+        frame_len: int = ...,
+        past_stride: int = ...,
     ) -> None: ...

@@ -427,3 +427,19 @@ def test_fluxmem_resumes_with_the_frames_it_still_decides_about(world):
     resumed = EncodeOptions(tiers, checkpoint_every=1, resume=True, **OPTIONS)
     api.encode(video, cut, resumed, backbone=backbone)
     assert same_pack(whole, cut)
+
+
+def test_dscache_resumes_its_past_cache(world):
+    """DSCache's past cache (one frame a chunk, placed after what it holds) resumes from its
+    checkpoint; the instant cache is made after it, as in the uninterrupted encode."""
+    backbone, tmp = world
+    video = str(tmp / "set" / "clips" / "clip_0000.mp4")
+    small = MethodSpec("dscache", {"context_len": 3, "frame_len": 2})
+    whole = tmp / "dscache-whole.kvpack"
+    api.encode(video, whole, EncodeOptions(small, **OPTIONS), backbone=backbone)
+    cut = tmp / "dscache-cut.kvpack"
+    interrupt(backbone, video, cut, small, chunks=6)
+    assert checkpoint_path(cut).exists() and not cut.exists()
+    resumed = EncodeOptions(small, checkpoint_every=1, resume=True, **OPTIONS)
+    api.encode(video, cut, resumed, backbone=backbone)
+    assert same_pack(whole, cut)

@@ -144,7 +144,7 @@ def budget_label(info: dict) -> str:
     if info.get("budget") is None:
         kept, prefilled = info.get("visual_tokens_kept"), info.get("visual_tokens_prefilled")
         fewer = kept is not None and prefilled is not None and kept < prefilled
-        return "own thresholds" if fewer else "keeps all"
+        return "own sizes" if fewer else "keeps all"
     return f"budget {info['budget']:g}"
 
 

@@ -14,6 +14,7 @@ from mmkv_cli.backbones import tower_families
 from mmkv_cli.backbones.base import Backbone, StreamLayout
 from mmkv_cli.encode.blockwise import chunk_plans, order_blocks, prefill_blocks
 from mmkv_cli.encode.checkpoint import Checkpointing
+from mmkv_cli.encode.decoupled import encode_decoupled
 from mmkv_cli.encode.reducing import ChunkReducer, grid_index
 from mmkv_cli.encode.results import Encoded, Streamed, layout_record
 from mmkv_cli.encode.saved_state import (
@@ -75,6 +76,10 @@ def encode_media(
     for record.write_encoded to finish."""
     if media.num_frames == 0:
         raise MediaError(f"no frames in {media.source}")
+    if choice.method.instant is not None:  # the newest frames apart from the memory (DSCache)
+        context = context or EncodeContext(media.kind)
+        return encode_decoupled(encode_media, backbone, media, choice, context, progress,
+                                checkpoint, clip_frames)  # fmt: skip
     whole = media
     if choice.method.window is not None:  # the newest frames alone (SimpleStream)
         media = newest_frames(media, choice.method.window(choice.params))

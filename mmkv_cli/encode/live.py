@@ -27,6 +27,7 @@ from mmkv_cli.backbones import tower_families
 from mmkv_cli.backbones.base import Backbone, StreamLayout
 from mmkv_cli.backbones.layouts import extend_layout
 from mmkv_cli.encode.blockwise import chunk_plans, order_blocks, prefill_blocks
+from mmkv_cli.encode.decoupled import DecoupledLive, past_choice
 from mmkv_cli.encode.encoder import (
     Encoded,
     Streamed,
@@ -64,6 +65,12 @@ class LiveEncoder:
         # when it is asked for, as a file's encode of the stream cut there does
         self.window = choice.method.window(choice.params) if choice.method.window else None
         self.recent: collections.deque = collections.deque(maxlen=self.window or 1)
+        # a memory apart from its newest frames (DSCache) feeds a live past what leaves them
+        self.decoupled = None
+        if choice.method.instant is not None:
+            past = LiveEncoder(backbone, past_choice(choice), context)
+            clip = backbone.spec.max_frames
+            self.decoupled = DecoupledLive(backbone, choice, past, context, clip)
         if choice.method.blockwise is not None:
             self.runner = BlockRunner(self, choice.method.blockwise(choice.params, budget))
             unit = self.per_step * self.runner.policy.segment_steps(self.per_step)
@@ -92,7 +99,8 @@ class LiveEncoder:
     def push(self, frame: np.ndarray, at: float) -> None:
         """One frame of the stream, at `at` seconds (after every earlier frame's)."""
         if self.frame_hw is None:  # a window encodes its frames when asked: no prompt to run now
-            self.frame_hw = tuple(frame.shape[:2]) if self.window else self._begin(frame)
+            apart = self.window is not None or self.decoupled is not None
+            self.frame_hw = tuple(frame.shape[:2]) if apart else self._begin(frame)
         elif tuple(frame.shape[:2]) != self.frame_hw:
             h, w = self.frame_hw
             raise MediaError(
@@ -104,6 +112,9 @@ class LiveEncoder:
         self.times.append(float(at))
         if self.window is not None:
             self.recent.append((float(at), frame))
+            return
+        if self.decoupled is not None:
+            self.decoupled.push(frame, float(at), len(self.times))
             return
         if len(self.times) % self.per_step == 0:  # a step is whole: its times never change
             self.steps.append((self.times[-self.per_step], self.times[-1]))
@@ -162,6 +173,9 @@ class LiveEncoder:
             raise MediaError("the stream gave no frame yet")
         if self.window is not None:
             return self._window()
+        if self.decoupled is not None:
+            encoded = self.decoupled.end(self.times, encode_media, fork)
+            return replace(encoded, stats={**encoded.stats, "live": True})
         frames = len(self.times)
         layout = self.layout(frames)
         pending = padded(np.stack(self.pending), self.per_step) if self.pending else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from mmkv_cli.methods import (
     aircache,
     causalmem,
+    dscache,
     fluxmem,
     full,
     h2o,
@@ -43,6 +44,7 @@ METHODS: dict[str, Method] = {
         simplestream,
         causalmem,
         fluxmem,
+        dscache,
     )
 }
 

@@ -278,9 +278,12 @@ class Method:
     # params -> N: the memory is the newest N frames alone, prefilled fresh after the prompt
     # (SimpleStream); None: the memory follows the whole stream
     window: Callable[[Any], int] | None = None
-    # it sizes its memory by thresholds of its own (FluxMem): it takes no budget, yet keeps fewer
-    # tokens than it prefilled
+    # it sizes its memory by parameters of its own (FluxMem's thresholds, DSCache's frame counts):
+    # it takes no budget, yet keeps fewer tokens than it prefilled
     adaptive: bool = False
+    # params -> N: the newest N frames are prefilled fresh after the prompt, apart from the memory
+    # of the frames before them, and follow it in the pack (DSCache's instant cache)
+    instant: Callable[[Any], int] | None = None
 
     @property
     def takes_budget(self) -> bool:

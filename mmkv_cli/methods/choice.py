@@ -44,7 +44,7 @@ class MethodChoice:
             return self
         given = flag("budget" if share is not None else "budget_tokens")
         if self.method.adaptive:
-            raise UsageError(f"method '{self.name}' sizes its memory by its own thresholds: "
+            raise UsageError(f"method '{self.name}' sizes its memory by its own parameters: "
                              f"{given} does not apply (its parameters set them)")  # fmt: skip
         if self.method.keeps_all:
             raise UsageError(f"method '{self.name}' keeps every token: {given} does not apply")
@@ -93,7 +93,7 @@ def _unbudgeted(choice: MethodChoice) -> str:
     """What a method without a budget keeps: everything, its window of newest frames, or what
     its own thresholds let stay."""
     if choice.method.adaptive:
-        return "own thresholds"
+        return "own sizes"
     window = choice.method.window
     return f"{window(choice.params)} frames" if window else "keeps all"
 
