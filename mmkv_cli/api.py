@@ -89,7 +89,7 @@ def encode(
     if is_url(output) or is_url(media):
         remote = (backbone, load, progress, on_start, shared)
         return _encode_remote(media, str(output), options, *remote)
-    from mmkv_cli.backbones import tower_families
+    from mmkv_cli.backbones import reuse_families, tower_families
     from mmkv_cli.media import media_kind
 
     output = local_path(output)
@@ -100,7 +100,9 @@ def encode(
         check_available((load or LoadOptions()).model)  # without torch: under a second
         preset = load_model_spec((load or LoadOptions()).model or "")
         if preset is not None and preset.family is not None:
-            check_reducer(choice.reduce, media_kind(media), preset.family, tower_families())
+            check_reducer(
+                choice.reduce, media_kind(media), preset.family, tower_families(), reuse_families()
+            )
     from mmkv_cli.backbones.loading import load_backbone
     from mmkv_cli.encode.checkpoint import Checkpointing
     from mmkv_cli.encode.encoder import encode_media
@@ -165,7 +167,7 @@ def _checked_before_loading(media: str, output: Path, options: EncodeOptions):
     """Everything an encode can refuse before the model loads: the bits and group, the output
     (writable, not the media, no checkpoint it would overwrite), the method, budget and guidance.
     Returns (the quantization, the method chosen)."""
-    from mmkv_cli.backbones import tower_families
+    from mmkv_cli.backbones import reuse_families, tower_families
     from mmkv_cli.encode.checkpoint import Checkpointing
     from mmkv_cli.media import check_media, media_kind
     from mmkv_cli.pack.quant import QuantSpec
@@ -181,7 +183,9 @@ def _checked_before_loading(media: str, output: Path, options: EncodeOptions):
     check_writable(output, options.force)  # fail before any expensive work
     Checkpointing.refuse_overwrite(output, options.checkpoint_every, options.resume)
     check_media(media)  # after the method: a preset is checked even without media
-    check_reducer(choice.reduce, media_kind(media), None, tower_families())  # the media kind
+    check_reducer(
+        choice.reduce, media_kind(media), None, tower_families(), reuse_families()
+    )  # the media kind
     return quant, choice
 
 

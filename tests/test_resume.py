@@ -71,6 +71,7 @@ def interrupt(backbone, video: str, out: Path, method: str, chunks: int, **more)
         ("hermes", "dtd"),  # the reducer's step before is in the checkpoint too
         ("mukv", "dtd"),
         ("streamingtom", None),  # its own reducer, ctr
+        ("rekv", "stc"),  # its running mean and the tower's reference frame too
     ],
 )
 def test_an_interrupted_encode_resumes_to_the_same_pack(world, method, reduce):

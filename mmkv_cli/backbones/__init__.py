@@ -22,6 +22,8 @@ class Family:
     tiny_builder: str  # the builder in tiny.py of a small random model of this family
     # the adapter gives the vision tower's attention per visual token (token reducers that read it)
     tower_attention: bool = False
+    # the adapter runs the vision tower reusing layers across frames (STC's cacher: SigLIP)
+    tower_reuse: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -31,6 +33,7 @@ FAMILIES: dict[str, Family] = {
         "LlavaOnevisionForConditionalGeneration",
         "build_tiny_llava_ov",
         tower_attention=True,
+        tower_reuse=True,
     ),
     "qwen2_vl": Family(
         "qwen_vl",
@@ -61,3 +64,8 @@ FamilyName = Literal[tuple(FAMILIES)]  # type: ignore[valid-type]
 def tower_families() -> list[str]:
     """The families whose adapters expose the vision tower's attention."""
     return [name for name, family in FAMILIES.items() if family.tower_attention]
+
+
+def reuse_families() -> list[str]:
+    """The families whose adapters run the vision tower reusing layers across frames."""
+    return [name for name, family in FAMILIES.items() if family.tower_reuse]

@@ -144,6 +144,20 @@ class Backbone:
         row says tower_attention give it; the encoder refuses the rest before any work."""
         raise ModelError(f"the {self.family} adapter does not expose its vision tower's attention")
 
+    def visual_chunk_reusing(
+        self,
+        frames: np.ndarray,
+        step_times: list[tuple[float, float]],
+        layout: StreamLayout,
+        inputs: dict | None,
+        reuse: tuple[dict, int, float],
+    ) -> tuple[torch.Tensor, dict, dict]:
+        """visual_chunk with the vision tower reusing its layers from frame to frame (STC's
+        cacher): reuse is (the state the chunk before left, every Nth frame runs whole, the share
+        of tokens the others recompute); gives the state for the next chunk too. Only families
+        whose registry row says tower_reuse; the encoder refuses the rest before any work."""
+        raise ModelError(f"the {self.family} adapter does not reuse its vision tower's layers")
+
     def suffix_embeds(self) -> torch.Tensor:
         """What follows the last visual token, as embeddings [1, s, hidden]."""
         return self.embed_ids(self.text_ids(self.prompt.suffix_text))

@@ -10,6 +10,7 @@ import torch
 
 from mmkv_cli.backbones.base import Backbone, PromptPieces, StreamLayout
 from mmkv_cli.backbones.tower_attention import layer_inputs, siglip_received
+from mmkv_cli.backbones.tower_reuse import run_reusing
 
 PROMPT = PromptPieces(
     prefix="<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n",
@@ -73,6 +74,14 @@ class LlavaOnevisionBackbone(Backbone):
             patches.view(-1, 1, side, side), size=layout.grid, mode="bilinear"
         )
         return embeds, {}, pooled.flatten(1)
+
+    @torch.inference_mode()
+    def visual_chunk_reusing(self, frames, step_times, layout, inputs, reuse):
+        state, every, share = reuse
+        layers = self.model.model.vision_tower.encoder.layers
+        embeds, after = run_reusing(layers, state, every, share,
+                                    lambda: self.visual_embeds(frames, inputs))  # fmt: skip
+        return embeds, {}, after
 
     @torch.inference_mode()
     def suffix_embeds(self) -> torch.Tensor:

@@ -282,6 +282,7 @@ def methods(
                 "paper": {"title": reducer.paper.title, "year": reducer.paper.year},
                 "video_only": reducer.temporal,
                 "reads_tower_attention": reducer.tower_attention,
+                "reuses_tower_layers": reducer.tower_reuse is not None,
                 "params": describe(reducer.params),
             }
             for name, reducer in REDUCERS.items()

@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from mmkv_cli.backbones import tower_families
+from mmkv_cli.backbones import reuse_families, tower_families
 from mmkv_cli.backbones.base import Backbone, StreamLayout
 from mmkv_cli.encode.blockwise import chunk_plans, order_blocks, prefill_blocks
 from mmkv_cli.encode.checkpoint import Checkpointing
@@ -83,7 +83,7 @@ def encode_media(
     whole = media
     if choice.method.window is not None:  # the newest frames alone (SimpleStream)
         media = newest_frames(media, choice.method.window(choice.params))
-    check_reducer(choice.reduce, media.kind, backbone.family, tower_families())
+    check_reducer(choice.reduce, media.kind, backbone.family, tower_families(), reuse_families())
     started = time.perf_counter()
     per_step = backbone.frames_per_step
     steps = -(-media.num_frames // per_step)

@@ -23,7 +23,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from mmkv_cli.backbones import tower_families
+from mmkv_cli.backbones import reuse_families, tower_families
 from mmkv_cli.backbones.base import Backbone, StreamLayout
 from mmkv_cli.backbones.layouts import extend_layout
 from mmkv_cli.encode.blockwise import chunk_plans, order_blocks, prefill_blocks
@@ -55,7 +55,7 @@ class LiveEncoder:
 
     def __init__(self, backbone: Backbone, choice: MethodChoice, context: EncodeContext):
         self.backbone, self.choice = backbone, check_live(choice)
-        check_reducer(choice.reduce, "video", backbone.family, tower_families())
+        check_reducer(choice.reduce, "video", backbone.family, tower_families(), reuse_families())
         self.context = context
         self.per_step = backbone.frames_per_step
         # the same reducer a file's encode runs, carried chunk to chunk (a memory copies it)

@@ -30,6 +30,10 @@ class ChunkReducer:
     def __init__(self, choice: ReducerChoice):
         self.choice = choice
         self.previous: torch.Tensor | None = None  # [T, H] float32, where the embeddings are
+        # what the reducer carries from chunk to chunk, and the vision tower's reused layers
+        # (STC): replaced each chunk, never written in place (a live stream's copy shares them)
+        self.carried: dict[str, torch.Tensor] = {}
+        self.tower: dict[str, torch.Tensor] = {}
 
     def visual(
         self,
@@ -43,8 +47,14 @@ class ChunkReducer:
         """(the chunk's embeddings [1, n, H] with merged tokens written in, the extra LM inputs,
         keep [n] bool: the tokens to prefill). inputs: the backbone's prepared for the frames."""
         importance = None
-        if self.choice.reducer.tower_attention:
+        reducer, params = self.choice.reducer, self.choice.params
+        if reducer.tower_attention:
             embeds, extra, importance = backbone.visual_chunk_scored(frames, steps, layout, inputs)
+        elif reducer.tower_reuse is not None and reducer.tower_reuse(params):
+            reuse = (self.tower, params.reuse_every, params.update_share)
+            embeds, extra, self.tower = backbone.visual_chunk_reusing(
+                frames, steps, layout, inputs, reuse
+            )
         else:
             embeds, extra = backbone.visual_chunk(frames, steps, layout, inputs)
         where = grid_index(layout, first_step, len(steps))
@@ -53,10 +63,9 @@ class ChunkReducer:
         previous = self.previous.to(grid.device) if self.previous is not None else None
         if importance is not None:
             importance = importance.to(grid.device)
-        reduced = self.choice.reducer.reduce(
-            self.choice.params, StepTokens(grid, previous, importance)
-        )
+        reduced = reducer.reduce(params, StepTokens(grid, previous, importance, self.carried))
         self.previous = grid[-1].clone()  # not a view: the chunk's grid is let go
+        self.carried = reduced.carried
         keep = torch.ones(embeds.shape[1], dtype=torch.bool)
         keep[where.flatten()] = reduced.keep.flatten().cpu()
         embeds = embeds.clone()
@@ -64,7 +73,11 @@ class ChunkReducer:
         return embeds, extra, keep
 
     def saved(self) -> dict[str, torch.Tensor]:
-        return {} if self.previous is None else {"previous": self.previous.cpu()}
+        out = {} if self.previous is None else {"previous": self.previous.cpu()}
+        out |= {f"carried.{k}": v.cpu() for k, v in self.carried.items()}
+        return out | {f"tower.{k}": v.cpu() for k, v in self.tower.items()}
 
     def restore(self, saved: dict[str, torch.Tensor]) -> None:
         self.previous = saved.get("previous")
+        self.carried = {k[8:]: v for k, v in saved.items() if k.startswith("carried.")}
+        self.tower = {k[6:]: v for k, v in saved.items() if k.startswith("tower.")}

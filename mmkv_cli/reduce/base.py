@@ -12,7 +12,7 @@ over tensors. The scoring they share (each token against its place in the step b
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mmkv_cli.lazy import torch
@@ -29,12 +29,16 @@ class StepTokens:
     previous: torch.Tensor | None
     # [S, T]: the attention each token got in the vision tower (None: not read)
     importance: torch.Tensor | None
+    # what the reducer carried from the chunks before (empty: the stream's first)
+    carried: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
 class Reduced:
     keep: torch.Tensor  # [S, T] bool: the tokens prefilled
     grid: torch.Tensor  # [S, T, H]: their embeddings (a merging reducer rewrote the kept ones)
+    # what it carries to the next chunk (new tensors: a live stream's copy shares the old ones)
+    carried: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,9 @@ class Reducer:
     # (params, T) -> the grid tokens every step of T keeps, where that is fixed (None: it depends
     # on the tokens): a pack's layout is then known before the encode (encode/sealing.py)
     kept: Callable[[Any, int], int] | None = None
+    # params -> whether it reuses the vision tower's layers from frame to frame (STC's cacher):
+    # only families whose adapter offers it (Family.tower_reuse); None: never
+    tower_reuse: Callable[[Any], bool] | None = None
 
 
 def similarity_to_previous(grid: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:

@@ -56,11 +56,16 @@ def resolve_reducer(
 
 
 def check_reducer(
-    choice: ReducerChoice | None, media_kind: str, family: str | None, tower_families: list[str]
+    choice: ReducerChoice | None,
+    media_kind: str,
+    family: str | None,
+    tower_families: list[str],
+    reuse_families: list[str] = (),  # type: ignore[assignment]
 ) -> None:
     """Refuse, before any work, a reducer the media or the backbone cannot serve. family: the
     backbone's (None: not known yet, checked again once it is); tower_families: the families whose
-    adapters expose the vision tower's attention (the backbone registry's)."""
+    adapters expose the vision tower's attention, reuse_families: those that reuse its layers
+    across frames (the backbone registry's)."""
     if choice is None:
         return
     if choice.reducer.temporal and media_kind != "video":
@@ -72,4 +77,16 @@ def check_reducer(
         raise UsageError(
             f"reducer '{choice.name}' reads the vision tower's attention, which the {family} "
             f"adapter does not expose (these do: {', '.join(tower_families) or 'none'})"
+        )
+    reuse = choice.reducer.tower_reuse
+    if (
+        reuse is not None
+        and reuse(choice.params)
+        and family is not None
+        and (family not in reuse_families)
+    ):
+        raise UsageError(
+            f"reducer '{choice.name}' reuses the vision tower's layers across frames, which the "
+            f"{family} adapter does not do (these do: {', '.join(reuse_families) or 'none'}); "
+            f"reduce_params reuse_every: 1 runs the tower whole"
         )
