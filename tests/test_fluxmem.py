@@ -10,7 +10,7 @@ import torch
 
 from mmkv_cli.encode.encoder import encode_media
 from mmkv_cli.media import load_media
-from mmkv_cli.methods import EncodeContext, fluxmem
+from mmkv_cli.methods import EncodeContext, fluxmem, tiers
 from tests.conftest import SAMPLES
 from tests.helpers import choose, with_policy
 
@@ -72,8 +72,8 @@ def plain_otsu(values, fallback):
 def test_the_neighbourhood_similarity_is_the_best_of_the_3x3_around():
     torch.manual_seed(1)
     query, other = torch.randn(12, 5, dtype=torch.float64), torch.randn(12, 5, dtype=torch.float64)
-    near = fluxmem.neighbours(GRID, centre=True)
-    ours = fluxmem.best_neighbour_similarity(unit(query), unit(other), near)
+    near = tiers.neighbours(GRID, centre=True)
+    ours = tiers.best_neighbour_similarity(unit(query), unit(other), near)
     assert torch.allclose(ours, plain_best(query, other, GRID), atol=1e-12)
 
 
@@ -83,7 +83,7 @@ def test_otsu_is_the_definition(seed):
     values = torch.cat([torch.rand(20) * 0.3, 0.6 + torch.rand(12) * 0.5]).double()
     mask = torch.rand(32) > 0.2
     for fallback in (True, False):
-        threshold, found = fluxmem.otsu(values, mask, fallback)
+        threshold, found = tiers.otsu(values, mask, fallback)
         want = plain_otsu(values[mask], fallback)
         assert bool(found) == (want is not None)
         assert want is None or float(threshold) == pytest.approx(want, abs=1e-9)
@@ -92,8 +92,8 @@ def test_otsu_is_the_definition(seed):
 def test_otsu_falls_back_to_the_lower_median_where_values_are_alike():
     alike = torch.full((6,), 0.25, dtype=torch.float64)
     every = torch.ones(6, dtype=torch.bool)
-    assert float(fluxmem.otsu(alike, every, True)[0]) == 0.25
-    assert not bool(fluxmem.otsu(alike, every, False)[1])  # the merge then does nothing
+    assert float(tiers.otsu(alike, every, True)[0]) == 0.25
+    assert not bool(tiers.otsu(alike, every, False)[1])  # the merge then does nothing
 
 
 def test_the_mid_term_keeps_what_differs_from_either_neighbour():
@@ -165,7 +165,7 @@ def test_the_long_term_merge_is_connected_parts_and_their_anchors(seed):
     base = torch.randn(3, 6, dtype=torch.float64)
     x = base[torch.randint(0, 3, (12,))] + 0.05 * torch.randn(12, 6, dtype=torch.float64)
     kept = torch.rand(12) > 0.15
-    part, anchor, dropped = fluxmem.long_term_merge(x, kept, GRID)
+    part, anchor, dropped = tiers.long_term_merge(x, kept, GRID)
     parts, anchors, gone = plain_merge(x, kept.tolist(), GRID)
     assert set(anchor.nonzero()[:, 0].tolist()) == anchors
     assert set(dropped.nonzero()[:, 0].tolist()) == gone

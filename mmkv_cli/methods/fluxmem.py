@@ -17,17 +17,18 @@ the KV of what goes; an anchor's K and V become its part's means (docs/methods.m
 
 from __future__ import annotations
 
-import collections
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mmkv_cli.lazy import torch
-from mmkv_cli.methods.base import Budget, Method, Paper, StreamParams
-from mmkv_cli.methods.keep_all import KeepAll
-from mmkv_cli.methods.running_cache import StreamState
+from mmkv_cli.methods.base import Method, Paper, StreamParams
+from mmkv_cli.methods.tiers import (
+    Frame,
+    TieredMemory,
+    best_neighbour_similarity,
+    long_term_merge,
+    otsu,
+)
 from mmkv_cli.spec import knob
-
-BINS = 128  # Otsu's histogram over distances in [0, 2], as the code's
 
 
 @dataclass(frozen=True)
@@ -47,49 +48,6 @@ class FluxMemParams(StreamParams):
         None, "one similarity threshold for the mid term instead of Otsu's per frame "
         "(pair_sim_threshold; null: Otsu's)", low=-1.0, high=1.0,
     )  # fmt: skip
-
-
-def neighbours(grid: tuple[int, int], centre: bool) -> torch.Tensor:
-    """[T, T] bool: which places of a (rows, cols) grid are within one row and one column of each
-    other (each place itself too when `centre`)."""
-    rows, cols = grid
-    r = torch.arange(rows * cols) // cols
-    c = torch.arange(rows * cols) % cols
-    near = ((r[:, None] - r[None, :]).abs() <= 1) & ((c[:, None] - c[None, :]).abs() <= 1)
-    return near if centre else near & ~torch.eye(rows * cols, dtype=torch.bool)
-
-
-def best_neighbour_similarity(
-    query: torch.Tensor, other: torch.Tensor, near: torch.Tensor
-) -> torch.Tensor:
-    """[T]: each token's best cosine with the tokens of `other` at the 3x3 places around its own
-    (query, other: unit rows [T, H]; near: `neighbours(grid, centre=True)` on their device)."""
-    return (query @ other.T).masked_fill(~near, float("-inf")).amax(dim=1)
-
-
-def otsu(values: torch.Tensor, mask: torch.Tensor, median_fallback: bool):
-    """(threshold, found): Otsu's threshold of the masked values, clamped to [0, 2], over a
-    128-bin histogram, as two device scalars. Where the values are all alike (variance <= 1e-12)
-    or no split separates them, the lower median with `median_fallback`, else found is False."""
-    v = values.float().clamp(0.0, 2.0)
-    weight = mask.float()
-    count = weight.sum()
-    bins = (v * (BINS / 2)).long().clamp(0, BINS - 1)
-    p = torch.zeros(BINS, device=v.device).index_add_(0, bins, weight) / count.clamp_min(1)
-    centres = (torch.arange(BINS, device=v.device) + 0.5) * (2.0 / BINS)
-    omega, mu = torch.cumsum(p, 0), torch.cumsum(p * centres, 0)
-    between = (mu[-1] * omega - mu) ** 2 / (omega * (1.0 - omega)).clamp_min(1e-12)
-    between = between.masked_fill((omega < 1e-6) | (1.0 - omega < 1e-6), -1.0)
-    best = torch.argmax(between)
-    threshold = (best + 0.5) * (2.0 / BINS)
-    found = (between[best] > 0) & (count > 0)
-    if not median_fallback:
-        return threshold, found
-    ordered = torch.sort(v.masked_fill(~mask, float("inf"))).values
-    median = ordered[((count.long() - 1).clamp_min(0)) // 2]
-    mean = (v * weight).sum() / count.clamp_min(1)
-    flat = ((v - mean) ** 2 * weight).sum() / (count - 1) <= 1e-12
-    return torch.where(flat | ~found, median, threshold), count > 0
 
 
 def mid_term_keep(
@@ -115,170 +73,14 @@ def mid_term_keep(
     return keep & ~(next_similarity > params.direct_drop_similarity)
 
 
-def long_term_merge(x: torch.Tensor, kept: torch.Tensor, grid: tuple[int, int]):
-    """(part [T], anchor [T] bool, dropped [T] bool) of a frame leaving the mid term: its kept
-    tokens (x [T, H] as embedded) joined by 8-neighbour edges no longer (1 - cosine) than Otsu's
-    threshold of those edges; a part's label is its first token. A part of two or more keeps its
-    anchor (the member nearest its mean, the first of equals) and drops the rest. Shapes are
-    fixed: nothing is read by the host."""
-    total, device = len(x), x.device
-    x = x.float()
-    unit = torch.nn.functional.normalize(x, p=2, dim=1, eps=1e-8)
-    pairs = neighbours(grid, centre=False).to(device, non_blocking=True).triu(1)
-    pairs = pairs & kept[:, None] & kept[None, :]
-    distance = (1.0 - unit @ unit.T).clamp(0.0, 2.0)
-    threshold, found = otsu(distance.flatten(), pairs.flatten(), median_fallback=False)
-    edges = pairs & (distance <= threshold) & found
-    reach = (edges | edges.T | torch.diag(kept)).float()
-    for _ in range(max(1, math.ceil(math.log2(total)))):  # paths of up to 2^k steps
-        reach = ((reach @ reach) > 0).float()
-    order = torch.arange(total, device=device)
-    part = torch.where(reach > 0, order, total).amin(dim=1)  # a dropped token: part `total`
-    # a part of two is a tie in exact arithmetic (its first stays): float64 keeps it one
-    wide = x.double()
-    ones = torch.ones(total, device=device, dtype=wide.dtype)
-    counts = torch.zeros(total + 1, device=device, dtype=wide.dtype).index_add_(0, part, ones)
-    means = torch.zeros(total + 1, x.shape[1], device=device, dtype=wide.dtype)
-    means = means.index_add_(0, part, wide) / counts.clamp_min(1)[:, None]
-    far = ((wide - means[part]) ** 2).sum(dim=1)
-    nearest = torch.full((total + 1,), float("inf"), device=device, dtype=wide.dtype)
-    nearest = nearest.scatter_reduce(0, part, far, "amin")
-    first = torch.full((total + 1,), total, device=device)
-    first = first.scatter_reduce(0, part, torch.where(far == nearest[part], order, total), "amin")
-    merging = kept & (counts[part] > 1)
-    anchor = merging & (order == first[part])
-    return part, anchor, merging & ~anchor
+class FluxMemMemory(TieredMemory):
+    def mid_term(self, leaving: Frame, following: Frame, near: torch.Tensor) -> torch.Tensor:
+        similar = best_neighbour_similarity(leaving.unit(), following.unit(), near)
+        return mid_term_keep(similar, leaving.previous, self.params)
 
-
-@dataclass(eq=False)
-class Frame:
-    """A temporal step the memory still decides about."""
-
-    step: int
-    index: torch.Tensor  # [T] stream indices of its grid tokens (host)
-    x: torch.Tensor  # [T, H] as embedded, where the model is
-    held: torch.Tensor  # [T] bool: the cache holds it (a reducer may have dropped some)
-    previous: torch.Tensor | None = None  # [T] distance to the frame before (None: the first)
-    keep: torch.Tensor | None = None  # [T] bool on the device, once it left the short term
-    # (part, anchor, what it kept before) once merged into its parts' anchors
-    merge: tuple | None = field(default=None, repr=False)
-
-    def unit(self) -> torch.Tensor:
-        return torch.nn.functional.normalize(self.x.float(), p=2, dim=1, eps=1e-8)
-
-
-class FluxMemMemory(KeepAll):
-    reads_embeddings = True
-
-    def __init__(self, params: FluxMemParams, budget: Budget, context):
-        super().__init__(params, budget, context)
-        self.short: collections.deque[Frame] = collections.deque()
-        self.mid: collections.deque[Frame] = collections.deque()
-        self.added = 0  # tokens up to this stream index have joined the memory
-
-    def saved(self) -> dict[str, torch.Tensor]:
-        out = {"added": torch.tensor(self.added), "mid": torch.tensor(len(self.mid))}
-        for i, frame in enumerate([*self.mid, *self.short]):
-            out |= {f"{i}.step": torch.tensor(frame.step), f"{i}.index": frame.index,
-                    f"{i}.x": frame.x.cpu(), f"{i}.held": frame.held}  # fmt: skip
-            if frame.previous is not None:
-                out[f"{i}.previous"] = frame.previous.cpu()
-            if frame.keep is not None:
-                out[f"{i}.keep"] = frame.keep.cpu()
-        return out
-
-    def restore(self, saved: dict[str, torch.Tensor]) -> None:
-        self.added, mid = int(saved["added"]), int(saved["mid"])
-        frames = []
-        for i in range(len({k.split(".")[0] for k in saved} - {"added", "mid"})):
-            frames.append(Frame(int(saved[f"{i}.step"]), saved[f"{i}.index"], saved[f"{i}.x"],
-                                saved[f"{i}.held"], saved.get(f"{i}.previous"),
-                                saved.get(f"{i}.keep")))  # fmt: skip
-        self.mid, self.short = collections.deque(frames[:mid]), collections.deque(frames[mid:])
-
-    def after_chunk(self, state: StreamState) -> None:
-        grid, index = state.chunk_grid, state.chunk_index
-        if grid is None or state.grid is None:
-            return
-        per_step = max(1, state.frames_per_step)
-        short = max(1, self.params.short_term_frames // per_step)
-        mid = max(0, self.params.mid_term_frames // per_step)
-        held_now = torch.isin(index, state.cache.index[0])
-        near = neighbours(state.grid, centre=True).to(grid.device, non_blocking=True)
-        decided: list[Frame] = []
-        for row in range(len(index)):
-            if int(index[row, 0]) < self.added:
-                continue  # a live memory's chunk seen twice: once is enough
-            step = int(state.token_step[index[row, 0]])
-            frame = Frame(step, index[row], grid[row], held_now[row])
-            if self.short:
-                before = self.short[-1]
-                similar = best_neighbour_similarity(frame.unit(), before.unit(), near)
-                frame.previous = 1.0 - similar
-            self.short.append(frame)
-            if len(self.short) > short:
-                leaving = self.short.popleft()
-                similar = best_neighbour_similarity(leaving.unit(), self.short[0].unit(), near)
-                kept = mid_term_keep(similar, leaving.previous, self.params)
-                leaving.keep = kept & leaving.held.to(kept.device, non_blocking=True)
-                self.mid.append(leaving)
-                decided.append(leaving)
-                if len(self.mid) > mid:
-                    old = self.mid.popleft()
-                    part, anchor, dropped = long_term_merge(old.x, old.keep, state.grid)
-                    old.merge, old.keep = (part, anchor, old.keep), old.keep & ~dropped
-                    if old not in decided:  # left both terms in this chunk: listed once
-                        decided.append(old)
-        self.added = int(index[-1, -1]) + 1
-        if decided:
-            self._apply(state, decided)
-
-    def _apply(self, state: StreamState, decided: list[Frame]) -> None:
-        """Every decision of the chunk read back at once (its one wait): merged anchors take their
-        parts' mean K and V; what is no longer kept leaves the cache."""
-        total = len(decided[0].index)
-        merged = [frame.merge for frame in decided if frame.merge is not None]
-        rows = [frame.keep.long() for frame in decided] + [m.long() for ms in merged for m in ms]
-        back = torch.stack(rows).cpu()
-        keeps, merges = back[: len(decided)].bool(), back[len(decided) :].view(-1, 3, total)
-        cached = state.cache.index[0]
-        frames = [frame for frame in decided if frame.merge is not None]
-        for frame, (part, anchor, members) in zip(frames, merges):
-            fold = PartMeans(cached, frame.index, part, anchor.bool(), members.bool())
-            for layer in range(state.layers):
-                state.cache.replace(layer, *(fold(held) for held in state.cache.visual(layer)))
-        gone = torch.cat([frame.index[~keep] for frame, keep in zip(decided, keeps)])
-        if len(gone):
-            local = (~torch.isin(cached, gone)).nonzero()[:, 0]
-            for layer in range(state.layers):
-                state.cache.retain(layer, local)
-
-
-class PartMeans:
-    """A frame's anchors given their parts' mean K and V: cached, the cache's stream indices;
-    index, part [T] the frame's tokens and their parts; members [T] what the parts were made of
-    (the frame's tokens the cache holds)."""
-
-    def __init__(self, cached, index, part, anchor, members):
-        at = members.nonzero()[:, 0]
-        self.local = torch.searchsorted(cached, index[at])
-        groups, self.group_of = torch.unique(part[at], return_inverse=True)
-        self.counts = torch.bincount(self.group_of, minlength=len(groups)).float()
-        self.anchors = torch.searchsorted(cached, index[anchor])
-        self.which = torch.searchsorted(groups, part[anchor])
-
-    def __call__(self, held: torch.Tensor) -> torch.Tensor:
-        on = held.device
-
-        def there(t: torch.Tensor) -> torch.Tensor:
-            return t.to(on, non_blocking=True)
-
-        sums = torch.zeros(held.shape[0], len(self.counts), held.shape[2], device=on)
-        sums.index_add_(1, there(self.group_of), held[:, there(self.local)].float())
-        means = sums / there(self.counts)[None, :, None]
-        out = held.clone()
-        out[:, there(self.anchors)] = means[:, there(self.which)].to(held.dtype)
-        return out
+    def long_term(self, old: Frame, grid: tuple[int, int]) -> None:
+        part, anchor, dropped = long_term_merge(old.x, old.keep, grid)
+        old.merge, old.keep = (part, anchor, old.keep), old.keep & ~dropped
 
 
 METHOD = Method(
