@@ -27,6 +27,8 @@ def annotation(tp: Any, imports: set[str]) -> str:
         return "tuple[" + ", ".join(annotation(arg, imports) for arg in typing.get_args(tp)) + "]"
     if tp is type(None):
         return "None"
+    if tp is Ellipsis:  # tuple[str, ...]
+        return "..."
     if dataclasses.is_dataclass(tp):
         imports.add(f"from {tp.__module__} import {tp.__name__}")
         return f"{tp.__name__} | Mapping[str, Any]"

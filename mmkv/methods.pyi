@@ -7,7 +7,7 @@ from mmkv_cli.methods.hermes import Smoothing
 from mmkv_cli.methods.mukv import Counts
 from mmkv_cli.methods.mukv import Shares
 
-__all__ = ["MethodConfig", "get", "Full", "Recency", "ReKV", "MuKV", "HERMES", "InfiniPotV", "SnapKV", "H2O", "PyramidKV", "AirCache", "MEDA", "StreamingTOM", "StreamMem", "SimpleStream", "CausalMem", "FluxMem", "DSCache"]
+__all__ = ["MethodConfig", "get", "Full", "Recency", "ReKV", "MuKV", "HERMES", "InfiniPotV", "SnapKV", "H2O", "PyramidKV", "AirCache", "MEDA", "StreamingTOM", "StreamMem", "SimpleStream", "CausalMem", "FluxMem", "DSCache", "SAVEMem"]
 
 class MethodConfig:
     """A method with its parameters, each checked when it is built."""
@@ -443,4 +443,38 @@ class DSCache(MethodConfig):
         context_len: int = ...,
         frame_len: int = ...,
         past_stride: int = ...,
+    ) -> None: ...
+
+
+class SAVEMem(MethodConfig):
+    """SAVEMem: FluxMem's tiers kept by pseudo-questions' importance, and a recency gate."""
+    chunk_frames: int
+    short_term_frames: int
+    mid_term_frames: int
+    direct_drop_similarity: float
+    pair_similarity: float | None
+    scene_change: float
+    protection: float
+    pseudo_questions: tuple[str, ...]
+    semantic_long_term: int
+    max_memory_tokens: int
+    gate_drop_ratio: float | None
+    def __init__(
+        self,
+        *,
+        budget: float | None = ...,
+        budget_tokens: int | None = ...,
+        reduce: str | None = ...,
+        reduce_params: Mapping[str, Any] | None = ...,
+        chunk_frames: int = ...,
+        short_term_frames: int = ...,
+        mid_term_frames: int = ...,
+        direct_drop_similarity: float = ...,
+        pair_similarity: float | None = ...,
+        scene_change: float = ...,
+        protection: float = ...,
+        pseudo_questions: tuple[str, ...] = ...,
+        semantic_long_term: int = ...,
+        max_memory_tokens: int = ...,
+        gate_drop_ratio: float | None = ...,
     ) -> None: ...

@@ -33,7 +33,7 @@ def plain_best(query, other, grid):
             for dc in (-1, 0, 1)
             if 0 <= r + dr < rows and 0 <= c + dc < cols
         ]
-        out.append(max(float(unit(query)[t] @ unit(other)[j]) for j in around))
+        out.append(min(1.0, max(float(unit(query)[t] @ unit(other)[j]) for j in around)))
     return torch.tensor(out, dtype=torch.float64)
 
 

@@ -444,3 +444,21 @@ def test_dscache_resumes_its_past_cache(world):
     resumed = EncodeOptions(small, checkpoint_every=1, resume=True, **OPTIONS)
     api.encode(video, cut, resumed, backbone=backbone)
     assert same_pack(whole, cut)
+
+
+def test_savemem_resumes_with_its_long_term_and_scene_history(world):
+    """SAVEMem's long term (what is alive, its importance) and its running scene distance are in
+    the checkpoint beside the tiers' frames: a resumed encode equals the uninterrupted one."""
+    backbone, tmp = world
+    video = str(tmp / "set" / "clips" / "clip_0000.mp4")
+    tiers = MethodSpec("savemem", {"short_term_frames": 4, "mid_term_frames": 4,
+                                   "semantic_long_term": 4, "max_memory_tokens": 24})  # fmt: skip
+    whole = tmp / "savemem-whole.kvpack"
+    info = api.encode(video, whole, EncodeOptions(tiers, **OPTIONS), backbone=backbone)
+    assert info["visual_tokens_kept"] < info["visual_tokens_total"]
+    cut = tmp / "savemem-cut.kvpack"
+    interrupt(backbone, video, cut, tiers, chunks=2)
+    assert checkpoint_path(cut).exists() and not cut.exists()
+    resumed = EncodeOptions(tiers, checkpoint_every=1, resume=True, **OPTIONS)
+    api.encode(video, cut, resumed, backbone=backbone)
+    assert same_pack(whole, cut)

@@ -204,6 +204,7 @@ def encode_streaming(
         frames_per_step=backbone.frames_per_step,
     )
     state.attend = lambda text, **how: text_attention(backbone, state, text, **how)
+    state.embed_text = lambda text: backbone.embed_ids(backbone.text_ids(text))[0].detach()
     peak_kv, skip, cuts = 0, 0, []  # cuts: where each save cut the stream (saved_state.py)
     if checkpoint and checkpoint.restored:
         restored = checkpoint.take_restored()  # tensors popped as used: none outlives its use

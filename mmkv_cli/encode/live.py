@@ -275,6 +275,7 @@ class StreamRunner:
     def _bind(self, state: StreamState) -> None:
         backbone = self.owner.backbone
         state.attend = lambda text, **how: text_attention(backbone, state, text, **how)
+        state.embed_text = lambda text: backbone.embed_ids(backbone.text_ids(text))[0].detach()
 
     def _place(self, state: StreamState, frames: int) -> StreamLayout:
         """The layout of the first `frames` frames, set on `state`: where its tokens go, and the

@@ -16,6 +16,7 @@ from mmkv_cli.methods import (
     pyramidkv,
     recency,
     rekv,
+    savemem,
     simplestream,
     snapkv,
     streamingtom,
@@ -45,6 +46,7 @@ METHODS: dict[str, Method] = {
         causalmem,
         fluxmem,
         dscache,
+        savemem,
     )
 }
 

@@ -25,8 +25,8 @@ from mmkv_cli.methods.tiers import (
     Frame,
     TieredMemory,
     best_neighbour_similarity,
+    differs,
     long_term_merge,
-    otsu,
 )
 from mmkv_cli.spec import knob
 
@@ -58,18 +58,7 @@ def mid_term_keep(
     """[T] bool: what a frame leaving the short term keeps: tokens at least the threshold away from
     the next frame, or from the frame before (where it had one), less those nearer the next frame
     than the direct-drop similarity."""
-    distance = 1.0 - next_similarity
-    every = torch.ones_like(distance, dtype=torch.bool)
-
-    def threshold(d: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if params.pair_similarity is not None:
-            return torch.tensor(min(2.0, max(0.0, 1.0 - params.pair_similarity)), device=d.device)
-        return otsu(d, mask, median_fallback=True)[0]
-
-    keep = distance >= threshold(distance, every)
-    if previous_distance is not None:
-        valid = previous_distance >= 0
-        keep = keep | (valid & (previous_distance >= threshold(previous_distance, valid)))
+    keep = differs(next_similarity, previous_distance, params.pair_similarity)
     return keep & ~(next_similarity > params.direct_drop_similarity)
 
 

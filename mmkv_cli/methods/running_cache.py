@@ -348,6 +348,8 @@ class StreamState:
     attend: Attend | None = field(default=None, repr=False)
     family: str = ""  # the backbone's family, for a method whose authors' code differs by it
     frames_per_step: int = 1  # frames one temporal step holds (Qwen's 2: its temporal patch)
+    # text as the language model takes it in: its input embeddings [n, H] (SAVEMem's questions)
+    embed_text: Callable[[str], torch.Tensor] | None = field(default=None, repr=False)
     # the last chunk's grid tokens as the language model took them in, [S, T, H] on the model's
     # device, and their stream indices [S, T] (host): set only for a policy that reads_embeddings
     chunk_grid: torch.Tensor | None = field(default=None, repr=False)

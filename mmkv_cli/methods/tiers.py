@@ -34,8 +34,9 @@ def best_neighbour_similarity(
     query: torch.Tensor, other: torch.Tensor, near: torch.Tensor
 ) -> torch.Tensor:
     """[T]: each token's best cosine with the tokens of `other` at the 3x3 places around its own
-    (query, other: unit rows [T, H]; near: `neighbours(grid, centre=True)` on their device)."""
-    return (query @ other.T).masked_fill(~near, float("-inf")).amax(dim=1)
+    (query, other: unit rows [T, H]; near: `neighbours(grid, centre=True)` on their device),
+    at most 1 as in exact arithmetic (an unchanged token is at distance 0, never below)."""
+    return (query @ other.T).masked_fill(~near, float("-inf")).amax(dim=1).clamp(max=1.0)
 
 
 def otsu(values: torch.Tensor, mask: torch.Tensor, median_fallback: bool):
@@ -61,6 +62,27 @@ def otsu(values: torch.Tensor, mask: torch.Tensor, median_fallback: bool):
     mean = (v * weight).sum() / count.clamp_min(1)
     flat = ((v - mean) ** 2 * weight).sum() / (count - 1) <= 1e-12
     return torch.where(flat | ~found, median, threshold), count > 0
+
+
+def differs(
+    next_similarity: torch.Tensor, previous_distance: torch.Tensor | None, fixed: float | None
+) -> torch.Tensor:
+    """[T] bool: a frame's tokens at least the threshold away (1 - best cosine) from the next
+    frame, or from the frame before where it had one; each side's threshold Otsu's over the
+    frame's distances (the lower median where they are alike), or 1 - `fixed` where given."""
+    distance = 1.0 - next_similarity
+    every = torch.ones_like(distance, dtype=torch.bool)
+
+    def threshold(d: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if fixed is not None:
+            return torch.tensor(min(2.0, max(0.0, 1.0 - fixed)), device=d.device)
+        return otsu(d, mask, median_fallback=True)[0]
+
+    keep = distance >= threshold(distance, every)
+    if previous_distance is not None:
+        valid = previous_distance >= 0
+        keep = keep | (valid & (previous_distance >= threshold(previous_distance, valid)))
+    return keep
 
 
 def long_term_merge(x: torch.Tensor, kept: torch.Tensor, grid: tuple[int, int]):
