@@ -29,7 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack.hashing import digest_of
 
 FORMAT_NAME = "mmkv.kvpack"
 FORMAT_VERSION = 12
@@ -136,11 +135,6 @@ def digest_name(version: int) -> str:
     """The hash of every checksum in a pack of format `version` but the header's own, which is
     also what its digest fields and the table's digest tensor ("blocks.<name>") are called."""
     return "blake3" if version >= 10 else "sha256"
-
-
-def tensors_digest(tensors: list[torch.Tensor], algorithm: str) -> str:
-    """The hex digest of `tensors`' stored bytes one after another."""
-    return digest_of([raw_bytes(t) for t in tensors], algorithm)
 
 
 def split_layers(

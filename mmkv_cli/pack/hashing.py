@@ -14,6 +14,7 @@ import blake3
 import numpy as np
 
 from mmkv_cli.pack.finite import finite_stored
+from mmkv_cli.pack.format import raw_bytes
 from mmkv_cli.pack.pools import KeptPool, scratch
 from mmkv_cli.pack.read_units import JOIN_BYTES, ReadUnits, differing, joined_digests
 
@@ -384,3 +385,8 @@ def digest_of(pieces, algorithm: str) -> str:
     for piece in pieces:
         digest.update(raw_view(piece))
     return digest.hexdigest()
+
+
+def tensors_digest(tensors: list, algorithm: str) -> str:
+    """The hex digest of `tensors`' stored bytes one after another."""
+    return digest_of([raw_bytes(t) for t in tensors], algorithm)

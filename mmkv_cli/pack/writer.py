@@ -27,9 +27,8 @@ from mmkv_cli.pack.format import (
     block_name,
     digest_name,
     raw_bytes,
-    tensors_digest,
 )
-from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_count, chunk_digests
+from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_count, chunk_digests, tensors_digest
 from mmkv_cli.pack.header import PackHeader
 from mmkv_cli.pack.integrity import index_digest
 from mmkv_cli.pack.quant import (
