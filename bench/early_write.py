@@ -1,6 +1,6 @@
 """Writing a pack while it is encoded (issue 48, item 3): what an encode of a method that keeps
 every token costs after its last chunk, with the pack written at the end against written as the
-chunks go in (pack/early.py).
+chunks go in (pack/access/early.py).
 
     python bench/early_write.py [--model rehearsal-llava-ov-0.5b] [--layers 4] [--frames 128]
         [--device auto] [--repeats 2] [--methods full,rekv]
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import mmkv_cli.encode.sealing as sealing  # noqa: E402
-import mmkv_cli.pack.early as early  # noqa: E402
+import mmkv_cli.pack.access.early as early  # noqa: E402
 from mmkv_cli import api  # noqa: E402
 from mmkv_cli.backbones.loading import load_backbone  # noqa: E402
 from mmkv_cli.options import EncodeOptions, LoadOptions  # noqa: E402

@@ -67,7 +67,7 @@ def parity(device: str, work: Path, keys: int) -> dict:
     (bench/attention_kernels.py)."""
     import attention_kernels
 
-    import mmkv_cli.pack.early as early
+    import mmkv_cli.pack.access.early as early
     from mmkv_cli import api
     from mmkv_cli.backbones.loading import load_backbone
     from mmkv_cli.methods import METHODS

@@ -47,7 +47,7 @@ def child(
     from mmkv_cli.methods import EncodeContext
     from mmkv_cli.methods.choice import resolve_method
     from mmkv_cli.options import AskOptions, GenerationOptions, LoadOptions
-    from mmkv_cli.pack.memory import MemoryPack
+    from mmkv_cli.pack.access.memory import MemoryPack
 
     backbone = load_backbone(LoadOptions(model, device, layers=layers or None))
     choice = resolve_method(method)

@@ -42,10 +42,10 @@ from mmkv_cli import api  # noqa: E402
 from mmkv_cli.backbones.loading import load_backbone  # noqa: E402
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions  # noqa: E402
 from mmkv_cli.pack import Span  # noqa: E402
-from mmkv_cli.pack.block_writing import KeyScales  # noqa: E402
-from mmkv_cli.pack.convert import convert  # noqa: E402
-from mmkv_cli.pack.integrity import read_directory  # noqa: E402
-from mmkv_cli.pack.quant import QuantSpec  # noqa: E402
+from mmkv_cli.pack.access.block_writing import KeyScales  # noqa: E402
+from mmkv_cli.pack.access.convert import convert  # noqa: E402
+from mmkv_cli.pack.integrity.checks import read_directory  # noqa: E402
+from mmkv_cli.pack.quantized.quant import QuantSpec  # noqa: E402
 from mmkv_cli.study.evaluate import EvalSettings, evaluate, load_items, prompt_for  # noqa: E402
 from mmkv_cli.study.profile import first_token_change  # noqa: E402
 from mmkv_cli.study.synth import write_dataset  # noqa: E402

@@ -18,7 +18,7 @@ def seven_b_pack(
     import torch
 
     from mmkv_cli.pack import Span, write_pack
-    from mmkv_cli.pack.quant import QuantSpec
+    from mmkv_cli.pack.quantized.quant import QuantSpec
     from tests.helpers import pack_header
 
     g = torch.Generator().manual_seed(0)
@@ -57,7 +57,7 @@ def gather_seconds(path: Path, names: list[str], device: str, tries: int, questi
     """A fresh open and gather of every layer's rows of `names`, best of `tries`; as a question
     reads (`question`: checksums left to finish on many cores, waited for at the end)."""
     from mmkv_cli.pack import PackReader
-    from mmkv_cli.pack.verdicts import LaterVerdicts
+    from mmkv_cli.pack.integrity.verdicts import LaterVerdicts
 
     def read() -> None:
         later = LaterVerdicts(str(path)) if question else None
@@ -88,7 +88,7 @@ def layer_reads(
     import numpy as np
 
     from mmkv_cli.pack import PackReader
-    from mmkv_cli.pack.verdicts import LaterVerdicts
+    from mmkv_cli.pack.integrity.verdicts import LaterVerdicts
 
     rng = np.random.default_rng(0)
     chosen = [sorted(rng.choice(len(names), picks, replace=False).tolist()) for _ in range(LAYERS)]
@@ -116,7 +116,7 @@ def layer_picks(
     import numpy as np
 
     from mmkv_cli.pack import PackReader
-    from mmkv_cli.pack.verdicts import LaterVerdicts
+    from mmkv_cli.pack.integrity.verdicts import LaterVerdicts
 
     rng = np.random.default_rng(0)
     chosen = [sorted(rng.choice(len(names), picks, replace=False).tolist()) for _ in range(LAYERS)]

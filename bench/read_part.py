@@ -18,7 +18,7 @@ def read(work: Path, blocks: int, device: str) -> dict:
     from rates import best_rate, layer_reads, seven_b_pack
 
     from mmkv_cli.pack import PackReader
-    from mmkv_cli.pack.report import verify
+    from mmkv_cli.pack.access.report import verify
 
     path = work / "read.kvpack"
     names = seven_b_pack(path, blocks)
@@ -72,8 +72,8 @@ def small_units(path: Path, device: str) -> dict:
     on this machine's cores."""
     from rates import best_rate, layer_picks
 
-    from mmkv_cli.pack import hashing
-    from mmkv_cli.pack.report import verify
+    from mmkv_cli.pack.access.report import verify
+    from mmkv_cli.pack.integrity import hashing
 
     names, size, out = [f"b{i}" for i in range(512)], path.stat().st_size, {}
     threshold = hashing.PARALLEL_HASH_BLOCK_BYTES

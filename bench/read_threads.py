@@ -34,8 +34,9 @@ sys.path.insert(0, str(ROOT))
 
 def use(read_threads: int, hash_threads: int, stage_bytes: int) -> None:
     """Every later read of this process with these settings (new pools; the old ones idle)."""
-    from mmkv_cli.pack import hashing, staging, tensors
-    from mmkv_cli.pack.pools import KeptPool
+    from mmkv_cli.pack.integrity import hashing, tensors
+    from mmkv_cli.pack.io import staging
+    from mmkv_cli.pack.io.pools import KeptPool
 
     tensors.READ_THREADS, tensors._reading = read_threads, KeptPool(read_threads, "mmkv-read")
     hashing.HASH_THREADS, hashing._hashing = hash_threads, KeptPool(hash_threads, "mmkv-hash")
@@ -52,7 +53,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     from rates import gather_seconds, layer_picks, layer_reads, seven_b_pack
 
-    from mmkv_cli.pack import hashing, staging, tensors
+    from mmkv_cli.pack.integrity import hashing, tensors
+    from mmkv_cli.pack.io import staging
 
     default = (tensors.READ_THREADS, hashing.HASH_THREADS, staging.STAGE_BYTES)
     frames, stom_frames = (8, 32) if args.quick else (100, 512)

@@ -84,7 +84,10 @@ if profiled == "1":  # one more question, under cProfile (host) and torch's prof
     # and where one question's read went on every thread (cProfile sees only this one): seconds
     # in preads and in checksums summed over threads, and this thread's rows and checksum tail
     import threading
-    from mmkv_cli.pack import block_store, hashing, reader as reader_module, tensors
+    from mmkv_cli.pack.access import block_store
+    from mmkv_cli.pack.integrity import hashing
+    from mmkv_cli.pack.access import reader as reader_module
+    from mmkv_cli.pack.integrity import tensors
     spent, lock = {}, threading.Lock()
 
     kept = []

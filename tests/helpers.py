@@ -156,7 +156,7 @@ def serving(packs: str, *extra: str, runtime: str | None = None):
 
 def pack_header(layers=3, dtype="float32", heads=2, dim=8, **sections):
     """A typed pack header for tests that write packs by hand (model 'm', method full)."""
-    from mmkv_cli.pack.header import Fingerprint, KVShape, MethodRecord, PackHeader
+    from mmkv_cli.pack.schema.header import Fingerprint, KVShape, MethodRecord, PackHeader
 
     return PackHeader(
         kv=KVShape(layers, heads, dim, dtype),
@@ -201,7 +201,7 @@ def capped_rows(address: int, count: int, cap: int) -> np.ndarray:
     what a preadv that reads at most `cap` bytes fills (a copy)."""
     import ctypes
 
-    from mmkv_cli.pack.vectored import IOVEC
+    from mmkv_cli.pack.io.vectored import IOVEC
 
     width = np.dtype(IOVEC).itemsize
     rows = np.frombuffer((ctypes.c_char * (count * 2 * width)).from_address(address), IOVEC)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmkv_cli.pack.format import digest_name
-from mmkv_cli.pack.hashing import chunk_digests, new_digest
-from mmkv_cli.pack.integrity import index_digest
+from mmkv_cli.pack.integrity.checks import index_digest
+from mmkv_cli.pack.integrity.hashing import chunk_digests, new_digest
+from mmkv_cli.pack.schema.format import digest_name
 
 # same element size, so a dtype edit keeps every byte range valid
 STORED = {"I64": np.int64, "I32": np.int32, "F64": np.float64}  # the table's and times' dtypes

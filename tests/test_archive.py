@@ -132,7 +132,7 @@ def test_a_checkpoint_compacts_once_its_stale_bytes_outweigh_what_is_needed(tmp_
 def test_a_checkpoints_blocks_come_back_as_views_of_what_was_loaded():
     """A resumed blockwise encode (MuKV) holds its loaded blocks once, not loaded + a copy."""
     from mmkv_cli.encode.saved_state import block_rows, blocks_from, blocks_tensors
-    from mmkv_cli.pack.format import Span
+    from mmkv_cli.pack.schema.format import Span
 
     counts = [3, 5]
     block = Span(

@@ -15,7 +15,7 @@ from mmkv_cli.cli.app import app
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.media.stills import MAX_PAGE_PIXELS, page_scale
 from mmkv_cli.options import EncodeOptions
-from mmkv_cli.pack.atomic import TEMP_SUFFIX, sweep_stale
+from mmkv_cli.pack.io.atomic import TEMP_SUFFIX, sweep_stale
 from tests.conftest import SAMPLES
 from tests.helpers import encode_pack
 

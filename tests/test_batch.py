@@ -145,7 +145,7 @@ def test_batch_into_s3_and_ask_from_there(s3_server, videos, tmp_path):
 def test_a_rerun_over_a_bucket_downloads_nothing_it_has_done(s3_server, tmp_path, monkeypatch):
     import s3fs
 
-    from mmkv_cli.pack import storage
+    from mmkv_cli.pack.io import storage
 
     fs = s3fs.S3FileSystem()
     for name in ("a.mp4", "b.mp4"):

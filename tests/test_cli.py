@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mmkv_cli.cli.app import app
-from mmkv_cli.pack.format import FORMAT_VERSION
+from mmkv_cli.pack.schema.format import FORMAT_VERSION
 from tests.conftest import ROOT, SAMPLES
 from tests.helpers import run_mmkv
 

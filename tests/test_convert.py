@@ -13,7 +13,7 @@ from mmkv_cli.cli.app import app
 from mmkv_cli.errors import OutputExistsError, UsageError
 from mmkv_cli.options import AskOptions, EncodeOptions
 from mmkv_cli.pack import FORMAT_VERSION, PackReader
-from mmkv_cli.pack.quant import QuantSpec
+from mmkv_cli.pack.quantized.quant import QuantSpec
 
 DATA = Path(__file__).parent / "data"
 ASK = AskOptions(keep_logits=True)
@@ -168,7 +168,7 @@ def test_convert_reads_each_block_once(packs, tmp_path, monkeypatch):
     """The table comes from the source's table, and each block is loaded once to be written: the
     writer used to load a block again for each of its stored tensors, for the table and for the
     representatives (8 times in all)."""
-    from mmkv_cli.pack import convert as converting
+    from mmkv_cli.pack.access import convert as converting
 
     _, made = packs
     loads: list[int] = []

@@ -1,4 +1,4 @@
-"""A pack written while it is encoded (issue 48, item 3; pack/early.py, encode/sealing.py).
+"""A pack written while it is encoded (issue 48, item 3; pack/access/early.py, encode/sealing.py).
 
 A method that keeps every token as prefilled (full, ReKV, StreamingTOM) has its blocks' sizes
 known before the first frame: each chunk's blocks are written by a thread of their own while the
@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import mmkv_cli.encode.sealing as sealing
-import mmkv_cli.pack.early as early
+import mmkv_cli.pack.access.early as early
 from mmkv_cli import api
 from mmkv_cli.encode.encoder import encode_media
 from mmkv_cli.encode.record import EarlyWrite
@@ -30,9 +30,9 @@ from mmkv_cli.methods import EncodeContext
 from mmkv_cli.methods.keep_all import KeepAll
 from mmkv_cli.options import EncodeOptions, MethodSpec
 from mmkv_cli.pack import Span, write_pack
-from mmkv_cli.pack.format import META_HEADER, BlockShape
-from mmkv_cli.pack.quant import QuantSpec
-from mmkv_cli.pack.report import verify
+from mmkv_cli.pack.access.report import verify
+from mmkv_cli.pack.quantized.quant import QuantSpec
+from mmkv_cli.pack.schema.format import META_HEADER, BlockShape
 from tests.conftest import SAMPLES
 from tests.helpers import choose, pack_header
 

@@ -94,7 +94,7 @@ def test_a_context_verdict_left_unread_is_read_with_the_first_token():
     import pytest
 
     from mmkv_cli.errors import PackError
-    from mmkv_cli.pack.verdicts import LaterVerdicts, finite_flag
+    from mmkv_cli.pack.integrity.verdicts import LaterVerdicts, finite_flag
 
     logits = torch.zeros(10)
     logits[4] = 1.0
@@ -116,10 +116,10 @@ def test_a_context_verdict_left_unread_is_read_with_the_first_token():
 
 
 def test_no_token_is_shown_before_the_contexts_checksums_are_read():
-    """A read that left its checksums to finish (pack/verdicts.py) refuses the pack before the
-    first token, and with no token to make at all."""
+    """A read that left its checksums to finish (pack/integrity/verdicts.py) refuses the pack
+    before the first token, and with no token to make at all."""
     from mmkv_cli.errors import PackError
-    from mmkv_cli.pack.verdicts import LaterVerdicts
+    from mmkv_cli.pack.integrity.verdicts import LaterVerdicts
 
     def refused() -> None:
         raise PackError("p.kvpack is corrupted (checksum mismatch in b1)")

@@ -1,5 +1,5 @@
 """A context read into host buffers: the runs of a per-layer eviction's pack (tens of thousands of
-a few KB at 7B) described by one table handed to preadv (pack/vectored.py), into buffers that
+a few KB at 7B) described by one table handed to preadv (pack/io/vectored.py), into buffers that
 layers after one another share so that each allocation is large enough for huge pages
 (Staging.buffers, HOST_JOIN_BYTES)."""
 
@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-import mmkv_cli.pack.staging as staging
-from mmkv_cli.pack import PackReader, Span, vectored, write_pack
-from mmkv_cli.pack.staging import Staging
+import mmkv_cli.pack.io.staging as staging
+from mmkv_cli.pack import PackReader, Span, write_pack
+from mmkv_cli.pack.io import vectored
+from mmkv_cli.pack.io.staging import Staging
 from tests.helpers import capped_rows, pack_header
 from tests.scale_shapes import DIM, HEADS, LAYERS
 

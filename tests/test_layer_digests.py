@@ -14,8 +14,9 @@ from blake3 import blake3
 
 from mmkv_cli import api
 from mmkv_cli.errors import PackError
-from mmkv_cli.pack import PackReader, Span, hashing, write_pack
-from mmkv_cli.pack.writer import layers_per_digest
+from mmkv_cli.pack import PackReader, Span, write_pack
+from mmkv_cli.pack.access.writer import layers_per_digest
+from mmkv_cli.pack.integrity import hashing
 from tests.helpers import pack_header
 from tests.mutants import Parts
 
@@ -198,7 +199,7 @@ def test_a_v12_pack_must_say_its_digest_runs(tmp_path):
 def test_a_layers_few_blocks_are_hashed_on_several_threads(tmp_path, monkeypatch):
     """A layer's read of a few blocks is a digest each: runs of them go to several threads, not
     one run of a whole block's worth of digests (that is for reads of every layer of blocks)."""
-    from mmkv_cli.pack.table import BlockRows
+    from mmkv_cli.pack.schema.table import BlockRows
 
     monkeypatch.setattr(hashing, "RUN_BYTES", 1)  # a digest a run here, as 400 KB ones are at 7B
     monkeypatch.setattr(hashing, "PARALLEL_HASH_BLOCK_BYTES", 0)
@@ -217,8 +218,8 @@ def test_the_layers_a_read_skips_share_one_empty_buffer(tmp_path, monkeypatch, b
     """ReKV's reading inside the forward reads one layer at a time: the other layers take no rows,
     and share one empty buffer (each had a pinned buffer and a copy of its own, 27 a layer at 7B);
     the layer read is as a read of every layer gives it."""
-    from mmkv_cli.pack.quant import QuantSpec
-    from mmkv_cli.pack.staging import Staging
+    from mmkv_cli.pack.io.staging import Staging
+    from mmkv_cli.pack.quantized.quant import QuantSpec
 
     blocks = [block(f"b{i}", counts, i) for i, counts in enumerate(COUNTS)]
     header = pack_header(layers=LAYERS, dtype="float32", heads=HEADS, dim=DIM)
@@ -266,7 +267,7 @@ def deferring(monkeypatch) -> list:
     """Every read of more than one unit hashed on threads, on as many cores as a GPU machine has,
     so a question's reads leave their checksums to finish; returns a list that grows by each
     read's hashes left so."""
-    from mmkv_cli.pack import reader as reading
+    from mmkv_cli.pack.access import reader as reading
 
     monkeypatch.setattr(hashing, "PARALLEL_HASH_BLOCK_BYTES", 0)
     monkeypatch.setattr(hashing, "RUN_BYTES", 1)  # a run a unit
@@ -284,7 +285,7 @@ def deferring(monkeypatch) -> list:
 def test_a_question_takes_rows_whose_checksums_are_still_computed_and_waits_for_them(
     tmp_path, monkeypatch
 ):
-    from mmkv_cli.pack.verdicts import LaterVerdicts
+    from mmkv_cli.pack.integrity.verdicts import LaterVerdicts
 
     blocks = write(tmp_path / "p.kvpack")
     bad = flipped(tmp_path / "p.kvpack", tmp_path / "bad.kvpack", 1, 2)
@@ -323,7 +324,7 @@ def test_small_units_read_by_layer_are_hashed_in_stretches(tmp_path, monkeypatch
     """A retrieval's small units (StreamingTOM's: 27 KB at 7B) are checked in stretches of
     neighbours of one size, each joined with one numpy call: an honest read never falls back to
     a unit at a time, and a flip in one unit still names its block."""
-    from mmkv_cli.pack import read_units
+    from mmkv_cli.pack.integrity import read_units
 
     # sizes change between blocks, so stretches are cut by size as well as by the picks
     counts = [[2 + (i // 7) % 3] * LAYERS for i in range(30)]
@@ -372,8 +373,8 @@ def test_small_units_read_by_layer_are_hashed_in_stretches(tmp_path, monkeypatch
 def test_a_questions_small_units_hashed_as_read_are_left_to_finish(tmp_path, monkeypatch):
     """On a GPU machine's cores a question leaves even units too small for threads (hashed on
     one, as StreamingTOM's 27 KB ones) to finish beside it, and its first token waits for them."""
-    from mmkv_cli.pack import reader as reading
-    from mmkv_cli.pack.verdicts import LaterVerdicts
+    from mmkv_cli.pack.access import reader as reading
+    from mmkv_cli.pack.integrity.verdicts import LaterVerdicts
 
     blocks = write(tmp_path / "p.kvpack")
     bad = flipped(tmp_path / "p.kvpack", tmp_path / "bad.kvpack", 1, 2)

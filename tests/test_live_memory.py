@@ -14,7 +14,7 @@ from mmkv_cli.media import load_media
 from mmkv_cli.media.base import Media
 from mmkv_cli.methods import EncodeContext
 from mmkv_cli.options import AskOptions, GenerationOptions
-from mmkv_cli.pack.memory import MemoryPack
+from mmkv_cli.pack.access.memory import MemoryPack
 from tests.conftest import SAMPLES
 from tests.test_live import EVERY, live_choice
 

@@ -10,8 +10,8 @@ import torch
 
 from mmkv_cli.errors import OutputExistsError, PackError
 from mmkv_cli.pack import PackReader, Span, write_pack
-from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_digests
-from mmkv_cli.pack.header import LayoutRecord, MediaRecord
+from mmkv_cli.pack.integrity.hashing import REPS_CHUNK, chunk_digests
+from mmkv_cli.pack.schema.header import LayoutRecord, MediaRecord
 from tests.helpers import pack_header
 from tests.mutants import Parts
 
@@ -157,11 +157,15 @@ def test_a_large_read_is_hashed_beside_its_copy_and_by_the_reader_once_copied(
 ):
     import threading
 
-    from mmkv_cli.pack.hashing import BlockHashes
+    from mmkv_cli.pack.integrity.hashing import BlockHashes
 
-    monkeypatch.setattr("mmkv_cli.pack.reader.OVERLAP_BYTES", 0)  # this read goes the large way
-    monkeypatch.setattr("mmkv_cli.pack.hashing.PARALLEL_HASH_BLOCK_BYTES", 0)  # on threads
-    monkeypatch.setattr("mmkv_cli.pack.hashing.RUN_BYTES", 0)  # a run a block
+    monkeypatch.setattr(
+        "mmkv_cli.pack.access.reader.OVERLAP_BYTES", 0
+    )  # this read goes the large way
+    monkeypatch.setattr(
+        "mmkv_cli.pack.integrity.hashing.PARALLEL_HASH_BLOCK_BYTES", 0
+    )  # on threads
+    monkeypatch.setattr("mmkv_cli.pack.integrity.hashing.RUN_BYTES", 0)  # a run a block
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     hashing_on, work = [], BlockHashes.work
 
@@ -183,11 +187,11 @@ def test_a_large_read_is_hashed_beside_its_copy_and_by_the_reader_once_copied(
 
 
 def test_a_failed_copy_is_raised_and_leaves_its_blocks_unchecked(tmp_path, monkeypatch):
-    from mmkv_cli.pack.block_store import BlockStore
+    from mmkv_cli.pack.access.block_store import BlockStore
 
-    monkeypatch.setattr("mmkv_cli.pack.reader.OVERLAP_BYTES", 0)  # hashed beside the copy
-    monkeypatch.setattr("mmkv_cli.pack.hashing.PARALLEL_HASH_BLOCK_BYTES", 0)
-    monkeypatch.setattr("mmkv_cli.pack.hashing.RUN_BYTES", 0)  # a run a block
+    monkeypatch.setattr("mmkv_cli.pack.access.reader.OVERLAP_BYTES", 0)  # hashed beside the copy
+    monkeypatch.setattr("mmkv_cli.pack.integrity.hashing.PARALLEL_HASH_BLOCK_BYTES", 0)
+    monkeypatch.setattr("mmkv_cli.pack.integrity.hashing.RUN_BYTES", 0)  # a run a block
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     path = tmp_path / "a.kvpack"
     write(path)
@@ -207,7 +211,7 @@ def test_a_failed_copy_is_raised_and_leaves_its_blocks_unchecked(tmp_path, monke
 
 @pytest.mark.parametrize("threaded", [False, True])
 def test_corrupted_tensor_fails_its_checksum(tmp_path, monkeypatch, threaded):
-    from mmkv_cli.pack import hashing
+    from mmkv_cli.pack.integrity import hashing
 
     pools = []
     if threaded:  # hash even this small read on threads, as a large real-model context is
@@ -267,7 +271,7 @@ def test_tampered_header_and_foreign_files_are_refused(tmp_path):
 
 
 def test_block_table_columns_agree_with_its_rows_and_with_a_v2_json_table(tmp_path):
-    from mmkv_cli.pack.table import BlockTable, eligible_at
+    from mmkv_cli.pack.schema.table import BlockTable, eligible_at
 
     path = tmp_path / "a.kvpack"
     write(path)

@@ -11,10 +11,10 @@ import torch
 from mmkv_cli import api
 from mmkv_cli.errors import PackError
 from mmkv_cli.pack import PackReader, Span, write_pack
-from mmkv_cli.pack.format import FORMAT_VERSION
-from mmkv_cli.pack.header import LayoutRecord
-from mmkv_cli.pack.integrity import read_directory
-from mmkv_cli.pack.writer import narrowed
+from mmkv_cli.pack.access.writer import narrowed
+from mmkv_cli.pack.integrity.checks import read_directory
+from mmkv_cli.pack.schema.format import FORMAT_VERSION
+from mmkv_cli.pack.schema.header import LayoutRecord
 from tests.helpers import pack_header
 from tests.mutants import Parts
 
@@ -209,7 +209,7 @@ def test_an_older_header_is_upgraded_on_read_its_kv_shape_read_off_its_tensors()
 
     from mmkv_cli.api import inspect
     from mmkv_cli.cli.app import app
-    from mmkv_cli.pack.header import KVShape
+    from mmkv_cli.pack.schema.header import KVShape
 
     for version in (3, 6, 7):  # v3 and v6 headers do not say the KV's heads, width or dtype
         reader = PackReader(DATA / f"v{version}.kvpack")

@@ -17,8 +17,8 @@ from mmkv_cli.methods.meda import merge_evicted
 from mmkv_cli.methods.scoring import adaptive_per_head, top_per_head
 from mmkv_cli.options import MethodSpec
 from mmkv_cli.pack import FORMAT_VERSION, PackReader
-from mmkv_cli.pack.report import inspect
-from mmkv_cli.pack.writer import write_pack
+from mmkv_cli.pack.access.report import inspect
+from mmkv_cli.pack.access.writer import write_pack
 from tests.helpers import ask_pack, encode_pack
 
 QUESTION = "what color is the circle ?"

@@ -8,7 +8,7 @@ import torch
 
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.pack import PackReader, Span, write_pack
-from mmkv_cli.pack.quant import (
+from mmkv_cli.pack.quantized.quant import (
     QuantSpec,
     SpanningKeyRanges,
     dequantize_keys,
@@ -164,7 +164,9 @@ def write(path, quant=None):
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_a_quantized_pack_reads_back_its_dequantized_kv(tmp_path, bits, monkeypatch):
-    monkeypatch.setattr("mmkv_cli.pack.quant.CHUNK_TOKENS", 7)  # chunks cut blocks and layers
+    monkeypatch.setattr(
+        "mmkv_cli.pack.quantized.quant.CHUNK_TOKENS", 7
+    )  # chunks cut blocks and layers
     blocks = write(tmp_path / "q.kvpack", QuantSpec(bits, 8))
     reader = PackReader(tmp_path / "q.kvpack")
     assert reader.quant == QuantSpec(bits, 8)
@@ -330,12 +332,12 @@ def test_a_forged_key_group_layout_is_refused_on_open(tmp_path):
 def test_a_context_decoding_past_its_dtype_is_refused_now_or_with_the_first_token(tmp_path):
     """Key scales finite as stored can still decode past float16's range (a forger's, re-sealed):
     a gather checks the decoded values; one for a question leaves that verdict unread, for the
-    first token to read with itself (pack/verdicts.py), instead of a wait of its own."""
+    first token to read with itself (pack/integrity/verdicts.py), instead of a wait of its own."""
     import numpy as np
 
-    from mmkv_cli.pack.format import digest_name
-    from mmkv_cli.pack.hashing import chunk_digests
-    from mmkv_cli.pack.verdicts import LaterVerdicts
+    from mmkv_cli.pack.integrity.hashing import chunk_digests
+    from mmkv_cli.pack.integrity.verdicts import LaterVerdicts
+    from mmkv_cli.pack.schema.format import digest_name
     from tests import mutants
 
     write(tmp_path / "q.kvpack", QuantSpec(4, 8))
@@ -372,8 +374,8 @@ def test_the_scales_alone_say_whether_every_code_decodes_finite(bits, dtype):
     (float16's overflow from 65520, a tie rounding up), at NaN and Inf, and at random."""
     import numpy as np
 
-    from mmkv_cli.pack.codes import pack_codes
-    from mmkv_cli.pack.quant import decodes_finite, dequantize_keys
+    from mmkv_cli.pack.quantized.codes import pack_codes
+    from mmkv_cli.pack.quantized.quant import decodes_finite, dequantize_keys
 
     top = (1 << bits) - 1
     edges = [0.0, 1.0, -1.0, 65504.0, -65504.0, 1e-7, 30000.0, -30000.0]
@@ -397,8 +399,8 @@ def test_verify_decodes_only_the_blocks_whose_scales_might_overflow(tmp_path, mo
     forged past float16 (its block's checksum re-sealed) decodes that block alone and names it."""
     import numpy as np
 
-    from mmkv_cli.pack import block_store
-    from mmkv_cli.pack.report import verify
+    from mmkv_cli.pack.access import block_store
+    from mmkv_cli.pack.access.report import verify
     from tests import mutants
 
     header = pack_header(dim=16, dtype="float16")
@@ -432,8 +434,8 @@ def test_verify_decodes_only_the_blocks_whose_scales_might_overflow(tmp_path, mo
     assert verify(bad)["faults"] == ["block b1: NaN or Inf in its K/V"]
     assert decoded and all(blocks == [1] for blocks in decoded)  # b1 alone was decoded
     # the spanning key scales past float16 (their own digests re-sealed): every block's keys
-    from mmkv_cli.pack.format import digest_name
-    from mmkv_cli.pack.hashing import chunk_digests
+    from mmkv_cli.pack.integrity.hashing import chunk_digests
+    from mmkv_cli.pack.schema.format import digest_name
 
     parts = mutants.Parts.of(path.read_bytes())
     start, stop = parts.directory["blocks.kq"]["data_offsets"]
@@ -457,7 +459,7 @@ def test_a_rows_scales_are_settled_by_their_bits_and_only_doubtful_rows_decoded(
     scale past 2^(15 - bits), Inf or NaN."""
     import numpy as np
 
-    from mmkv_cli.pack.quant import decodes_finite, rows_decode_finite
+    from mmkv_cli.pack.quantized.quant import decodes_finite, rows_decode_finite
 
     rng = np.random.default_rng(len(shape))
     pairs = (rng.standard_normal(shape) * 3).astype(np.float16)

@@ -5,8 +5,13 @@ equal those of the whole block at once, and codes sit in their bytes lowest bits
 import pytest
 import torch
 
-from mmkv_cli.pack import quant
-from mmkv_cli.pack.quant import dequantize, pack_codes, quantize_keys_with, quantize_values
+from mmkv_cli.pack.quantized import quant
+from mmkv_cli.pack.quantized.quant import (
+    dequantize,
+    pack_codes,
+    quantize_keys_with,
+    quantize_values,
+)
 
 
 def test_codes_sit_in_their_byte_lowest_bits_first():

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from mmkv_cli import api
 from mmkv_cli.cli.app import app
 from mmkv_cli.errors import PackError
-from mmkv_cli.pack import PackReader, vectored
+from mmkv_cli.pack import PackReader
+from mmkv_cli.pack.io import vectored
 from tests.conftest import SAMPLES
 from tests.helpers import encode_pack
 
@@ -128,8 +129,8 @@ def test_a_write_failing_at_any_call_is_one_line_and_leaves_nothing(tmp_path, mo
     the run past every call writes a pack that reads back."""
     import builtins
 
-    from mmkv_cli.pack.atomic import TEMP_SUFFIX
-    from mmkv_cli.pack.writer import write_pack
+    from mmkv_cli.pack.access.writer import write_pack
+    from mmkv_cli.pack.io.atomic import TEMP_SUFFIX
     from tests.helpers import pack_header
     from tests.scale_shapes import block, plain
 

@@ -13,8 +13,8 @@ import torch
 
 from mmkv_cli.errors import PackError
 from mmkv_cli.pack import PackReader, write_pack
-from mmkv_cli.pack.quant import QuantSpec
-from mmkv_cli.pack.report import verify
+from mmkv_cli.pack.access.report import verify
+from mmkv_cli.pack.quantized.quant import QuantSpec
 from tests.helpers import pack_header
 from tests.mutants import Parts
 from tests.scale_shapes import DIM, HEADS, LAYERS, constant_block, plain
@@ -84,8 +84,8 @@ def whole_tensor_in_one_read(path, name: str, count: int, tokens: int, monkeypat
     (2 GiB - 4 KiB), the loop reads the rest, and the last block's values are whole."""
     import os
 
-    from mmkv_cli.pack.source import open_pack_file
-    from mmkv_cli.pack.tensors import StoredTensors
+    from mmkv_cli.pack.integrity.tensors import StoredTensors
+    from mmkv_cli.pack.io.source import open_pack_file
 
     real, calls = os.preadv, []
 
@@ -95,7 +95,7 @@ def whole_tensor_in_one_read(path, name: str, count: int, tokens: int, monkeypat
         calls.append((asked, got))
         return got
 
-    monkeypatch.setattr("mmkv_cli.pack.tensors.os.preadv", watched)
+    monkeypatch.setattr("mmkv_cli.pack.integrity.tensors.os.preadv", watched)
     source, where = open_pack_file(path)
     whole = StoredTensors(source, where).array(name)
     monkeypatch.undo()

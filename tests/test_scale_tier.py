@@ -16,10 +16,11 @@ import torch
 from blake3 import blake3
 
 from mmkv_cli.errors import PackError
-from mmkv_cli.pack import PackReader, Span, vectored, write_pack
-from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_count, chunk_digests
-from mmkv_cli.pack.quant import QuantSpec
-from mmkv_cli.pack.report import verify
+from mmkv_cli.pack import PackReader, Span, write_pack
+from mmkv_cli.pack.access.report import verify
+from mmkv_cli.pack.integrity.hashing import REPS_CHUNK, chunk_count, chunk_digests
+from mmkv_cli.pack.io import vectored
+from mmkv_cli.pack.quantized.quant import QuantSpec
 from tests.helpers import capped_rows, pack_header
 from tests.mutants import Parts
 from tests.scale_shapes import DIM, HEADS, LAYERS, block, plain
@@ -79,7 +80,7 @@ def test_chunk_digests_cut_a_shaped_array_by_bytes_not_rows():
 def test_spanning_key_scales_past_two_digest_chunks(tmp_path, monkeypatch):
     """v9's key scales cross the chunk (lowered to its floor, 64 KiB) by more than two steps: 2-bit
     keys in groups of 16 tokens over 28 layers of 40 tokens make 84 groups of 2 KiB."""
-    monkeypatch.setattr("mmkv_cli.pack.writer.REPS_CHUNK", 1 << 16)
+    monkeypatch.setattr("mmkv_cli.pack.access.writer.REPS_CHUNK", 1 << 16)
     path = tmp_path / "q.kvpack"
     spans = write_7b(path, 4, tokens=10, quant=QuantSpec(2, 16))
     header = Parts.of(path.read_bytes()).header()
@@ -117,9 +118,9 @@ def test_a_context_past_the_overlap_threshold_reads_back_exactly(
     holding the GIL), on several past it (both by two steps). With a digest a block, units of 16
     KiB are hashed from the file on one thread before the read, units of 2 MiB on threads beside
     it."""
-    from mmkv_cli.pack import hashing
-    from mmkv_cli.pack.hashing import PARALLEL_HASH_BLOCK_BYTES
-    from mmkv_cli.pack.reader import OVERLAP_BYTES
+    from mmkv_cli.pack.access.reader import OVERLAP_BYTES
+    from mmkv_cli.pack.integrity import hashing
+    from mmkv_cli.pack.integrity.hashing import PARALLEL_HASH_BLOCK_BYTES
 
     path = tmp_path / "p.kvpack"
     spans = write_7b(path, blocks, tokens=tokens, layers=layers, keys=keys)
@@ -135,7 +136,7 @@ def test_a_context_past_the_overlap_threshold_reads_back_exactly(
     )
     taken: list[str] = []
     monkeypatch.setattr(
-        "mmkv_cli.pack.reader.hashed_beside",
+        "mmkv_cli.pack.access.reader.hashed_beside",
         lambda hashes, read: taken.append("beside") or hashing.hashed_beside(hashes, read),
     )
     from_read = hashing.BlockHashes.read_from
@@ -144,7 +145,7 @@ def test_a_context_past_the_overlap_threshold_reads_back_exactly(
         "read_from",
         lambda self, *a: taken.append("as read") or from_read(self, *a),
     )
-    from mmkv_cli.pack import read_units
+    from mmkv_cli.pack.integrity import read_units
 
     joined: list[bool] = []
     runs = read_units.ReadUnits.runs
@@ -217,7 +218,7 @@ def test_verify_past_two_chunks_of_blocks_names_each_fault_once(tmp_path):
     more. 2,100 blocks (one token, one layer at 7B width): a flipped byte in the second chunk
     and a forged NaN (its checksum re-sealed) in the third are each named once, by their own
     block's name; every block reads back."""
-    from mmkv_cli.pack.reader import VERIFY_BLOCKS
+    from mmkv_cli.pack.access.reader import VERIFY_BLOCKS
 
     path = tmp_path / "many.kvpack"
     spans = write_7b(path, 2100, layers=1)
@@ -238,7 +239,7 @@ def test_blocks_hashed_through_a_kept_buffer_in_pieces(tmp_path, monkeypatch, ro
     keeps: one frame's K at 7B is 5.5 MB, a block of many frames far more. Lowered to a few rows,
     so a block's 28 per-layer digests (v12) straddle the pieces' edges: every block reads back,
     `verify` passes, and a flip and a forged Inf in a block's last piece are each named once."""
-    from mmkv_cli.pack import hashing
+    from mmkv_cli.pack.integrity import hashing
 
     path = tmp_path / "p.kvpack"
     spans = write_7b(path, 6, tokens=5)  # 5 x 28 = 140 rows a block
@@ -267,10 +268,10 @@ def test_blocks_hashed_through_a_kept_buffer_in_pieces(tmp_path, monkeypatch, ro
 
 def test_a_context_read_in_several_staging_groups_reads_back_exactly(reps_pack, monkeypatch):
     """A large read bound for a GPU goes in groups of whole blocks cut in file order (64 MiB at
-    real size; pack/staging.py), each copied into its places in every layer. Lowered to 1 MiB (and
-    let on the CPU), this 7B-width context, each layer with blocks of its own, is read in more
+    real size; pack/io/staging.py), each copied into its places in every layer. Lowered to 1 MiB
+    (and let on the CPU), this 7B-width context, each layer with blocks of its own, is read in more
     than three groups, and every layer reads back exact."""
-    from mmkv_cli.pack import staging
+    from mmkv_cli.pack.io import staging
 
     monkeypatch.setattr(staging, "HOST_STAGE_BYTES", 1 << 20)
     made: list[int] = []
@@ -296,7 +297,7 @@ def test_staging_groups_cut_the_read_in_file_order():
     """Two layers of blocks of two tokens: block b's rows are 4b..4b+3, layer 0's first."""
     import numpy as np
 
-    from mmkv_cli.pack import staging
+    from mmkv_cli.pack.io import staging
 
     rows = np.array([0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11])
     firsts, ends = np.array([0, 6]), np.array([6, 12])
@@ -326,7 +327,7 @@ def test_staging_groups_cut_the_read_in_file_order():
     ],
 )
 def test_tables_narrow_to_int32_only_when_every_value_fits(low, high, dtype):
-    from mmkv_cli.pack.writer import narrowed
+    from mmkv_cli.pack.access.writer import narrowed
 
     out = narrowed(torch.tensor([low, high], dtype=torch.int64))
     assert out.dtype == dtype and out.tolist() == [low, high]
@@ -361,7 +362,7 @@ def test_positions_at_the_int32_edge_round_trip_and_past_it_are_refused(tmp_path
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 def test_stored_values_are_checked_finite_by_their_exponent_bits(dtype):
-    from mmkv_cli.pack.finite import finite_stored
+    from mmkv_cli.pack.integrity.finite import finite_stored
 
     big = torch.finfo(getattr(torch, dtype)).max
     values = torch.tensor([0.0, -1.5, big, -big], dtype=getattr(torch, dtype))
@@ -399,7 +400,7 @@ def test_reads_longer_than_one_preadv_returns_are_finished_by_the_loop(reps_pack
         calls.append(offset)
         return real_table(fd, cut.ctypes.data, len(cut), offset)
 
-    monkeypatch.setattr("mmkv_cli.pack.tensors.os.preadv", capped)
+    monkeypatch.setattr("mmkv_cli.pack.integrity.tensors.os.preadv", capped)
     monkeypatch.setattr(vectored, "preadv", capped_table)
     got = PackReader(path).gather([s.name for s in spans[:40]])
     assert len(calls) > 100
@@ -428,7 +429,7 @@ def test_a_context_of_few_tokens_a_layer_reads_every_layer_in_one_pass(tmp_path,
     header = pack_header(LAYERS, "float16", heads=HEADS, dim=DIM)
     write_pack(path, header, span("prefix", [2] * LAYERS, None), body,
                span("suffix", [1] * LAYERS, None))  # fmt: skip
-    monkeypatch.setattr("mmkv_cli.pack.tensors.IOV_MAX", 64)
+    monkeypatch.setattr("mmkv_cli.pack.integrity.tensors.IOV_MAX", 64)
     real, calls = vectored.preadv, []
 
     def counted(fd, address, count, offset):
@@ -454,8 +455,8 @@ def test_a_large_read_on_several_threads_reads_back_exactly(reps_pack, monkeypat
     machine, 1 on this one, so the test asks for 3."""
     import threading
 
-    import mmkv_cli.pack.tensors as tensors
-    from mmkv_cli.pack.pools import KeptPool
+    import mmkv_cli.pack.integrity.tensors as tensors
+    from mmkv_cli.pack.io.pools import KeptPool
 
     path, spans = reps_pack
     names = [s.name for s in spans]
@@ -487,8 +488,8 @@ def test_a_retrievals_scattered_runs_go_to_the_reading_threads_in_tasks_of_bytes
     READ_BYTES-windows, and every layer reads back exact."""
     import threading
 
-    import mmkv_cli.pack.tensors as tensors
-    from mmkv_cli.pack.pools import KeptPool
+    import mmkv_cli.pack.integrity.tensors as tensors
+    from mmkv_cli.pack.io.pools import KeptPool
 
     path, spans = reps_pack
     names = [s.name for s in spans]
@@ -528,8 +529,8 @@ def test_a_forked_child_reads_on_a_pool_of_its_own(monkeypatch):
     forever on the parent's pool, so it makes its own."""
     import os
 
-    import mmkv_cli.pack.tensors as tensors
-    from mmkv_cli.pack.pools import KeptPool
+    import mmkv_cli.pack.integrity.tensors as tensors
+    from mmkv_cli.pack.io.pools import KeptPool
 
     monkeypatch.setattr(tensors, "_reading", KeptPool(2, "mmkv-read"))
     parents = tensors._reading.get()

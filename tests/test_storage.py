@@ -11,7 +11,7 @@ import torch
 from mmkv_cli import api
 from mmkv_cli.errors import OutputExistsError, PackError, StorageError
 from mmkv_cli.options import AskOptions, EncodeOptions, LoadOptions
-from mmkv_cli.pack.storage import Intervals, batches, is_url, merged, pieces
+from mmkv_cli.pack.io.storage import Intervals, batches, is_url, merged, pieces
 from tests.conftest import ROOT, SAMPLES
 from tests.helpers import serving
 
@@ -207,8 +207,9 @@ def test_a_large_fetch_goes_in_bounded_requests_and_batches(s3_server, tmp_path,
     mirror's pwrite writes at most 100,000 bytes a call)."""
     import s3fs
 
-    from mmkv_cli.pack import PackReader, storage
-    from mmkv_cli.pack.report import verify
+    from mmkv_cli.pack import PackReader
+    from mmkv_cli.pack.access.report import verify
+    from mmkv_cli.pack.io import storage
     from tests.test_scale_tier import write_7b
 
     spans = write_7b(tmp_path / "p.kvpack", 8, tokens=24)  # 5.6 MB of K/V
@@ -243,7 +244,8 @@ def test_a_large_fetch_goes_in_bounded_requests_and_batches(s3_server, tmp_path,
 
 
 def test_a_mirror_that_cannot_be_written_is_one_line(s3_packs, monkeypatch):
-    from mmkv_cli.pack import PackReader, storage
+    from mmkv_cli.pack import PackReader
+    from mmkv_cli.pack.io import storage
 
     url, _, _ = s3_packs
 

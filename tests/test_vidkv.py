@@ -1,5 +1,6 @@
 """1.5-bit KV after VidKV: the frequency-domain signs, the 2-bit half, ternary values, on tensors
-written from the definitions (pack/vidkv.py); then a pack stored at 1.5 bits and read back."""
+written from the definitions (pack/quantized/vidkv.py); then a pack stored at 1.5 bits and read
+back."""
 
 import pytest
 import torch
@@ -7,9 +8,9 @@ import torch
 from mmkv_cli.errors import UsageError
 from mmkv_cli.options import kv_bits_value
 from mmkv_cli.pack import PackReader, Span, write_pack
-from mmkv_cli.pack import vidkv as V
-from mmkv_cli.pack.format import FORMAT_VERSION
-from mmkv_cli.pack.quant import QuantSpec
+from mmkv_cli.pack.quantized import vidkv as V
+from mmkv_cli.pack.quantized.quant import QuantSpec
+from mmkv_cli.pack.schema.format import FORMAT_VERSION
 from tests.helpers import pack_header
 
 
@@ -127,7 +128,7 @@ def test_forged_channel_flags_are_refused_even_when_resealed(tmp_path):
     import numpy as np
 
     from mmkv_cli.errors import PackError
-    from mmkv_cli.pack.hashing import chunk_digests
+    from mmkv_cli.pack.integrity.hashing import chunk_digests
     from tests.mutants import Parts
 
     g = torch.Generator().manual_seed(9)

@@ -393,7 +393,7 @@ try:
 except SystemExit as done:
     assert done.code == 0, done.code
 # the server reads the pack and knows the methods: a client needs neither (nor numpy)
-light = ("torch", "transformers", "numpy", "mmkv_cli.methods", "mmkv_cli.pack.reader")
+light = ("torch", "transformers", "numpy", "mmkv_cli.methods", "mmkv_cli.pack.access.reader")
 heavy = [m for m in light if m in sys.modules]
 print("light" if not heavy else f"imported {heavy}")
 """

@@ -1,4 +1,4 @@
-"""A pack's bytes are handed on to the disk as they are written (pack/writeback.py): every
+"""A pack's bytes are handed on to the disk as they are written (pack/io/writeback.py): every
 WRITEBACK_BYTES written, the ranges written since go to Linux's sync_file_range, so the fsync at
 the end of an hour's pack finds little left to write."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-import mmkv_cli.pack.writeback as writeback
+import mmkv_cli.pack.io.writeback as writeback
 from mmkv_cli.pack import PackReader, Span, write_pack
-from mmkv_cli.pack.quant import QuantSpec
-from mmkv_cli.pack.report import verify
+from mmkv_cli.pack.access.report import verify
+from mmkv_cli.pack.quantized.quant import QuantSpec
 from tests.helpers import pack_header
 
 LAYERS, HEADS, DIM = 4, 2, 32

@@ -21,7 +21,7 @@ from mmkv_cli.kernels.rope import compact_positions, rotate_keys
 from mmkv_cli.methods.base import ContextPolicy
 from mmkv_cli.options import AskOptions
 from mmkv_cli.pack import PackReader
-from mmkv_cli.pack.verdicts import LaterVerdicts
+from mmkv_cli.pack.integrity.verdicts import LaterVerdicts
 
 
 class PhaseClock:

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack.atomic import sweep_stale
-from mmkv_cli.pack.hashing import tensors_digest
+from mmkv_cli.pack.integrity.hashing import tensors_digest
+from mmkv_cli.pack.io.atomic import sweep_stale
 
 SUFFIX = ".mmkv-checkpoint"
 FORMAT, VERSION = "mmkv.checkpoint", 5  # 3: what never changes is written once, in segments;

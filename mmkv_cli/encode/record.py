@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmkv_cli import __version__, logs
-from mmkv_cli.pack.early import EarlyPack
-from mmkv_cli.pack.format import BlockShape, Span
-from mmkv_cli.pack.header import (
+from mmkv_cli.pack.access.early import EarlyPack
+from mmkv_cli.pack.access.writer import write_pack
+from mmkv_cli.pack.quantized.quant import QuantSpec
+from mmkv_cli.pack.schema.format import BlockShape, Span
+from mmkv_cli.pack.schema.header import (
     Fingerprint,
     KVShape,
     LayoutRecord,
@@ -20,8 +22,6 @@ from mmkv_cli.pack.header import (
     PackHeader,
     PromptRecord,
 )
-from mmkv_cli.pack.quant import QuantSpec
-from mmkv_cli.pack.writer import write_pack
 from mmkv_cli.spec import as_plain
 
 LOG = logs.get(__name__)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from mmkv_cli.backbones.base import Backbone, StreamLayout
 from mmkv_cli.pack import Span
-from mmkv_cli.pack.early import EarlyPack
+from mmkv_cli.pack.access.early import EarlyPack
 
 
 @dataclass
@@ -18,7 +18,9 @@ class Encoded:
     layout: dict
     visual_tokens_total: int
     stats: dict = field(default_factory=dict)
-    representatives: str = "pre_rope"  # what block representatives are means of (pack/format.py)
+    representatives: str = (
+        "pre_rope"  # what block representatives are means of (pack/schema/format.py)
+    )
     per_head: bool = False  # every span stored per (layer, KV head): the KV heads keep their own
     # the pack written while encoding (its blocks are there, not in `blocks`): finished by
     # record.write_encoded

@@ -1,6 +1,6 @@
 """The blocks of a memory that keeps every token as prefilled (`full`, `rekv`, `streamingtom`),
 made as each chunk goes in and handed to the pack's writer, which writes them while the next chunks
-run (pack/early.py).
+run (pack/access/early.py).
 
 Every block's size is then known before the first frame: one block per temporal step, of that
 step's tokens in every layer (of those a reducer lets through, where it keeps a fixed count a step,
@@ -23,8 +23,8 @@ from mmkv_cli.kernels.host import HostCopies
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import StreamingMemory
 from mmkv_cli.methods.running_cache import StreamState
-from mmkv_cli.pack.early import EarlyPack, worth_writing_early
-from mmkv_cli.pack.format import BlockShape, Span
+from mmkv_cli.pack.access.early import EarlyPack, worth_writing_early
+from mmkv_cli.pack.schema.format import BlockShape, Span
 
 # Written early on a GPU only. On a CPU the encode keeps every core busy, so a write beside it has
 # none to use (bench/results/early_write-cpu.json), and `full`'s blocks would be held twice: in the

@@ -9,21 +9,21 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mmkv_cli.pack.atomic import check_writable
-    from mmkv_cli.pack.format import FORMAT_VERSION, Span, block_name
-    from mmkv_cli.pack.header import KVShape, PackHeader
-    from mmkv_cli.pack.reader import PackReader
-    from mmkv_cli.pack.writer import write_pack
+    from mmkv_cli.pack.access.reader import PackReader
+    from mmkv_cli.pack.access.writer import write_pack
+    from mmkv_cli.pack.io.atomic import check_writable
+    from mmkv_cli.pack.schema.format import FORMAT_VERSION, Span, block_name
+    from mmkv_cli.pack.schema.header import KVShape, PackHeader
 
 _HOMES = {
-    "check_writable": "atomic",
-    "FORMAT_VERSION": "format",
-    "Span": "format",
-    "block_name": "format",
-    "KVShape": "header",
-    "PackHeader": "header",
-    "PackReader": "reader",
-    "write_pack": "writer",
+    "check_writable": "io.atomic",
+    "FORMAT_VERSION": "schema.format",
+    "Span": "schema.format",
+    "block_name": "schema.format",
+    "KVShape": "schema.header",
+    "PackHeader": "schema.header",
+    "PackReader": "access.reader",
+    "write_pack": "access.writer",
 }
 
 __all__ = [

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from mmkv_cli.lazy import torch
 from mmkv_cli.pack import PackReader
-from mmkv_cli.pack.format import Span
-from mmkv_cli.pack.memory import joined_spans
-from mmkv_cli.pack.storage import is_url
+from mmkv_cli.pack.access.memory import joined_spans
+from mmkv_cli.pack.io.storage import is_url
+from mmkv_cli.pack.schema.format import Span
 
 
 def file_identity(path: str | Path) -> tuple | None:

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from mmkv_cli.pack import libc
+from mmkv_cli.pack.io import libc
 
 # struct iovec: a pointer and a size_t, both the width of a pointer
 IOVEC = np.uintp

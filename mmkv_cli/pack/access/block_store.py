@@ -11,19 +11,19 @@ from concurrent.futures import wait
 import numpy as np
 
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack import vidkv
-from mmkv_cli.pack.hashing import (
+from mmkv_cli.pack.integrity.hashing import (
     BlockHashes,
     beside_hashing,
     mismatched,
     raw_view,
     stored_bytes,
 )
-from mmkv_cli.pack.quant import QuantSpec, decodes_finite, dequantize, rows_decode_finite
-from mmkv_cli.pack.staging import Staging
-from mmkv_cli.pack.table import BlockRows
-from mmkv_cli.pack.tensors import FileArray
-from mmkv_cli.pack.verdicts import finite_flag
+from mmkv_cli.pack.integrity.tensors import FileArray
+from mmkv_cli.pack.integrity.verdicts import finite_flag
+from mmkv_cli.pack.io.staging import Staging
+from mmkv_cli.pack.quantized import vidkv
+from mmkv_cli.pack.quantized.quant import QuantSpec, decodes_finite, dequantize, rows_decode_finite
+from mmkv_cli.pack.schema.table import BlockRows
 
 
 def sent_once(tensors: list[torch.Tensor], staging: Staging) -> list[torch.Tensor]:

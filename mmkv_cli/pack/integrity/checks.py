@@ -20,7 +20,8 @@ import struct
 from typing import TYPE_CHECKING
 
 from mmkv_cli.errors import PackError, unreadable
-from mmkv_cli.pack.format import (
+from mmkv_cli.pack.integrity.hashing import new_digest
+from mmkv_cli.pack.schema.format import (
     BLOCKS,
     FORMAT_NAME,
     META_HEADER,
@@ -28,10 +29,9 @@ from mmkv_cli.pack.format import (
     READABLE_VERSIONS,
     digest_name,
 )
-from mmkv_cli.pack.hashing import new_digest
 
 if TYPE_CHECKING:
-    from mmkv_cli.pack.header import PackHeader
+    from mmkv_cli.pack.schema.header import PackHeader
 
 MAX_HEADER_BYTES = 16 << 20  # safetensors directory + mmkv header; real ones are a few KB
 MAX_DIMS = 8

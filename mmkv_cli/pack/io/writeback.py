@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 
-from mmkv_cli.pack import libc
+from mmkv_cli.pack.io import libc
 
 WRITEBACK_BYTES = 64 << 20
 SYNC_FILE_RANGE_WRITE = 2  # start writing the range's dirty pages; do not wait

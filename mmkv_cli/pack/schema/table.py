@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mmkv_cli.pack.format import OLD_TABLE_COLUMNS, TABLE_COLUMNS, block_name
+from mmkv_cli.pack.schema.format import OLD_TABLE_COLUMNS, TABLE_COLUMNS, block_name
 
 
 class BlockTable(Sequence):

@@ -13,9 +13,14 @@ from pathlib import Path
 
 from mmkv_cli.errors import PackError, output_exists
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack.atomic import TEMP_SUFFIX, check_writable, sweep_stale
-from mmkv_cli.pack.block_writing import KeyScales, write_blocks
-from mmkv_cli.pack.format import (
+from mmkv_cli.pack.access.block_writing import KeyScales, write_blocks
+from mmkv_cli.pack.integrity.checks import index_digest
+from mmkv_cli.pack.integrity.hashing import REPS_CHUNK, chunk_count, chunk_digests, tensors_digest
+from mmkv_cli.pack.io.atomic import TEMP_SUFFIX, check_writable, sweep_stale
+from mmkv_cli.pack.quantized.quant import (
+    QuantSpec,
+)
+from mmkv_cli.pack.schema.format import (
     BLOCKS,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -28,13 +33,8 @@ from mmkv_cli.pack.format import (
     digest_name,
     raw_bytes,
 )
-from mmkv_cli.pack.hashing import REPS_CHUNK, chunk_count, chunk_digests, tensors_digest
-from mmkv_cli.pack.header import PackHeader
-from mmkv_cli.pack.integrity import index_digest
-from mmkv_cli.pack.quant import (
-    QuantSpec,
-)
-from mmkv_cli.pack.stored import block_shape, store
+from mmkv_cli.pack.schema.header import PackHeader
+from mmkv_cli.pack.schema.stored import block_shape, store
 
 DIGEST = digest_name(FORMAT_VERSION)  # the hash of every checksum written, and their fields' name
 

@@ -13,10 +13,10 @@ from typing import TypeVar
 import blake3
 import numpy as np
 
-from mmkv_cli.pack.finite import finite_stored
-from mmkv_cli.pack.format import raw_bytes
-from mmkv_cli.pack.pools import KeptPool, scratch
-from mmkv_cli.pack.read_units import JOIN_BYTES, ReadUnits, differing, joined_digests
+from mmkv_cli.pack.integrity.finite import finite_stored
+from mmkv_cli.pack.integrity.read_units import JOIN_BYTES, ReadUnits, differing, joined_digests
+from mmkv_cli.pack.io.pools import KeptPool, scratch
+from mmkv_cli.pack.schema.format import raw_bytes
 
 # Digest units of at least this many bytes on average are checksummed on up to HASH_THREADS threads
 # (and beside a read): below it a unit's Python costs as much as its hashing, all of it holding the

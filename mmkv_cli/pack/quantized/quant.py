@@ -24,9 +24,9 @@ import numpy as np
 from mmkv_cli.errors import UsageError
 from mmkv_cli.lazy import torch
 from mmkv_cli.options import KV_BITS
-from mmkv_cli.pack import vidkv
-from mmkv_cli.pack.codes import pack_codes, unpack_codes
-from mmkv_cli.pack.finite import EXPONENTS
+from mmkv_cli.pack.integrity.finite import EXPONENTS
+from mmkv_cli.pack.quantized import vidkv
+from mmkv_cli.pack.quantized.codes import pack_codes, unpack_codes
 
 # 16: not quantized (the backbone's own dtype); 1.5: VidKV's mixed 1/2-bit keys and ternary values
 # (vidkv.py)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack.codes import pack_codes
+from mmkv_cli.pack.quantized.codes import pack_codes
 
 TRITS_PER_BYTE = 5
 

@@ -4,25 +4,24 @@ A span is the per-layer KV of one stretch of the stream: the prefix (init prompt
 or the suffix. Each span holds its per-layer K, V and original positions concatenated along the
 token axis, token-major ([sum n_l, H_kv, D], [sum n_l, P]), so a span is one contiguous byte range
 per tensor: a reader reads and checksums it in one piece, never strided head slices. The header
-keeps the per-layer counts to split them again, so layers may keep different
-numbers of tokens. Prefix and suffix are tensors of their own ("prefix.k", ...); the blocks sit one
-after another in "blocks.k/.v/.pos", each at its offset, so the tensor directory stays small however
-many blocks. Everything that grows with the video is a tensor, not header JSON: the block table
-(granularity, steps, time, offset, counts, checksum), the frame timestamps and the tokens per step;
-so opening a pack parses a few KB whatever its length. Block representatives sit together in "reps"
-[blocks, layers, dim] so retrieval reads them without touching any block. From v7 the blocks' K/V
-may be quantized (pack/quant.py: codes in "blocks.k/.v", scales in "blocks.kq/.vq"), positions are
-int32 and stored once for a span whose layers all keep the same tokens. From v8 the block table and
-the tokens per step are int32 where every value fits (int64 otherwise), and the representatives
+keeps the per-layer counts to split them again, so layers may keep different numbers of tokens.
+Prefix and suffix are tensors of their own ("prefix.k", ...); the blocks sit one after another in
+"blocks.k/.v/.pos", each at its offset, so the tensor directory stays small however many blocks.
+Everything that grows with the video is a tensor, not header JSON: the block table (granularity,
+steps, time, offset, counts, checksum), the frame timestamps and the tokens per step; so opening a
+pack parses a few KB whatever its length. Block representatives sit together in "reps" [blocks,
+layers, dim] so retrieval reads them without touching any block. From v7 the blocks' K/V may be
+quantized (pack/quantized/quant.py: codes in "blocks.k/.v", scales in "blocks.kq/.vq"), positions
+are int32 and stored once for a span whose layers all keep the same tokens. From v8 the block table
+and the tokens per step are int32 where every value fits (int64 otherwise), and the representatives
 have a digest per 4 MiB, hashed on every core. From v9 a quantized pack's key groups run across the
 blocks of each layer, their scales ("blocks.kq") one small tensor with a digest per 4 MiB that no
 block's checksum covers. From v10 every checksum is BLAKE3 (sha256 before; the header's own stays
-sha256), named so: "blocks.blake3", and "blake3" where the header held "sha256". From v11 a pack
-may be held per head: its spans store each (layer, KV head) as a layer of one head. From v12 a
-block's checksum may be a digest per model layer ("digest_layers": stored layers each covers): a
-retrieval that reads one layer's rows of a block checks those, not the block's every layer. See
-docs/kvpack.md.
-"""
+sha256), named so: "blocks.blake3", and "blake3" where the header held "sha256". From v11 a pack may
+be held per head: its spans store each (layer, KV head) as a layer of one head. From v12 a block's
+checksum may be a digest per model layer ("digest_layers": stored layers each covers): a retrieval
+that reads one layer's rows of a block checks those, not the block's every layer. See
+docs/kvpack.md."""
 
 from __future__ import annotations
 

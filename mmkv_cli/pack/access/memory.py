@@ -18,12 +18,12 @@ import numpy as np
 
 from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack.format import FORMAT_VERSION, Span
-from mmkv_cli.pack.header import PackHeader, read_header
-from mmkv_cli.pack.quant import QuantSpec
-from mmkv_cli.pack.table import BlockTable
-from mmkv_cli.pack.verdicts import LaterVerdicts
-from mmkv_cli.pack.writer import checked_shapes, table_layout
+from mmkv_cli.pack.access.writer import checked_shapes, table_layout
+from mmkv_cli.pack.integrity.verdicts import LaterVerdicts
+from mmkv_cli.pack.quantized.quant import QuantSpec
+from mmkv_cli.pack.schema.format import FORMAT_VERSION, Span
+from mmkv_cli.pack.schema.header import PackHeader, read_header
+from mmkv_cli.pack.schema.table import BlockTable
 
 
 class MemoryPack:

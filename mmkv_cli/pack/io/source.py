@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from mmkv_cli.errors import PackError, unreadable
-from mmkv_cli.pack.storage import RemoteFile, is_url, local_path
+from mmkv_cli.pack.io.storage import RemoteFile, is_url, local_path
 
 
 class PackFile(Protocol):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from mmkv_cli.errors import PackError
-from mmkv_cli.pack.format import FORMAT_VERSION
+from mmkv_cli.pack.schema.format import FORMAT_VERSION
 
 
 def _split(cls: type, stored: Any) -> dict[str, Any]:

@@ -13,10 +13,10 @@ import numpy as np
 
 from mmkv_cli.errors import PackError, unreadable
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack import vectored
-from mmkv_cli.pack.integrity import read_directory
-from mmkv_cli.pack.pools import KeptPool
-from mmkv_cli.pack.source import PackFile
+from mmkv_cli.pack.integrity.checks import read_directory
+from mmkv_cli.pack.io import vectored
+from mmkv_cli.pack.io.pools import KeptPool
+from mmkv_cli.pack.io.source import PackFile
 
 # buffers one preadv fills at most (Linux's IOV_MAX)
 IOV_MAX = 1024

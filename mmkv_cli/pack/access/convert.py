@@ -16,9 +16,9 @@ from mmkv_cli.errors import PackError, UsageError, flag
 from mmkv_cli.lazy import torch
 from mmkv_cli.options import kv_bits_value
 from mmkv_cli.pack import PackHeader, PackReader, Span, check_writable
-from mmkv_cli.pack.format import OLD_TABLE_COLUMNS, SERIES, BlockShape, block_name
-from mmkv_cli.pack.quant import QuantSpec
-from mmkv_cli.pack.storage import is_url, local_path, staged_upload
+from mmkv_cli.pack.io.storage import is_url, local_path, staged_upload
+from mmkv_cli.pack.quantized.quant import QuantSpec
+from mmkv_cli.pack.schema.format import OLD_TABLE_COLUMNS, SERIES, BlockShape, block_name
 
 
 class _Blocks(Sequence):

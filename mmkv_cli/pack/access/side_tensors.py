@@ -7,11 +7,11 @@ import numpy as np
 
 from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack.block_store import all_finite
-from mmkv_cli.pack.finite import finite_stored
-from mmkv_cli.pack.hashing import chunk_digests, digest_of
-from mmkv_cli.pack.tensors import StoredTensors
-from mmkv_cli.pack.vidkv import two_bit_flags_sound
+from mmkv_cli.pack.access.block_store import all_finite
+from mmkv_cli.pack.integrity.finite import finite_stored
+from mmkv_cli.pack.integrity.hashing import chunk_digests, digest_of
+from mmkv_cli.pack.integrity.tensors import StoredTensors
+from mmkv_cli.pack.quantized.vidkv import two_bit_flags_sound
 
 
 def checked_representatives(

@@ -9,19 +9,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmkv_cli.errors import PackError
-from mmkv_cli.pack.format import (
+from mmkv_cli.pack.integrity.checks import check_header, check_spans, index_digest, parse_header
+from mmkv_cli.pack.integrity.shapes import check_tensors, kv_shape_of
+from mmkv_cli.pack.integrity.tensors import StoredTensors
+from mmkv_cli.pack.quantized.quant import QuantSpec
+from mmkv_cli.pack.schema.format import (
     BLOCKS,
     OLD_TABLE_COLUMNS,
     PARTS,
     TABLE_COLUMNS,
     digest_name,
 )
-from mmkv_cli.pack.header import KVShape, stored_kv
-from mmkv_cli.pack.integrity import check_header, check_spans, index_digest, parse_header
-from mmkv_cli.pack.quant import QuantSpec
-from mmkv_cli.pack.shapes import check_tensors, kv_shape_of
-from mmkv_cli.pack.table import BlockTable
-from mmkv_cli.pack.tensors import StoredTensors
+from mmkv_cli.pack.schema.header import KVShape, stored_kv
+from mmkv_cli.pack.schema.table import BlockTable
 
 
 @dataclass

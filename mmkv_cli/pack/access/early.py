@@ -17,13 +17,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from mmkv_cli.pack.atomic import check_writable, sweep_stale
-from mmkv_cli.pack.block_writing import write_blocks
-from mmkv_cli.pack.format import BlockShape, Span
-from mmkv_cli.pack.header import PackHeader
-from mmkv_cli.pack.quant import QuantSpec
-from mmkv_cli.pack.stored import block_shape
-from mmkv_cli.pack.writer import (
+from mmkv_cli.pack.access.block_writing import write_blocks
+from mmkv_cli.pack.access.writer import (
     DIGEST,
     block_starts,
     finish_file,
@@ -33,6 +28,11 @@ from mmkv_cli.pack.writer import (
     write_failed,
     write_pack,
 )
+from mmkv_cli.pack.io.atomic import check_writable, sweep_stale
+from mmkv_cli.pack.quantized.quant import QuantSpec
+from mmkv_cli.pack.schema.format import BlockShape, Span
+from mmkv_cli.pack.schema.header import PackHeader
+from mmkv_cli.pack.schema.stored import block_shape
 
 # bytes of head beyond the provisional one: the final header differs in its figures (the encode's
 # seconds, its peak memory), a few dozen bytes

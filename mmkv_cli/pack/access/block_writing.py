@@ -6,18 +6,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from itertools import accumulate
 
-from mmkv_cli.pack import vidkv
-from mmkv_cli.pack.format import Span, raw_bytes
-from mmkv_cli.pack.hashing import new_digest
-from mmkv_cli.pack.quant import (
+from mmkv_cli.pack.integrity.hashing import new_digest
+from mmkv_cli.pack.io.writeback import WriteBack
+from mmkv_cli.pack.quantized import vidkv
+from mmkv_cli.pack.quantized.quant import (
     QuantSpec,
     SpanningKeyRanges,
     quantize_keys_with,
     quantize_values,
     spanning_groups,
 )
-from mmkv_cli.pack.stored import stored_positions
-from mmkv_cli.pack.writeback import WriteBack
+from mmkv_cli.pack.schema.format import Span, raw_bytes
+from mmkv_cli.pack.schema.stored import stored_positions
 
 
 class KeyScales:

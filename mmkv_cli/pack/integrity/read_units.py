@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mmkv_cli.pack.finite import finite_stored
-from mmkv_cli.pack.pools import scratch
+from mmkv_cli.pack.integrity.finite import finite_stored
+from mmkv_cli.pack.io.pools import scratch
 
 # Units of at most this many bytes on average are joined in stretches before they are hashed: for
 # small units one BLAKE3 update costs less than one a part (StreamingTOM's 27 KB units hold

@@ -11,17 +11,21 @@ import numpy as np
 
 from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack.block_store import BlockStore
-from mmkv_cli.pack.format import BLOCKS, PARTS, SERIES, Span, split_layers
-from mmkv_cli.pack.hashing import BlockHashes, hashed_beside, mismatched, mismatched_later
-from mmkv_cli.pack.header import read_header
-from mmkv_cli.pack.integrity import check_positions, uncovered
-from mmkv_cli.pack.opening import open_pack
-from mmkv_cli.pack.side_tensors import checked_key_scales, checked_representatives, checked_span
-from mmkv_cli.pack.source import block_byte_ranges, open_pack_file
-from mmkv_cli.pack.table import BlockRows, BlockTable
-from mmkv_cli.pack.tensors import StoredTensors
-from mmkv_cli.pack.verdicts import LaterVerdicts, finite_flag
+from mmkv_cli.pack.access.block_store import BlockStore
+from mmkv_cli.pack.access.opening import open_pack
+from mmkv_cli.pack.access.side_tensors import (
+    checked_key_scales,
+    checked_representatives,
+    checked_span,
+)
+from mmkv_cli.pack.integrity.checks import check_positions, uncovered
+from mmkv_cli.pack.integrity.hashing import BlockHashes, hashed_beside, mismatched, mismatched_later
+from mmkv_cli.pack.integrity.tensors import StoredTensors
+from mmkv_cli.pack.integrity.verdicts import LaterVerdicts, finite_flag
+from mmkv_cli.pack.io.source import block_byte_ranges, open_pack_file
+from mmkv_cli.pack.schema.format import BLOCKS, PARTS, SERIES, Span, split_layers
+from mmkv_cli.pack.schema.header import read_header
+from mmkv_cli.pack.schema.table import BlockRows, BlockTable
 
 # Reads of at least this many K/V bytes are checksummed on a thread beside the copy; below it the
 # thread's start costs more than it saves (docs/measurements.md)
@@ -156,7 +160,7 @@ class PackReader:
 
         A context of many blocks is read with a pread per run of consecutive rows; bound for a GPU,
         into pinned memory, a large one in groups of whole blocks each sent while the next is read
-        (pack/staging.py). Every block's checksum is still verified, on its own bytes, before
+        (pack/io/staging.py). Every block's checksum is still verified, on its own bytes, before
         anything read is handed out, unless `later` is given: where the NaN/Inf verdict of K/V
         decoded on the device goes unread, for the caller to read with something it reads anyway,
         and where a read of large digest units leaves its checksums to finish, for the caller to
