@@ -30,10 +30,16 @@ from mmkv_cli.options import (
     LoadOptions,
     check_ask,
 )
-from mmkv_cli.pack import PackReader, check_writable
-from mmkv_cli.pack.access.convert import convert_quant
-from mmkv_cli.pack.access.report import inspect, listing, verify  # the verbs that read packs alone
-from mmkv_cli.pack.io.storage import is_url, local_path
+from mmkv_cli.pack import (
+    PackReader,
+    check_writable,
+    convert_quant,
+    inspect,
+    is_url,
+    listing,
+    local_path,
+    verify,
+)
 from mmkv_cli.reduce.choice import check_reducer
 from mmkv_cli.spec import as_plain, override
 
@@ -41,8 +47,7 @@ if TYPE_CHECKING:
     from mmkv_cli.ask.result import Answer
     from mmkv_cli.backbones.base import Backbone
     from mmkv_cli.media.base import Media
-    from mmkv_cli.pack.access.memory import MemoryPack
-    from mmkv_cli.pack.quantized.quant import QuantSpec
+    from mmkv_cli.pack import MemoryPack, QuantSpec
 
 __all__ = [
     "EncodeProgress",
@@ -170,7 +175,7 @@ def _checked_before_loading(media: str, output: Path, options: EncodeOptions):
     from mmkv_cli.backbones import reuse_families, tower_families
     from mmkv_cli.encode.checkpoint import Checkpointing
     from mmkv_cli.media import check_media, media_kind
-    from mmkv_cli.pack.quantized.quant import QuantSpec
+    from mmkv_cli.pack import QuantSpec
 
     choice = choice_for(options)
     quant = QuantSpec(options.bits_for(choice.method), options.kv_group)
@@ -193,7 +198,7 @@ def _encode_remote(media, output, options, backbone, load, progress, on_start, s
     """encode with remote media, or a remote output, staged through local temporary files."""
     from contextlib import nullcontext
 
-    from mmkv_cli.pack.io.storage import local_copy, staged_upload
+    from mmkv_cli.pack import local_copy, staged_upload
 
     if is_url(output) and (options.checkpoint_every or options.resume):
         raise UsageError(
@@ -244,7 +249,7 @@ def convert(
     """`mmkv convert`: `source`'s KV re-stored at other bits (None: as stored), only the blocks in
     [start, stop], written atomically to `output` (pack/access/convert.py); the method's
     parameters are checked against its class and written as the current format stores them."""
-    from mmkv_cli.pack.access.convert import convert as convert_pack
+    from mmkv_cli.pack import convert as convert_pack
 
     def params(reader: PackReader) -> dict:
         return as_plain(stored_method(reader)[1])
@@ -338,7 +343,7 @@ class PackSession:
     ):
         """shared: take the backbone from the process's held ones (`PROCESS_BACKBONES`), loading it
         there once for every later session (Python's `mmkv.ask` in a loop)."""
-        from mmkv_cli.pack.integrity.checks import check_askable
+        from mmkv_cli.pack import check_askable
 
         # the pack first: a missing or broken one is refused before torch is imported
         self.reader = PackReader(pack) if isinstance(pack, str | Path) else pack

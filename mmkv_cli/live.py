@@ -25,9 +25,7 @@ from mmkv_cli.api import PackSession, answer_record
 from mmkv_cli.errors import MediaError, MmkvError, UsageError, flag
 from mmkv_cli.media.live import LiveOptions, LiveSource
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
-from mmkv_cli.pack import check_writable
-from mmkv_cli.pack.access.memory import MemoryPack
-from mmkv_cli.pack.io.storage import local_path
+from mmkv_cli.pack import MemoryPack, check_writable, local_path
 
 
 @dataclass(frozen=True)
@@ -83,7 +81,7 @@ class Follow:
         from mmkv_cli.backbones.spec import model_spec
         from mmkv_cli.methods import EncodeContext
         from mmkv_cli.methods.choice import choice_for
-        from mmkv_cli.pack.quantized.quant import QuantSpec
+        from mmkv_cli.pack import QuantSpec
 
         if snapshot_every is not None and not snapshot_every > 0:
             raise UsageError(f"{flag('snapshot_every')} must be a positive number of seconds")

@@ -20,8 +20,7 @@ from mmkv_cli.kernels.attention import Recorder, masking, recording, splicing
 from mmkv_cli.kernels.rope import compact_positions, rotate_keys
 from mmkv_cli.methods.base import ContextPolicy
 from mmkv_cli.options import AskOptions
-from mmkv_cli.pack import PackReader
-from mmkv_cli.pack.integrity.verdicts import LaterVerdicts
+from mmkv_cli.pack import LaterVerdicts, PackReader
 
 
 class PhaseClock:

@@ -10,7 +10,7 @@ import torch
 
 from mmkv_cli.errors import ModelError
 from mmkv_cli.options import GenerationOptions
-from mmkv_cli.pack.integrity.verdicts import LaterVerdicts
+from mmkv_cli.pack import LaterVerdicts
 
 REPLACEMENT = "\ufffd"  # what a byte-level tokenizer decodes an incomplete UTF-8 sequence to
 

@@ -13,8 +13,7 @@ from mmkv_cli.errors import UsageError
 from mmkv_cli.kernels.attention import Recorder, Splice, recording
 from mmkv_cli.kernels.rope import compact_positions, rotate_keys, unrotate
 from mmkv_cli.methods.base import LayerRetrieval
-from mmkv_cli.pack import PackReader
-from mmkv_cli.pack.integrity.verdicts import LaterVerdicts
+from mmkv_cli.pack import LaterVerdicts, PackReader
 
 
 def layer_vector(

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from mmkv_cli.batch.manifest import BatchItem
 from mmkv_cli.batch.run import BatchSettings, BatchWorker, check_items
 from mmkv_cli.errors import UsageError
-from mmkv_cli.pack.io.storage import is_url, local_path, read_text, write_text
+from mmkv_cli.pack import is_url, local_path, read_text, write_text
 
 LEDGER = "batch.jsonl"
 REMOTE_FLUSH_S = 10.0  # a remote ledger is rewritten whole: at most this often, and at the end

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmkv_cli.errors import UsageError
-from mmkv_cli.pack.io.storage import URL, filesystem, is_url, local_path, read_text
+from mmkv_cli.pack import URL, filesystem, is_url, local_path, read_text
 
 MEDIA_SUFFIXES = {".mp4", ".mkv", ".avi", ".mov", ".webm", ".m4v", ".mpg", ".mpeg", ".pdf"}
 # per-row options a manifest may set, and the type each must have

@@ -19,7 +19,7 @@ from mmkv_cli.batch.manifest import BatchItem
 from mmkv_cli.errors import MmkvError, UsageError
 from mmkv_cli.names import stem_from
 from mmkv_cli.options import EncodeOptions, LoadOptions
-from mmkv_cli.pack.io.storage import exists, is_url, local_copy, local_path
+from mmkv_cli.pack import exists, is_url, local_copy, local_path
 from mmkv_cli.spec import as_plain
 
 
@@ -41,7 +41,7 @@ class BatchSettings:
 def check_items(items: list[BatchItem], settings: BatchSettings) -> None:
     """Every row's options checked (method, budget, bits, sampling) before any model loads."""
     from mmkv_cli.methods.choice import choice_for
-    from mmkv_cli.pack.quantized.quant import QuantSpec
+    from mmkv_cli.pack import QuantSpec
 
     checked = set()
     for item in items:
@@ -156,7 +156,7 @@ class BatchWorker:
 def media_version(media: str) -> str:
     """What changes when the media does: size and modification time (an object's ETag)."""
     if is_url(media):
-        from mmkv_cli.pack.io.storage import filesystem
+        from mmkv_cli.pack import filesystem
 
         fs, key = filesystem(media)
         try:
@@ -178,7 +178,7 @@ def _present(target: str) -> bool:
 def _size(target: str) -> int:
     if not is_url(target):
         return local_path(target).stat().st_size
-    from mmkv_cli.pack.io.storage import filesystem
+    from mmkv_cli.pack import filesystem
 
     fs, key = filesystem(target)
     return int(fs.size(key))

@@ -87,7 +87,7 @@ def _own_presets() -> bool:
 def open_session(pack: str, load, no_server: bool):
     """The pack opened for questions: in the warm server when one runs (or keep_alive starts
     one), else here. Either answers as `api.PackSession` does."""
-    from mmkv_cli.pack.io.storage import is_url
+    from mmkv_cli.pack import is_url
     from mmkv_cli.serve.client import RemoteSession, clear_status, status, warm_client
 
     # a pack on object storage is read here, with this command's credentials
@@ -107,7 +107,7 @@ def encoder(media: str, output: str, options, load, no_server: bool):
     """How this encode runs: a function of (progress, on_start) giving the summary, in the warm
     server when one runs and both ends are local files, else here."""
     from mmkv_cli import api
-    from mmkv_cli.pack.io.storage import is_url
+    from mmkv_cli.pack import is_url
     from mmkv_cli.serve.client import clear_status, remote_encode, status, warm_client
 
     remote = is_url(media) or is_url(output)
@@ -145,7 +145,7 @@ def hot_state(pack: str) -> dict | None:
     import os
     from pathlib import Path
 
-    from mmkv_cli.pack.io.storage import is_url
+    from mmkv_cli.pack import is_url
 
     if is_url(pack):
         return None

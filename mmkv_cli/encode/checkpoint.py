@@ -30,8 +30,7 @@ from pathlib import Path
 
 from mmkv_cli.errors import PackError, UsageError
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack.integrity.hashing import tensors_digest
-from mmkv_cli.pack.io.atomic import sweep_stale
+from mmkv_cli.pack import sweep_stale, tensors_digest
 
 SUFFIX = ".mmkv-checkpoint"
 FORMAT, VERSION = "mmkv.checkpoint", 5  # 3: what never changes is written once, in segments;

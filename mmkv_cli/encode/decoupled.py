@@ -21,8 +21,7 @@ from mmkv_cli.media import Media
 from mmkv_cli.methods import EncodeContext
 from mmkv_cli.methods.choice import MethodChoice
 from mmkv_cli.methods.keep_all import KeepPrefilled
-from mmkv_cli.pack import Span
-from mmkv_cli.pack.schema.format import block_name
+from mmkv_cli.pack import Span, block_name
 
 Encode = Callable[..., Encoded]  # encoder.encode_media, passed in (it calls this module)
 

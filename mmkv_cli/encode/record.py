@@ -9,11 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmkv_cli import __version__, logs
-from mmkv_cli.pack.access.early import EarlyPack
-from mmkv_cli.pack.access.writer import write_pack
-from mmkv_cli.pack.quantized.quant import QuantSpec
-from mmkv_cli.pack.schema.format import BlockShape, Span
-from mmkv_cli.pack.schema.header import (
+from mmkv_cli.pack import (
+    BlockShape,
+    EarlyPack,
     Fingerprint,
     KVShape,
     LayoutRecord,
@@ -21,6 +19,9 @@ from mmkv_cli.pack.schema.header import (
     MethodRecord,
     PackHeader,
     PromptRecord,
+    QuantSpec,
+    Span,
+    write_pack,
 )
 from mmkv_cli.spec import as_plain
 

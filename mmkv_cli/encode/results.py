@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mmkv_cli.backbones.base import Backbone, StreamLayout
-from mmkv_cli.pack import Span
-from mmkv_cli.pack.access.early import EarlyPack
+from mmkv_cli.pack import EarlyPack, Span
 
 
 @dataclass

@@ -20,7 +20,7 @@ from mmkv_cli.encode.checkpoint import Sealed, held
 from mmkv_cli.errors import PackError
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.archive import Archive
-from mmkv_cli.pack.schema.format import Span, split_layers
+from mmkv_cli.pack import Span, split_layers
 
 
 def running_cache_tensors(

@@ -23,8 +23,7 @@ from mmkv_cli.kernels.host import HostCopies
 from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import StreamingMemory
 from mmkv_cli.methods.running_cache import StreamState
-from mmkv_cli.pack.access.early import EarlyPack, worth_writing_early
-from mmkv_cli.pack.schema.format import BlockShape, Span
+from mmkv_cli.pack import BlockShape, EarlyPack, Span, worth_writing_early
 
 # Written early on a GPU only. On a CPU the encode keeps every core busy, so a write beside it has
 # none to use (bench/results/early_write-cpu.json), and `full`'s blocks would be held twice: in the

@@ -22,8 +22,7 @@ if TYPE_CHECKING:
 
     from mmkv_cli.kernels.recorder import Recorder
     from mmkv_cli.methods.running_cache import StreamState
-    from mmkv_cli.pack.schema.format import Span
-    from mmkv_cli.pack.schema.table import BlockTable
+    from mmkv_cli.pack import BlockTable, Span
 
 # At encode no question exists yet; methods that score by a prompt's attention use one of these,
 # fitted to what the media is (`encode --guidance-prompt` replaces it).

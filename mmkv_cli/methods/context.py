@@ -6,13 +6,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mmkv_cli.methods.base import QuestionVector, Selection
-from mmkv_cli.pack.schema.table import eligible_at
+from mmkv_cli.pack import eligible_at
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from mmkv_cli.pack.schema.table import BlockTable
+    from mmkv_cli.pack import BlockTable
 
 
 def last_shown(blocks: BlockTable, eligible: np.ndarray, at: float | None) -> str | None:

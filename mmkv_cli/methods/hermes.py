@@ -36,7 +36,7 @@ from mmkv_cli.methods.hermes_scoring import (
 from mmkv_cli.methods.keep_all import KeepAll
 from mmkv_cli.methods.running_cache import StreamState, continue_after_each_layer
 from mmkv_cli.methods.scoring import top_in_order
-from mmkv_cli.pack.schema.format import Span, block_name
+from mmkv_cli.pack import Span, block_name
 from mmkv_cli.spec import knob
 
 

@@ -8,7 +8,7 @@ from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import Budget, EncodeContext
 from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import retrieval_key
-from mmkv_cli.pack.schema.format import Span, block_name
+from mmkv_cli.pack import Span, block_name
 
 if TYPE_CHECKING:
     from mmkv_cli.kernels.recorder import Recorder

@@ -18,10 +18,10 @@ from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import QuestionVector, Selection
 from mmkv_cli.methods.context import last_shown
 from mmkv_cli.methods.scoring import SIMILARITY, cosine_scores
-from mmkv_cli.pack.schema.table import eligible_at
+from mmkv_cli.pack import eligible_at
 
 if TYPE_CHECKING:
-    from mmkv_cli.pack.schema.table import BlockTable
+    from mmkv_cli.pack import BlockTable
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmkv_cli.errors import MmkvError, UsageError
 from mmkv_cli.options import AskOptions, LoadOptions
-from mmkv_cli.pack.access.report import inspect
-from mmkv_cli.pack.io.storage import is_url
+from mmkv_cli.pack import inspect, is_url
 from mmkv_cli.serve.metrics import Metrics
 from mmkv_cli.serve.pack_routes import pack_routes
 from mmkv_cli.serve.requests import ChatRequest

@@ -185,7 +185,7 @@ class RemoteSession:
     """A pack opened in the server: as `api.PackSession`, for the members the CLI uses."""
 
     def __init__(self, client: Client, pack: str, load: LoadOptions):
-        from mmkv_cli.pack.io.storage import local_path
+        from mmkv_cli.pack import local_path
 
         shown = local_path(pack)  # as the in-process reader names it: its errors say it so
         self.client, self.load = client, load

@@ -18,10 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mmkv_cli.lazy import torch
-from mmkv_cli.pack import PackReader
-from mmkv_cli.pack.access.memory import joined_spans
-from mmkv_cli.pack.io.storage import is_url
-from mmkv_cli.pack.schema.format import Span
+from mmkv_cli.pack import PackReader, Span, is_url, joined_spans
 
 
 def file_identity(path: str | Path) -> tuple | None:

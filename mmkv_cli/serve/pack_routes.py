@@ -31,7 +31,7 @@ def pack_routes(app: FastAPI, packs, streams, metrics) -> None:
     async def version():
         """What answers here: mmkv's version and the pack format it writes and reads."""
         from mmkv_cli import __version__
-        from mmkv_cli.pack.schema.format import FORMAT_VERSION, READABLE_VERSIONS
+        from mmkv_cli.pack import FORMAT_VERSION, READABLE_VERSIONS
 
         return {
             "mmkv": __version__,

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from mmkv_cli.errors import UsageError
 from mmkv_cli.names import name_problem
-from mmkv_cli.pack.io.storage import filesystem, is_url, local_path
+from mmkv_cli.pack import filesystem, is_url, local_path
 
 
 def _stem(name: str) -> str:

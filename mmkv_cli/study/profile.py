@@ -19,7 +19,7 @@ from mmkv_cli.backbones.loading import load_backbone
 from mmkv_cli.errors import UsageError
 from mmkv_cli.methods.choice import resolve_method
 from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
-from mmkv_cli.pack.quantized.quant import QuantSpec
+from mmkv_cli.pack import QuantSpec
 
 METRICS = [
     "encode_s",

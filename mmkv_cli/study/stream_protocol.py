@@ -17,7 +17,7 @@ from mmkv_cli.media import Media, load_media
 from mmkv_cli.methods import EncodeContext
 from mmkv_cli.methods.choice import MethodChoice
 from mmkv_cli.options import AskOptions
-from mmkv_cli.pack.quantized.quant import QuantSpec
+from mmkv_cli.pack import QuantSpec
 from mmkv_cli.study.eval_sets.items import Item
 
 
