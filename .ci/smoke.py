@@ -63,8 +63,8 @@ python(
     "red",
 )
 python(
-    "torch after mmkv_cli.lazy",
-    "import mmkv_cli.lazy; import torch; print(torch.zeros(1)[0].item())",
+    "torch after mmkv_cli.core.lazy",
+    "import mmkv_cli.core.lazy; import torch; print(torch.zeros(1)[0].item())",
     "0.0",
 )
 

@@ -28,7 +28,7 @@ from make_samples import SIZE, frame_at  # noqa: E402
 
 from mmkv_cli import api  # noqa: E402
 from mmkv_cli.backbones.loading import load_backbone  # noqa: E402
-from mmkv_cli.options import (  # noqa: E402
+from mmkv_cli.core.options import (  # noqa: E402
     AskOptions,
     EncodeOptions,
     GenerationOptions,

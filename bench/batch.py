@@ -35,7 +35,7 @@ from mmkv_cli import api  # noqa: E402
 from mmkv_cli.batch.driver import run_batch  # noqa: E402
 from mmkv_cli.batch.manifest import read_manifest  # noqa: E402
 from mmkv_cli.batch.run import BatchSettings  # noqa: E402
-from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions  # noqa: E402
+from mmkv_cli.core.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions  # noqa: E402
 from mmkv_cli.study.synth import write_dataset  # noqa: E402
 
 MODEL = "rehearsal-llava-ov-0.5b"

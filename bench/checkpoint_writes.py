@@ -36,7 +36,7 @@ from pathlib import Path
 from mmkv_cli import api
 from mmkv_cli.backbones.loading import load_backbone
 from mmkv_cli.encode.checkpoint import checkpoint_path
-from mmkv_cli.options import EncodeOptions, LoadOptions
+from mmkv_cli.core.options import EncodeOptions, LoadOptions
 video, pack, model, layers, method, frames, every = sys.argv[1:8]
 pack = Path(pack)
 backbone = load_backbone(LoadOptions(model, "cpu", layers=int(layers) or None))

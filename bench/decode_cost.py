@@ -34,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     from mmkv_cli import api
     from mmkv_cli.backbones.loading import load_backbone
-    from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
+    from mmkv_cli.core.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
     from mmkv_cli.study.synth import write_dataset
 
     backbone = load_backbone(LoadOptions(args.model))

@@ -31,7 +31,7 @@ import mmkv_cli.encode.sealing as sealing  # noqa: E402
 import mmkv_cli.pack.access.early as early  # noqa: E402
 from mmkv_cli import api  # noqa: E402
 from mmkv_cli.backbones.loading import load_backbone  # noqa: E402
-from mmkv_cli.options import EncodeOptions, LoadOptions  # noqa: E402
+from mmkv_cli.core.options import EncodeOptions, LoadOptions  # noqa: E402
 
 
 def encode_once(backbone, video: Path, pack: Path, method: str, frames: int, when: str) -> dict:

@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from mmkv_cli.core.options import LoadOptions
 from mmkv_cli.methods import METHODS
-from mmkv_cli.options import LoadOptions
 from mmkv_cli.study.evaluate import EvalSettings, evaluate
 from mmkv_cli.study.synth import write_dataset
 

@@ -45,8 +45,8 @@ sys.path.insert(0, str(ROOT))
 
 from mmkv_cli import api  # noqa: E402
 from mmkv_cli.backbones.loading import load_backbone  # noqa: E402
-from mmkv_cli.errors import MmkvError  # noqa: E402
-from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions  # noqa: E402
+from mmkv_cli.core.errors import MmkvError  # noqa: E402
+from mmkv_cli.core.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions  # noqa: E402
 from tests.abuse import STDIN_ENDINGS, end_live_from_stdin, walk_serve_routes  # noqa: E402
 from tests.mutants import KINDS, mutate, read_everything, shown_raw  # noqa: E402
 

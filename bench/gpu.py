@@ -70,8 +70,8 @@ def parity(device: str, work: Path, keys: int) -> dict:
     import mmkv_cli.pack.access.early as early
     from mmkv_cli import api
     from mmkv_cli.backbones.loading import load_backbone
+    from mmkv_cli.core.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
     from mmkv_cli.methods import METHODS
-    from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
     from mmkv_cli.reduce import REDUCERS
     from tests.method_cases import case_for
 
@@ -109,7 +109,7 @@ def syncs(device: str, model: str, layers: int, frames: int, methods: list[str])
     one-chunk encode uncounted (the half clip's count came out above the whole one's without)."""
     from mmkv_cli import api
     from mmkv_cli.backbones.loading import load_backbone
-    from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
+    from mmkv_cli.core.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
     from tests.method_cases import case_for
 
     if not device.startswith("cuda"):
@@ -160,8 +160,8 @@ def reading_as(pack: Path, backbone, first_token, change: str = "retrieve=two_pa
     a wait a layer)."""
     from mmkv_cli.api import stored_method
     from mmkv_cli.ask.answer import answer_from_pack
+    from mmkv_cli.core.spec import override
     from mmkv_cli.pack import PackReader
-    from mmkv_cli.spec import override
 
     reader = PackReader(pack)
     chosen, params = stored_method(reader)
@@ -214,7 +214,7 @@ def floor(device: str, model: str, layers: int, frames: int) -> dict:
     import torch
 
     from mmkv_cli.backbones.loading import load_backbone
-    from mmkv_cli.options import LoadOptions
+    from mmkv_cli.core.options import LoadOptions
 
     backbone = load_backbone(LoadOptions(model, device, layers=layers or None))
     width = backbone.text_config.hidden_size

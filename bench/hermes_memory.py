@@ -23,7 +23,7 @@ RESULTS = ROOT / "bench" / "results"
 CHILD = """
 import json, resource, sys
 from mmkv_cli import api
-from mmkv_cli.options import EncodeOptions, LoadOptions
+from mmkv_cli.core.options import EncodeOptions, LoadOptions
 video, out, model, method, budget_tokens = sys.argv[1:6]
 tokens = int(budget_tokens) if method.startswith("hermes") else None
 options = EncodeOptions(method, budget_tokens=tokens, max_frames=100000, force=True)

@@ -41,12 +41,12 @@ def child(
 
     from mmkv_cli import api
     from mmkv_cli.backbones.loading import load_backbone
+    from mmkv_cli.core.options import AskOptions, GenerationOptions, LoadOptions
     from mmkv_cli.encode.live import LiveEncoder
     from mmkv_cli.encode.record import pack_header, write_encoded
     from mmkv_cli.media.base import Media
     from mmkv_cli.methods import EncodeContext
     from mmkv_cli.methods.choice import resolve_method
-    from mmkv_cli.options import AskOptions, GenerationOptions, LoadOptions
     from mmkv_cli.pack.access.memory import MemoryPack
 
     backbone = load_backbone(LoadOptions(model, device, layers=layers or None))

@@ -85,8 +85,8 @@ def main() -> None:
     from media_read import write_video
 
     from mmkv_cli.backbones.loading import load_backbone
+    from mmkv_cli.core.options import LoadOptions
     from mmkv_cli.media.video import load_video
-    from mmkv_cli.options import LoadOptions
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1280x720,1920x1080")

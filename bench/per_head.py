@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 from mmkv_cli import api  # noqa: E402
 from mmkv_cli.backbones.loading import load_backbone  # noqa: E402
-from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions  # noqa: E402
+from mmkv_cli.core.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions  # noqa: E402
 from mmkv_cli.pack import PackReader, Span  # noqa: E402
 from mmkv_cli.pack.access.writer import write_pack  # noqa: E402
 

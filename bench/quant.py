@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from mmkv_cli import api  # noqa: E402
 from mmkv_cli.backbones.loading import load_backbone  # noqa: E402
-from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions  # noqa: E402
+from mmkv_cli.core.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions  # noqa: E402
 from mmkv_cli.pack import Span  # noqa: E402
 from mmkv_cli.pack.access.block_writing import KeyScales  # noqa: E402
 from mmkv_cli.pack.access.convert import convert  # noqa: E402

@@ -68,7 +68,7 @@ def busy_clip(frames: int, seed: int = 1) -> np.ndarray:
 
 
 def encode_row(api, backbone, video: Path, pack: Path, method, reduce, budget_tokens, frames):
-    from mmkv_cli.options import EncodeOptions
+    from mmkv_cli.core.options import EncodeOptions
 
     options = EncodeOptions(
         method,
@@ -95,7 +95,7 @@ def main() -> None:
 
     from mmkv_cli import api
     from mmkv_cli.backbones.loading import load_backbone
-    from mmkv_cli.options import LoadOptions
+    from mmkv_cli.core.options import LoadOptions
     from mmkv_cli.study.synth import write_video
 
     backbone = load_backbone(LoadOptions(args.model, args.device, layers=args.layers or None))

@@ -41,7 +41,7 @@ def main() -> None:
 
     from mmkv_cli import api
     from mmkv_cli.backbones.loading import load_backbone
-    from mmkv_cli.options import EncodeOptions, LoadOptions
+    from mmkv_cli.core.options import EncodeOptions, LoadOptions
 
     backbone = load_backbone(LoadOptions(args.model, "cpu"))
     clips = sorted((args.set / "clips").glob("*.mp4"))

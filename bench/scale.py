@@ -41,7 +41,7 @@ import gc, json, resource, statistics, sys, time
 import torch
 from mmkv_cli import api
 from mmkv_cli.backbones.loading import load_backbone
-from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
+from mmkv_cli.core.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
 from mmkv_cli.pack import PackReader
 video, pack, model, layers, device, method, frames, question, ask_as, profiled = sys.argv[1:11]
 backbone = load_backbone(LoadOptions(model, device, layers=int(layers) or None))
@@ -70,7 +70,7 @@ if ask_as:  # the pack's parameters with some changed: the same blocks, another 
     import dataclasses
     from mmkv_cli.api import stored_method
     from mmkv_cli.ask.answer import answer_from_pack
-    from mmkv_cli.spec import override
+    from mmkv_cli.core.spec import override
     change = dict(pair.split("=", 1) for pair in ask_as.split(","))
     held = PackReader(pack)
     chosen, params = stored_method(held)

@@ -84,7 +84,7 @@ def median_of(runs: int, args: list[str], env: dict) -> float:
 
 def demo_part(folder: Path, runs: int) -> dict:
     from mmkv_cli import api
-    from mmkv_cli.options import AskOptions, EncodeOptions, LoadOptions
+    from mmkv_cli.core.options import AskOptions, EncodeOptions, LoadOptions
     from mmkv_cli.serve.client import RemoteSession, connect
     from mmkv_cli.serve.place import Place
 
@@ -143,7 +143,7 @@ def wide_part(
     the same backbone, for each place a hot pack is held (`host`: pinned on CUDA; `device`), then
     `mmkv ask` end to end through a server of its own."""
     from mmkv_cli import api
-    from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
+    from mmkv_cli.core.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
     from mmkv_cli.serve.warm import Warm
     from mmkv_cli.study.synth import write_dataset
 

@@ -13,7 +13,7 @@ Every name in `__all__` is the public API: the verbs take keyword arguments name
 options and return typed records (`EncodeResult`, `Answer`, `PackInfo`, ...); `mmkv.methods` holds
 a class per compression method. Every failure is an `MmkvError` whose text is the CLI's one line in
 Python's words (`force=True`, not `--force`); its `exit_code` is the CLI's. The options records
-underneath are in `mmkv_cli.options`, the verbs in `mmkv_cli.api`.
+underneath are in `mmkv_cli.core.options`, the verbs in `mmkv_cli.api`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from mmkv.methods import MethodConfig
 from mmkv_cli import __version__
 from mmkv_cli import api as _api
 from mmkv_cli.ask.result import Answer
-from mmkv_cli.errors import (
+from mmkv_cli.core.errors import (
     AddressError,
     MediaError,
     MmkvError,
@@ -52,7 +52,7 @@ from mmkv_cli.errors import (
     UsageError,
     called_from_python,
 )
-from mmkv_cli.options import EncodeOptions, LoadOptions, kv_bits_value
+from mmkv_cli.core.options import EncodeOptions, LoadOptions, kv_bits_value
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -306,9 +306,9 @@ def live(
         stall: seconds of silence after which the source has ended.
         timeout: seconds to wait for a network source to connect, and for each read.
     """
-    from mmkv_cli.live import Follow, LiveQuestion
+    from mmkv_cli.api.live import Follow, LiveQuestion
+    from mmkv_cli.core.options import GenerationOptions
     from mmkv_cli.media.live import LiveOptions
-    from mmkv_cli.options import GenerationOptions
 
     options = EncodeOptions(
         **_method_options(method, None, budget_tokens, reduce), kv_bits=kv_bits, force=force

@@ -1,5 +1,5 @@
 """`mmkv.Live`: a source still arriving followed into a pack on a thread of its own, answering
-questions from the memory at their moments (mmkv_cli.live.Follow underneath)."""
+questions from the memory at their moments (mmkv_cli.api.live.Follow underneath)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from concurrent.futures import Future
 from types import TracebackType
 
 from mmkv._results import LiveAnswer, LiveResult
-from mmkv_cli.live import Follow, LiveQuestion
-from mmkv_cli.options import GenerationOptions
+from mmkv_cli.api.live import Follow, LiveQuestion
+from mmkv_cli.core.options import GenerationOptions
 
 
 class Live:

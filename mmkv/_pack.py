@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, overload
 from mmkv._results import PackInfo
 from mmkv_cli import api
 from mmkv_cli.ask.result import Answer
-from mmkv_cli.errors import UsageError, called_from_python
-from mmkv_cli.options import AskOptions, GenerationOptions, LoadOptions
+from mmkv_cli.core.errors import UsageError, called_from_python
+from mmkv_cli.core.options import AskOptions, GenerationOptions, LoadOptions
 
 if TYPE_CHECKING:
     from typing_extensions import TypedDict, Unpack

@@ -66,7 +66,7 @@ def render() -> str:
         "from collections.abc import Mapping",
         "from typing import Any, ClassVar, Literal",
         "",
-        "from mmkv_cli.options import EncodeOptions, MethodSpec",
+        "from mmkv_cli.core.options import EncodeOptions, MethodSpec",
         *sorted(imports),
         "",
         f'__all__ = ["MethodConfig", "get", {names}]',

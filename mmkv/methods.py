@@ -21,11 +21,11 @@ import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from mmkv_cli.errors import called_from_python
+from mmkv_cli.core.errors import called_from_python
+from mmkv_cli.core.options import EncodeOptions, MethodSpec
+from mmkv_cli.core.spec import as_plain, knob
 from mmkv_cli.methods import METHODS, Method
 from mmkv_cli.methods.choice import choice_for, resolve_method
-from mmkv_cli.options import EncodeOptions, MethodSpec
-from mmkv_cli.spec import as_plain, knob
 
 __all__ = ["MethodConfig", "get", *sorted(method.label for method in METHODS.values())]
 

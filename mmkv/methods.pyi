@@ -2,7 +2,7 @@
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
-from mmkv_cli.options import EncodeOptions, MethodSpec
+from mmkv_cli.core.options import EncodeOptions, MethodSpec
 from mmkv_cli.methods.hermes import Smoothing
 from mmkv_cli.methods.mukv import Counts
 from mmkv_cli.methods.mukv import Shares

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mmkv_cli import api  # noqa: E402
 from mmkv_cli.backbones.loading import load_backbone  # noqa: E402
-from mmkv_cli.options import EncodeOptions, LoadOptions  # noqa: E402
+from mmkv_cli.core.options import EncodeOptions, LoadOptions  # noqa: E402
 from mmkv_cli.pack import PackReader  # noqa: E402
 from mmkv_cli.study.synth import grid, make_clip  # noqa: E402
 from mmkv_cli.study.synth.world import NEEDLE  # noqa: E402

@@ -47,7 +47,7 @@ def walk_serve_routes(root: Path) -> Counter:
     counts, and ("created", n) for files that appeared anywhere under `root`."""
     from fastapi.testclient import TestClient
 
-    from mmkv_cli.options import LoadOptions
+    from mmkv_cli.core.options import LoadOptions
     from mmkv_cli.serve.app import create_app
 
     root.mkdir(parents=True, exist_ok=True)

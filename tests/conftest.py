@@ -35,7 +35,7 @@ TINY = _tiny_presets()
 @pytest.fixture(scope="session")
 def backbones():
     from mmkv_cli.backbones.loading import load_backbone
-    from mmkv_cli.options import LoadOptions
+    from mmkv_cli.core.options import LoadOptions
 
     return {name: load_backbone(LoadOptions(name, "cpu")) for name in TINY}
 

@@ -68,8 +68,8 @@ def reference_inputs(backbone, frames: np.ndarray, question: str, times: list[fl
 
 def choose(name: str, budget=None, budget_tokens=None, **params):
     """The method `name` as the CLI would resolve it, with some parameters overridden."""
+    from mmkv_cli.core.spec import override
     from mmkv_cli.methods.choice import resolve_method
-    from mmkv_cli.spec import override
 
     choice = resolve_method(name).with_budget(budget, budget_tokens)
     return replace(choice, params=override(choice.params, params, "test")) if params else choice
@@ -83,7 +83,7 @@ def with_policy(choice, policy):
 def encode_pack(media, output, model=None, method="full", budget=None, *, backbone=None, **options):
     """api.encode with the options spelled as keywords (the tests' shorthand)."""
     from mmkv_cli import api
-    from mmkv_cli.options import EncodeOptions, LoadOptions
+    from mmkv_cli.core.options import EncodeOptions, LoadOptions
 
     return api.encode(
         str(media),
@@ -97,7 +97,7 @@ def encode_pack(media, output, model=None, method="full", budget=None, *, backbo
 def ask_pack(pack, question, *, backbone=None, max_new_tokens=32, keep_logits=False, **options):
     """api.ask with the options spelled as keywords (budget: the --prune budget)."""
     from mmkv_cli import api
-    from mmkv_cli.options import AskOptions, GenerationOptions, Positions
+    from mmkv_cli.core.options import AskOptions, GenerationOptions, Positions
 
     if options.get("positions") is not None:
         options["positions"] = Positions(options["positions"])

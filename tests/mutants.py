@@ -334,7 +334,7 @@ def shown_raw(path) -> str | None:
 
     from mmkv_cli import api
     from mmkv_cli.cli import display
-    from mmkv_cli.errors import MmkvError
+    from mmkv_cli.core.errors import MmkvError
 
     buffer = io.StringIO()
     saved = display.out_console
@@ -357,7 +357,7 @@ def read_everything(path) -> str:
     import torch
 
     from mmkv_cli import api
-    from mmkv_cli.errors import MmkvError
+    from mmkv_cli.core.errors import MmkvError
     from mmkv_cli.pack import PackReader
 
     try:

@@ -11,7 +11,7 @@ from mmkv_cli import api
 from mmkv_cli.backbones import appending, base
 from mmkv_cli.backbones.appending import AppendingLayer
 from mmkv_cli.backbones.loading import load_backbone
-from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
+from mmkv_cli.core.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
 
 
 def test_updates_give_the_concatenated_context_and_never_write_the_given_one():

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from mmkv_cli import api
 from mmkv_cli.cli.app import app
-from mmkv_cli.errors import PackError, UsageError
+from mmkv_cli.core.errors import PackError, UsageError
+from mmkv_cli.core.options import EncodeOptions
 from mmkv_cli.media.stills import MAX_PAGE_PIXELS, page_scale
-from mmkv_cli.options import EncodeOptions
 from mmkv_cli.pack.io.atomic import TEMP_SUFFIX, sweep_stale
 from tests.conftest import SAMPLES
 from tests.helpers import encode_pack
@@ -142,7 +142,7 @@ def test_eval_keeps_its_work_in_the_run_folder(clip, tmp_path, monkeypatch):
     (tmp_path / "q.jsonl").write_text(
         json.dumps({"video": clip, "question": "what color?", "answer": "red"}) + "\n"
     )
-    from mmkv_cli.options import LoadOptions
+    from mmkv_cli.core.options import LoadOptions
     from mmkv_cli.study.evaluate import EvalSettings, evaluate
 
     settings = EvalSettings(max_frames=4, max_new_tokens=2)
@@ -161,7 +161,7 @@ def test_eval_keeps_its_work_in_the_run_folder(clip, tmp_path, monkeypatch):
 
 def test_a_pack_replaced_while_it_is_read_is_read_whole(pack, tmp_path, clip):
     from mmkv_cli.backbones.loading import load_backbone
-    from mmkv_cli.options import LoadOptions
+    from mmkv_cli.core.options import LoadOptions
 
     backbone = load_backbone(LoadOptions("demo", "cpu"))
     path = tmp_path / "p.kvpack"
@@ -219,7 +219,7 @@ def test_a_question_too_long_or_a_seed_past_64_bits_is_one_clear_line_in_every_v
 ):
     import pydantic
 
-    from mmkv_cli.options import AskOptions, GenerationOptions
+    from mmkv_cli.core.options import AskOptions, GenerationOptions
     from mmkv_cli.serve.requests import ChatRequest
 
     backbone = backbones["tiny-llava-ov"]

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from mmkv_cli import api
+from mmkv_cli.core.options import AskOptions, EncodeOptions, GenerationOptions
 from mmkv_cli.encode.encoder import encode_media
 from mmkv_cli.kernels.attention import own_length_mask
 from mmkv_cli.media import load_media
 from mmkv_cli.methods.pyramidkv import pyramid_budgets
 from mmkv_cli.methods.scoring import accumulate, pooled
-from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions
 from tests.helpers import choose
 
 
@@ -121,7 +121,7 @@ def test_scoring_every_8th_row_keeps_nearly_the_tokens_every_row_keeps(tmp_path,
     attention, not random weights) it must pick nearly the same heavy hitters as every row does;
     on this clip 94-100% of each layer's kept tokens were the same when it was written."""
     from mmkv_cli.backbones.loading import load_backbone
-    from mmkv_cli.options import LoadOptions
+    from mmkv_cli.core.options import LoadOptions
     from mmkv_cli.study.synth import write_dataset
 
     write_dataset(tmp_path / "set", clips=1, frames=48, seed=2060, world_name="grid")

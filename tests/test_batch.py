@@ -15,8 +15,8 @@ from mmkv_cli import api
 from mmkv_cli.batch.driver import run_batch
 from mmkv_cli.batch.manifest import read_manifest
 from mmkv_cli.batch.run import BatchSettings
-from mmkv_cli.errors import UsageError
-from mmkv_cli.options import EncodeOptions, LoadOptions
+from mmkv_cli.core.errors import UsageError
+from mmkv_cli.core.options import EncodeOptions, LoadOptions
 from tests.conftest import ROOT, SAMPLES
 
 DEMO = LoadOptions("demo", "cpu")

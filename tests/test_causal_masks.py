@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from mmkv_cli.backbones.base import text_kv
+from mmkv_cli.core.options import MethodSpec
 from mmkv_cli.kernels import attention
-from mmkv_cli.options import MethodSpec
 from tests.conftest import TINY
 from tests.helpers import ask_pack, encode_pack
 
@@ -126,7 +126,7 @@ def test_a_cache_held_per_head_makes_its_own_masks_with_none_from_the_model(
     all agree): the encode's running cache is held per KV head, and each layer makes its own
     causal mask, narrowed to its heads' entries, where the model makes none. The same answer."""
     from mmkv_cli.backbones.loading import load_backbone
-    from mmkv_cli.options import LoadOptions
+    from mmkv_cli.core.options import LoadOptions
 
     demo = load_backbone(LoadOptions("demo", "cpu"))
     masked, unmasked, made, calls = answers_unmasked(

@@ -8,7 +8,7 @@ import pytest
 
 from mmkv_cli import api
 from mmkv_cli.cli.chat import Chat, chat_loop, recent_turns
-from mmkv_cli.options import AskOptions, GenerationOptions
+from mmkv_cli.core.options import AskOptions, GenerationOptions
 from tests.conftest import ROOT, SAMPLES
 from tests.helpers import encode_pack
 

@@ -10,7 +10,7 @@ import torch
 
 from mmkv_cli import api
 from mmkv_cli.backbones import tower_families
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core.errors import UsageError
 from mmkv_cli.methods import METHODS
 from mmkv_cli.methods.choice import resolve_method
 from mmkv_cli.pack import PackReader

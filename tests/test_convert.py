@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 from mmkv_cli import api
 from mmkv_cli.api import convert
 from mmkv_cli.cli.app import app
-from mmkv_cli.errors import OutputExistsError, UsageError
-from mmkv_cli.options import AskOptions, EncodeOptions
+from mmkv_cli.core.errors import OutputExistsError, UsageError
+from mmkv_cli.core.options import AskOptions, EncodeOptions
 from mmkv_cli.pack import FORMAT_VERSION, PackReader
 from mmkv_cli.pack.quantized.quant import QuantSpec
 

@@ -5,8 +5,8 @@ import pytest
 
 from mmkv_cli.backbones.demo import WEIGHTS, build_demo
 from mmkv_cli.backbones.loading import load_backbone
-from mmkv_cli.errors import ModelError
-from mmkv_cli.options import LoadOptions
+from mmkv_cli.core.errors import ModelError
+from mmkv_cli.core.options import LoadOptions
 from tests.helpers import ask_pack, encode_pack
 
 

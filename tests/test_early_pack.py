@@ -21,14 +21,14 @@ from safetensors.torch import load_file
 import mmkv_cli.encode.sealing as sealing
 import mmkv_cli.pack.access.early as early
 from mmkv_cli import api
+from mmkv_cli.core.errors import PackError
+from mmkv_cli.core.options import EncodeOptions, MethodSpec
 from mmkv_cli.encode.encoder import encode_media
 from mmkv_cli.encode.record import EarlyWrite
-from mmkv_cli.errors import PackError
 from mmkv_cli.kernels.syncs import SyncCounter
 from mmkv_cli.media import load_media
 from mmkv_cli.methods import EncodeContext
 from mmkv_cli.methods.keep_all import KeepAll
-from mmkv_cli.options import EncodeOptions, MethodSpec
 from mmkv_cli.pack import Span, write_pack
 from mmkv_cli.pack.access.report import verify
 from mmkv_cli.pack.quantized.quant import QuantSpec
@@ -42,7 +42,7 @@ CLIP = SAMPLES / "clip.mp4"
 @pytest.fixture(scope="module")
 def demo():
     from mmkv_cli.backbones.loading import load_backbone
-    from mmkv_cli.options import LoadOptions
+    from mmkv_cli.core.options import LoadOptions
 
     return load_backbone(LoadOptions("demo", "cpu"))
 

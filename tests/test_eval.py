@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mmkv_cli.cli.app import app
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core.errors import UsageError
 from mmkv_cli.study import evaluate as ev
 
 

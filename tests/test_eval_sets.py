@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mmkv_cli.cli.app import app
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core.errors import UsageError
 from mmkv_cli.study.eval_sets.items import correct, make_item, predicted
 from mmkv_cli.study.eval_sets.readers import detect, load_items
 from tests.conftest import ROOT, SAMPLES

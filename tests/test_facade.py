@@ -4,7 +4,7 @@ import pytest
 
 import mmkv
 from mmkv_cli import api
-from mmkv_cli.options import AskOptions, LoadOptions
+from mmkv_cli.core.options import AskOptions, LoadOptions
 from tests.conftest import SAMPLES
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mmkv_cli import api
-from mmkv_cli.errors import MmkvError
-from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions
+from mmkv_cli.core.errors import MmkvError
+from mmkv_cli.core.options import AskOptions, EncodeOptions, GenerationOptions
 from tests.mutants import KINDS, mutate, shown_raw
 
 ASK = AskOptions(generation=GenerationOptions(max_new_tokens=1), keep_logits=True)
@@ -24,7 +24,7 @@ def subjects(clip, tmp_path_factory):
     computed and streamingtom at 4 bits (a retrieval key and a digest a block and layer, v12: each
     layer reads and checks its own blocks' rows, hashed on the bytes read)."""
     from mmkv_cli.backbones.loading import load_backbone
-    from mmkv_cli.options import LoadOptions
+    from mmkv_cli.core.options import LoadOptions
 
     backbone = load_backbone(LoadOptions("demo", "cpu"))
     tmp = tmp_path_factory.mktemp("fuzz")
@@ -77,7 +77,7 @@ def test_mutated_packs_are_refused_or_answer_as_before(subjects, tmp_path):
 @pytest.mark.parametrize("tensor", ["blocks.k", "blocks.kq", "prefix.v"])
 def test_nan_or_inf_sealed_into_a_pack_is_refused_not_answered(subjects, tmp_path, tensor):
     """Issue 40, item 9: a forger re-seals every checksum over a NaN; the read refuses it."""
-    from mmkv_cli.errors import PackError
+    from mmkv_cli.core.errors import PackError
     from tests import mutants
 
     backbone, made = subjects

@@ -6,7 +6,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from mmkv_cli.ask.generate import TextStream, generate, pick
-from mmkv_cli.options import GenerationOptions
+from mmkv_cli.core.options import GenerationOptions
 
 
 def byte_tokenizer() -> Tokenizer:
@@ -76,8 +76,8 @@ def test_no_token_is_picked_from_non_finite_logits():
     import pytest
 
     from mmkv_cli.ask.generate import pick
-    from mmkv_cli.errors import ModelError
-    from mmkv_cli.options import GenerationOptions
+    from mmkv_cli.core.errors import ModelError
+    from mmkv_cli.core.options import GenerationOptions
 
     for bad in (float("nan"), float("inf")):
         logits = torch.zeros(10)
@@ -93,7 +93,7 @@ def test_a_context_verdict_left_unread_is_read_with_the_first_token():
     the answer nothing, and is read once."""
     import pytest
 
-    from mmkv_cli.errors import PackError
+    from mmkv_cli.core.errors import PackError
     from mmkv_cli.pack.integrity.verdicts import LaterVerdicts, finite_flag
 
     logits = torch.zeros(10)
@@ -118,7 +118,7 @@ def test_a_context_verdict_left_unread_is_read_with_the_first_token():
 def test_no_token_is_shown_before_the_contexts_checksums_are_read():
     """A read that left its checksums to finish (pack/integrity/verdicts.py) refuses the pack
     before the first token, and with no token to make at all."""
-    from mmkv_cli.errors import PackError
+    from mmkv_cli.core.errors import PackError
     from mmkv_cli.pack.integrity.verdicts import LaterVerdicts
 
     def refused() -> None:

@@ -314,7 +314,7 @@ def test_pack_never_exceeds_the_budget_over_a_long_stream_and_ask_runs_in_a_new_
 
 
 def test_token_and_share_budgets_are_checked_and_presets_extend_the_method():
-    from mmkv_cli.errors import UsageError
+    from mmkv_cli.core.errors import UsageError
 
     with pytest.raises(UsageError, match="keeps every token"):
         choose("full", budget_tokens=100)
@@ -453,7 +453,7 @@ def test_summary_tokens_go_into_the_pack_in_the_step_they_were_made_at(backbones
 def test_an_encode_takes_the_curves_of_its_backbones_family(tmp_path, backbones):
     """On a Qwen backbone the default is the Qwen file's curves (the same pack as asking for them),
     and LLaVA-OV's keep other tokens; a LLaVA-OV backbone's default is its own file's."""
-    from mmkv_cli.options import MethodSpec
+    from mmkv_cli.core.options import MethodSpec
 
     def kept(model: str, curves: str | None) -> list[torch.Tensor]:
         out = tmp_path / f"{model}-{curves}.kvpack"

@@ -113,7 +113,7 @@ def encode_syncs(backbone, choice, frames: int) -> int:
 @pytest.fixture(scope="module")
 def demo():
     from mmkv_cli.backbones.loading import load_backbone
-    from mmkv_cli.options import LoadOptions
+    from mmkv_cli.core.options import LoadOptions
 
     return load_backbone(LoadOptions("demo", "cpu"))
 

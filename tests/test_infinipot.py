@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mmkv_cli.api import PROCESS_BACKBONES
+from mmkv_cli.core.options import LoadOptions
 from mmkv_cli.methods.infinipot import (
     choose,
     layer_pooling,
@@ -16,7 +17,6 @@ from mmkv_cli.methods.infinipot import (
     tar_scores,
     value_norms,
 )
-from mmkv_cli.options import LoadOptions
 from tests.helpers import choose as choose_method
 
 

@@ -13,7 +13,7 @@ import torch
 from blake3 import blake3
 
 from mmkv_cli import api
-from mmkv_cli.errors import PackError
+from mmkv_cli.core.errors import PackError
 from mmkv_cli.pack import PackReader, Span, write_pack
 from mmkv_cli.pack.access.writer import layers_per_digest
 from mmkv_cli.pack.integrity import hashing

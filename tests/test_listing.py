@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from mmkv_cli import api
 from mmkv_cli.cli.app import app
-from mmkv_cli.errors import PackError
+from mmkv_cli.core.errors import PackError
 from tests.mutants import Parts
 
 DATA = Path(__file__).parent / "data"

@@ -6,9 +6,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from mmkv_cli.core.errors import MediaError, UsageError
 from mmkv_cli.encode.encoder import encode_media
 from mmkv_cli.encode.live import LiveEncoder
-from mmkv_cli.errors import MediaError, UsageError
 from mmkv_cli.media import load_media
 from mmkv_cli.media.base import Media
 from mmkv_cli.methods import METHODS, EncodeContext
@@ -100,7 +100,7 @@ def test_per_head_infinipot_holds_live_what_the_cut_media_holds():
     """The trained demo's KV heads keep different tokens (issue 72): a live memory held per head,
     chunks attending to what each head holds, equals the encode of the clip cut there."""
     from mmkv_cli.api import PROCESS_BACKBONES
-    from mmkv_cli.options import LoadOptions
+    from mmkv_cli.core.options import LoadOptions
 
     demo = PROCESS_BACKBONES.get(LoadOptions("demo", "cpu"))
     held = []

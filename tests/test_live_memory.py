@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from mmkv_cli.api import PackSession
+from mmkv_cli.core.options import AskOptions, GenerationOptions
 from mmkv_cli.encode.live import LiveEncoder
 from mmkv_cli.encode.record import pack_header, write_encoded
 from mmkv_cli.media import load_media
 from mmkv_cli.media.base import Media
 from mmkv_cli.methods import EncodeContext
-from mmkv_cli.options import AskOptions, GenerationOptions
 from mmkv_cli.pack.access.memory import MemoryPack
 from tests.conftest import SAMPLES
 from tests.test_live import EVERY, live_choice

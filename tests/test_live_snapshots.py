@@ -12,14 +12,14 @@ from safetensors.torch import load_file
 
 import mmkv_cli.encode.record as record
 from mmkv_cli import api
+from mmkv_cli.api.live import Follow
+from mmkv_cli.core.errors import PackError
+from mmkv_cli.core.options import EncodeOptions
 from mmkv_cli.encode.live import LiveEncoder
-from mmkv_cli.errors import PackError
-from mmkv_cli.live import Follow
 from mmkv_cli.media import load_media
 from mmkv_cli.media.base import Media
 from mmkv_cli.media.live import LiveOptions
 from mmkv_cli.methods import EncodeContext
-from mmkv_cli.options import EncodeOptions
 from mmkv_cli.pack import PackReader
 from tests.conftest import SAMPLES
 from tests.helpers import mpegts_bytes

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from mmkv_cli import api
+from mmkv_cli.api.live import Follow, LiveQuestion
+from mmkv_cli.core.errors import MediaError
+from mmkv_cli.core.options import AskOptions, EncodeOptions, GenerationOptions
 from mmkv_cli.encode.encoder import encode_media
 from mmkv_cli.encode.record import write_encoded
-from mmkv_cli.errors import MediaError
-from mmkv_cli.live import Follow, LiveQuestion
 from mmkv_cli.media import load_media
 from mmkv_cli.media.live import LiveOptions, LiveSource, Ticks
 from mmkv_cli.methods import EncodeContext
 from mmkv_cli.methods.choice import resolve_method
-from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions
 from mmkv_cli.pack import PackReader
 from tests.conftest import SAMPLES
 from tests.helpers import mpegts_bytes

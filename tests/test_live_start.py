@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from mmkv_cli.errors import MediaError
-from mmkv_cli.live import Follow
+from mmkv_cli.api.live import Follow
+from mmkv_cli.core.errors import MediaError
+from mmkv_cli.core.options import EncodeOptions, LoadOptions
 from mmkv_cli.media import load_media
 from mmkv_cli.media.live import LiveOptions, LiveSource, ffmpeg_line
-from mmkv_cli.options import EncodeOptions, LoadOptions
 from tests.conftest import SAMPLES
 from tests.helpers import mpegts_bytes
 
@@ -146,8 +146,8 @@ def test_every_forward_of_a_follow_runs_where_on_model_puts_it(tmp_path, backbon
     of a follow (frames, memory cuts, answers, the final pack) runs there, none beside it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from mmkv_cli.live import LiveQuestion
-    from mmkv_cli.options import GenerationOptions
+    from mmkv_cli.api.live import LiveQuestion
+    from mmkv_cli.core.options import GenerationOptions
 
     recording = tmp_path / "done.ts"
     recording.write_bytes(stream_bytes)

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmkv_cli.errors import MediaError
+from mmkv_cli.core.errors import MediaError
 from mmkv_cli.media import load_media
 from mmkv_cli.media.base import sample_times
 from mmkv_cli.media.video import load_video

@@ -3,8 +3,8 @@ clip shows a circle first; a square first appears at 3.0 s, a triangle later sti
 
 import pytest
 
+from mmkv_cli.core.options import AskOptions, GenerationOptions
 from mmkv_cli.methods import METHODS
-from mmkv_cli.options import AskOptions, GenerationOptions
 from mmkv_cli.pack import PackReader
 from tests.conftest import SAMPLES
 from tests.helpers import encode_pack

@@ -61,7 +61,7 @@ def test_blocks_cover_every_token_once_per_granularity():
 
 
 def test_middle_frame_views_detail_only_each_segments_middle_step():
-    from mmkv_cli.errors import UsageError
+    from mmkv_cli.core.errors import UsageError
     from mmkv_cli.methods.choice import resolve_method
     from mmkv_cli.methods.mukv import MuKVParams
 
@@ -266,9 +266,9 @@ def test_reindex_with_every_block_equals_keep_when_nothing_was_dropped(
 
 def test_retrieval_needs_representatives_and_a_known_query_mode(tmp_path, backbones):
     from mmkv_cli.ask.answer import answer_from_pack
-    from mmkv_cli.errors import PackError, UsageError
+    from mmkv_cli.core.errors import PackError, UsageError
+    from mmkv_cli.core.options import AskOptions
     from mmkv_cli.methods.retrieval import RetrievalContext, RetrievalOptions
-    from mmkv_cli.options import AskOptions
     from mmkv_cli.pack import PackReader
 
     backbone = backbones["tiny-llava-ov"]

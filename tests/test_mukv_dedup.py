@@ -6,8 +6,8 @@ import torch
 from safetensors import safe_open
 
 from mmkv_cli import api
+from mmkv_cli.core.options import MethodSpec
 from mmkv_cli.methods.mukv import MuKVParams, dedup_top
-from mmkv_cli.options import MethodSpec
 from tests.helpers import encode_pack
 
 

@@ -1,5 +1,5 @@
-"""Names from outside never become paths unchecked (issue 49): one check (mmkv_cli/names.py) for
-stream names, pack names, batch outputs and eval run folders; every serve route and verb walked
+"""Names from outside never become paths unchecked (issue 49): one check (mmkv_cli/core/names.py)
+for stream names, pack names, batch outputs and eval run folders; every serve route and verb walked
 with hostile names, and nothing created outside the packs folder."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mmkv_cli.errors import UsageError
-from mmkv_cli.names import checked_name, inside, name_problem, stem_from
-from mmkv_cli.options import EncodeOptions
+from mmkv_cli.core.errors import UsageError
+from mmkv_cli.core.names import checked_name, inside, name_problem, stem_from
+from mmkv_cli.core.options import EncodeOptions
 from tests.abuse import HOSTILE, walk_serve_routes
 
 PLAIN = ["clip", "clip-2.v1", "A_b", "x" * 128, "0"]

@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from mmkv_cli.errors import OutputExistsError, PackError
+from mmkv_cli.core.errors import OutputExistsError, PackError
 from mmkv_cli.pack import PackReader, Span, write_pack
 from mmkv_cli.pack.integrity.hashing import REPS_CHUNK, chunk_digests
 from mmkv_cli.pack.schema.header import LayoutRecord, MediaRecord

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from mmkv_cli.errors import PackError
+from mmkv_cli.core.errors import PackError
 from mmkv_cli.pack import PackReader, Span, write_pack
 from tests.helpers import pack_header
 
@@ -43,7 +43,7 @@ def _pack(path, blocks: int, tokens: int, seed: int) -> None:
 
 READER = """
 import sys, time
-from mmkv_cli.errors import PackError
+from mmkv_cli.core.errors import PackError
 from mmkv_cli.pack import PackReader
 
 def reopen():  # as serve does when a pack changed; a pack caught mid-copy is refused whole

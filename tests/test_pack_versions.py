@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmkv_cli import api
-from mmkv_cli.errors import PackError
+from mmkv_cli.core.errors import PackError
 from mmkv_cli.pack import PackReader, Span, write_pack
 from mmkv_cli.pack.access.writer import narrowed
 from mmkv_cli.pack.integrity.checks import read_directory
@@ -196,7 +196,7 @@ def test_the_current_writer_reads_back_the_same_segments(tmp_path):
 def test_a_series_the_pack_never_stored_is_one_clear_error():
     import pytest
 
-    from mmkv_cli.errors import PackError
+    from mmkv_cli.core.errors import PackError
 
     with pytest.raises(
         PackError, match="stores no media.timestamps"
@@ -242,7 +242,7 @@ def _refused(tmp_path, raw: bytes, match: str = "corrupted") -> None:
     import pytest
 
     from mmkv_cli import api
-    from mmkv_cli.errors import PackError
+    from mmkv_cli.core.errors import PackError
 
     path = tmp_path / "forged.kvpack"
     path.write_bytes(raw)

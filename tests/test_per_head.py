@@ -11,11 +11,11 @@ import torch
 
 import mmkv
 from mmkv_cli.ask.heads import join_heads
+from mmkv_cli.core.options import MethodSpec
 from mmkv_cli.kernels import fused_attention as fused
 from mmkv_cli.kernels.attention import Recorder, _blockwise_recorded, masking, with_heads
 from mmkv_cli.methods.meda import merge_evicted
 from mmkv_cli.methods.scoring import adaptive_per_head, top_per_head
-from mmkv_cli.options import MethodSpec
 from mmkv_cli.pack import FORMAT_VERSION, PackReader
 from mmkv_cli.pack.access.report import inspect
 from mmkv_cli.pack.access.writer import write_pack
@@ -28,7 +28,7 @@ QUESTION = "what color is the circle ?"
 def demo():
     """The trained demo backbone: its heads attend differently (a tiny random model's all agree)."""
     from mmkv_cli.backbones.loading import load_backbone
-    from mmkv_cli.options import LoadOptions
+    from mmkv_cli.core.options import LoadOptions
 
     return load_backbone(LoadOptions("demo", "cpu"))
 
@@ -299,7 +299,7 @@ def test_a_per_head_pack_whose_heads_agree_is_the_per_layer_pack(tmp_path, backb
     ],
 )
 def test_a_forged_per_head_header_is_refused_in_one_line(tmp_path, forge):
-    from mmkv_cli.errors import PackError
+    from mmkv_cli.core.errors import PackError
     from tests.mutants import Parts
 
     field, value, version = forge

@@ -6,9 +6,9 @@ encode computed."""
 import pytest
 import torch
 
+from mmkv_cli.core.options import MethodSpec
 from mmkv_cli.methods import pyramidkv, snapkv
 from mmkv_cli.methods.scoring import pooled, top_per_head
-from mmkv_cli.options import MethodSpec
 from mmkv_cli.pack import PackReader
 from tests.helpers import encode_pack
 

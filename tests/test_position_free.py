@@ -189,7 +189,7 @@ def test_rekv_can_retrieve_layer_by_layer(tmp_path, backbones, clip):
     layer2 = cache.layers[2].keys[0, :, reader.span("prefix").layer_counts[0] :]
     assert torch.equal(layer2[:, : blocks[5].layer_counts[2]].cpu(), blocks[5].keys[2])
     # a pack with one key a block cannot retrieve layer by layer: one clear error
-    from mmkv_cli.errors import PackError
+    from mmkv_cli.core.errors import PackError
 
     with pytest.raises(PackError, match="layers: each"):
         policy.select(

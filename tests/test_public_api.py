@@ -13,8 +13,8 @@ import pytest
 
 import mmkv
 from mmkv import _stubs, methods
-from mmkv_cli import errors
 from mmkv_cli.api import stored_method
+from mmkv_cli.core import errors
 from mmkv_cli.methods import METHODS
 from mmkv_cli.methods.choice import resolve_method
 from mmkv_cli.pack import PackReader

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmkv_cli.errors import PackError, UsageError
+from mmkv_cli.core.errors import PackError, UsageError
 from mmkv_cli.pack import PackReader, Span, write_pack
 from mmkv_cli.pack.quantized.quant import (
     QuantSpec,

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from mmkv_cli.cli.app import app
 from mmkv_cli.cli.questions import Question, gather, parse_lines
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core.errors import UsageError
 from tests.conftest import SAMPLES
 from tests.helpers import ask_pack, encode_pack
 

@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file
 
 import mmkv_cli.encode.stream as stream
+from mmkv_cli.core.errors import MediaError
+from mmkv_cli.core.options import MethodSpec
 from mmkv_cli.encode.encoder import encode_media
-from mmkv_cli.errors import MediaError
 from mmkv_cli.media import load_media
 from mmkv_cli.methods import EncodeContext
-from mmkv_cli.options import MethodSpec
 from tests.conftest import SAMPLES
 from tests.helpers import choose, encode_pack
 
@@ -37,7 +37,7 @@ _backbones: dict = {}
 def backbone(model: str):
     if model not in _backbones:
         from mmkv_cli.backbones.loading import load_backbone
-        from mmkv_cli.options import LoadOptions
+        from mmkv_cli.core.options import LoadOptions
 
         _backbones[model] = load_backbone(LoadOptions(model, "cpu"))
     return _backbones[model]

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from mmkv_cli import api
 from mmkv_cli.cli.app import app
-from mmkv_cli.errors import PackError
+from mmkv_cli.core.errors import PackError
 from mmkv_cli.pack import PackReader
 from mmkv_cli.pack.io import vectored
 from tests.conftest import SAMPLES

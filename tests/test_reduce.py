@@ -5,8 +5,8 @@ work)."""
 import pytest
 import torch
 
+from mmkv_cli.core.errors import UsageError
 from mmkv_cli.encode.reducing import grid_index
-from mmkv_cli.errors import UsageError
 from mmkv_cli.media import load_media
 from mmkv_cli.pack import PackReader
 from mmkv_cli.reduce import REDUCERS, StepTokens, ctr, dtd, visionzip
@@ -248,7 +248,7 @@ def test_a_preset_over_a_preset_overrides_its_reducer_parameters(tmp_path):
 
 def test_a_forged_prefilled_count_is_refused_on_open(tmp_path, backbones):
     from mmkv_cli import api
-    from mmkv_cli.errors import PackError
+    from mmkv_cli.core.errors import PackError
     from tests.mutants import Parts
 
     pack = tmp_path / "p.kvpack"

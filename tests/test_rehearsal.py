@@ -5,7 +5,7 @@ import pytest
 
 from mmkv_cli.backbones.loading import load_backbone
 from mmkv_cli.backbones.spec import load_model_spec
-from mmkv_cli.options import LoadOptions
+from mmkv_cli.core.options import LoadOptions
 from tests.conftest import SAMPLES
 from tests.helpers import ask_pack, encode_pack
 
@@ -50,7 +50,7 @@ def test_a_pack_of_a_cut_depth_is_asked_at_that_depth(tmp_path):
     """A CPU bench's pack holds one layer of a rehearsal model: `mmkv ask` rebuilds the model at
     the depth the pack records, and a model of another depth is refused saying so."""
     from mmkv_cli import api
-    from mmkv_cli.errors import PackError
+    from mmkv_cli.core.errors import PackError
 
     name = "rehearsal-llava-ov-0.5b"
     pack = tmp_path / "one-layer.kvpack"

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core.errors import UsageError
+from mmkv_cli.core.options import AskOptions, GenerationOptions, MethodSpec
 from mmkv_cli.methods.rekv import ReKVParams
 from mmkv_cli.methods.retrieval import retrieve
-from mmkv_cli.options import AskOptions, GenerationOptions, MethodSpec
 from tests.conftest import SAMPLES
 from tests.helpers import encode_pack
 

@@ -8,10 +8,10 @@ import torch
 
 from mmkv_cli.api import context_policy
 from mmkv_cli.ask.answer import build_cache
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core.errors import UsageError
+from mmkv_cli.core.options import MethodSpec
 from mmkv_cli.kernels.attention import Recorder, recording
 from mmkv_cli.kernels.rope import unrotate
-from mmkv_cli.options import MethodSpec
 from mmkv_cli.pack import PackReader
 from tests.helpers import ask_pack, choose, encode_pack
 
@@ -138,7 +138,7 @@ def test_in_forward_retrieval_refuses_what_it_cannot_do(tmp_path, backbones, cli
     with pytest.raises(UsageError, match="retrieve: in_forward needs layers: each"):
         choose("rekv", layers="last")
     choose("rekv", layers="last", retrieve="two_pass")  # the paper's reading, as rekv-paper sets
-    from mmkv_cli.errors import PackError
+    from mmkv_cli.core.errors import PackError
     from mmkv_cli.methods.rekv import ReKVParams, context
 
     backbone = backbones["tiny-llava-ov"]
@@ -201,8 +201,8 @@ def test_a_flipped_layer_read_inside_the_forward_is_refused_before_any_token(
     tmp_path, backbones, clip, monkeypatch
 ):
     from mmkv_cli import api
-    from mmkv_cli.errors import PackError
-    from mmkv_cli.options import AskOptions, GenerationOptions
+    from mmkv_cli.core.errors import PackError
+    from mmkv_cli.core.options import AskOptions, GenerationOptions
     from tests.mutants import Parts
     from tests.test_layer_digests import deferring
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from mmkv_cli import api
+from mmkv_cli.core.errors import PackError, UsageError
+from mmkv_cli.core.options import EncodeOptions, MethodSpec
 from mmkv_cli.encode.checkpoint import checkpoint_path
-from mmkv_cli.errors import PackError, UsageError
-from mmkv_cli.options import EncodeOptions, MethodSpec
 from mmkv_cli.pack import PackReader
 from mmkv_cli.study.synth import write_dataset
 
@@ -32,7 +32,7 @@ class Stop(Exception):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from mmkv_cli.backbones.loading import load_backbone
-    from mmkv_cli.options import LoadOptions
+    from mmkv_cli.core.options import LoadOptions
 
     tmp = tmp_path_factory.mktemp("resume")
     write_dataset(tmp / "set", 2, 48, 3, kind="normal")

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from mmkv_cli import runtime
-from mmkv_cli.errors import SetupError
-from mmkv_cli.lazy import Deferred
+from mmkv_cli.core import runtime
+from mmkv_cli.core.errors import SetupError
+from mmkv_cli.core.lazy import Deferred
 from tests.conftest import ROOT, SAMPLES
 
 ENV_KEEP = {"HF_HUB_OFFLINE": "1"}
@@ -58,10 +58,10 @@ def test_the_cli_encodes_and_asks_each_in_a_fresh_process(tmp_path):
 
 def test_torch_imported_after_mmkv_is_the_whole_real_module():
     done = fresh(
-        "import mmkv_cli.lazy, sys\n"
+        "import mmkv_cli.core.lazy, sys\n"
         "assert 'torch' not in sys.modules\n"
         "import torch\n"
-        "print(torch.zeros(1).tolist(), hasattr(torch, 'Tensor'), mmkv_cli.lazy.torch.Tensor is torch.Tensor)"  # noqa: E501
+        "print(torch.zeros(1).tolist(), hasattr(torch, 'Tensor'), mmkv_cli.core.lazy.torch.Tensor is torch.Tensor)"  # noqa: E501
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[0.0] True True"
@@ -99,7 +99,7 @@ def test_versions_outside_the_range_are_named_in_one_line():
 
 def test_an_old_torch_is_refused_before_a_model_loads(monkeypatch):
     from mmkv_cli.backbones.loading import load_backbone
-    from mmkv_cli.options import LoadOptions
+    from mmkv_cli.core.options import LoadOptions
 
     runtime.problem.cache_clear()
     monkeypatch.setattr(runtime, "installed_version", lambda name: "2.4.1")

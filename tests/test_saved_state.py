@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from mmkv_cli.core.errors import PackError
 from mmkv_cli.encode.saved_state import (
     flag_runs,
     from_flag_runs,
@@ -13,7 +14,6 @@ from mmkv_cli.encode.saved_state import (
     restore_running_cache,
     running_cache_tensors,
 )
-from mmkv_cli.errors import PackError
 from mmkv_cli.methods.running_cache import RunningCache
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmkv_cli.errors import PackError
+from mmkv_cli.core.errors import PackError
 from mmkv_cli.pack import PackReader, write_pack
 from mmkv_cli.pack.access.report import verify
 from mmkv_cli.pack.quantized.quant import QuantSpec

@@ -15,7 +15,7 @@ import pytest
 import torch
 from blake3 import blake3
 
-from mmkv_cli.errors import PackError
+from mmkv_cli.core.errors import PackError
 from mmkv_cli.pack import PackReader, Span, write_pack
 from mmkv_cli.pack.access.report import verify
 from mmkv_cli.pack.integrity.hashing import REPS_CHUNK, chunk_count, chunk_digests

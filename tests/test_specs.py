@@ -13,12 +13,12 @@ from typer.testing import CliRunner
 from mmkv_cli.backbones.spec import load_model_spec, model_names
 from mmkv_cli.cli.app import app
 from mmkv_cli.cli.display import kept_label
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core.errors import UsageError
+from mmkv_cli.core.spec import describe, override
 from mmkv_cli.methods import METHODS
 from mmkv_cli.methods.base import GuidedParams
 from mmkv_cli.methods.choice import resolve_method
 from mmkv_cli.methods.running_cache import RunningCache
-from mmkv_cli.spec import describe, override
 from tests.conftest import ROOT, SAMPLES
 from tests.helpers import encode_pack
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mmkv_cli.backbones import tower_reuse
+from mmkv_cli.core.errors import UsageError
 from mmkv_cli.encode.encoder import encode_media
 from mmkv_cli.encode.live import LiveEncoder
-from mmkv_cli.errors import UsageError
 from mmkv_cli.media import load_media
 from mmkv_cli.methods import EncodeContext
 from mmkv_cli.reduce import StepTokens, stc

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mmkv_cli import api
-from mmkv_cli.errors import OutputExistsError, PackError, StorageError
-from mmkv_cli.options import AskOptions, EncodeOptions, LoadOptions
+from mmkv_cli.core.errors import OutputExistsError, PackError, StorageError
+from mmkv_cli.core.options import AskOptions, EncodeOptions, LoadOptions
 from mmkv_cli.pack.io.storage import Intervals, batches, is_url, merged, pieces
 from tests.conftest import ROOT, SAMPLES
 from tests.helpers import serving

@@ -4,8 +4,8 @@ wherever they are read."""
 
 import pytest
 
-from mmkv_cli.errors import PackError
-from mmkv_cli.options import AskOptions, GenerationOptions, Positions
+from mmkv_cli.core.errors import PackError
+from mmkv_cli.core.options import AskOptions, GenerationOptions, Positions
 from tests.conftest import SAMPLES
 from tests.helpers import encode_pack
 from tests.mutants import Parts, with_positions

@@ -5,8 +5,8 @@ back."""
 import pytest
 import torch
 
-from mmkv_cli.errors import UsageError
-from mmkv_cli.options import kv_bits_value
+from mmkv_cli.core.errors import UsageError
+from mmkv_cli.core.options import kv_bits_value
 from mmkv_cli.pack import PackReader, Span, write_pack
 from mmkv_cli.pack.quantized import vidkv as V
 from mmkv_cli.pack.quantized.quant import QuantSpec
@@ -127,7 +127,7 @@ def test_forged_channel_flags_are_refused_even_when_resealed(tmp_path):
     error: each flag must be 0 or 1, and half of a head's channels 2-bit."""
     import numpy as np
 
-    from mmkv_cli.errors import PackError
+    from mmkv_cli.core.errors import PackError
     from mmkv_cli.pack.integrity.hashing import chunk_digests
     from tests.mutants import Parts
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from mmkv_cli.api import PackSession
 from mmkv_cli.cli.app import app
-from mmkv_cli.options import AskOptions, GenerationOptions, LoadOptions
+from mmkv_cli.core.options import AskOptions, GenerationOptions, LoadOptions
 from mmkv_cli.serve import wire
 from mmkv_cli.serve.client import RemoteSession, connect
 from mmkv_cli.serve.local import AlreadyServing, LocalServer
@@ -645,7 +645,7 @@ def test_a_pack_over_the_whole_cap_is_read_as_the_plain_reader_reads_it(tmp_path
     """Never held, so never read block by whole block: the rows a question takes, as a fresh
     reader reads them (retrieval by layer, 2 blocks a layer, reads those layers' rows alone),
     and nothing kept after."""
-    from mmkv_cli.options import MethodSpec
+    from mmkv_cli.core.options import MethodSpec
 
     pack = tmp_path / "rekv-2.kvpack"
     encode_pack(str(SAMPLES / "clip.mp4"), pack, "demo", MethodSpec("rekv", {"k": 2}))

@@ -15,11 +15,11 @@ from mmkv_cli.ask.layerwise import in_forward_splice, question_vector
 from mmkv_cli.ask.prune import AskPrune, prune_context
 from mmkv_cli.ask.result import Answer
 from mmkv_cli.backbones.base import Backbone
-from mmkv_cli.errors import PackError, UsageError
+from mmkv_cli.core.errors import PackError, UsageError
+from mmkv_cli.core.options import AskOptions
 from mmkv_cli.kernels.attention import Recorder, masking, recording, splicing
 from mmkv_cli.kernels.rope import compact_positions, rotate_keys
 from mmkv_cli.methods.base import ContextPolicy
-from mmkv_cli.options import AskOptions
 from mmkv_cli.pack import LaterVerdicts, PackReader
 
 

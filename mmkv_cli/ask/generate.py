@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmkv_cli.errors import ModelError
-from mmkv_cli.options import GenerationOptions
+from mmkv_cli.core.errors import ModelError
+from mmkv_cli.core.options import GenerationOptions
 from mmkv_cli.pack import LaterVerdicts
 
 REPLACEMENT = "\ufffd"  # what a byte-level tokenizer decodes an incomplete UTF-8 sequence to

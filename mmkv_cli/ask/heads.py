@@ -9,8 +9,8 @@ to its own slice (kernels.attention.masking): the padding is never computed.
 
 from __future__ import annotations
 
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.kernels.rope import rotate_keys
-from mmkv_cli.lazy import torch
 
 
 def join_heads(

@@ -9,7 +9,7 @@ import time
 import torch
 
 from mmkv_cli.backbones.base import Backbone
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core.errors import UsageError
 from mmkv_cli.kernels.attention import Recorder, Splice, recording
 from mmkv_cli.kernels.rope import compact_positions, rotate_keys, unrotate
 from mmkv_cli.methods.base import LayerRetrieval

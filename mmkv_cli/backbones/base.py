@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicLayer
 
 from mmkv_cli.backbones.appending import AppendingLayer
 from mmkv_cli.backbones.spec import ModelSpec
-from mmkv_cli.errors import ModelError
+from mmkv_cli.core.errors import ModelError
 from mmkv_cli.kernels import attention
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from mmkv_cli.backbones.tiny import tiny_tokenizer
-from mmkv_cli.errors import ModelError
+from mmkv_cli.core.errors import ModelError
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 WEIGHTS = ASSETS / "demo.safetensors"

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from mmkv_cli.options import LoadOptions
+from mmkv_cli.core.options import LoadOptions
 
 if TYPE_CHECKING:
     from mmkv_cli.backbones.base import Backbone

@@ -12,7 +12,7 @@ Qwen3-VL frames took 0.4 s a chunk, and grew with the stream.
 from __future__ import annotations
 
 from mmkv_cli.backbones.base import Backbone, StreamLayout
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
 
 
 def extend_layout(

@@ -9,7 +9,6 @@ from dataclasses import replace
 
 import torch
 
-from mmkv_cli import logs
 from mmkv_cli.backbones import FAMILIES, tiny
 from mmkv_cli.backbones.base import Backbone, PromptPieces, text_kv
 from mmkv_cli.backbones.demo import build_demo
@@ -21,10 +20,11 @@ from mmkv_cli.backbones.spec import (
     load_model_spec,
     model_names,
 )
-from mmkv_cli.config import config
-from mmkv_cli.errors import ModelError, UsageError
-from mmkv_cli.options import LoadOptions
-from mmkv_cli.runtime import require_supported
+from mmkv_cli.core import logs
+from mmkv_cli.core.config import config
+from mmkv_cli.core.errors import ModelError, UsageError
+from mmkv_cli.core.options import LoadOptions
+from mmkv_cli.core.runtime import require_supported
 
 LOG = logs.get(__name__)
 

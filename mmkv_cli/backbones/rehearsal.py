@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from mmkv_cli.backbones.tiny import tiny_tokenizer
-from mmkv_cli.errors import ModelError
+from mmkv_cli.core.errors import ModelError
 
 # The language models' published configs (Qwen2-0.5B / Qwen2-7B under LLaVA-OneVision, Qwen2.5-VL).
 QWEN2_05B = dict(

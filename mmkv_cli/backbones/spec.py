@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mmkv_cli.backbones import FamilyName
-from mmkv_cli.config import config
-from mmkv_cli.errors import ModelError, UsageError
+from mmkv_cli.core.config import config
+from mmkv_cli.core.errors import ModelError, UsageError
+from mmkv_cli.core.spec import knob, override
 from mmkv_cli.presets import NAME, find_preset, preset_names, read_preset
-from mmkv_cli.spec import knob, override
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from mmkv_cli.batch.manifest import BatchItem
 from mmkv_cli.batch.run import BatchSettings, BatchWorker, check_items
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core.errors import UsageError
 from mmkv_cli.pack import is_url, local_path, read_text, write_text
 
 LEDGER = "batch.jsonl"

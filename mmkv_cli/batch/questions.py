@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mmkv_cli.cluster.pool import Cluster
-from mmkv_cli.errors import MmkvError
-from mmkv_cli.options import AskOptions, LoadOptions
+from mmkv_cli.core.errors import MmkvError
+from mmkv_cli.core.options import AskOptions, LoadOptions
 
 BACKBONES_HELD = 2  # backbones a worker keeps loaded (packs of several models: least recent goes)
 

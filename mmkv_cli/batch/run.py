@@ -16,11 +16,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mmkv_cli.batch.manifest import BatchItem
-from mmkv_cli.errors import MmkvError, UsageError
-from mmkv_cli.names import stem_from
-from mmkv_cli.options import EncodeOptions, LoadOptions
+from mmkv_cli.core.errors import MmkvError, UsageError
+from mmkv_cli.core.names import stem_from
+from mmkv_cli.core.options import EncodeOptions, LoadOptions
+from mmkv_cli.core.spec import as_plain
 from mmkv_cli.pack import exists, is_url, local_copy, local_path
-from mmkv_cli.spec import as_plain
 
 
 @dataclass(frozen=True)

@@ -38,12 +38,12 @@ from mmkv_cli.cli.common import (
     method_names,
     run,
 )
-from mmkv_cli.errors import MmkvError, SetupError
-from mmkv_cli.options import (
+from mmkv_cli.core.errors import MmkvError, SetupError
+from mmkv_cli.core.options import (
     Dtype,
     EncodeOptions,
 )
-from mmkv_cli.runtime import python_problem
+from mmkv_cli.core.runtime import python_problem
 
 app = typer.Typer(
     cls=Group,
@@ -95,8 +95,8 @@ def main_options(
     import os
 
     from mmkv_cli.cli.display import show_logs
-    from mmkv_cli.config import Config, config
-    from mmkv_cli.logs import level_named
+    from mmkv_cli.core.config import Config, config
+    from mmkv_cli.core.logs import level_named
     from mmkv_cli.presets import use_presets
 
     def body() -> None:
@@ -270,9 +270,9 @@ def methods(
 
     def body() -> None:
         from mmkv_cli.cli.display import out_console, show_listing, show_start_here
+        from mmkv_cli.core.spec import describe
         from mmkv_cli.methods.choice import method_listing
         from mmkv_cli.reduce import REDUCERS
-        from mmkv_cli.spec import describe
 
         rows = method_listing()
         reducers = [

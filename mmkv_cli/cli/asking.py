@@ -26,8 +26,15 @@ from mmkv_cli.cli.common import (
 )
 from mmkv_cli.cli.server import NoServerOpt, open_session
 from mmkv_cli.cluster.pool import Cluster
-from mmkv_cli.errors import MmkvError, UsageError
-from mmkv_cli.options import AskOptions, Dtype, GenerationOptions, LoadOptions, Positions, check_ask
+from mmkv_cli.core.errors import MmkvError, UsageError
+from mmkv_cli.core.options import (
+    AskOptions,
+    Dtype,
+    GenerationOptions,
+    LoadOptions,
+    Positions,
+    check_ask,
+)
 
 
 def ask(

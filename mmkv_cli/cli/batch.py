@@ -26,7 +26,7 @@ from mmkv_cli.cli.common import (
     ray_option,
     run,
 )
-from mmkv_cli.options import Dtype, EncodeOptions
+from mmkv_cli.core.options import Dtype, EncodeOptions
 
 
 def batch(
@@ -69,7 +69,7 @@ def batch(
         from mmkv_cli.batch.driver import run_batch, summary
         from mmkv_cli.batch.manifest import read_manifest
         from mmkv_cli.batch.run import BatchSettings
-        from mmkv_cli.errors import MmkvError
+        from mmkv_cli.core.errors import MmkvError
 
         items = read_manifest(manifest)
         options = EncodeOptions(

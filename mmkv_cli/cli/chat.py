@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-from mmkv_cli.errors import MmkvError, UsageError
+from mmkv_cli.core.errors import MmkvError, UsageError
+from mmkv_cli.core.options import AskOptions
 from mmkv_cli.methods import pruning_methods
-from mmkv_cli.options import AskOptions
 
 HISTORY_TURNS = 8  # turns a follow-up sees
 HISTORY_TOKENS = 2048  # and at most this many tokens of them

@@ -11,8 +11,8 @@ from collections.abc import Callable
 import typer
 from typer.core import TyperCommand, TyperGroup, TyperOption
 
-from mmkv_cli.errors import MmkvError
-from mmkv_cli.options import Dtype, EncodeOptions, LoadOptions
+from mmkv_cli.core.errors import MmkvError
+from mmkv_cli.core.options import Dtype, EncodeOptions, LoadOptions
 from mmkv_cli.reduce import REDUCERS
 
 

@@ -23,8 +23,8 @@ from mmkv_cli.cli.common import (
     run,
 )
 from mmkv_cli.cli.literal import plain
-from mmkv_cli.errors import MediaError, UsageError
-from mmkv_cli.options import Dtype, EncodeOptions, GenerationOptions
+from mmkv_cli.core.errors import MediaError, UsageError
+from mmkv_cli.core.options import Dtype, EncodeOptions, GenerationOptions
 
 
 def live(
@@ -80,8 +80,8 @@ def live(
     """Follow a live stream into a pack; each question is answered from the memory at its moment."""
 
     def body() -> None:
+        from mmkv_cli.api.live import Follow
         from mmkv_cli.cli.display import err_console, out_console
-        from mmkv_cli.live import Follow
         from mmkv_cli.media.live import LiveOptions
 
         if source == "-" and questions in (None, "-"):
@@ -162,9 +162,9 @@ def live(
 def _feed(following, questions: str | None) -> None:
     """Questions into the follow, a line at a time, as they come: a bad line is one line on stderr
     and the stream goes on."""
+    from mmkv_cli.api.live import LiveQuestion
     from mmkv_cli.cli.display import err_console
     from mmkv_cli.cli.questions import BOM, parse_lines
-    from mmkv_cli.live import LiveQuestion
 
     if questions is None:
         lines, where = _typed(), "prompt"

@@ -56,7 +56,7 @@ def verify(pack: str = typer.Argument(..., help="A .kvpack."), as_json: bool = J
         from mmkv_cli import api
         from mmkv_cli.cli.display import human_bytes, out_console
         from mmkv_cli.cli.literal import plain
-        from mmkv_cli.errors import PackError
+        from mmkv_cli.core.errors import PackError
 
         report = api.verify(pack)
         if as_json:

@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmkv_cli.errors import UsageError
-from mmkv_cli.options import MAX_QUESTION_CHARS
+from mmkv_cli.core.errors import UsageError
+from mmkv_cli.core.options import MAX_QUESTION_CHARS
 
 MAX_QUESTIONS = 100_000
 MAX_ID_CHARS = 256  # an id names a question in the answers: a label, echoed back

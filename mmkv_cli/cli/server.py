@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from mmkv_cli.cli.common import JsonOpt, emit_json, run
-from mmkv_cli.errors import MmkvError
+from mmkv_cli.core.errors import MmkvError
 
 NoServerOpt = typer.Option(
     False,
@@ -75,7 +75,7 @@ def stop(as_json: bool = JsonOpt) -> None:
 def _own_presets() -> bool:
     """Whether this command sees presets of the user's own, which a server started elsewhere may
     not: such a command runs here."""
-    from mmkv_cli import logs
+    from mmkv_cli.core import logs
     from mmkv_cli.presets import user_folders
 
     if user_folders():

@@ -12,9 +12,9 @@ import typer
 
 from mmkv_cli.cli.common import JsonOpt, emit_json, run
 from mmkv_cli.cli.talk import serve
-from mmkv_cli.config import Config, ServeConfig, config, config_path, file_values
-from mmkv_cli.options import LoadOptions
-from mmkv_cli.spec import as_plain, describe
+from mmkv_cli.core.config import Config, ServeConfig, config, config_path, file_values
+from mmkv_cli.core.options import LoadOptions
+from mmkv_cli.core.spec import as_plain, describe
 
 # what each top-level key stands for when the file leaves it unset, and the variable that names it
 BUILT_IN = {
@@ -115,7 +115,7 @@ def config_command(
 
     def body() -> None:
         from mmkv_cli.cli.display import show_config
-        from mmkv_cli.errors import output_exists
+        from mmkv_cli.core.errors import output_exists
 
         path = config_path()
         if init:

@@ -25,8 +25,8 @@ from mmkv_cli.cli.common import (
     ray_option,
     run,
 )
-from mmkv_cli.errors import UsageError
-from mmkv_cli.options import Dtype, EncodeOptions, Positions, kv_bits_value
+from mmkv_cli.core.errors import UsageError
+from mmkv_cli.core.options import Dtype, EncodeOptions, Positions, kv_bits_value
 
 
 class ClipKind(str, Enum):

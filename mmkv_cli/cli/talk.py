@@ -27,8 +27,8 @@ from mmkv_cli.cli.common import (
 )
 from mmkv_cli.cli.literal import plain
 from mmkv_cli.cli.server import NoServerOpt, open_session
-from mmkv_cli.errors import AddressError, UsageError
-from mmkv_cli.options import AskOptions, Dtype, GenerationOptions, check_generation
+from mmkv_cli.core.errors import AddressError, UsageError
+from mmkv_cli.core.options import AskOptions, Dtype, GenerationOptions, check_generation
 
 # typed questions kept between chat sessions, as a shell keeps its commands
 HISTORY = (
@@ -237,7 +237,7 @@ def serve(
     encode) use the same warm models and hot packs over a private local socket (`mmkv ps`)."""
 
     def body() -> None:
-        from mmkv_cli.config import seconds_of
+        from mmkv_cli.core.config import seconds_of
         from mmkv_cli.serve.client import server_host
         from mmkv_cli.serve.place import check_socket_path, local_place
         from mmkv_cli.serve.warm import Warm

@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mmkv_cli.errors import MmkvError, UsageError
+from mmkv_cli.core.errors import MmkvError, UsageError
 
 
 def ray_module():

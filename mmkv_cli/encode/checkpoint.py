@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmkv_cli.errors import PackError, UsageError
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.errors import PackError, UsageError
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.pack import sweep_stale, tensors_digest
 
 SUFFIX = ".mmkv-checkpoint"

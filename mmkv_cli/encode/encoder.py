@@ -12,6 +12,7 @@ import torch
 
 from mmkv_cli.backbones import reuse_families, tower_families
 from mmkv_cli.backbones.base import Backbone, StreamLayout
+from mmkv_cli.core.errors import MediaError
 from mmkv_cli.encode.blockwise import chunk_plans, order_blocks, prefill_blocks
 from mmkv_cli.encode.checkpoint import Checkpointing
 from mmkv_cli.encode.decoupled import encode_decoupled
@@ -28,7 +29,6 @@ from mmkv_cli.encode.sealing import EarlyTarget, Sealing, open_sealing
 from mmkv_cli.encode.stream import Progress, Stream, step_times_of
 from mmkv_cli.encode.text_attention import text_attention
 from mmkv_cli.encode.window import newest_frames, stream_tokens
-from mmkv_cli.errors import MediaError
 from mmkv_cli.kernels.attention import masking, recording
 from mmkv_cli.kernels.host import HostCopies, host_all
 from mmkv_cli.media import Media

@@ -26,6 +26,7 @@ import torch
 from mmkv_cli.backbones import reuse_families, tower_families
 from mmkv_cli.backbones.base import Backbone, StreamLayout
 from mmkv_cli.backbones.layouts import extend_layout
+from mmkv_cli.core.errors import MediaError
 from mmkv_cli.encode.blockwise import chunk_plans, order_blocks, prefill_blocks
 from mmkv_cli.encode.decoupled import DecoupledLive, past_choice
 from mmkv_cli.encode.encoder import (
@@ -40,7 +41,6 @@ from mmkv_cli.encode.encoder import (
 from mmkv_cli.encode.reducing import ChunkReducer
 from mmkv_cli.encode.stream import padded
 from mmkv_cli.encode.text_attention import text_attention
-from mmkv_cli.errors import MediaError
 from mmkv_cli.kernels.host import HostCopies
 from mmkv_cli.media.base import Media
 from mmkv_cli.methods import Budget, EncodeContext

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mmkv_cli import __version__, logs
+from mmkv_cli import __version__
+from mmkv_cli.core import logs
+from mmkv_cli.core.spec import as_plain
 from mmkv_cli.pack import (
     BlockShape,
     EarlyPack,
@@ -23,7 +25,6 @@ from mmkv_cli.pack import (
     Span,
     write_pack,
 )
-from mmkv_cli.spec import as_plain
 
 LOG = logs.get(__name__)
 

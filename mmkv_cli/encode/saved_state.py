@@ -16,9 +16,9 @@ mark, the cuts, and the K/V of the entries a policy rewrote.
 
 from __future__ import annotations
 
+from mmkv_cli.core.errors import PackError
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.encode.checkpoint import Sealed, held
-from mmkv_cli.errors import PackError
-from mmkv_cli.lazy import torch
 from mmkv_cli.methods.archive import Archive
 from mmkv_cli.pack import Span, split_layers
 

@@ -17,10 +17,10 @@ from dataclasses import replace
 from typing import Protocol
 
 from mmkv_cli.backbones.base import Backbone, StreamLayout
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.encode.reducing import ChunkReducer
 from mmkv_cli.encode.results import Encoded, layout_record
 from mmkv_cli.kernels.host import HostCopies
-from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import StreamingMemory
 from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.pack import BlockShape, EarlyPack, Span, worth_writing_early

@@ -18,9 +18,9 @@ import contextvars
 from collections.abc import Callable
 from contextlib import contextmanager
 
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.kernels import fused_attention as fused
 from mmkv_cli.kernels.recorder import Recorder, reducer_columns
-from mmkv_cli.lazy import torch
 
 __all__ = [
     "Recorder",

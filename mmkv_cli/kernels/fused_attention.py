@@ -19,8 +19,8 @@ Everything runs in float32, as the block path does, and matches it to float roun
 
 from __future__ import annotations
 
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.kernels.recorder import Recorder, reducer_columns
-from mmkv_cli.lazy import torch
 
 BLOCK_ELEMENTS = 1 << 22  # explicit score blocks (own keys, reducers' columns): about 16 MB
 

@@ -10,7 +10,7 @@ tensors themselves.
 
 from __future__ import annotations
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
 
 
 def host_all(tensors: list) -> list:

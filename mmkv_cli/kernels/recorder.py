@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from contextlib import contextmanager
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
 
 # Tensor methods and functions whose result the host must wait for (a value, or a size only the
 # device knows)

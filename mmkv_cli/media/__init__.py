@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mmkv_cli.errors import MediaError
+from mmkv_cli.core.errors import MediaError
 from mmkv_cli.media.base import Media
 from mmkv_cli.media.stills import IMAGE_SUFFIXES, load_images, load_pdf
 from mmkv_cli.media.video import load_video

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mmkv_cli.errors import MediaError
+from mmkv_cli.core.errors import MediaError
 from mmkv_cli.media.pyav_frames import rgb_converter
 
 NETWORK = ("rtsp://", "rtsps://", "rtmp://", "rtmps://", "udp://", "tcp://", "http://", "https://")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmkv_cli.errors import MediaError
+from mmkv_cli.core.errors import MediaError
 
 # How a file's frames are decoded in parallel: FFmpeg's frame threads where the codec has them, and
 # its slice threads (PyAV's default alone). Most files hold one slice a frame (the ffmpeg command

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from mmkv_cli.errors import MediaError
+from mmkv_cli.core.errors import MediaError
 from mmkv_cli.media.base import Media, sha256_files
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}

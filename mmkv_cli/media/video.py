@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mmkv_cli.errors import MediaError
+from mmkv_cli.core.errors import MediaError
 from mmkv_cli.media.base import Media, frames_at, sample_times, sha256_files
 from mmkv_cli.media.pyav_frames import FrameCursor, index_stream, nearest_frames
 

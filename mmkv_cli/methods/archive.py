@@ -13,7 +13,7 @@ is a view of one slab.
 
 from __future__ import annotations
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
 
 SLAB_BYTES = 64 << 20
 PIECE = 8192  # entries a checkpoint writes once as one piece (K or V of 8 MB at 7B in bf16)

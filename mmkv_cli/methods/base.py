@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mmkv_cli.spec import Paper, knob
+from mmkv_cli.core.spec import Paper, knob
 
 if TYPE_CHECKING:
     import torch

@@ -8,13 +8,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mmkv_cli.errors import UsageError, flag, is_number
+from mmkv_cli.core.errors import UsageError, flag, is_number
+from mmkv_cli.core.options import EncodeOptions, MethodSpec
+from mmkv_cli.core.spec import as_plain, describe, override
 from mmkv_cli.methods import METHODS, Budget, Method, pruning_methods
 from mmkv_cli.methods.base import GuidedParams
-from mmkv_cli.options import EncodeOptions, MethodSpec
 from mmkv_cli.presets import find_preset, preset_names, read_preset
 from mmkv_cli.reduce.choice import ReducerChoice, resolve_reducer
-from mmkv_cli.spec import as_plain, describe, override
 
 METHOD_KEYS = (
     "extends",

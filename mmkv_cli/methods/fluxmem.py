@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
+from mmkv_cli.core.spec import knob
 from mmkv_cli.methods.base import Method, Paper, StreamParams
 from mmkv_cli.methods.tiers import (
     Frame,
@@ -28,7 +29,6 @@ from mmkv_cli.methods.tiers import (
     differs,
     long_term_merge,
 )
-from mmkv_cli.spec import knob
 
 
 @dataclass(frozen=True)

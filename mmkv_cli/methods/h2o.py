@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from mmkv_cli.core.lazy import torch
+from mmkv_cli.core.spec import knob
 from mmkv_cli.kernels.host import host_all
 from mmkv_cli.kernels.recorder import Recorder
-from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import (
     Budget,
     Method,
@@ -22,7 +23,6 @@ from mmkv_cli.methods.base import (
 from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import accumulate, adaptive_per_head, top_per_head
 from mmkv_cli.methods.topk import TopKAtEnd
-from mmkv_cli.spec import knob
 
 
 @dataclass(frozen=True)

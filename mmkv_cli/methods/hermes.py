@@ -21,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from mmkv_cli.core.lazy import torch
+from mmkv_cli.core.spec import knob
 from mmkv_cli.kernels.rope import compact_positions, rotate_keys
-from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper
 from mmkv_cli.methods.hermes_scoring import (
     family_curves,
@@ -37,7 +38,6 @@ from mmkv_cli.methods.keep_all import KeepAll
 from mmkv_cli.methods.running_cache import StreamState, continue_after_each_layer
 from mmkv_cli.methods.scoring import top_in_order
 from mmkv_cli.pack import Span, block_name
-from mmkv_cli.spec import knob
 
 
 @dataclass(frozen=True)

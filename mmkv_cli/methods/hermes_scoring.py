@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.kernels.rope import rotate_keys
-from mmkv_cli.lazy import torch
 from mmkv_cli.methods.scoring import minmax
 
 # The authors' middle-layer curves per backbone file (HERMES commit 8d699b1): the recency weight a

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.methods.base import Budget, EncodeContext
 from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import retrieval_key

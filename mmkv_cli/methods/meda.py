@@ -19,9 +19,10 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from mmkv_cli.core.lazy import torch
+from mmkv_cli.core.spec import knob
 from mmkv_cli.kernels.host import host_all
 from mmkv_cli.kernels.recorder import Recorder
-from mmkv_cli.lazy import torch
 from mmkv_cli.methods.base import (
     Budget,
     GuidedParams,
@@ -33,7 +34,6 @@ from mmkv_cli.methods.base import (
 from mmkv_cli.methods.keep_all import KeepAll
 from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import accumulate
-from mmkv_cli.spec import knob
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,11 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
+from mmkv_cli.core.spec import knob
 from mmkv_cli.methods.base import BlockPlan, Budget, Method, Paper
 from mmkv_cli.methods.retrieval import RetrievalContext, RetrievalOptions
 from mmkv_cli.methods.scoring import minmax, top_in_order
-from mmkv_cli.spec import knob
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from mmkv_cli.core.spec import knob
 from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper, selection_knob
 from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import question_window_scores, top_in_order, window_scores
 from mmkv_cli.methods.topk import TopKAtEnd
-from mmkv_cli.spec import knob
 
 
 @dataclass(frozen=True)

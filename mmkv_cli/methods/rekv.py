@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core.errors import UsageError
+from mmkv_cli.core.spec import knob
 from mmkv_cli.methods.base import Method, Paper, StreamParams
 from mmkv_cli.methods.keep_all import KeepAll, slide_window
 from mmkv_cli.methods.retrieval import RetrievalContext, RetrievalOptions
 from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import retrieval_key
-from mmkv_cli.spec import knob
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mmkv_cli.errors import PackError
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.errors import PackError
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.methods.base import QuestionVector, Selection
 from mmkv_cli.methods.context import last_shown
 from mmkv_cli.methods.scoring import SIMILARITY, cosine_scores

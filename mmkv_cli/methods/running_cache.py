@@ -16,9 +16,9 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.kernels.host import HostCopies
 from mmkv_cli.kernels.rope import rotate_keys
-from mmkv_cli.lazy import torch
 from mmkv_cli.methods.archive import Archive
 
 

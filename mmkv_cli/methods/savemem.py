@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
+from mmkv_cli.core.spec import knob
 from mmkv_cli.methods.base import Budget, Method, Paper, StreamParams
 from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.tiers import (
@@ -30,7 +31,6 @@ from mmkv_cli.methods.tiers import (
     differs,
     long_term_merge,
 )
-from mmkv_cli.spec import knob
 
 PSEUDO_QUESTIONS = (
     "What objects are visible in the scene?",

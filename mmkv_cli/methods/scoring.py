@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.kernels.rope import unrotate
-from mmkv_cli.lazy import torch
 
 
 def minmax(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

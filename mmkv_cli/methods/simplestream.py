@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mmkv_cli.core.spec import knob
 from mmkv_cli.methods.base import Method, Paper, StreamParams
 from mmkv_cli.methods.keep_all import KeepPrefilled
-from mmkv_cli.spec import knob
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from mmkv_cli.core.spec import knob
 from mmkv_cli.methods.base import Budget, GuidedParams, Method, Paper, selection_knob
 from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import keep_share, question_window_scores, window_scores
 from mmkv_cli.methods.topk import TopKAtEnd
-from mmkv_cli.spec import knob
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import collections
 import math
 from dataclasses import dataclass, field
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.methods.base import Budget
 from mmkv_cli.methods.keep_all import KeepAll
 from mmkv_cli.methods.running_cache import StreamState

@@ -5,7 +5,7 @@ pruned."""
 
 from __future__ import annotations
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.methods.keep_all import KeepAll
 from mmkv_cli.methods.running_cache import StreamState
 from mmkv_cli.methods.scoring import top_in_order, top_per_head

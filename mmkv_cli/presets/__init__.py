@@ -25,8 +25,8 @@ from typing import Any
 
 import yaml
 
-from mmkv_cli import logs
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core import logs
+from mmkv_cli.core.errors import UsageError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 

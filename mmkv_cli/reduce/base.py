@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmkv_cli.lazy import torch
-from mmkv_cli.spec import Paper
+from mmkv_cli.core.lazy import torch
+from mmkv_cli.core.spec import Paper
 
 
 @dataclass

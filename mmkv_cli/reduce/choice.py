@@ -10,9 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core.errors import UsageError
+from mmkv_cli.core.spec import as_plain, override
 from mmkv_cli.reduce import REDUCERS, Reducer
-from mmkv_cli.spec import as_plain, override
 
 NONE = "none"  # `--reduce none`: no reducer, whatever the preset or method names
 

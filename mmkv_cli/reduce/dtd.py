@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mmkv_cli.core.spec import Paper, knob
 from mmkv_cli.reduce.base import Reduced, Reducer, StepTokens, similarity_to_previous
-from mmkv_cli.spec import Paper, knob
 
 
 @dataclass(frozen=True)

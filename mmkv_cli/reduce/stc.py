@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
+from mmkv_cli.core.spec import Paper, knob
 from mmkv_cli.reduce.base import Reduced, Reducer, StepTokens
-from mmkv_cli.spec import Paper, knob
 
 ALPHAS = (0.125, 0.25, 0.5, 1.0, 2.0)  # the kernels' widths, 2^-3 .. 2^1 as the code's
 

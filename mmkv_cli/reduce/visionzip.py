@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
+from mmkv_cli.core.spec import Paper, knob
 from mmkv_cli.reduce.base import (
     Reduced,
     Reducer,
@@ -19,7 +20,6 @@ from mmkv_cli.reduce.base import (
     step_by_step,
     top_in_order,
 )
-from mmkv_cli.spec import Paper, knob
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mmkv_cli.errors import MmkvError, UsageError
-from mmkv_cli.options import AskOptions, LoadOptions
+from mmkv_cli.core.errors import MmkvError, UsageError
+from mmkv_cli.core.options import AskOptions, LoadOptions
 from mmkv_cli.pack import inspect, is_url
 from mmkv_cli.serve.metrics import Metrics
 from mmkv_cli.serve.pack_routes import pack_routes

@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mmkv_cli import logs
-from mmkv_cli.config import seconds_of
-from mmkv_cli.errors import MmkvError, UsageError
-from mmkv_cli.options import AskOptions, EncodeOptions, LoadOptions
+from mmkv_cli.core import logs
+from mmkv_cli.core.config import seconds_of
+from mmkv_cli.core.errors import MmkvError, UsageError
+from mmkv_cli.core.options import AskOptions, EncodeOptions, LoadOptions
 from mmkv_cli.serve import wire
 from mmkv_cli.serve.place import Place, local_place, private_folder
 
@@ -97,14 +97,14 @@ def connect(place: Place) -> Client | None:
 
 def server_host() -> str | None:
     """MMKV_HOST, else the config file's `host`."""
-    from mmkv_cli.config import config
+    from mmkv_cli.core.config import config
 
     return os.environ.get("MMKV_HOST") or config().host
 
 
 def keep_alive() -> float | None:
     """How long a server started by a client stays idle (None: clients start none)."""
-    from mmkv_cli.config import config
+    from mmkv_cli.core.config import config
 
     given = os.environ.get("MMKV_KEEP_ALIVE")
     if given is not None:

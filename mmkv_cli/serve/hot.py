@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.pack import PackReader, Span, is_url, joined_spans
 
 

@@ -22,8 +22,9 @@ import threading
 import time
 from dataclasses import replace
 
-from mmkv_cli import __version__, logs
-from mmkv_cli.errors import MmkvError, UsageError
+from mmkv_cli import __version__
+from mmkv_cli.core import logs
+from mmkv_cli.core.errors import MmkvError, UsageError
 from mmkv_cli.serve import wire
 from mmkv_cli.serve.place import Place, check_socket_path, private_folder
 from mmkv_cli.serve.warm import Warm

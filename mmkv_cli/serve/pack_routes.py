@@ -9,7 +9,7 @@ from pathlib import PurePosixPath
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from mmkv_cli.errors import MmkvError
+from mmkv_cli.core.errors import MmkvError
 from mmkv_cli.serve.responses import STATUS
 from mmkv_cli.serve.responses import error as _error
 

@@ -14,7 +14,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core.errors import UsageError
 
 SOCKET_NAME = "mmkv.sock"
 # AF_UNIX paths are at most 107 bytes on Linux (108 with the NUL)

@@ -7,9 +7,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core.errors import UsageError
+from mmkv_cli.core.options import SEED_RANGE, AskOptions, GenerationOptions
 from mmkv_cli.methods import pruning_methods
-from mmkv_cli.options import SEED_RANGE, AskOptions, GenerationOptions
 
 # the methods a request may prune its context with, from the registry (the schema lists them)
 PruneName = Literal[tuple(pruning_methods())]  # type: ignore[valid-type]

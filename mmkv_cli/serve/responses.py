@@ -6,7 +6,7 @@ import json
 
 from fastapi.responses import JSONResponse
 
-from mmkv_cli.errors import ModelError, OutputExistsError, PackError, UsageError
+from mmkv_cli.core.errors import ModelError, OutputExistsError, PackError, UsageError
 
 # a name a stream or a pack already holds: 409
 STATUS = {UsageError: 400, OutputExistsError: 409, PackError: 422, ModelError: 503}

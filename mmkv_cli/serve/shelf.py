@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from mmkv_cli.errors import UsageError
-from mmkv_cli.names import name_problem
+from mmkv_cli.core.errors import UsageError
+from mmkv_cli.core.names import name_problem
 from mmkv_cli.pack import filesystem, is_url, local_path
 
 

@@ -9,7 +9,7 @@ import uuid
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from mmkv_cli.errors import MmkvError, UsageError
+from mmkv_cli.core.errors import MmkvError, UsageError
 from mmkv_cli.serve.requests import ChatRequest
 from mmkv_cli.serve.responses import STATUS, chunk_event
 from mmkv_cli.serve.responses import error as _error

@@ -18,11 +18,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
-from mmkv_cli.errors import MmkvError, OutputExistsError, UsageError, called_from
-from mmkv_cli.live import Follow, LiveQuestion
+from mmkv_cli.api.live import Follow, LiveQuestion
+from mmkv_cli.core.errors import MmkvError, OutputExistsError, UsageError, called_from
+from mmkv_cli.core.names import inside, name_problem
+from mmkv_cli.core.options import KV_BITS, EncodeOptions, GenerationOptions, LoadOptions, MethodSpec
 from mmkv_cli.media.live import LiveOptions
-from mmkv_cli.names import inside, name_problem
-from mmkv_cli.options import KV_BITS, EncodeOptions, GenerationOptions, LoadOptions, MethodSpec
 
 MAX_STREAMS = 8  # each holds a memory and a decoding thread
 ANSWER_WAIT_S = 600.0  # a question waits for the stream's next frame, then for its answer

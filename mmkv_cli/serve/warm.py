@@ -10,7 +10,7 @@ from pathlib import Path
 
 from mmkv_cli.api import PackSession, load_for
 from mmkv_cli.backbones.held import HeldBackbones
-from mmkv_cli.options import LoadOptions
+from mmkv_cli.core.options import LoadOptions
 from mmkv_cli.serve.hot import HotPacks, default_cap, hot_place
 
 

@@ -13,9 +13,9 @@ import socket
 from dataclasses import asdict, fields
 from typing import Any
 
-from mmkv_cli import errors
-from mmkv_cli.errors import MmkvError
-from mmkv_cli.options import (
+from mmkv_cli.core import errors
+from mmkv_cli.core.errors import MmkvError
+from mmkv_cli.core.options import (
     AskOptions,
     EncodeOptions,
     GenerationOptions,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmkv_cli.cluster.pool import Cluster
-from mmkv_cli.options import LoadOptions
+from mmkv_cli.core.options import LoadOptions
 from mmkv_cli.study.eval_run import (
     PlannedRun,
     answer_video,

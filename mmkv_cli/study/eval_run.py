@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, Positions
+from mmkv_cli.core.options import AskOptions, EncodeOptions, GenerationOptions, Positions
 from mmkv_cli.study.eval_sets.items import LETTERS, Item, correct, predicted
 from mmkv_cli.study.runs import open_run, questions_digest, run_folder, work_folder
 
@@ -117,8 +117,8 @@ class Level:
 
 def bits_of(method: str, settings: EvalSettings) -> int | float:
     """The bits a run stores at: the eval's, else the method's own."""
+    from mmkv_cli.core.options import given_or_own_bits
     from mmkv_cli.methods.choice import resolve_method
-    from mmkv_cli.options import given_or_own_bits
 
     return given_or_own_bits(settings.kv_bits, resolve_method(method).method)
 
@@ -200,8 +200,8 @@ def run_result(items: list[Item], done: dict, run: PlannedRun) -> dict:
 def run_config(items: list[Item], fingerprint: dict, run: PlannedRun) -> dict:
     """Everything a run's answers depend on (the model's fingerprint among them): a run folder is
     reused only under the same."""
+    from mmkv_cli.core.spec import as_plain
     from mmkv_cli.methods.choice import resolve_method
-    from mmkv_cli.spec import as_plain
 
     method, level, settings = run.method, run.level, run.settings
     config = {
@@ -276,8 +276,8 @@ def _answer_clip(video, todo, pack, backbone, method, level: Level, settings: Ev
 def _answer_streamed(video, todo, pack, backbone, method, level: Level, settings: EvalSettings):
     """Stream: the clip followed once as a live stream, each question answered from the memory at
     its moment (stream_protocol.py): a row per item."""
+    from mmkv_cli.core.options import given_or_own_bits
     from mmkv_cli.methods.choice import resolve_method
-    from mmkv_cli.options import given_or_own_bits
     from mmkv_cli.study.stream_protocol import answered_live
 
     choice = resolve_method(method).with_budget(level.share, level.tokens)

@@ -13,8 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from mmkv_cli.cluster.pool import Cluster
-from mmkv_cli.errors import UsageError
-from mmkv_cli.options import LoadOptions
+from mmkv_cli.core.errors import UsageError
+from mmkv_cli.core.options import LoadOptions
 from mmkv_cli.study.eval_run import (
     PROTOCOLS,
     EvalSettings,

@@ -16,9 +16,9 @@ import torch
 
 from mmkv_cli import api
 from mmkv_cli.backbones.loading import load_backbone
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core.errors import UsageError
+from mmkv_cli.core.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
 from mmkv_cli.methods.choice import resolve_method
-from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
 from mmkv_cli.pack import QuantSpec
 
 METRICS = [

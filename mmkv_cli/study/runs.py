@@ -17,8 +17,8 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-from mmkv_cli.errors import UsageError
-from mmkv_cli.names import name_problem, stem_from
+from mmkv_cli.core.errors import UsageError
+from mmkv_cli.core.names import name_problem, stem_from
 
 
 def run_folder(

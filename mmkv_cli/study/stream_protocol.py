@@ -11,12 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mmkv_cli import api
+from mmkv_cli.core.options import AskOptions
 from mmkv_cli.encode.live import LiveEncoder
 from mmkv_cli.encode.record import write_encoded
 from mmkv_cli.media import Media, load_media
 from mmkv_cli.methods import EncodeContext
 from mmkv_cli.methods.choice import MethodChoice
-from mmkv_cli.options import AskOptions
 from mmkv_cli.pack import QuantSpec
 from mmkv_cli.study.eval_sets.items import Item
 

@@ -10,7 +10,7 @@ from concurrent.futures import wait
 
 import numpy as np
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.pack.integrity.hashing import (
     BlockHashes,
     beside_hashing,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mmkv_cli.errors import PackError, UsageError, flag
-from mmkv_cli.lazy import torch
-from mmkv_cli.options import kv_bits_value
+from mmkv_cli.core.errors import PackError, UsageError, flag
+from mmkv_cli.core.lazy import torch
+from mmkv_cli.core.options import kv_bits_value
 from mmkv_cli.pack import PackHeader, PackReader, Span, check_writable
 from mmkv_cli.pack.io.storage import is_url, local_path, staged_upload
 from mmkv_cli.pack.quantized.quant import QuantSpec

@@ -16,8 +16,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from mmkv_cli.errors import PackError
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.errors import PackError
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.pack.access.writer import checked_shapes, table_layout
 from mmkv_cli.pack.integrity.verdicts import LaterVerdicts
 from mmkv_cli.pack.quantized.quant import QuantSpec

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmkv_cli.errors import PackError
+from mmkv_cli.core.errors import PackError
 from mmkv_cli.pack.integrity.checks import check_header, check_spans, index_digest, parse_header
 from mmkv_cli.pack.integrity.shapes import check_tensors, kv_shape_of
 from mmkv_cli.pack.integrity.tensors import StoredTensors

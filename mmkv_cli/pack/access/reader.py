@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mmkv_cli.errors import PackError
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.errors import PackError
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.pack.access.block_store import BlockStore
 from mmkv_cli.pack.access.opening import open_pack
 from mmkv_cli.pack.access.side_tensors import (

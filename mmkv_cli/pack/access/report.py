@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mmkv_cli.errors import PackError, unreadable
+from mmkv_cli.core.errors import PackError, unreadable
 from mmkv_cli.pack.access.reader import PackReader
 
 BYTES_PER_VALUE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mmkv_cli.errors import PackError
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.errors import PackError
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.pack.access.block_store import all_finite
 from mmkv_cli.pack.integrity.finite import finite_stored
 from mmkv_cli.pack.integrity.hashing import chunk_digests, digest_of

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmkv_cli.errors import PackError, output_exists
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.errors import PackError, output_exists
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.pack.access.block_writing import KeyScales, write_blocks
 from mmkv_cli.pack.integrity.checks import index_digest
 from mmkv_cli.pack.integrity.hashing import REPS_CHUNK, chunk_count, chunk_digests, tensors_digest

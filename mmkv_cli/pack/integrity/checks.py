@@ -19,7 +19,7 @@ import re
 import struct
 from typing import TYPE_CHECKING
 
-from mmkv_cli.errors import PackError, unreadable
+from mmkv_cli.core.errors import PackError, unreadable
 from mmkv_cli.pack.integrity.hashing import new_digest
 from mmkv_cli.pack.schema.format import (
     BLOCKS,

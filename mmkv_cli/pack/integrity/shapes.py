@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmkv_cli.errors import PackError
+from mmkv_cli.core.errors import PackError
 from mmkv_cli.pack.integrity.checks import KV_DTYPES, STORED_KV_DTYPES, check_kv_shape
 from mmkv_cli.pack.integrity.hashing import chunk_count
 from mmkv_cli.pack.schema.format import BLOCKS, OLD_TABLE_COLUMNS, TABLE_COLUMNS, digest_name

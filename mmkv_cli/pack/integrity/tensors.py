@@ -11,8 +11,8 @@ import os
 
 import numpy as np
 
-from mmkv_cli.errors import PackError, unreadable
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.errors import PackError, unreadable
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.pack.integrity.checks import read_directory
 from mmkv_cli.pack.io import vectored
 from mmkv_cli.pack.io.pools import KeptPool

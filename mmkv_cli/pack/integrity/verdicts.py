@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mmkv_cli.errors import PackError
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.errors import PackError
+from mmkv_cli.core.lazy import torch
 
 
 def finite_flag(tensors: list[torch.Tensor]) -> torch.Tensor | None:

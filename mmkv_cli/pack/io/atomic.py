@@ -7,7 +7,7 @@ import os
 from glob import escape as glob_escape
 from pathlib import Path
 
-from mmkv_cli.errors import OutputExistsError, UsageError, output_exists
+from mmkv_cli.core.errors import OutputExistsError, UsageError, output_exists
 
 
 def check_writable(path: Path, force: bool) -> None:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import IO, Protocol
 
-from mmkv_cli.errors import PackError, unreadable
+from mmkv_cli.core.errors import PackError, unreadable
 from mmkv_cli.pack.io.storage import RemoteFile, is_url, local_path
 
 

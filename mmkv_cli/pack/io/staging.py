@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
 
 # K/V bytes read per group before it is sent to a GPU: large enough that a group's preads run long,
 # small enough that the copies overlap the reading (at 7B, about six frames of K/V)

@@ -14,10 +14,10 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
-from mmkv_cli import logs
-from mmkv_cli.errors import OutputExistsError, PackError, StorageError, output_exists
+from mmkv_cli.core import logs
+from mmkv_cli.core.errors import OutputExistsError, PackError, StorageError, output_exists
 
-LOG = logs.get(__name__)
+LOG = logs.get("mmkv_cli.pack.storage")  # its name before the rooms: users filter by it
 
 URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 # Stores where an upload becomes visible only once it is complete (a PUT, a completed multipart or

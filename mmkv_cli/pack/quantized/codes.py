@@ -3,7 +3,7 @@ token's codes stay one row of bytes (quant.py, vidkv.py)."""
 
 from __future__ import annotations
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmkv_cli.errors import UsageError
-from mmkv_cli.lazy import torch
-from mmkv_cli.options import KV_BITS
+from mmkv_cli.core.errors import UsageError
+from mmkv_cli.core.lazy import torch
+from mmkv_cli.core.options import KV_BITS
 from mmkv_cli.pack.integrity.finite import EXPONENTS
 from mmkv_cli.pack.quantized import vidkv
 from mmkv_cli.pack.quantized.codes import pack_codes, unpack_codes
@@ -102,7 +102,7 @@ class QuantSpec:
     def from_header(cls, stored, kv, where: str) -> QuantSpec | None:
         """A pack header's `quant`, checked against its `kv`: None when the K/V are stored as
         computed (every pack before v7)."""
-        from mmkv_cli.errors import PackError
+        from mmkv_cli.core.errors import PackError
 
         if stored is None:
             return None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.pack.quantized.codes import pack_codes
 
 TRITS_PER_BYTE = 5

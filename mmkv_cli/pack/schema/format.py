@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.lazy import torch
 
 FORMAT_NAME = "mmkv.kvpack"
 FORMAT_VERSION = 12

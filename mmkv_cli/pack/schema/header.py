@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from mmkv_cli.errors import PackError
+from mmkv_cli.core.errors import PackError
 from mmkv_cli.pack.schema.format import FORMAT_VERSION
 
 

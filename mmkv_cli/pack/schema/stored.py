@@ -3,8 +3,8 @@ same tokens."""
 
 from __future__ import annotations
 
-from mmkv_cli.errors import PackError
-from mmkv_cli.lazy import torch
+from mmkv_cli.core.errors import PackError
+from mmkv_cli.core.lazy import torch
 from mmkv_cli.pack.schema.format import BlockShape, Span
 
 INT32_MAX = 2**31 - 1

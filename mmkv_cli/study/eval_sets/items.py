@@ -8,7 +8,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core.errors import UsageError
 
 LETTERS = "ABCDEFGHIJ"
 NOT_ANSWERABLE = "not answerable"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core.errors import UsageError
 from mmkv_cli.study.synth import grid, world
 from mmkv_cli.study.synth.world import Clip
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from mmkv_cli.errors import UsageError
-from mmkv_cli.spec import knob, override
+from mmkv_cli.core.errors import UsageError
+from mmkv_cli.core.spec import knob, override
 
 _DURATION = re.compile(r"(\d+(?:\.\d*)?)\s*(ms|s|m|h|d)?")
 _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}

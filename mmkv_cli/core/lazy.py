@@ -35,7 +35,9 @@ class Deferred:
     def __getattr__(self, attribute: str):
         module = self._module
         if module is None:
-            from mmkv_cli.runtime import require_supported  # the versions first, one clear line
+            from mmkv_cli.core.runtime import (
+                require_supported,  # the versions first, one clear line
+            )
 
             require_supported()
             module = self._module = importlib.import_module(self._name)

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from mmkv_cli import logs
 from mmkv_cli.api import PackSession, answer_record
-from mmkv_cli.errors import MediaError, MmkvError, UsageError, flag
+from mmkv_cli.core import logs
+from mmkv_cli.core.errors import MediaError, MmkvError, UsageError, flag
+from mmkv_cli.core.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
 from mmkv_cli.media.live import LiveOptions, LiveSource
-from mmkv_cli.options import AskOptions, EncodeOptions, GenerationOptions, LoadOptions
 from mmkv_cli.pack import MemoryPack, check_writable, local_path
 
 
@@ -39,7 +39,7 @@ class LiveQuestion:
     generation: GenerationOptions | None = None  # None: the follow's
 
 
-LOG = logs.get(__name__)
+LOG = logs.get("mmkv_cli.live")  # the name users filter by, as before the move
 Answered = Callable[[dict], None]  # one answer record (as `ask --json` prints it, and more)
 Ready = Callable[[dict], None]  # {"moment", "after_s"}: the first frame is in
 T = TypeVar("T")

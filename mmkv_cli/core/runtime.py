@@ -13,7 +13,7 @@ import sys
 from functools import cache
 from importlib import metadata
 
-from mmkv_cli.errors import SetupError
+from mmkv_cli.core.errors import SetupError
 
 PYTHON_FLOOR = (3, 11)  # transformers 5 needs 3.11; the matrix runs 3.11 to 3.14
 TORCH_FLOOR = (2, 6)  # transformers 5.24 disables torch below 2.6

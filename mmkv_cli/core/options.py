@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from mmkv_cli.errors import UsageError, flag, is_number
+from mmkv_cli.core.errors import UsageError, flag, is_number
 
 
 class Positions(str, Enum):

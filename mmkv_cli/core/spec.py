@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core.errors import UsageError
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from mmkv_cli.errors import UsageError
+from mmkv_cli.core.errors import UsageError
 
 logging.getLogger("mmkv").addHandler(logging.NullHandler())
 
