@@ -375,7 +375,8 @@ def test_the_scales_alone_say_whether_every_code_decodes_finite(bits, dtype):
     import numpy as np
 
     from mmkv_cli.pack.quantized.codes import pack_codes
-    from mmkv_cli.pack.quantized.quant import decodes_finite, dequantize_keys
+    from mmkv_cli.pack.quantized.decodable import decodes_finite
+    from mmkv_cli.pack.quantized.quant import dequantize_keys
 
     top = (1 << bits) - 1
     edges = [0.0, 1.0, -1.0, 65504.0, -65504.0, 1e-7, 30000.0, -30000.0]
@@ -459,7 +460,7 @@ def test_a_rows_scales_are_settled_by_their_bits_and_only_doubtful_rows_decoded(
     scale past 2^(15 - bits), Inf or NaN."""
     import numpy as np
 
-    from mmkv_cli.pack.quantized.quant import decodes_finite, rows_decode_finite
+    from mmkv_cli.pack.quantized.decodable import decodes_finite, rows_decode_finite
 
     rng = np.random.default_rng(len(shape))
     pairs = (rng.standard_normal(shape) * 3).astype(np.float16)

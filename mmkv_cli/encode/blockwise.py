@@ -17,6 +17,16 @@ from collections import defaultdict
 import torch
 
 from mmkv_cli.backbones.base import Backbone, StreamLayout
+from mmkv_cli.encode.checkpoint import Checkpointing
+from mmkv_cli.encode.results import Streamed
+from mmkv_cli.encode.saved_state import block_rows, blocks_from, blocks_tensors
+from mmkv_cli.encode.stream import (
+    Stream,
+    check_count,
+    reducer_saved,
+    restore_reducer,
+    visual_tokens,
+)
 from mmkv_cli.kernels.attention import Recorder, recording
 from mmkv_cli.kernels.host import HostCopies
 from mmkv_cli.kernels.rope import compact_positions, rotate_keys
@@ -160,3 +170,67 @@ def order_blocks(blocks: list[Span]) -> list[Span]:
     for i, block in enumerate(blocks):
         block.name = f"b{i}"
     return blocks
+
+
+def encode_blockwise(
+    stream: Stream,
+    policy: BlockwiseMemory,
+    prefix: Span,
+    cache,
+    checkpoint: Checkpointing | None = None,
+) -> Streamed:
+    """Independent blocks after the init prompt, whole segments per chunk; the suffix follows the
+    init prompt. With `checkpoint`, the blocks made so far are saved every N chunks."""
+    backbone, layout = stream.backbone, stream.layout
+    per_step = backbone.frames_per_step
+    total = sum(layout.step_lengths)
+    policy.begin(total)
+    starts = torch.cumsum(torch.tensor([0, *layout.step_lengths[:-1]]), 0)
+    origins = layout.visual[:, starts].cpu()  # every step's first token: where it is placed from
+    blocks, seen, peak_kv, skip, prefilled = [], 0, 0, 0, 0
+    if checkpoint and checkpoint.restored:
+        restored = checkpoint.take_restored()  # tensors popped as used: none outlives its use
+        progress, blocks = restored.progress, blocks_from(restored.tensors, restored.rows)
+        seen, peak_kv, skip = progress["seen"], progress["peak_kv"], progress["chunks"]
+        prefilled = progress.get("prefilled", seen)
+        restore_reducer(stream, restored.tensors)
+    saved = len(blocks)  # blocks before it are in the checkpoint already
+    # every block so far as a checkpoint seals it, grown by the new ones at each save: listing an
+    # hour's blocks again at every save costs more than the save (docs/measurements.md)
+    sealed = blocks_tensors(blocks) if checkpoint else {}
+    unit = policy.segment_steps(per_step)
+    copies = HostCopies(backbone.device)  # blocks leave the device while the next chunk runs
+    chunks = stream.chunks(unit, skip)
+    for number, (first_step, frames, done, inputs) in enumerate(chunks, start=skip + 1):
+        times = stream.step_times[first_step : first_step + len(frames) // per_step]
+        embeds, extra, keep = visual_tokens(
+            backbone, frames, times, layout, first_step, stream.reducer, inputs
+        )
+        n = embeds.shape[1]
+        plans = chunk_plans(policy, layout, first_step, len(times), per_step, keep)
+        prefilled += n if keep is None else int(keep.sum())
+        positions = layout.visual[:, seen : seen + n].cpu()
+        timing = stream.step_times
+        made, peak = prefill_blocks(
+            backbone, policy, prefix, embeds, extra, positions, plans, timing, origins, copies
+        )
+        blocks += made
+        seen += n
+        peak_kv = max(peak_kv, peak)
+        stream.report(done, seen)
+        if checkpoint and checkpoint.due(number) and seen < total:
+            progress = {"chunks": number, "seen": seen, "peak_kv": peak_kv, "prefilled": prefilled}
+            copies.settle()  # the blocks are read to be saved
+            sealed |= blocks_tensors(blocks[saved:], saved)
+            checkpoint.save(progress, reducer_saved(stream), sealed, block_rows(blocks[saved:]))
+            saved = len(blocks)
+    check_count(stream.media, seen, total)
+    copies.settle()  # one wait for every block's KV sent to the host
+    return Streamed(
+        order_blocks(blocks),
+        cache,
+        prefix.layer_counts,
+        peak_kv,
+        representatives=policy.retrieval_space,
+        prefilled=prefilled,
+    )

@@ -13,27 +13,33 @@ import torch
 from mmkv_cli.backbones import reuse_families, tower_families
 from mmkv_cli.backbones.base import Backbone, StreamLayout
 from mmkv_cli.core.errors import MediaError
-from mmkv_cli.encode.blockwise import chunk_plans, order_blocks, prefill_blocks
+from mmkv_cli.encode.blockwise import encode_blockwise
 from mmkv_cli.encode.checkpoint import Checkpointing
 from mmkv_cli.encode.decoupled import encode_decoupled
 from mmkv_cli.encode.reducing import ChunkReducer, grid_index
 from mmkv_cli.encode.results import Encoded, Streamed, layout_record
 from mmkv_cli.encode.saved_state import (
-    block_rows,
-    blocks_from,
-    blocks_tensors,
     restore_running_cache,
     running_cache_tensors,
 )
 from mmkv_cli.encode.sealing import EarlyTarget, Sealing, open_sealing
-from mmkv_cli.encode.stream import Progress, Stream, step_times_of
+from mmkv_cli.encode.stream import (
+    Progress,
+    Stream,
+    check_count,
+    named_under,
+    reducer_saved,
+    restore_reducer,
+    step_times_of,
+    visual_tokens,
+)
 from mmkv_cli.encode.text_attention import text_attention
 from mmkv_cli.encode.window import newest_frames, stream_tokens
 from mmkv_cli.kernels.attention import masking, recording
-from mmkv_cli.kernels.host import HostCopies, host_all
+from mmkv_cli.kernels.host import host_all
 from mmkv_cli.media import Media
 from mmkv_cli.methods import Budget, EncodeContext
-from mmkv_cli.methods.base import BlockwiseMemory, StreamingMemory
+from mmkv_cli.methods.base import StreamingMemory
 from mmkv_cli.methods.choice import MethodChoice
 from mmkv_cli.methods.running_cache import RunningCache, StreamState
 from mmkv_cli.pack import Span
@@ -231,7 +237,7 @@ def encode_streaming(
             cuts.append(running.streamed)
             live, sealed = running_cache_tensors(running, cuts)
             checkpoint.save({**progress, "peak_kv": peak_kv}, live | saved, sealed)
-    _check_count(stream.media, state.seen, total)
+    check_count(stream.media, state.seen, total)
     policy.finish(state)
     blocks = [] if sealing is not None else policy.make_blocks(state, stream.step_times)
     state.attend = None  # it closes over the state: without this the cache waits for the cycle GC
@@ -249,40 +255,6 @@ def encode_streaming(
         head_masks=running.head_masks(),
         prompt_shift=list(running.prompt_shift),
     )
-
-
-def reducer_saved(stream: Stream) -> dict:
-    """The reducer's state for a checkpoint, its names under reduce."""
-    if stream.reducer is None:
-        return {}
-    return {f"reduce.{k}": v for k, v in stream.reducer.saved().items()}
-
-
-def restore_reducer(stream: Stream, tensors: dict) -> None:
-    """Take back what reducer_saved gave."""
-    if stream.reducer is not None:
-        stream.reducer.restore(named_under(tensors, "reduce."))
-
-
-def named_under(tensors: dict, prefix: str) -> dict:
-    """The checkpoint's tensors named `prefix`..., by the rest of their names."""
-    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-
-
-def visual_tokens(
-    backbone: Backbone,
-    frames: np.ndarray,
-    steps: list[tuple[float, float]],
-    layout: StreamLayout,
-    first_step: int,
-    reducer: ChunkReducer | None,
-    inputs: dict | None = None,
-) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
-    """A chunk's stream tokens, extra LM inputs, and which of them to prefill (None: all).
-    inputs: the backbone's prepared for these frames (None: made now)."""
-    if reducer is None:
-        return (*backbone.visual_chunk(frames, steps, layout, inputs), None)
-    return reducer.visual(backbone, frames, steps, layout, first_step, inputs)
 
 
 def stream_chunk(
@@ -330,74 +302,3 @@ def stream_chunk(
     state.cache.passed(state.seen)
     if recorder:
         policy.observe(state, recorder)
-
-
-def encode_blockwise(
-    stream: Stream,
-    policy: BlockwiseMemory,
-    prefix: Span,
-    cache,
-    checkpoint: Checkpointing | None = None,
-) -> Streamed:
-    """Independent blocks after the init prompt, whole segments per chunk; the suffix follows the
-    init prompt. With `checkpoint`, the blocks made so far are saved every N chunks."""
-    backbone, layout = stream.backbone, stream.layout
-    per_step = backbone.frames_per_step
-    total = sum(layout.step_lengths)
-    policy.begin(total)
-    starts = torch.cumsum(torch.tensor([0, *layout.step_lengths[:-1]]), 0)
-    origins = layout.visual[:, starts].cpu()  # every step's first token: where it is placed from
-    blocks, seen, peak_kv, skip, prefilled = [], 0, 0, 0, 0
-    if checkpoint and checkpoint.restored:
-        restored = checkpoint.take_restored()  # tensors popped as used: none outlives its use
-        progress, blocks = restored.progress, blocks_from(restored.tensors, restored.rows)
-        seen, peak_kv, skip = progress["seen"], progress["peak_kv"], progress["chunks"]
-        prefilled = progress.get("prefilled", seen)
-        restore_reducer(stream, restored.tensors)
-    saved = len(blocks)  # blocks before it are in the checkpoint already
-    # every block so far as a checkpoint seals it, grown by the new ones at each save: listing an
-    # hour's blocks again at every save costs more than the save (docs/measurements.md)
-    sealed = blocks_tensors(blocks) if checkpoint else {}
-    unit = policy.segment_steps(per_step)
-    copies = HostCopies(backbone.device)  # blocks leave the device while the next chunk runs
-    chunks = stream.chunks(unit, skip)
-    for number, (first_step, frames, done, inputs) in enumerate(chunks, start=skip + 1):
-        times = stream.step_times[first_step : first_step + len(frames) // per_step]
-        embeds, extra, keep = visual_tokens(
-            backbone, frames, times, layout, first_step, stream.reducer, inputs
-        )
-        n = embeds.shape[1]
-        plans = chunk_plans(policy, layout, first_step, len(times), per_step, keep)
-        prefilled += n if keep is None else int(keep.sum())
-        positions = layout.visual[:, seen : seen + n].cpu()
-        timing = stream.step_times
-        made, peak = prefill_blocks(
-            backbone, policy, prefix, embeds, extra, positions, plans, timing, origins, copies
-        )
-        blocks += made
-        seen += n
-        peak_kv = max(peak_kv, peak)
-        stream.report(done, seen)
-        if checkpoint and checkpoint.due(number) and seen < total:
-            progress = {"chunks": number, "seen": seen, "peak_kv": peak_kv, "prefilled": prefilled}
-            copies.settle()  # the blocks are read to be saved
-            sealed |= blocks_tensors(blocks[saved:], saved)
-            checkpoint.save(progress, reducer_saved(stream), sealed, block_rows(blocks[saved:]))
-            saved = len(blocks)
-    _check_count(stream.media, seen, total)
-    copies.settle()  # one wait for every block's KV sent to the host
-    return Streamed(
-        order_blocks(blocks),
-        cache,
-        prefix.layer_counts,
-        peak_kv,
-        representatives=policy.retrieval_space,
-        prefilled=prefilled,
-    )
-
-
-def _check_count(media: Media, seen: int, total: int) -> None:
-    if seen != total:
-        raise MediaError(
-            f"{media.source}: expected {total} visual tokens, the backbone gave {seen}"
-        )

@@ -36,10 +36,9 @@ from mmkv_cli.encode.encoder import (
     encode_media,
     finished,
     stream_chunk,
-    visual_tokens,
 )
 from mmkv_cli.encode.reducing import ChunkReducer
-from mmkv_cli.encode.stream import padded
+from mmkv_cli.encode.stream import padded, visual_tokens
 from mmkv_cli.encode.text_attention import text_attention
 from mmkv_cli.kernels.host import HostCopies
 from mmkv_cli.media.base import Media

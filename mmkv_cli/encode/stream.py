@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from mmkv_cli.backbones.base import Backbone, StreamLayout
+from mmkv_cli.core.errors import MediaError
 from mmkv_cli.encode.reducing import ChunkReducer
 from mmkv_cli.media import Media
 
@@ -90,3 +91,44 @@ def padded(frames: np.ndarray, multiple: int) -> np.ndarray:
     do)."""
     extra = (-len(frames)) % multiple
     return np.concatenate([frames, np.repeat(frames[-1:], extra, axis=0)]) if extra else frames
+
+
+def reducer_saved(stream: Stream) -> dict:
+    """The reducer's state for a checkpoint, its names under reduce."""
+    if stream.reducer is None:
+        return {}
+    return {f"reduce.{k}": v for k, v in stream.reducer.saved().items()}
+
+
+def restore_reducer(stream: Stream, tensors: dict) -> None:
+    """Take back what reducer_saved gave."""
+    if stream.reducer is not None:
+        stream.reducer.restore(named_under(tensors, "reduce."))
+
+
+def named_under(tensors: dict, prefix: str) -> dict:
+    """The checkpoint's tensors named `prefix`..., by the rest of their names."""
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def visual_tokens(
+    backbone: Backbone,
+    frames: np.ndarray,
+    steps: list[tuple[float, float]],
+    layout: StreamLayout,
+    first_step: int,
+    reducer: ChunkReducer | None,
+    inputs: dict | None = None,
+) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+    """A chunk's stream tokens, extra LM inputs, and which of them to prefill (None: all).
+    inputs: the backbone's prepared for these frames (None: made now)."""
+    if reducer is None:
+        return (*backbone.visual_chunk(frames, steps, layout, inputs), None)
+    return reducer.visual(backbone, frames, steps, layout, first_step, inputs)
+
+
+def check_count(media: Media, seen: int, total: int) -> None:
+    if seen != total:
+        raise MediaError(
+            f"{media.source}: expected {total} visual tokens, the backbone gave {seen}"
+        )

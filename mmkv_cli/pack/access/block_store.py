@@ -22,7 +22,8 @@ from mmkv_cli.pack.integrity.tensors import FileArray
 from mmkv_cli.pack.integrity.verdicts import finite_flag
 from mmkv_cli.pack.io.staging import Staging
 from mmkv_cli.pack.quantized import vidkv
-from mmkv_cli.pack.quantized.quant import QuantSpec, decodes_finite, dequantize, rows_decode_finite
+from mmkv_cli.pack.quantized.decodable import decodes_finite, rows_decode_finite
+from mmkv_cli.pack.quantized.quant import QuantSpec, dequantize
 from mmkv_cli.pack.schema.table import BlockRows
 
 
@@ -128,7 +129,7 @@ class BlockStore:
 
     def decode_suspects(self, where: BlockRows) -> list[int]:
         """The quantized blocks of `where` (positions in it) whose stored scales might decode to
-        NaN or Inf, found from the scales alone (quant.decodes_finite; about 6% of a 4-bit
+        NaN or Inf, found from the scales alone (decodable.decodes_finite; about 6% of a 4-bit
         block's bytes): every other block decodes finite, so `verify` decodes only these (from an
         honest writer, none). At 1.5 bits every block: VidKV's planes decode otherwise."""
         count = len(where.indices)
