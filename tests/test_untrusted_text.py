@@ -100,7 +100,7 @@ def test_a_logged_request_line_shows_its_controls_escaped():
     """serve's access log and mmkv's own logs: a request path or a pack's name as it came."""
     import logging
 
-    from mmkv_cli.cli.display import VisibleFormatter
+    from mmkv_cli.cli.log_lines import VisibleFormatter
 
     record = logging.LogRecord("mmkv.access", logging.INFO, "", 0, "GET /%s 404", (TERMINAL,), None)
     line = VisibleFormatter("%(message)s").format(record)

@@ -94,7 +94,7 @@ def main_options(
     import logging
     import os
 
-    from mmkv_cli.cli.display import show_logs
+    from mmkv_cli.cli.log_lines import show_logs
     from mmkv_cli.core.config import Config, config
     from mmkv_cli.core.logs import level_named
     from mmkv_cli.presets import use_presets
@@ -163,13 +163,8 @@ def encode(
     def body() -> None:
         from rich.text import Text
 
-        from mmkv_cli.cli.display import (
-            encode_progress,
-            encoded_line,
-            err_console,
-            out_console,
-            thinning_note,
-        )
+        from mmkv_cli.cli.display import encoded_line, err_console, out_console, thinning_note
+        from mmkv_cli.cli.progress import encode_progress
 
         options = EncodeOptions(
             method,

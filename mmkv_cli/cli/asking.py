@@ -145,8 +145,9 @@ def _answer_all(session, asked: list, options: AskOptions, as_json: bool, explai
     """Answer each question in order, streaming text (or one JSON line each); a question that
     fails reports its one-line error and the others still run. Returns how many failed."""
     from mmkv_cli.ask.result import answer_record
-    from mmkv_cli.cli.display import answer_broken, answer_end, answer_piece, err_console
+    from mmkv_cli.cli.display import err_console
     from mmkv_cli.cli.literal import literal
+    from mmkv_cli.cli.log_lines import answer_broken, answer_end, answer_piece
 
     failed = 0
     for number, q in enumerate(asked, 1):
@@ -196,7 +197,8 @@ def _answer_packs(
     worker, JSONL on stdout in the file's order; on Ray a per-worker summary on stderr. Returns
     how many failed."""
     from mmkv_cli.batch.questions import Asked, answer_all
-    from mmkv_cli.cli.display import err_console, questions_progress
+    from mmkv_cli.cli.display import err_console
+    from mmkv_cli.cli.progress import questions_progress
 
     lines = []
     for number, q in enumerate(asked):

@@ -113,7 +113,7 @@ def batch(
 
 
 def _progress():
-    from mmkv_cli.cli.display import counting_progress
+    from mmkv_cli.cli.progress import counting_progress
 
     return counting_progress("batch", "items, {task.fields[failed]} failed")
 

@@ -2,20 +2,8 @@
 
 from __future__ import annotations
 
-import logging
-import sys
-from contextlib import contextmanager
-
 from rich import box
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 from rich.text import Text
 
@@ -26,116 +14,12 @@ out_console = Console()
 error_console = Console(stderr=True)  # the one line of a failure: never silenced
 
 
-def show_logs(level: int, quiet: bool) -> None:
-    """mmkv's log records at `level` and above on stderr through rich's handler; quiet: the notes
-    and progress bars go too, leaving answers and errors."""
-    from rich.logging import RichHandler
-
-    err_console.quiet = quiet
-    handler = RichHandler(
-        console=error_console,
-        show_time=level <= logging.DEBUG,
-        show_path=False,
-        markup=False,
-        rich_tracebacks=False,
-    )
-    handler.setFormatter(VisibleFormatter("%(name)s: %(message)s", datefmt="%H:%M:%S"))
-    root = logging.getLogger("mmkv")
-    root.handlers = [h for h in root.handlers if not isinstance(h, HeldWhileAnswering)]
-    root.handlers.append(HeldWhileAnswering(handler))
-    root.setLevel(level)
-
-
-class HeldWhileAnswering(logging.Handler):
-    """Records that come while an answer's line streams on stdout wait for its end: on one
-    terminal they would land in the middle of the answer."""
-
-    held: list[tuple[logging.Handler, logging.LogRecord]] = []
-    answering = False
-
-    def __init__(self, inner: logging.Handler):
-        super().__init__()
-        self.inner = inner
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if HeldWhileAnswering.answering:
-            HeldWhileAnswering.held.append((self.inner, record))
-        else:
-            self.inner.handle(record)
-
-
-def answer_piece(piece: str) -> None:
-    """A piece of the answer streaming on stdout (the line is held open until answer_end)."""
-    HeldWhileAnswering.answering = True
-    sys.stdout.write(piece)
-    sys.stdout.flush()
-
-
-def answer_broken() -> None:
-    """An answer cut by an error: its line ends, so the error starts a line of its own."""
-    if HeldWhileAnswering.answering:
-        answer_end()
-
-
-def answer_end() -> None:
-    """The answer's line ended; the records held meanwhile shown."""
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    HeldWhileAnswering.answering = False
-    held, HeldWhileAnswering.held = HeldWhileAnswering.held, []
-    for handler, record in held:
-        handler.handle(record)
-
-
-class VisibleFormatter(logging.Formatter):
-    """A record's line with its control characters made visible: a logged path or request line
-    may come from outside."""
-
-    def format(self, record) -> str:
-        return visible(super().format(record))
-
-
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f}B" if unit == "B" else f"{n:.1f}{unit}"
         n /= 1024
     return f"{n:.1f} GiB"
-
-
-def encode_progress() -> Progress:
-    return Progress(
-        TextColumn("[bold]encode"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("frames"),
-        TextColumn("{task.fields[rate]}"),
-        TimeElapsedColumn(),
-        console=err_console,
-        transient=True,
-        disable=not err_console.is_terminal,  # off a terminal a bar leaves only a blank line
-    )
-
-
-def counting_progress(label: str, unit: str) -> Progress:
-    """A transient bar on stderr counting `unit` done of a total, with the time taken and an ETA
-    (label and unit may name task fields: {task.description}, {task.fields[failed]})."""
-    return Progress(
-        TextColumn(f"[bold]{label}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn(unit),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
-        console=err_console,
-        transient=True,
-        disable=not err_console.is_terminal,
-    )
-
-
-def eval_progress() -> Progress:
-    return counting_progress("{task.description}", "clips")
 
 
 def budget_label(info: dict) -> str:
@@ -383,15 +267,6 @@ def show_retrieved(retrieved: list[dict], used: list[str], kind: str | None = "v
             row += [f"{r['score']:.3f}", f"{r['reranked']:.3f}"]
         table.add_row(*row, *([str(r["layers"])] if layered else []))
     err_console.print(table)
-
-
-@contextmanager
-def questions_progress(total: int):
-    """A bar on stderr over the questions answered, with an ETA; yields tick(answered)."""
-    bar = counting_progress("questions", "")
-    task = bar.add_task("questions", total=total)
-    with bar:
-        yield lambda done: bar.update(task, completed=done)
 
 
 def show_config(path, rows: list[dict]) -> None:

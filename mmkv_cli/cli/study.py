@@ -153,7 +153,7 @@ def eval_(
     """Score methods and budgets on a question set: each clip encoded once per run."""
 
     def body() -> None:
-        from mmkv_cli.cli.display import eval_progress
+        from mmkv_cli.cli.progress import eval_progress
         from mmkv_cli.cli.study_display import show_eval, show_workers
         from mmkv_cli.study import evaluate as ev
 

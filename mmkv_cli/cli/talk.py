@@ -64,13 +64,8 @@ def chat(
 
     def body() -> None:
         from mmkv_cli.cli.chat import Chat, chat_loop
-        from mmkv_cli.cli.display import (
-            answer_broken,
-            answer_end,
-            answer_piece,
-            err_console,
-            show_retrieved,
-        )
+        from mmkv_cli.cli.display import err_console, show_retrieved
+        from mmkv_cli.cli.log_lines import answer_broken, answer_end, answer_piece
 
         generation = GenerationOptions(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
         options = AskOptions(generation=generation, explain=True)  # /explain, any time
@@ -130,7 +125,7 @@ def _log_access() -> None:
     """One line on stderr for each request, as web servers print them."""
     import logging
 
-    from mmkv_cli.cli.display import VisibleFormatter
+    from mmkv_cli.cli.log_lines import VisibleFormatter
 
     handler = logging.StreamHandler(sys.stderr)
     # a request's path and headers come from outside: their control characters shown escaped
