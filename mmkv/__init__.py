@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
 from mmkv import methods
+from mmkv._listing import list_methods, list_models
 from mmkv._live import Live
 from mmkv._pack import Pack, not_questions
 from mmkv._results import (
@@ -36,6 +37,7 @@ from mmkv._results import (
     ParamInfo,
     VerifyReport,
 )
+from mmkv._study import eval  # noqa: A004 (mmkv.eval, as `mmkv eval`)
 from mmkv.methods import MethodConfig
 from mmkv_cli import __version__
 from mmkv_cli import api as _api
@@ -52,7 +54,7 @@ from mmkv_cli.core.errors import (
     UsageError,
     called_from_python,
 )
-from mmkv_cli.core.options import EncodeOptions, LoadOptions, kv_bits_value
+from mmkv_cli.core.options import EncodeOptions, LoadOptions
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -329,94 +331,3 @@ def live(
     for question in asked:
         follow.ask(question)
     return Live(follow)
-
-
-@called_from_python()
-def eval(  # noqa: A001 (mmkv.eval, as `mmkv eval`)
-    questions: str | Path,
-    out: str | Path,
-    *,
-    methods: Sequence[str] = ("full", "recency"),
-    budgets: Sequence[float] | None = None,
-    budget_tokens: Sequence[int] = (),
-    model: str | None = None,
-    device: str = "auto",
-    dtype: str = "auto",
-    task: str | None = None,
-    media: str | Path | None = None,
-    protocol: str = "auto",
-    max_new_tokens: int = 8,
-    kv_bits: float | None = None,
-    fps: float | None = None,
-    max_frames: int | None = None,
-    limit: int | None = None,
-    fresh: bool = False,
-) -> EvalResult:
-    """Accuracy against budget: every method at every budget over a question set, each clip
-    encoded once per run; results and a plot go to the folder `out` (as `mmkv eval`).
-
-    Args:
-        questions: the question set (mmkv JSONL, MLVU, Video-MME, EgoSchema, OVO-Bench or
-            MMLongBench-Doc; `task` names the format when the file does not).
-        methods: methods or presets by name.
-        budgets: shares of visual tokens kept (None: 0.5 and 0.1 unless budget_tokens).
-        budget_tokens: fixed memories, in visual tokens per layer.
-        media: the folder holding the videos or PDFs (None: the file's folder).
-        protocol: replay, stream or auto (stream where questions carry moments).
-        limit: only the first N questions; fresh: drop the answers earlier runs left in `out`.
-        The rest: as `encode` and `ask`.
-    """
-    from mmkv_cli.study.eval_run import EvalSettings
-    from mmkv_cli.study.evaluate import evaluate
-
-    settings = EvalSettings(
-        fps=fps,
-        max_frames=max_frames,
-        max_new_tokens=max_new_tokens,
-        kv_bits=kv_bits_value(kv_bits) if kv_bits is not None else None,
-        protocol=protocol,
-        budget_tokens=tuple(budget_tokens),
-    )
-    load = LoadOptions(model=model, device=device, dtype=dtype)
-    result = evaluate(
-        str(questions),
-        list(methods),
-        list(budgets if budgets is not None else () if budget_tokens else (0.5, 0.1)),
-        out,
-        settings,
-        load,
-        limit,
-        fresh,
-        task,
-        None if media is None else str(media),
-    )
-    return EvalResult(runs=result["runs"], plot=result["plot"])
-
-
-def list_methods() -> list[MethodInfo]:
-    """Every compression method and preset with its paper, default budget and parameters (as
-    `mmkv methods`); `mmkv.methods.<label>` is a method's class."""
-    from mmkv_cli.methods.choice import method_listing
-
-    return [
-        MethodInfo(
-            name=row["name"],
-            implements=row["implements"],
-            label=row["label"],
-            description=row["description"],
-            paper=row["paper"]["title"],
-            year=row["paper"]["year"],
-            budget_share=row["budget_share"],
-            budget_tokens=row["budget_tokens"],
-            params=[ParamInfo(p["name"], p["type"], p["value"], p["doc"]) for p in row["params"]],
-        )
-        for row in method_listing()
-    ]
-
-
-def list_models() -> list[ModelInfo]:
-    """Every model preset, with where its weights are (as `mmkv models`); any HF id or local
-    folder of a supported family works too."""
-    from mmkv_cli.backbones.spec import model_listing
-
-    return [ModelInfo(**row) for row in model_listing()]
