@@ -209,7 +209,7 @@ def test_a_full_queue_answers_503_with_retry_after(packs):
 def test_a_model_switch_evicts_the_oldest_backbone_by_the_cap(packs, monkeypatch):
     import mmkv_cli.backbones.loading as backbones_module
     from mmkv_cli.core.options import LoadOptions
-    from mmkv_cli.serve.app import Packs
+    from mmkv_cli.serve.packs import Packs
     from mmkv_cli.serve.shelf import shelf
 
     class Fake:
