@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mmkv_cli.kernels import attention, fused_attention
+from mmkv_cli.kernels import attention, fused_attention, scores
 from mmkv_cli.kernels.attention import Recorder, recording
 
 
@@ -56,7 +56,7 @@ def _check_fused(batch, heads, kv_heads, rows, keys):
     fused = Recorder(layers={0}, column_sums=True, reducers=reducer)
     blockwise = Recorder(layers={0}, column_sums=True, reducers=reducer)
     out = fused_attention.recorded(fused, 0, query, key, value, 16**-0.5)
-    out_blocks = attention._blockwise_recorded(blockwise, 0, query, key, value, 16**-0.5)
+    out_blocks = scores._blockwise_recorded(blockwise, 0, query, key, value, 16**-0.5)
 
     assert torch.allclose(out, expected_out, atol=1e-5)
     assert torch.allclose(out_blocks, expected_out, atol=1e-5)
@@ -117,8 +117,8 @@ def test_a_row_stride_sums_every_nth_row_times_n_on_both_paths(stride, rows, key
     fused = Recorder(layers={0}, column_sums=True, row_stride=stride)
     blockwise = Recorder(layers={0}, column_sums=True, row_stride=stride)
     fused_attention.recorded(fused, 0, query, key, value, 16**-0.5)
-    monkeypatch.setattr(attention, "QUERY_ROWS_PER_STEP", 5)  # blocks start off the sampled rows
-    attention._blockwise_recorded(blockwise, 0, query, key, value, 16**-0.5)
+    monkeypatch.setattr(scores, "QUERY_ROWS_PER_STEP", 5)  # blocks start off the sampled rows
+    scores._blockwise_recorded(blockwise, 0, query, key, value, 16**-0.5)
     assert torch.allclose(fused.column_sum[0], expected, atol=1e-5, rtol=1e-4)
     assert torch.allclose(blockwise.column_sum[0], expected, atol=1e-5, rtol=1e-4)
     assert not torch.allclose(expected, probs.sum(dim=1), atol=1e-3)  # a sample, not all rows
@@ -130,21 +130,21 @@ def test_score_blocks_take_fewer_rows_as_the_keys_grow(keys, rows_a_step, monkey
     10 GB of float32 scores: SCORE_ELEMENTS takes a step down to 13 rows there. Lowered here so
     that 300 keys give 3 rows a step (and fewer keys more): the recorded output, column sums and
     rows equal the written-out attention across every block edge."""
-    monkeypatch.setattr(attention, "SCORE_ELEMENTS", 2 * 4 * 900)
-    steps, real = [], attention._row_blocks
+    monkeypatch.setattr(scores, "SCORE_ELEMENTS", 2 * 4 * 900)
+    steps, real = [], scores._row_blocks
 
     def counted(query, key, scaling):
         for start, probs in real(query, key, scaling):
             steps.append(probs.shape[2])
             yield start, probs
 
-    monkeypatch.setattr(attention, "_row_blocks", counted)
+    monkeypatch.setattr(scores, "_row_blocks", counted)
     torch.manual_seed(keys)
     query = torch.randn(2, 4, 20, 16) * 2
     key, value = torch.randn(2, 2, keys, 16), torch.randn(2, 2, keys, 16)
     out, probs = _reference(query, key, value)
     recorder = Recorder(layers={0}, column_sums=True, rows=True)
-    got = attention._blockwise_recorded(recorder, 0, query, key, value, 16**-0.5)
+    got = scores._blockwise_recorded(recorder, 0, query, key, value, 16**-0.5)
     assert steps == [min(rows_a_step, 20 - first) for first in range(0, 20, rows_a_step)]
     assert torch.allclose(got, out, atol=1e-5)
     assert torch.allclose(recorder.column_sum[0], probs.mean(dim=1).sum(dim=1), atol=1e-5)

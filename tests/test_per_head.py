@@ -13,7 +13,8 @@ import mmkv
 from mmkv_cli.ask.heads import join_heads
 from mmkv_cli.core.options import MethodSpec
 from mmkv_cli.kernels import fused_attention as fused
-from mmkv_cli.kernels.attention import Recorder, _blockwise_recorded, masking, with_heads
+from mmkv_cli.kernels.attention import Recorder, masking, with_heads
+from mmkv_cli.kernels.scores import _blockwise_recorded
 from mmkv_cli.methods.meda import merge_evicted
 from mmkv_cli.methods.scoring import adaptive_per_head, top_per_head
 from mmkv_cli.pack import FORMAT_VERSION, PackReader
