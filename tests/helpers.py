@@ -211,3 +211,30 @@ def capped_rows(address: int, count: int, cap: int) -> np.ndarray:
     rows = rows[:keep].copy()
     rows[-1, 1] -= max(0, int(ends[keep - 1]) - cap)
     return rows
+
+
+def watched(memory_class):
+    """`memory_class` recording what a test checks it against its definition with: each chunk's
+    grid tokens as embedded (`frames`: a step's stream indices and float64 embeddings), every
+    entry's K and V the first time the cache held it (`before`, layer 0), and at the end the stream
+    indices the cache holds (`kept`) with layer 0's K and V (`held`)."""
+
+    class Watched(memory_class):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.frames, self.before = [], {}
+
+        def after_chunk(self, state):
+            for index, row in zip(state.chunk_index, state.chunk_grid):
+                self.frames.append((index.clone(), row.double().clone()))
+            keys, values = state.cache.visual(0)
+            for local, index in enumerate(state.cache.index[0].tolist()):
+                self.before.setdefault(index, (keys[:, local].clone(), values[:, local].clone()))
+            super().after_chunk(state)
+
+        def finish(self, state):
+            super().finish(state)
+            self.kept = state.cache.index[0].tolist()
+            self.held = state.cache.visual(0)
+
+    return Watched

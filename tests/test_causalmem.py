@@ -11,7 +11,7 @@ from mmkv_cli.encode.encoder import encode_media
 from mmkv_cli.media import load_media
 from mmkv_cli.methods import EncodeContext, causalmem
 from tests.conftest import SAMPLES
-from tests.helpers import choose, with_policy
+from tests.helpers import choose, watched, with_policy
 
 
 def plain_update(basis, usage, x, decay, new, k_max):
@@ -62,24 +62,7 @@ def test_over_the_budget_the_best_scored_stay_and_backgrounds_count():
     assert kept.tolist() == [False, True, False, True, False]
 
 
-class Watched(causalmem.CausalMemMemory):
-    """The memory, recording each chunk's embeddings and its K/V before it evicts."""
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.frames, self.before, self.kept = [], {}, None
-
-    def after_chunk(self, state):
-        for row, index in zip(state.chunk_grid, state.chunk_index):
-            self.frames.append((index.clone(), row.double().clone()))
-        keys, values = state.cache.visual(0)
-        for local, index in enumerate(state.cache.index[0].tolist()):
-            self.before.setdefault(index, (keys[:, local].clone(), values[:, local].clone()))
-        super().after_chunk(state)
-
-    def finish(self, state):
-        self.kept = state.cache.index[0].clone()
-        self.held = state.cache.visual(0)
+Watched = watched(causalmem.CausalMemMemory)
 
 
 def plain_memory(frames, cap, params):
@@ -118,7 +101,7 @@ def test_the_memory_keeps_what_the_definition_keeps(backbones, chunk_frames):
     encode_media(backbone, media, with_policy(choice, watched))
     foreground, dropped = plain_memory(watched.frames, 40, choice.params)
     assert dropped, "the clip must go over the budget"
-    kept = watched.kept.tolist()
+    kept = watched.kept
     backgrounds = sorted(set(kept) - set(foreground))
     assert set(foreground) <= set(kept) and len(backgrounds) == len(dropped)
     keys, values = watched.held

@@ -12,7 +12,7 @@ from mmkv_cli.encode.encoder import encode_media
 from mmkv_cli.media import load_media
 from mmkv_cli.methods import EncodeContext, fluxmem, tiers
 from tests.conftest import SAMPLES
-from tests.helpers import choose, with_policy
+from tests.helpers import choose, watched, with_policy
 
 GRID = (3, 4)
 
@@ -173,24 +173,7 @@ def test_the_long_term_merge_is_connected_parts_and_their_anchors(seed):
         assert part[members].tolist() == [first] * len(members)
 
 
-class Watched(fluxmem.FluxMemMemory):
-    """The memory, recording each chunk's embeddings and the K/V the cache held before it acted."""
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.frames, self.before = [], {}
-
-    def after_chunk(self, state):
-        for index, row in zip(state.chunk_index, state.chunk_grid):
-            self.frames.append((index.clone(), row.double().clone()))
-        keys, values = state.cache.visual(0)
-        for local, index in enumerate(state.cache.index[0].tolist()):
-            self.before.setdefault(index, (keys[:, local].clone(), values[:, local].clone()))
-        super().after_chunk(state)
-
-    def finish(self, state):
-        self.kept = state.cache.index[0].tolist()
-        self.held = state.cache.visual(0)
+Watched = watched(fluxmem.FluxMemMemory)
 
 
 def plain_memory(frames, short, mid, grid, params):

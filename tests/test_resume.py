@@ -397,68 +397,41 @@ def test_a_checkpoint_whose_pieces_do_not_fit_its_head_is_refused(slid):
         api.encode(video, out, resume, backbone=backbone)
 
 
-def test_causalmem_resumes_with_its_basis_and_backgrounds(world):
-    """CausalMem's basis, foreground embeddings and per-frame backgrounds are in the checkpoint: a
-    resumed encode over its budget equals the uninterrupted one."""
+# the 2026 memories, each with state of its own in the checkpoint, small enough to act on this
+# clip: CausalMem's basis, foreground embeddings and per-frame backgrounds; FluxMem's short- and
+# mid-term frames (embeddings, distances, choices); SAVEMem's long term and running scene
+# distance beside those; DSCache's past cache, one frame a chunk, its instant cache made after
+RESUMED_2026 = {
+    "causalmem": (MethodSpec("causalmem", {}), {"budget_tokens": 24}, 2),
+    "fluxmem": (MethodSpec("fluxmem", {"short_term_frames": 4, "mid_term_frames": 4}), {}, 2),
+    "savemem": (
+        MethodSpec(
+            "savemem",
+            {
+                "short_term_frames": 4,
+                "mid_term_frames": 4,
+                "semantic_long_term": 4,
+                "max_memory_tokens": 24,
+            },
+        ),
+        {},
+        2,
+    ),  # fmt: skip
+    "dscache": (MethodSpec("dscache", {"context_len": 3, "frame_len": 2}), {}, 6),
+}
+
+
+@pytest.mark.parametrize("name", RESUMED_2026)
+def test_a_2026_memory_resumes_with_its_own_state(world, name):
     backbone, tmp = world
+    method, extra, chunks = RESUMED_2026[name]
     video = str(tmp / "set" / "clips" / "clip_0000.mp4")
-    small = {"budget_tokens": 24}
-    whole = tmp / "causalmem-whole.kvpack"
-    info = api.encode(video, whole, EncodeOptions("causalmem", **OPTIONS, **small),
-                      backbone=backbone)  # fmt: skip
+    whole = tmp / f"{name}-whole.kvpack"
+    info = api.encode(video, whole, EncodeOptions(method, **OPTIONS, **extra), backbone=backbone)
     assert info["visual_tokens_kept"] < info["visual_tokens_total"]
-    cut = tmp / "causalmem-cut.kvpack"
-    interrupt(backbone, video, cut, "causalmem", chunks=2, **small)
-    resumed = EncodeOptions("causalmem", checkpoint_every=1, resume=True, **OPTIONS, **small)
-    api.encode(video, cut, resumed, backbone=backbone)
-    assert same_pack(whole, cut)
-
-
-def test_fluxmem_resumes_with_the_frames_it_still_decides_about(world):
-    """FluxMem's short- and mid-term frames (their embeddings, distances and choices) are in the
-    checkpoint: a resumed encode equals the uninterrupted one."""
-    backbone, tmp = world
-    video = str(tmp / "set" / "clips" / "clip_0000.mp4")
-    tiers = MethodSpec("fluxmem", {"short_term_frames": 4, "mid_term_frames": 4})
-    whole = tmp / "fluxmem-whole.kvpack"
-    info = api.encode(video, whole, EncodeOptions(tiers, **OPTIONS), backbone=backbone)
-    assert info["visual_tokens_kept"] < info["visual_tokens_total"]
-    cut = tmp / "fluxmem-cut.kvpack"
-    interrupt(backbone, video, cut, tiers, chunks=2)
-    resumed = EncodeOptions(tiers, checkpoint_every=1, resume=True, **OPTIONS)
-    api.encode(video, cut, resumed, backbone=backbone)
-    assert same_pack(whole, cut)
-
-
-def test_dscache_resumes_its_past_cache(world):
-    """DSCache's past cache (one frame a chunk, placed after what it holds) resumes from its
-    checkpoint; the instant cache is made after it, as in the uninterrupted encode."""
-    backbone, tmp = world
-    video = str(tmp / "set" / "clips" / "clip_0000.mp4")
-    small = MethodSpec("dscache", {"context_len": 3, "frame_len": 2})
-    whole = tmp / "dscache-whole.kvpack"
-    api.encode(video, whole, EncodeOptions(small, **OPTIONS), backbone=backbone)
-    cut = tmp / "dscache-cut.kvpack"
-    interrupt(backbone, video, cut, small, chunks=6)
+    cut = tmp / f"{name}-cut.kvpack"
+    interrupt(backbone, video, cut, method, chunks=chunks, **extra)
     assert checkpoint_path(cut).exists() and not cut.exists()
-    resumed = EncodeOptions(small, checkpoint_every=1, resume=True, **OPTIONS)
-    api.encode(video, cut, resumed, backbone=backbone)
-    assert same_pack(whole, cut)
-
-
-def test_savemem_resumes_with_its_long_term_and_scene_history(world):
-    """SAVEMem's long term (what is alive, its importance) and its running scene distance are in
-    the checkpoint beside the tiers' frames: a resumed encode equals the uninterrupted one."""
-    backbone, tmp = world
-    video = str(tmp / "set" / "clips" / "clip_0000.mp4")
-    tiers = MethodSpec("savemem", {"short_term_frames": 4, "mid_term_frames": 4,
-                                   "semantic_long_term": 4, "max_memory_tokens": 24})  # fmt: skip
-    whole = tmp / "savemem-whole.kvpack"
-    info = api.encode(video, whole, EncodeOptions(tiers, **OPTIONS), backbone=backbone)
-    assert info["visual_tokens_kept"] < info["visual_tokens_total"]
-    cut = tmp / "savemem-cut.kvpack"
-    interrupt(backbone, video, cut, tiers, chunks=2)
-    assert checkpoint_path(cut).exists() and not cut.exists()
-    resumed = EncodeOptions(tiers, checkpoint_every=1, resume=True, **OPTIONS)
+    resumed = EncodeOptions(method, checkpoint_every=1, resume=True, **OPTIONS, **extra)
     api.encode(video, cut, resumed, backbone=backbone)
     assert same_pack(whole, cut)

@@ -10,7 +10,7 @@ from mmkv_cli.encode.encoder import encode_media
 from mmkv_cli.media import load_media
 from mmkv_cli.methods import EncodeContext, savemem
 from tests.conftest import SAMPLES
-from tests.helpers import choose, with_policy
+from tests.helpers import choose, watched, with_policy
 from tests.test_fluxmem import plain_best, plain_merge, plain_otsu, unit
 
 GRID = (4, 4)
@@ -65,19 +65,7 @@ def test_the_cap_drops_the_least_important_alive_tokens():
     assert not savemem.over_the_cap(alive, scores, torch.tensor(0)).any()
 
 
-class Watched(savemem.SaveMemMemory):
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.frames = []
-
-    def after_chunk(self, state):
-        for index, row in zip(state.chunk_index, state.chunk_grid):
-            self.frames.append((index.clone(), row.double().clone()))
-        super().after_chunk(state)
-
-    def finish(self, state):
-        super().finish(state)
-        self.kept = state.cache.index[0].tolist()
+Watched = watched(savemem.SaveMemMemory)
 
 
 def plain_memory(frames, questions, params, grid, short, mid):
