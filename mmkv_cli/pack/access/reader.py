@@ -14,8 +14,7 @@ from mmkv_cli.core.lazy import torch
 from mmkv_cli.pack.access.block_store import BlockStore
 from mmkv_cli.pack.access.opening import open_pack
 from mmkv_cli.pack.access.side_tensors import (
-    checked_key_scales,
-    checked_representatives,
+    SideTensors,
     checked_span,
 )
 from mmkv_cli.pack.integrity.checks import check_positions, uncovered
@@ -52,8 +51,6 @@ class PackReader:
         # digest units gather() has checked: table index * units a block + unit
         self._verified: set[int] = set()
         self._store: BlockStore | None = None  # the block tensors, on the first read
-        self._reps: torch.Tensor | None = None  # the representatives, once read and checked
-        self._key_scales: torch.Tensor | None = None  # v9's spanning key scales, once checked
         self._spans: dict[str, Span] = {}
         opened = open_pack(self._tensors, str(self.path))
         self._stored, self.format_version = opened.stored, opened.format_version
@@ -62,6 +59,10 @@ class PackReader:
         self.quant, self.spans_meta, self._kv = opened.quant, opened.spans_meta, opened.kv
         self._blocks = opened.blocks
         self.header = read_header(self._stored, self.format_version, self._kv, self._where)
+        # the representatives and v9's key scales: read and checked once, on first use
+        self.sides = SideTensors(
+            self._tensors, self._stored, self.format_version, self.digest, self.quant, self._where
+        )
 
     @property
     def _where(self) -> str:
@@ -101,36 +102,16 @@ class PackReader:
         return list(value)
 
     def representatives(self) -> torch.Tensor | None:
-        """[blocks, layers, dim] retrieval keys (layers: 1 unless stored per layer) in the dtype
-        they are stored in (v7 on: the KV's), or None. Read and checked once, then held: a session
-        asks many questions of one index (an hour's per-layer ReKV index at 7B is 51 MB in bf16,
-        twice that as float32). Callers must not write into it."""
-        if not self._stored.get("representatives"):
-            return None
-        if self._reps is None:
-            self._reps = self._read_representatives()
-        return self._reps
+        """[blocks, layers, dim] retrieval keys, or None (SideTensors.representatives)."""
+        return self.sides.representatives()
 
     def stored_representatives(self) -> np.ndarray | None:
-        """The representatives as stored, checked against their digests, or None (numpy: no
-        torch)."""
-        if not self._stored.get("representatives"):
-            return None
-        return checked_representatives(
-            self._tensors, self._stored, self.format_version, self.digest, self._where
-        )
-
-    def _read_representatives(self) -> torch.Tensor:
-        stored = self.stored_representatives()
-        dtype = getattr(torch, self._tensors.view("reps")[1])
-        reps = torch.from_numpy(stored).view(dtype)  # scores convert the rows they compare
-        return reps.unsqueeze(1) if reps.dim() == 2 else reps  # v2-v5: [blocks, dim]
+        """The representatives as stored, checked, or None (numpy: no torch)."""
+        return self.sides.stored_representatives()
 
     @property
     def rotated_representatives(self) -> bool:
-        """Whether the representatives are means of keys after RoPE (packs before v6, and MuKV's
-        code: keys as each block was prefilled after the init prompt)."""
-        return (self._stored.get("representatives") or {}).get("space") != "pre_rope"
+        return self.sides.rotated_representatives
 
     def span(self, name: str, keep: bool = True, dtype: torch.dtype | None = None) -> Span:
         """Load one span ("prefix", "suffix" or a block name), verifying its checksum. keep: hold
@@ -285,21 +266,8 @@ class PackReader:
         return BlockRows(self._blocks, indices, self.quant.group, self.quant.span)
 
     def key_scales(self) -> torch.Tensor:
-        """v9: the spanning key groups' planes [groups, planes, H, D] float16 (scales and zeros; at
-        1.5 bits also which channels are 2-bit and the values' means), read and checked against
-        their chunk digests once, then held (about 0.8% of the fp16 KV at a group of 128 tokens).
-        A re-sealed forgery is refused too: a NaN or Inf anywhere in them, or (1.5 bits) a channel
-        flag that is not 0 or 1, or not half the channels 2-bit. Callers must not write into it."""
-        if self._key_scales is None:
-            scales, fault = self._read_key_scales()
-            if fault:
-                raise PackError(f"{self.path} is corrupted ({fault} in the key scales)")
-            self._key_scales = scales
-        return self._key_scales
-
-    def _read_key_scales(self) -> tuple[torch.Tensor | None, str | None]:
-        """(the key scales, None), or (None, what is wrong with them)."""
-        return checked_key_scales(self._tensors, self._stored, self.digest, self.quant.mixed)
+        """v9: the spanning key groups' planes, checked once (SideTensors.key_scales)."""
+        return self.sides.key_scales(str(self.path))
 
     def _block_store(self) -> BlockStore:
         if self._store is None:
@@ -344,11 +312,10 @@ class PackReader:
         """Every block checked against its checksum (verify): the names of those that fail."""
         faults = []
         store = self._block_store()
-        if store.key_scales is not None and self._key_scales is None:
-            scales, fault = self._read_key_scales()
+        if store.key_scales is not None:
+            fault = self.sides.key_scales_fault()
             if fault:  # every quantized block decodes through them: none can be read
                 return [f"key scales: {fault}"]
-            self._key_scales = scales
         name = self._blocks.name
         for first in range(0, len(self._blocks), chunk):
             where = self._rows(list(range(first, min(len(self._blocks), first + chunk))))

@@ -1,5 +1,6 @@
 """A pack's small tensors beside its blocks, each checked whole against its digests as it is read:
-the representatives, v9's spanning key scales and the prompt spans (prefix and suffix)."""
+the representatives, v9's spanning key scales and the prompt spans (prefix and suffix); and the
+holder a reader keeps the first two in (SideTensors)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,63 @@ def checked_span(
     if meta.get("shared_positions") and (len(set(counts)) > 1 or pos.shape[0] != counts[0]):
         raise PackError(f"{where} is corrupted (positions of {name})")
     return k, v, pos
+
+
+class SideTensors:
+    """A pack's representatives and v9's key scales, each read and checked once, on first use,
+    then held: a session asks many questions of one index (an hour's per-layer ReKV index at 7B
+    is 51 MB in bf16, twice that as float32). Callers must not write into what they are given."""
+
+    def __init__(self, tensors: StoredTensors, stored: dict, version: int, digest: str, quant,
+                 where: str):  # fmt: skip
+        self.tensors, self.stored, self.version = tensors, stored, version
+        self.digest, self.quant, self.where = digest, quant, where
+        self._reps: torch.Tensor | None = None
+        self._key_scales: torch.Tensor | None = None
+
+    def representatives(self) -> torch.Tensor | None:
+        """[blocks, layers, dim] retrieval keys (layers: 1 unless stored per layer) in the dtype
+        they are stored in (v7 on: the KV's), or None."""
+        if not self.stored.get("representatives"):
+            return None
+        if self._reps is None:
+            stored = self.stored_representatives()
+            dtype = getattr(torch, self.tensors.view("reps")[1])
+            reps = torch.from_numpy(stored).view(dtype)  # scores convert the rows they compare
+            self._reps = reps.unsqueeze(1) if reps.dim() == 2 else reps  # v2-v5: [blocks, dim]
+        return self._reps
+
+    def stored_representatives(self) -> np.ndarray | None:
+        """The representatives as stored, checked against their digests, or None (numpy: no
+        torch)."""
+        if not self.stored.get("representatives"):
+            return None
+        return checked_representatives(
+            self.tensors, self.stored, self.version, self.digest, self.where
+        )
+
+    @property
+    def rotated_representatives(self) -> bool:
+        """Whether the representatives are means of keys after RoPE (packs before v6, and MuKV's
+        code: keys as each block was prefilled after the init prompt)."""
+        return (self.stored.get("representatives") or {}).get("space") != "pre_rope"
+
+    def key_scales(self, path: str) -> torch.Tensor:
+        """v9: the spanning key groups' planes [groups, planes, H, D] float16 (scales and zeros;
+        at 1.5 bits also which channels are 2-bit and the values' means; about 0.8% of the fp16
+        KV at a group of 128 tokens). A re-sealed forgery is refused too: a NaN or Inf anywhere in
+        them, or (1.5 bits) a channel flag that is not 0 or 1, or not half the channels 2-bit."""
+        fault = self.key_scales_fault()
+        if fault:
+            raise PackError(f"{path} is corrupted ({fault} in the key scales)")
+        return self._key_scales
+
+    def key_scales_fault(self) -> str | None:
+        """What is wrong with the key scales (None: nothing; they are then held)."""
+        if self._key_scales is not None:
+            return None
+        scales, fault = checked_key_scales(self.tensors, self.stored, self.digest,
+                                           self.quant.mixed)  # fmt: skip
+        if not fault:
+            self._key_scales = scales
+        return fault
