@@ -23,7 +23,9 @@ from mmkv_cli.core.lazy import torch
 from mmkv_cli.core.spec import knob
 from mmkv_cli.methods.base import Budget, Method, Paper, StreamParams
 from mmkv_cli.methods.keep_all import KeepAll
+from mmkv_cli.methods.merging import SlotMeans
 from mmkv_cli.methods.running_cache import StreamState
+from mmkv_cli.methods.scoring import ranks
 
 
 @dataclass(frozen=True)
@@ -104,8 +106,7 @@ def keep_foreground(
     """[n] bool: the foreground after a frame joined it. Over the budget (held tokens plus
     background entries above `cap`), the max(floor, cap - backgrounds) best scored (ties to the
     earlier), else all held. Counts stay on the device: nothing is read by the host."""
-    order = torch.sort(-score, stable=True).indices
-    rank = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+    rank = ranks(score)
     allowed = torch.clamp(cap - backgrounds, min=min(floor, cap))
     over = valid.sum() + backgrounds > cap
     return torch.where(over, valid & (rank < allowed), valid)
@@ -120,7 +121,6 @@ class CausalMemMemory(KeepAll):
         self.usage: torch.Tensor | None = None  # [k]
         self.embeds: torch.Tensor | None = None  # [m, H] the foreground's embeddings, float32
         self.index = torch.empty(0, dtype=torch.long)  # [m] their stream indices
-        self.steps = torch.empty(0, dtype=torch.long)  # [m] their temporal steps
         self.background = torch.empty(0, 3, dtype=torch.long)  # rows (step, stream index, count)
         self.added = 0  # tokens up to this stream index have joined the memory
 
@@ -128,14 +128,14 @@ class CausalMemMemory(KeepAll):
         if self.basis is None:
             return {"added": torch.tensor(self.added)}
         named = {"basis": self.basis, "usage": self.usage, "embeds": self.embeds}
-        named |= {"index": self.index, "steps": self.steps, "background": self.background}
+        named |= {"index": self.index, "background": self.background}
         return {k: v.cpu() for k, v in named.items()} | {"added": torch.tensor(self.added)}
 
     def restore(self, saved: dict[str, torch.Tensor]) -> None:
         self.added = int(saved["added"])
         if "basis" in saved:
             self.basis, self.usage, self.embeds = saved["basis"], saved["usage"], saved["embeds"]
-            self.index, self.steps = saved["index"], saved["steps"]
+            self.index = saved["index"]
             self.background = saved["background"]
 
     def after_chunk(self, state: StreamState) -> None:
@@ -157,7 +157,7 @@ class CausalMemMemory(KeepAll):
             self.usage = torch.ones(self.basis.shape[1], device=new.device)
             self.embeds = new[:0]
         slab = torch.cat([self.embeds, new])
-        steps = torch.cat([self.steps, new_steps])
+        steps = state.token_step[torch.cat([self.index, new_index])]
         valid = self._choose(slab, steps, len(self.embeds), state, made)
         self._evict(state, slab, steps, torch.cat([self.index, new_index]), valid)
 
@@ -195,7 +195,7 @@ class CausalMemMemory(KeepAll):
         """Keep the foreground; fold each frame's dropped tokens into its background entry."""
         gone = (~valid).nonzero()[:, 0]
         self.embeds = slab[valid.nonzero()[:, 0].to(slab.device, non_blocking=True)]
-        self.index, self.steps = index[valid], steps[valid]
+        self.index = index[valid]
         if not len(gone):
             return
         groups, group_of = torch.unique(steps[gone], return_inverse=True)
@@ -206,7 +206,7 @@ class CausalMemMemory(KeepAll):
         slots = torch.tensor([old.get(g, f) for g, f in zip(groups.tolist(), first.tolist())])
         before = torch.tensor([weights.get(g, 0) for g in groups.tolist()])
         cached = state.cache.index[0]
-        fold = Fold(group_of, torch.searchsorted(cached, index[gone]),
+        fold = SlotMeans(group_of, torch.searchsorted(cached, index[gone]),
                     torch.searchsorted(cached, slots), before, counts)  # fmt: skip
         for layer in range(state.layers):
             state.cache.replace(layer, *(fold(held) for held in state.cache.visual(layer)))
@@ -216,33 +216,6 @@ class CausalMemMemory(KeepAll):
         local = torch.isin(cached, torch.cat([self.index, self.background[:, 1]])).nonzero()[:, 0]
         for layer in range(state.layers):
             state.cache.retain(layer, local)
-
-
-@dataclass
-class Fold:
-    """Dropped entries folded into their frames' background entries: group_of [g] each dropped
-    entry's frame (of the frames that dropped any), gone [g] and slots [f] their places in the
-    cache, before [f] how many tokens each background already averages, counts [f] how many join."""
-
-    group_of: torch.Tensor
-    gone: torch.Tensor
-    slots: torch.Tensor
-    before: torch.Tensor
-    counts: torch.Tensor
-
-    def __call__(self, held: torch.Tensor) -> torch.Tensor:
-        """[H, n, D] with every slot the count-weighted mean of what it held and what joins it."""
-        on = held.device
-        joining = held[:, self.gone.to(on, non_blocking=True)].float()
-        sums = torch.zeros(held.shape[0], len(self.counts), held.shape[2], device=on)
-        sums.index_add_(1, self.group_of.to(on, non_blocking=True), joining)
-        slots = self.slots.to(on, non_blocking=True)
-        weight = self.before.to(on, non_blocking=True)[None, :, None].float()
-        total = weight + self.counts.to(on, non_blocking=True)[None, :, None].float()
-        kept = held[:, slots].float() * weight  # a new background has weight 0
-        out = held.clone()
-        out[:, slots] = ((kept + sums) / total).to(held.dtype)
-        return out
 
 
 METHOD = Method(

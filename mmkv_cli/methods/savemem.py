@@ -24,6 +24,7 @@ from mmkv_cli.core.lazy import torch
 from mmkv_cli.core.spec import knob
 from mmkv_cli.methods.base import Budget, Method, Paper, StreamParams
 from mmkv_cli.methods.running_cache import StreamState
+from mmkv_cli.methods.scoring import ranks
 from mmkv_cli.methods.tiers import (
     Frame,
     TieredMemory,
@@ -113,27 +114,15 @@ def most_important(kept: torch.Tensor, scores: torch.Tensor, grid: tuple[int, in
     chosen = torch.zeros_like(kept)
     for q in range(4):
         among = kept & (quadrant == q)
-        chosen = chosen | (among & (rank(scores, among) < quarter))
+        chosen = chosen | (among & (ranks(scores, among) < quarter))
     rest = kept & ~chosen
-    chosen = chosen | (rest & (rank(scores, rest) < total - chosen.sum()))
+    chosen = chosen | (rest & (ranks(scores, rest) < total - chosen.sum()))
     return torch.where((count <= 4) | (total >= count), kept, chosen)
-
-
-def rank(scores: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
-    """[T]: each token's place among `among` by score, best first (ties to the earlier); the
-    others after all of them."""
-    return places(torch.sort(-scores.masked_fill(~among, float("-inf")), stable=True).indices)
-
-
-def places(order: torch.Tensor) -> torch.Tensor:
-    """Where each index stands in `order` (the inverse permutation)."""
-    return torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
 
 
 def over_the_cap(alive: torch.Tensor, scores: torch.Tensor, overflow: torch.Tensor) -> torch.Tensor:
     """[L, T] bool: the `overflow` least important of the long term's alive tokens."""
-    flat = scores.flatten().masked_fill(~alive.flatten(), float("inf"))
-    place = places(torch.sort(flat, stable=True).indices)
+    place = ranks(-scores.flatten(), alive.flatten())  # the least important first
     return (alive.flatten() & (place < overflow)).view_as(alive)
 
 

@@ -19,6 +19,15 @@ def top_in_order(score: torch.Tensor, count: int) -> torch.Tensor:
     return score.topk(count).indices.sort().values
 
 
+def ranks(scores: torch.Tensor, among: torch.Tensor | None = None) -> torch.Tensor:
+    """[n]: each entry's place by score, best first (ties to the earlier entry); entries outside
+    `among` after all of them. Counts stay on the device: nothing is read by the host."""
+    if among is not None:
+        scores = scores.masked_fill(~among, float("-inf"))
+    order = torch.sort(-scores, stable=True).indices
+    return torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+
+
 def accumulate(total: torch.Tensor, sums: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Add a chunk's column sums over a layer's cached visual tokens (cache order; [n], or per
     head [H, n]) to their stream slots ([total] or [H, total]); returns `total`, grown first where

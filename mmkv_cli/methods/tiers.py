@@ -9,17 +9,20 @@ pure functions over tensors."""
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from dataclasses import dataclass, field
 
 from mmkv_cli.core.lazy import torch
 from mmkv_cli.methods.base import Budget
 from mmkv_cli.methods.keep_all import KeepAll
+from mmkv_cli.methods.merging import SlotMeans
 from mmkv_cli.methods.running_cache import StreamState
 
 BINS = 128  # Otsu's histogram over distances in [0, 2], as the authors' code's
 
 
+@functools.lru_cache(maxsize=8)  # one grid a stream: made once, never written into
 def neighbours(grid: tuple[int, int], centre: bool) -> torch.Tensor:
     """[T, T] bool: which places of a (rows, cols) grid are within one row and one column of each
     other (each place itself too when `centre`)."""
@@ -250,7 +253,7 @@ class TieredMemory(KeepAll):
         cached = state.cache.index[0]
         frames = [frame for frame in decided if frame.merge is not None]
         for frame, (part, anchor, members) in zip(frames, merges):
-            fold = PartMeans(cached, frame.index, part, anchor.bool(), members.bool())
+            fold = part_means(cached, frame.index, part, anchor.bool(), members.bool())
             for layer in range(state.layers):
                 state.cache.replace(layer, *(fold(held) for held in state.cache.visual(layer)))
         gone = [frame.index[~keep] for frame, keep in zip(decided, keeps)]
@@ -263,28 +266,14 @@ class TieredMemory(KeepAll):
                 state.cache.retain(layer, local)
 
 
-class PartMeans:
+def part_means(cached, index, part, anchor, members) -> SlotMeans:
     """A frame's anchors given their parts' mean K and V: cached, the cache's stream indices;
     index, part [T] the frame's tokens and their parts; members [T] what the parts were made of
-    (the frame's tokens the cache holds)."""
-
-    def __init__(self, cached, index, part, anchor, members):
-        at = members.nonzero()[:, 0]
-        self.local = torch.searchsorted(cached, index[at])
-        groups, self.group_of = torch.unique(part[at], return_inverse=True)
-        self.counts = torch.bincount(self.group_of, minlength=len(groups)).float()
-        self.anchors = torch.searchsorted(cached, index[anchor])
-        self.which = torch.searchsorted(groups, part[anchor])
-
-    def __call__(self, held: torch.Tensor) -> torch.Tensor:
-        on = held.device
-
-        def there(t: torch.Tensor) -> torch.Tensor:
-            return t.to(on, non_blocking=True)
-
-        sums = torch.zeros(held.shape[0], len(self.counts), held.shape[2], device=on)
-        sums.index_add_(1, there(self.group_of), held[:, there(self.local)].float())
-        means = sums / there(self.counts)[None, :, None]
-        out = held.clone()
-        out[:, there(self.anchors)] = means[:, there(self.which)].to(held.dtype)
-        return out
+    (the frame's tokens the cache holds). A part with no anchor (one token) is left alone."""
+    joins = members & torch.isin(part, part[anchor])
+    at = joins.nonzero()[:, 0]
+    groups, group_of = torch.unique(part[at], return_inverse=True)
+    anchors = index[anchor][torch.argsort(part[anchor])]  # one a part, in the parts' order
+    counts = torch.bincount(group_of, minlength=len(groups))
+    joining, slots = torch.searchsorted(cached, index[at]), torch.searchsorted(cached, anchors)
+    return SlotMeans(group_of, joining, slots, torch.zeros_like(counts), counts)
