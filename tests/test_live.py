@@ -46,6 +46,9 @@ def assert_same_spans(got, want):
         for x, y in zip(a.keys + a.values + a.positions, b.keys + b.values + b.positions):
             assert x.shape == y.shape, a.name  # the same tokens kept
             assert torch.allclose(x.float(), y.float(), atol=1e-5), a.name
+        assert (a.embeddings is None) == (b.embeddings is None), a.name  # SAVEMem's, as taken in
+        if a.embeddings is not None:
+            assert torch.allclose(a.embeddings.float(), b.embeddings.float(), atol=1e-3), a.name
 
 
 def follow(backbone, method: str, moments: tuple[int, ...], reduce: str | None = None):

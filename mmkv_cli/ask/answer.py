@@ -14,6 +14,7 @@ from mmkv_cli.ask.heads import join_heads, rotate_pieces
 from mmkv_cli.ask.layerwise import in_forward_splice, question_vector
 from mmkv_cli.ask.prune import AskPrune, prune_context
 from mmkv_cli.ask.result import Answer
+from mmkv_cli.ask.taken_in import PackTakenIn
 from mmkv_cli.backbones.base import Backbone
 from mmkv_cli.core.errors import PackError, UsageError
 from mmkv_cli.core.options import AskOptions
@@ -210,6 +211,7 @@ def answer_from_pack(
         lambda: _representatives(reader),
         lambda mode: question_vector(backbone, reader, asked, mode),
         options.at,
+        PackTakenIn(backbone, reader, asked),
     )
     clock.lap("select")
     positions_mode = options.positions.value if options.positions else policy.position_mode

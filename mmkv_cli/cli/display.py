@@ -253,7 +253,7 @@ def show_retrieved(retrieved: list[dict], used: list[str], kind: str | None = "v
     if not retrieved:
         err_console.print(f"[dim]no retrieval: the context holds {len(used)} stored blocks[/dim]")
         return
-    scored = retrieved[0]["score"] is not None
+    scored = any(r["score"] is not None for r in retrieved)
     layered = "layers" in retrieved[0]  # per-layer retrieval: how many layers took each block
     title = "retrieved blocks (context order)" if scored else "context blocks (no retrieval)"
     table = Table(title=title)
@@ -263,8 +263,8 @@ def show_retrieved(retrieved: list[dict], used: list[str], kind: str | None = "v
         table.add_column(column, justify="left" if column in columns[:3] else "right")
     for r in retrieved:
         row = [plain(r["block"]), plain(r["granularity"] or ""), _span(r.get("time"), seconds)]
-        if scored:
-            row += [f"{r['score']:.3f}", f"{r['reranked']:.3f}"]
+        if scored:  # a block kept unscored (SAVEMem's short term), or never reranked: "-"
+            row += [f"{r[key]:.3f}" if r[key] is not None else "-" for key in ("score", "reranked")]
         table.add_row(*row, *([str(r["layers"])] if layered else []))
     err_console.print(table)
 

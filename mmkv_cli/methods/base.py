@@ -138,6 +138,10 @@ class StreamingMemory(Protocol):
     # as embedded are on the state (StreamState.chunk_grid) when after_chunk runs
     reads_embeddings: bool
 
+    # its blocks carry their tokens as the language model took them in (Span.embeddings), for a
+    # question's late interaction at ask (SAVEMem's retrieval); the pack stores them (v13)
+    keeps_embeddings: bool
+
     # every token it holds stays as prefilled, one block per temporal step (made by step_block):
     # its blocks can be made, and written, as each chunk goes in
     seals_as_prefilled: bool
@@ -236,6 +240,22 @@ class LayerRetrieval(Protocol):
 QuestionVector = Callable[[str], "torch.Tensor"]
 
 
+class TakenIn(Protocol):
+    """A pack's tokens and the question's as the language model takes them in (its input
+    embeddings), for a policy that chooses by late interaction (SAVEMem's retrieval). Lazy: a
+    policy that asks for neither costs nothing."""
+
+    frames_per_step: int  # frames one temporal step of the pack holds
+
+    def blocks(self) -> torch.Tensor | None:
+        """[tokens, dim] unit rows, one a token each block's first layer holds, in table order,
+        where the model is (None: the pack keeps none)."""
+
+    def question(self) -> torch.Tensor:
+        """[q, dim] unit rows of the prompt's text tokens: the prefix's, the suffix's and the
+        question's, where the model is."""
+
+
 class ContextPolicy(Protocol):
     position_mode: str  # keep | reindex
 
@@ -245,9 +265,11 @@ class ContextPolicy(Protocol):
         reps: Callable[[], torch.Tensor],
         question_vector: QuestionVector,
         at: float | None = None,
+        taken_in: TakenIn | None = None,
     ) -> Selection:
-        """Blocks for the context. reps() loads the representatives and question_vector(mode) runs
-        the question; both are lazy so a policy that needs neither costs nothing."""
+        """Blocks for the context. reps() loads the representatives, question_vector(mode) runs
+        the question and taken_in holds both as embedded; all lazy, so a policy that needs none
+        costs nothing."""
 
 
 # rows: per layer the question's attention [q, k]; visual / question: per layer the key columns of

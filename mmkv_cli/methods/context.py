@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from mmkv_cli.methods.base import QuestionVector, Selection
+from mmkv_cli.methods.base import QuestionVector, Selection, TakenIn
 from mmkv_cli.pack import eligible_at
 
 if TYPE_CHECKING:
@@ -32,6 +32,7 @@ class WholeContext:
         reps: Callable[[], torch.Tensor],
         question_vector: QuestionVector,
         at: float | None = None,
+        taken_in: TakenIn | None = None,
     ) -> Selection:
         eligible = eligible_at(blocks, at)
         names = [blocks.name(i) for i in eligible.tolist()]

@@ -31,6 +31,7 @@ class KeepAll:
     # and written, as each chunk goes in (a policy that evicts or rewrites entries: False)
     seals_as_prefilled = False
     reads_embeddings = False  # chooses by attention or place, not by the tokens' embeddings
+    keeps_embeddings = False  # its blocks carry no tokens as taken in (Span.embeddings)
 
     def __init__(self, params, budget: Budget, context: EncodeContext):
         self.params = params

@@ -15,7 +15,7 @@ import numpy as np
 
 from mmkv_cli.core.errors import PackError
 from mmkv_cli.core.lazy import torch
-from mmkv_cli.methods.base import QuestionVector, Selection
+from mmkv_cli.methods.base import QuestionVector, Selection, TakenIn
 from mmkv_cli.methods.context import last_shown
 from mmkv_cli.methods.scoring import SIMILARITY, cosine_scores
 from mmkv_cli.pack import eligible_at
@@ -151,6 +151,7 @@ class RetrievalContext:
         reps: Callable[[], torch.Tensor],
         question_vector: QuestionVector,
         at: float | None = None,
+        taken_in: TakenIn | None = None,
     ) -> Selection:
         o = self.options
         eligible = eligible_at(blocks, at)

@@ -11,10 +11,9 @@ models/qwen2-5-vl/src/qwen2_5_vl_savemem/savemem.py) at their StreamingBench scr
   grows with the frame's mean importance (15-40%), spread over its four quadrants; a smaller one
   merges as FluxMem's; past `max_memory_tokens` in the mid and long terms, the long term's least
   important go;
-- the recency gate: at a ratio of 1 or less a question reads the short term alone.
-
-The top-k late-interaction retrieval among mid- and long-term frames at the question is not
-offered (docs/methods.md says why)."""
+- the recency gate: at a ratio of 1 or less a question reads the short term alone;
+- above it, the question's late interaction keeps the mid- and long-term frames it matches best
+  (savemem_retrieval.py), on the tokens as taken in, which the pack keeps for it (format v13)."""
 
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ from mmkv_cli.core.lazy import torch
 from mmkv_cli.core.spec import knob
 from mmkv_cli.methods.base import Budget, Method, Paper, StreamParams
 from mmkv_cli.methods.running_cache import StreamState
+from mmkv_cli.methods.savemem_retrieval import LateInteractionContext
 from mmkv_cli.methods.scoring import ranks
 from mmkv_cli.methods.tiers import (
     Frame,
@@ -85,6 +85,17 @@ class SaveMemParams(StreamParams):
         "term alone; above 1, or null, the whole memory (3.0 StreamingBench, 0.1 OVO-Bench "
         "real-time, 2.0 backward)", above=0.0,
     )  # fmt: skip
+    retrieval_top_k: int = knob(
+        10, "with the gate open, the question's late interaction keeps at least this many mid- "
+        "and long-term frames (at least 90% of them; all where its scores are alike); 0: every "
+        "frame, no embeddings kept in the pack", low=0,
+    )  # fmt: skip
+
+    @property
+    def retrieves(self) -> bool:
+        """Whether a question chooses among the mid- and long-term frames."""
+        gate = self.gate_drop_ratio
+        return self.retrieval_top_k > 0 and (gate is None or gate > 1.0)
 
 
 def importance(unit_x: torch.Tensor, questions: torch.Tensor) -> torch.Tensor:
@@ -129,6 +140,7 @@ def over_the_cap(alive: torch.Tensor, scores: torch.Tensor, overflow: torch.Tens
 class SaveMemMemory(TieredMemory):
     def __init__(self, params: SaveMemParams, budget: Budget, context):
         super().__init__(params, budget, context)
+        self.keeps_embeddings = params.retrieves  # the question's late interaction reads them
         self.questions: torch.Tensor | None = None  # [Q, H] unit pseudo-question tokens
         self.cuts_sum: torch.Tensor | None = None  # the running sum of frames' mean distances
         self.cuts = 0  # how many frames it sums
@@ -236,5 +248,8 @@ METHOD = Method(
     params=SaveMemParams,
     budget=None,  # its thresholds and cap size it: --budget does not apply
     streaming=SaveMemMemory,
+    context=lambda params: LateInteractionContext(
+        params.short_term_frames, params.retrieval_top_k if params.retrieves else 0
+    ),
     adaptive=True,
 )

@@ -11,9 +11,11 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from mmkv_cli.core.errors import MediaError
 from mmkv_cli.core.lazy import torch
+from mmkv_cli.kernels.host import HostCopies
 from mmkv_cli.methods.base import Budget
 from mmkv_cli.methods.keep_all import KeepAll
 from mmkv_cli.methods.merging import SlotMeans
@@ -153,6 +155,10 @@ class TieredMemory(KeepAll):
         self.short: collections.deque[Frame] = collections.deque()
         self.mid: collections.deque[Frame] = collections.deque()
         self.added = 0  # tokens up to this stream index have joined the memory
+        # with keeps_embeddings, the long term's tokens as taken in: stream indices [N] (host) and
+        # unit rows [N, H] float16 where the model is (the other tiers' frames hold their own)
+        self.embedded_index = torch.empty(0, dtype=torch.long)
+        self.embedded_x: torch.Tensor | None = None
 
     FIELDS = ("previous", "keep", "semantic", "scene_change")  # a Frame's, saved when set
 
@@ -164,11 +170,13 @@ class TieredMemory(KeepAll):
             for name in self.FIELDS:
                 if getattr(frame, name) is not None:
                     out[f"{i}.{name}"] = getattr(frame, name).cpu()
+        if self.embedded_x is not None:
+            out |= {"embedded.index": self.embedded_index, "embedded.x": self.embedded_x.cpu()}
         return out | {f"own.{k}": v.cpu() for k, v in self.own_saved().items()}
 
     def restore(self, saved: dict[str, torch.Tensor]) -> None:
         self.added, mid = int(saved["added"]), int(saved["mid"])
-        count = len({k.split(".")[0] for k in saved} - {"added", "mid", "own"})
+        count = len({k.split(".")[0] for k in saved} - {"added", "mid", "own", "embedded"})
         frames = []
         for i in range(count):
             frame = Frame(int(saved[f"{i}.step"]), saved[f"{i}.index"], saved[f"{i}.x"],
@@ -177,6 +185,8 @@ class TieredMemory(KeepAll):
                 setattr(frame, name, saved.get(f"{i}.{name}"))
             frames.append(frame)
         self.mid, self.short = collections.deque(frames[:mid]), collections.deque(frames[mid:])
+        self.embedded_index = saved.get("embedded.index", torch.empty(0, dtype=torch.long))
+        self.embedded_x = saved.get("embedded.x")
         self.own_restore({k[4:]: v for k, v in saved.items() if k.startswith("own.")})
 
     # --- what a method says ---
@@ -249,6 +259,8 @@ class TieredMemory(KeepAll):
             rows += list((~elsewhere[0]).long())
         back = torch.stack(rows).cpu()
         keeps = back[: len(decided)].bool()
+        if self.keeps_embeddings:
+            self._keep_long_term(decided, keeps)
         merges = back[len(decided) : len(decided) + 3 * len(merged)].view(-1, 3, total)
         cached = state.cache.index[0]
         frames = [frame for frame in decided if frame.merge is not None]
@@ -264,6 +276,45 @@ class TieredMemory(KeepAll):
             local = (~torch.isin(cached, gone)).nonzero()[:, 0]
             for layer in range(state.layers):
                 state.cache.retain(layer, local)
+            if self.embedded_x is not None:  # what left the cache leaves the long term's rows too
+                alive = torch.isin(self.embedded_index, gone, invert=True)
+                self.embedded_index = self.embedded_index[alive]
+                rows = alive.nonzero()[:, 0].to(self.embedded_x.device, non_blocking=True)
+                self.embedded_x = self.embedded_x[rows]
+
+    def _keep_long_term(self, decided: list[Frame], keeps: torch.Tensor) -> None:
+        """The rows the frames that left the mid term in this chunk keep, as taken in (keeps: what
+        each decided frame keeps, on the host: no wait)."""
+        mid = {id(frame) for frame in self.mid}
+        for frame, keep in zip(decided, keeps):
+            if id(frame) in mid:
+                continue
+            rows = keep.nonzero()[:, 0]
+            x = frame.unit()[rows.to(frame.x.device, non_blocking=True)].half()
+            self.embedded_index = torch.cat([self.embedded_index, frame.index[rows]])
+            self.embedded_x = x if self.embedded_x is None else torch.cat([self.embedded_x, x])
+
+    def make_blocks(self, state: StreamState, step_times: list[tuple[float, float]]) -> list:
+        """KeepAll's blocks; with keeps_embeddings each carries its tokens as taken in, one row a
+        token in its layers' order (they all keep the same ones), brought to the host at once."""
+        index = state.cache.index[0].clone() if self.keeps_embeddings else None
+        blocks = super().make_blocks(state, step_times)
+        if index is None or not blocks or state.cache.per_head:
+            return blocks
+        index = index[torch.argsort(state.token_step[index], stable=True)]  # the blocks' order
+        frames = [*self.mid, *self.short]
+        held = torch.cat([self.embedded_index, *(frame.index for frame in frames)])
+        x = [self.embedded_x] if self.embedded_x is not None else []
+        x = torch.cat([*x, *(frame.unit().half() for frame in frames)])
+        order = torch.argsort(held)
+        rows = order[torch.searchsorted(held[order], index).clamp_max(len(held) - 1)]
+        if not torch.equal(held[rows], index):
+            raise MediaError("internal: a kept token's embedding was not kept")
+        copies = HostCopies(x.device)
+        taken = copies.host(x[rows.to(x.device, non_blocking=True)])
+        copies.settle()
+        counts = [block.layer_counts[0] for block in blocks]
+        return [replace(b, embeddings=e) for b, e in zip(blocks, torch.split(taken, counts))]
 
 
 def part_means(cached, index, part, anchor, members) -> SlotMeans:

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
         PackHeader,
         PromptRecord,
     )
-    from mmkv_cli.pack.schema.table import BlockTable, eligible_at
+    from mmkv_cli.pack.schema.table import BlockTable, eligible_at, run_rows
 
 _HOMES = {
     "block_name": "schema.format",
@@ -70,6 +70,7 @@ _HOMES = {
     "convert_quant": "access.convert",
     "EarlyPack": "access.early",
     "eligible_at": "schema.table",
+    "run_rows": "schema.table",
     "exists": "io.storage",
     "filesystem": "io.storage",
     "Fingerprint": "schema.header",
@@ -138,6 +139,7 @@ __all__ = [
     "local_copy",
     "local_path",
     "read_text",
+    "run_rows",
     "split_layers",
     "staged_upload",
     "sweep_stale",

@@ -28,6 +28,15 @@ class _Blocks(Sequence):
     def __init__(self, reader: PackReader, rows: np.ndarray, dtype):
         self.reader, self.rows, self.dtype = reader, rows, dtype
         self.reps = reader.representatives()
+        self.embeds = reader.embeddings()
+        if self.embeds is not None:  # each block's rows: one a token of its first layer
+            counts = reader.blocks.layer_totals()[:, 0].astype(np.int64)
+            self.embed_starts = np.concatenate([[0], np.cumsum(counts)])
+
+    def embeddings(self, row: int):
+        if self.embeds is None:
+            return None
+        return self.embeds[int(self.embed_starts[row]) : int(self.embed_starts[row + 1])]
 
     def shapes(self) -> list[BlockShape] | None:
         """The kept blocks' table entries from the source's table, where it says whether positions
@@ -47,6 +56,7 @@ class _Blocks(Sequence):
                     entry["layer_counts"],
                     bool(shares),
                     self.reps[row].to(self.dtype) if self.reps is not None else None,
+                    self.embeddings(row),
                 )
             )
         return shapes
@@ -58,7 +68,8 @@ class _Blocks(Sequence):
         row = int(self.rows[i])
         loaded = self.reader.span(self.reader.blocks.name(row), keep=False, dtype=self.dtype)
         rep = self.reps[row].to(self.dtype) if self.reps is not None else None
-        return replace(loaded, name=block_name(i), representative=rep)
+        return replace(loaded, name=block_name(i), representative=rep,
+                       embeddings=self.embeddings(row))  # fmt: skip
 
 
 def convert_quant(kv_bits: float | None, kv_group: int | None) -> QuantSpec | None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from mmkv_cli.core.errors import PackError
 from mmkv_cli.core.lazy import torch
-from mmkv_cli.pack.access.writer import checked_shapes, table_layout
+from mmkv_cli.pack.access.writer import checked_shapes, stacked_embeddings, table_layout
 from mmkv_cli.pack.integrity.verdicts import LaterVerdicts
 from mmkv_cli.pack.quantized.quant import QuantSpec
 from mmkv_cli.pack.schema.format import FORMAT_VERSION, Span
@@ -44,7 +44,8 @@ class MemoryPack:
         self.format_version = FORMAT_VERSION
         stored = json.loads(json.dumps(header.sections(), sort_keys=True))
         self.header = read_header(stored, FORMAT_VERSION, header.kv, label)
-        kinds, table, times, _, reps, _ = table_layout(checked_shapes(blocks), QuantSpec())
+        layout = table_layout(checked_shapes(blocks), QuantSpec())
+        kinds, table, times, _, reps, _, embeds = layout
         count = len(blocks)
         self.blocks = BlockTable(
             kinds,
@@ -59,12 +60,17 @@ class MemoryPack:
             dtype = prefix.keys[0].dtype if prefix.keys else torch.float32
             self._reps = torch.stack([r.reshape(-1, r.shape[-1]) for r in reps]).to(dtype)
         self.rotated_representatives = reps_space != "pre_rope"
+        self._embeds = stacked_embeddings(embeds)
         self.bytes_read = 0  # nothing is read from a file
         self.fetched = None  # nor from object storage
 
     def representatives(self) -> torch.Tensor | None:
         """[blocks, layers, dim] retrieval keys, or None; callers must not write into them."""
         return self._reps
+
+    def embeddings(self) -> torch.Tensor | None:
+        """[tokens, dim] the blocks' tokens as taken in, float16 unit rows, or None (v13)."""
+        return self._embeds
 
     def span(self, name: str, keep: bool = True, dtype: torch.dtype | None = None) -> Span:
         """A span as the reader loads it: a block's granularity, steps and time from the table."""

@@ -15,6 +15,7 @@ from mmkv_cli.pack.integrity.tensors import StoredTensors
 from mmkv_cli.pack.quantized.quant import QuantSpec
 from mmkv_cli.pack.schema.format import (
     BLOCKS,
+    EMBEDS,
     OLD_TABLE_COLUMNS,
     PARTS,
     TABLE_COLUMNS,
@@ -46,7 +47,7 @@ def open_pack(tensors: StoredTensors, where: str) -> Opened:
     digest = digest_name(version)
     entries = tensors.entries
     if version >= 4:  # remote: every small tensor in one request (not the blocks nor reps)
-        large = {f"{BLOCKS}.{part}" for part in PARTS} | {"reps"}
+        large = {f"{BLOCKS}.{part}" for part in PARTS} | {"reps", EMBEDS}
         tensors.source.ensure([tensors.tensor_range(n) for n in entries if n not in large])
     check_header(stored, version, where)
     kv = stored_kv(stored.get("kv"))  # what the spans hold: per head, a layer a head

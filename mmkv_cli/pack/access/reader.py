@@ -109,6 +109,14 @@ class PackReader:
         """The representatives as stored, checked, or None (numpy: no torch)."""
         return self.sides.stored_representatives()
 
+    def embeddings(self) -> torch.Tensor | None:
+        """v13: [tokens, dim] the blocks' tokens as taken in, or None (SideTensors.embeddings)."""
+        return self.sides.embeddings()
+
+    def stored_embeddings(self) -> np.ndarray | None:
+        """v13's embeddings as stored, checked, or None (numpy: no torch)."""
+        return self.sides.stored_embeddings()
+
     @property
     def rotated_representatives(self) -> bool:
         return self.sides.rotated_representatives

@@ -13,8 +13,9 @@ BYTES_PER_VALUE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 def verify(pack: str | Path) -> dict:
     """Every byte of a pack read and checked (inspect stays lazy): the header and directory on
-    open, the prefix, suffix and representatives, and every block against its checksum. Returns
-    the faults found, each naming the block or tensor; none means the pack is whole."""
+    open, the prefix, suffix, representatives and embeddings, and every block against its
+    checksum. Returns the faults found, each naming the block or tensor; none means the pack is
+    whole."""
     reader = PackReader(pack)  # a fault here is one clear error: nothing after it can be trusted
     faults = []
     # numpy reads and checks what is stored as computed; torch is imported only to decode a
@@ -24,10 +25,12 @@ def verify(pack: str | Path) -> dict:
             reader.span_arrays(name)
         except PackError as err:
             faults.append(f"{name}: {err}")
-    try:
-        reader.stored_representatives()
-    except PackError as err:
-        faults.append(f"representatives: {err}")
+    for what, read in (("representatives", reader.stored_representatives),
+                       ("embeddings", reader.stored_embeddings)):  # fmt: skip
+        try:
+            read()
+        except PackError as err:
+            faults.append(f"{what}: {err}")
     if len(reader.blocks) and reader.format_version >= 4:
         faults += reader.block_faults()
     elif len(reader.blocks):  # head-major packs: block by block

@@ -13,6 +13,7 @@ from mmkv_cli.pack.integrity.finite import finite_stored
 from mmkv_cli.pack.integrity.hashing import chunk_digests, digest_of
 from mmkv_cli.pack.integrity.tensors import StoredTensors
 from mmkv_cli.pack.quantized.vidkv import two_bit_flags_sound
+from mmkv_cli.pack.schema.format import EMBEDS
 
 
 def checked_representatives(
@@ -28,6 +29,18 @@ def checked_representatives(
         whole = expected is None or digest_of([array], digest) == expected
     if not whole:
         raise PackError(f"{where} is corrupted (checksum mismatch in reps)")
+    return array
+
+
+def checked_embeddings(tensors: StoredTensors, stored: dict, digest: str, where: str) -> np.ndarray:
+    """v13's embeddings as stored ("embeds", float16 bits), checked: their digests, no NaN or Inf
+    (a re-sealed forgery would make every frame's score NaN)."""
+    array = tensors.array(EMBEDS)
+    expected = stored["integrity"][EMBEDS]
+    if chunk_digests(array, expected["chunk"], digest) != expected[digest]:
+        raise PackError(f"{where} is corrupted (checksum mismatch in embeds)")
+    if not finite_stored(array, "float16"):
+        raise PackError(f"{where} is corrupted (NaN or Inf in embeds)")
     return array
 
 
@@ -68,7 +81,8 @@ def checked_span(
 
 
 class SideTensors:
-    """A pack's representatives and v9's key scales, each read and checked once, on first use,
+    """A pack's representatives, v9's key scales and v13's embeddings, each read and checked once,
+    on first use,
     then held: a session asks many questions of one index (an hour's per-layer ReKV index at 7B
     is 51 MB in bf16, twice that as float32). Callers must not write into what they are given."""
 
@@ -78,6 +92,7 @@ class SideTensors:
         self.digest, self.quant, self.where = digest, quant, where
         self._reps: torch.Tensor | None = None
         self._key_scales: torch.Tensor | None = None
+        self._embeds: torch.Tensor | None = None
 
     def representatives(self) -> torch.Tensor | None:
         """[blocks, layers, dim] retrieval keys (layers: 1 unless stored per layer) in the dtype
@@ -99,6 +114,19 @@ class SideTensors:
         return checked_representatives(
             self.tensors, self.stored, self.version, self.digest, self.where
         )
+
+    def embeddings(self) -> torch.Tensor | None:
+        """v13: [tokens, dim] float16 unit rows, the blocks' tokens as the language model took them
+        in, one a token each block's first layer holds, in table order; None where not kept."""
+        if self._embeds is None and self.stored.get("embeddings"):
+            self._embeds = torch.from_numpy(self.stored_embeddings()).view(torch.float16)
+        return self._embeds
+
+    def stored_embeddings(self) -> np.ndarray | None:
+        """v13's embeddings as stored, checked, or None (numpy: no torch)."""
+        if not self.stored.get("embeddings"):
+            return None
+        return checked_embeddings(self.tensors, self.stored, self.digest, self.where)
 
     @property
     def rotated_representatives(self) -> bool:

@@ -22,6 +22,7 @@ from mmkv_cli.pack.quantized.quant import (
 )
 from mmkv_cli.pack.schema.format import (
     BLOCKS,
+    EMBEDS,
     FORMAT_NAME,
     FORMAT_VERSION,
     META_HEADER,
@@ -87,10 +88,11 @@ def checked_shapes(blocks: Sequence[Span]):
 
 
 def table_layout(shapes, quant: QuantSpec):
-    """(granularity names, table rows, times, rows of blocks.k, .pos, .kq, representatives) for
-    the blocks of `shapes`, in one pass. Key groups span the blocks (v9): the table's key-group
-    column is 0, and each layer's run over every block has ceil(tokens / group) of them."""
-    kinds, table, times, reps = [], [], [], []
+    """(granularity names, table rows, times, rows of blocks.k, .pos, .kq, representatives,
+    layer totals, embeddings) for the blocks of `shapes`, in one pass. Key groups span the blocks
+    (v9): the table's key-group column is 0, and each layer's run over every block has
+    ceil(tokens / group) of them."""
+    kinds, table, times, reps, embeds = [], [], [], [], []
     offset = positions = 0
     totals: list[int] = []
     for block in shapes:
@@ -105,10 +107,21 @@ def table_layout(shapes, quant: QuantSpec):
         totals = [a + b for a, b in zip(totals, counts)] if totals else list(counts)
         times.append([round(float(t), 4) for t in block.time] if block.time else [float("nan")] * 2)
         reps.append(block.representative)
+        embeds.append(block.embeddings)
+        if block.embeddings is not None and block.embeddings.shape[0] != counts[0]:
+            raise PackError("internal: a block's embeddings are not one a token of its first layer")
         offset += sum(counts)
         positions += counts[0] if shared else sum(counts)
     groups = sum(-(-n // quant.group) for n in totals) if quant.quantized else 0
-    return kinds, table, times, [offset, positions, groups], reps, totals
+    return kinds, table, times, [offset, positions, groups], reps, totals, embeds
+
+
+def stacked_embeddings(embeds: list) -> torch.Tensor | None:
+    """The blocks' embeddings as stored ("embeds" [tokens, dim] float16, v13), or None unless every
+    block has them."""
+    if not embeds or any(e is None for e in embeds):
+        return None
+    return torch.cat([e.reshape(-1, e.shape[-1]).cpu() for e in embeds]).to(torch.float16)
 
 
 def _block_tensors(first: Span, quant: QuantSpec, rows: list[int]) -> dict:
@@ -177,7 +190,7 @@ def plan_pack(
     small.update(series_tensors(series or {}))
     # All blocks share a few tensors (a handful of safetensors entries, whatever the video
     # length); each block is a contiguous row range of each of them.
-    kinds, table, times, rows, reps, totals = table_layout(shapes, quant)
+    kinds, table, times, rows, reps, totals, embeds = table_layout(shapes, quant)
     streamed: dict[str, tuple[str, list[int]]] = {}
     if first is not None:
         streamed = _block_tensors(first, quant, rows)
@@ -187,6 +200,9 @@ def plan_pack(
         # in the KV's own dtype: retrieval keys need no more precision than the keys they average
         dtype = prefix.keys[0].dtype if prefix.keys else torch.float32
         small["reps"] = torch.stack([r.reshape(-1, r.shape[-1]) for r in reps]).to(dtype)
+    stacked = stacked_embeddings(embeds)
+    if stacked is not None:
+        small[EMBEDS] = stacked
     layers = len(first.layer_counts) if first is not None else len(prefix.layer_counts)
     digest_layers = layers_per_digest(layers, small.get("reps"))
     entries = _directory(small, streamed, len(table), layers // digest_layers)
@@ -200,6 +216,8 @@ def plan_pack(
         "representatives": _representatives(small.get("reps"), reps_space),
         "integrity": _integrity(entries, small),
     }
+    if stacked is not None:  # v13: only a pack that keeps them says so
+        stored["embeddings"] = {"dim": int(stacked.shape[1])}
     if quant.quantized and streamed:  # their digests once they are made: the same length
         chunks = chunk_count(math.prod(streamed[f"{BLOCKS}.kq"][1]) * 2, REPS_CHUNK)
         stored["integrity"]["key_scales"] = {"chunk": REPS_CHUNK, DIGEST: ["0" * 64] * chunks}
@@ -348,11 +366,12 @@ def _representatives(reps: torch.Tensor | None, space: str) -> dict | None:
 
 def _integrity(entries: dict, small: dict) -> dict:
     """The header's digests: the directory and the small tensors no other checksum covers, and
-    the representatives a chunk at a time."""
+    the representatives and the embeddings a chunk at a time."""
     integrity: dict = {"index": index_digest(entries, lambda name: raw_bytes(small[name]), DIGEST)}
-    if "reps" in small:
-        digests = chunk_digests(raw_bytes(small["reps"]), REPS_CHUNK, DIGEST)
-        integrity["reps"] = {"chunk": REPS_CHUNK, DIGEST: digests}
+    for name in ("reps", EMBEDS):
+        if name in small:
+            digests = chunk_digests(raw_bytes(small[name]), REPS_CHUNK, DIGEST)
+            integrity[name] = {"chunk": REPS_CHUNK, DIGEST: digests}
     return integrity
 
 

@@ -23,6 +23,7 @@ from mmkv_cli.core.errors import PackError, unreadable
 from mmkv_cli.pack.integrity.hashing import new_digest
 from mmkv_cli.pack.schema.format import (
     BLOCKS,
+    EMBEDS,
     FORMAT_NAME,
     META_HEADER,
     META_HEADER_SHA,
@@ -218,6 +219,8 @@ def check_header(header: dict, version: int, where: str) -> None:
         _need(_is_int(layout["position_limit"], 1, 2**31), where, "layout.position_limit")
     if layout.get("position_dims") is not None:
         _need(layout["position_dims"] in (1, 3), where, "layout.position_dims")
+    if layout.get("frames_per_step") is not None:  # the short term a late interaction spares
+        _need(_is_int(layout["frames_per_step"], 1, 64), where, "layout.frames_per_step")
     fingerprint = _section(header, "fingerprint", where)
     for key in ("model", "family", "config_sha256", "weights_sha256"):
         value = fingerprint.get(key)
@@ -281,6 +284,10 @@ def check_header(header: dict, version: int, where: str) -> None:
         _need(isinstance(reps, dict) and _is_int(reps.get("dim"), 1, 1 << 20), where, "reps")
         # absent before v6 (means after RoPE); named since
         _need(reps.get("space") in (None, "pre_rope", "post_rope"), where, "reps.space")
+    embeddings = header.get("embeddings")
+    if embeddings is not None:  # v13: the blocks' tokens as taken in
+        dim = embeddings.get("dim") if isinstance(embeddings, dict) else None
+        _need(version >= 13 and _is_int(dim, 1, 1 << 16), where, "embeddings")
     if current:
         digests = _section(header, "integrity", where, required=True)
         _need(
@@ -290,6 +297,9 @@ def check_header(header: dict, version: int, where: str) -> None:
         )
         if "reps" in digests:
             _need(_reps_digest(digests["reps"], version), where, "integrity.reps")
+        if header.get("embeddings") is not None:
+            embeds = digests.get(EMBEDS)
+            _need(_reps_digest(embeds, version), where, "integrity.embeds")
         if "key_scales" in digests:
             scales = _reps_digest(digests["key_scales"], max(8, version))
             _need(scales, where, "integrity.key_scales")

@@ -15,7 +15,13 @@ import numpy as np
 from mmkv_cli.core.errors import PackError
 from mmkv_cli.pack.integrity.checks import KV_DTYPES, STORED_KV_DTYPES, check_kv_shape
 from mmkv_cli.pack.integrity.hashing import chunk_count
-from mmkv_cli.pack.schema.format import BLOCKS, OLD_TABLE_COLUMNS, TABLE_COLUMNS, digest_name
+from mmkv_cli.pack.schema.format import (
+    BLOCKS,
+    EMBEDS,
+    OLD_TABLE_COLUMNS,
+    TABLE_COLUMNS,
+    digest_name,
+)
 from mmkv_cli.pack.schema.header import KVShape
 
 
@@ -146,6 +152,7 @@ def check_tensors(
     _need(count == header["blocks"]["count"], where, "block count")
     # before the early return: a forged pack of no blocks may still claim representatives
     _check_reps(header, entries, count, kv, form, where)
+    _check_embeds(header, entries, table, where)
     if not count:
         return
     expect(entries, f"{BLOCKS}.table", form.integers, [count, form.columns + kv.layers], where)
@@ -204,6 +211,23 @@ def _check_reps(header: dict, entries: dict, count: int, kv: KVShape, form: Layo
         chunks = chunk_count(stop - start, digest["chunk"]) if digest else -1
         counted = digest is not None and len(digest[digest_name(version)]) == chunks
         _need(counted, where, "reps digests")
+
+
+def _check_embeds(header: dict, entries: dict, table, where: str) -> None:
+    """v13's embeddings: one float16 row a token of each block's first layer, every byte under a
+    digest; never in a pack held per head (its heads keep tokens of their own)."""
+    embeds = header.get("embeddings")
+    if not embeds:
+        return
+    _need(not (header.get("kv") or {}).get("per_head"), where, "embeddings")
+    tokens = int(table.layer_totals()[:, 0].sum()) if len(table) else 0
+    expect(entries, EMBEDS, "F16", [tokens, embeds["dim"]], where)
+    digest = header["integrity"][EMBEDS]
+    start, stop = entries[EMBEDS]["data_offsets"]
+    counted = len(digest[digest_name(header["format_version"])]) == chunk_count(
+        stop - start, digest["chunk"]
+    )
+    _need(counted, where, "embeds digests")
 
 
 def kv_shape_of(stored: dict, entries: dict, layers: int, token_major: bool, where: str) -> KVShape:

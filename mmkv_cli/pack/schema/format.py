@@ -1,4 +1,4 @@
-"""The .kvpack format (v12): one safetensors file, a JSON header in its metadata, tensors by span.
+"""The .kvpack format (v13): one safetensors file, a JSON header in its metadata, tensors by span.
 
 A span is the per-layer KV of one stretch of the stream: the prefix (init prompt), one visual block,
 or the suffix. Each span holds its per-layer K, V and original positions concatenated along the
@@ -20,8 +20,10 @@ block's checksum covers. From v10 every checksum is BLAKE3 (sha256 before; the h
 sha256), named so: "blocks.blake3", and "blake3" where the header held "sha256". From v11 a pack may
 be held per head: its spans store each (layer, KV head) as a layer of one head. From v12 a block's
 checksum may be a digest per model layer ("digest_layers": stored layers each covers): a retrieval
-that reads one layer's rows of a block checks those, not the block's every layer. See
-docs/kvpack.md."""
+that reads one layer's rows of a block checks those, not the block's every layer. From v13 a pack
+may keep its blocks' tokens as the language model took them in ("embeds" [tokens, dim] float16, unit
+rows, one a token its blocks' first layer holds, in table order, a digest per 4 MiB): a question's
+late interaction with them chooses frames (SAVEMem's retrieval). See docs/kvpack.md."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from mmkv_cli.core.lazy import torch
 
 FORMAT_NAME = "mmkv.kvpack"
-FORMAT_VERSION = 12
+FORMAT_VERSION = 13
 # v2 kept the block table as JSON in the header; v2 and v3 stored K/V head-major ([H_kv, tokens, D])
 # and positions as [P, tokens], with timestamps and step lengths in the header; v2-v4 named the
 # prefix and suffix "segments" in the header (v5: "spans") and kept a fixed token budget among the
@@ -46,7 +48,9 @@ FORMAT_VERSION = 12
 # KV head) as a layer of one head, layer-major, so each head keeps tokens of its own. v2-v11 gave
 # each block one checksum over all its layers; v12 may cut it into a digest per `digest_layers`
 # stored layers ("blocks.blake3" [N, digests, 32]): a pack retrieved layer by layer has one a layer.
-READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
+# v13 may store "embeds" (the header's "embeddings"); v2-v12 never do.
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)
+EMBEDS = "embeds"  # v13: [tokens, dim] float16 unit input embeddings of the blocks' tokens
 BLOCKS = "blocks"  # tensors "blocks.k/.v/.pos": every block's tokens, one range each
 # Header lists that grow with the video, stored as tensors of these names (and dtypes) from v4 on;
 # from v8 an int64 one is stored int32 where every value fits.
@@ -80,6 +84,9 @@ class Span:
         None  # seconds (or image / page index) of its first and last frame
     )
     representative: torch.Tensor | None = None  # [layers, dim] retrieval key(s), before RoPE
+    # [n, dim] its tokens as the language model took them in, one a token its first layer holds,
+    # in that layer's order (v13: kept for a question's late interaction; None: not kept)
+    embeddings: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -95,14 +102,16 @@ class Span:
 
     def by_head(self) -> Span:
         """This span as a pack held per head stores it: each (layer, KV head) a layer of its own
-        ([1, n_l, D]), layer-major, positions repeated for each head."""
+        ([1, n_l, D]), layer-major, positions repeated for each head; no embeddings (its heads
+        keep tokens of their own)."""
         heads = self.keys[0].shape[0] if self.keys else 0
 
         def split(parts: list[torch.Tensor]) -> list[torch.Tensor]:
             return [t[h : h + 1] for t in parts for h in range(heads)]
 
         positions = [p for p in self.positions for _ in range(heads)]
-        return replace(self, keys=split(self.keys), values=split(self.values), positions=positions)
+        return replace(self, keys=split(self.keys), values=split(self.values), positions=positions,
+                       embeddings=None)  # fmt: skip
 
     def packed(self) -> dict[str, torch.Tensor]:
         """The stored tensors by name: "<name>.k", "<name>.v", "<name>.pos"."""
@@ -120,6 +129,7 @@ class BlockShape:
     layer_counts: list[int]
     shared_positions: bool  # one set of positions serves every layer
     representative: torch.Tensor | None
+    embeddings: torch.Tensor | None = None  # Span.embeddings
 
 
 def raw_bytes(t: torch.Tensor) -> memoryview:

@@ -26,6 +26,7 @@ def block_shape(block: Span) -> BlockShape:
         block.layer_counts,
         shares_positions(block),
         block.representative,
+        block.embeddings,
     )
 
 
