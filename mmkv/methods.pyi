@@ -447,7 +447,7 @@ class DSCache(MethodConfig):
 
 
 class SAVEMem(MethodConfig):
-    """SAVEMem: FluxMem's tiers kept by pseudo-questions' importance, and a recency gate."""
+    """SAVEMem: FluxMem's tiers kept by pseudo-questions' importance; a recency gate and the question's late interaction choose at ask."""
     chunk_frames: int
     short_term_frames: int
     mid_term_frames: int
@@ -459,6 +459,7 @@ class SAVEMem(MethodConfig):
     semantic_long_term: int
     max_memory_tokens: int
     gate_drop_ratio: float | None
+    retrieval_top_k: int
     def __init__(
         self,
         *,
@@ -477,4 +478,5 @@ class SAVEMem(MethodConfig):
         semantic_long_term: int = ...,
         max_memory_tokens: int = ...,
         gate_drop_ratio: float | None = ...,
+        retrieval_top_k: int = ...,
     ) -> None: ...

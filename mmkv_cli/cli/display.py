@@ -141,6 +141,8 @@ def show_inspect(info: dict) -> None:
         ),
         ("created", info["created"]),
     ]
+    if info.get("embeddings_bytes"):  # v13: what a question's late interaction reads
+        rows.append(("embeddings", f"{human_bytes(info['embeddings_bytes'])} (tokens as taken in)"))
     if info.get("hot"):
         hot = info["hot"]
         held = f"in the warm server: {human_bytes(hot['bytes'])} held, {hot['questions']} questions"

@@ -239,7 +239,8 @@ class SaveMemMemory(TieredMemory):
 METHOD = Method(
     name="savemem",
     label="SAVEMem",
-    description="FluxMem's tiers kept by pseudo-questions' importance, and a recency gate",
+    description="FluxMem's tiers kept by pseudo-questions' importance; a recency gate and the "
+    "question's late interaction choose at ask",
     paper=Paper(
         "SAVEMem: Semantic-Aware Memory for Streaming Video Understanding",
         2026,

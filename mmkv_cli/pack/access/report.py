@@ -108,6 +108,8 @@ def inspect(pack: str | Path) -> dict:
         "kv_bytes_per_token_as_computed": as_computed,
         # held per head, a layer's tokens are its heads' mean, and each head's count is given
         "per_head": kv.per_head,
+        # v13: bytes of the kept tokens as taken in (SAVEMem's late interaction reads them)
+        "embeddings_bytes": reader.stored_bytes(["embeds"]),
         "layers": [
             {"index": i, "tokens_kept": _count(n)}
             | ({"heads": [int(c) for c in heads[i]]} if heads is not None else {})
