@@ -40,12 +40,13 @@ QUESTION = "what color is the circle ?"
 
 
 def plain_scores(tokens, question, frames):
-    """Each frame's (its tokens' rows of `tokens`) mean over its tokens of the best dot product
-    with any question token, in float64."""
+    """Each frame's (its tokens' rows of `tokens`) mean over its visual tokens (a marker's row is
+    zero) of the best dot product with any question token, in float64; 0 with none."""
     out = []
     for rows in frames:
-        best = [max(float(tokens[t].double() @ q.double()) for q in question) for t in rows]
-        out.append(sum(best) / len(best))
+        seen = [t for t in rows if tokens[t].abs().sum() > 0]
+        best = [max(float(tokens[t].double() @ q.double()) for q in question) for t in seen]
+        out.append(sum(best) / len(best) if best else 0.0)
     return out
 
 
@@ -74,11 +75,13 @@ def test_the_late_interaction_is_the_definition(seed):
         unit(torch.randn(23, 16, generator=gen)),
         unit(torch.randn(5, 16, generator=gen)),
     )
+    tokens[[0, 4, 11, 12]] = 0.0  # markers (Qwen3-VL's): the second frame has no visual token
     sizes = [4, 1, 7, 5, 6]
     frame_of = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
     frames = [frame_of.eq(f).nonzero()[:, 0].tolist() for f in range(len(sizes))]
-    ours = late_interaction(tokens, question, frame_of, len(sizes))
-    assert ours.tolist() == pytest.approx(plain_scores(tokens, question, frames), abs=1e-6)
+    scores, visual = late_interaction(tokens, question, frame_of, len(sizes))
+    assert scores.tolist() == pytest.approx(plain_scores(tokens, question, frames), abs=1e-6)
+    assert visual.tolist() == [3, 0, 6, 4, 6]
 
 
 @pytest.mark.parametrize(
@@ -119,18 +122,20 @@ def test_each_block_keeps_its_tokens_as_taken_in(backbones):
         assert torch.allclose(block.embeddings.double(), want, atol=1e-3), block.name
 
 
-def encode_to(path: Path, choice, frames: int = 16) -> Path:
+def encode_to(path: Path, choice, frames: int = 16, model: str = MODEL) -> Path:
     from mmkv_cli.core.options import EncodeOptions, LoadOptions, MethodSpec
 
     named = ("short_term_frames", "mid_term_frames", "retrieval_top_k")
     spec = MethodSpec("savemem", {name: getattr(choice.params, name) for name in named})
     options = EncodeOptions(spec, fps=4.0, max_frames=frames)
-    api.encode(str(SAMPLES / "clip.mp4"), path, options, load=LoadOptions(MODEL, "cpu"))
+    api.encode(str(SAMPLES / "clip.mp4"), path, options, load=LoadOptions(model, "cpu"))
     return path
 
 
-def expected_context(backbone, reader: PackReader, question: str, short: int, top_k: int):
-    """The blocks a question keeps, worked out plainly from the pack's embeddings."""
+def expected_context(backbone, reader: PackReader, question: str, frames: int, top_k: int):
+    """The blocks a question keeps, worked out plainly from the pack's embeddings: the newest
+    `frames` frames' steps kept whole, the other blocks with a visual token scored."""
+    short = max(1, frames // reader.header.layout.frames_per_step)
     prompt = reader.header.prompt
     ids = (backbone.text_ids(prompt.prefix) + backbone.text_ids(prompt.suffix_text)
            + backbone.question_ids(question, prompt.question))  # fmt: skip
@@ -141,7 +146,8 @@ def expected_context(backbone, reader: PackReader, question: str, short: int, to
     counts = reader.blocks.layer_totals()[:, 0].tolist()
     starts = np.cumsum([0, *counts])
     steps = reader.blocks.start_steps().tolist()
-    candidates = [b for b in range(len(counts)) if steps[b] <= max(steps) - short]
+    candidates = [b for b in range(len(counts)) if steps[b] <= max(steps) - short
+                  and stored[starts[b] : starts[b + 1]].abs().sum() > 0]  # fmt: skip
     scores = plain_scores(stored, asked, [range(starts[b], starts[b + 1]) for b in candidates])
     keep = plain_kept(scores, top_k)
     ranked = sorted(range(len(candidates)), key=lambda c: -scores[c])  # stable: earlier first
@@ -149,16 +155,22 @@ def expected_context(backbone, reader: PackReader, question: str, short: int, to
     return [block_name(b) for b in range(len(counts)) if b not in dropped]
 
 
-def test_a_question_drops_the_frames_it_matches_least(tmp_path, backbones):
-    backbone = backbones[MODEL]
-    pack = encode_to(tmp_path / "savemem.kvpack", retrieving())
+@pytest.mark.parametrize("model", [MODEL, "tiny-qwen3-vl"])  # two frames a step, markers
+def test_a_question_drops_the_frames_it_matches_least(tmp_path, backbones, model):
+    backbone = backbones[model]
+    pack = encode_to(tmp_path / "savemem.kvpack", retrieving(), 24, model)
     reader = PackReader(pack)
     assert reader.format_version == 13 and reader.embeddings() is not None
-    want = expected_context(backbone, reader, QUESTION, short=2, top_k=1)
+    want = expected_context(backbone, reader, QUESTION, frames=2, top_k=1)
     answer = ask_pack(pack, QUESTION, backbone=backbone, explain=True)
     assert answer.blocks_used == want and len(want) < len(reader.blocks)
-    scored = [entry["score"] for entry in answer.retrieved]
-    assert scored[-2:] == [None, None] and None not in scored[:-2]  # the short term: unscored
+    short = max(1, 2 // reader.header.layout.frames_per_step)
+    steps, counts = reader.blocks.start_steps(), reader.blocks.layer_totals()[:, 0]
+    starts, stored = np.cumsum([0, *counts]), reader.embeddings()
+    for entry in answer.retrieved:  # the short term, and a block of markers alone: unscored
+        row = reader.blocks.index_of(entry["block"])
+        visual = stored[starts[row] : starts[row + 1]].abs().sum() > 0
+        assert (entry["score"] is None) == (steps[row] > steps.max() - short or not visual)
 
 
 def test_without_retrieval_the_pack_keeps_no_embeddings_and_asks_the_whole_memory(

@@ -224,6 +224,17 @@ class SaveMemMemory(TieredMemory):
     def gone_elsewhere(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None if self.alive is None else (self.alive, self.long_index)
 
+    def settled_elsewhere(self, dead: torch.Tensor) -> None:
+        """A long-term frame with nothing alive leaves its rows: the long term stays as large as
+        what it holds (an hour at two frames a step would add 1,800 rows, re-ranked at each cap
+        check and read back each chunk). The cap's ranking is over alive tokens alone: the same."""
+        rows = (~dead).any(dim=1)
+        if bool(rows.all()):
+            return
+        self.long_index = self.long_index[rows]
+        at = rows.nonzero()[:, 0].to(self.alive.device, non_blocking=True)
+        self.alive, self.scores = self.alive[at], self.scores[at]
+
     def finish(self, state: StreamState) -> None:
         gate = self.params.gate_drop_ratio
         if gate is None or gate > 1.0:

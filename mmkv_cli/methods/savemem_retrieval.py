@@ -28,12 +28,15 @@ FLOOR = 0.9  # the share of the frames that always stays
 def late_interaction(
     tokens: torch.Tensor, question: torch.Tensor, frame_of: torch.Tensor, frames: int
 ) -> torch.Tensor:
-    """[frames]: each frame's mean over its tokens of the best cosine with any question token.
-    tokens [N, H] and question [Q, H] unit rows; frame_of [N]: the frame each token is in."""
-    best = (tokens.float() @ question.float().T).amax(dim=1)
+    """[2, frames]: each frame's mean over its visual tokens of the best cosine with any question
+    token, and how many visual tokens it has. tokens [N, H] unit rows, a zero row where a token is
+    not visual (a marker); question [Q, H] unit rows; frame_of [N]: the frame each token is in."""
+    tokens = tokens.float()
+    visual = (tokens != 0).any(dim=1).float()
+    best = (tokens @ question.float().T).amax(dim=1) * visual
     sums = torch.zeros(frames, device=best.device).index_add_(0, frame_of, best)
-    counts = torch.bincount(frame_of, minlength=frames).clamp_min(1)
-    return sums / counts
+    counts = torch.zeros(frames, device=best.device).index_add_(0, frame_of, visual)
+    return torch.stack([sums / counts.clamp_min(1), counts])
 
 
 def frames_kept(scores: torch.Tensor, top_k: int) -> int:
@@ -86,9 +89,12 @@ class LateInteractionContext:
         frame_of = torch.repeat_interleave(torch.arange(len(candidates)),
                                            torch.as_tensor(counts[candidates]))  # fmt: skip
         device = stored.device
-        scores = late_interaction(
+        scores, visual = late_interaction(
             stored[rows.to(device)], taken_in.question(), frame_of.to(device), len(candidates)
         ).cpu()  # the one wait: which frames stay is the host's to say
+        candidates, scores = candidates[visual.numpy() > 0], scores[visual > 0]  # as the code
+        if len(candidates) <= self.top_k:
+            return Selection([blocks.name(i) for i in eligible.tolist()], [], ends_at)
         order = torch.argsort(-scores, stable=True)  # best first, the earlier of equals first
         keep = frames_kept(scores, self.top_k)
         dropped = set(candidates[order[keep:].numpy()].tolist())

@@ -216,6 +216,9 @@ class TieredMemory(KeepAll):
         the chunk's frames (SAVEMem's cap over the long term), read back with them; None: none."""
         return None
 
+    def settled_elsewhere(self, dead: torch.Tensor) -> None:
+        """What gone_elsewhere's mask says is gone, as read back with the chunk (on the host)."""
+
     def after_chunk(self, state: StreamState) -> None:
         grid, index = state.chunk_grid, state.chunk_index
         if grid is None or state.grid is None:
@@ -270,7 +273,9 @@ class TieredMemory(KeepAll):
                 state.cache.replace(layer, *(fold(held) for held in state.cache.visual(layer)))
         gone = [frame.index[~keep] for frame, keep in zip(decided, keeps)]
         if elsewhere is not None:
-            gone.append(elsewhere[1][back[len(decided) + 3 * len(merged) :].bool()])
+            dead = back[len(decided) + 3 * len(merged) :].bool()
+            gone.append(elsewhere[1][dead])
+            self.settled_elsewhere(dead)
         gone = torch.cat(gone)
         if len(gone):
             local = (~torch.isin(cached, gone)).nonzero()[:, 0]
@@ -308,10 +313,13 @@ class TieredMemory(KeepAll):
         x = torch.cat([*x, *(frame.unit().half() for frame in frames)])
         order = torch.argsort(held)
         rows = order[torch.searchsorted(held[order], index).clamp_max(len(held) - 1)]
-        if not torch.equal(held[rows], index):
+        # a token that is no frame's grid token (Qwen3-VL's markers): a zero row
+        visual = torch.isin(index, held)
+        if not torch.equal(held[rows][visual], index[visual]):
             raise MediaError("internal: a kept token's embedding was not kept")
         copies = HostCopies(x.device)
-        taken = copies.host(x[rows.to(x.device, non_blocking=True)])
+        taken = x[rows.to(x.device, non_blocking=True)]
+        taken = copies.host(taken * visual.to(x.device, non_blocking=True)[:, None])
         copies.settle()
         counts = [block.layer_counts[0] for block in blocks]
         return [replace(b, embeddings=e) for b, e in zip(blocks, torch.split(taken, counts))]
