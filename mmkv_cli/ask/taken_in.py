@@ -1,5 +1,5 @@
 """A pack's tokens and the question's as the language model takes them in (methods/base.py
-TakenIn), each made on first use, where the model is."""
+TakenIn), each made on first use: the question's where the model is."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ class PackTakenIn:
         self.frames_per_step = reader.header.layout.frames_per_step or 1  # checked on open
 
     def blocks(self) -> torch.Tensor | None:
-        stored = self.reader.embeddings()
-        return None if stored is None else stored.to(self.backbone.device, non_blocking=True)
+        return self.reader.embeddings()  # checked and held by the reader: read once a pack
 
     def question(self) -> torch.Tensor:
         """The prompt's text tokens as the authors' code takes them: every token but the visual

@@ -248,8 +248,8 @@ class TakenIn(Protocol):
     frames_per_step: int  # frames one temporal step of the pack holds
 
     def blocks(self) -> torch.Tensor | None:
-        """[tokens, dim] unit rows, one a token each block's first layer holds, in table order,
-        where the model is (None: the pack keeps none)."""
+        """[tokens, dim] unit rows, one a token each block's first layer holds, in table order
+        (a zero row: not a visual token), as stored on the host (None: the pack keeps none)."""
 
     def question(self) -> torch.Tensor:
         """[q, dim] unit rows of the prompt's text tokens: the prefix's, the suffix's and the

@@ -75,32 +75,37 @@ class LateInteractionContext:
         taken_in: TakenIn | None = None,
     ) -> Selection:
         eligible = eligible_at(blocks, at)
-        ends_at = last_shown(blocks, eligible, at)
-        stored = taken_in.blocks() if taken_in is not None and self.top_k > 0 else None
+        whole = Selection(
+            [blocks.name(i) for i in eligible.tolist()], [], last_shown(blocks, eligible, at)
+        )
+        if taken_in is None or self.top_k <= 0 or not len(eligible):
+            return whole
         steps = blocks.start_steps()[eligible]
-        per_step = taken_in.frames_per_step if taken_in is not None else 1
-        short = max(1, self.short_term_frames // max(1, per_step))  # steps, as the memory's
-        candidates = eligible[steps <= (steps.max() - short)] if len(eligible) else eligible
-        if stored is None or len(candidates) <= self.top_k:
-            return Selection([blocks.name(i) for i in eligible.tolist()], [], ends_at)
+        short = max(1, self.short_term_frames // taken_in.frames_per_step)  # steps, as the memory
+        candidates = eligible[steps <= (steps.max() - short)]
+        stored = taken_in.blocks() if len(candidates) > self.top_k else None
+        if stored is None:
+            return whole
         counts = blocks.layer_totals()[:, 0].astype(np.int64)
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         rows = torch.as_tensor(run_rows(starts[candidates], counts[candidates]))
         frame_of = torch.repeat_interleave(torch.arange(len(candidates)),
                                            torch.as_tensor(counts[candidates]))  # fmt: skip
-        device = stored.device
+        question = taken_in.question()
+        on = question.device  # only the candidates' rows go there
         scores, visual = late_interaction(
-            stored[rows.to(device)], taken_in.question(), frame_of.to(device), len(candidates)
+            stored[rows].to(on, non_blocking=True), question, frame_of.to(on), len(candidates)
         ).cpu()  # the one wait: which frames stay is the host's to say
         candidates, scores = candidates[visual.numpy() > 0], scores[visual > 0]  # as the code
         if len(candidates) <= self.top_k:
-            return Selection([blocks.name(i) for i in eligible.tolist()], [], ends_at)
+            return whole
         order = torch.argsort(-scores, stable=True)  # best first, the earlier of equals first
         keep = frames_kept(scores, self.top_k)
         dropped = set(candidates[order[keep:].numpy()].tolist())
         kept = [i for i in eligible.tolist() if i not in dropped]
         scored = dict(zip(candidates.tolist(), scores.tolist()))
-        return Selection([blocks.name(i) for i in kept], _explain(blocks, kept, scored), ends_at)
+        explain = _explain(blocks, kept, scored)
+        return Selection([blocks.name(i) for i in kept], explain, whole.ends_at)
 
 
 def _explain(blocks: BlockTable, kept: list[int], scored: dict[int, float]) -> list[dict]:
