@@ -15,7 +15,7 @@ import numpy as np
 
 from mmkv_cli.core.lazy import torch
 from mmkv_cli.methods.base import QuestionVector, Selection, TakenIn
-from mmkv_cli.methods.context import last_shown
+from mmkv_cli.methods.context import WholeContext
 from mmkv_cli.pack import eligible_at, run_rows
 
 if TYPE_CHECKING:
@@ -74,10 +74,8 @@ class LateInteractionContext:
         at: float | None = None,
         taken_in: TakenIn | None = None,
     ) -> Selection:
+        whole = WholeContext().select(blocks, reps, question_vector, at)
         eligible = eligible_at(blocks, at)
-        whole = Selection(
-            [blocks.name(i) for i in eligible.tolist()], [], last_shown(blocks, eligible, at)
-        )
         if taken_in is None or self.top_k <= 0 or not len(eligible):
             return whole
         steps = blocks.start_steps()[eligible]
@@ -86,8 +84,8 @@ class LateInteractionContext:
         stored = taken_in.blocks() if len(candidates) > self.top_k else None
         if stored is None:
             return whole
-        counts = blocks.layer_totals()[:, 0].astype(np.int64)
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        starts = blocks.first_layer_starts()
+        counts = np.diff(starts)
         rows = torch.as_tensor(run_rows(starts[candidates], counts[candidates]))
         frame_of = torch.repeat_interleave(torch.arange(len(candidates)),
                                            torch.as_tensor(counts[candidates]))  # fmt: skip
@@ -111,14 +109,11 @@ class LateInteractionContext:
 def _explain(blocks: BlockTable, kept: list[int], scored: dict[int, float]) -> list[dict]:
     """Every block of the context in time order, a scored frame with its late-interaction score
     (the short term's: None, kept whole unscored)."""
-    times = blocks.times()
     out = []
     for row in kept:
-        time = times[row].tolist()
-        score = scored.get(row)
+        entry, score = blocks[row], scored.get(row)
         out.append(
-            {"block": blocks.name(row), "granularity": blocks[row]["granularity"],
-             "time": None if np.isnan(time[0]) else time,
+            {"block": entry["name"], "granularity": entry["granularity"], "time": entry["time"],
              "score": None if score is None else round(score, 4), "reranked": None}
         )  # fmt: skip
     return out

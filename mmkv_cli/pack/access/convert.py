@@ -29,9 +29,7 @@ class _Blocks(Sequence):
         self.reader, self.rows, self.dtype = reader, rows, dtype
         self.reps = reader.representatives()
         self.embeds = reader.embeddings()
-        if self.embeds is not None:  # each block's rows: one a token of its first layer
-            counts = reader.blocks.layer_totals()[:, 0].astype(np.int64)
-            self.embed_starts = np.concatenate([[0], np.cumsum(counts)])
+        self.embed_starts = reader.blocks.first_layer_starts()  # a row a first-layer token
 
     def embeddings(self, row: int):
         if self.embeds is None:

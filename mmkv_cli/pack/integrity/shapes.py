@@ -220,7 +220,7 @@ def _check_embeds(header: dict, entries: dict, table, where: str) -> None:
     if not embeds:
         return
     _need(not (header.get("kv") or {}).get("per_head"), where, "embeddings")
-    tokens = int(table.layer_totals()[:, 0].sum()) if len(table) else 0
+    tokens = int(table.first_layer_starts()[-1])
     expect(entries, EMBEDS, "F16", [tokens, embeds["dim"]], where)
     digest = header["integrity"][EMBEDS]
     start, stop = entries[EMBEDS]["data_offsets"]

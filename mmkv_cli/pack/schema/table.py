@@ -112,6 +112,12 @@ class BlockTable(Sequence):
         """[N, layers] tokens each block keeps per layer."""
         return self._rows[:, self.columns :]
 
+    def first_layer_starts(self) -> np.ndarray:
+        """[N + 1] int64: where each block's rows of a tensor with one row a token of its first
+        layer begin (v13's embeddings), and the total last."""
+        counts = self._rows[:, self.columns].astype(np.int64) if len(self) else np.zeros(0, int)
+        return np.concatenate([[0], np.cumsum(counts)])
+
     def layer_runs(self, group: int) -> tuple[np.ndarray, np.ndarray]:
         """Spanning key groups (v9): ([N, layers] tokens of layer l in the blocks before each,
         [layers] each layer's first group row). Computed once per table."""
